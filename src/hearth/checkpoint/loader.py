@@ -1,0 +1,62 @@
+"""Open a model path (GGUF file or HF-format directory) as a `Checkpoint`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hearth.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from hearth.tokenizer import Tokenizer
+
+
+class Checkpoint(Protocol):
+    """A readable model: an HF-style config dict, canonical tensors and a tokenizer."""
+
+    path: Path
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def config(self) -> dict[str, Any]: ...
+
+    def tensor_names(self) -> list[str]: ...
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def tokenizer(self) -> Tokenizer: ...
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint at `path`; raises CheckpointError with one readable line otherwise."""
+    from hearth.checkpoint.gguf import GGUFCheckpoint
+    from hearth.checkpoint.safetensors import SafetensorsCheckpoint
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"no model at {path}: the path does not exist")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").exists():
+            return SafetensorsCheckpoint(path)
+        if len(ggufs) == 1:
+            return GGUFCheckpoint(ggufs[0])
+        raise CheckpointError(
+            f"{path} is not a model directory: it has no config.json"
+            + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else "")
+        )
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise CheckpointError(f"cannot read {path}: {error.strerror}") from None
+    if magic == b"GGUF":
+        return GGUFCheckpoint(path)
+    raise CheckpointError(
+        f"{path} is neither a GGUF file nor an HF-format directory (first bytes {magic!r})"
+    )
