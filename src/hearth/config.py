@@ -54,7 +54,10 @@ def _rope_from_hf(config: dict[str, Any]) -> dict[str, RopeConfig]:
     params = config.get("rope_parameters")
     if isinstance(params, dict) and FULL_ATTENTION in params:
         return {kind: _rope_entry(params[kind]) for kind in (FULL_ATTENTION, SLIDING_ATTENTION)}
-    full = {"rope_theta": config.get("rope_theta", 1_000_000.0), **(config.get("rope_scaling") or {})}
+    full = {
+        "rope_theta": config.get("rope_theta", 1_000_000.0),
+        **(config.get("rope_scaling") or {}),
+    }
     sliding = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)}
     return {FULL_ATTENTION: _rope_entry(full), SLIDING_ATTENTION: _rope_entry(sliding)}
 
@@ -71,12 +74,16 @@ def _rope_entry(entry: dict[str, Any]) -> RopeConfig:
 def _layer_types(config: dict[str, Any], layers: int) -> tuple[str, ...]:
     types = config.get("layer_types")
     if types is None:
-        pattern = int(config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6)))
+        pattern = int(
+            config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        )
         types = [
             FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers)
         ]
     if len(types) != layers or any(t not in (FULL_ATTENTION, SLIDING_ATTENTION) for t in types):
-        raise CheckpointError(f"layer_types must list {layers} of {FULL_ATTENTION}/{SLIDING_ATTENTION}")
+        raise CheckpointError(
+            f"layer_types must list {layers} of {FULL_ATTENTION}/{SLIDING_ATTENTION}"
+        )
     return tuple(types)
 
 

@@ -27,6 +27,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from hearth.errors import HearthError
+
 __all__ = ["StreamingDetokenizer", "Tokenizer", "TokenizerError"]
 
 SPIECE_SPACE = "\u2581"  # how SentencePiece vocabularies spell a space
@@ -35,11 +37,12 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token, one raw byte
 
 # GGUF token types (llama.cpp's llama_token_type).
+UNDEFINED = 0
 CONTROL = 3
 USER_DEFINED = 4
 
 
-class TokenizerError(ValueError):
+class TokenizerError(HearthError, ValueError):
     """The tokenizer files are missing, malformed, or of a kind Hearth cannot rebuild."""
 
 
@@ -148,12 +151,11 @@ def _derive_merges(vocab: Mapping[str, int], ranks: Mapping[str, float]) -> list
 
 
 def _merges_for(
-    tokens: list[str], metadata: Mapping[str, Any], recipe: _GGUFRecipe
+    tokens: list[str], vocab: Mapping[str, int], metadata: Mapping[str, Any], recipe: _GGUFRecipe
 ) -> list[tuple[str, str]]:
     stored = metadata.get("tokenizer.ggml.merges")
     if stored is not None:
         return [_split_merge(merge) for merge in stored]
-    vocab = {token: index for index, token in enumerate(tokens)}
     if recipe.rank_merges_by_position:
         ranks: dict[str, float] = {token: -index for index, token in enumerate(tokens)}
     else:
@@ -202,7 +204,7 @@ def _build_from_gguf(metadata: Mapping[str, Any], recipe: _GGUFRecipe) -> tokeni
     backend = tokenizers.Tokenizer(
         BPE(
             vocab=vocab,
-            merges=_merges_for(tokens, metadata, recipe),
+            merges=_merges_for(tokens, vocab, metadata, recipe),
             unk_token=unk,
             fuse_unk=True,
             byte_fallback=True,
@@ -228,7 +230,7 @@ def _add_gguf_added_tokens(
     """Control tokens become special tokens and user-defined ones plain added tokens, so both are
     matched whole in text instead of being cut into pieces (as llama.cpp and transformers do)."""
     known = set(tokens)
-    types = metadata.get("tokenizer.ggml.token_type") or ()
+    types = metadata.get("tokenizer.ggml.token_type") or [UNDEFINED] * len(tokens)
     special = {tokens[index] for index in _special_token_ids(metadata).values()}
     special.update(token for token, kind in zip(tokens, types, strict=True) if kind == CONTROL)
     # The file's spelling is looked up: a user-defined run of spaces was respelled and is skipped.
@@ -273,11 +275,18 @@ def _load_cached(path: Path) -> tokenizers.Tokenizer | None:
 
 
 def _store_cached(path: Path, backend: tokenizers.Tokenizer) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a concurrent reader never sees half a file.
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        f.write(backend.to_str())
-    os.replace(f.name, path)
+    """Best effort: a cache that cannot be written only costs the next load its speed."""
+    partial: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so a concurrent reader never sees half a file.
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            partial = Path(f.name)
+            f.write(backend.to_str())
+        os.replace(partial, path)
+    except OSError:
+        if partial is not None:
+            partial.unlink(missing_ok=True)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -335,8 +344,8 @@ def _tojson(
     )
 
 
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
+def _strftime_now(pattern: str) -> str:
+    return datetime.now().strftime(pattern)
 
 
 @cache
@@ -403,7 +412,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_directory(cls, path: Path) -> Tokenizer:
+    def from_directory(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load a Hugging Face tokenizer directory (tokenizer.json and its config files)."""
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
@@ -464,6 +473,11 @@ class Tokenizer:
         return self._add_bos
 
     @property
+    def has_own_chat_template(self) -> bool:
+        """Whether the checkpoint ships a chat template (else the built-in one may stand in)."""
+        return self._chat_template is not None
+
+    @property
     def chat_template(self) -> str | None:
         """The template `apply_chat_template` renders: the checkpoint's, else the built-in Gemma 3
         one when the vocabulary speaks Gemma's turn format, else None."""
@@ -507,9 +521,12 @@ class Tokenizer:
             "eos_token": self._token_text_or_empty(self._eos_id),
             **template_kwargs,
         }
-        return _compile_template(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **context
-        )
+        try:
+            return _compile_template(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        except jinja2.TemplateError as error:
+            raise TokenizerError(f"Chat template: {error}") from error
 
     def encode_chat(
         self,

@@ -116,7 +116,10 @@ class GGUFCheckpoint:
             ],
             "rope_parameters": {
                 "full_attention": full_rope,
-                "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
+                "sliding_attention": {
+                    "rope_type": "default",
+                    "rope_theta": _GEMMA3_LOCAL_ROPE_BASE,
+                },
             },
             "query_pre_attn_scalar": pre_attn_scalar,
             "final_logit_softcapping": meta.get(f"{prefix}.final_logit_softcapping"),

@@ -19,9 +19,18 @@ if TYPE_CHECKING:
 # Prefixes of the text decoder in the layouts we read, longest first.
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 # Towers and buffers a text-only runtime skips.
-_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "audio_tower.", "embed_vision.",
-                     "embed_audio.", "model.vision_tower.", "model.multi_modal_projector.",
-                     "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_SKIPPED_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "audio_tower.",
+    "embed_vision.",
+    "embed_audio.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+)
 
 
 def canonical_name(name: str) -> str | None:
@@ -62,9 +71,11 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.path / 'config.json'} is not a JSON object")
         # Multimodal checkpoints nest the decoder's config.
         text = config.get("text_config")
-        return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)} if isinstance(
-            text, dict
-        ) else config
+        return (
+            {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+            if isinstance(text, dict)
+            else config
+        )
 
     @cached_property
     def _files(self) -> dict[str, Path]:
@@ -107,7 +118,9 @@ class SafetensorsCheckpoint:
                     try:
                         yield canonical, handle.get_tensor(name)
                     except SafetensorError as error:
-                        raise CheckpointError(f"{file}: tensor {name} is corrupt: {error}") from None
+                        raise CheckpointError(
+                            f"{file}: tensor {name} is corrupt: {error}"
+                        ) from None
 
     @cached_property
     def generation_config(self) -> dict[str, Any]:

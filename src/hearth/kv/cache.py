@@ -71,7 +71,7 @@ class DenseCache:
     def nbytes(self) -> int:
         if self._keys is None or self._values is None:
             return 0
-        per_token = (self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes)
+        per_token = self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes
         return per_token * self.offset
 
 
@@ -126,7 +126,7 @@ class RotatingCache:
         self._positions[slots] = positions
 
     def trim(self, tokens: int) -> None:
-        """Drop the newest `tokens`; refused when the window would need slots already overwritten."""
+        """Drop the newest `tokens`; refused when the window needs slots already overwritten."""
         new_offset = self.offset - min(tokens, self.offset)
         oldest_needed = max(0, new_offset - self.window + 1)
         oldest_kept = max(0, self.offset - self.capacity)

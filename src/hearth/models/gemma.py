@@ -72,7 +72,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.window = config.sliding_window if layer_type == SLIDING_ATTENTION else None
-        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        hidden, q_dim, kv_dim = (
+            config.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
         self.q_proj = nn.Linear(hidden, q_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
@@ -100,7 +104,12 @@ class Attention(nn.Module):
             k, v, key_positions = cache.update_and_fetch(k, v)
         mask = self._mask(positions, key_positions, k.shape[2])
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 

@@ -12,7 +12,10 @@ from hearth.models.gemma import Gemma3Model
 
 
 def build_model(
-    checkpoint: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu", progress: bool = True
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
 ) -> Gemma3Model:
     """The model of `checkpoint` in `dtype` on `device`; every parameter must come from the file."""
     config = parse_config(checkpoint.config)
@@ -21,8 +24,14 @@ def build_model(
     expected = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     names = checkpoint.tensor_names()
-    tensors = tqdm(checkpoint.tensors(), total=len(names), desc="Loading", unit="tensor",
-                   disable=not progress, leave=False)
+    tensors = tqdm(
+        checkpoint.tensors(),
+        total=len(names),
+        desc="Loading",
+        unit="tensor",
+        disable=not progress,
+        leave=False,
+    )
     for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue

@@ -1,0 +1,27 @@
+"""Hearth: a local LLM runtime on PyTorch.
+
+import hearth
+engine = hearth.load()                      # the embedded Gemma 3 270M
+print(engine.generate("The capital of France is", max_tokens=20))
+for chunk in engine.stream("Once upon a time"):
+    print(chunk.text, end="", flush=True)
+"""
+
+from hearth.engine import Engine
+from hearth.errors import CheckpointError, HearthError
+from hearth.generate import GenerationChunk, GenerationStats, stream_generate
+from hearth.sampling import SamplingParams
+
+load = Engine.load
+
+__all__ = [
+    "CheckpointError",
+    "Engine",
+    "GenerationChunk",
+    "GenerationStats",
+    "HearthError",
+    "SamplingParams",
+    "load",
+    "stream_generate",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,195 @@
+"""The `hearth` command: generate and chat (more subcommands arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from hearth.errors import HearthError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error on one line and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"hearth: error: {message}\n")
+
+
+def _bounded(kind: type, name: str, check: Callable[[Any], bool]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _bounded(int, "a positive integer", lambda v: v > 0)
+non_negative_int = _bounded(int, "an integer >= 0", lambda v: v >= 0)
+non_negative_float = _bounded(float, "a number >= 0", lambda v: v >= 0 and v != float("inf"))
+probability = _bounded(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+unit_interval = _bounded(float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+positive_float = _bounded(float, "a number > 0", lambda v: 0 < v < float("inf"))
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    parser.add_argument(
+        "--device", help="torch device, e.g. cpu or cuda (default: cuda if present)"
+    )
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=positive_int, default=256, help="default 256")
+    parser.add_argument(
+        "--temp",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default)",
+    )
+    parser.add_argument("--top-p", type=probability, default=1.0)
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 disables")
+    parser.add_argument("--min-p", type=unit_interval, default=0.0)
+    parser.add_argument("--repetition-penalty", type=positive_float, default=1.0)
+    parser.add_argument("--seed", type=non_negative_int, help="random seed for sampling")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop when this text appears (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hearth", description="Run open-weight LLMs locally.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    generate = commands.add_parser("generate", help="complete a prompt, streaming the text")
+    generate.add_argument(
+        "args",
+        nargs="+",
+        metavar="[MODEL] PROMPT",
+        help="a GGUF file or HF directory (default: the embedded Gemma 3 270M), "
+        "then the prompt ('-' reads standard input)",
+    )
+    mode = generate.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="wrap the prompt in the chat template",
+    )
+    mode.add_argument(
+        "--raw",
+        dest="chat",
+        action="store_false",
+        help="send the prompt as is (default unless the model ships a template)",
+    )
+    _add_model_options(generate)
+    _add_sampling_options(generate)
+
+    chat = commands.add_parser("chat", help="talk with a model in the terminal")
+    chat.add_argument("model", nargs="?", help="a GGUF file or HF directory")
+    chat.add_argument("--system", help="a system prompt")
+    _add_model_options(chat)
+    _add_sampling_options(chat)
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from hearth.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+
+
+def _load(model: str | None, args: argparse.Namespace) -> Any:
+    from hearth.engine import Engine
+
+    return Engine.load(model, dtype=args.dtype, device=args.device)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if len(args.args) > 2:
+        raise HearthError(f"expected [MODEL] PROMPT, got {len(args.args)} arguments")
+    model, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise HearthError("the prompt is empty")
+    engine = _load(model, args)
+    stats = None
+    for chunk in engine.stream(prompt, args.max_tokens, _sampling(args), args.stop, args.chat):
+        print(chunk.text, end="", flush=True)
+        stats = chunk.stats or stats
+    print()
+    if stats is not None:
+        print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    engine = _load(args.model, args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            del messages[1 if args.system else 0 :]
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for chunk in engine.stream(messages, args.max_tokens, _sampling(args), args.stop):
+            print(chunk.text, end="", flush=True)
+            reply += chunk.text
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+_COMMANDS = {"generate": run_generate, "chat": run_chat}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except (HearthError, ValueError) as error:
+        print(f"hearth: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The prefill/decode loop: sampling, stop ids and stop strings, streaming, statistics.
+
+It knows the model's call signature and the cache list, nothing about kernels or HTTP.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hearth.kv import LayerCache, make_caches
+from hearth.models.gemma import Gemma3Model
+from hearth.sampling import Sampler, SamplingParams
+from hearth.tokenizer import Tokenizer
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first token comes from the prefill; decode speed counts the steps after it.
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"prompt: {self.prompt_tokens} tokens, {self.prefill_tokens_per_second:.1f} tok/s | "
+            f"generation: {self.generated_tokens} tokens, "
+            f"{self.decode_tokens_per_second:.1f} tok/s | "
+            f"peak memory: {self.peak_memory_bytes / 2**30:.2f} GiB"
+        )
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One streamed piece: new text (possibly empty) and, at the end, why generation stopped."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    stats: GenerationStats | None = field(default=None, compare=False)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocator peak on CUDA, peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kilobytes if sys.platform == "darwin" else kilobytes * 1024
+
+
+class StopStrings:
+    """Cuts text at the first stop string, holding back a tail that may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.stopped = False
+        self._pending = ""
+
+    def feed(self, text: str) -> str:
+        """The text safe to emit; sets `stopped` once a stop string is reached."""
+        self._pending += text
+        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            emitted, self._pending, self.stopped = self._pending[: min(hits)], "", True
+            return emitted
+        cut = len(self._pending) - self._longest_partial_stop()
+        emitted, self._pending = self._pending[:cut], self._pending[cut:]
+        return emitted
+
+    def flush(self) -> str:
+        rest, self._pending = self._pending, ""
+        return rest
+
+    def _longest_partial_stop(self) -> int:
+        text = self._pending
+        for size in range(min(len(text), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            if any(stop.startswith(text[-size:]) for stop in self.stops):
+                return size
+        return 0
+
+
+def prefill(
+    model: Gemma3Model, prompt: torch.Tensor, caches: list[LayerCache], step: int = 512
+) -> torch.Tensor:
+    """Run the prompt through the model in chunks of `step`; the last position's logits [1, V]."""
+    last = (prompt.shape[1] - 1) // step * step
+    for start in range(0, last, step):
+        model(prompt[:, start : start + step], caches, start=start, last_only=True)
+    return model(prompt[:, last:], caches, start=last, last_only=True)[:, -1]
+
+
+@torch.inference_mode()
+def generate_tokens(
+    model: Gemma3Model,
+    prompt_ids: Sequence[int],
+    sampler: Sampler,
+    max_tokens: int,
+    stats: GenerationStats,
+    caches: list[LayerCache] | None = None,
+    prefill_step: int = 512,
+) -> Iterator[int]:
+    """Token ids, one per step, until `max_tokens`; the caller decides when to stop early."""
+    device = model.embed_tokens.weight.device
+    caches = make_caches(model.config) if caches is None else caches
+    history = list(prompt_ids)
+    prompt = torch.tensor([history], dtype=torch.long, device=device)
+    stats.prompt_tokens = len(history)
+    started = decode_started = time.perf_counter()
+    logits = prefill(model, prompt, caches, prefill_step)
+    for produced in range(max_tokens):
+        token = int(sampler.sample(logits, history))
+        now = time.perf_counter()
+        if produced == 0:
+            stats.prefill_seconds = now - started
+            decode_started = now
+        else:
+            stats.decode_seconds = now - decode_started
+        stats.generated_tokens = produced + 1
+        history.append(token)
+        yield token
+        if produced + 1 < max_tokens:
+            step = torch.tensor([[token]], dtype=torch.long, device=device)
+            logits = model(step, caches, start=len(history) - 1, last_only=True)[:, -1]
+
+
+def stream_generate(
+    model: Gemma3Model,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    sampling: SamplingParams | None = None,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    stop_ids: Sequence[int] | None = None,
+) -> Iterator[GenerationChunk]:
+    """Stream text as it is generated; the last chunk carries `finish_reason` and the stats."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    sampling = sampling or SamplingParams()
+    sampling.validate(model.config.vocab_size)
+    sampler = Sampler(sampling, device=model.embed_tokens.weight.device)
+    end_ids = frozenset(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    detokenizer = tokenizer.detokenizer()
+    stops = StopStrings(stop)
+    stats = GenerationStats()
+    finish = FINISH_LENGTH
+    for token in generate_tokens(model, prompt_ids, sampler, max_tokens, stats):
+        if token in end_ids:
+            finish = FINISH_STOP
+            break
+        text = stops.feed(detokenizer.add_token(token))
+        if text:
+            yield GenerationChunk(text, token)
+        if stops.stopped:
+            finish = FINISH_STOP
+            break
+    tail = ""
+    if not stops.stopped:
+        tail = stops.feed(detokenizer.flush())
+        tail += "" if stops.stopped else stops.flush()
+        finish = FINISH_STOP if stops.stopped else finish
+    stats.peak_memory_bytes = peak_memory_bytes(model.embed_tokens.weight.device)
+    yield GenerationChunk(tail, None, finish, stats)

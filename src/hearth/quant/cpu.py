@@ -1,0 +1,339 @@
+"""Weight-only int8 / int4 quantization for CPU decode, on PyTorch's private packed-matmul ops.
+
+Decode on CPU is memory-bandwidth bound, so shrinking the weights that every token reads is the
+whole win: int8 halves the bytes of a bf16 weight, int4 quarters them. The fast paths call
+``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``; where a torch build lacks
+them (or a shape does not fit them) the modules fall back to ``reference_forward``.
+
+Schemes (W is [out, in]; every dequantized value below is computed exactly as the kernels do):
+
+* int8, symmetric per output row: ``w ≈ q * s`` with ``q`` in [-127, 127] and ``s`` in bf16.
+  The int8 kernel accumulates ``x · q`` in fp32 and multiplies by ``s`` at the end.
+* int4, asymmetric per group of ``group_size`` inputs: ``w ≈ (q - 8) * s + z`` with ``q`` in
+  [0, 15] and bf16 ``s``, ``z`` stored as ``scales_and_zeros[in // group, out] = (s, z)``.
+  This is the dequantization of PyTorch's CPU int4 kernel (aten/src/ATen/native/cpu/
+  int4mm_kernel.cpp: a lookup table maps the nibble to ``q - 8`` in [-8, 7], then
+  ``fmadd(q - 8, scale, zero)`` in fp32).
+
+Both ``(q - 8) * s`` and ``q * s`` are exact in fp32 (at most 4 + 8 and 8 + 8 significant bits),
+so ``dequantize()`` reproduces the kernels' weights bit for bit, fma or not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+INT4_GROUP_SIZES = (32, 64, 128)
+INT8_MAX = 127
+INT4_LEVELS = 15  # codes 0..15
+INT4_OFFSET = 8  # the int4 kernel reads code q as q - 8
+# The int4 kernel tiles the output dimension by 16 (its packing checks it).
+INT4_KERNEL_OUT_MULTIPLE = 16
+# Floor for scales: keeps all-zero rows/groups finite and stays a normal bf16 number.
+SCALE_FLOOR = torch.finfo(torch.bfloat16).tiny
+
+
+def _has_aten_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+# Modules read these when built, so tests can patch them to exercise the fallback paths.
+HAS_INT8_KERNEL = _has_aten_op("_weight_int8pack_mm")
+HAS_INT4_KERNEL = _has_aten_op("_weight_int4pack_mm_for_cpu") and _has_aten_op(
+    "_convert_weight_to_int4pack_for_cpu"
+)
+
+
+def _round_up_to_bf16(values: Tensor) -> Tensor:
+    """Smallest bf16 >= each fp32 value, so a stored scale never shrinks the covered range."""
+    rounded = values.to(torch.bfloat16)
+    bumped = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    return torch.where(rounded.float() < values, bumped, rounded)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8, symmetric per output row
+
+
+def quantize_int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``(q int8 [out, in], scales bf16 [out])`` with ``|w - q * s| <= s / 2`` per element."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    # Rounding the scale up keeps |w| / s <= 127, so the clamp never adds error.
+    scales = _round_up_to_bf16((amax / INT8_MAX).clamp_min(SCALE_FLOOR))
+    q = torch.round(w / scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scales
+
+
+def dequantize_int8_rows(q: Tensor, scales: Tensor) -> Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# int4, asymmetric per group along the input dimension
+
+
+def _check_group_size(in_features: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not divisible by group_size {group_size}")
+
+
+def _int4_scales_and_zeros(groups: Tensor) -> tuple[Tensor, Tensor]:
+    """bf16 (scale, zero) per group of ``groups [out, n_groups, group]`` (fp32)."""
+    low = groups.amin(dim=2)
+    high = groups.amax(dim=2)
+    # Centre the 16 levels on [low, high]: code 0 at low, code 15 at high.
+    scale = ((high - low) / INT4_LEVELS).clamp_min(SCALE_FLOOR)
+    zero = (low + INT4_OFFSET * scale).to(torch.bfloat16)
+    # Rounding zero to bf16 shifts the grid; widen the step so it still reaches low and high.
+    needed = torch.maximum(
+        scale,
+        torch.maximum(
+            (zero.float() - low) / INT4_OFFSET, (high - zero.float()) / (INT4_LEVELS - INT4_OFFSET)
+        ),
+    )
+    return _round_up_to_bf16(needed), zero
+
+
+def quantize_int4_groups(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """``(codes uint8 [out, in] in 0..15, scales_and_zeros bf16 [in // group, out, 2])``.
+
+    Dequantizes as ``(q - 8) * s + z`` with ``|w - deq| <= s / 2`` up to fp32 rounding.
+    """
+    out_features, in_features = weight.shape
+    _check_group_size(in_features, group_size)
+    groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    scale, zero = _int4_scales_and_zeros(groups)
+    steps = (groups - zero.float()[..., None]) / scale.float()[..., None]
+    codes = torch.round(steps + INT4_OFFSET).clamp_(0, INT4_LEVELS)
+    scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+    return codes.to(torch.uint8).reshape(out_features, in_features), scales_and_zeros
+
+
+def dequantize_int4_groups(codes: Tensor, scales_and_zeros: Tensor, group_size: int) -> Tensor:
+    out_features, in_features = codes.shape
+    groups = codes.float().reshape(out_features, in_features // group_size, group_size)
+    scale = scales_and_zeros[..., 0].transpose(0, 1).float()[..., None]
+    zero = scales_and_zeros[..., 1].transpose(0, 1).float()[..., None]
+    return ((groups - INT4_OFFSET) * scale + zero).reshape(out_features, in_features)
+
+
+def _pack_nibbles(codes: Tensor) -> Tensor:
+    """Portable layout for builds without the int4 kernel: byte j = code 2j | code 2j+1 << 4."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack_nibbles(packed: Tensor) -> Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def _codes_from_kernel_layout(packed: Tensor, in_features: int, group_size: int) -> Tensor:
+    """Read the codes back through the kernel itself, since its tiling is ISA-specific.
+
+    With scale 1 and zero 0 every dequantized weight is the integer q - 8, which fp32
+    accumulation and the bf16 output hold exactly; an identity input then returns W^T.
+    """
+    out_features = packed.shape[0]
+    unit = torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16)
+    unit[..., 0] = 1.0
+    identity = torch.eye(in_features, dtype=torch.bfloat16)
+    weight_t = torch.ops.aten._weight_int4pack_mm_for_cpu(identity, packed, group_size, unit)
+    return (weight_t.t() + INT4_OFFSET).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+
+
+class _QuantizedLinear(nn.Module):
+    """Shared forward: flatten leading dims, bf16 kernel when usable, optional bias, restore."""
+
+    in_features: int
+    out_features: int
+    uses_kernel: bool
+    bias: Tensor | None
+
+    def _init_common(
+        self, in_features: int, out_features: int, bias: Tensor | None, uses_kernel: bool
+    ) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.uses_kernel = uses_kernel
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def dequantize(self) -> Tensor:
+        raise NotImplementedError
+
+    def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def reference_forward(self, x: Tensor) -> Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.uses_kernel:
+            return self.reference_forward(x)
+        x2d = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = self._kernel_matmul(x2d).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, uses_kernel={self.uses_kernel}"
+        )
+
+
+class Int8Linear(_QuantizedLinear):
+    """int8 weights [out, in] with one bf16 scale per output row."""
+
+    qweight: Tensor
+    scales: Tensor
+
+    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        out_features, in_features = qweight.shape
+        self._init_common(in_features, out_features, bias, HAS_INT8_KERNEL)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Int8Linear:
+        return cls(*quantize_int8_rows(weight), bias)
+
+    def dequantize(self) -> Tensor:
+        return dequantize_int8_rows(self.qweight, self.scales)
+
+    def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2d_bf16, self.qweight, self.scales)
+
+
+class Int4Linear(_QuantizedLinear):
+    """int4 weights, two per byte, with a bf16 (scale, zero) per group of inputs and output.
+
+    ``packed`` is [out, in // 2] uint8 in the kernel's (machine-specific) tiling when
+    ``uses_kernel``, else in the portable nibble layout of ``_pack_nibbles``.
+    """
+
+    packed: Tensor
+    scales_and_zeros: Tensor
+
+    def __init__(
+        self,
+        packed: Tensor,
+        scales_and_zeros: Tensor,
+        group_size: int,
+        uses_kernel: bool,
+        bias: Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        out_features = packed.shape[0]
+        in_features = packed.shape[1] * 2
+        _check_group_size(in_features, group_size)
+        self._init_common(in_features, out_features, bias, uses_kernel)
+        self.group_size = group_size
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
+
+    @classmethod
+    def from_float(
+        cls, weight: Tensor, group_size: int = 32, bias: Tensor | None = None
+    ) -> Int4Linear:
+        codes, scales_and_zeros = quantize_int4_groups(weight, group_size)
+        uses_kernel = HAS_INT4_KERNEL and codes.shape[0] % INT4_KERNEL_OUT_MULTIPLE == 0
+        if uses_kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        else:
+            packed = _pack_nibbles(codes)
+        return cls(packed, scales_and_zeros, group_size, uses_kernel, bias)
+
+    def codes(self) -> Tensor:
+        """The uint8 codes [out, in] in 0..15, whichever layout holds them."""
+        if self.uses_kernel:
+            return _codes_from_kernel_layout(self.packed, self.in_features, self.group_size)
+        return _unpack_nibbles(self.packed)
+
+    def dequantize(self) -> Tensor:
+        return dequantize_int4_groups(self.codes(), self.scales_and_zeros, self.group_size)
+
+    def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d_bf16, self.packed, self.group_size, self.scales_and_zeros
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class QuantizedEmbeddingHead(nn.Module):
+    """A tied embedding / output head held once, as int8 rows with one bf16 scale per token.
+
+    ``embed`` dequantizes only the gathered rows; ``head`` is the int8 matmul against all rows.
+    """
+
+    def __init__(self, table: Int8Linear) -> None:
+        super().__init__()
+        self.table = table
+
+    @classmethod
+    def from_float(cls, weight: Tensor) -> QuantizedEmbeddingHead:
+        return cls(Int8Linear.from_float(weight))
+
+    def embed(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        rows = self.table.qweight[ids].float() * self.table.scales[ids].float()[..., None]
+        return rows.to(dtype)
+
+    def head(self, x: Tensor) -> Tensor:
+        return self.table(x)
+
+    def dequantize(self) -> Tensor:
+        return self.table.dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-model conversion
+
+QUANT_MODES = ("int8", "int4")
+
+
+def _quantized_linear(linear: nn.Linear, mode: str, group_size: int) -> _QuantizedLinear:
+    if mode == "int8":
+        return Int8Linear.from_float(linear.weight, linear.bias)
+    return Int4Linear.from_float(linear.weight, group_size, linear.bias)
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> None:
+    """Replace every ``nn.Linear`` of ``model`` in place by its int8 / int4 weight-only twin.
+
+    Embeddings are left alone (a tied head is wired separately, see ``QuantizedEmbeddingHead``).
+    The float weights are dropped with the replaced modules unless referenced elsewhere.
+    """
+    if mode not in QUANT_MODES:
+        raise ValueError(f"mode must be one of {QUANT_MODES}, got {mode!r}")
+    if isinstance(model, nn.Linear):
+        raise TypeError("quantize_model swaps submodules; wrap a bare nn.Linear in a container")
+    # Collect first: replacing children while iterating named_modules would skip or revisit.
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    with torch.no_grad():
+        for parent, name, linear in targets:
+            setattr(parent, name, _quantized_linear(linear, mode, group_size))

@@ -1,0 +1,37 @@
+"""Shared fixtures: the embedded real model (Gemma 3 270M GGUF), loaded once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers (tiny.py) by name
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf() -> Path:
+    from hearth.embedded import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def hearth_270m(embedded_gguf: Path) -> Any:
+    import hearth
+
+    return hearth.load(embedded_gguf, dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_270m(embedded_gguf: Path) -> Any:
+    """HF transformers' own GGUF loader and model: the oracle (about 30 s, dequantized to fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(embedded_gguf.parent), gguf_file=embedded_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
