@@ -157,6 +157,19 @@ def test_dequantized_error_within_half_a_step(mode: str, group_size: int) -> Non
     assert_within(dequantized, weight, error_bound(layer, dequantized))
 
 
+def test_int4_step_widens_when_zero_rounds() -> None:
+    # Group in [1, 1.001]: s = 0.001 / 15 = 6.7e-5 and z = bf16(1 + 8·s) = 1.0 (bf16 spacing near
+    # 1 is 2^-7). Keeping that s, the top code would reach 1 + 7·s = 1.00047 and miss 1.001 by
+    # 8·s; widening s to (1.001 - z) / 7 keeps every element within half a step.
+    weight = (1.0 + torch.linspace(0.0, 1e-3, 32)).expand(16, 32)
+    layer = Int4Linear.from_float(weight, 32)
+    scale, zero = layer.scales_and_zeros[0, 0].float().tolist()
+    assert zero == 1.0
+    assert scale >= (1.001 - zero) / 7
+    dequantized = layer.dequantize()
+    assert_within(dequantized, weight, error_bound(layer, dequantized))
+
+
 def test_constant_and_zero_groups_are_exact() -> None:
     # An int4 group of range 0 gets the floored step, so every element lands on code 8, i.e. on
     # z = bf16(c), which is c for a bf16 value c; an all-zero int8 row gets codes 0.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hearth.checkpoint.gguf_file import GGUFFile, TensorInfo
 from hearth.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -55,15 +55,8 @@ class GGUFCheckpoint:
     format = "gguf"
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
-        try:
-            self._reader = gguf.GGUFReader(path)
-        except Exception as error:  # the reader raises many kinds on bad bytes
-            raise CheckpointError(
-                f"{path} is not a readable GGUF file (truncated or corrupt): {error}"
-            ) from None
+        self._file = GGUFFile(path)
         architecture = self.metadata.get("general.architecture")
         if architecture not in _SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -71,10 +64,10 @@ class GGUFCheckpoint:
                 f"(supported: {', '.join(_SUPPORTED_ARCHITECTURES)})"
             )
 
-    @cached_property
+    @property
     def metadata(self) -> dict[str, Any]:
         """Every metadata field as a plain Python value."""
-        return {name: field.contents() for name, field in self._reader.fields.items()}
+        return self._file.metadata
 
     @cached_property
     def config(self) -> dict[str, Any]:
@@ -101,7 +94,7 @@ class GGUFCheckpoint:
             full_rope = {**full_rope, "rope_type": "linear", "factor": float(scaling_factor)}
         return {
             "model_type": "gemma3_text",
-            "vocab_size": int(embedding.shape[-1]),
+            "vocab_size": int(embedding.shape[0]),
             "hidden_size": hidden,
             "intermediate_size": int(field("feed_forward_length")),
             "num_hidden_layers": layers,
@@ -130,11 +123,11 @@ class GGUFCheckpoint:
             "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         }
 
-    @cached_property
-    def _tensor_infos(self) -> dict[str, Any]:
-        return {tensor.name: tensor for tensor in self._reader.tensors}
+    @property
+    def _tensor_infos(self) -> dict[str, TensorInfo]:
+        return self._file.tensors
 
-    def _tensor_info(self, name: str) -> Any:
+    def _tensor_info(self, name: str) -> TensorInfo:
         try:
             return self._tensor_infos[name]
         except KeyError:
@@ -147,22 +140,18 @@ class GGUFCheckpoint:
         for name, info in self._tensor_infos.items():
             yield canonical_name(name), self._dequantize(info)
 
-    def _dequantize(self, info: Any) -> torch.Tensor:
+    def _dequantize(self, info: TensorInfo) -> torch.Tensor:
         import gguf
 
-        shape = tuple(int(n) for n in reversed(info.shape))
+        quant_type = gguf.GGMLQuantizationType(info.type_id)
         try:
-            values = gguf.quants.dequantize(info.data, info.tensor_type)
+            values = gguf.quants.dequantize(self._file.raw(info), quant_type)
         except NotImplementedError:
             raise UnsupportedModelError(
-                f"{self.path}: tensor {info.name} uses {info.tensor_type.name}, "
+                f"{self.path}: tensor {info.name} uses {quant_type.name}, "
                 "which Hearth cannot dequantize"
             ) from None
-        except (ValueError, IndexError) as error:
-            raise CheckpointError(f"{self.path}: tensor {info.name} is corrupt: {error}") from None
-        if values.size != math.prod(shape):
-            raise CheckpointError(f"{self.path}: tensor {info.name} has the wrong size")
-        tensor = torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
+        tensor = torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(info.shape)
         # llama.cpp stores Gemma norm weights as 1 + w; the canonical value is w.
         if info.name.endswith("norm.weight"):
             tensor = tensor - 1

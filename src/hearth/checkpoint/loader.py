@@ -34,10 +34,17 @@ class Checkpoint(Protocol):
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint at `path`; raises CheckpointError with one readable line otherwise."""
+    from hearth.config import parse_config
+
+    checkpoint = _open(Path(path).expanduser())
+    parse_config(checkpoint.config)  # refuse an unsupported model before reading tensors
+    return checkpoint
+
+
+def _open(path: Path) -> Checkpoint:
     from hearth.checkpoint.gguf import GGUFCheckpoint
     from hearth.checkpoint.safetensors import SafetensorsCheckpoint
 
-    path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"no model at {path}: the path does not exist")
     if path.is_dir():

@@ -62,7 +62,6 @@ class SafetensorsCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.config  # noqa: B018 -- fail now, not at first use
-        self._files  # noqa: B018
 
     @cached_property
     def config(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def build_model(
         total=len(names),
         desc="Loading",
         unit="tensor",
-        disable=not progress,
+        disable=None if progress else True,  # None: only on a terminal
         leave=False,
     )
     for name, tensor in tensors:

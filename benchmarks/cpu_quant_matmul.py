@@ -1,0 +1,69 @@
+"""Decode-shaped matmul x[1, in] @ Wᵀ on CPU: fp32, bf16, int8 and int4 (group 32) weights.
+
+Decode reads every weight once per token, so "GB/s effective" (weight bytes / time) shows how
+close each format gets to memory bandwidth. Run: python benchmarks/cpu_quant_matmul.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hearth.quant import Int4Linear, Int8Linear
+
+# (out, in): the tied Gemma 3 270M head, then MLP up/gate, MLP down, q_proj.
+SHAPES = [(262144, 640), (2048, 640), (640, 2048), (1024, 640)]
+WARMUP_CALLS = 3
+MIN_CALLS = 10
+MIN_SECONDS = 0.5
+
+
+def median_ms(call: Callable[[], torch.Tensor]) -> float:
+    for _ in range(WARMUP_CALLS):
+        call()
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < MIN_CALLS or time.perf_counter() - started < MIN_SECONDS:
+        begin = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times) * 1e3
+
+
+def formats(weight: torch.Tensor) -> list[tuple[str, int, Callable[[], torch.Tensor]]]:
+    """(name, weight bytes, one decode-step call) per format; built lazily to bound memory."""
+    in_features = weight.shape[1]
+    x32 = torch.randn(1, in_features)
+    x16 = x32.to(torch.bfloat16)
+    w16 = weight.to(torch.bfloat16)
+    int8 = Int8Linear.from_float(weight)
+    int4 = Int4Linear.from_float(weight, group_size=32)
+    return [
+        ("fp32", weight.nbytes, lambda: F.linear(x32, weight)),
+        ("bf16", w16.nbytes, lambda: F.linear(x16, w16)),
+        ("int8", int8.nbytes, lambda: int8(x16)),
+        ("int4 g32", int4.nbytes, lambda: int4(x16)),
+    ]
+
+
+def main() -> None:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| W [out, in] | format | ms/call | weight MB | GB/s effective |")
+    print("|---|---|---:|---:|---:|")
+    with torch.inference_mode():
+        for out_features, in_features in SHAPES:
+            weight = torch.randn(out_features, in_features) * 0.02
+            for name, nbytes, call in formats(weight):
+                ms = median_ms(call)
+                print(
+                    f"| {out_features}x{in_features} | {name} | {ms:.3f} | {nbytes / 1e6:.1f} "
+                    f"| {nbytes / ms / 1e6:.1f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The real `hearth` command in a subprocess: generation on the embedded model and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HEARTH = [sys.executable, "-m", "hearth.cli"]
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def run(*args: str, stdin: str = "", timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [*HEARTH, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def assert_usage_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit code 2, exactly one readable line on stderr, never a traceback."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hearth: error: ")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_generate_streams_text_then_stats() -> None:
+    result = run("generate", "--max-tokens", "6", PROMPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" Berlin")
+    stats = result.stderr.strip().splitlines()[-1]
+    assert stats.startswith("prompt: 13 tokens")
+    assert "generation: 6 tokens" in stats and "peak memory" in stats
+
+
+def test_generate_reads_prompt_from_stdin_and_stops_on_string() -> None:
+    result = run("generate", "--max-tokens", "20", "--stop", ".", "-", stdin=PROMPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "Berlin"
+
+
+def test_chat_repl_answers_and_exits(embedded_gguf: Path) -> None:
+    result = run("chat", str(embedded_gguf), "--max-tokens", "5", stdin="Hello!\n/exit\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(">>> ") == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--max-tokens", "-3", PROMPT], "--max-tokens"),
+        (["--max-tokens", "many", PROMPT], "--max-tokens"),
+        (["--temp", "hot", PROMPT], "--temp"),
+        (["--temp", "-1", PROMPT], "--temp"),
+        (["--top-p", "2", PROMPT], "--top-p"),
+        (["--top-k", "-1", PROMPT], "--top-k"),
+        (["--seed", "x", PROMPT], "--seed"),
+        (["--dtype", "int3", PROMPT], "--dtype"),
+        (["a", "b", "c"], "3 arguments"),
+        ([""], "empty"),
+    ],
+)
+def test_bad_options_are_one_line_errors(args: list[str], needle: str) -> None:
+    assert_usage_error(run("generate", *args), needle)
+
+
+def test_missing_model_path(tmp_path: Path) -> None:
+    assert_usage_error(run("generate", str(tmp_path / "nope.gguf"), "hi"), "does not exist")
+
+
+def test_unreadable_model_file(tmp_path: Path) -> None:
+    """A path that exists but cannot be opened for reading (a socket; as root, mode 000 can)."""
+    path = tmp_path / "model.gguf"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        assert_usage_error(run("generate", str(path), "hi"), "cannot read")
+
+
+def test_not_a_model_file(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    assert_usage_error(run("generate", str(path), "hi"), "neither a GGUF file")
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(b"GGUF" + bytes([3, 0, 0, 0]) + os.urandom(64))
+    assert_usage_error(run("generate", str(path), "hi"), str(path))
+
+
+def test_truncated_gguf(tmp_path: Path, embedded_gguf: Path) -> None:
+    path = tmp_path / "truncated.gguf"
+    with embedded_gguf.open("rb") as source:
+        path.write_bytes(source.read(50_000_000))
+    assert_usage_error(run("generate", str(path), "hi"), "truncated")
+
+
+def test_unsupported_architecture_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_usage_error(run("generate", str(tmp_path), "hi"), "'llama' is not supported")
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    assert_usage_error(run("generate", str(tmp_path), "hi"), "no config.json")

@@ -1,0 +1,71 @@
+"""Dense and rotating caches: storage arithmetic, trim, and logits against full recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth.checkpoint import open_checkpoint
+from hearth.kv import DenseCache, RotatingCache, make_caches
+from hearth.models.loading import build_model
+from tiny import save_hf, tiny_gemma3_model
+
+
+def _kv(tokens: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys whose every element is the token's position, so reads show what was stored."""
+    positions = torch.arange(start, start + tokens, dtype=torch.float32)
+    keys = positions.view(1, 1, tokens, 1).expand(1, 2, tokens, 4).contiguous()
+    return keys, -keys
+
+
+def test_dense_cache_grows_and_trims() -> None:
+    cache = DenseCache(step=4)
+    cache.update_and_fetch(*_kv(6))
+    keys, values, positions = cache.update_and_fetch(*_kv(1, start=6))
+    assert positions is None and keys[0, 0, :, 0].tolist() == list(range(7))
+    assert torch.equal(values, -keys)
+    # 7 tokens × 2 heads × 4 dims × 4 bytes, for K and V.
+    assert cache.nbytes == 7 * 2 * 4 * 4 * 2
+    cache.trim(3)
+    keys, _, _ = cache.update_and_fetch(*_kv(1, start=4))
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_rotating_cache_prefill_longer_than_window_returns_all_then_keeps_window() -> None:
+    cache = RotatingCache(window=4)
+    keys, _, positions = cache.update_and_fetch(*_kv(10))
+    # The prefill attends over every new token; the mask (from positions) applies the window.
+    assert sorted(positions[positions >= 0].tolist()) == list(range(10))
+    keys, _, positions = cache.update_and_fetch(*_kv(1, start=10))
+    assert sorted(positions.tolist()) == [7, 8, 9, 10]
+    assert sorted(keys[0, 0, :, 0].tolist()) == [7, 8, 9, 10]
+    assert cache.nbytes == 4 * 2 * 4 * 4 * 2
+
+
+def test_rotating_cache_trim_within_and_beyond_the_ring() -> None:
+    cache = RotatingCache(window=4, capacity=6)
+    cache.update_and_fetch(*_kv(8))  # ring holds 2..7
+    cache.trim(2)  # next query at 6 needs 3..5: still held
+    _, _, positions = cache.update_and_fetch(*_kv(1, start=6))
+    assert sorted(p for p in positions.tolist() if p >= 0) == [2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="no longer holds"):
+        cache.trim(5)
+
+
+def test_rotating_cache_logits_equal_full_recompute_past_the_window(tmp_path: Path) -> None:
+    """Window 8; a 20-token prefill, then 20 decode steps, each compared with a cache-free
+    forward over the whole sequence (the full-recompute reference). fp32; tolerance 2e-5 as
+    in test_gemma3_tiny (summation order only)."""
+    hf = tiny_gemma3_model(seed=11, layer_types=["sliding_attention"] * 4)
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
+    ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    caches = make_caches(model.config)
+    assert all(isinstance(c, RotatingCache) for c in caches)
+    with torch.inference_mode():
+        reference = model(ids)
+        model(ids[:, :20], caches)
+        for position in range(20, 40):
+            step = model(ids[:, position : position + 1], caches, start=position)
+            torch.testing.assert_close(step[0, 0], reference[0, position], atol=2e-5, rtol=0)
