@@ -39,7 +39,8 @@ def test_rotating_cache_prefill_longer_than_window_returns_all_then_keeps_window
     # The prefill attends over every new token; the mask (from positions) applies the window.
     assert sorted(positions[positions >= 0].tolist()) == list(range(10))
     keys, _, positions = cache.update_and_fetch(*_kv(1, start=10))
-    assert sorted(positions.tolist()) == [7, 8, 9, 10]
+    # A decode step on a full ring reads exactly the window, so it needs no mask.
+    assert positions is None
     assert sorted(keys[0, 0, :, 0].tolist()) == [7, 8, 9, 10]
     assert cache.nbytes == 4 * 2 * 4 * 4 * 2
 

@@ -100,30 +100,42 @@ class RotatingCache:
 
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self._keys is None:
             self._allocate(keys, values)
         assert self._keys is not None and self._values is not None and self._positions is not None
-        count = keys.shape[2]
-        positions = torch.arange(self.offset, self.offset + count, device=keys.device)
+        count, start = keys.shape[2], self.offset
         if count == 1:
-            self._write(keys, values, positions)
-            self.offset += count
+            self._write(keys, values, start)
+            self.offset += 1
+            if self.capacity == self.window:
+                # Every filled slot is within the window of this query: no mask needed.
+                filled = min(self.offset, self.capacity)
+                return self._keys[:, :, :filled], self._values[:, :, :filled], None
             return self._keys, self._values, self._positions
+        positions = torch.arange(start, start + count, device=keys.device)
         all_keys = torch.cat([self._keys, keys], dim=2)
         all_values = torch.cat([self._values, values], dim=2)
         all_positions = torch.cat([self._positions, positions])
         kept = min(count, self.capacity)
-        self._write(keys[:, :, -kept:], values[:, :, -kept:], positions[-kept:])
+        self._write(keys[:, :, -kept:], values[:, :, -kept:], start + count - kept)
         self.offset += count
         return all_keys, all_values, all_positions
 
-    def _write(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Store tokens at positions start.. (at most `capacity`), wrapping around the ring once."""
         assert self._keys is not None and self._values is not None and self._positions is not None
-        slots = positions % self.capacity
-        self._keys[:, :, slots] = keys
-        self._values[:, :, slots] = values
-        self._positions[slots] = positions
+        count, slot = keys.shape[2], start % self.capacity
+        first = min(count, self.capacity - slot)
+        for source, ring_slot, length in ((0, slot, first), (first, 0, count - first)):
+            if length == 0:
+                continue
+            ring = slice(ring_slot, ring_slot + length)
+            self._keys[:, :, ring] = keys[:, :, source : source + length]
+            self._values[:, :, ring] = values[:, :, source : source + length]
+            self._positions[ring] = torch.arange(
+                start + source, start + source + length, device=self._positions.device
+            )
 
     def trim(self, tokens: int) -> None:
         """Drop the newest `tokens`; refused when the window needs slots already overwritten."""

@@ -64,6 +64,23 @@ def attention_mask(
     return allowed
 
 
+def _slow_half_sdpa(q: torch.Tensor) -> bool:
+    """PyTorch's CPU SDPA is ~3x slower in bf16/fp16 than two matmuls for one query."""
+    return q.device.type == "cpu" and q.dtype != torch.float32
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per head over all keys, GQA by grouping query heads; softmax in fp32."""
+    batch, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = (grouped @ k.transpose(-1, -2)).float() * scale
+    out = scores.softmax(dim=-1).to(v.dtype) @ v
+    return out.reshape(batch, heads, 1, dim)
+
+
 class Attention(nn.Module):
     def __init__(self, config: Gemma3Config, layer_type: str) -> None:
         super().__init__()
@@ -103,14 +120,13 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, key_positions = cache.update_and_fetch(k, v)
         mask = self._mask(positions, key_positions, k.shape[2])
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        if length == 1 and mask is None and _slow_half_sdpa(q):
+            out = decode_attention(q, k, v, self.scale)
+        else:
+            grouped = self.num_heads != self.num_kv_heads
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=grouped
+            )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
     def _mask(
