@@ -57,7 +57,9 @@ def quantized(
 
 
 @functools.cache
-def cached_layer(mode: str, group_size: int, out_features: int, in_features: int):
+def cached_layer(
+    mode: str, group_size: int, out_features: int, in_features: int
+) -> tuple[Tensor, Int8Linear | Int4Linear]:
     weight = random_weight(out_features, in_features, seed=out_features + in_features)
     return weight, quantized(mode, weight, group_size)
 
@@ -219,6 +221,25 @@ def test_int4_falls_back_when_out_is_not_a_multiple_of_16() -> None:
     layer = Int4Linear.from_float(random_weight(24, 64, seed=3), 32)
     assert not layer.uses_kernel
     x = torch.randn(2, 64)
+    assert torch.equal(layer(x), layer.reference_forward(x))
+
+
+@needs_int8_kernel
+def test_int8_kernel_takes_misaligned_inputs() -> None:
+    # The kernel's aligned loads would segfault on this view (data 2 bytes past 64-byte
+    # alignment); the layer must copy it. Same bound as test_kernel_matches_reference.
+    _, layer = cached_layer("int8", 0, 256, 640)
+    x = torch.randn(3 * 640 + 1).to(torch.bfloat16)[1:].view(3, 640)
+    assert x.data_ptr() % 64 != 0
+    bound = MATMUL_REL * (x.float().abs() @ layer.dequantize().abs().t())
+    assert_within(layer(x), layer.reference_forward(x), bound)
+
+
+def test_int8_falls_back_when_in_is_not_a_multiple_of_16() -> None:
+    # The kernel has no K tail loop (garbage for K = 24), so such layers use the reference.
+    layer = Int8Linear.from_float(random_weight(32, 24, seed=7))
+    assert not layer.uses_kernel
+    x = torch.randn(2, 24)
     assert torch.equal(layer(x), layer.reference_forward(x))
 
 

@@ -8,7 +8,8 @@ them (or a shape does not fit them) the modules fall back to ``reference_forward
 Schemes (W is [out, in]; every dequantized value below is computed exactly as the kernels do):
 
 * int8, symmetric per output row: ``w ≈ q * s`` with ``q`` in [-127, 127] and ``s`` in bf16.
-  The int8 kernel accumulates ``x · q`` in fp32 and multiplies by ``s`` at the end.
+  The x86 int8 kernel (aten/src/ATen/native/cpu/int8mm_kernel.cpp) forms ``q * s`` in fp32
+  and accumulates ``x · (q * s)`` in fp32.
 * int4, asymmetric per group of ``group_size`` inputs: ``w ≈ (q - 8) * s + z`` with ``q`` in
   [0, 15] and bf16 ``s``, ``z`` stored as ``scales_and_zeros[in // group, out] = (s, z)``.
   This is the dequantization of PyTorch's CPU int4 kernel (aten/src/ATen/native/cpu/
@@ -31,6 +32,11 @@ INT4_LEVELS = 15  # codes 0..15
 INT4_OFFSET = 8  # the int4 kernel reads code q as q - 8
 # The int4 kernel tiles the output dimension by 16 (its packing checks it).
 INT4_KERNEL_OUT_MULTIPLE = 16
+# The AVX-512 int8 kernel steps through K by 16 with no tail loop: any other K reads past the
+# row and returns garbage (seen on torch 2.13), so such layers take the reference path.
+INT8_KERNEL_IN_MULTIPLE = 16
+# ... and it uses aligned 256-bit loads on x: a misaligned input segfaults.
+KERNEL_ALIGNMENT_BYTES = 64
 # Floor for scales: keeps all-zero rows/groups finite and stays a normal bf16 number.
 SCALE_FLOOR = torch.finfo(torch.bfloat16).tiny
 
@@ -44,6 +50,13 @@ HAS_INT8_KERNEL = _has_aten_op("_weight_int8pack_mm")
 HAS_INT4_KERNEL = _has_aten_op("_weight_int4pack_mm_for_cpu") and _has_aten_op(
     "_convert_weight_to_int4pack_for_cpu"
 )
+
+
+def _aligned(tensor: Tensor) -> Tensor:
+    """``tensor`` itself when its data is 64-byte aligned, else a fresh (aligned) copy."""
+    if tensor.data_ptr() % KERNEL_ALIGNMENT_BYTES == 0:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _round_up_to_bf16(values: Tensor) -> Tensor:
@@ -204,8 +217,9 @@ class Int8Linear(_QuantizedLinear):
     def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         out_features, in_features = qweight.shape
-        self._init_common(in_features, out_features, bias, HAS_INT8_KERNEL)
-        self.register_buffer("qweight", qweight.contiguous())
+        uses_kernel = HAS_INT8_KERNEL and in_features % INT8_KERNEL_IN_MULTIPLE == 0
+        self._init_common(in_features, out_features, bias, uses_kernel)
+        self.register_buffer("qweight", _aligned(qweight.contiguous()))
         self.register_buffer("scales", scales.contiguous())
 
     @classmethod
@@ -216,7 +230,7 @@ class Int8Linear(_QuantizedLinear):
         return dequantize_int8_rows(self.qweight, self.scales)
 
     def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x2d_bf16, self.qweight, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(_aligned(x2d_bf16), self.qweight, self.scales)
 
 
 class Int4Linear(_QuantizedLinear):

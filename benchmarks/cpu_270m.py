@@ -1,0 +1,196 @@
+"""CPU speed on the embedded Gemma 3 270M: Hearth against HF transformers (and llama.cpp).
+
+Each engine runs in its own subprocess (so peak RSS is its own) on the same 400-token prompt:
+load time, prefill tok/s (time to first token), decode tok/s over 64 greedy tokens, peak RSS.
+The roofline column is the measured memory bandwidth divided by the weight bytes one decode
+step must read in that engine's format.
+
+    python benchmarks/cpu_270m.py [--out benchmarks/results/cpu_270m-DATE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_TOKENS = 400
+DECODE_TOKENS = 64
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
+    "winemaking. Within fifty years, presses had spread to more than two hundred cities. "
+) * 20
+
+ENGINES = {
+    "hearth fp32": ("hearth", {"dtype": "float32"}),
+    "hearth bf16": ("hearth", {"dtype": "bfloat16"}),
+    "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
+    "hearth bf16 + int4 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int4"}),
+    "HF transformers fp32": ("hf", {"dtype": "float32"}),
+    "HF transformers bf16": ("hf", {"dtype": "bfloat16"}),
+    "llama.cpp (llama-cpp-python)": ("llama_cpp", {}),
+}
+
+
+def prompt_ids() -> list[int]:
+    from hearth.checkpoint import open_checkpoint
+    from hearth.embedded import embedded_model_path
+
+    ids = open_checkpoint(embedded_model_path()).tokenizer().encode(TEXT)
+    return ids[:PROMPT_TOKENS]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_hearth(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
+    import hearth
+    from hearth.generate import GenerationStats, generate_tokens
+    from hearth.sampling import Sampler, SamplingParams
+
+    started = time.perf_counter()
+    engine = hearth.load(dtype=options["dtype"], device="cpu", progress=False,
+                         quantize=options.get("quantize"))
+    load = time.perf_counter() - started
+    sampler = Sampler(SamplingParams())
+    list(generate_tokens(engine.model, ids[:16], sampler, 4, GenerationStats()))  # warm up
+    stats = GenerationStats()
+    list(generate_tokens(engine.model, ids, sampler, DECODE_TOKENS + 1, stats))
+    return {"load_s": load, "prefill": stats.prefill_tokens_per_second,
+            "decode": stats.decode_tokens_per_second,
+            "weight_bytes": engine.model_bytes_per_token()}
+
+
+def run_hf(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hearth.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    dtype = getattr(torch, options["dtype"])
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=dtype).eval()
+    load = time.perf_counter() - started
+    prompt = torch.tensor([ids])
+
+    def timed(new_tokens: int) -> float:
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False)
+        return time.perf_counter() - begin
+
+    timed(2)  # warm up
+    first = timed(1)
+    total = timed(DECODE_TOKENS + 1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"load_s": load, "prefill": len(ids) / first, "decode": DECODE_TOKENS / (total - first),
+            "weight_bytes": weight_bytes}
+
+
+def run_llama_cpp(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
+    import numpy as np
+    from llama_cpp import Llama
+
+    from hearth.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    started = time.perf_counter()
+    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=2, n_batch=512, verbose=False,
+                logits_all=False)
+    load = time.perf_counter() - started
+    llm.eval(ids[:16])  # warm up
+    llm.reset()
+    begin = time.perf_counter()
+    llm.eval(ids)
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    prefill = time.perf_counter() - begin
+    begin = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    decode = time.perf_counter() - begin
+    return {"load_s": load, "prefill": len(ids) / prefill, "decode": DECODE_TOKENS / decode,
+            "weight_bytes": path.stat().st_size}
+
+
+def one(name: str) -> None:
+    kind, options = ENGINES[name]
+    ids = prompt_ids()
+    runner = {"hearth": run_hearth, "hf": run_hf, "llama_cpp": run_llama_cpp}[kind]
+    result = runner(options, ids)
+    result["peak_rss_mib"] = peak_rss_mib()
+    print(json.dumps(result))
+
+
+def memory_bandwidth_gbs() -> float:
+    """Copy bandwidth (read + write bytes / s) on a buffer far larger than the caches."""
+    import torch
+
+    source = torch.ones(256 * 2**20 // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    begin = time.perf_counter()
+    for _ in range(10):
+        target.copy_(source)
+    return 2 * source.nbytes * 10 / (time.perf_counter() - begin) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    parser.add_argument("--engines", nargs="*", default=list(ENGINES))
+    args = parser.parse_args()
+    if args.one:
+        one(args.one)
+        return
+    bandwidth = memory_bandwidth_gbs()
+    rows = []
+    for name in args.engines:
+        result = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["failed"])[-1]
+            rows.append(f"| {name} | skipped: {last[:80]} | | | | |")
+            continue
+        r = json.loads(result.stdout.strip().splitlines()[-1])
+        roofline = bandwidth * 1e9 / r["weight_bytes"]
+        rows.append(
+            f"| {name} | {r['load_s']:.1f} | {r['prefill']:.0f} | {r['decode']:.1f} | "
+            f"{r['decode'] / roofline:.0%} of {roofline:.0f} | {r['peak_rss_mib']:.0f} |"
+        )
+        print(rows[-1], flush=True)
+    import torch
+
+    header = [
+        f"# CPU, Gemma 3 270M Q4_K_M GGUF — {datetime.date.today().isoformat()}",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        f"threads, torch {torch.__version__}, Python {platform.python_version()}; "
+        f"copy bandwidth {bandwidth:.1f} GB/s. Prompt {PROMPT_TOKENS} tokens, "
+        f"{DECODE_TOKENS} greedy decode tokens.",
+        "",
+        "| engine | load s | prefill tok/s | decode tok/s | decode vs bandwidth roofline "
+        "| peak RSS MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    table = "\n".join(header + rows) + "\n"
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
