@@ -58,16 +58,20 @@ def run_hearth(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
     from hearth.sampling import Sampler, SamplingParams
 
     started = time.perf_counter()
-    engine = hearth.load(dtype=options["dtype"], device="cpu", progress=False,
-                         quantize=options.get("quantize"))
+    engine = hearth.load(
+        dtype=options["dtype"], device="cpu", progress=False, quantize=options.get("quantize")
+    )
     load = time.perf_counter() - started
     sampler = Sampler(SamplingParams())
     list(generate_tokens(engine.model, ids[:16], sampler, 4, GenerationStats()))  # warm up
     stats = GenerationStats()
     list(generate_tokens(engine.model, ids, sampler, DECODE_TOKENS + 1, stats))
-    return {"load_s": load, "prefill": stats.prefill_tokens_per_second,
-            "decode": stats.decode_tokens_per_second,
-            "weight_bytes": engine.model_bytes_per_token()}
+    return {
+        "load_s": load,
+        "prefill": stats.prefill_tokens_per_second,
+        "decode": stats.decode_tokens_per_second,
+        "weight_bytes": engine.weight_bytes_per_token(),
+    }
 
 
 def run_hf(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
@@ -79,24 +83,30 @@ def run_hf(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
     path = embedded_model_path()
     dtype = getattr(torch, options["dtype"])
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    ).eval()
     load = time.perf_counter() - started
     prompt = torch.tensor([ids])
 
     def timed(new_tokens: int) -> float:
         begin = time.perf_counter()
         with torch.inference_mode():
-            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False)
+            model.generate(
+                prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
         return time.perf_counter() - begin
 
     timed(2)  # warm up
     first = timed(1)
     total = timed(DECODE_TOKENS + 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"load_s": load, "prefill": len(ids) / first, "decode": DECODE_TOKENS / (total - first),
-            "weight_bytes": weight_bytes}
+    return {
+        "load_s": load,
+        "prefill": len(ids) / first,
+        "decode": DECODE_TOKENS / (total - first),
+        "weight_bytes": weight_bytes,
+    }
 
 
 def run_llama_cpp(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
@@ -107,8 +117,9 @@ def run_llama_cpp(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
 
     path = embedded_model_path()
     started = time.perf_counter()
-    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=2, n_batch=512, verbose=False,
-                logits_all=False)
+    llm = Llama(
+        model_path=str(path), n_ctx=1024, n_threads=2, n_batch=512, verbose=False, logits_all=False
+    )
     load = time.perf_counter() - started
     llm.eval(ids[:16])  # warm up
     llm.reset()
@@ -121,8 +132,12 @@ def run_llama_cpp(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
         llm.eval([token])
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     decode = time.perf_counter() - begin
-    return {"load_s": load, "prefill": len(ids) / prefill, "decode": DECODE_TOKENS / decode,
-            "weight_bytes": path.stat().st_size}
+    return {
+        "load_s": load,
+        "prefill": len(ids) / prefill,
+        "decode": DECODE_TOKENS / decode,
+        "weight_bytes": path.stat().st_size,
+    }
 
 
 def one(name: str) -> None:
@@ -159,8 +174,9 @@ def main() -> None:
     bandwidth = memory_bandwidth_gbs()
     rows = []
     for name in args.engines:
-        result = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            [sys.executable, __file__, "--one", name], capture_output=True, text=True
+        )
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["failed"])[-1]
             rows.append(f"| {name} | skipped: {last[:80]} | | | | |")

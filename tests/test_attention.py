@@ -26,4 +26,16 @@ def test_decode_attention_equals_sdpa_with_gqa() -> None:
     k = torch.randn(2, 2, 50, 32, generator=generator)
     v = torch.randn(2, 2, 50, 32, generator=generator)
     expected = F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(decode_attention(q, k, v, 0.3), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(decode_attention(q, k, v, 0.3, 50), expected, atol=1e-6, rtol=0)
+
+
+def test_decode_attention_ignores_zero_padding_past_length() -> None:
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 1, 16, generator=generator)
+    k = torch.randn(1, 1, 20, 16, generator=generator)
+    v = torch.randn(1, 1, 20, 16, generator=generator)
+    padded_k = torch.cat([k, torch.zeros(1, 1, 12, 16)], dim=2)
+    padded_v = torch.cat([v, torch.zeros(1, 1, 12, 16)], dim=2)
+    expected = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+    ours = decode_attention(q, padded_k, padded_v, 0.25, 20)
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=0)

@@ -38,8 +38,10 @@ def test_tensor_bytes_equal_gguf_reader(embedded_gguf: Path, reader: gguf.GGUFRe
         info = ours.tensors[tensor.name]
         assert info.shape == tuple(int(n) for n in reversed(tensor.shape))
         assert info.type_id == tensor.tensor_type.value
-        assert np.array_equal(np.asarray(ours.raw(info)).reshape(-1),
-                              np.asarray(tensor.data).view(np.uint8).reshape(-1))
+        assert np.array_equal(
+            np.asarray(ours.raw(info)).reshape(-1),
+            np.asarray(tensor.data).view(np.uint8).reshape(-1),
+        )
 
 
 def test_every_tensor_has_a_canonical_name(embedded_gguf: Path) -> None:

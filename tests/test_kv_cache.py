@@ -23,25 +23,29 @@ def _kv(tokens: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def test_dense_cache_grows_and_trims() -> None:
     cache = DenseCache(step=4)
     cache.update_and_fetch(*_kv(6))
-    keys, values, positions = cache.update_and_fetch(*_kv(1, start=6))
-    assert positions is None and keys[0, 0, :, 0].tolist() == list(range(7))
+    view = cache.update_and_fetch(*_kv(1, start=6))
+    keys, values = view.real()
+    assert view.positions is None and keys[0, 0, :, 0].tolist() == list(range(7))
     assert torch.equal(values, -keys)
+    # Storage grew to 8 (two steps of 4); the padding row is zero.
+    assert view.keys.shape[2] == 8 and view.keys[0, 0, 7].abs().sum() == 0
     # 7 tokens × 2 heads × 4 dims × 4 bytes, for K and V.
     assert cache.nbytes == 7 * 2 * 4 * 4 * 2
     cache.trim(3)
-    keys, _, _ = cache.update_and_fetch(*_kv(1, start=4))
+    keys, _ = cache.update_and_fetch(*_kv(1, start=4)).real()
     assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_rotating_cache_prefill_longer_than_window_returns_all_then_keeps_window() -> None:
     cache = RotatingCache(window=4)
-    keys, _, positions = cache.update_and_fetch(*_kv(10))
+    view = cache.update_and_fetch(*_kv(10))
     # The prefill attends over every new token; the mask (from positions) applies the window.
-    assert sorted(positions[positions >= 0].tolist()) == list(range(10))
-    keys, _, positions = cache.update_and_fetch(*_kv(1, start=10))
+    assert view.positions is not None
+    assert sorted(p for p in view.positions.tolist() if p < 10) == list(range(10))
+    view = cache.update_and_fetch(*_kv(1, start=10))
     # A decode step on a full ring reads exactly the window, so it needs no mask.
-    assert positions is None
-    assert sorted(keys[0, 0, :, 0].tolist()) == [7, 8, 9, 10]
+    assert view.positions is None and view.length == 4
+    assert sorted(view.keys[0, 0, :, 0].tolist()) == [7, 8, 9, 10]
     assert cache.nbytes == 4 * 2 * 4 * 4 * 2
 
 
@@ -49,8 +53,9 @@ def test_rotating_cache_trim_within_and_beyond_the_ring() -> None:
     cache = RotatingCache(window=4, capacity=6)
     cache.update_and_fetch(*_kv(8))  # ring holds 2..7
     cache.trim(2)  # next query at 6 needs 3..5: still held
-    _, _, positions = cache.update_and_fetch(*_kv(1, start=6))
-    assert sorted(p for p in positions.tolist() if p >= 0) == [2, 3, 4, 5, 6]
+    view = cache.update_and_fetch(*_kv(1, start=6))
+    assert view.positions is not None
+    assert sorted(p for p in view.positions.tolist() if p < 100) == [2, 3, 4, 5, 6]
     with pytest.raises(ValueError, match="no longer holds"):
         cache.trim(5)
 

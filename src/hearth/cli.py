@@ -49,6 +49,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", help="torch device, e.g. cpu or cuda (default: cuda if present)"
     )
+    parser.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="keep weights int8/int4 in memory for faster CPU decode (computes in bfloat16)",
+    )
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +131,7 @@ def _sampling(args: argparse.Namespace) -> Any:
 def _load(model: str | None, args: argparse.Namespace) -> Any:
     from hearth.engine import Engine
 
-    return Engine.load(model, dtype=args.dtype, device=args.device)
+    return Engine.load(model, dtype=args.dtype, device=args.device, quantize=args.quantize)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -21,9 +21,11 @@ Messages = list[dict[str, Any]]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_dtype(checkpoint_format: str, device: torch.device) -> torch.dtype:
-    """GGUF weights dequantize to fp32 on the CPU (exact) and bf16 on a GPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(
+    checkpoint_format: str, device: torch.device, quantize: str | None = None
+) -> torch.dtype:
+    """bf16 on a GPU and with quantized weights; else fp32 on the CPU (exact)."""
+    return torch.bfloat16 if device.type == "cuda" or quantize else torch.float32
 
 
 @dataclass
@@ -39,8 +41,13 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         progress: bool = True,
+        quantize: str | None = None,
     ) -> Engine:
-        """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M."""
+        """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
+
+        `quantize` ("int8" or "int4") keeps linear weights quantized in memory for fast CPU
+        decode (bf16 compute); None keeps them in `dtype`.
+        """
         path = Path(model) if model is not None else embedded_model_path()
         checkpoint = open_checkpoint(path)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -48,9 +55,13 @@ class Engine:
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
             dtype = DTYPES[dtype]
-        dtype = dtype or default_dtype(checkpoint.format, device)
+        dtype = dtype or default_dtype(checkpoint.format, device, quantize)
         tokenizer = checkpoint.tokenizer()
-        return cls(build_model(checkpoint, dtype, device, progress), tokenizer, path)
+        return cls(build_model(checkpoint, dtype, device, progress, quantize), tokenizer, path)
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every tensor once (the tied table as head)."""
+        return sum(t.nbytes for t in self.model.state_dict().values())
 
     def encode(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: messages always go through the chat template; text only

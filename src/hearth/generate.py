@@ -119,7 +119,7 @@ def generate_tokens(
     prefill_step: int = 512,
 ) -> Iterator[int]:
     """Token ids, one per step, until `max_tokens`; the caller decides when to stop early."""
-    device = model.embed_tokens.weight.device
+    device = model.device
     caches = make_caches(model.config) if caches is None else caches
     history = list(prompt_ids)
     prompt = torch.tensor([history], dtype=torch.long, device=device)
@@ -156,7 +156,7 @@ def stream_generate(
         raise ValueError("the prompt is empty")
     sampling = sampling or SamplingParams()
     sampling.validate(model.config.vocab_size)
-    sampler = Sampler(sampling, device=model.embed_tokens.weight.device)
+    sampler = Sampler(sampling, device=model.device)
     end_ids = frozenset(tokenizer.eos_ids if stop_ids is None else stop_ids)
     detokenizer = tokenizer.detokenizer()
     stops = StopStrings(stop)
@@ -177,5 +177,5 @@ def stream_generate(
         tail = stops.feed(detokenizer.flush())
         tail += "" if stops.stopped else stops.flush()
         finish = FINISH_STOP if stops.stopped else finish
-    stats.peak_memory_bytes = peak_memory_bytes(model.embed_tokens.weight.device)
+    stats.peak_memory_bytes = peak_memory_bytes(model.device)
     yield GenerationChunk(tail, None, finish, stats)

@@ -157,7 +157,7 @@ class GGUFCheckpoint:
         quant_type = gguf.GGMLQuantizationType(info.type_id)
         raw = self._file.raw(info)
         if quant_type == gguf.GGMLQuantizationType.Q8_0:
-            tensor = dequantize_q8_0(torch.from_numpy(np.asarray(raw))).reshape(info.shape)
+            tensor = dequantize_q8_0(torch.from_numpy(np.array(raw))).reshape(info.shape)
         else:
             try:
                 values = gguf.quants.dequantize(raw, quant_type)

@@ -1,29 +1,46 @@
 """Dense and rotating (sliding-window) KV caches.
 
 Tensors are laid out [batch, kv_heads, tokens, head_dim]. `update_and_fetch` stores the new
-keys/values and returns what attention must read, with each key's absolute position so the
-model can build the causal and sliding-window mask without knowing the storage order.
+keys/values and returns a `KVView` of what attention must read, with each key's absolute
+position so the model can build the causal and sliding-window mask without knowing the
+storage order.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from hearth.config import SLIDING_ATTENTION, Gemma3Config
 
-# Position of an empty ring slot: far enough in the past that every window excludes it.
-_EMPTY = -(2**62)
+# Position of an empty slot: in the future of every query, so causality hides it.
+_EMPTY = 2**62
+
+
+class KVView(NamedTuple):
+    """Keys and values to attend over.
+
+    `keys[:, :, :length]` are real; rows past `length` are zero padding that keeps tensor
+    shapes the same across decode steps (CPU matmul kernels are compiled per shape).
+    `positions` holds the absolute position of each real key; None means the keys are
+    positions 0..length-1 in order, or, for a single query, that every real key is visible.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+    positions: torch.Tensor | None
+
+    def real(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
 
 class LayerCache(Protocol):
     offset: int
 
-    def update_and_fetch(
-        self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store new K/V; return K, V to attend over and their positions (None: 0..offset-1)."""
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
+        """Store new K/V and return what attention reads."""
         ...
 
     def trim(self, tokens: int) -> None: ...
@@ -46,23 +63,21 @@ class DenseCache:
         if needed <= capacity:
             return
         new_capacity = -(-needed // self.step) * self.step
-        grown_k = keys.new_empty((*keys.shape[:2], new_capacity, keys.shape[3]))
-        grown_v = values.new_empty((*values.shape[:2], new_capacity, values.shape[3]))
+        grown_k = keys.new_zeros((*keys.shape[:2], new_capacity, keys.shape[3]))
+        grown_v = values.new_zeros((*values.shape[:2], new_capacity, values.shape[3]))
         if self._keys is not None and self._values is not None:
             grown_k[:, :, : self.offset] = self._keys[:, :, : self.offset]
             grown_v[:, :, : self.offset] = self._values[:, :, : self.offset]
         self._keys, self._values = grown_k, grown_v
 
-    def update_and_fetch(
-        self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
         end = self.offset + keys.shape[2]
         self._reserve(keys, values, end)
         assert self._keys is not None and self._values is not None
         self._keys[:, :, self.offset : end] = keys
         self._values[:, :, self.offset : end] = values
         self.offset = end
-        return self._keys[:, :, :end], self._values[:, :, :end], None
+        return KVView(self._keys, self._values, end, None)
 
     def trim(self, tokens: int) -> None:
         self.offset -= min(tokens, self.offset)
@@ -98,9 +113,7 @@ class RotatingCache:
         self._values = values.new_zeros((*shape, values.shape[3]))
         self._positions = torch.full((self.capacity,), _EMPTY, dtype=torch.long, device=keys.device)
 
-    def update_and_fetch(
-        self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
         if self._keys is None:
             self._allocate(keys, values)
         assert self._keys is not None and self._values is not None and self._positions is not None
@@ -108,11 +121,12 @@ class RotatingCache:
         if count == 1:
             self._write(keys, values, start)
             self.offset += 1
+            filled = min(self.offset, self.capacity)
             if self.capacity == self.window:
                 # Every filled slot is within the window of this query: no mask needed.
-                filled = min(self.offset, self.capacity)
-                return self._keys[:, :, :filled], self._values[:, :, :filled], None
-            return self._keys, self._values, self._positions
+                # Slots fill in order from 0, so the filled ones are the first `filled`.
+                return KVView(self._keys, self._values, filled, None)
+            return KVView(self._keys, self._values, self.capacity, self._positions)
         positions = torch.arange(start, start + count, device=keys.device)
         all_keys = torch.cat([self._keys, keys], dim=2)
         all_values = torch.cat([self._values, values], dim=2)
@@ -120,7 +134,7 @@ class RotatingCache:
         kept = min(count, self.capacity)
         self._write(keys[:, :, -kept:], values[:, :, -kept:], start + count - kept)
         self.offset += count
-        return all_keys, all_values, all_positions
+        return KVView(all_keys, all_values, all_keys.shape[2], all_positions)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Store tokens at positions start.. (at most `capacity`), wrapping around the ring once."""

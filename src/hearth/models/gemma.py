@@ -13,7 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.config import SLIDING_ATTENTION, Gemma3Config, RopeConfig
-from hearth.kv.cache import LayerCache
+from hearth.kv.cache import KVView, LayerCache
+
+
+class StackedLinear(nn.Module):
+    """Several projections of one input as one matmul (fewer, larger kernels per token).
+
+    Checkpoints store the parts separately; the loader stacks them along the output dim in
+    `parts` order, so `layers.0.self_attn.k_proj.weight` fills the middle of `qkv_proj`.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int]) -> None:
+        super().__init__()
+        self.parts = dict(parts)
+        self.proj = nn.Linear(in_features, sum(parts.values()), bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.proj(x).split(list(self.parts.values()), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +41,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        multiplier = 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), multiplier.shape, multiplier, self.eps).type_as(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,15 +85,23 @@ def _slow_half_sdpa(q: torch.Tensor) -> bool:
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int
 ) -> torch.Tensor:
-    """One query per head over all keys, GQA by grouping query heads; softmax in fp32."""
+    """One query per head over the first `length` keys of zero-padded K/V; softmax in fp32.
+
+    One 2-D matmul pair per KV head over the padded length: CPU bf16 matmuls are compiled
+    per shape, and batched (3-D/4-D) ones take a path ~3x slower.
+    """
     batch, heads, _, dim = q.shape
     kv_heads = k.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = (grouped @ k.transpose(-1, -2)).float() * scale
-    out = scores.softmax(dim=-1).to(v.dtype) @ v
-    return out.reshape(batch, heads, 1, dim)
+    grouped = q.reshape(batch * kv_heads, heads // kv_heads, dim)
+    keys, values = k.flatten(0, 1), v.flatten(0, 1)
+    outputs = []
+    for index in range(batch * kv_heads):
+        scores = (grouped[index] @ keys[index].T).float() * scale
+        scores[:, length:] = float("-inf")
+        outputs.append(scores.softmax(dim=-1).to(v.dtype) @ values[index])
+    return torch.stack(outputs).reshape(batch, heads, 1, dim)
 
 
 class Attention(nn.Module):
@@ -94,9 +117,7 @@ class Attention(nn.Module):
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        self.q_proj = nn.Linear(hidden, q_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
+        self.qkv_proj = StackedLinear(hidden, {"q_proj": q_dim, "k_proj": kv_dim, "v_proj": kv_dim})
         self.o_proj = nn.Linear(q_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -109,23 +130,23 @@ class Attention(nn.Module):
         cache: LayerCache | None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(batch, length, self.num_heads, self.head_dim)
+        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        key_positions = None
-        if cache is not None:
-            k, v, key_positions = cache.update_and_fetch(k, v)
-        mask = self._mask(positions, key_positions, k.shape[2])
+        view = KVView(k, v, k.shape[2], None) if cache is None else cache.update_and_fetch(k, v)
+        mask = self._mask(positions, view.positions, view.length)
         if length == 1 and mask is None and _slow_half_sdpa(q):
-            out = decode_attention(q, k, v, self.scale)
+            out = decode_attention(q, view.keys, view.values, self.scale, view.length)
         else:
+            keys, values = view.real()
             grouped = self.num_heads != self.num_kv_heads
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=grouped
+                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=grouped
             )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -145,12 +166,14 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = StackedLinear(
+            hidden, {"gate_proj": intermediate, "up_proj": intermediate}
+        )
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
@@ -179,13 +202,23 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+class Embedding(nn.Embedding):
+    """The token table, which is also the tied output head."""
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class Gemma3Model(nn.Module):
     """Embedding (scaled by √hidden in the weight dtype), decoder layers, final norm, tied head."""
 
     def __init__(self, config: Gemma3Config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, kind) for kind in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
@@ -195,8 +228,12 @@ class Gemma3Model(nn.Module):
         )
 
     @property
-    def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+    def compute_dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def forward(
         self,
@@ -206,9 +243,9 @@ class Gemma3Model(nn.Module):
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`)."""
-        weight = self.embed_tokens.weight
-        scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=weight.dtype)
-        x = self.embed_tokens(input_ids) * scale
+        x = self.embed_tokens.embed(input_ids, self.compute_dtype)
+        # HF scales by √hidden rounded to the table's dtype (25.25, not 25.298, in bf16).
+        x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for index, layer in enumerate(self.layers):
@@ -216,7 +253,9 @@ class Gemma3Model(nn.Module):
             x = layer(x, ropes[layer.layer_type], positions, cache)
         if last_only:
             x = x[:, -1:]
-        logits = F.linear(self.norm(x), self.head_weight)
+        x = self.norm(x)
+        tied = self.config.tie_word_embeddings
+        logits = self.embed_tokens.head(x) if tied else self.lm_head(x)
         softcap = self.config.final_logit_softcapping
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
