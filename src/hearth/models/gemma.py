@@ -33,16 +33,19 @@ class StackedLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Gemma's RMSNorm: x̂ · (1 + w), computed in fp32 and cast back."""
+    """x̂ · weight, computed in fp32 and cast back; `weight` is kept in fp32.
+
+    Gemma 3 checkpoints hold w and the norm multiplies by 1 + w: the loader stores 1 + w
+    here once (`Gemma3Model.module_tensor`), rather than adding it on every call.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        multiplier = 1.0 + self.weight.float()
-        return F.rms_norm(x.float(), multiplier.shape, multiplier, self.eps).type_as(x)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).type_as(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,8 +59,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin as [tokens, 1, head_dim] (activations are [batch, tokens, heads, dim])."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -135,8 +139,9 @@ class Attention(nn.Module):
         k = k.view(batch, length, self.num_kv_heads, self.head_dim)
         v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
-        k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
+        # One rotation over query and key heads together: half the small ops per layer.
+        rotated = apply_rotary(torch.cat([self.q_norm(q), self.k_norm(k)], dim=2), cos, sin)
+        q, k = rotated.transpose(1, 2).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.transpose(1, 2)
         view = KVView(k, v, k.shape[2], None) if cache is None else cache.update_and_fetch(k, v)
         mask = self._mask(positions, view.positions, view.length)
@@ -215,9 +220,10 @@ class Embedding(nn.Embedding):
 class Gemma3Model(nn.Module):
     """Embedding (scaled by √hidden in the weight dtype), decoder layers, final norm, tied head."""
 
-    def __init__(self, config: Gemma3Config) -> None:
+    def __init__(self, config: Gemma3Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
+        self.compute_dtype = dtype
         self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, kind) for kind in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -227,9 +233,14 @@ class Gemma3Model(nn.Module):
             {kind: RotaryEmbedding(config.head_dim, rope) for kind, rope in config.rope.items()}
         )
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
+    def module_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A canonical checkpoint tensor as this module stores it.
+
+        Norm weights become 1 + w in fp32, from w rounded to the compute dtype first, which
+        is what HF computes on every call (`1.0 + weight.float()` on a weight of that dtype).
+        """
+        tensor = tensor.to(self.compute_dtype)
+        return 1.0 + tensor.float() if name.endswith("norm.weight") else tensor
 
     @property
     def device(self) -> torch.device:
