@@ -30,8 +30,8 @@ TEXT = (
 ) * 20
 
 ENGINES = {
-    "hearth fp32": ("hearth", {"dtype": "float32"}),
-    "hearth bf16": ("hearth", {"dtype": "bfloat16"}),
+    "hearth fp32": ("hearth", {"dtype": "float32", "quantize": "none"}),
+    "hearth bf16": ("hearth", {"dtype": "bfloat16", "quantize": "none"}),
     "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
     "hearth bf16 + int4 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int4"}),
     "HF transformers fp32": ("hf", {"dtype": "float32"}),
@@ -59,7 +59,7 @@ def run_hearth(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
 
     started = time.perf_counter()
     engine = hearth.load(
-        dtype=options["dtype"], device="cpu", progress=False, quantize=options.get("quantize")
+        dtype=options["dtype"], device="cpu", progress=False, quantize=options["quantize"]
     )
     load = time.perf_counter() - started
     sampler = Sampler(SamplingParams())

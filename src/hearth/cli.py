@@ -51,8 +51,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantize",
-        choices=["int8", "int4"],
-        help="keep weights int8/int4 in memory for faster CPU decode (computes in bfloat16)",
+        choices=["auto", "none", "int8", "int4"],
+        default="auto",
+        help="CPU weight quantization in memory (computes in bfloat16); auto: int8 for GGUF "
+        "files on the CPU unless --dtype float32/float16 is given",
     )
 
 

@@ -21,11 +21,31 @@ Messages = list[dict[str, Any]]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_dtype(
-    checkpoint_format: str, device: torch.device, quantize: str | None = None
-) -> torch.dtype:
-    """bf16 on a GPU and with quantized weights; else fp32 on the CPU (exact)."""
-    return torch.bfloat16 if device.type == "cuda" or quantize else torch.float32
+QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
+
+
+def resolve_precision(
+    checkpoint_format: str, device: torch.device, dtype: torch.dtype | None, quantize: str
+) -> tuple[torch.dtype, str | None]:
+    """The compute dtype and CPU weight quantization a load uses.
+
+    "auto": a quantized GGUF file on the CPU keeps its weights int8 in memory and computes in
+    bf16 (3x the fp32 decode speed; mean KL 0.007 nats against fp32 on the 270M model);
+    anything given an explicit float dtype, and every other checkpoint, keeps that dtype.
+    Defaults otherwise: bf16 on a GPU, fp32 on the CPU (exact).
+    """
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(
+            f"unknown quantize {quantize!r} (choose from {', '.join(QUANTIZE_CHOICES)})"
+        )
+    if quantize == "auto":
+        cpu_gguf = checkpoint_format == "gguf" and device.type == "cpu"
+        quantize = "int8" if cpu_gguf and dtype in (None, torch.bfloat16) else "none"
+    if quantize != "none":
+        if dtype not in (None, torch.bfloat16):
+            raise ValueError(f"--quantize {quantize} computes in bfloat16, not {dtype}")
+        return torch.bfloat16, quantize
+    return dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32), None
 
 
 @dataclass
@@ -41,12 +61,12 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         progress: bool = True,
-        quantize: str | None = None,
+        quantize: str = "auto",
     ) -> Engine:
         """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
 
-        `quantize` ("int8" or "int4") keeps linear weights quantized in memory for fast CPU
-        decode (bf16 compute); None keeps them in `dtype`.
+        `quantize`: "int8"/"int4" keep linear weights quantized in memory for fast CPU decode
+        (bf16 compute), "none" keeps them in `dtype`, "auto" picks (see `resolve_precision`).
         """
         path = Path(model) if model is not None else embedded_model_path()
         checkpoint = open_checkpoint(path)
@@ -55,9 +75,9 @@ class Engine:
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
             dtype = DTYPES[dtype]
-        dtype = dtype or default_dtype(checkpoint.format, device, quantize)
+        dtype, weights = resolve_precision(checkpoint.format, device, dtype, quantize)
         tokenizer = checkpoint.tokenizer()
-        return cls(build_model(checkpoint, dtype, device, progress, quantize), tokenizer, path)
+        return cls(build_model(checkpoint, dtype, device, progress, weights), tokenizer, path)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every tensor once (the tied table as head)."""
