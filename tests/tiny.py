@@ -1,4 +1,4 @@
-"""Tiny random Gemma 3 checkpoints, written with HF transformers (the oracle) into temp dirs."""
+"""Tiny random Gemma 3 and Gemma 4 checkpoints, written with HF transformers (the oracle)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,60 @@ def tiny_gemma3_model(seed: int = 0, **overrides: Any) -> Any:
             if "norm" in name:
                 parameter.normal_(0.0, 0.3)
     return model
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def tiny_gemma4_config(**overrides: Any) -> Any:
+    """A tiny `Gemma4TextConfig`: every width is given, since HF's defaults are E2B-sized
+    (the PLE table alone would be 262144 x 7680), and PLE is off unless asked for."""
+    from transformers import Gemma4TextConfig
+
+    fields: dict[str, Any] = {
+        "vocab_size": len(TINY_VOCAB),
+        "vocab_size_per_layer_input": len(TINY_VOCAB),
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 32,  # full layers: 4 of 16 frequency pairs rotate (factor 0.25)
+        "hidden_size_per_layer_input": 0,
+        "sliding_window": 8,
+        "layer_types": [SLIDING, FULL, SLIDING, FULL],
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 512,
+        **overrides,
+    }
+    return Gemma4TextConfig(**fields)
+
+
+def tiny_gemma4_model(seed: int = 0, **overrides: Any) -> Any:
+    """An fp32 HF Gemma4ForCausalLM with random weights.
+
+    HF initialises norms, `layer_scalar` and the router scales to ones: they are randomised so
+    that a wrong convention (1 + w, a missed scale) shows. The token table gets std 0.5 so
+    that logits reach the softcap's curved range.
+    """
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(tiny_gemma4_config(**overrides)).eval()
+    randomise_gemma4(model)
+    return model
+
+
+def randomise_gemma4(model: Any) -> None:
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if "norm" in name or name.endswith(("layer_scalar", "router.scale")):
+                tensor.uniform_(0.5, 1.5)
+            elif name.endswith("per_expert_scale"):
+                tensor.uniform_(0.5, 2.0)
+            elif name.endswith("embed_tokens.weight"):
+                tensor.normal_(0.0, 0.5)
 
 
 def save_hf(model: Any, directory: Path, max_shard_size: str | None = None) -> Path:

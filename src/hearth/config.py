@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hearth.errors import CheckpointError, UnsupportedModelError
 
@@ -13,10 +14,15 @@ SLIDING_ATTENTION = "sliding_attention"
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding of one layer type: base and linear position scaling."""
+    """Rotary embedding of one layer type: base and linear position scaling.
+
+    `partial_rotary_factor` < 1 is Gemma 4's proportional RoPE: only that fraction of the
+    frequency pairs rotates, with exponents still over the full head_dim; the rest pass through.
+    """
 
     theta: float
     linear_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -116,10 +122,256 @@ def gemma3_config(config: dict[str, Any]) -> Gemma3Config:
         raise CheckpointError(f"config has a field of the wrong type: {error}") from None
 
 
-_PARSERS = {"gemma3_text": gemma3_config, "gemma3": gemma3_config}
+@dataclass(frozen=True)
+class MoEConfig:
+    """Gemma 4's sparse expert block, which runs beside the dense MLP in every layer."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
 
 
-def parse_config(config: dict[str, Any]) -> Gemma3Config:
+@dataclass(frozen=True)
+class Gemma4Config:
+    """Gemma 4 text decoder (HF `Gemma4TextConfig` meanings; see docs/gemma4.md).
+
+    Sliding and full-attention layers differ in head_dim and KV heads; the last
+    `num_kv_shared_layers` layers reuse the K/V of the last earlier layer of their type.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    global_head_dim: int
+    num_key_value_heads: int
+    num_global_key_value_heads: int
+    rms_norm_eps: float
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    rope: dict[str, RopeConfig]
+    attention_k_eq_v: bool
+    num_kv_shared_layers: int
+    use_double_wide_mlp: bool
+    hidden_size_per_layer_input: int
+    vocab_size_per_layer_input: int
+    moe: MoEConfig | None
+    final_logit_softcapping: float | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    model_type: str = "gemma4_text"
+
+    @property
+    def first_kv_shared_layer(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    @property
+    def cache_layer_types(self) -> tuple[str, ...]:
+        """Types of the layers that compute K/V and so own a cache (the sharing ones come last)."""
+        return self.layer_types[: self.first_kv_shared_layer]
+
+    def head_dim_of(self, layer_type: str) -> int:
+        return self.global_head_dim if layer_type == FULL_ATTENTION else self.head_dim
+
+    def kv_heads_of(self, layer_type: str) -> int:
+        if layer_type == FULL_ATTENTION:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def mlp_width(self, layer: int) -> int:
+        """Dense MLP width: doubled on the KV-sharing layers of double-wide configs (E2B)."""
+        doubled = self.use_double_wide_mlp and layer >= self.first_kv_shared_layer
+        return self.intermediate_size * (2 if doubled else 1)
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """Bytes of K and V one token adds to dense caches; KV-sharing layers add none."""
+        return sum(
+            2 * self.kv_heads_of(kind) * self.head_dim_of(kind) * element_bytes
+            for kind in self.cache_layer_types
+        )
+
+
+_T = TypeVar("_T")
+
+
+def _field(
+    config: Mapping[str, Any], name: str, kind: Callable[[Any], _T], default: _T | None = None
+) -> _T:
+    """config[name] as `kind`; a missing or null field takes `default`, or is an error without."""
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"config lacks the field {name!r}")
+        return default
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"config field {name!r} has the wrong type: {value!r}") from None
+
+
+def _optional_field(config: Mapping[str, Any], name: str, kind: Callable[[Any], _T]) -> _T | None:
+    return None if config.get(name) is None else _field(config, name, kind)
+
+
+# HF's Gemma 4 defaults, used when `rope_parameters` is absent.
+_GEMMA4_ROPE = {
+    SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL_ATTENTION: {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+}
+
+
+def _gemma4_rope(text: Mapping[str, Any], layer_types: tuple[str, ...]) -> dict[str, RopeConfig]:
+    params = text.get("rope_parameters") or _GEMMA4_ROPE
+    rope = {}
+    for kind in sorted(set(layer_types)):
+        entry = params.get(kind)
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"config field 'rope_parameters' has no entry for {kind!r}")
+        rope_type = entry.get("rope_type", "default")
+        if rope_type not in ("default", "proportional"):
+            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported for Gemma 4")
+        theta = _field(entry, "rope_theta", float)
+        if rope_type == "default":
+            rope[kind] = RopeConfig(theta=theta)
+            continue
+        rope[kind] = RopeConfig(
+            theta=theta,
+            linear_factor=_field(entry, "factor", float, 1.0),
+            partial_rotary_factor=_field(entry, "partial_rotary_factor", float, 1.0),
+        )
+    return rope
+
+
+def _full_layer_override(
+    overrides: Mapping[str, Any], layer_types: tuple[str, ...]
+) -> Mapping[str, Any]:
+    """The override that HF's `per_layer_config` applies to every full-attention layer."""
+    try:
+        by_layer = {int(index): dict(fields) for index, fields in overrides.items()}
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            "config field 'per_layer_config' must map layer indices to objects"
+        ) from None
+    full = [by_layer.get(i, {}) for i, kind in enumerate(layer_types) if kind == FULL_ATTENTION]
+    sliding = any(by_layer.get(i) for i, kind in enumerate(layer_types) if kind != FULL_ATTENTION)
+    if sliding or any(fields != full[0] for fields in full):
+        raise UnsupportedModelError(
+            "config field 'per_layer_config' must override every full-attention layer alike "
+            "and no sliding layer (one head_dim and KV head count per layer type)"
+        )
+    return full[0] if full else {}
+
+
+def _gemma4_attention_widths(
+    text: Mapping[str, Any], layer_types: tuple[str, ...]
+) -> tuple[int, int, int, int]:
+    """(head_dim, global_head_dim, KV heads, full-layer KV heads) from either config dialect."""
+    head_dim = _field(text, "head_dim", int, 256)
+    kv_heads = _field(text, "num_key_value_heads", int)
+    overrides = text.get("per_layer_config")
+    if overrides is not None:  # HF ≥ 5 writes full-layer widths as per-layer overrides
+        full = _full_layer_override(overrides, layer_types)
+        return (
+            head_dim,
+            _field(full, "head_dim", int, head_dim),
+            kv_heads,
+            _field(full, "num_key_value_heads", int, kv_heads),
+        )
+    # Older HF and MLX: plain fields; the global KV head count applies only with k_eq_v.
+    k_eq_v = _field(text, "attention_k_eq_v", bool, False)
+    global_kv = _field(text, "num_global_key_value_heads", int, kv_heads)
+    global_head_dim = _field(text, "global_head_dim", int, 512)
+    return head_dim, global_head_dim, kv_heads, global_kv if k_eq_v else kv_heads
+
+
+def _gemma4_moe(text: Mapping[str, Any]) -> MoEConfig | None:
+    if not _field(text, "enable_moe_block", bool, False):
+        return None
+    return MoEConfig(
+        num_experts=_field(text, "num_experts", int),
+        top_k=_field(text, "top_k_experts", int),
+        intermediate_size=_field(text, "moe_intermediate_size", int),
+    )
+
+
+def _check_kv_sharing(layer_types: tuple[str, ...], shared: int) -> None:
+    """Every KV-sharing layer needs an earlier, non-sharing layer of its type to read from."""
+    first_shared = len(layer_types) - shared
+    if not 0 <= shared < len(layer_types):
+        raise CheckpointError(
+            f"config field 'num_kv_shared_layers' is {shared}: it must be below "
+            f"num_hidden_layers ({len(layer_types)})"
+        )
+    for index in range(first_shared, len(layer_types)):
+        if layer_types[index] not in layer_types[:first_shared]:
+            raise CheckpointError(
+                f"config field 'num_kv_shared_layers' is {shared}: layer {index} "
+                f"({layer_types[index]}) has no earlier layer of its type to share K/V with"
+            )
+
+
+def _gemma4_text(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text decoder's fields: the config itself, or `text_config` of a multimodal one."""
+    if config.get("model_type") != "gemma4":
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("config of model_type 'gemma4' lacks a 'text_config' object")
+    # The multimodal config holds the tying flag for the whole model.
+    return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+
+
+def gemma4_config(config: dict[str, Any]) -> Gemma4Config:
+    text = _gemma4_text(config)
+    if text.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError("use_bidirectional_attention 'all' is not supported")
+    layers = _field(text, "num_hidden_layers", int)
+    layer_types = _layer_types(dict(text), layers)
+    shared = _field(text, "num_kv_shared_layers", int, 0)
+    _check_kv_sharing(layer_types, shared)
+    head_dim, global_head_dim, kv_heads, global_kv_heads = _gemma4_attention_widths(
+        text, layer_types
+    )
+    return Gemma4Config(
+        vocab_size=_field(text, "vocab_size", int),
+        hidden_size=_field(text, "hidden_size", int),
+        intermediate_size=_field(text, "intermediate_size", int),
+        num_hidden_layers=layers,
+        num_attention_heads=_field(text, "num_attention_heads", int),
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
+        num_key_value_heads=kv_heads,
+        num_global_key_value_heads=global_kv_heads,
+        rms_norm_eps=_field(text, "rms_norm_eps", float, 1e-6),
+        sliding_window=_field(text, "sliding_window", int, 512),
+        layer_types=layer_types,
+        rope=_gemma4_rope(text, layer_types),
+        attention_k_eq_v=_field(text, "attention_k_eq_v", bool, False),
+        num_kv_shared_layers=shared,
+        # HF's default (false); mlx-lm's is true, so converted configs always spell it out.
+        use_double_wide_mlp=_field(text, "use_double_wide_mlp", bool, False),
+        hidden_size_per_layer_input=_field(text, "hidden_size_per_layer_input", int, 256),
+        vocab_size_per_layer_input=_field(text, "vocab_size_per_layer_input", int, 262_144),
+        moe=_gemma4_moe(text),
+        final_logit_softcapping=_optional_field(text, "final_logit_softcapping", float),
+        max_position_embeddings=_field(text, "max_position_embeddings", int, 131_072),
+        tie_word_embeddings=_field(text, "tie_word_embeddings", bool, True),
+    )
+
+
+ModelConfig = Gemma3Config | Gemma4Config
+
+_PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    "gemma3_text": gemma3_config,
+    "gemma3": gemma3_config,
+    "gemma4_text": gemma4_config,
+    "gemma4": gemma4_config,
+}
+
+
+def parse_config(config: dict[str, Any]) -> ModelConfig:
     """The typed config of an HF-style dict; unknown model types are refused by name."""
     model_type = config.get("model_type")
     parser = _PARSERS.get(str(model_type))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hearth.errors import CheckpointError
+from hearth.quant.mlx import parse_quantization
 
 if TYPE_CHECKING:
     from hearth.tokenizer import Tokenizer
@@ -31,18 +34,34 @@ _SKIPPED_PREFIXES = (
     "model.embed_vision.",
     "model.embed_audio.",
 )
+# K/V tensors of a layer; Gemma 4's KV-sharing layers never read theirs, which releases keep.
+_LAYER_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
+# Keys of MLX's config.json `quantization` that are settings; the others are module paths.
+_QUANTIZATION_SETTINGS = ("group_size", "bits", "mode")
+_SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def canonical_name(name: str) -> str | None:
     """The canonical name of an HF tensor name, or None for tensors a text model skips."""
     if name.startswith(_SKIPPED_PREFIXES) or "rotary_emb" in name:
         return None
-    if name in ("lm_head.weight", "language_model.lm_head.weight"):
-        return "lm_head.weight"
+    if name.startswith(("lm_head.", "language_model.lm_head.")):
+        return name[name.index("lm_head.") :]  # also an MLX head's .scales and .biases
     for prefix in _DECODER_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name
+
+
+def _canonical_quantization(quantization: dict[str, Any]) -> dict[str, Any]:
+    """MLX's `quantization` with per-module keys (MLX module paths) made canonical."""
+    canonical: dict[str, Any] = {}
+    for key, entry in quantization.items():
+        if key in _QUANTIZATION_SETTINGS:
+            canonical[key] = entry
+        elif (name := canonical_name(f"{key}.weight")) is not None:
+            canonical[name.removesuffix(".weight")] = entry
+    return canonical
 
 
 def _read_json(path: Path) -> Any:
@@ -62,6 +81,10 @@ class SafetensorsCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.config  # noqa: B018 -- fail now, not at first use
+        try:
+            parse_quantization(self.config)
+        except CheckpointError as error:
+            raise CheckpointError(f"{path / 'config.json'}: {error}") from None
 
     @cached_property
     def config(self) -> dict[str, Any]:
@@ -70,11 +93,16 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.path / 'config.json'} is not a JSON object")
         # Multimodal checkpoints nest the decoder's config.
         text = config.get("text_config")
-        return (
-            {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-            if isinstance(text, dict)
-            else config
-        )
+        if isinstance(text, dict):
+            text = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+            # MLX (and HF quantizers) keep the quantization at the top level.
+            for key in ("quantization", "quantization_config"):
+                if key in config:
+                    text[key] = config[key]
+            config = text
+        if isinstance(config.get("quantization"), dict):
+            config["quantization"] = _canonical_quantization(config["quantization"])
+        return config
 
     @cached_property
     def _files(self) -> dict[str, Path]:
@@ -101,8 +129,19 @@ class SafetensorsCheckpoint:
         except (SafetensorError, OSError) as error:
             raise CheckpointError(f"{file} is not a readable safetensors file: {error}") from None
 
+    @cached_property
+    def _first_kv_shared_layer(self) -> float:
+        shared = self.config.get("num_kv_shared_layers") or 0
+        return self.config.get("num_hidden_layers", 0) - shared if shared else math.inf
+
+    def _canonical(self, name: str) -> str | None:
+        """`canonical_name`, also None for the unused K/V of Gemma 4 KV-sharing layers."""
+        canonical = canonical_name(name)
+        kv = _LAYER_KV.match(canonical or "")
+        return None if kv and int(kv[1]) >= self._first_kv_shared_layer else canonical
+
     def tensor_names(self) -> list[str]:
-        return [n for n in map(canonical_name, self._files) if n is not None]
+        return [n for n in map(self._canonical, self._files) if n is not None]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
@@ -111,7 +150,7 @@ class SafetensorsCheckpoint:
         for file, names in by_file.items():
             with self._open(file) as handle:
                 for name in names:
-                    canonical = canonical_name(name)
+                    canonical = self._canonical(name)
                     if canonical is None:
                         continue
                     try:
@@ -120,6 +159,16 @@ class SafetensorsCheckpoint:
                         raise CheckpointError(
                             f"{file}: tensor {name} is corrupt: {error}"
                         ) from None
+
+    @cached_property
+    def quantized_dtype(self) -> torch.dtype | None:
+        """The dtype of the MLX scales, which packed weights dequantize in; None if unpacked."""
+        for name, file in self._files.items():
+            if name.endswith(".scales"):
+                with self._open(file) as handle:
+                    stored = handle.get_slice(name).get_dtype()  # from the header only
+                return _SCALE_DTYPES.get(stored)
+        return None
 
     @cached_property
     def generation_config(self) -> dict[str, Any]:

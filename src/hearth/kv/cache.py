@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from hearth.config import SLIDING_ATTENTION, Gemma3Config
+from hearth.config import SLIDING_ATTENTION, Gemma4Config, ModelConfig
 
 # Position of an empty slot: in the future of every query, so causality hides it.
 _EMPTY = 2**62
@@ -172,9 +172,13 @@ class RotatingCache:
         return (self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes) * stored
 
 
-def make_caches(config: Gemma3Config) -> list[LayerCache]:
-    """One cache per layer: rotating on sliding-window layers, dense on full layers."""
+def make_caches(config: ModelConfig) -> list[LayerCache]:
+    """One cache per layer that computes K/V: rotating on sliding-window layers, dense on full.
+
+    Gemma 4's KV-sharing layers come last and read their donor's cache, so they get none.
+    """
+    kinds = config.cache_layer_types if isinstance(config, Gemma4Config) else config.layer_types
     return [
         RotatingCache(config.sliding_window) if kind == SLIDING_ATTENTION else DenseCache()
-        for kind in config.layer_types
+        for kind in kinds
     ]

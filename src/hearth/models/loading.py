@@ -10,9 +10,10 @@ from torch import nn
 from tqdm import tqdm
 
 from hearth.checkpoint import Checkpoint
-from hearth.config import Gemma3Config, parse_config
+from hearth.config import Gemma3Config, ModelConfig, parse_config
 from hearth.errors import CheckpointError
 from hearth.models.gemma import Gemma3Model, StackedLinear
+from hearth.models.gemma4 import Gemma4Model
 from hearth.quant.mlx import (
     PACKED_TENSORS,
     AffineSpec,
@@ -31,7 +32,7 @@ def build_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     quantize: str | None = None,
-) -> Gemma3Model:
+) -> Gemma3Model | Gemma4Model:
     """The model of `checkpoint` in `dtype` on `device`; every parameter must come from the file.
 
     MLX-quantized modules stay packed (their scales and biases keep the file's dtype, so their
@@ -42,7 +43,7 @@ def build_model(
     if quantize is not None and quantization is not None:
         raise ValueError(f"{checkpoint.path} is already quantized (MLX affine): drop {quantize!r}")
     with torch.device("meta"):
-        model = Gemma3Model(config)
+        model = _model_class(config)(config, dtype)
     expected = _expected_shapes(model)
     names = [name for name in checkpoint.tensor_names() if not _is_tied_head(name, config)]
     packed_modules = quantization.quantized_modules(names) if quantization else set()
@@ -71,7 +72,7 @@ def build_model(
                 f"{checkpoint.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the config implies {target}"
             )
-        loaded[name] = tensor.to(device=device, dtype=dtype)
+        loaded[name] = model.module_tensor(name, tensor.to(device))
     packed_weights = {f"{module}.weight" for module in packed_modules}
     missing = sorted(set(expected) - set(loaded) - packed_weights)
     if missing:
@@ -86,7 +87,11 @@ def build_model(
     return model
 
 
-def _is_tied_head(name: str, config: Gemma3Config) -> bool:
+def _model_class(config: ModelConfig) -> type[Gemma3Model | Gemma4Model]:
+    return Gemma3Model if isinstance(config, Gemma3Config) else Gemma4Model
+
+
+def _is_tied_head(name: str, config: ModelConfig) -> bool:
     return config.tie_word_embeddings and name.startswith("lm_head.")
 
 

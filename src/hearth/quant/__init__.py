@@ -1,4 +1,4 @@
-"""Weight-only quantization (int8 per row, int4 per group) for memory-bound CPU decode."""
+"""Weight quantization: MLX affine groups (checkpoint format) and CPU int8/int4 decode paths."""
 
 from hearth.quant.cpu import (
     HAS_INT4_KERNEL,
@@ -12,16 +12,36 @@ from hearth.quant.cpu import (
     quantize_int8_rows,
     quantize_model,
 )
+from hearth.quant.mlx import (
+    AffineSpec,
+    MLXQuantization,
+    MLXQuantizedEmbedding,
+    MLXQuantizedLinear,
+    dequantize_affine,
+    pack_codes,
+    parse_quantization,
+    quantize_affine,
+    unpack_codes,
+)
 
 __all__ = [
     "HAS_INT4_KERNEL",
     "HAS_INT8_KERNEL",
+    "AffineSpec",
     "Int4Linear",
     "Int8Linear",
+    "MLXQuantization",
+    "MLXQuantizedEmbedding",
+    "MLXQuantizedLinear",
     "QuantizedEmbeddingHead",
+    "dequantize_affine",
     "dequantize_int4_groups",
     "dequantize_int8_rows",
+    "pack_codes",
+    "parse_quantization",
+    "quantize_affine",
     "quantize_int4_groups",
     "quantize_int8_rows",
     "quantize_model",
+    "unpack_codes",
 ]

@@ -1,0 +1,346 @@
+"""Gemma 4 text decoder in PyTorch (spec: shared/reference/gemma4-architecture.md §2, §7).
+
+It reuses the Gemma 3 pieces that compute the same thing (x̂·w RMSNorm, stacked projections,
+GeGLU MLP, RoPE tables, masks, decode attention, the tied embedding) and adds what Gemma 4
+changes: attention scale 1 with a weightless V norm, K standing in for V on k_eq_v layers,
+proportional RoPE on full layers, KV sharing, per-layer embeddings (PLE), the MoE block beside
+the dense MLP, `layer_scalar` and the final softcap. Parameter names follow HF's, without the
+`model.` prefix, so canonical checkpoint tensors load by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config, RopeConfig
+from hearth.kv.cache import KVView, LayerCache
+from hearth.models.gemma import (
+    MLP,
+    Embedding,
+    RMSNorm,
+    RotaryEmbedding,
+    StackedLinear,
+    _slow_half_sdpa,
+    apply_rotary,
+    attention_mask,
+    decode_attention,
+)
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a learned scale (V, the router input), in fp32 and cast back."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).type_as(x)
+
+
+class ProportionalRotaryEmbedding(RotaryEmbedding):
+    """RoPE that rotates only the first `partial_rotary_factor` of the frequency pairs.
+
+    Exponents stay over the full head_dim (1e6^(-2j/512) on a 512-wide head), and the other
+    pairs get angle 0, i.e. pass through: HF's "proportional" RoPE, not LLaMA's partial
+    rotation (pitfall 3). A factor of 1 is the default RoPE.
+    """
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__(head_dim, rope)
+        rotated_pairs = int(rope.partial_rotary_factor * head_dim // 2)
+        self.inv_freq[rotated_pairs:] = 0.0
+
+
+def attend(
+    q: torch.Tensor, view: KVView, positions: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Scale-1 attention of q [batch, heads, queries, dim] over a cache view, softmax in fp32."""
+    mask = _mask(positions, view, window)
+    if q.shape[2] == 1 and mask is None and _slow_half_sdpa(q):
+        return decode_attention(q, view.keys, view.values, 1.0, view.length)
+    keys, values = view.real()
+    grouped = q.shape[1] != keys.shape[1]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=1.0, enable_gqa=grouped
+    )
+
+
+def _mask(positions: torch.Tensor, view: KVView, window: int | None) -> torch.Tensor | None:
+    key_positions = view.positions
+    if key_positions is None:
+        # Keys are positions 0..length-1 in order: one query at the end needs no causal mask.
+        if positions.shape[0] == 1 and (window is None or view.length <= window):
+            return None
+        key_positions = torch.arange(view.length, device=positions.device)
+    return attention_mask(positions, key_positions, window)
+
+
+class Gemma4Attention(nn.Module):
+    """q/k norms instead of 1/√d; V RMS-normalised without weight.
+
+    On k_eq_v full layers V is the raw K projection (before k_norm and RoPE). KV-sharing
+    layers have only q_proj/q_norm/o_proj and attend over their donor's K/V.
+    """
+
+    def __init__(self, config: Gemma4Config, layer: int) -> None:
+        super().__init__()
+        kind = config.layer_types[layer]
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.kv_heads_of(kind)
+        self.head_dim = config.head_dim_of(kind)
+        self.window = config.sliding_window if kind == SLIDING_ATTENTION else None
+        self.eps = config.rms_norm_eps
+        self.shares_kv = layer >= config.first_kv_shared_layer
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = {"q_proj": q_dim}
+        if not self.shares_kv:
+            parts["k_proj"] = kv_dim
+            if not (config.attention_k_eq_v and kind == FULL_ATTENTION):
+                parts["v_proj"] = kv_dim
+            self.k_norm = RMSNorm(self.head_dim, self.eps)
+        self.qkv_proj = StackedLinear(config.hidden_size, parts)
+        self.q_norm = RMSNorm(self.head_dim, self.eps)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        positions: torch.Tensor,
+        cache: LayerCache | None,
+        shared: KVView | None,
+    ) -> tuple[torch.Tensor, KVView]:
+        """Output and the K/V view attended over (what KV-sharing layers reuse)."""
+        batch, length, _ = x.shape
+        q, *kv = self.qkv_proj(x)
+        q = apply_rotary(self.q_norm(q.view(batch, length, self.num_heads, -1)), *rope)
+        if shared is None:
+            shared = self._store_keys_values(kv, rope, cache)
+        out = attend(q.transpose(1, 2), shared, positions, self.window)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), shared
+
+    def _store_keys_values(
+        self, kv: list[torch.Tensor], rope: Rope, cache: LayerCache | None
+    ) -> KVView:
+        batch, length, _ = kv[0].shape
+        k, v = (t.view(batch, length, self.num_kv_heads, -1) for t in (kv[0], kv[-1]))
+        k = apply_rotary(self.k_norm(k), *rope).transpose(1, 2)
+        v = unit_rms_norm(v, self.eps).transpose(1, 2)  # without v_proj, kv[-1] is raw K
+        return KVView(k, v, length, None) if cache is None else cache.update_and_fetch(k, v)
+
+
+class Router(nn.Module):
+    """Chooses `top_k` experts from the unnormalised residual; weights sum to 1, then scaled."""
+
+    def __init__(self, config: Gemma4Config) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.top_k = config.moe.top_k
+        self.eps = config.rms_norm_eps
+        self.proj = nn.Linear(config.hidden_size, config.moe.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights (fp32) and expert ids, both [tokens, top_k]."""
+        x = unit_rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
+        probabilities = self.proj(x).float().softmax(dim=-1)
+        weights, experts = probabilities.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
+class Experts(nn.Module):
+    """GeGLU experts stored as HF does: gate and up stacked [E, 2·I, H], down [E, H, I]."""
+
+    def __init__(self, config: Gemma4Config) -> None:
+        super().__init__()
+        assert config.moe is not None
+        experts, width = config.moe.num_experts, config.moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(experts, config.hidden_size, width))
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """x [tokens, H]; each expert runs once on the tokens that chose it."""
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            tokens, slots = (experts == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+            weighted = (y * weights[tokens, slots, None]).to(x.dtype)
+            out.index_put_((tokens,), weighted, accumulate=True)  # ~3x faster than index_add_
+        return out
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """Sandwich-normed attention and feed-forward, then the PLE update, all scaled by
+    `layer_scalar`. With MoE the feed-forward is dense MLP + experts, each with its own norms."""
+
+    def __init__(self, config: Gemma4Config, layer: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = config.layer_types[layer]
+        self.self_attn = Gemma4Attention(config, layer)
+        self.mlp = MLP(hidden, config.mlp_width(layer))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.has_moe = config.moe is not None
+        if self.has_moe:
+            self.router = Router(config)
+            self.experts = Experts(config)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+        per_layer_width = config.hidden_size_per_layer_input
+        if per_layer_width:
+            self.per_layer_input_gate = nn.Linear(hidden, per_layer_width, bias=False)
+            self.per_layer_projection = nn.Linear(per_layer_width, hidden, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        positions: torch.Tensor,
+        cache: LayerCache | None,
+        shared: KVView | None,
+        per_layer_input: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, KVView]:
+        attended, view = self.self_attn(self.input_layernorm(x), rope, positions, cache, shared)
+        x = x + self.post_attention_layernorm(attended)
+        x = x + self.post_feedforward_layernorm(self._feed_forward(x))
+        if per_layer_input is not None:
+            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar, view
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        dense = self.mlp(self.pre_feedforward_layernorm(x))
+        if not self.has_moe:
+            return dense
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.router(flat)  # the router reads the unnormalised residual
+        sparse = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)
+        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(
+            sparse.view_as(x)
+        )
+
+
+class Gemma4Model(nn.Module):
+    """Scaled embedding (+ per-layer inputs), decoder layers, final norm, tied head, softcap."""
+
+    def __init__(self, config: Gemma4Config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.compute_dtype = dtype
+        self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma4DecoderLayer(config, layer) for layer in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = nn.ModuleDict(
+            {
+                kind: ProportionalRotaryEmbedding(config.head_dim_of(kind), rope)
+                for kind, rope in config.rope.items()
+            }
+        )
+        per_layer_width = config.hidden_size_per_layer_input * config.num_hidden_layers
+        if per_layer_width:
+            self.embed_tokens_per_layer: nn.Module = Embedding(
+                config.vocab_size_per_layer_input, per_layer_width
+            )
+            self.per_layer_model_projection = nn.Linear(
+                config.hidden_size, per_layer_width, bias=False
+            )
+            self.per_layer_projection_norm = RMSNorm(
+                config.hidden_size_per_layer_input, config.rms_norm_eps
+            )
+
+    def module_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A canonical checkpoint tensor as this module stores it: norm weights (x̂·w, used as
+        they are) in fp32 from the value rounded to the compute dtype, as HF upcasts per call."""
+        tensor = tensor.to(self.compute_dtype)
+        return tensor.float() if _is_norm_weight(name) else tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        caches: Sequence[LayerCache] | None = None,
+        start: int = 0,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
+
+        `caches` holds one cache per layer that computes K/V (`make_caches`); the KV-sharing
+        layers that come last read their donor's view from this same call instead.
+        """
+        x = self.embed_tokens.embed(input_ids, self.compute_dtype)
+        # HF scales by √hidden rounded to the table's dtype (50.5, not 50.596, in bf16).
+        x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
+        per_layer = self._per_layer_inputs(input_ids, x)
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
+        donors: dict[str, KVView] = {}
+        first_shared = self.config.first_kv_shared_layer
+        for index, layer in enumerate(self.layers):
+            if index == first_shared and last_only:
+                # Sharing layers write no cache, so only the last position still matters.
+                x, positions, per_layer = x[:, -1:], positions[-1:], _last(per_layer)
+                ropes = {kind: (cos[-1:], sin[-1:]) for kind, (cos, sin) in ropes.items()}
+            owns_kv = index < first_shared
+            x, view = layer(
+                x,
+                ropes[layer.layer_type],
+                positions,
+                caches[index] if caches is not None and owns_kv else None,
+                None if owns_kv else donors[layer.layer_type],
+                None if per_layer is None else per_layer[:, :, index],
+            )
+            if owns_kv:  # the last owner of each type is the donor of the sharers of that type
+                donors[layer.layer_type] = view
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm(x)
+        tied = self.config.tie_word_embeddings
+        logits = self.embed_tokens.head(x) if tied else self.lm_head(x)
+        softcap = self.config.final_logit_softcapping
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    def _per_layer_inputs(
+        self, input_ids: torch.Tensor, embedded: torch.Tensor
+    ) -> torch.Tensor | None:
+        """PLE [batch, tokens, layers, width]: the token's own row (scaled by √width) plus a
+        normed projection of the scaled embedding (by 1/√hidden), together scaled by 1/√2."""
+        width = self.config.hidden_size_per_layer_input
+        if not width:
+            return None
+        shape = (self.config.num_hidden_layers, width)
+        rows = self.embed_tokens_per_layer.embed(input_ids, self.compute_dtype)
+        tokens = rows * torch.tensor(math.sqrt(width), dtype=rows.dtype)
+        context = self.per_layer_model_projection(embedded) * self.config.hidden_size**-0.5
+        context = self.per_layer_projection_norm(context.unflatten(-1, shape))
+        return (context + tokens.unflatten(-1, shape)) * 2**-0.5
+
+
+def _last(per_layer: torch.Tensor | None) -> torch.Tensor | None:
+    return None if per_layer is None else per_layer[:, -1:]
+
+
+def _is_norm_weight(name: str) -> bool:
+    owner = name.removesuffix(".weight").rpartition(".")[2]
+    return name.endswith(".weight") and "norm" in owner
