@@ -81,7 +81,8 @@ def tiny_gemma4_model(seed: int = 0, **overrides: Any) -> Any:
 
     HF initialises norms, `layer_scalar` and the router scales to ones: they are randomised so
     that a wrong convention (1 + w, a missed scale) shows. The token table gets std 0.5 so
-    that logits reach the softcap's curved range.
+    that logits reach the softcap's curved range, and the router std 3 so that expert scores
+    differ (with HF's 0.02 they nearly tie, and any rounding reorders the top-k).
     """
     from transformers import Gemma4ForCausalLM
 
@@ -100,6 +101,8 @@ def randomise_gemma4(model: Any) -> None:
                 tensor.uniform_(0.5, 2.0)
             elif name.endswith("embed_tokens.weight"):
                 tensor.normal_(0.0, 0.5)
+            elif name.endswith("router.proj.weight"):
+                tensor.normal_(0.0, 3.0)
 
 
 def save_hf(model: Any, directory: Path, max_shard_size: str | None = None) -> Path:

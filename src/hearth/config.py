@@ -144,10 +144,10 @@ class Gemma4Config:
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    head_dim: int
-    global_head_dim: int
-    num_key_value_heads: int
-    num_global_key_value_heads: int
+    head_dim: int  # sliding-window layers
+    global_head_dim: int  # full-attention layers
+    num_key_value_heads: int  # sliding-window layers
+    num_global_key_value_heads: int  # full-attention layers, whichever field it came from
     rms_norm_eps: float
     sliding_window: int
     layer_types: tuple[str, ...]

@@ -112,14 +112,13 @@ class Gemma4Attention(nn.Module):
         cache: LayerCache | None,
         shared: KVView | None,
     ) -> tuple[torch.Tensor, KVView]:
-        """Output and the K/V view attended over (what KV-sharing layers reuse)."""
+        """Output and the K/V view attended over, which KV-sharing layers get as `shared`."""
         batch, length, _ = x.shape
         q, *kv = self.qkv_proj(x)
         q = apply_rotary(self.q_norm(q.view(batch, length, self.num_heads, -1)), *rope)
-        if shared is None:
-            shared = self._store_keys_values(kv, rope, cache)
-        out = attend(q.transpose(1, 2), shared, positions, self.window)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), shared
+        view = self._store_keys_values(kv, rope, cache) if shared is None else shared
+        out = attend(q.transpose(1, 2), view, positions, self.window)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), view
 
     def _store_keys_values(
         self, kv: list[torch.Tensor], rope: Rope, cache: LayerCache | None
