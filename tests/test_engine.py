@@ -15,20 +15,29 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 @pytest.mark.parametrize(
-    ("fmt", "device", "dtype", "quantize", "expected"),
+    ("fmt", "device", "dtype", "quantize", "expected", "stored"),
     [
-        ("gguf", CPU, None, "auto", (torch.bfloat16, "int8")),
-        ("gguf", CPU, torch.bfloat16, "auto", (torch.bfloat16, "int8")),
-        ("gguf", CPU, torch.float32, "auto", (torch.float32, None)),
-        ("gguf", CUDA, None, "auto", (torch.bfloat16, None)),
-        ("safetensors", CPU, None, "auto", (torch.float32, None)),
-        ("safetensors", CPU, None, "int4", (torch.bfloat16, "int4")),
-        ("gguf", CPU, None, "none", (torch.float32, None)),
+        ("safetensors", CPU, None, "auto", (torch.bfloat16, None), torch.bfloat16),
+        ("safetensors", CPU, torch.float32, "auto", (torch.float32, None), torch.bfloat16),
+        ("safetensors", CUDA, None, "auto", (torch.float16, None), torch.float16),
+        ("gguf", CPU, None, "auto", (torch.bfloat16, "int8"), None),
+        ("gguf", CPU, torch.bfloat16, "auto", (torch.bfloat16, "int8"), None),
+        ("gguf", CPU, torch.float32, "auto", (torch.float32, None), None),
+        ("gguf", CUDA, None, "auto", (torch.bfloat16, None), None),
+        ("safetensors", CPU, None, "auto", (torch.float32, None), torch.float32),
+        ("safetensors", CPU, None, "int4", (torch.bfloat16, "int4"), None),
+        ("gguf", CPU, None, "none", (torch.float32, None), None),
     ],
 )
-def test_resolve_precision(fmt: str, device: torch.device, dtype: Any, quantize: str,
-                           expected: tuple[torch.dtype, str | None]) -> None:
-    assert resolve_precision(fmt, device, dtype, quantize) == expected
+def test_resolve_precision(
+    fmt: str,
+    device: torch.device,
+    dtype: Any,
+    quantize: str,
+    expected: tuple[torch.dtype, str | None],
+    stored: torch.dtype | None,
+) -> None:
+    assert resolve_precision(fmt, device, dtype, quantize, stored) == expected
 
 
 def test_quantize_with_a_float32_dtype_is_refused() -> None:
@@ -63,5 +72,6 @@ def test_default_engine_stays_close_to_fp32(default_engine: Any, hearth_270m: An
         fast = default_engine.model(ids).float().log_softmax(-1)
     kl = (exact.exp() * (exact - fast)).sum(-1).mean().item()
     assert kl < 0.02
-    assert default_engine.generate("The capital of France is Paris. The capital of Germany is",
-                                   max_tokens=3).startswith(" Berlin")
+    assert default_engine.generate(
+        "The capital of France is Paris. The capital of Germany is", max_tokens=3
+    ).startswith(" Berlin")

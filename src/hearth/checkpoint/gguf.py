@@ -144,6 +144,21 @@ class GGUFCheckpoint:
         except KeyError:
             raise CheckpointError(f"{self.path}: GGUF file lacks tensor {name!r}") from None
 
+    stored_dtype = None  # quantized blocks: the engine picks (see engine.resolve_precision)
+
+    def tensor_storage(self) -> dict[str, tuple[tuple[int, ...], int, str]]:
+        """Each tensor's (shape, bytes, GGML type name)."""
+        import gguf
+
+        return {
+            canonical_name(name): (
+                info.shape,
+                info.nbytes,
+                gguf.GGMLQuantizationType(info.type_id).name,
+            )
+            for name, info in self._tensor_infos.items()
+        }
+
     def tensor_names(self) -> list[str]:
         return [canonical_name(name) for name in self._tensor_infos]
 

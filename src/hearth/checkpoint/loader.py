@@ -25,7 +25,16 @@ class Checkpoint(Protocol):
     @property
     def config(self) -> dict[str, Any]: ...
 
+    @property
+    def stored_dtype(self) -> torch.dtype | None:
+        """The float dtype the weights are stored in (None: quantized blocks)."""
+        ...
+
     def tensor_names(self) -> list[str]: ...
+
+    def tensor_storage(self) -> dict[str, tuple[tuple[int, ...], int, str]]:
+        """Each tensor's (shape, stored bytes, storage type name), without reading data."""
+        ...
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 

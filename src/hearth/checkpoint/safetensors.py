@@ -38,6 +38,22 @@ _SKIPPED_PREFIXES = (
 _LAYER_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
 # Keys of MLX's config.json `quantization` that are settings; the others are module paths.
 _QUANTIZATION_SETTINGS = ("group_size", "bits", "mode")
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -168,6 +184,30 @@ class SafetensorsCheckpoint:
                 with self._open(file) as handle:
                     stored = handle.get_slice(name).get_dtype()  # from the header only
                 return _SCALE_DTYPES.get(stored)
+        return None
+
+    def tensor_storage(self) -> dict[str, tuple[tuple[int, ...], int, str]]:
+        """Each stored tensor's (shape, bytes, dtype name), from the file headers only."""
+        storage = {}
+        for name, file in self._files.items():
+            canonical = self._canonical(name)
+            if canonical is None:
+                continue
+            with self._open(file) as handle:
+                view = handle.get_slice(name)
+                shape, dtype = tuple(view.get_shape()), view.get_dtype()
+            storage[canonical] = (shape, math.prod(shape) * _DTYPE_BYTES[dtype], dtype)
+        return storage
+
+    @cached_property
+    def stored_dtype(self) -> torch.dtype | None:
+        """The dtype weights compute in by default: the MLX scales' for packed checkpoints,
+        else the first floating tensor's."""
+        if self.quantized_dtype is not None:
+            return self.quantized_dtype
+        for _, _, dtype in self.tensor_storage().values():
+            if dtype in _SCALE_DTYPES:
+                return _SCALE_DTYPES[dtype]
         return None
 
     @cached_property

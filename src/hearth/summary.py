@@ -1,0 +1,112 @@
+"""`hearth inspect`: what a checkpoint holds, from its headers and config only."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearth.checkpoint import open_checkpoint
+from hearth.config import Gemma3Config, parse_config
+from hearth.quant.mlx import parse_quantization
+
+# Canonical-name fragments -> module kind, first match wins.
+_KINDS = (
+    ("embed_tokens_per_layer", "per-layer embeddings"),
+    ("per_layer", "per-layer inputs"),
+    ("embed_tokens", "embedding"),
+    ("lm_head", "head"),
+    ("experts", "experts"),
+    ("router", "router"),
+    ("self_attn", "attention"),
+    ("norm", "norms"),
+    ("mlp", "mlp"),
+)
+
+
+def module_kind(name: str) -> str:
+    return next((kind for fragment, kind in _KINDS if fragment in name), "other")
+
+
+def _layer_pattern(layer_types: tuple[str, ...]) -> str:
+    """Run-length form, e.g. '5 sliding, 1 full (x3)'."""
+    runs: list[tuple[str, int]] = []
+    for kind in layer_types:
+        short = kind.removesuffix("_attention")
+        if runs and runs[-1][0] == short:
+            runs[-1] = (short, runs[-1][1] + 1)
+        else:
+            runs.append((short, 1))
+    period = next(
+        (
+            p
+            for p in range(1, len(runs) + 1)
+            if len(runs) % p == 0 and runs == runs[:p] * (len(runs) // p)
+        ),
+        len(runs),
+    )
+    unit = ", ".join(f"{count} {kind}" for kind, count in runs[:period])
+    repeats = len(runs) // period
+    return f"{unit} (x{repeats})" if repeats > 1 else unit
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return ""
+
+
+def describe(path: str | Path) -> str:
+    """A human-readable summary of the checkpoint at `path`."""
+    from hearth.models.loading import _model_class
+
+    checkpoint = open_checkpoint(path)
+    config = parse_config(checkpoint.config)
+    with torch.device("meta"):
+        model = _model_class(config)(config, torch.bfloat16)
+    parameters = sum(p.numel() for p in model.parameters())
+    storage = checkpoint.tensor_storage()
+    by_kind: dict[str, int] = defaultdict(int)
+    types: Counter[str] = Counter()
+    for name, (_, nbytes, type_name) in storage.items():
+        by_kind[module_kind(name)] += nbytes
+        types[type_name] += 1
+    tied = " (tied head)" if config.tie_word_embeddings else ""
+    lines = [
+        f"model: {checkpoint.path}",
+        f"format: {checkpoint.format}",
+        f"architecture: {config.model_type}, {config.num_hidden_layers} layers, "
+        f"hidden {config.hidden_size}, vocab {config.vocab_size}{tied}",
+        f"layers: {_layer_pattern(config.layer_types)}; sliding window {config.sliding_window}",
+        f"parameters: {parameters / 1e6:,.1f} M",
+        f"stored: {_bytes(sum(by_kind.values()))}",
+        *(
+            f"  {kind}: {_bytes(size)}"
+            for kind, size in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        ),
+        "tensor types: " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
+        f"quantization: {_quantization_summary(checkpoint.config)}",
+        f"KV cache: {_bytes(config.kv_bytes_per_token(2))} per token in bf16"
+        + ("" if isinstance(config, Gemma3Config) else " (layers that own a cache)"),
+    ]
+    return "\n".join(lines)
+
+
+def _quantization_summary(raw_config: dict[str, Any]) -> str:
+    """MLX affine: the default bits/group and how many modules override it."""
+    quantization = parse_quantization(raw_config)
+    if quantization is None:
+        return "none declared (GGUF files quantize per tensor: see tensor types)"
+    default = quantization.default
+    overrides = Counter(
+        "float" if spec is None else f"{spec.bits}-bit/g{spec.group_size}"
+        for spec in quantization.modules.values()
+    )
+    text = f"MLX affine, {default.bits}-bit, group {default.group_size}"
+    if overrides:
+        text += "; per module: " + ", ".join(f"{k} x{n}" for k, n in overrides.most_common())
+    return text

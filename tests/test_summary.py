@@ -1,0 +1,42 @@
+"""`hearth inspect` summaries against hand-derived values and HF's parameter counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiny import save_hf, tiny_gemma3_model
+
+from hearth.summary import _layer_pattern, describe, module_kind
+
+
+def test_layer_pattern_is_run_length_with_period() -> None:
+    sliding, full = "sliding_attention", "full_attention"
+    assert (
+        _layer_pattern((sliding,) * 5 + (full,) + (sliding,) * 5 + (full,))
+        == "5 sliding, 1 full (x2)"
+    )
+    assert _layer_pattern((sliding, full, full)) == "1 sliding, 2 full"
+
+
+def test_module_kinds() -> None:
+    assert module_kind("layers.3.self_attn.q_proj.weight") == "attention"
+    assert module_kind("layers.3.self_attn.q_norm.weight") == "attention"
+    assert module_kind("layers.0.post_feedforward_layernorm.weight") == "norms"
+    assert module_kind("embed_tokens_per_layer.weight") == "per-layer embeddings"
+
+
+def test_describe_tiny_hf_checkpoint(tmp_path: Path) -> None:
+    hf = tiny_gemma3_model()
+    text = describe(save_hf(hf, tmp_path))
+    assert f"parameters: {hf.num_parameters() / 1e6:,.1f} M" in text
+    assert "format: safetensors" in text and "1 sliding, 1 full (x2)" in text
+    # 4 layers x (K + V) x 2 KV heads x 32 dims x 2 bytes = 1024 bytes.
+    assert "KV cache: 1.0 KiB per token in bf16" in text
+    assert "tensor types: F32 x" in text
+
+
+def test_describe_embedded_gguf(embedded_gguf: Path) -> None:
+    text = describe(embedded_gguf)
+    assert "18 layers, hidden 640, vocab 262144 (tied head)" in text
+    assert "5 sliding, 1 full (x3)" in text
+    assert "Q4_K x27" in text and "Q8_0 x10" in text
