@@ -55,6 +55,11 @@ _DTYPE_BYTES = {
     "F8_E5M2": 1,
 }
 _SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# MLX nests Gemma 4's expert projections in a SwitchGLU; canonical names drop that level.
+_MLX_EXPERTS = ".experts.switch_glu."
+# HF's stacked expert tensors and the canonical parts they hold, stacked along dim -2.
+_HF_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_HF_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def canonical_name(name: str) -> str | None:
@@ -63,10 +68,30 @@ def canonical_name(name: str) -> str | None:
         return None
     if name.startswith(("lm_head.", "language_model.lm_head.")):
         return name[name.index("lm_head.") :]  # also an MLX head's .scales and .biases
+    name = name.replace(_MLX_EXPERTS, ".experts.")
     for prefix in _DECODER_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name
+
+
+def _expert_parts(name: str) -> tuple[str, ...]:
+    """The canonical tensors that tensor `name` holds: itself, or HF's experts' parts.
+
+    Canonical checkpoints hold each expert projection apart, as MLX does
+    (`layers.0.experts.gate_proj.weight` [E, I, H]); HF stacks gate and up ([E, 2·I, H])
+    and names its weights without `.weight`.
+    """
+    stacked = _HF_EXPERTS.match(name)
+    if stacked is None:
+        return (name,)
+    return tuple(f"{stacked[1]}.{part}.weight" for part in _HF_EXPERT_PARTS[stacked[2]])
+
+
+def _split_parts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    parts = _expert_parts(name)
+    pieces = tensor.chunk(len(parts), dim=-2) if len(parts) > 1 else (tensor,)
+    yield from zip(parts, pieces, strict=True)
 
 
 def _canonical_quantization(quantization: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +182,8 @@ class SafetensorsCheckpoint:
         return None if kv and int(kv[1]) >= self._first_kv_shared_layer else canonical
 
     def tensor_names(self) -> list[str]:
-        return [n for n in map(self._canonical, self._files) if n is not None]
+        names = (n for n in map(self._canonical, self._files) if n is not None)
+        return [part for name in names for part in _expert_parts(name)]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
@@ -170,11 +196,12 @@ class SafetensorsCheckpoint:
                     if canonical is None:
                         continue
                     try:
-                        yield canonical, handle.get_tensor(name)
+                        tensor = handle.get_tensor(name)
                     except SafetensorError as error:
                         raise CheckpointError(
                             f"{file}: tensor {name} is corrupt: {error}"
                         ) from None
+                    yield from _split_parts(canonical, tensor)
 
     @cached_property
     def quantized_dtype(self) -> torch.dtype | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ from hearth.models.gemma import (
     attention_mask,
     decode_attention,
 )
+
+if TYPE_CHECKING:
+    from hearth.quant.mlx import MLXQuantizedExperts
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -152,14 +156,28 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """GeGLU experts stored as HF does: gate and up stacked [E, 2·I, H], down [E, H, I]."""
+    """GeGLU experts: gate and up stacked [E, 2·I, H] as HF stores them, down [E, H, I].
+
+    Checkpoints hold the three projections apart (`gate_proj.weight` [E, I, H], as MLX
+    splits them); the loader stacks them along the output dim by `parts`. From an MLX
+    checkpoint either weight may be an `MLXQuantizedExperts`, which indexes like the float
+    tensor, so only the experts the router picked are dequantized.
+    """
+
+    gate_up_proj: torch.Tensor | MLXQuantizedExperts
+    down_proj: torch.Tensor | MLXQuantizedExperts
 
     def __init__(self, config: Gemma4Config) -> None:
         super().__init__()
         assert config.moe is not None
-        experts, width = config.moe.num_experts, config.moe.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, config.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(experts, config.hidden_size, width))
+        moe, hidden = config.moe, config.hidden_size
+        experts, width = moe.num_experts, moe.intermediate_size
+        self.parts = {
+            "gate_up_proj": {"gate_proj": width, "up_proj": width},
+            "down_proj": {"down_proj": hidden},
+        }
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -168,8 +186,9 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             tokens, slots = (experts == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+            gate_up, down = (w[expert].to(x.dtype) for w in (self.gate_up_proj, self.down_proj))
+            gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, down)
             weighted = (y * weights[tokens, slots, None]).to(x.dtype)
             out.index_put_((tokens,), weighted, accumulate=True)  # ~3x faster than index_add_
         return out

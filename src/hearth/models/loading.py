@@ -13,12 +13,13 @@ from hearth.checkpoint import Checkpoint
 from hearth.config import Gemma3Config, ModelConfig, parse_config
 from hearth.errors import CheckpointError
 from hearth.models.gemma import Gemma3Model, StackedLinear
-from hearth.models.gemma4 import Gemma4Model
+from hearth.models.gemma4 import Experts, Gemma4Model
 from hearth.quant.mlx import (
     PACKED_TENSORS,
     AffineSpec,
     MLXQuantization,
     MLXQuantizedEmbedding,
+    MLXQuantizedExperts,
     MLXQuantizedLinear,
     check_packed_shapes,
     dequantize_affine,
@@ -95,32 +96,59 @@ def _is_tied_head(name: str, config: ModelConfig) -> bool:
     return config.tie_word_embeddings and name.startswith("lm_head.")
 
 
-def _stacked(model: Gemma3Model) -> dict[str, StackedLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, StackedLinear)}
+@dataclass(frozen=True)
+class _Stack:
+    """Checkpoint modules (`parts`, with their rows) that Hearth keeps as one weight,
+    stacked along dim -2 (the output dim, after any expert dim).
+
+    `parameter` is that float weight's name; `target` the module path a packed stack takes.
+    """
+
+    target: str
+    parameter: str
+    parts: dict[str, int]
+    packed_kind: type[MLXQuantizedLinear | MLXQuantizedExperts]
 
 
-def _expected_shapes(model: Gemma3Model) -> dict[str, tuple[int, ...]]:
+def _stacks(model: nn.Module) -> list[_Stack]:
+    """The stacked weights of `model`: StackedLinear projections and MoE experts."""
+    stacks = []
+    for name, module in model.named_modules():
+        parent = name.rsplit(".", 1)[0]
+        if isinstance(module, StackedLinear):
+            parts = {f"{parent}.{part}": rows for part, rows in module.parts.items()}
+            target = f"{name}.proj"
+            stacks.append(_Stack(target, f"{target}.weight", parts, MLXQuantizedLinear))
+        elif isinstance(module, Experts):
+            for weight, stacked in module.parts.items():
+                parts = {f"{name}.{part}": rows for part, rows in stacked.items()}
+                target = f"{name}.{weight}"
+                stacks.append(_Stack(target, target, parts, MLXQuantizedExperts))
+    return stacks
+
+
+def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor the model needs, by canonical name, with its shape."""
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    for prefix, module in _stacked(model).items():
-        del shapes[f"{prefix}.proj.weight"]
-        parent = prefix.rsplit(".", 1)[0]
-        for part, rows in module.parts.items():
-            shapes[f"{parent}.{part}.weight"] = (rows, module.proj.in_features)
+    for stack in _stacks(model):
+        *lead, _, in_features = shapes.pop(stack.parameter)
+        for part, rows in stack.parts.items():
+            shapes[f"{part}.weight"] = (*lead, rows, in_features)
     return shapes
 
 
-def _state_dict(model: Gemma3Model, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float tensors with each StackedLinear's parts concatenated, plus the packed buffers."""
+def _state_dict(model: nn.Module, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Float tensors with each stack's parts concatenated, plus the packed buffers."""
     state = dict(loaded)
-    for prefix, module in _stacked(model).items():
-        if not isinstance(module.proj, nn.Linear):
+    for stack in _stacks(model):
+        names = [f"{part}.weight" for part in stack.parts]
+        if names[0] not in state:
             continue  # already built from packed parts
-        parent = prefix.rsplit(".", 1)[0]
-        parts = [state.pop(f"{parent}.{part}.weight") for part in module.parts]
-        state[f"{prefix}.proj.weight"] = torch.cat(parts)
+        parts = [state.pop(name) for name in names]
+        # A stack of one (the experts' down_proj) is used as it is, not copied by cat.
+        state[stack.parameter] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     for name, module in model.named_modules():
-        if isinstance(module, MLXQuantizedLinear | MLXQuantizedEmbedding):
+        if isinstance(module, MLXQuantizedLinear | MLXQuantizedEmbedding | MLXQuantizedExperts):
             state.update({f"{name}.{key}": t for key, t in module.state_dict().items()})
     return state
 
@@ -167,26 +195,28 @@ def _packed_parts(
 
 
 def _install_packed(
-    model: Gemma3Model,
+    model: nn.Module,
     parts: dict[str, _PackedPart],
     loaded: dict[str, torch.Tensor],
     dtype: torch.dtype,
     path: Path,
 ) -> None:
-    """Swap in packed modules; stacked parts share one packed matrix when quantized alike.
+    """Swap in packed modules; the parts of a stack share one packed weight when quantized
+    alike.
 
     Parts quantized differently (or some not at all) cannot share one: they are dequantized
     into `loaded` in `dtype` and stacked as floats.
     """
     parts = dict(parts)
-    for prefix, stacked in _stacked(model).items():
-        parent = prefix.rsplit(".", 1)[0]
-        names = [f"{parent}.{part}" for part in stacked.parts]
-        found = {name: parts.pop(name) for name in names if name in parts}
+    for stack in _stacks(model):
+        found = {name: parts.pop(name) for name in stack.parts if name in parts}
         if not found:
             continue
-        if len(found) == len(names) and _share_layout(list(found.values())):
-            model.set_submodule(f"{prefix}.proj", _stack_packed(list(found.values())))
+        if len(found) == len(stack.parts) and _share_layout(list(found.values())):
+            parent, _, attribute = stack.target.rpartition(".")
+            owner = model.get_submodule(parent)
+            delattr(owner, attribute)  # an experts weight is a parameter, not a module
+            setattr(owner, attribute, _stack_packed(list(found.values()), stack.packed_kind))
             continue
         for name, part in found.items():
             loaded[f"{name}.weight"] = part.dequantize().to(dtype)
@@ -208,13 +238,15 @@ def _share_layout(parts: list[_PackedPart]) -> bool:
     )
 
 
-def _stack_packed(parts: list[_PackedPart]) -> MLXQuantizedLinear:
-    """One packed linear of parts stacked along the output dim (rows are independent)."""
+def _stack_packed(
+    parts: list[_PackedPart], kind: type[MLXQuantizedLinear | MLXQuantizedExperts]
+) -> MLXQuantizedLinear | MLXQuantizedExperts:
+    """One packed weight of parts stacked along the output dim (rows are independent)."""
     weight, scales, biases = (
         torch.cat([part.tensors[index] for part in parts], dim=-2) for index in range(3)
     )
     spec = parts[0].spec
-    return MLXQuantizedLinear(weight, scales, biases, spec.bits, spec.group_size)
+    return kind(weight, scales, biases, spec.bits, spec.group_size)
 
 
 def quantize_weights(model: Gemma3Model, mode: str) -> None:

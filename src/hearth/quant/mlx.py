@@ -234,6 +234,23 @@ class MLXQuantizedEmbedding(_PackedAffine):
         return F.linear(x, self.dequantize().to(x.dtype))
 
 
+class MLXQuantizedExperts(_PackedAffine):
+    """Per-expert weights ``[experts, out, in]`` (a switch layer) kept MLX-packed.
+
+    Indexed like the float ``[experts, out, in]`` tensor it replaces, so a MoE block reads
+    either alike; ``self[expert]`` dequantizes that expert only.
+    """
+
+    def __getitem__(self, expert: int) -> Tensor:
+        return dequantize_affine(
+            self.packed[expert],
+            self.scales[expert],
+            self.biases[expert],
+            self.bits,
+            self.group_size,
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoint metadata
 
