@@ -109,5 +109,15 @@ def test_unsupported_architecture_directory(tmp_path: Path) -> None:
     assert_usage_error(run("generate", str(tmp_path), "hi"), "'llama' is not supported")
 
 
+def test_inspect_describes_the_embedded_model() -> None:
+    result = run("inspect")
+    assert result.returncode == 0, result.stderr
+    assert "architecture: gemma3_text, 18 layers" in result.stdout
+
+
+def test_inspect_missing_model(tmp_path: Path) -> None:
+    assert_usage_error(run("inspect", str(tmp_path / "nope")), "does not exist")
+
+
 def test_directory_without_config(tmp_path: Path) -> None:
     assert_usage_error(run("generate", str(tmp_path), "hi"), "no config.json")

@@ -24,7 +24,12 @@ def test_stop_strings_hold_back_partial_matches() -> None:
 def test_stop_string_split_across_tokens_is_cut() -> None:
     stops = StopStrings(["Berlin."])
     pieces = [stops.feed(t) for t in (" Ber", "lin", ". The")]
-    assert "".join(pieces) == " " and stops.stopped
+    assert "".join(pieces) == " " and stops.stopped and stops.matched == "Berlin."
+
+
+def test_the_earliest_stop_string_wins() -> None:
+    stops = StopStrings(["b", "a"])
+    assert stops.feed("xab") == "x" and stops.matched == "a"
 
 
 def test_stream_matches_token_decode_and_reports_stats(hearth_270m: Any) -> None:
@@ -39,9 +44,21 @@ def test_stream_matches_token_decode_and_reports_stats(hearth_270m: Any) -> None
 
 
 def test_stop_string_finishes_with_stop(hearth_270m: Any) -> None:
-    chunks = list(hearth_270m.stream(PROMPT, max_tokens=30, stop=["."]))
+    chunks = list(hearth_270m.stream(PROMPT, max_tokens=30, stop=["!", "."]))
     assert "".join(c.text for c in chunks) == " Berlin"
-    assert chunks[-1].finish_reason == FINISH_STOP
+    assert chunks[-1].finish_reason == FINISH_STOP and chunks[-1].stop_sequence == "."
+
+
+def test_cancel_ends_the_stream_without_a_final_chunk(hearth_270m: Any) -> None:
+    from hearth.generate import stream_generate
+
+    ids = hearth_270m.tokenizer.encode(PROMPT)
+    seen: list[Any] = []
+    chunks = stream_generate(hearth_270m.model, hearth_270m.tokenizer, ids, max_tokens=50,
+                             cancelled=lambda: len(seen) >= 2)
+    for chunk in chunks:
+        seen.append(chunk)
+    assert len(seen) == 2 and all(c.finish_reason is None for c in seen)
 
 
 def test_eos_id_stops_generation(hearth_270m: Any) -> None:

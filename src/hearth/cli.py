@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -38,6 +39,7 @@ non_negative_float = _bounded(float, "a number >= 0", lambda v: v >= 0 and v != 
 probability = _bounded(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 unit_interval = _bounded(float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
 positive_float = _bounded(float, "a number > 0", lambda v: 0 < v < float("inf"))
+port_number = _bounded(int, "a port number in [1, 65535]", lambda v: 0 < v < 65536)
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +116,55 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system prompt")
     _add_model_options(chat)
     _add_sampling_options(chat)
+    _add_serve_parser(commands)
+    _add_inspect_parser(commands)
     return parser
+
+
+def _add_serve_parser(commands: Any) -> None:
+    """Flags as mlx_lm.server's, where they apply, with its defaults."""
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI and Anthropic HTTP APIs (a drop-in for mlx_lm.server)"
+    )
+    serve.add_argument(
+        "model", nargs="?", help="a GGUF file or HF directory (default: the embedded Gemma 3 270M)"
+    )
+    serve.add_argument("--model", dest="model_flag", metavar="MODEL", help="same as MODEL")
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    serve.add_argument("--port", type=port_number, default=8080, help="default 8080")
+    serve.add_argument(
+        "--temp", type=non_negative_float, default=0.0, help="default temperature (0: greedy)"
+    )
+    serve.add_argument("--top-p", type=probability, default=1.0, help="default top_p")
+    serve.add_argument("--top-k", type=non_negative_int, default=0, help="default top_k (0: off)")
+    serve.add_argument("--min-p", type=unit_interval, default=0.0, help="default min_p")
+    serve.add_argument(
+        "--max-tokens", type=positive_int, default=512, help="default max_tokens (512)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="default INFO",
+    )
+    _add_model_options(serve)
+
+
+def _add_inspect_parser(commands: Any) -> None:
+    inspect = commands.add_parser(
+        "inspect", help="describe a checkpoint: architecture, sizes, quantization, KV bytes"
+    )
+    inspect.add_argument(
+        "model", nargs="?", help="a GGUF file or HF directory (default: the embedded Gemma 3 270M)"
+    )
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from hearth.embedded import embedded_model_path
+    from hearth.summary import describe
+
+    print(describe(args.model or embedded_model_path()))
+    return 0
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -183,7 +233,23 @@ def run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-_COMMANDS = {"generate": run_generate, "chat": run_chat}
+def run_serve(args: argparse.Namespace) -> int:
+    if args.model and args.model_flag:
+        raise HearthError("give the model either as MODEL or as --model, not both")
+    from hearth.server import ServerDefaults, serve
+
+    engine = _load(args.model or args.model_flag, args)
+    defaults = ServerDefaults(args.temp, args.top_p, args.top_k, args.min_p, args.max_tokens)
+    serve(engine, args.host, args.port, defaults, args.log_level)
+    return 0
+
+
+_COMMANDS = {
+    "generate": run_generate,
+    "chat": run_chat,
+    "serve": run_serve,
+    "inspect": run_inspect,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -196,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`hearth ... | head`): stop quietly, as other CLI tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +56,7 @@ class GenerationChunk:
     text: str
     token: int | None
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
     stats: GenerationStats | None = field(default=None, compare=False)
 
 
@@ -73,14 +74,16 @@ class StopStrings:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.stopped = False
+        self.matched: str | None = None
         self._pending = ""
 
     def feed(self, text: str) -> str:
-        """The text safe to emit; sets `stopped` once a stop string is reached."""
+        """The text safe to emit; sets `stopped` (and `matched`) once a stop string is reached."""
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, stop) for stop in self.stops if (i := self._pending.find(stop)) >= 0]
         if hits:
-            emitted, self._pending, self.stopped = self._pending[: min(hits)], "", True
+            cut, self.matched = min(hits, key=lambda hit: hit[0])
+            emitted, self._pending, self.stopped = self._pending[:cut], "", True
             return emitted
         cut = len(self._pending) - self._longest_partial_stop()
         emitted, self._pending = self._pending[:cut], self._pending[cut:]
@@ -150,8 +153,13 @@ def stream_generate(
     max_tokens: int = 256,
     stop: Sequence[str] = (),
     stop_ids: Sequence[int] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[GenerationChunk]:
-    """Stream text as it is generated; the last chunk carries `finish_reason` and the stats."""
+    """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
+
+    `cancelled` is checked before each token; once it returns true the stream ends at once,
+    without a final chunk (a server's client went away).
+    """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     sampling = sampling or SamplingParams()
@@ -163,6 +171,8 @@ def stream_generate(
     stats = GenerationStats()
     finish = FINISH_LENGTH
     for token in generate_tokens(model, prompt_ids, sampler, max_tokens, stats):
+        if cancelled is not None and cancelled():
+            return
         if token in end_ids:
             finish = FINISH_STOP
             break
@@ -178,4 +188,4 @@ def stream_generate(
         tail += "" if stops.stopped else stops.flush()
         finish = FINISH_STOP if stops.stopped else finish
     stats.peak_memory_bytes = peak_memory_bytes(model.device)
-    yield GenerationChunk(tail, None, finish, stats)
+    yield GenerationChunk(tail, None, finish, stops.matched, stats)

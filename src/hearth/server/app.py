@@ -1,0 +1,82 @@
+"""The FastAPI app: routes, error bodies in each API's own shape, and the worker's lifetime."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from hearth.engine import Engine
+from hearth.server import anthropic, openai
+from hearth.server.errors import RequestError, error_response
+from hearth.server.state import ClientGone, ServerDefaults, ServerState
+from hearth.server.worker import GenerationWorker
+
+log = logging.getLogger("hearth.server")
+
+# nginx's code for "client closed the request": logged only, the client is gone.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def model_id_of(engine: Engine) -> str:
+    """The served model's name: its file or directory name, without a .gguf suffix."""
+    return engine.path.name.removesuffix(".gguf")
+
+
+def create_app(engine: Engine, defaults: ServerDefaults | None = None) -> FastAPI:
+    worker = GenerationWorker(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        worker.stop()
+
+    # Routes parse their bodies themselves (strictly): a generated schema would say nothing.
+    app = FastAPI(
+        title="Hearth", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
+    app.state.hearth = ServerState(
+        engine, worker, defaults or ServerDefaults(), model_id_of(engine)
+    )
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, error: RequestError) -> JSONResponse:
+        return error_response(request, error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        # Unknown paths and wrong methods get the API's error shape, not FastAPI's {"detail"}.
+        return error_response(request, RequestError(str(error.detail), status=error.status_code))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, error: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception) -> JSONResponse:
+        log.exception("request failed")  # the traceback stays in the server's log
+        return error_response(request, RequestError(f"internal error: {error}", status=500))
+
+
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    defaults: ServerDefaults | None = None,
+    log_level: str = "INFO",
+) -> None:
+    """Run the server until interrupted."""
+    logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
+    uvicorn.run(create_app(engine, defaults), host=host, port=port, log_level=log_level.lower())

@@ -1,0 +1,196 @@
+"""OpenAI-compatible routes, as mlx_lm.server serves them: chat and text completions (JSON or
+server-sent events), the model list, and the health check."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from hearth.generate import GenerationStats
+from hearth.sampling import SamplingParams
+from hearth.server.errors import RequestError, parse_request, read_json_object
+from hearth.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from hearth.server.state import (
+    Completion,
+    Generation,
+    ServerState,
+    complete,
+    pieces,
+    sse_response,
+    state_of,
+)
+
+T = TypeVar("T")
+log = logging.getLogger("hearth.server")
+CHAT_CHUNK = "chat.completion.chunk"
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> Response:
+    # Byte-identical to mlx_lm.server's reply, which some clients compare verbatim.
+    return Response('{"status": "ok"}', media_type="application/json")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(state_of(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    if model_id != state.model_id:
+        raise RequestError(f"The model '{model_id}' does not exist", "model", status=404)
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "hearth",
+        "context_window": state.context_length,
+    }
+
+
+@router.post("/v1/chat/completions")
+@router.post("/chat/completions")  # mlx_lm.server answers here too
+async def chat_completions(request: Request) -> Response:
+    body = parse_request(ChatCompletionRequest, await read_json_object(request))
+    state = state_of(request)
+    ids = await state.encode(body.template_messages(), "messages")
+    generation = _plan(state, body, ids, body.token_limit(), "messages")
+    reply = _Reply(body, state, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
+    if body.stream:
+        return sse_response(_data_lines(reply.chat_events(state, generation)))
+    return JSONResponse(reply.chat_completion(await complete(state, generation, request)))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    body = parse_request(CompletionRequest, await read_json_object(request))
+    state = state_of(request)
+    ids = await state.encode(body.prompt, "prompt")
+    generation = _plan(state, body, ids, body.token_limit(), "prompt")
+    reply = _Reply(body, state, "text_completion", f"cmpl-{uuid.uuid4().hex}")
+    if body.stream:
+        return sse_response(_data_lines(reply.text_events(state, generation)))
+    return JSONResponse(reply.text_completion(await complete(state, generation, request)))
+
+
+def _plan(
+    state: ServerState, body: OpenAIRequest, ids: list[int], limit: int | None, prompt_param: str
+) -> Generation:
+    return state.plan(ids, limit, _sampling(state, body), body.stop_strings(), prompt_param)
+
+
+def _sampling(state: ServerState, body: OpenAIRequest) -> SamplingParams:
+    """Request fields first, then the server's flags, then the sampler's own defaults."""
+    defaults = state.defaults
+    optional: dict[str, Any] = {
+        "repetition_penalty": body.repetition_penalty,
+        "repetition_context_size": body.repetition_context_size,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+    }
+    return SamplingParams(
+        temperature=_or_default(body.temperature, defaults.temperature),
+        top_p=_or_default(body.top_p, defaults.top_p),
+        top_k=_or_default(body.top_k, defaults.top_k),
+        min_p=_or_default(body.min_p, defaults.min_p),
+        logit_bias=body.token_bias(),
+        seed=body.seed,
+        **{name: value for name, value in optional.items() if value is not None},
+    )
+
+
+def _or_default(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def usage_of(stats: GenerationStats) -> dict[str, int]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+    }
+
+
+async def _data_lines(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except Exception as error:  # headers are sent: the error can only travel as an event
+        log.exception("streamed generation failed")
+        error_body = {"message": str(error), "type": "server_error", "param": None, "code": None}
+        yield f"data: {json.dumps({'error': error_body})}\n\n"
+        return
+    yield "data: [DONE]\n\n"
+
+
+class _Reply:
+    """Builds one request's response objects: the same id, creation time and model in each."""
+
+    def __init__(self, body: OpenAIRequest, state: ServerState, kind: str, reply_id: str) -> None:
+        self.id = reply_id
+        self.kind = kind
+        self.created = int(time.time())
+        self.model = body.model or state.model_id  # echoed back, as mlx_lm.server does
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chat_completion(self, result: Completion) -> dict[str, Any]:
+        message = {"role": "assistant", "content": result.text}
+        return self._whole(result, {"message": message})
+
+    def text_completion(self, result: Completion) -> dict[str, Any]:
+        return self._whole(result, {"text": result.text})
+
+    def _whole(self, result: Completion, output: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": 0, **output, "logprobs": None, "finish_reason": result.finish_reason}
+        return self._envelope(self.kind, [choice]) | {"usage": usage_of(result.stats)}
+
+    async def chat_events(
+        self, state: ServerState, generation: Generation
+    ) -> AsyncIterator[dict[str, Any]]:
+        # OpenAI opens every chat stream with the role and an empty content.
+        yield self._chunk(CHAT_CHUNK, "delta", {"role": "assistant", "content": ""}, None)
+        async for piece in pieces(state, generation):
+            if piece.text or piece.finish_reason:
+                delta = {"content": piece.text} if piece.text else {}
+                yield self._chunk(CHAT_CHUNK, "delta", delta, piece.finish_reason)
+            if piece.stats is not None and self.include_usage:
+                yield self._envelope(CHAT_CHUNK, []) | {"usage": usage_of(piece.stats)}
+
+    async def text_events(
+        self, state: ServerState, generation: Generation
+    ) -> AsyncIterator[dict[str, Any]]:
+        async for piece in pieces(state, generation):
+            if piece.text or piece.finish_reason:
+                yield self._chunk(self.kind, "text", piece.text, piece.finish_reason)
+            if piece.stats is not None and self.include_usage:
+                yield self._envelope(self.kind, []) | {"usage": usage_of(piece.stats)}
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _chunk(self, kind: str, key: str, content: Any, finish: str | None) -> dict[str, Any]:
+        choice = {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+        chunk = self._envelope(kind, [choice])
+        # With include_usage every chunk carries "usage": null until the final usage chunk.
+        return chunk | {"usage": None} if self.include_usage else chunk

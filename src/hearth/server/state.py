@@ -1,0 +1,156 @@
+"""What every route shares: the engine, its worker, the server's defaults, and the checks that
+turn a parsed request into a generation the worker can run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from hearth.engine import Engine
+from hearth.errors import HearthError
+from hearth.generate import GenerationChunk, GenerationStats
+from hearth.sampling import SamplingParams
+from hearth.server.errors import RequestError
+from hearth.server.worker import GenerationWorker
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """Used where a request leaves a field out (mlx_lm.server's flags and defaults)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A validated request, ready for the worker."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    worker: GenerationWorker
+    defaults: ServerDefaults
+    model_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.model.config.max_position_embeddings
+
+    async def encode(self, prompt: str | list[dict[str, Any]], param: str) -> list[int]:
+        """Token ids of a raw prompt or a conversation, off the event loop (templates and long
+        prompts take a while)."""
+        try:
+            ids = await asyncio.to_thread(self.engine.encode, prompt, False)
+        except HearthError as error:  # e.g. a chat template that rejects the conversation
+            raise RequestError(str(error), param) from None
+        if not ids:
+            raise RequestError("the prompt is empty", param)
+        return ids
+
+    def plan(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        sampling: SamplingParams,
+        stop: Sequence[str],
+        prompt_param: str,
+    ) -> Generation:
+        """Check the prompt fits the context and the sampling settings are valid."""
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
+                f"{self.context_length}",
+                prompt_param,
+            )
+        if max_tokens is not None and max_tokens > room:
+            raise RequestError(
+                f"max_tokens {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
+                f"this model's context of {self.context_length} tokens",
+                "max_tokens",
+            )
+        try:
+            sampling.validate(self.engine.model.config.vocab_size)
+        except ValueError as error:
+            field_name = str(error).split()[0]  # validate() names the field first
+            raise RequestError(str(error), field_name) from None
+        # The server default only ever shrinks to fit; an explicit request is never cut.
+        limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
+        return Generation(prompt_ids, limit, sampling, tuple(stop))
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.hearth
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation's text and how it ended."""
+
+    text: str
+    finish_reason: str
+    stop_sequence: str | None
+    stats: GenerationStats
+
+
+async def complete(state: ServerState, generation: Generation, request: Request) -> Completion:
+    """The whole generation; cancelled if the client disconnects before it ends."""
+    collecting = asyncio.ensure_future(_collect(state, generation))
+    watching = asyncio.ensure_future(_until_disconnected(request))
+    await asyncio.wait((collecting, watching), return_when=asyncio.FIRST_COMPLETED)
+    watching.cancel()
+    if not collecting.done():
+        collecting.cancel()  # closes the worker's stream, which cancels the generation
+        raise ClientGone
+    return collecting.result()
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its reply was ready."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(state: ServerState, generation: Generation) -> Completion:
+    texts = []
+    async for piece in pieces(state, generation):
+        texts.append(piece.text)
+        if piece.finish_reason is not None and piece.stats is not None:
+            return Completion("".join(texts), piece.finish_reason, piece.stop_sequence, piece.stats)
+    raise RuntimeError("the generation ended without a final piece")
+
+
+def pieces(state: ServerState, generation: Generation) -> AsyncIterator[GenerationChunk]:
+    return state.worker.stream(
+        generation.prompt_ids, generation.max_tokens, generation.sampling, generation.stop
+    )
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """A server-sent events response that cancels its generation if the client goes away."""
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

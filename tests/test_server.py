@@ -1,0 +1,288 @@
+"""`hearth serve` end to end: a real server process on the embedded Gemma 3 270M, driven by the
+official OpenAI and Anthropic SDKs and by raw HTTP for the malformed cases.
+
+The model is a base model, so the tests check structure, token counts, stop handling and
+determinism, not what the replies say.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from hearth.checkpoint import open_checkpoint
+from hearth.embedded import embedded_model_path
+from hearth.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+CAPITALS = "The capital of France is Paris. The capital of Germany is"
+STARTUP_SECONDS = 180  # loading the model on a busy 2-core machine can take a while
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_until_healthy(base: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"hearth serve exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.5)
+    raise RuntimeError("hearth serve did not become healthy in time")
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "hearth.cli", "serve", "--port", str(port)]
+    process = subprocess.Popen([*command, "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_healthy(base, process)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def oai(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(base_url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return open_checkpoint(embedded_model_path()).tokenizer()
+
+
+def _complete(oai: openai.OpenAI, **fields: Any) -> Any:
+    return oai.completions.create(model="gemma", prompt=CAPITALS, **fields)
+
+
+def test_health_and_models(base_url: str, oai: openai.OpenAI) -> None:
+    assert httpx.get(f"{base_url}/health").content == b'{"status": "ok"}'
+    models = oai.models.list().data
+    assert [m.object for m in models] == ["model"]
+    assert oai.models.retrieve(models[0].id).id == models[0].id
+
+
+def test_completion_stops_at_a_stop_string(oai: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    reply = _complete(oai, max_tokens=8, stop=["."], temperature=0)
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text == " Berlin"
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(CAPITALS))
+
+
+def test_completion_stream_matches_json(oai: openai.OpenAI) -> None:
+    whole = _complete(oai, max_tokens=4)
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.completion_tokens, whole.usage.total_tokens) == (
+        4,
+        whole.usage.prompt_tokens + 4,
+    )
+    chunks = list(_complete(oai, max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_chat_completion_json_and_stream(oai: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    messages: list[Any] = [
+        {"role": "developer", "content": "Answer briefly."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}],
+        },
+    ]
+    reply = oai.chat.completions.create(model="gemma", messages=messages, max_completion_tokens=5)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    as_template = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    assert reply.usage.prompt_tokens == len(tokenizer.encode_chat(as_template))
+    stream = oai.chat.completions.create(
+        model="gemma",
+        messages=messages,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    assert chunks[-1].usage == reply.usage
+
+
+def test_seeded_sampling_is_reproducible(oai: openai.OpenAI) -> None:
+    # top_k is an mlx-lm extension, so the SDK sends it as an extra field.
+    fields = {"max_tokens": 6, "temperature": 1.0, "seed": 1234, "extra_body": {"top_k": 50}}
+    first, second = (_complete(oai, **fields).choices[0].text for _ in range(2))
+    assert first == second
+
+
+def test_concurrent_requests_are_all_answered(oai: openai.OpenAI) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda _: _complete(oai, max_tokens=2), range(8)))
+    assert len({r.choices[0].text for r in replies}) == 1  # greedy: every reply the same
+    assert all(r.usage.completion_tokens == 2 for r in replies)
+
+
+def test_openai_sdk_sees_refusals_as_bad_requests(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        oai.chat.completions.create(
+            model="gemma",
+            messages=[{"role": "user", "content": "Hi"}],
+            response_format={"type": "json_object"},
+        )
+
+
+USER = [{"role": "user", "content": "Hi"}]
+BAD_CHAT_BODIES = [
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "tools": []}, "tools"),
+    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "logprobs": True}, "logprobs"),
+    ({"messages": USER, "colour": "blue"}, "colour"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+    ({"messages": USER, "max_tokens": -1}, "max_tokens"),
+    ({"messages": USER, "max_tokens": 10**12}, "max_tokens"),
+    ({"messages": USER, "max_tokens": 40_000}, "max_tokens"),  # beyond the 32k context
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": USER, "top_p": 0}, "top_p"),
+    ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"999999999": 1}}, "logit_bias"),
+    ({}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHAT_BODIES)
+def test_bad_chat_fields_are_refused_by_name(base_url: str, body: dict, param: str) -> None:
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json=body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert (error["param"], error["type"], error["code"]) == (param, "invalid_request_error", None)
+    assert error["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "status"),
+    [
+        (b'{"prompt": "x",', 400),  # malformed JSON
+        (b'["prompt"]', 400),  # not an object
+        (b'{"prompt": "\xff"}', 400),  # not UTF-8
+        (b'{"prompt": "x", "temperature": NaN}', 400),  # not JSON either
+        (b'{"prompt": "' + b"a" * (11 * 2**20) + b'"}', 413),
+    ],
+)
+def test_malformed_bodies_are_refused(base_url: str, content: bytes, status: int) -> None:
+    reply = httpx.post(f"{base_url}/v1/completions", content=content)
+    assert reply.status_code == status
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_path_gets_an_error_body(base_url: str) -> None:
+    reply = httpx.get(f"{base_url}/v1/nothing-here")
+    assert reply.status_code == 404 and "error" in reply.json()
+
+
+def test_anthropic_messages_and_stop_sequence(claude: anthropic.Anthropic) -> None:
+    ask = {"model": "gemma", "messages": [{"role": "user", "content": CAPITALS}]}
+    free = claude.messages.create(**ask, max_tokens=6)
+    assert (free.type, free.role, free.stop_reason) == ("message", "assistant", "max_tokens")
+    assert free.usage.output_tokens == 6
+    text = free.content[0].text
+    stop = text.strip()[1:3]  # a stop string the greedy reply is known to contain
+    cut = claude.messages.create(**ask, max_tokens=6, stop_sequences=[stop])
+    assert cut.content[0].text == text[: text.index(stop)]
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_anthropic_stream_event_sequence(base_url: str, claude: anthropic.Anthropic) -> None:
+    ask: dict[str, Any] = {"model": "gemma", "system": "Be brief.", "max_tokens": 4}
+    ask["messages"] = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+    whole = claude.messages.create(**ask)
+    events = list(claude.messages.create(**ask, stream=True))  # the SDK drops "ping" events
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert text == whole.content[0].text
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens
+    assert events[-2].usage.output_tokens == whole.usage.output_tokens
+    raw = httpx.post(f"{base_url}/v1/messages", json=ask | {"stream": True}).text
+    kinds = [line.removeprefix("event: ") for line in raw.splitlines() if line.startswith("event:")]
+    deltas = kinds.count("content_block_delta")
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * deltas,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+
+
+def test_anthropic_errors_have_anthropic_shape(base_url: str, claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="gemma", messages=[], max_tokens=4)
+    reply = httpx.post(f"{base_url}/v1/messages", json={"model": "gemma", "messages": USER})
+    body = reply.json()
+    assert reply.status_code == 400 and body["type"] == "error"
+    assert (
+        body["error"]["type"] == "invalid_request_error"
+        and "max_tokens" in body["error"]["message"]
+    )
+
+
+def _quick_reply_seconds(oai: openai.OpenAI) -> float:
+    started = time.monotonic()
+    _complete(oai, max_tokens=1)
+    return time.monotonic() - started
+
+
+def test_a_dropped_stream_stops_its_generation(base_url: str, oai: openai.OpenAI) -> None:
+    # 8000 tokens would hold the single worker for minutes if the disconnect went unnoticed.
+    body = {"prompt": CAPITALS, "max_tokens": 8000, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as events:
+        lines = events.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["object"] == "text_completion"
+    assert _quick_reply_seconds(oai) < 30
+
+
+def test_a_dropped_request_stops_its_generation(base_url: str, oai: openai.OpenAI) -> None:
+    body = {"prompt": CAPITALS, "max_tokens": 8000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=2))
+    assert _quick_reply_seconds(oai) < 30
