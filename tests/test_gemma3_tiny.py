@@ -15,6 +15,7 @@ import torch
 
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_writer import write_gemma3_gguf
+from hearth.errors import CheckpointError
 from hearth.kv import make_caches
 from hearth.models.loading import build_model
 from tiny import TINY_VOCAB, save_hf, tiny_gemma3_model
@@ -48,6 +49,14 @@ def test_hf_checkpoint_full_forward_matches_hf(tmp_path: Path, shard: str | None
     with torch.inference_mode():
         ours = _hearth(path)(ids)
     torch.testing.assert_close(ours, _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_missing_shard_is_named(tmp_path: Path) -> None:
+    path = save_hf(tiny_gemma3_model(), tmp_path, "60KB")
+    shard = sorted(path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"missing shard {shard.name}"):
+        _hearth(path)
 
 
 @pytest.mark.parametrize("chunk", [5, 13, 30])

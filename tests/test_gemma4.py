@@ -11,6 +11,7 @@ wrong RoPE rotation, sliding window edge or V norm moves logits by more than 1.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,16 @@ def test_both_config_dialects_give_one_model(checkpoints: Checkpoints, tmp_path:
     torch.testing.assert_close(
         _cached_logits(_hearth(plain), ids, chunk=13), _hf_logits(hf, ids), atol=ATOL, rtol=0
     )
+
+
+def test_double_wide_mlp_is_read_from_the_weights(checkpoints: Checkpoints, tmp_path: Path) -> None:
+    """A config without `use_double_wide_mlp`: the sharing layers' MLP shapes decide."""
+    hf, original = checkpoints("ple_sharing_double_wide")
+    path = Path(shutil.copytree(original, tmp_path / "copy"))
+    _edit_config(path, lambda config: config.pop("use_double_wide_mlp"))
+    assert open_checkpoint(path).config["use_double_wide_mlp"] is True
+    ids = _ids(TOTAL)
+    torch.testing.assert_close(_hearth(path)(ids), _hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 def _tiny_multimodal(text_overrides: dict[str, Any]) -> Any:

@@ -143,7 +143,20 @@ class SafetensorsCheckpoint:
             config = text
         if isinstance(config.get("quantization"), dict):
             config["quantization"] = _canonical_quantization(config["quantization"])
+        if "use_double_wide_mlp" not in config and config.get("num_kv_shared_layers"):
+            config["use_double_wide_mlp"] = self._mlp_is_double_wide(config)
         return config
+
+    def _mlp_is_double_wide(self, config: dict[str, Any]) -> bool:
+        """A Gemma 4 config without the flag: the first KV-sharing layer's MLP width says."""
+        layer = int(config["num_hidden_layers"]) - int(config["num_kv_shared_layers"])
+        wanted = f"layers.{layer}.mlp.gate_proj.weight"
+        for name, file in self._files.items():
+            if canonical_name(name) == wanted:
+                with self._open(file) as handle:
+                    rows = handle.get_slice(name).get_shape()[0]
+                return rows == 2 * int(config["intermediate_size"])
+        return False
 
     @cached_property
     def _files(self) -> dict[str, Path]:
