@@ -250,14 +250,15 @@ class Gemma3Model(nn.Module):
         self,
         input_ids: torch.Tensor,
         caches: list[LayerCache] | None = None,
-        start: int = 0,
+        start: int | torch.Tensor = 0,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`)."""
         x = self.embed_tokens.embed(input_ids, self.compute_dtype)
         # HF scales by √hidden rounded to the table's dtype (25.25, not 25.298, in bf16).
         x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        # `start` may be a device tensor, so a captured decode step reads it at replay.
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + start
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for index, layer in enumerate(self.layers):
             cache = caches[index] if caches is not None else None

@@ -297,7 +297,7 @@ class Gemma4Model(nn.Module):
         self,
         input_ids: torch.Tensor,
         caches: Sequence[LayerCache] | None = None,
-        start: int = 0,
+        start: int | torch.Tensor = 0,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
@@ -309,7 +309,8 @@ class Gemma4Model(nn.Module):
         # HF scales by √hidden rounded to the table's dtype (50.5, not 50.596, in bf16).
         x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
         per_layer = self._per_layer_inputs(input_ids, x)
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        # `start` may be a device tensor, so a captured decode step reads it at replay.
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + start
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         donors: dict[str, KVView] = {}
         first_shared = self.config.first_kv_shared_layer
