@@ -1,5 +1,34 @@
-"""KV caches: each class owns its storage layout (update, fetch, trim, bytes)."""
+"""KV caches: each class owns its token order, each codec its storage layout."""
 
-from hearth.kv.cache import DenseCache, KVView, LayerCache, RotatingCache, make_caches
+from hearth.kv.cache import (
+    DENSE,
+    DenseCache,
+    KVCodec,
+    KVView,
+    LayerCache,
+    LayerSpec,
+    RotatingCache,
+    layer_specs,
+    make_caches,
+)
+from hearth.kv.policy import KVPolicy, parse_kv_quant
+from hearth.kv.quantized import AffineCodec, QuantizedCache, RotatingQuantizedCache
+from hearth.kv.turbo import TurboCodec
 
-__all__ = ["DenseCache", "KVView", "LayerCache", "RotatingCache", "make_caches"]
+__all__ = [
+    "DENSE",
+    "AffineCodec",
+    "DenseCache",
+    "KVCodec",
+    "KVPolicy",
+    "KVView",
+    "LayerCache",
+    "LayerSpec",
+    "QuantizedCache",
+    "RotatingCache",
+    "RotatingQuantizedCache",
+    "TurboCodec",
+    "layer_specs",
+    "make_caches",
+    "parse_kv_quant",
+]

@@ -1,13 +1,18 @@
-"""Dense and rotating (sliding-window) KV caches.
+"""Dense and rotating (sliding-window) KV caches, over a pluggable per-token storage codec.
 
 Tensors are laid out [batch, kv_heads, tokens, head_dim]. `update_and_fetch` stores the new
 keys/values and returns a `KVView` of what attention must read, with each key's absolute
 position so the model can build the causal and sliding-window mask without knowing the
 storage order.
+
+A `KVCodec` decides how each token is stored (plain tensors, affine codes, TurboQuant codes:
+see kv/quantized.py and kv/turbo.py); the caches own the token order (growth, ring, trim).
+Every codec encodes each token on its own, so token-axis slicing never splits a group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -36,6 +41,103 @@ class KVView(NamedTuple):
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
 
+class KVCodec(Protocol):
+    """How tokens are stored: K/V [batch, kv_heads, tokens, head_dim] <-> planes.
+
+    Each plane is [batch, kv_heads, tokens, ...]; all-zero planes decode to zeros, so a
+    cache's unwritten (padding) slots read as zero.
+    """
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def decode(
+        self, planes: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def signature(self) -> str: ...
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError if this layout cannot store vectors of `head_dim`."""
+        ...
+
+
+class DenseCodec:
+    """K and V stored as they come: the planes are the tensors attention reads."""
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return keys, values
+
+    def decode(
+        self, planes: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return planes[0], planes[1]
+
+    def signature(self) -> str:
+        return "dense"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        return None
+
+
+DENSE = DenseCodec()
+
+
+class TokenPlanes:
+    """A cache's slots, encoded: dense until `quantize_after` tokens, then in `codec`.
+
+    The switch happens after the update that reaches the threshold (so with 0, the prefill
+    attends over exact K/V and is encoded right after), by re-encoding what is stored.
+    """
+
+    def __init__(self, codec: KVCodec, quantize_after: int) -> None:
+        self.target = codec
+        self.quantize_after = quantize_after
+        self.codec: KVCodec = DENSE
+        self.planes: list[torch.Tensor] = []
+        self.dtype = torch.float32
+
+    @property
+    def capacity(self) -> int:
+        return self.planes[0].shape[2] if self.planes else 0
+
+    def reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, keep: int) -> None:
+        """Reallocate to `capacity` zero slots shaped like an encoded token, keeping `keep`."""
+        sample = self.codec.encode(keys[:, :, :1], values[:, :, :1])
+        grown = [p.new_zeros((*p.shape[:2], capacity, *p.shape[3:])) for p in sample]
+        for new, old in zip(grown, self.planes, strict=False):
+            new[:, :, :keep] = old[:, :, :keep]
+        self.planes, self.dtype = grown, values.dtype
+
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        encoded = self.codec.encode(keys, values)
+        for plane, part in zip(self.planes, encoded, strict=True):
+            plane[:, :, slot : slot + part.shape[2]] = part
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot decoded (unwritten ones as zeros), in the dtype K/V came in."""
+        return self.codec.decode(self.planes, self.dtype)
+
+    def roundtrip(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V as they read back once stored, for tokens attended before they are written."""
+        return self.codec.decode(self.codec.encode(keys, values), values.dtype)
+
+    def settle(self, offset: int) -> None:
+        """Switch to the target codec once `offset` tokens are stored past the threshold."""
+        if self.codec is self.target or offset < self.quantize_after or not self.planes:
+            return
+        keys, values = self.read()
+        self.codec = self.target
+        self.planes = list(self.codec.encode(keys, values))
+
+    def bytes_per_slot(self) -> int:
+        return sum(plane[:, :, :1].nbytes for plane in self.planes)
+
+    def signature(self) -> str:
+        return self.codec.signature()
+
+
 class LayerCache(Protocol):
     offset: int
 
@@ -48,46 +150,39 @@ class LayerCache(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    def signature(self) -> str:
+        """The storage layout, e.g. "dense", "affine:b4:g64", "rotating:turbo:k8v3"."""
+        ...
+
 
 class DenseCache:
     """Grows in steps of `step` tokens; keys are stored in position order."""
 
-    def __init__(self, step: int = 256) -> None:
+    def __init__(self, step: int = 256, codec: KVCodec = DENSE, quantize_after: int = 0) -> None:
         self.step = step
         self.offset = 0
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
-
-    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
-        capacity = 0 if self._keys is None else self._keys.shape[2]
-        if needed <= capacity:
-            return
-        new_capacity = -(-needed // self.step) * self.step
-        grown_k = keys.new_zeros((*keys.shape[:2], new_capacity, keys.shape[3]))
-        grown_v = values.new_zeros((*values.shape[:2], new_capacity, values.shape[3]))
-        if self._keys is not None and self._values is not None:
-            grown_k[:, :, : self.offset] = self._keys[:, :, : self.offset]
-            grown_v[:, :, : self.offset] = self._values[:, :, : self.offset]
-        self._keys, self._values = grown_k, grown_v
+        self._store = TokenPlanes(codec, quantize_after)
 
     def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
         end = self.offset + keys.shape[2]
-        self._reserve(keys, values, end)
-        assert self._keys is not None and self._values is not None
-        self._keys[:, :, self.offset : end] = keys
-        self._values[:, :, self.offset : end] = values
+        if end > self._store.capacity:
+            capacity = -(-end // self.step) * self.step
+            self._store.reserve(keys, values, capacity, keep=self.offset)
+        self._store.write(self.offset, keys, values)
         self.offset = end
-        return KVView(self._keys, self._values, end, None)
+        view = KVView(*self._store.read(), end, None)
+        self._store.settle(end)
+        return view
 
     def trim(self, tokens: int) -> None:
         self.offset -= min(tokens, self.offset)
 
     @property
     def nbytes(self) -> int:
-        if self._keys is None or self._values is None:
-            return 0
-        per_token = self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes
-        return per_token * self.offset
+        return self._store.bytes_per_slot() * self.offset
+
+    def signature(self) -> str:
+        return self._store.signature()
 
 
 class RotatingCache:
@@ -95,41 +190,55 @@ class RotatingCache:
 
     A prefill longer than the ring attends over the old slots plus all new tokens at once,
     then keeps only the newest `capacity`; positions tell the mask which slots are in window.
+    Position p always sits in slot p % capacity.
     """
 
-    def __init__(self, window: int, capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        window: int,
+        capacity: int | None = None,
+        codec: KVCodec = DENSE,
+        quantize_after: int = 0,
+    ) -> None:
         self.window = window
         self.capacity = capacity or window
         if self.capacity < window:
             raise ValueError("a rotating cache must hold at least its window")
         self.offset = 0
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
+        self._store = TokenPlanes(codec, quantize_after)
         self._positions: torch.Tensor | None = None
 
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        shape = (*keys.shape[:2], self.capacity)
-        self._keys = keys.new_zeros((*shape, keys.shape[3]))
-        self._values = values.new_zeros((*shape, values.shape[3]))
-        self._positions = torch.full((self.capacity,), _EMPTY, dtype=torch.long, device=keys.device)
-
     def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
-        if self._keys is None:
-            self._allocate(keys, values)
-        assert self._keys is not None and self._values is not None and self._positions is not None
+        if self._positions is None:
+            self._store.reserve(keys, values, self.capacity, keep=0)
+            self._positions = torch.full(
+                (self.capacity,), _EMPTY, dtype=torch.long, device=keys.device
+            )
+        one = keys.shape[2] == 1
+        view = self._decode_step(keys, values) if one else self._prefill(keys, values)
+        self._store.settle(self.offset)
+        return view
+
+    def _decode_step(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
+        assert self._positions is not None
+        self._write(keys, values, self.offset)
+        self.offset += 1
+        filled = min(self.offset, self.capacity)
+        ring_keys, ring_values = self._store.read()
+        if self.capacity == self.window:
+            # Every filled slot is within the window of this query: no mask needed.
+            # Slots fill in order from 0, so the filled ones are the first `filled`.
+            return KVView(ring_keys, ring_values, filled, None)
+        return KVView(ring_keys, ring_values, self.capacity, self._positions)
+
+    def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
+        assert self._positions is not None
         count, start = keys.shape[2], self.offset
-        if count == 1:
-            self._write(keys, values, start)
-            self.offset += 1
-            filled = min(self.offset, self.capacity)
-            if self.capacity == self.window:
-                # Every filled slot is within the window of this query: no mask needed.
-                # Slots fill in order from 0, so the filled ones are the first `filled`.
-                return KVView(self._keys, self._values, filled, None)
-            return KVView(self._keys, self._values, self.capacity, self._positions)
         positions = torch.arange(start, start + count, device=keys.device)
-        all_keys = torch.cat([self._keys, keys], dim=2)
-        all_values = torch.cat([self._values, values], dim=2)
+        ring_keys, ring_values = self._store.read()
+        new_keys, new_values = self._store.roundtrip(keys, values)
+        all_keys = torch.cat([ring_keys, new_keys], dim=2)
+        all_values = torch.cat([ring_values, new_values], dim=2)
         all_positions = torch.cat([self._positions, positions])
         kept = min(count, self.capacity)
         self._write(keys[:, :, -kept:], values[:, :, -kept:], start + count - kept)
@@ -138,16 +247,15 @@ class RotatingCache:
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Store tokens at positions start.. (at most `capacity`), wrapping around the ring once."""
-        assert self._keys is not None and self._values is not None and self._positions is not None
+        assert self._positions is not None
         count, slot = keys.shape[2], start % self.capacity
         first = min(count, self.capacity - slot)
         for source, ring_slot, length in ((0, slot, first), (first, 0, count - first)):
             if length == 0:
                 continue
-            ring = slice(ring_slot, ring_slot + length)
-            self._keys[:, :, ring] = keys[:, :, source : source + length]
-            self._values[:, :, ring] = values[:, :, source : source + length]
-            self._positions[ring] = torch.arange(
+            part = slice(source, source + length)
+            self._store.write(ring_slot, keys[:, :, part], values[:, :, part])
+            self._positions[ring_slot : ring_slot + length] = torch.arange(
                 start + source, start + source + length, device=self._positions.device
             )
 
@@ -166,19 +274,46 @@ class RotatingCache:
 
     @property
     def nbytes(self) -> int:
-        if self._keys is None or self._values is None:
-            return 0
-        stored = min(self.offset, self.capacity)
-        return (self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes) * stored
+        return self._store.bytes_per_slot() * min(self.offset, self.capacity)
+
+    def signature(self) -> str:
+        return f"rotating:{self._store.signature()}"
 
 
-def make_caches(config: ModelConfig) -> list[LayerCache]:
-    """One cache per layer that computes K/V: rotating on sliding-window layers, dense on full.
+class LayerSpec(NamedTuple):
+    """What a cache factory needs to know about one layer that stores K/V."""
+
+    index: int
+    kind: str
+    head_dim: int
+    window: int | None
+
+
+CacheFactory = Callable[[LayerSpec], LayerCache]
+
+
+def layer_specs(config: ModelConfig) -> list[LayerSpec]:
+    """One spec per layer that computes K/V (Gemma 4's KV-sharing layers come last: none)."""
+    kinds = config.cache_layer_types if isinstance(config, Gemma4Config) else config.layer_types
+    return [
+        LayerSpec(
+            index,
+            kind,
+            config.head_dim_of(kind) if isinstance(config, Gemma4Config) else config.head_dim,
+            config.sliding_window if kind == SLIDING_ATTENTION else None,
+        )
+        for index, kind in enumerate(kinds)
+    ]
+
+
+def dense_cache(spec: LayerSpec) -> LayerCache:
+    """Rotating on sliding-window layers, dense on full-attention layers."""
+    return DenseCache() if spec.window is None else RotatingCache(spec.window)
+
+
+def make_caches(config: ModelConfig, factory: CacheFactory = dense_cache) -> list[LayerCache]:
+    """One cache per layer that computes K/V, built by `factory` (e.g. a `KVPolicy`).
 
     Gemma 4's KV-sharing layers come last and read their donor's cache, so they get none.
     """
-    kinds = config.cache_layer_types if isinstance(config, Gemma4Config) else config.layer_types
-    return [
-        RotatingCache(config.sliding_window) if kind == SLIDING_ATTENTION else DenseCache()
-        for kind in kinds
-    ]
+    return [factory(spec) for spec in layer_specs(config)]

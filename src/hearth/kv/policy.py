@@ -1,0 +1,110 @@
+"""`--kv-quant off|4|8|config|turbo[:SCHEME]` as a cache factory for `make_caches`.
+
+* off: dense caches.
+* 4, 8: MLX affine at that width (group `group_size`) on every layer.
+* config: per-layer affine from the checkpoint's kv_config.json, a list of
+  {"layer_idx", "bits", "group_size"}; layers it does not list stay dense.
+* turbo[:SCHEME]: TurboQuant (default k8v3) on every layer.
+
+Every quantized cache stores dense K/V until it holds `quantize_after` tokens (0: the
+prefill attends over exact K/V and is quantized right after it). `KVPolicy.check` rejects
+a head_dim a layout cannot store, so a bad choice fails at start, not at the first token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hearth.config import ModelConfig
+from hearth.kv.cache import (
+    DENSE,
+    DenseCache,
+    KVCodec,
+    LayerCache,
+    LayerSpec,
+    RotatingCache,
+    layer_specs,
+    make_caches,
+)
+from hearth.kv.quantized import AffineCodec
+from hearth.kv.turbo import DEFAULT_SCHEME, TurboCodec
+
+KV_CONFIG_FILE = "kv_config.json"
+UNIFORM_BITS = {"4": 4, "8": 8}
+DEFAULT_GROUP_SIZE = 64
+CHOICES = "off, 4, 8, config, turbo or turbo:SCHEME (k8v4, k8v3, k4v3, t4v3, k8v2)"
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """The codec of each layer's cache: `per_layer` entries, else `codec`."""
+
+    codec: KVCodec = DENSE
+    per_layer: Mapping[int, KVCodec] = field(default_factory=dict)
+    quantize_after: int = 0
+
+    def codec_of(self, layer: int) -> KVCodec:
+        return self.per_layer.get(layer, self.codec)
+
+    def __call__(self, spec: LayerSpec) -> LayerCache:
+        codec = self.codec_of(spec.index)
+        try:
+            codec.check_head_dim(spec.head_dim)
+        except ValueError as error:
+            raise ValueError(f"--kv-quant on layer {spec.index}: {error}") from None
+        if spec.window is None:
+            return DenseCache(codec=codec, quantize_after=self.quantize_after)
+        return RotatingCache(spec.window, codec=codec, quantize_after=self.quantize_after)
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise ValueError if some layer's head_dim cannot be stored in its layout."""
+        for spec in layer_specs(config):
+            self(spec)
+
+    def make_caches(self, config: ModelConfig) -> list[LayerCache]:
+        return make_caches(config, self)
+
+
+def parse_kv_quant(
+    choice: str,
+    checkpoint: Path | None = None,
+    quantize_after: int = 0,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> KVPolicy:
+    """The policy named by a `--kv-quant` value; ValueError with the valid forms otherwise."""
+    if quantize_after < 0:
+        raise ValueError(f"quantize_after must be >= 0, got {quantize_after}")
+    kind, _, scheme = choice.partition(":")
+    if choice == "off":
+        return KVPolicy()
+    if choice in UNIFORM_BITS:
+        codec = AffineCodec(UNIFORM_BITS[choice], group_size)
+        return KVPolicy(codec, quantize_after=quantize_after)
+    if choice == "config":
+        per_layer = read_kv_config(checkpoint)
+        return KVPolicy(per_layer=per_layer, quantize_after=quantize_after)
+    if kind == "turbo" and (scheme or choice == "turbo"):
+        return KVPolicy(TurboCodec.parse(scheme or DEFAULT_SCHEME), quantize_after=quantize_after)
+    raise ValueError(f"unknown --kv-quant {choice!r}; expected {CHOICES}")
+
+
+def read_kv_config(checkpoint: Path | None) -> dict[int, KVCodec]:
+    """Per-layer affine codecs from `<checkpoint>/kv_config.json`."""
+    if checkpoint is None or not (checkpoint / KV_CONFIG_FILE).is_file():
+        raise ValueError(f"--kv-quant config needs a {KV_CONFIG_FILE} in the checkpoint directory")
+    path = checkpoint / KV_CONFIG_FILE
+    entries = json.loads(path.read_text())
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of {{layer_idx, bits, group_size}}")
+    return dict(_kv_config_entry(entry, path) for entry in entries)
+
+
+def _kv_config_entry(entry: Any, path: Path) -> tuple[int, KVCodec]:
+    try:
+        return int(entry["layer_idx"]), AffineCodec(int(entry["bits"]), int(entry["group_size"]))
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{path}: bad entry {entry!r} ({error})") from None
