@@ -47,6 +47,13 @@ def test_generate_reads_prompt_from_stdin_and_stops_on_string() -> None:
     assert result.stdout.strip() == "Berlin"
 
 
+@pytest.mark.parametrize("kind", ["8", "turbo:k8v4"])
+def test_generate_with_a_quantized_kv_cache(kind: str) -> None:
+    result = run("generate", "--kv-quant", kind, "--max-tokens", "4", PROMPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" Berlin")
+
+
 def test_chat_repl_answers_and_exits(embedded_gguf: Path) -> None:
     result = run("chat", str(embedded_gguf), "--max-tokens", "5", stdin="Hello!\n/exit\n")
     assert result.returncode == 0, result.stderr
@@ -65,6 +72,8 @@ def test_chat_repl_answers_and_exits(embedded_gguf: Path) -> None:
         (["--seed", "x", PROMPT], "--seed"),
         (["--dtype", "int3", PROMPT], "--dtype"),
         (["a", "b", "c"], "3 arguments"),
+        (["--kv-quant", "turbo:x9", PROMPT], "TurboQuant scheme"),
+        (["--kv-quant", "3", PROMPT], "--kv-quant"),
         ([""], "empty"),
     ],
 )

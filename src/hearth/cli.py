@@ -58,6 +58,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         help="CPU weight quantization in memory (computes in bfloat16); auto: int8 for GGUF "
         "files on the CPU unless --dtype float32/float16 is given",
     )
+    parser.add_argument(
+        "--kv-quant",
+        default="off",
+        metavar="KIND",
+        help="KV cache: off (default), 8, 4, config (the checkpoint's kv_config.json), "
+        "turbo or turbo:SCHEME (k8v4, k8v3, k4v3, t4v3, k8v2; see docs/kv-cache.md)",
+    )
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +190,9 @@ def _sampling(args: argparse.Namespace) -> Any:
 def _load(model: str | None, args: argparse.Namespace) -> Any:
     from hearth.engine import Engine
 
-    return Engine.load(model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    return Engine.load(
+        model, dtype=args.dtype, device=args.device, quantize=args.quantize, kv_quant=args.kv_quant
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hearth.checkpoint import open_checkpoint
+from hearth.config import parse_config
 from hearth.embedded import embedded_model_path
 from hearth.generate import GenerationChunk, stream_generate
+from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
 from hearth.models.gemma import Gemma3Model
 from hearth.models.loading import build_model
 from hearth.sampling import SamplingParams
@@ -59,6 +61,7 @@ class Engine:
     model: Gemma3Model
     tokenizer: Tokenizer
     path: Path
+    kv_policy: KVPolicy = field(default_factory=KVPolicy)
 
     @classmethod
     def load(
@@ -68,14 +71,19 @@ class Engine:
         device: str | torch.device | None = None,
         progress: bool = True,
         quantize: str = "auto",
+        kv_quant: str = "off",
     ) -> Engine:
         """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
 
         `quantize`: "int8"/"int4" keep linear weights quantized in memory for fast CPU decode
         (bf16 compute), "none" keeps them in `dtype`, "auto" picks (see `resolve_precision`).
+        `kv_quant`: the KV cache kind, `off|4|8|config|turbo[:SCHEME]` (docs/kv-cache.md),
+        checked against the model before any weight is read.
         """
         path = Path(model) if model is not None else embedded_model_path()
         checkpoint = open_checkpoint(path)
+        kv_policy = parse_kv_quant(kv_quant, checkpoint=path if path.is_dir() else None)
+        kv_policy.check(parse_config(checkpoint.config))
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -85,7 +93,12 @@ class Engine:
             checkpoint.format, device, dtype, quantize, checkpoint.stored_dtype
         )
         tokenizer = checkpoint.tokenizer()
-        return cls(build_model(checkpoint, dtype, device, progress, weights), tokenizer, path)
+        model_ = build_model(checkpoint, dtype, device, progress, weights)
+        return cls(model_, tokenizer, path, kv_policy)
+
+    def new_caches(self) -> list[LayerCache]:
+        """Empty KV caches of the engine's kind, one per layer that computes K/V."""
+        return self.kv_policy.make_caches(self.model.config)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every tensor once (the tied table as head)."""
@@ -111,7 +124,9 @@ class Engine:
         chat: bool | None = None,
     ) -> Iterator[GenerationChunk]:
         ids = self.encode(prompt, chat)
-        return stream_generate(self.model, self.tokenizer, ids, sampling, max_tokens, stop)
+        return stream_generate(
+            self.model, self.tokenizer, ids, sampling, max_tokens, stop, caches=self.new_caches()
+        )
 
     def generate(
         self,

@@ -154,6 +154,7 @@ def stream_generate(
     stop: Sequence[str] = (),
     stop_ids: Sequence[int] | None = None,
     cancelled: Callable[[], bool] | None = None,
+    caches: list[LayerCache] | None = None,
 ) -> Iterator[GenerationChunk]:
     """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
 
@@ -170,7 +171,7 @@ def stream_generate(
     stops = StopStrings(stop)
     stats = GenerationStats()
     finish = FINISH_LENGTH
-    for token in generate_tokens(model, prompt_ids, sampler, max_tokens, stats):
+    for token in generate_tokens(model, prompt_ids, sampler, max_tokens, stats, caches):
         if cancelled is not None and cancelled():
             return
         if token in end_ids:

@@ -31,6 +31,7 @@ class GenerationJob:
     max_tokens: int
     sampling: SamplingParams
     stop: Sequence[str]
+    stop_ids: tuple[int, ...] | None
     loop: asyncio.AbstractEventLoop
     results: asyncio.Queue[GenerationChunk | BaseException] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -62,12 +63,14 @@ class GenerationWorker:
         max_tokens: int,
         sampling: SamplingParams,
         stop: Sequence[str],
+        stop_ids: tuple[int, ...] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """The pieces of one generation, in order, ending with the one that has finish_reason.
 
         Leaving the iteration early (client gone, task cancelled) cancels the generation.
         """
-        job = GenerationJob(prompt_ids, max_tokens, sampling, stop, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        job = GenerationJob(prompt_ids, max_tokens, sampling, stop, stop_ids, loop)
         self._jobs.put(job)
         try:
             while True:
@@ -98,7 +101,9 @@ class GenerationWorker:
             job.sampling,
             job.max_tokens,
             job.stop,
+            job.stop_ids,
             cancelled=job.cancelled.is_set,
+            caches=self.engine.new_caches(),
         )
         for chunk in chunks:
             job.deliver(chunk)
