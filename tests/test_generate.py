@@ -54,8 +54,13 @@ def test_cancel_ends_the_stream_without_a_final_chunk(hearth_270m: Any) -> None:
 
     ids = hearth_270m.tokenizer.encode(PROMPT)
     seen: list[Any] = []
-    chunks = stream_generate(hearth_270m.model, hearth_270m.tokenizer, ids, max_tokens=50,
-                             cancelled=lambda: len(seen) >= 2)
+    chunks = stream_generate(
+        hearth_270m.model,
+        hearth_270m.tokenizer,
+        ids,
+        max_tokens=50,
+        cancelled=lambda: len(seen) >= 2,
+    )
     for chunk in chunks:
         seen.append(chunk)
     assert len(seen) == 2 and all(c.finish_reason is None for c in seen)

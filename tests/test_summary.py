@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiny import save_hf, tiny_gemma3_model
-
 from hearth.summary import _layer_pattern, describe, module_kind
+from tiny import save_hf, tiny_gemma3_model
 
 
 def test_layer_pattern_is_run_length_with_period() -> None:
