@@ -20,12 +20,33 @@ import torch
 from torch import nn
 
 from hearth.config import parse_config
+from hearth.cuda_graph import GraphDecoder
 from hearth.kv import make_caches
 from hearth.models.gemma4_presets import GEMMA4_PRESETS
 from hearth.models.loading import _model_class
 from hearth.quant.mlx import MLXQuantizedLinear
 
 PROMPT, DECODE_STEPS = 512, 32
+# Gemma 3 12B text shapes (google/gemma-3-12b), for comparison with llama.cpp's numbers.
+GEMMA3_12B = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262_208,
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+}
+PRESETS = {**GEMMA4_PRESETS, "gemma3-12b": GEMMA3_12B}
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -103,6 +124,23 @@ def measure_hearth(model: nn.Module, device: torch.device) -> tuple[float, float
 
 
 @torch.inference_mode()
+def measure_graph(model: nn.Module, device: torch.device) -> float:
+    """Decode tok/s with each step replayed from a CUDA graph (greedy on the device)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), device=device)
+    decoder = GraphDecoder(model, max_context=PROMPT + 2 * DECODE_STEPS + 8)
+    token = decoder.prefill(ids).argmax(-1, keepdim=True)
+    for _ in range(3):  # capture
+        token = decoder.step(token).argmax(-1, keepdim=True)
+
+    def decode() -> None:
+        nonlocal token
+        for _ in range(DECODE_STEPS):
+            token = decoder.step(token).argmax(-1, keepdim=True)
+
+    return DECODE_STEPS / timed(decode)
+
+
+@torch.inference_mode()
 def measure_hf(preset: dict[str, Any], device: torch.device) -> tuple[float, float]:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -139,7 +177,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     rows = []
     for name in args.models:
-        preset = GEMMA4_PRESETS[name]
+        preset = PRESETS[name]
         for kind in ("bf16", "4-bit"):
             model = build_random(preset, device)
             if kind == "4-bit":
@@ -147,14 +185,21 @@ def main() -> None:
                 release()
             roofline = bandwidth / decode_bytes(model)
             prefill, decode = measure_hearth(model, device)
-            del model
-            release()
             rows.append(
                 f"| {name} | Hearth {kind} | {prefill:,.0f} | {decode:.1f} | "
                 f"{decode / roofline:.0%} of {roofline:,.0f} |"
             )
             print(rows[-1], flush=True)
-        if not args.no_hf:
+            if kind == "bf16" and getattr(model.config, "moe", None) is None:
+                decode = measure_graph(model, device)
+                rows.append(
+                    f"| {name} | Hearth bf16, CUDA graph | | {decode:.1f} | "
+                    f"{decode / roofline:.0%} of {roofline:,.0f} |"
+                )
+                print(rows[-1], flush=True)
+            del model
+            release()
+        if not args.no_hf and name in GEMMA4_PRESETS:
             prefill, decode = measure_hf(preset, device)
             release()
             rows.append(f"| {name} | HF transformers bf16 | {prefill:,.0f} | {decode:.1f} | |")
