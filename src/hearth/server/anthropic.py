@@ -1,4 +1,5 @@
-"""POST /v1/messages: Anthropic's Messages API (text content), JSON or its event stream."""
+"""POST /v1/messages: Anthropic's Messages API (text, tool use, thinking), JSON or its event
+stream."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hearth.sampling import SamplingParams
 from hearth.server.errors import parse_request, read_json_object
 from hearth.server.schemas import MessagesRequest
 from hearth.server.state import (
+    ChatPrompt,
     Generation,
     ServerState,
     complete,
@@ -23,6 +25,7 @@ from hearth.server.state import (
     sse_response,
     state_of,
 )
+from hearth.server.tools import Reply, ReplyParser, ReplyPart, ToolCall, parse_reply
 
 router = APIRouter()
 log = logging.getLogger("hearth.server")
@@ -32,16 +35,18 @@ log = logging.getLogger("hearth.server")
 async def messages(request: Request) -> Response:
     body = parse_request(MessagesRequest, await read_json_object(request))
     state = state_of(request)
-    ids = await state.encode(body.template_messages(), "messages")
-    generation = state.plan(
-        ids, body.max_tokens, _sampling(state, body), body.stop_sequences or (), "messages"
-    )
+    prompt = ChatPrompt(body.neutral_messages(), body.template_tools(), body.thinking_on())
+    ids = await state.encode_chat(prompt, "messages")
+    stop = body.stop_sequences or ()
+    sampling = _sampling(state, body)
+    generation = state.plan(ids, body.max_tokens, sampling, stop, "messages", state.chat_stop_ids)
     message = _message(f"msg_{uuid.uuid4().hex}", body.model, len(ids))
     if body.stream:
-        return sse_response(_named_events(_events(state, generation, message)))
+        return sse_response(_named_events(_events(state, generation, message, body.tools_on())))
     result = await complete(state, generation, request)
-    reason = _stop_reason(result.finish_reason, result.stop_sequence)
-    content = [{"type": "text", "text": result.text}]
+    reply = parse_reply(result.text, body.tools_on())
+    reason = _stop_reason(result.finish_reason, result.stop_sequence, bool(reply.tool_calls))
+    content = _content_blocks(reply)
     return JSONResponse(
         message
         | {"content": content, "stop_reason": reason, "stop_sequence": result.stop_sequence}
@@ -78,33 +83,108 @@ def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
     return {"input_tokens": input_tokens, "output_tokens": output_tokens}
 
 
-def _stop_reason(finish_reason: str, stop_sequence: str | None) -> str:
+def _stop_reason(finish_reason: str, stop_sequence: str | None, called_tools: bool) -> str:
+    if called_tools:
+        return "tool_use"
     if finish_reason == FINISH_LENGTH:
         return "max_tokens"
     return "end_turn" if stop_sequence is None else "stop_sequence"
 
 
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{call.key}",
+        "name": call.name,
+        "input": call.arguments,
+    }
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    # Hearth has no signature to give; clients send the block back and it is dropped.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _content_blocks(reply: Reply) -> list[dict[str, Any]]:
+    blocks = [_thinking(reply.reasoning)] if reply.reasoning else []
+    if reply.text or not reply.tool_calls:  # a reply with nothing else still has a text block
+        blocks.append(_text(reply.text))
+    return blocks + [_tool_use(call) for call in reply.tool_calls]
+
+
 async def _events(
-    state: ServerState, generation: Generation, message: dict[str, Any]
+    state: ServerState, generation: Generation, message: dict[str, Any], tools_on: bool
 ) -> AsyncIterator[dict[str, Any]]:
-    """Anthropic's event sequence for one text block."""
+    """Anthropic's event sequence: one block per run of thinking or text, one per tool call."""
     yield {"type": "message_start", "message": message}
-    block = {"type": "text", "text": ""}
-    yield {"type": "content_block_start", "index": 0, "content_block": block}
-    yield {"type": "ping"}
+    parser = ReplyParser(tools_on)
+    blocks = _BlockStream()
     async for piece in pieces(state, generation):
-        if piece.text:
-            delta = {"type": "text_delta", "text": piece.text}
-            yield {"type": "content_block_delta", "index": 0, "delta": delta}
+        parts = parser.feed(piece.text)
+        if piece.finish_reason is not None:
+            parts += parser.finish()
+        for part in parts:
+            for event in blocks.add(part):
+                yield event
         if piece.finish_reason is not None and piece.stats is not None:
-            yield {"type": "content_block_stop", "index": 0}
-            reason = _stop_reason(piece.finish_reason, piece.stop_sequence)
+            for event in blocks.finish():
+                yield event
+            reason = _stop_reason(piece.finish_reason, piece.stop_sequence, blocks.called_tools)
             yield {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": piece.stop_sequence},
                 "usage": {"output_tokens": piece.stats.generated_tokens},
             }
             yield {"type": "message_stop"}
+
+
+class _BlockStream:
+    """Opens, fills and closes content blocks as reply parts arrive."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_kind: str | None = None  # the reply part kind of the open block
+        self.called_tools = False
+
+    def add(self, part: ReplyPart) -> list[dict[str, Any]]:
+        if part.call is not None:
+            self.called_tools = True
+            closed = self.close()
+            start = self._start(_tool_use(part.call) | {"input": {}}, part.kind)
+            delta = {"type": "input_json_delta", "partial_json": part.call.arguments_json}
+            return [*closed, *start, self._delta(delta), *self.close()]
+        events = []
+        if part.kind != self.open_kind:
+            block = _thinking("") if part.kind == "reasoning" else _text("")
+            events = [*self.close(), *self._start(block, part.kind)]
+        if part.kind == "reasoning":
+            return [*events, self._delta({"type": "thinking_delta", "thinking": part.text})]
+        return [*events, self._delta({"type": "text_delta", "text": part.text})]
+
+    def close(self) -> list[dict[str, Any]]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self.index < 0:  # a reply with no content still has an (empty) text block
+            return [*self._start(_text(""), "text"), *self.close()]
+        return self.close()
+
+    def _start(self, block: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+        self.index += 1
+        self.open_kind = kind
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        # Anthropic pings once, after the first block opens.
+        return [start, {"type": "ping"}] if self.index == 0 else [start]
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
 
 async def _named_events(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

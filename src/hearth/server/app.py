@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from hearth.engine import Engine
-from hearth.server import anthropic, openai
+from hearth.server import anthropic, openai, responses
 from hearth.server.errors import RequestError, error_response
 from hearth.server.state import ClientGone, ServerDefaults, ServerState
 from hearth.server.worker import GenerationWorker
@@ -46,6 +46,8 @@ def create_app(engine: Engine, defaults: ServerDefaults | None = None) -> FastAP
     )
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(responses.router)
+    app.state.response_store = responses.ResponseStore()
     _install_error_handlers(app)
     return app
 

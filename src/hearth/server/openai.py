@@ -18,6 +18,7 @@ from hearth.sampling import SamplingParams
 from hearth.server.errors import RequestError, parse_request, read_json_object
 from hearth.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from hearth.server.state import (
+    ChatPrompt,
     Completion,
     Generation,
     ServerState,
@@ -26,6 +27,7 @@ from hearth.server.state import (
     sse_response,
     state_of,
 )
+from hearth.server.tools import ReplyParser, ReplyPart, ToolCall, parse_reply
 
 T = TypeVar("T")
 log = logging.getLogger("hearth.server")
@@ -68,12 +70,24 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await read_json_object(request))
     state = state_of(request)
-    ids = await state.encode(body.template_messages(), "messages")
-    generation = _plan(state, body, ids, body.token_limit(), "messages")
+    ids = await state.encode_chat(_chat_prompt(body), "messages")
+    sampling = _sampling(state, body)
+    generation = state.plan(
+        ids, body.token_limit(), sampling, body.stop_strings(), "messages", state.chat_stop_ids
+    )
     reply = _Reply(body, state, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
+    tools_on = body.tools_on()
     if body.stream:
-        return sse_response(_data_lines(reply.chat_events(state, generation)))
-    return JSONResponse(reply.chat_completion(await complete(state, generation, request)))
+        return sse_response(_data_lines(reply.chat_events(state, generation, tools_on)))
+    result = await complete(state, generation, request)
+    return JSONResponse(reply.chat_completion(result, tools_on))
+
+
+def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+    kwargs = body.chat_template_kwargs
+    explicit = kwargs is not None and kwargs.enable_thinking is not None
+    switch = "chat_template_kwargs.enable_thinking" if explicit else "reasoning_effort"
+    return ChatPrompt(body.neutral_messages(), body.template_tools(), body.thinking(), switch)
 
 
 @router.post("/v1/completions")
@@ -118,6 +132,15 @@ def _or_default(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
+def openai_tool_call(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments_json}
+    return {"id": f"call_{call.key}", "type": "function", "function": function}
+
+
+def _chat_finish_reason(finish_reason: str, called_tools: bool) -> str:
+    return "tool_calls" if called_tools else finish_reason
+
+
 def usage_of(stats: GenerationStats) -> dict[str, int]:
     return {
         "prompt_tokens": stats.prompt_tokens,
@@ -148,26 +171,42 @@ class _Reply:
         self.model = body.model or state.model_id  # echoed back, as mlx_lm.server does
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chat_completion(self, result: Completion) -> dict[str, Any]:
-        message = {"role": "assistant", "content": result.text}
-        return self._whole(result, {"message": message})
+    def chat_completion(self, result: Completion, tools_on: bool) -> dict[str, Any]:
+        reply = parse_reply(result.text, tools_on)
+        # OpenAI sends content null when a reply is only tool calls.
+        content = reply.text if reply.text or not reply.tool_calls else None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [openai_tool_call(call) for call in reply.tool_calls]
+        finish = _chat_finish_reason(result.finish_reason, bool(reply.tool_calls))
+        return self._whole(result, {"message": message}, finish)
 
     def text_completion(self, result: Completion) -> dict[str, Any]:
-        return self._whole(result, {"text": result.text})
+        return self._whole(result, {"text": result.text}, result.finish_reason)
 
-    def _whole(self, result: Completion, output: dict[str, Any]) -> dict[str, Any]:
-        choice = {"index": 0, **output, "logprobs": None, "finish_reason": result.finish_reason}
+    def _whole(self, result: Completion, output: dict[str, Any], finish: str) -> dict[str, Any]:
+        choice = {"index": 0, **output, "logprobs": None, "finish_reason": finish}
         return self._envelope(self.kind, [choice]) | {"usage": usage_of(result.stats)}
 
     async def chat_events(
-        self, state: ServerState, generation: Generation
+        self, state: ServerState, generation: Generation, tools_on: bool
     ) -> AsyncIterator[dict[str, Any]]:
         # OpenAI opens every chat stream with the role and an empty content.
         yield self._chunk(CHAT_CHUNK, "delta", {"role": "assistant", "content": ""}, None)
+        parser = ReplyParser(tools_on)
+        calls = 0
         async for piece in pieces(state, generation):
-            if piece.text or piece.finish_reason:
-                delta = {"content": piece.text} if piece.text else {}
-                yield self._chunk(CHAT_CHUNK, "delta", delta, piece.finish_reason)
+            parts = parser.feed(piece.text)
+            if piece.finish_reason is not None:
+                parts += parser.finish()
+            for part in parts:
+                yield self._chunk(CHAT_CHUNK, "delta", _delta(part, calls), None)
+                calls += part.call is not None
+            if piece.finish_reason is not None:
+                finish = _chat_finish_reason(piece.finish_reason, calls > 0)
+                yield self._chunk(CHAT_CHUNK, "delta", {}, finish)
             if piece.stats is not None and self.include_usage:
                 yield self._envelope(CHAT_CHUNK, []) | {"usage": usage_of(piece.stats)}
 
@@ -194,3 +233,10 @@ class _Reply:
         chunk = self._envelope(kind, [choice])
         # With include_usage every chunk carries "usage": null until the final usage chunk.
         return chunk | {"usage": None} if self.include_usage else chunk
+
+
+def _delta(part: ReplyPart, index: int) -> dict[str, Any]:
+    """One reply part as a chat delta; `index` numbers tool calls within the reply."""
+    if part.call is not None:
+        return {"tool_calls": [{"index": index, **openai_tool_call(part.call)}]}
+    return {"reasoning_content" if part.kind == "reasoning" else "content": part.text}

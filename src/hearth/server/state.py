@@ -17,7 +17,11 @@ from hearth.errors import HearthError
 from hearth.generate import GenerationChunk, GenerationStats
 from hearth.sampling import SamplingParams
 from hearth.server.errors import RequestError
+from hearth.server.tools import TOOL_RESPONSE_START, ConversationError, template_conversation
 from hearth.server.worker import GenerationWorker
+
+# Gemma 4 ends a turn with <turn|>, and a tool call is followed by <|tool_response>.
+CHAT_STOP_TOKENS = ("<turn|>", TOOL_RESPONSE_START)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,31 @@ class Generation:
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]
+    stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation (neutral messages, see `template_conversation`) and what the chat
+    template is told besides it."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    enable_thinking: bool | None = None
+    thinking_param: str = "thinking"  # the request field that switched thinking on
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.tools:
+            kwargs["tools"] = self.tools
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
+
+    def uses_tools(self) -> bool:
+        return self.tools is not None or any(
+            message["role"] == "tool" or message.get("tool_calls") for message in self.messages
+        )
 
 
 @dataclass
@@ -64,6 +93,39 @@ class ServerState:
             raise RequestError("the prompt is empty", param)
         return ids
 
+    async def encode_chat(self, prompt: ChatPrompt, param: str) -> list[int]:
+        """Token ids of a conversation rendered with tools and the thinking switch."""
+        try:
+            messages = template_conversation(prompt.messages)
+        except ConversationError as error:
+            raise RequestError(str(error), error.param) from None
+        self._check_template_supports(prompt)
+        tokenizer = self.engine.tokenizer
+        try:
+            ids = await asyncio.to_thread(
+                tokenizer.encode_chat, messages, True, **prompt.template_kwargs()
+            )
+        except HearthError as error:
+            raise RequestError(str(error), param) from None
+        if not ids:
+            raise RequestError("the prompt is empty", param)
+        return ids
+
+    def _check_template_supports(self, prompt: ChatPrompt) -> None:
+        # A template that never reads `tools` would drop them silently: refuse instead.
+        template = self.engine.tokenizer.chat_template or ""
+        if prompt.uses_tools() and "tools" not in template:
+            raise RequestError("this model's chat template does not support tools", "tools")
+        if prompt.enable_thinking and "enable_thinking" not in template:
+            message = "this model's chat template has no thinking switch"
+            raise RequestError(message, prompt.thinking_param)
+
+    @property
+    def chat_stop_ids(self) -> tuple[int, ...]:
+        tokenizer = self.engine.tokenizer
+        extra = (tokenizer.token_to_id(token) for token in CHAT_STOP_TOKENS)
+        return tuple(sorted(tokenizer.eos_ids | {token for token in extra if token is not None}))
+
     def plan(
         self,
         prompt_ids: list[int],
@@ -71,6 +133,7 @@ class ServerState:
         sampling: SamplingParams,
         stop: Sequence[str],
         prompt_param: str,
+        stop_ids: tuple[int, ...] | None = None,
     ) -> Generation:
         """Check the prompt fits the context and the sampling settings are valid."""
         room = self.context_length - len(prompt_ids)
@@ -93,7 +156,7 @@ class ServerState:
             raise RequestError(str(error), field_name) from None
         # The server default only ever shrinks to fit; an explicit request is never cut.
         limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
-        return Generation(prompt_ids, limit, sampling, tuple(stop))
+        return Generation(prompt_ids, limit, sampling, tuple(stop), stop_ids)
 
 
 def state_of(request: Request) -> ServerState:
@@ -143,7 +206,11 @@ async def _collect(state: ServerState, generation: Generation) -> Completion:
 
 def pieces(state: ServerState, generation: Generation) -> AsyncIterator[GenerationChunk]:
     return state.worker.stream(
-        generation.prompt_ids, generation.max_tokens, generation.sampling, generation.stop
+        generation.prompt_ids,
+        generation.max_tokens,
+        generation.sampling,
+        generation.stop,
+        generation.stop_ids,
     )
 
 

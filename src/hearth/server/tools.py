@@ -1,0 +1,344 @@
+"""Gemma 4 tool calling: parse `<|tool_call>call:NAME{key:value,…}<tool_call|>` from generated
+text (whole or streamed), and shape conversations with tool calls and results for the chat
+template.
+
+Arguments use Gemma's syntax: bare keys, strings wrapped in `<|"|>…<|"|>`, JSON numbers and
+literals, nested `{}` and `[]`. A call that does not parse is kept as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hearth.server.reasoning import ReasoningSplitter, partial_marker_length
+
+TOOL_CALL_START = "<|tool_call>"
+TOOL_CALL_END = "<tool_call|>"
+STRING_MARK = '<|"|>'
+# Ends generation after a call: the model would go on to imagine the tool's answer.
+TOOL_RESPONSE_START = "<|tool_response>"
+
+_BARE_KEY = re.compile(r"[^\s:,{}\[\]<]+")
+_LITERAL = re.compile(r"[^\s,{}\[\]]+")
+_CALL_NAME = re.compile(r"call:([^\s{}]+)\{")
+
+
+class MalformedToolCall(ValueError):
+    """Tool-call markup that is not Gemma's call syntax."""
+
+
+def _new_call_key() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    key: str = field(default_factory=_new_call_key)  # each API prefixes it (call_, toolu_, fc_)
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+class _GemmaValue:
+    """A recursive-descent reader of one Gemma argument value (brace-balanced by construction)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    def read(self) -> Any:
+        self._skip_spaces()
+        if self.text.startswith(STRING_MARK, self.pos):
+            return self._string()
+        if self._take("{"):
+            return self._object()
+        if self._take("["):
+            return self._array()
+        return self._literal()
+
+    def at_end(self) -> bool:
+        self._skip_spaces()
+        return self.pos == len(self.text)
+
+    def _string(self) -> str:
+        start = self.pos + len(STRING_MARK)
+        end = self.text.find(STRING_MARK, start)
+        if end < 0:
+            raise MalformedToolCall("unterminated string")
+        self.pos = end + len(STRING_MARK)
+        return self.text[start:end]
+
+    def _object(self) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        if self._take("}"):
+            return result
+        while True:
+            key = self._key()
+            self._expect(":")
+            result[key] = self.read()
+            if self._take("}"):
+                return result
+            self._expect(",")
+
+    def _array(self) -> list[Any]:
+        result: list[Any] = []
+        if self._take("]"):
+            return result
+        while True:
+            result.append(self.read())
+            if self._take("]"):
+                return result
+            self._expect(",")
+
+    def _key(self) -> str:
+        self._skip_spaces()
+        if self.text.startswith(STRING_MARK, self.pos):  # the template quotes nested keys
+            return self._string()
+        return self._match(_BARE_KEY, "a key")
+
+    def _literal(self) -> Any:
+        token = self._match(_LITERAL, "a value")
+        try:
+            return json.loads(token)  # numbers, true, false, null
+        except json.JSONDecodeError:
+            raise MalformedToolCall(f"not a value: {token!r}") from None
+
+    def _match(self, pattern: re.Pattern[str], what: str) -> str:
+        self._skip_spaces()
+        match = pattern.match(self.text, self.pos)
+        if match is None:
+            raise MalformedToolCall(f"expected {what} at {self.pos}")
+        self.pos = match.end()
+        return match.group()
+
+    def _take(self, char: str) -> bool:
+        self._skip_spaces()
+        if self.text.startswith(char, self.pos):
+            self.pos += 1
+            return True
+        return False
+
+    def _expect(self, char: str) -> None:
+        if not self._take(char):
+            raise MalformedToolCall(f"expected {char!r} at {self.pos}")
+
+    def _skip_spaces(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+
+def parse_gemma_arguments(text: str) -> dict[str, Any]:
+    """`{key:value,…}` in Gemma's syntax as a JSON-ready dict."""
+    reader = _GemmaValue(text)
+    value = reader.read()
+    if not isinstance(value, dict) or not reader.at_end():
+        raise MalformedToolCall("arguments must be one {...} object")
+    return value
+
+
+def parse_tool_call(markup: str) -> ToolCall:
+    """One `<|tool_call>call:NAME{…}<tool_call|>` span."""
+    body = markup.removeprefix(TOOL_CALL_START).removesuffix(TOOL_CALL_END).strip()
+    match = _CALL_NAME.match(body)
+    if match is None:
+        raise MalformedToolCall("expected call:NAME{...}")
+    return ToolCall(match.group(1), parse_gemma_arguments(body[match.end() - 1 :]))
+
+
+PartKind = Literal["reasoning", "text", "tool_call"]
+
+
+@dataclass(frozen=True)
+class ReplyPart:
+    kind: PartKind
+    text: str = ""
+    call: ToolCall | None = None
+
+
+class _ToolCallSplitter:
+    """Answer text in, text and tool calls out; a partial `<|tool_call>` is held back and a
+    call's markup is buffered until its end marker."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+
+    def feed(self, text: str) -> list[ReplyPart]:
+        self._pending += text
+        parts: list[ReplyPart] = []
+        while True:
+            start = self._pending.find(TOOL_CALL_START)
+            if start < 0:
+                safe = len(self._pending) - partial_marker_length(self._pending, TOOL_CALL_START)
+                parts.append(ReplyPart("text", self._pending[:safe]))
+                self._pending = self._pending[safe:]
+                return parts
+            end = self._pending.find(TOOL_CALL_END, start)
+            if end < 0:
+                parts.append(ReplyPart("text", self._pending[:start]))
+                self._pending = self._pending[start:]
+                return parts
+            parts.append(ReplyPart("text", self._pending[:start]))
+            parts.append(_call_or_text(self._pending[start : end + len(TOOL_CALL_END)]))
+            self._pending = self._pending[end + len(TOOL_CALL_END) :]
+
+    def finish(self) -> list[ReplyPart]:
+        """An unfinished call (or a partial marker) is plain text."""
+        rest, self._pending = self._pending, ""
+        return [ReplyPart("text", rest)]
+
+
+def _call_or_text(markup: str) -> ReplyPart:
+    try:
+        return ReplyPart("tool_call", call=parse_tool_call(markup))
+    except MalformedToolCall:
+        return ReplyPart("text", markup)
+
+
+class ReplyParser:
+    """Generated text in, reasoning / answer text / tool calls out, as the text streams."""
+
+    def __init__(self, parse_tools: bool) -> None:
+        self._reasoning = ReasoningSplitter()
+        self._tools = _ToolCallSplitter() if parse_tools else None
+
+    def feed(self, text: str) -> list[ReplyPart]:
+        return self._route(self._reasoning.feed(text), final=False)
+
+    def finish(self) -> list[ReplyPart]:
+        return self._route(self._reasoning.finish(), final=True)
+
+    def _route(self, pieces: list[tuple[str, str]], final: bool) -> list[ReplyPart]:
+        parts: list[ReplyPart] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                parts.append(ReplyPart("reasoning", text))
+            elif self._tools is None:
+                parts.append(ReplyPart("text", text))
+            else:
+                parts.extend(self._tools.feed(text))
+        if final and self._tools is not None:
+            parts.extend(self._tools.finish())
+        return [part for part in parts if part.text or part.call is not None]
+
+
+@dataclass
+class Reply:
+    """A whole reply, split."""
+
+    reasoning: str = ""
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, part: ReplyPart) -> None:
+        if part.kind == "reasoning":
+            self.reasoning += part.text
+        elif part.call is not None:
+            self.tool_calls.append(part.call)
+        else:
+            self.text += part.text
+
+
+def parse_reply(text: str, parse_tools: bool) -> Reply:
+    parser = ReplyParser(parse_tools)
+    reply = Reply()
+    for part in [*parser.feed(text), *parser.finish()]:
+        reply.add(part)
+    return reply
+
+
+def function_tool(name: str, description: str | None, parameters: object) -> dict[str, Any]:
+    """A tool as chat templates expect it: OpenAI's `{"type": "function", "function": …}`."""
+    spec: dict[str, Any] = {"name": name, "description": description or ""}
+    if parameters is not None:
+        spec["parameters"] = parameters
+    return {"type": "function", "function": spec}
+
+
+class ConversationError(ValueError):
+    """A conversation the template cannot be given: the request field at fault, and why."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _source(message: dict[str, Any], index: int) -> str:
+    """Where a neutral message came from in the request (routes set "source")."""
+    return message.get("source", f"messages.{index}")
+
+
+def template_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Neutral messages (OpenAI chat shape: assistant `tool_calls` with JSON-string arguments,
+    `role: tool` results with `tool_call_id`, each optionally with its request "source") as
+    the Gemma 4 template reads them: arguments as mappings, results folded into the calling
+    model turn as `tool_responses`."""
+    folded: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        if message["role"] == "tool":
+            _fold_tool_result(folded, message, index)
+        elif _continues_after_results(folded, message):
+            # Gemma answers in the same model turn that holds the calls and their results.
+            folded[-1]["content"] = (folded[-1].get("content") or "") + (message["content"] or "")
+        else:
+            folded.append(_template_message(message, index))
+    return folded
+
+
+def _continues_after_results(folded: list[dict[str, Any]], message: dict[str, Any]) -> bool:
+    return bool(
+        folded
+        and message["role"] == "assistant"
+        and not message.get("tool_calls")
+        and folded[-1].get("tool_responses")
+    )
+
+
+def _template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    shaped = {"role": message["role"], "content": message.get("content")}
+    if message.get("tool_calls"):
+        shaped["tool_calls"] = [
+            _template_call(call, _source(message, index)) for call in message["tool_calls"]
+        ]
+    return shaped
+
+
+def _template_call(call: dict[str, Any], source: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call["arguments"]) if call["arguments"] else {}
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ConversationError(f"{source}.tool_calls", "arguments must be a JSON object")
+    function = {"name": call["name"], "arguments": arguments}
+    return {"id": call["id"], "type": "function", "function": function}
+
+
+def _fold_tool_result(folded: list[dict[str, Any]], message: dict[str, Any], index: int) -> None:
+    owner = folded[-1] if folded else None
+    calls = (owner or {}).get("tool_calls") or []
+    source = _source(message, index)
+    if owner is None or owner["role"] != "assistant" or not calls:
+        raise ConversationError(f"{source}.role", "a tool result must follow the tool calls")
+    names = {call["id"]: call["function"]["name"] for call in calls}
+    if message.get("tool_call_id") not in names:
+        raise ConversationError(f"{source}.tool_call_id", "no earlier tool call has this id")
+    response = {"name": names[message["tool_call_id"]], "response": _result_value(message)}
+    owner.setdefault("tool_responses", []).append(response)
+
+
+def _result_value(message: dict[str, Any]) -> Any:
+    """A JSON object result stays structured; anything else is its text (the template wraps a
+    non-mapping as {value: …})."""
+    text = message.get("content") or ""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
