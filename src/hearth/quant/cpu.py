@@ -41,6 +41,10 @@ KERNEL_ALIGNMENT_BYTES = 64
 SCALE_FLOOR = torch.finfo(torch.bfloat16).tiny
 
 
+# From this many input rows on, forward unpacks the weight and runs a dense GEMM.
+PREFILL_ROWS = 16
+
+
 def _has_aten_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
 
@@ -70,14 +74,23 @@ def _round_up_to_bf16(values: Tensor) -> Tensor:
 # int8, symmetric per output row
 
 
-def quantize_int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """``(q int8 [out, in], scales bf16 [out])`` with ``|w - q * s| <= s / 2`` per element."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    # Rounding the scale up keeps |w| / s <= 127, so the clamp never adds error.
-    scales = _round_up_to_bf16((amax / INT8_MAX).clamp_min(SCALE_FLOOR))
-    q = torch.round(w / scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), scales
+def quantize_int8_rows(weight: Tensor, chunk_rows: int = 16384) -> tuple[Tensor, Tensor]:
+    """``(q int8 [out, in], scales bf16 [out])`` with ``|w - q * s| <= s / 2`` per element.
+
+    Rows are independent, so they are quantized `chunk_rows` at a time: the fp32 temporaries
+    of a 262144-row embedding would otherwise need 2 GB on top of the weight.
+    """
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.bfloat16, device=weight.device)
+    for start in range(0, weight.shape[0], chunk_rows):
+        rows = weight[start : start + chunk_rows].detach().float()
+        amax = rows.abs().amax(dim=1)
+        # Rounding the scale up keeps |w| / s <= 127, so the clamp never adds error.
+        chunk_scales = _round_up_to_bf16((amax / INT8_MAX).clamp_min(SCALE_FLOOR))
+        codes = torch.round(rows / chunk_scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        q[start : start + chunk_rows] = codes.to(torch.int8)
+        scales[start : start + chunk_rows] = chunk_scales
+    return q, scales
 
 
 def dequantize_int8_rows(q: Tensor, scales: Tensor) -> Tensor:
@@ -169,6 +182,7 @@ class _QuantizedLinear(nn.Module):
     out_features: int
     uses_kernel: bool
     bias: Tensor | None
+    dense_prefill = False  # unpacking is cheap enough to run prefills as dense GEMMs
 
     def _init_common(
         self, in_features: int, out_features: int, bias: Tensor | None, uses_kernel: bool
@@ -189,7 +203,10 @@ class _QuantizedLinear(nn.Module):
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.uses_kernel:
+        # Many rows (a prefill) are compute-bound: a bf16 GEMM on the unpacked weight beats
+        # the weight-only kernel, which is built for one row at a time.
+        many_rows = self.dense_prefill and x.numel() >= PREFILL_ROWS * self.in_features
+        if not self.uses_kernel or many_rows:
             return self.reference_forward(x)
         x2d = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = self._kernel_matmul(x2d).to(x.dtype)
@@ -210,6 +227,8 @@ class _QuantizedLinear(nn.Module):
 
 class Int8Linear(_QuantizedLinear):
     """int8 weights [out, in] with one bf16 scale per output row."""
+
+    dense_prefill = True
 
     qweight: Tensor
     scales: Tensor
