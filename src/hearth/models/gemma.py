@@ -108,6 +108,31 @@ def decode_attention(
     return torch.stack(outputs).reshape(batch, heads, 1, dim)
 
 
+def attend(
+    q: torch.Tensor, view: KVView, positions: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """q [batch, heads, queries, dim] over a cache view; softmax in fp32, GQA by grouping."""
+    mask = view_mask(positions, view, window)
+    if q.shape[2] == 1 and mask is None and _slow_half_sdpa(q):
+        return decode_attention(q, view.keys, view.values, scale, view.length)
+    keys, values = view.real()
+    grouped = q.shape[1] != keys.shape[1]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=grouped
+    )
+
+
+def view_mask(positions: torch.Tensor, view: KVView, window: int | None) -> torch.Tensor | None:
+    """The causal/sliding mask of queries at `positions` over a view; None when all visible."""
+    key_positions = view.positions
+    if key_positions is None:
+        # Keys are positions 0..length-1 in order: one query at the end needs no causal mask.
+        if positions.shape[0] == 1 and (window is None or view.length <= window):
+            return None
+        key_positions = torch.arange(view.length, device=positions.device)
+    return attention_mask(positions, key_positions, window)
+
+
 class Attention(nn.Module):
     def __init__(self, config: Gemma3Config, layer_type: str) -> None:
         super().__init__()
@@ -144,26 +169,8 @@ class Attention(nn.Module):
         q, k = rotated.transpose(1, 2).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.transpose(1, 2)
         view = KVView(k, v, k.shape[2], None) if cache is None else cache.update_and_fetch(k, v)
-        mask = self._mask(positions, view.positions, view.length)
-        if length == 1 and mask is None and _slow_half_sdpa(q):
-            out = decode_attention(q, view.keys, view.values, self.scale, view.length)
-        else:
-            keys, values = view.real()
-            grouped = self.num_heads != self.num_kv_heads
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=grouped
-            )
+        out = attend(q, view, positions, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-    def _mask(
-        self, positions: torch.Tensor, key_positions: torch.Tensor | None, keys: int
-    ) -> torch.Tensor | None:
-        if key_positions is None:
-            # Keys are positions 0..keys-1 in order: one query at the end needs no causal mask.
-            if positions.shape[0] == 1 and (self.window is None or keys <= self.window):
-                return None
-            key_positions = torch.arange(keys, device=positions.device)
-        return attention_mask(positions, key_positions, self.window)
 
 
 class MLP(nn.Module):

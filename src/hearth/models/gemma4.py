@@ -26,10 +26,8 @@ from hearth.models.gemma import (
     RMSNorm,
     RotaryEmbedding,
     StackedLinear,
-    _slow_half_sdpa,
     apply_rotary,
-    attention_mask,
-    decode_attention,
+    attend,
 )
 
 if TYPE_CHECKING:
@@ -55,30 +53,6 @@ class ProportionalRotaryEmbedding(RotaryEmbedding):
         super().__init__(head_dim, rope)
         rotated_pairs = int(rope.partial_rotary_factor * head_dim // 2)
         self.inv_freq[rotated_pairs:] = 0.0
-
-
-def attend(
-    q: torch.Tensor, view: KVView, positions: torch.Tensor, window: int | None
-) -> torch.Tensor:
-    """Scale-1 attention of q [batch, heads, queries, dim] over a cache view, softmax in fp32."""
-    mask = _mask(positions, view, window)
-    if q.shape[2] == 1 and mask is None and _slow_half_sdpa(q):
-        return decode_attention(q, view.keys, view.values, 1.0, view.length)
-    keys, values = view.real()
-    grouped = q.shape[1] != keys.shape[1]
-    return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=1.0, enable_gqa=grouped
-    )
-
-
-def _mask(positions: torch.Tensor, view: KVView, window: int | None) -> torch.Tensor | None:
-    key_positions = view.positions
-    if key_positions is None:
-        # Keys are positions 0..length-1 in order: one query at the end needs no causal mask.
-        if positions.shape[0] == 1 and (window is None or view.length <= window):
-            return None
-        key_positions = torch.arange(view.length, device=positions.device)
-    return attention_mask(positions, key_positions, window)
 
 
 class Gemma4Attention(nn.Module):
@@ -121,7 +95,7 @@ class Gemma4Attention(nn.Module):
         q, *kv = self.qkv_proj(x)
         q = apply_rotary(self.q_norm(q.view(batch, length, self.num_heads, -1)), *rope)
         view = self._store_keys_values(kv, rope, cache) if shared is None else shared
-        out = attend(q.transpose(1, 2), view, positions, self.window)
+        out = attend(q.transpose(1, 2), view, positions, self.window, scale=1.0)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), view
 
     def _store_keys_values(
