@@ -14,7 +14,7 @@ from hearth.config import parse_config
 from hearth.embedded import embedded_model_path
 from hearth.generate import GenerationChunk, stream_generate
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
-from hearth.models.gemma import Gemma3Model
+from hearth.models import Model
 from hearth.models.loading import build_model
 from hearth.sampling import SamplingParams
 from hearth.tokenizer import Tokenizer
@@ -58,7 +58,7 @@ def resolve_precision(
 
 @dataclass
 class Engine:
-    model: Gemma3Model
+    model: Model
     tokenizer: Tokenizer
     path: Path
     kv_policy: KVPolicy = field(default_factory=KVPolicy)

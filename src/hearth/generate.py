@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hearth.kv import LayerCache, make_caches
-from hearth.models.gemma import Gemma3Model
+from hearth.models import Model
 from hearth.sampling import Sampler, SamplingParams
 from hearth.tokenizer import Tokenizer
 
@@ -25,6 +25,7 @@ FINISH_LENGTH = "length"
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens already in the caches, not prefilled
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -32,7 +33,8 @@ class GenerationStats:
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        prefilled = self.prompt_tokens - self.cached_tokens
+        return prefilled / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -102,33 +104,46 @@ class StopStrings:
 
 
 def prefill(
-    model: Gemma3Model, prompt: torch.Tensor, caches: list[LayerCache], step: int = 512
+    model: Model,
+    prompt: torch.Tensor,
+    caches: list[LayerCache],
+    step: int = 512,
+    position: int = 0,
 ) -> torch.Tensor:
-    """Run the prompt through the model in chunks of `step`; the last position's logits [1, V]."""
+    """Run the prompt (its first token at `position`) through the model in chunks of `step`;
+    the last position's logits [1, V]."""
     last = (prompt.shape[1] - 1) // step * step
     for start in range(0, last, step):
-        model(prompt[:, start : start + step], caches, start=start, last_only=True)
-    return model(prompt[:, last:], caches, start=last, last_only=True)[:, -1]
+        model(prompt[:, start : start + step], caches, start=position + start, last_only=True)
+    return model(prompt[:, last:], caches, start=position + last, last_only=True)[:, -1]
 
 
 @torch.inference_mode()
 def generate_tokens(
-    model: Gemma3Model,
+    model: Model,
     prompt_ids: Sequence[int],
     sampler: Sampler,
     max_tokens: int,
     stats: GenerationStats,
     caches: list[LayerCache] | None = None,
     prefill_step: int = 512,
+    cached_tokens: int = 0,
 ) -> Iterator[int]:
-    """Token ids, one per step, until `max_tokens`; the caller decides when to stop early."""
+    """Token ids, one per step, until `max_tokens`; the caller decides when to stop early.
+
+    `cached_tokens`: how many leading prompt tokens `caches` already hold (a prompt cache
+    hit); only the rest is prefilled, and at least one token must be left to prefill.
+    """
+    if not 0 <= cached_tokens < len(prompt_ids):
+        raise ValueError(f"cached_tokens {cached_tokens} must leave a prompt token to prefill")
     device = model.device
     caches = make_caches(model.config) if caches is None else caches
     history = list(prompt_ids)
-    prompt = torch.tensor([history], dtype=torch.long, device=device)
+    prompt = torch.tensor([history[cached_tokens:]], dtype=torch.long, device=device)
     stats.prompt_tokens = len(history)
+    stats.cached_tokens = cached_tokens
     started = decode_started = time.perf_counter()
-    logits = prefill(model, prompt, caches, prefill_step)
+    logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
     for produced in range(max_tokens):
         token = int(sampler.sample(logits, history))
         now = time.perf_counter()
@@ -146,7 +161,7 @@ def generate_tokens(
 
 
 def stream_generate(
-    model: Gemma3Model,
+    model: Model,
     tokenizer: Tokenizer,
     prompt_ids: Sequence[int],
     sampling: SamplingParams | None = None,
@@ -155,8 +170,11 @@ def stream_generate(
     stop_ids: Sequence[int] | None = None,
     cancelled: Callable[[], bool] | None = None,
     caches: list[LayerCache] | None = None,
+    cached_tokens: int = 0,
 ) -> Iterator[GenerationChunk]:
     """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
+
+    `cached_tokens`: leading prompt tokens `caches` already hold (see `generate_tokens`).
 
     `cancelled` is checked before each token; once it returns true the stream ends at once,
     without a final chunk (a server's client went away).
@@ -171,7 +189,10 @@ def stream_generate(
     stops = StopStrings(stop)
     stats = GenerationStats()
     finish = FINISH_LENGTH
-    for token in generate_tokens(model, prompt_ids, sampler, max_tokens, stats, caches):
+    tokens = generate_tokens(
+        model, prompt_ids, sampler, max_tokens, stats, caches, cached_tokens=cached_tokens
+    )
+    for token in tokens:
         if cancelled is not None and cancelled():
             return
         if token in end_ids:

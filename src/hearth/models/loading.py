@@ -12,6 +12,7 @@ from tqdm import tqdm
 from hearth.checkpoint import Checkpoint
 from hearth.config import Gemma3Config, ModelConfig, parse_config
 from hearth.errors import CheckpointError
+from hearth.models import Model
 from hearth.models.gemma import Gemma3Model, StackedLinear
 from hearth.models.gemma4 import Experts, Gemma4Model
 from hearth.quant.mlx import (
@@ -33,7 +34,7 @@ def build_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     quantize: str | None = None,
-) -> Gemma3Model | Gemma4Model:
+) -> Model:
     """The model of `checkpoint` in `dtype` on `device`; every parameter must come from the file.
 
     MLX-quantized modules stay packed (their scales and biases keep the file's dtype, so their
@@ -88,7 +89,7 @@ def build_model(
     return model
 
 
-def _model_class(config: ModelConfig) -> type[Gemma3Model | Gemma4Model]:
+def _model_class(config: ModelConfig) -> type[Model]:
     return Gemma3Model if isinstance(config, Gemma3Config) else Gemma4Model
 
 
@@ -249,7 +250,7 @@ def _stack_packed(
     return kind(weight, scales, biases, spec.bits, spec.group_size)
 
 
-def quantize_weights(model: Gemma3Model, mode: str) -> None:
+def quantize_weights(model: Model, mode: str) -> None:
     """Keep weights int8/int4 in memory (CPU weight-only kernels); the tied table becomes int8."""
     from hearth.quant import QuantizedEmbeddingHead, quantize_model
     from hearth.quant.cpu import QUANT_MODES
