@@ -140,7 +140,13 @@ def test_chat_completion_json_and_stream(oai: openai.OpenAI, tokenizer: Tokenize
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reply.choices[0].message.content
-    assert chunks[-1].usage == reply.usage
+    usage = chunks[-1].usage
+    assert usage is not None and reply.usage is not None
+    uncached = {"prompt_tokens_details"}
+    assert usage.model_dump(exclude=uncached) == reply.usage.model_dump(exclude=uncached)
+    # The same prompt again: the prompt cache holds all of it but the token left to prefill.
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
 def test_seeded_sampling_is_reproducible(oai: openai.OpenAI) -> None:

@@ -68,7 +68,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=positive_int, default=256, help="default 256")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=100, help="default 100 (as mlx_lm.generate)"
+    )
     parser.add_argument(
         "--temp",
         type=non_negative_float,
@@ -153,6 +155,24 @@ def _add_serve_parser(commands: Any) -> None:
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="default INFO",
+    )
+    serve.add_argument(
+        "--prompt-cache-size",
+        type=non_negative_int,
+        default=10,
+        help="most prompt caches kept for reuse (default 10, 0: off)",
+    )
+    serve.add_argument(
+        "--prompt-cache-bytes",
+        type=non_negative_int,
+        default=2 * 2**30,
+        help="most KV bytes the prompt cache keeps (default 2 GiB, 0: off)",
+    )
+    serve.add_argument(
+        "--memory-budget",
+        type=positive_float,
+        metavar="GB",
+        help="refuse requests whose weights + KV cache would exceed GB (10^9 bytes)",
     )
     _add_model_options(serve)
 
@@ -245,11 +265,12 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     if args.model and args.model_flag:
         raise HearthError("give the model either as MODEL or as --model, not both")
-    from hearth.server import ServerDefaults, serve
+    from hearth.server import ServerDefaults, ServerLimits, serve
 
     engine = _load(args.model or args.model_flag, args)
     defaults = ServerDefaults(args.temp, args.top_p, args.top_k, args.min_p, args.max_tokens)
-    serve(engine, args.host, args.port, defaults, args.log_level)
+    limits = ServerLimits(args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget)
+    serve(engine, args.host, args.port, defaults, args.log_level, limits)
     return 0
 
 

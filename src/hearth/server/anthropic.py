@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from hearth.generate import FINISH_LENGTH
+from hearth.generate import FINISH_LENGTH, GenerationStats
 from hearth.sampling import SamplingParams
 from hearth.server.errors import parse_request, read_json_object
 from hearth.server.schemas import MessagesRequest
@@ -50,7 +50,7 @@ async def messages(request: Request) -> Response:
     return JSONResponse(
         message
         | {"content": content, "stop_reason": reason, "stop_sequence": result.stop_sequence}
-        | {"usage": _usage(len(ids), result.stats.generated_tokens)}
+        | {"usage": _usage(result.stats)}
     )
 
 
@@ -75,12 +75,18 @@ def _message(message_id: str, model: str, input_tokens: int) -> dict[str, Any]:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": _usage(input_tokens, 0),
+        # Sent before the worker looks in the prompt cache: message_delta has the split.
+        "usage": {"input_tokens": input_tokens, "cache_read_input_tokens": 0, "output_tokens": 0},
     }
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
+def _usage(stats: GenerationStats) -> dict[str, int]:
+    """Anthropic's split: input_tokens counts only the prompt tokens not read from the cache."""
+    return {
+        "input_tokens": stats.prompt_tokens - stats.cached_tokens,
+        "cache_read_input_tokens": stats.cached_tokens,
+        "output_tokens": stats.generated_tokens,
+    }
 
 
 def _stop_reason(finish_reason: str, stop_sequence: str | None, called_tools: bool) -> str:
@@ -137,7 +143,7 @@ async def _events(
             yield {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": piece.stop_sequence},
-                "usage": {"output_tokens": piece.stats.generated_tokens},
+                "usage": _usage(piece.stats),
             }
             yield {"type": "message_stop"}
 

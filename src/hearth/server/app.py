@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -12,8 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from hearth.engine import Engine
-from hearth.server import anthropic, openai, responses
+from hearth.server import anthropic, monitoring, openai, responses
+from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError, error_response
+from hearth.server.prompt_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PromptCache
 from hearth.server.state import ClientGone, ServerDefaults, ServerState
 from hearth.server.worker import GenerationWorker
 
@@ -28,8 +31,30 @@ def model_id_of(engine: Engine) -> str:
     return engine.path.name.removesuffix(".gguf")
 
 
-def create_app(engine: Engine, defaults: ServerDefaults | None = None) -> FastAPI:
-    worker = GenerationWorker(engine)
+@dataclass(frozen=True)
+class ServerLimits:
+    """The prompt cache's size (either limit 0 turns it off) and the optional memory budget."""
+
+    prompt_cache_bytes: int = DEFAULT_MAX_BYTES
+    prompt_cache_size: int = DEFAULT_MAX_ENTRIES
+    memory_budget_gb: float | None = None
+
+    def prompt_cache(self) -> PromptCache | None:
+        if self.prompt_cache_bytes == 0 or self.prompt_cache_size == 0:
+            return None
+        return PromptCache(self.prompt_cache_bytes, self.prompt_cache_size)
+
+    def memory_budget(self, engine: Engine) -> MemoryBudget | None:
+        if self.memory_budget_gb is None:
+            return None
+        return MemoryBudget.for_engine(engine, self.memory_budget_gb)
+
+
+def create_app(
+    engine: Engine, defaults: ServerDefaults | None = None, limits: ServerLimits | None = None
+) -> FastAPI:
+    limits = limits or ServerLimits()
+    worker = GenerationWorker(engine, limits.prompt_cache())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,9 +67,14 @@ def create_app(engine: Engine, defaults: ServerDefaults | None = None) -> FastAP
         title="Hearth", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
     )
     app.state.hearth = ServerState(
-        engine, worker, defaults or ServerDefaults(), model_id_of(engine)
+        engine,
+        worker,
+        defaults or ServerDefaults(),
+        model_id_of(engine),
+        limits.memory_budget(engine),
     )
     app.include_router(openai.router)
+    app.include_router(monitoring.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
     app.state.response_store = responses.ResponseStore()
@@ -78,7 +108,10 @@ def serve(
     port: int = 8080,
     defaults: ServerDefaults | None = None,
     log_level: str = "INFO",
+    limits: ServerLimits | None = None,
 ) -> None:
     """Run the server until interrupted."""
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
-    uvicorn.run(create_app(engine, defaults), host=host, port=port, log_level=log_level.lower())
+    uvicorn.run(
+        create_app(engine, defaults, limits), host=host, port=port, log_level=log_level.lower()
+    )

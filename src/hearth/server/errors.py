@@ -24,18 +24,24 @@ _ANTHROPIC_TYPES = {
 
 
 class RequestError(Exception):
-    """A request Hearth refuses: the status, one line for the user, and the field at fault."""
+    """A request Hearth refuses: the status, one line for the user, the field at fault and,
+    for OpenAI bodies, a machine-readable code."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.code = code
 
 
-def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def openai_error(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
 
@@ -53,7 +59,7 @@ def error_response(request: Request, error: RequestError) -> JSONResponse:
     """The error body in the shape the endpoint's own API uses."""
     if is_anthropic_path(request.url.path):
         return anthropic_error(error.status, error.message)
-    return openai_error(error.status, error.message, error.param)
+    return openai_error(error.status, error.message, error.param, error.code)
 
 
 async def read_json_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:

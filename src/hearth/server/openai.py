@@ -141,11 +141,12 @@ def _chat_finish_reason(finish_reason: str, called_tools: bool) -> str:
     return "tool_calls" if called_tools else finish_reason
 
 
-def usage_of(stats: GenerationStats) -> dict[str, int]:
+def usage_of(stats: GenerationStats) -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generated_tokens,
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
     }
 
 

@@ -238,14 +238,14 @@ class _Draft:
         cut = finish_reason == FINISH_LENGTH
         status = "incomplete" if cut else "completed"
         details = {"reason": "max_output_tokens"} if cut else None
-        return self._object(status, items, details, self._usage(stats.generated_tokens))
+        return self._object(status, items, details, self._usage(stats))
 
-    def _usage(self, output_tokens: int) -> dict[str, int]:
-        total = self.prompt_tokens + output_tokens
+    def _usage(self, stats: GenerationStats) -> dict[str, Any]:
         return {
             "input_tokens": self.prompt_tokens,
-            "output_tokens": output_tokens,
-            "total_tokens": total,
+            "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+            "output_tokens": stats.generated_tokens,
+            "total_tokens": self.prompt_tokens + stats.generated_tokens,
         }
 
     def _object(
@@ -253,7 +253,7 @@ class _Draft:
         status: str,
         output: list[dict[str, Any]],
         incomplete: dict[str, str] | None,
-        usage: dict[str, int] | None,
+        usage: dict[str, Any] | None,
     ) -> dict[str, Any]:
         body = self.body
         effort = body.reasoning.effort if body.reasoning else None

@@ -16,6 +16,7 @@ from hearth.engine import Engine
 from hearth.errors import HearthError
 from hearth.generate import GenerationChunk, GenerationStats
 from hearth.sampling import SamplingParams
+from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError
 from hearth.server.tools import TOOL_RESPONSE_START, ConversationError, template_conversation
 from hearth.server.worker import GenerationWorker
@@ -76,6 +77,7 @@ class ServerState:
     worker: GenerationWorker
     defaults: ServerDefaults
     model_id: str
+    memory_budget: MemoryBudget | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -135,7 +137,8 @@ class ServerState:
         prompt_param: str,
         stop_ids: tuple[int, ...] | None = None,
     ) -> Generation:
-        """Check the prompt fits the context and the sampling settings are valid."""
+        """Check the prompt fits the context and the memory budget, and the sampling settings
+        are valid."""
         room = self.context_length - len(prompt_ids)
         if room < 1:
             raise RequestError(
@@ -156,6 +159,8 @@ class ServerState:
             raise RequestError(str(error), field_name) from None
         # The server default only ever shrinks to fit; an explicit request is never cut.
         limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
+        if self.memory_budget is not None:
+            self.memory_budget.check(len(prompt_ids), limit)
         return Generation(prompt_ids, limit, sampling, tuple(stop), stop_ids)
 
 

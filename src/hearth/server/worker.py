@@ -6,7 +6,8 @@ order of the queue. A request whose client went away is cancelled between two to
 cancelled before its turn is skipped.
 
 The decode loop is `hearth.generate.stream_generate`, with the job's cancel flag checked at
-every token.
+every token. Its caches come from the prompt cache (when the server has one), and go back to it
+once the request ends.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from hearth.engine import Engine
-from hearth.generate import GenerationChunk, stream_generate
+from hearth.generate import GenerationChunk, GenerationStats, stream_generate
 from hearth.sampling import SamplingParams
+from hearth.server.prompt_cache import PromptCache, Reuse
 
 log = logging.getLogger("hearth.server")
 
@@ -44,9 +46,28 @@ class GenerationJob:
             self.cancelled.set()
 
 
+@dataclass
+class WorkerCounters:
+    """What the worker has done since it started (GET /stats and /metrics)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    running: int = 0  # 1 while a generation runs
+
+    def count(self, stats: GenerationStats) -> None:
+        self.requests += 1
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
+        self.generated_tokens += stats.generated_tokens
+
+
 class GenerationWorker:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, prompt_cache: PromptCache | None = None) -> None:
         self.engine = engine
+        self.prompt_cache = prompt_cache
+        self.counters = WorkerCounters()
         self._jobs: queue.Queue[GenerationJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hearth-generation", daemon=True)
 
@@ -56,6 +77,11 @@ class GenerationWorker:
     def stop(self, timeout: float = 5.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for their turn, plus the one running."""
+        return self._jobs.qsize() + self.counters.running
 
     async def stream(
         self,
@@ -87,13 +113,17 @@ class GenerationWorker:
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():
                 continue
+            self.counters.running = 1
             try:
                 self._generate(job)
             except Exception as error:  # reported to its request; the worker keeps serving
                 log.exception("generation failed")
                 job.deliver(error)
+            finally:
+                self.counters.running = 0
 
     def _generate(self, job: GenerationJob) -> None:
+        reuse = self._caches_for(job.prompt_ids)
         chunks = stream_generate(
             self.engine.model,
             self.engine.tokenizer,
@@ -103,9 +133,24 @@ class GenerationWorker:
             job.stop,
             job.stop_ids,
             cancelled=job.cancelled.is_set,
-            caches=self.engine.new_caches(),
+            caches=reuse.caches,
+            cached_tokens=reuse.cached_tokens,
         )
         for chunk in chunks:
+            if chunk.stats is not None:  # the last piece: the caches will not change again
+                self._finish(job, reuse, chunk.stats)
             job.deliver(chunk)
         if job.cancelled.is_set():
             log.info("generation cancelled")
+
+    def _finish(self, job: GenerationJob, reuse: Reuse, stats: GenerationStats) -> None:
+        """Count the generation and keep its caches, before the client hears it has ended (so
+        its next turn, and /stats, find them)."""
+        self.counters.count(stats)
+        if self.prompt_cache is not None:
+            self.prompt_cache.put(job.prompt_ids, reuse.caches)
+
+    def _caches_for(self, prompt_ids: list[int]) -> Reuse:
+        if self.prompt_cache is None:
+            return Reuse(self.engine.new_caches(), 0)
+        return self.prompt_cache.take(prompt_ids, self.engine.new_caches)

@@ -1,0 +1,107 @@
+"""GET /stats (JSON) and GET /metrics (Prometheus text): what the server has done and holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from hearth.server.state import ServerState, state_of
+
+router = APIRouter()
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@router.get("/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    return server_stats(state_of(request))
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    text = prometheus_text(server_stats(state_of(request)))
+    return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+def server_stats(state: ServerState) -> dict[str, Any]:
+    worker = state.worker
+    counters = worker.counters
+    cache = worker.prompt_cache
+    budget = state.memory_budget
+    return {
+        "model": state.model_id,
+        "requests": counters.requests,
+        "prompt_tokens": counters.prompt_tokens,
+        "cached_tokens": counters.cached_tokens,
+        "generated_tokens": counters.generated_tokens,
+        "queue_depth": worker.queue_depth,
+        "prompt_cache": {
+            "enabled": cache is not None,
+            "entries": cache.entries if cache else 0,
+            "bytes": cache.nbytes if cache else 0,
+            "max_bytes": cache.max_bytes if cache else 0,
+            "max_entries": cache.max_entries if cache else 0,
+            "hits": cache.hits if cache else 0,
+            "misses": cache.misses if cache else 0,
+        },
+        "admission": {
+            "budget_bytes": budget.budget_bytes if budget else None,
+            "weight_bytes": budget.weight_bytes if budget else None,
+        },
+    }
+
+
+# (name, type, help, where in the /stats object): what /metrics exports.
+_METRICS = (
+    ("hearth_requests_total", "counter", "Generations finished.", ("requests",)),
+    (
+        "hearth_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of finished generations.",
+        ("prompt_tokens",),
+    ),
+    (
+        "hearth_cached_prompt_tokens_total",
+        "counter",
+        "Prompt tokens reused from the prompt cache instead of prefilled.",
+        ("cached_tokens",),
+    ),
+    ("hearth_generated_tokens_total", "counter", "Tokens generated.", ("generated_tokens",)),
+    ("hearth_queue_depth", "gauge", "Requests waiting or running.", ("queue_depth",)),
+    (
+        "hearth_prompt_cache_hits_total",
+        "counter",
+        "Requests that reused a cached prefix.",
+        ("prompt_cache", "hits"),
+    ),
+    (
+        "hearth_prompt_cache_misses_total",
+        "counter",
+        "Requests that found no cached prefix.",
+        ("prompt_cache", "misses"),
+    ),
+    (
+        "hearth_prompt_cache_entries",
+        "gauge",
+        "Entries in the prompt cache.",
+        ("prompt_cache", "entries"),
+    ),
+    (
+        "hearth_prompt_cache_bytes",
+        "gauge",
+        "KV bytes held by the prompt cache.",
+        ("prompt_cache", "bytes"),
+    ),
+)
+
+
+def prometheus_text(stats: dict[str, Any]) -> str:
+    lines = []
+    for name, kind, description, path in _METRICS:
+        value: Any = stats
+        for key in path:
+            value = value[key]
+        lines += [f"# HELP {name} {description}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,197 @@
+"""The prompt cache, /stats, /metrics and --memory-budget.
+
+End to end against two real `hearth serve` processes on the embedded Gemma 3 270M: one with the
+prompt cache and a memory budget, one without either (the reference a reused cache must match).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from hearth.server.prompt_cache import PromptCache
+from test_server import _free_port, _wait_until_healthy
+
+BUDGET_GB = 0.5  # the 270M model's weights (~0.27 GB) plus about 12k tokens of KV
+slow = pytest.mark.slow
+QUESTION = (
+    "You are a terse geography tutor. Answer with one word only. What is the capital of France?"
+)
+
+
+# --- the LRU itself ----------------------------------------------------------------------
+
+
+@dataclass
+class _FakeCache:
+    """Stands in for a layer cache: only its size and offset matter to the LRU."""
+
+    nbytes: int
+    offset: int = 32
+
+    def trim(self, tokens: int) -> None:
+        self.offset -= tokens
+
+
+def test_lru_evicts_least_recently_used_entries_to_fit_the_byte_cap() -> None:
+    cache = PromptCache(max_bytes=250, max_entries=10)
+    prompts = [[index] * 32 for index in range(3)]
+    for prompt in prompts:
+        cache.put(prompt, [_FakeCache(100)])
+    assert (cache.entries, cache.nbytes) == (2, 200)  # the oldest went to make room
+    assert cache.take(prompts[0], list).cached_tokens == 0
+    assert cache.take(prompts[1], list).cached_tokens == 31  # one token left to prefill
+    cache.put([9] * 32, [_FakeCache(300)])  # bigger than the whole cap: not kept
+    assert (cache.entries, cache.nbytes, cache.hits, cache.misses) == (1, 100, 1, 1)
+
+
+def test_lru_keeps_at_most_max_entries() -> None:
+    cache = PromptCache(max_bytes=10**9, max_entries=2)
+    for index in range(3):
+        cache.put([index] * 32, [_FakeCache(1)])
+    assert cache.entries == 2
+    assert cache.take([0] * 32, list).cached_tokens == 0
+
+
+# --- end to end --------------------------------------------------------------------------
+
+
+def _launch(*flags: str) -> tuple[str, subprocess.Popen[bytes]]:
+    port = _free_port()
+    command = [sys.executable, "-m", "hearth.cli", "serve", "--port", str(port), *flags]
+    process = subprocess.Popen([*command, "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
+    return f"http://127.0.0.1:{port}", process
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[str, str]]:
+    """(with the cache and a budget, without either), started side by side."""
+    launched = [_launch("--memory-budget", str(BUDGET_GB)), _launch("--prompt-cache-size", "0")]
+    try:
+        for base, process in launched:
+            _wait_until_healthy(base, process)
+        yield launched[0][0], launched[1][0]
+    finally:
+        for _, process in launched:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def cached(servers: tuple[str, str]) -> str:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def uncached(servers: tuple[str, str]) -> str:
+    return servers[1]
+
+
+def _chat(base: str, messages: list[dict[str, str]], max_tokens: int = 6) -> dict[str, Any]:
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _cached_tokens(reply: dict[str, Any]) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@slow
+def test_next_turn_reuses_the_conversation_and_matches_an_uncached_server(
+    cached: str, uncached: str
+) -> None:
+    first_turn = [{"role": "user", "content": QUESTION}]
+    first = _chat(cached, first_turn)
+    answer = first["choices"][0]["message"]["content"]
+    next_turn = [
+        *first_turn,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the capital of Germany?"},
+    ]
+    reused, fresh = _chat(cached, next_turn), _chat(uncached, next_turn)
+    assert _cached_tokens(reused) >= first["usage"]["prompt_tokens"] - 1
+    assert _cached_tokens(fresh) == 0
+    assert reused["choices"][0]["message"] == fresh["choices"][0]["message"]
+
+
+@slow
+def test_a_conversation_past_the_sliding_window_is_a_miss_not_a_wrong_reuse(
+    cached: str, uncached: str
+) -> None:
+    long_turn = [{"role": "user", "content": "Paris is in France. " * 110 + QUESTION}]
+    first = _chat(cached, long_turn)
+    assert first["usage"]["prompt_tokens"] > 512  # past Gemma 3 270M's window
+    next_turn = [
+        *long_turn,
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And the capital of Germany?"},
+    ]
+    reused, fresh = _chat(cached, next_turn), _chat(uncached, next_turn)
+    assert _cached_tokens(reused) == 0  # the rings no longer hold the window before the reply
+    assert reused["choices"][0]["message"] == fresh["choices"][0]["message"]
+
+
+@slow
+def test_an_unrelated_prompt_reuses_nothing(cached: str) -> None:
+    reply = _chat(cached, [{"role": "user", "content": "Write one line about the sea at night."}])
+    assert _cached_tokens(reply) == 0
+
+
+@slow
+def test_anthropic_and_responses_report_cached_tokens(cached: str) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    _chat(cached, messages, max_tokens=1)  # leaves this prompt in the cache
+    body = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0}
+    message = httpx.post(f"{cached}/v1/messages", json=body, timeout=120).json()
+    usage = message["usage"]
+    # Anthropic's split: input_tokens are only the prompt tokens that were not cached.
+    assert usage["cache_read_input_tokens"] > 0 and usage["input_tokens"] >= 1
+    body = {"model": "m", "input": QUESTION, "max_output_tokens": 4, "temperature": 0}
+    response = httpx.post(f"{cached}/v1/responses", json=body, timeout=120).json()
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+@slow
+def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> None:
+    _chat(cached, [{"role": "user", "content": QUESTION}], max_tokens=1)  # so the next one hits
+    before = httpx.get(f"{cached}/stats").json()
+    reply = _chat(cached, [{"role": "user", "content": QUESTION}], max_tokens=3)
+    after = httpx.get(f"{cached}/stats").json()
+    assert after["requests"] == before["requests"] + 1
+    assert after["prompt_tokens"] == before["prompt_tokens"] + reply["usage"]["prompt_tokens"]
+    assert after["generated_tokens"] - before["generated_tokens"] == 3
+    assert after["queue_depth"] == 0
+    cache = after["prompt_cache"]
+    assert cache["enabled"] and cache["entries"] >= 1 and cache["bytes"] > 0
+    assert cache["hits"] == before["prompt_cache"]["hits"] + 1
+    assert after["admission"]["budget_bytes"] == BUDGET_GB * 10**9
+
+    metrics = httpx.get(f"{cached}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    lines = metrics.text.splitlines()
+    assert "# TYPE hearth_requests_total counter" in lines
+    assert "# TYPE hearth_queue_depth gauge" in lines
+    assert any(line.startswith("# HELP hearth_prompt_cache_bytes ") for line in lines)
+    values = dict(line.split() for line in lines if not line.startswith("#"))
+    assert int(values["hearth_requests_total"]) >= after["requests"]
+    assert int(values["hearth_prompt_cache_hits_total"]) >= cache["hits"]
+
+
+@slow
+def test_memory_budget_refuses_what_cannot_fit_and_accepts_what_can(cached: str) -> None:
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 20_000}
+    refused = httpx.post(f"{cached}/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert f"memory budget of {BUDGET_GB} GB" in error["message"]
+    assert (error["code"], error["param"]) == ("context_over_budget", "max_tokens")
+    accepted = httpx.post(f"{cached}/v1/completions", json=body | {"max_tokens": 2}, timeout=120)
+    assert accepted.status_code == 200, accepted.text
