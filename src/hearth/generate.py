@@ -128,11 +128,14 @@ def generate_tokens(
     caches: list[LayerCache] | None = None,
     prefill_step: int = 512,
     cached_tokens: int = 0,
+    on_prefilled: Callable[[list[LayerCache]], None] | None = None,
 ) -> Iterator[int]:
     """Token ids, one per step, until `max_tokens`; the caller decides when to stop early.
 
     `cached_tokens`: how many leading prompt tokens `caches` already hold (a prompt cache
     hit); only the rest is prefilled, and at least one token must be left to prefill.
+    `on_prefilled` sees the caches once they hold exactly the prompt (a prompt cache keeps a
+    snapshot there).
     """
     if not 0 <= cached_tokens < len(prompt_ids):
         raise ValueError(f"cached_tokens {cached_tokens} must leave a prompt token to prefill")
@@ -144,6 +147,8 @@ def generate_tokens(
     stats.cached_tokens = cached_tokens
     started = decode_started = time.perf_counter()
     logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
+    if on_prefilled is not None:
+        on_prefilled(caches)
     for produced in range(max_tokens):
         token = int(sampler.sample(logits, history))
         now = time.perf_counter()
@@ -171,10 +176,11 @@ def stream_generate(
     cancelled: Callable[[], bool] | None = None,
     caches: list[LayerCache] | None = None,
     cached_tokens: int = 0,
+    on_prefilled: Callable[[list[LayerCache]], None] | None = None,
 ) -> Iterator[GenerationChunk]:
     """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
 
-    `cached_tokens`: leading prompt tokens `caches` already hold (see `generate_tokens`).
+    `cached_tokens`, `on_prefilled`: see `generate_tokens`.
 
     `cancelled` is checked before each token; once it returns true the stream ends at once,
     without a final chunk (a server's client went away).
@@ -190,7 +196,14 @@ def stream_generate(
     stats = GenerationStats()
     finish = FINISH_LENGTH
     tokens = generate_tokens(
-        model, prompt_ids, sampler, max_tokens, stats, caches, cached_tokens=cached_tokens
+        model,
+        prompt_ids,
+        sampler,
+        max_tokens,
+        stats,
+        caches,
+        cached_tokens=cached_tokens,
+        on_prefilled=on_prefilled,
     )
     for token in tokens:
         if cancelled is not None and cancelled():

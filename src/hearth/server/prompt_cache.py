@@ -1,16 +1,19 @@
 """The prompt cache: KV caches of finished requests, kept in a byte-capped LRU and reused by the
 next request whose prompt shares a token prefix with theirs (mlx_lm.server's LRUPromptCache).
 
-An entry is the prompt a request was prefilled from and its caches, which also hold the reply
-that followed. A new prompt looks for the entry sharing the longest token prefix with it:
+An entry is the prompt a request was prefilled from and a snapshot of its caches taken right
+after that prefill, at the prompt boundary: sliding-window rings cannot be trimmed back past
+their window, so caches that went on to hold the reply could not serve the next turn of a long
+conversation. A new prompt looks for the entry sharing the longest token prefix with it:
 
 * the entry's whole prompt is a prefix of the new one (an agent's next turn, a repeat): the
-  entry is taken out of the LRU (one request owns a cache at a time) and trimmed to the prefix;
+  entry is taken out of the LRU (one request owns a cache at a time) and used as it is (a
+  repeat trims one token, which a ring can always do);
 * only part of it is shared (the same system prompt, then a different question): a copy of the
   caches is trimmed, and the entry stays for the conversation it belongs to.
 
-Either way only the rest of the prompt is prefilled. A sliding-window layer's ring can only
-trim back as far as it still holds a window; when it cannot, the request starts from empty
+Either way only the rest of the prompt is prefilled (an agent's next turn: the reply and the
+new message). When a ring cannot trim back to the shared prefix, the request starts from empty
 caches (a miss, never a wrong reuse). Prefixes shorter than `MIN_SHARED_TOKENS` (the chat
 template's opening, a BOS) are not worth a copy and count as misses.
 """
@@ -126,7 +129,7 @@ class PromptCache:
             caches = entry.caches
         else:
             self._entries.move_to_end(best)  # used: the least recently used go first
-            caches = _copy_caches(entry.caches)
+            caches = copy_caches(entry.caches)
         return Reuse(caches, reusable) if _trim_to(caches, reusable) else None
 
     def _evict_to_fit(self) -> None:
@@ -137,7 +140,7 @@ class PromptCache:
             self._nbytes -= oldest.nbytes
 
 
-def _copy_caches(caches: list[LayerCache]) -> list[LayerCache]:
+def copy_caches(caches: list[LayerCache]) -> list[LayerCache]:
     with torch.inference_mode():  # the caches' tensors were made in inference mode
         return copy.deepcopy(caches)
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from hearth.engine import Engine
 from hearth.generate import GenerationChunk, GenerationStats, stream_generate
+from hearth.kv import LayerCache
 from hearth.sampling import SamplingParams
-from hearth.server.prompt_cache import PromptCache, Reuse
+from hearth.server.prompt_cache import PromptCache, Reuse, copy_caches
 
 log = logging.getLogger("hearth.server")
 
@@ -124,6 +125,8 @@ class GenerationWorker:
 
     def _generate(self, job: GenerationJob) -> None:
         reuse = self._caches_for(job.prompt_ids)
+        boundary: list[list[LayerCache]] = []  # the caches holding exactly the prompt
+        keep = self.prompt_cache is not None
         chunks = stream_generate(
             self.engine.model,
             self.engine.tokenizer,
@@ -135,20 +138,23 @@ class GenerationWorker:
             cancelled=job.cancelled.is_set,
             caches=reuse.caches,
             cached_tokens=reuse.cached_tokens,
+            on_prefilled=(lambda caches: boundary.append(copy_caches(caches))) if keep else None,
         )
         for chunk in chunks:
             if chunk.stats is not None:  # the last piece: the caches will not change again
-                self._finish(job, reuse, chunk.stats)
+                self._finish(job, boundary, chunk.stats)
             job.deliver(chunk)
         if job.cancelled.is_set():
             log.info("generation cancelled")
 
-    def _finish(self, job: GenerationJob, reuse: Reuse, stats: GenerationStats) -> None:
-        """Count the generation and keep its caches, before the client hears it has ended (so
-        its next turn, and /stats, find them)."""
+    def _finish(
+        self, job: GenerationJob, boundary: list[list[LayerCache]], stats: GenerationStats
+    ) -> None:
+        """Count the generation and keep its prompt-boundary caches, before the client hears
+        it has ended (so its next turn, and /stats, find them)."""
         self.counters.count(stats)
-        if self.prompt_cache is not None:
-            self.prompt_cache.put(job.prompt_ids, reuse.caches)
+        if self.prompt_cache is not None and boundary:
+            self.prompt_cache.put(job.prompt_ids, boundary[0])
 
     def _caches_for(self, prompt_ids: list[int]) -> Reuse:
         if self.prompt_cache is None:
