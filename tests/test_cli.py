@@ -128,5 +128,17 @@ def test_inspect_missing_model(tmp_path: Path) -> None:
     assert_usage_error(run("inspect", str(tmp_path / "nope")), "does not exist")
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--adapter-path", "lora"], "not supported yet"),
+        (["--chat-template-args", "[1]"], "JSON object"),
+        (["--port", "99999"], "--port"),
+    ],
+)
+def test_bad_serve_options_are_one_line_errors(args: list[str], needle: str) -> None:
+    assert_usage_error(run("serve", *args), needle)
+
+
 def test_directory_without_config(tmp_path: Path) -> None:
     assert_usage_error(run("generate", str(tmp_path), "hi"), "no config.json")

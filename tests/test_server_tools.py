@@ -21,12 +21,13 @@ from fastapi.testclient import TestClient
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from hearth.engine import Engine
-from hearth.server import create_app
+from hearth.server import ServerDefaults, ServerLimits, create_app
 from hearth.server.responses import ResponseStore
 from hearth.server.tools import ReplyParser, parse_gemma_arguments, parse_reply
 from tiny import save_hf, tiny_gemma4_model
 
 TEMPLATE_NAME = "gemma4-it.chat_template.jinja"
+NO_PROMPT_CACHE = ServerLimits(prompt_cache_size=0)
 # Gemma 4's special tokens at their real ids (gemma4-architecture.md §5).
 SPECIAL_IDS = {
     "<pad>": 0,
@@ -132,7 +133,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 
 @pytest.fixture(scope="module")
 def client(engine: Engine) -> Iterator[TestClient]:
-    with TestClient(create_app(engine)) as test_client:
+    # No prompt cache: ScriptedModel tells generations apart by a prefill from position 0.
+    with TestClient(create_app(engine, limits=NO_PROMPT_CACHE)) as test_client:
         yield test_client
 
 
@@ -241,6 +243,16 @@ def test_tool_results_render_back_through_the_template(
         "<|tool_response>response:get_weather{temp:21}<tool_response|>"
         "<|channel>thought\n<channel|>"
     )
+
+
+def test_server_chat_template_args_reach_the_template(engine: Engine, say: Any) -> None:
+    """`--chat-template-args '{"enable_thinking": true}'`: thinking on without a request field."""
+    defaults = ServerDefaults(chat_template_args={"enable_thinking": True})
+    with TestClient(create_app(engine, defaults, NO_PROMPT_CACHE)) as local:
+        say("Fine.")
+        reply = local.post("/v1/chat/completions", json={"model": "g", "messages": ASK})
+        assert reply.status_code == 200, reply.text
+    assert "<|turn>system\n<|think|>" in _last_prompt(engine)
 
 
 def test_openai_reasoning_is_split(oai: openai.OpenAI, engine: Engine, say: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -31,6 +32,16 @@ def _bounded(kind: type, name: str, check: Callable[[Any], bool]) -> Callable[[s
         return value
 
     return parse
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 positive_int = _bounded(int, "a positive integer", lambda v: v > 0)
@@ -140,6 +151,14 @@ def _add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument("--model", dest="model_flag", metavar="MODEL", help="same as MODEL")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    serve.add_argument(
+        "--chat-template-args",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help="extra chat template variables, e.g. '{\"enable_thinking\": false}'",
+    )
+    serve.add_argument("--adapter-path", help="LoRA adapters (not supported yet: refused)")
     serve.add_argument("--port", type=port_number, default=8080, help="default 8080")
     serve.add_argument(
         "--temp", type=non_negative_float, default=0.0, help="default temperature (0: greedy)"
@@ -265,10 +284,14 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     if args.model and args.model_flag:
         raise HearthError("give the model either as MODEL or as --model, not both")
+    if args.adapter_path:
+        raise HearthError("--adapter-path: LoRA adapters are not supported yet")
     from hearth.server import ServerDefaults, ServerLimits, serve
 
     engine = _load(args.model or args.model_flag, args)
-    defaults = ServerDefaults(args.temp, args.top_p, args.top_k, args.min_p, args.max_tokens)
+    defaults = ServerDefaults(
+        args.temp, args.top_p, args.top_k, args.min_p, args.max_tokens, args.chat_template_args
+    )
     limits = ServerLimits(args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget)
     serve(engine, args.host, args.port, defaults, args.log_level, limits)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ class ServerDefaults:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int = 512
+    # --chat-template-args: extra template variables; a request's own switches win.
+    chat_template_args: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,8 @@ class ServerState:
         self._check_template_supports(prompt)
         tokenizer = self.engine.tokenizer
         try:
-            ids = await asyncio.to_thread(
-                tokenizer.encode_chat, messages, True, **prompt.template_kwargs()
-            )
+            kwargs = {**self.defaults.chat_template_args, **prompt.template_kwargs()}
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages, True, **kwargs)
         except HearthError as error:
             raise RequestError(str(error), param) from None
         if not ids:
