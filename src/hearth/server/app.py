@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -51,16 +53,23 @@ class ServerLimits:
 
 
 def create_app(
-    engine: Engine, defaults: ServerDefaults | None = None, limits: ServerLimits | None = None
+    engine: Engine,
+    defaults: ServerDefaults | None = None,
+    limits: ServerLimits | None = None,
+    worker: GenerationWorker | None = None,
 ) -> FastAPI:
+    """The app; with no `worker` given, one is made and runs on its own thread."""
     limits = limits or ServerLimits()
-    worker = GenerationWorker(engine, limits.prompt_cache())
+    own_worker = worker is None
+    worker = worker or GenerationWorker(engine, limits.prompt_cache())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        if own_worker:
+            worker.start()
         yield
-        worker.stop()
+        if own_worker:
+            worker.stop()
 
     # Routes parse their bodies themselves (strictly): a generated schema would say nothing.
     app = FastAPI(
@@ -110,8 +119,19 @@ def serve(
     log_level: str = "INFO",
     limits: ServerLimits | None = None,
 ) -> None:
-    """Run the server until interrupted."""
+    """Run the server until interrupted: HTTP on a thread, the model on this (main) thread."""
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
-    uvicorn.run(
-        create_app(engine, defaults, limits), host=host, port=port, log_level=log_level.lower()
-    )
+    limits = limits or ServerLimits()
+    worker = GenerationWorker(engine, limits.prompt_cache())
+    app = create_app(engine, defaults, limits, worker)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower()))
+    http = threading.Thread(target=server.run, name="hearth-http")
+    http.start()
+    # Ctrl-C and SIGTERM end the generation loop; then the HTTP thread is told to finish.
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, lambda *_: worker.stop(timeout=0))
+    try:
+        worker.run()
+    finally:
+        server.should_exit = True
+        http.join()
