@@ -52,3 +52,23 @@ def test_graph_decoder_matches_eager_on_gpu(tmp_path: Path) -> None:
     logits = [decoder.prefill(ids[:, :100])]
     logits += [decoder.step(ids[:, p : p + 1]) for p in range(100, 300)]  # crosses two buckets
     torch.testing.assert_close(torch.stack(logits, dim=1), reference[:, 99:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_generate_loop_uses_graphs_on_gpu_with_the_same_tokens(tmp_path: Path) -> None:
+    """generate_tokens with no caches given takes the CUDA-graph path; fp32 greedy tokens must
+    equal the eager path's (their logits differ by summation order only, ~1e-6)."""
+    from hearth.generate import GenerationStats, generate_tokens
+    from hearth.kv import make_caches
+    from hearth.sampling import Sampler, SamplingParams
+
+    model = _model("gemma3", tmp_path, "cuda")
+    prompt = torch.randint(4, 256, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    greedy = Sampler(SamplingParams(), device="cuda")
+    graphed = list(generate_tokens(model, prompt, greedy, 40, GenerationStats()))
+    eager = list(
+        generate_tokens(
+            model, prompt, greedy, 40, GenerationStats(), caches=make_caches(model.config)
+        )
+    )
+    assert graphed == eager

@@ -38,12 +38,14 @@ class GraphDecoder:
         return length
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [1, vocab] after the prompt `ids` [1, T]."""
+    def prefill(self, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+        """Logits [1, vocab] after the prompt `ids` [1, T], run eagerly in chunks."""
         if ids.shape[1] >= self.max_context:
             raise ValueError(f"the prompt ({ids.shape[1]} tokens) fills the context")
         self._set_view(ids.shape[1])
-        logits = self.model(ids, self.caches, start=0, last_only=True)[:, -1]
+        for start in range(0, ids.shape[1], chunk):
+            piece = ids[:, start : start + chunk]
+            logits = self.model(piece, self.caches, start=start, last_only=True)[:, -1]
         self.length = ids.shape[1]
         return logits
 

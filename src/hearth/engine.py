@@ -125,7 +125,14 @@ class Engine:
     ) -> Iterator[GenerationChunk]:
         ids = self.encode(prompt, chat)
         return stream_generate(
-            self.model, self.tokenizer, ids, sampling, max_tokens, stop, caches=self.new_caches()
+            self.model,
+            self.tokenizer,
+            ids,
+            sampling,
+            max_tokens,
+            stop,
+            # Plain caches are left to the loop, which picks static ones for CUDA graphs.
+            caches=None if self.kv_policy.is_dense else self.new_caches(),
         )
 
     def generate(

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -140,13 +141,18 @@ def generate_tokens(
     if not 0 <= cached_tokens < len(prompt_ids):
         raise ValueError(f"cached_tokens {cached_tokens} must leave a prompt token to prefill")
     device = model.device
-    caches = make_caches(model.config) if caches is None else caches
     history = list(prompt_ids)
     prompt = torch.tensor([history[cached_tokens:]], dtype=torch.long, device=device)
     stats.prompt_tokens = len(history)
     stats.cached_tokens = cached_tokens
     started = decode_started = time.perf_counter()
-    logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
+    graph = _graph_decoder(model, caches, len(history) + max_tokens)
+    if graph is not None:
+        caches = graph.caches
+        logits = graph.prefill(prompt, prefill_step)
+    else:
+        caches = make_caches(model.config) if caches is None else caches
+        logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
     if on_prefilled is not None:
         on_prefilled(caches)
     for produced in range(max_tokens):
@@ -162,7 +168,22 @@ def generate_tokens(
         yield token
         if produced + 1 < max_tokens:
             step = torch.tensor([[token]], dtype=torch.long, device=device)
-            logits = model(step, caches, start=len(history) - 1, last_only=True)[:, -1]
+            if graph is not None:
+                logits = graph.step(step)
+            else:
+                logits = model(step, caches, start=len(history) - 1, last_only=True)[:, -1]
+
+
+def _graph_decoder(model: Model, caches: list[LayerCache] | None, context: int) -> Any:
+    """A CUDA-graph decoder when it applies: a CUDA model, fresh dense caches (no KV kind or
+    prompt-cache hit given), and no MoE block (its expert loop synchronises with the host)."""
+    if model.device.type != "cuda" or caches is not None:
+        return None
+    if getattr(model.config, "moe", None) is not None:
+        return None
+    from hearth.cuda_graph import GraphDecoder
+
+    return GraphDecoder(model, max_context=context + 1)
 
 
 def stream_generate(

@@ -50,6 +50,11 @@ class KVPolicy:
     def codec_of(self, layer: int) -> KVCodec:
         return self.per_layer.get(layer, self.codec)
 
+    @property
+    def is_dense(self) -> bool:
+        """Every layer stores plain K/V (`--kv-quant off`)."""
+        return self.codec is DENSE and not self.per_layer
+
     def __call__(self, spec: LayerSpec) -> LayerCache:
         codec = self.codec_of(spec.index)
         try:
