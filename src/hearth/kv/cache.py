@@ -20,7 +20,7 @@ import torch
 from hearth.config import SLIDING_ATTENTION, Gemma4Config, ModelConfig
 
 # Position of an empty slot: in the future of every query, so causality hides it.
-_EMPTY = 2**62
+EMPTY_POSITION = 2**62
 
 
 class KVView(NamedTuple):
@@ -212,7 +212,7 @@ class RotatingCache:
         if self._positions is None:
             self._store.reserve(keys, values, self.capacity, keep=0)
             self._positions = torch.full(
-                (self.capacity,), _EMPTY, dtype=torch.long, device=keys.device
+                (self.capacity,), EMPTY_POSITION, dtype=torch.long, device=keys.device
             )
         one = keys.shape[2] == 1
         view = self._decode_step(keys, values) if one else self._prefill(keys, values)
@@ -269,7 +269,7 @@ class RotatingCache:
                 f"cannot trim {tokens} tokens: the ring of {self.capacity} no longer holds them"
             )
         if self._positions is not None:
-            self._positions[self._positions >= new_offset] = _EMPTY
+            self._positions[self._positions >= new_offset] = EMPTY_POSITION
         self.offset = new_offset
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hearth.kv.cache import _EMPTY, KVView
+from hearth.kv.cache import EMPTY_POSITION, KVView
 
 
 class StaticCache:
@@ -30,7 +30,7 @@ class StaticCache:
         shape = (*keys.shape[:2], self.capacity)
         self._keys = keys.new_zeros((*shape, keys.shape[3]))
         self._values = values.new_zeros((*shape, values.shape[3]))
-        self._positions = torch.full((self.capacity,), _EMPTY, device=keys.device)
+        self._positions = torch.full((self.capacity,), EMPTY_POSITION, device=keys.device)
         self._next = torch.zeros((), dtype=torch.long, device=keys.device)
 
     @property
@@ -74,7 +74,7 @@ class StaticCache:
         """Forget tokens from `offset` on (a graph's warm-up step wrote one)."""
         if self._next is None or self._positions is None:
             return
-        self._positions[self._positions >= offset] = _EMPTY
+        self._positions[self._positions >= offset] = EMPTY_POSITION
         self._next.fill_(offset)
 
     def trim(self, tokens: int) -> None:
