@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers (tiny.py) by name
+
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU), so CPU tests
+# check each kernel against its torch reference. Set before any kernel module is imported:
+# `triton.jit` reads it at decoration time.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
