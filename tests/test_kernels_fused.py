@@ -1,0 +1,156 @@
+"""The fused elementwise kernels (norms, GeGLU, norm + RoPE, static-cache append) against
+their torch references and a hand-written fp64 oracle. On a CPU machine the Triton kernels
+run in Triton's interpreter (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
+from hearth.kernels.kv_write import append_token_reference, append_token_triton
+from hearth.kernels.norm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+from hearth.kernels.rope import (
+    ValueMode,
+    norm_rope_reference,
+    norm_rope_triton,
+)
+from hearth.kv.cache import EMPTY_POSITION
+
+EPS = 1e-6
+
+
+def ulps(dtype: torch.dtype) -> float:
+    """Tolerance relative to the largest |value| of the row: two units in the last place
+    (an ulp is at most 2^-7 of a bf16 value, 2^-10 of an fp16 one).
+
+    Kernel and reference round the same fp32 values to `dtype`; they differ only by the
+    fp32 reduction order, which can move an element across one rounding boundary (one ulp of
+    that element), and a fused op downstream (the add, the next norm, RoPE's one rounding
+    against eager's three) can carry that to one more ulp of the row's scale.
+    fp32: 1e-5 covers reduction-order differences over rows of ≤ 3000 elements.
+    """
+    return {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-7, torch.float16: 2 * 2**-10}[dtype]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = expected.abs().float().amax(dim=-1, keepdim=True).clamp_min(1e-3)
+    error = ((actual.float() - expected.float()).abs() / scale).max().item()
+    assert error <= ulps(dtype), error
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)
+
+
+def oracle_rms_norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    x64 = x.double()
+    y = x64 / torch.sqrt(x64.square().mean(-1, keepdim=True) + EPS)
+    return y * weight.double() if weight is not None else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 200])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm(dtype: torch.dtype, width: int, weighted: bool) -> None:
+    x = torch.randn(3, 5, width).mul(4).to(dtype)
+    weight = torch.rand(width) + 0.5 if weighted else None
+    expected = rms_norm_reference(x, weight, EPS)
+    close(rms_norm_triton(x, weight, EPS), expected, dtype)
+    close(expected, oracle_rms_norm(x, weight), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize_next", [True, False])
+def test_add_rms_norm(dtype: torch.dtype, normalize_next: bool) -> None:
+    residual, x = torch.randn(2, 3, 96).to(dtype), torch.randn(2, 3, 96).mul(9).to(dtype)
+    weight, next_weight = torch.rand(96) + 0.5, torch.rand(96) + 0.5
+    summed, normed = add_rms_norm_triton(residual, x, weight, EPS, next_weight, normalize_next)
+    ref_summed, ref_normed = add_rms_norm_reference(
+        residual, x, weight, EPS, next_weight, normalize_next
+    )
+    close(summed, ref_summed, dtype)
+    oracle = residual.double() + oracle_rms_norm(x, weight)
+    close(ref_summed, oracle, dtype)
+    if normalize_next:
+        assert normed is not None and ref_normed is not None
+        close(normed, ref_normed, dtype)
+        close(ref_normed, oracle_rms_norm(ref_summed, next_weight), dtype)
+    else:
+        assert normed is None and ref_normed is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul(dtype: torch.dtype) -> None:
+    gate_up = torch.randn(2, 3, 2 * 1500).mul(3).to(dtype)  # 1500: two blocks, one partial
+    expected = gelu_tanh_mul_reference(gate_up)
+    close(gelu_tanh_mul_triton(gate_up), expected, dtype)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    close(expected, 0.5 * gate * (1 + torch.tanh(inner)) * up, dtype)
+
+
+def oracle_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """RoPE as complex rotation of pairs (i, i + D/2), in fp64."""
+    half = x.shape[-1] // 2
+    pairs = torch.complex(x[..., :half].double(), x[..., half:].double())
+    rotated = pairs * torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    return torch.cat([rotated.real, rotated.imag], dim=-1)
+
+
+@pytest.mark.parametrize("mode", list(ValueMode))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope(mode: ValueMode, dtype: torch.dtype) -> None:
+    tokens, q_heads, kv_heads, dim = 3, 4, 2, 64
+    kv_parts = {ValueMode.ABSENT: 0, ValueMode.UNIT_NORM_OF_K: 1}.get(mode, 2)
+    qkv = torch.randn(tokens, (q_heads + kv_parts * kv_heads) * dim).mul(2).to(dtype)
+    q_weight, k_weight = torch.rand(dim) + 0.5, torch.rand(dim) + 0.5
+    angles = torch.arange(tokens).double()[:, None] * 0.3 ** torch.arange(dim // 2).double()
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    args = (q_heads, kv_heads, dim, q_weight, k_weight, cos, sin, EPS, mode)
+    got, expected = norm_rope_triton(qkv, *args), norm_rope_reference(qkv, *args)
+    for actual, reference in zip(got, expected, strict=True):
+        assert (actual is None) == (reference is None)
+        if reference is not None:
+            assert actual is not None
+            close(actual, reference, dtype)
+    # Oracle: the query heads, normed and rotated in fp64 (cos/sin rounded as the model does).
+    q = qkv[:, : q_heads * dim].view(tokens, q_heads, dim)
+    normed = oracle_rms_norm(q, q_weight).to(dtype)
+    exact_angles = torch.atan2(sin[:, : dim // 2].double(), cos[:, : dim // 2].double())
+    radius = torch.hypot(sin[:, : dim // 2].double(), cos[:, : dim // 2].double())
+    oracle = oracle_rope(normed, exact_angles) * torch.cat([radius, radius], -1)[:, None, :]
+    close(expected[0], oracle, dtype)
+
+
+@pytest.mark.parametrize("capacity, position", [(8, 3), (8, 13)])  # in order; wrapped ring
+def test_append_token(capacity: int, position: int) -> None:
+    heads, dim = 2, 32
+    buffers = [torch.randn(1, heads, capacity, dim) for _ in range(2)]
+    positions = torch.full((capacity,), EMPTY_POSITION)
+    keys, values = torch.randn(1, heads, 1, dim), torch.randn(1, heads, 1, dim)
+    where = torch.tensor([position])
+    states = []
+    for append in (append_token_triton, append_token_reference):
+        counter = torch.zeros((), dtype=torch.long)
+        state = [b.clone() for b in buffers] + [positions.clone(), counter]
+        append(where, keys, values, *state)
+        states.append(state)
+    for got, expected in zip(*states, strict=True):
+        assert torch.equal(got, expected)
+    slot = position % capacity
+    key_buffer, value_buffer, stored_positions, next_position = states[1]
+    assert torch.equal(key_buffer[:, :, slot], keys[:, :, 0])
+    assert torch.equal(value_buffer[:, :, slot], values[:, :, 0])
+    assert stored_positions[slot] == position and int(next_position) == position + 1
