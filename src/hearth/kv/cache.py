@@ -141,8 +141,14 @@ class TokenPlanes:
 class LayerCache(Protocol):
     offset: int
 
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
-        """Store new K/V and return what attention reads."""
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
+        """Store new K/V and return what attention reads.
+
+        `positions` (device tensor [tokens]) are the new tokens' absolute positions; caches
+        that track their own offset may ignore it.
+        """
         ...
 
     def trim(self, tokens: int) -> None: ...
@@ -163,7 +169,9 @@ class DenseCache:
         self.offset = 0
         self._store = TokenPlanes(codec, quantize_after)
 
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
         end = self.offset + keys.shape[2]
         if end > self._store.capacity:
             capacity = -(-end // self.step) * self.step
@@ -208,7 +216,9 @@ class RotatingCache:
         self._store = TokenPlanes(codec, quantize_after)
         self._positions: torch.Tensor | None = None
 
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
         if self._positions is None:
             self._store.reserve(keys, values, self.capacity, keep=0)
             self._positions = torch.full(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from hearth.kernels import kernel_enabled
+from hearth.kernels.kv_write import append_token_triton
 from hearth.kv.cache import EMPTY_POSITION, KVView
 
 
@@ -38,13 +40,21 @@ class StaticCache:
         """Tokens stored so far (reads the device counter: not for the hot path)."""
         return 0 if self._next is None else int(self._next)
 
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
         if self._keys is None:
             self._allocate(keys, values)
         assert self._keys is not None and self._values is not None
         assert self._positions is not None and self._next is not None
         count = keys.shape[2]
-        positions = self._next + torch.arange(count, device=keys.device)
+        if count == 1 and positions is not None and kernel_enabled(keys):
+            # One launch instead of ~7: the decode step's hot path.
+            append_token_triton(
+                positions, keys, values, self._keys, self._values, self._positions, self._next
+            )
+            return self._view()
+        positions = self._next + torch.arange(count, device=keys.device)  # own counter
         ring_prefill = self.window is not None and count > 1
         if ring_prefill:
             # As RotatingCache: attend over the old slots and every new token, keep the newest.
@@ -60,8 +70,11 @@ class StaticCache:
         self._values.index_copy_(2, slots, values[:, :, -kept:])
         self._positions.index_copy_(0, slots, positions[-kept:])
         self._next.add_(count)
-        if ring_prefill:
-            return view
+        return view if ring_prefill else self._view()
+
+    def _view(self) -> KVView:
+        assert self._keys is not None and self._values is not None
+        assert self._positions is not None
         length = self.capacity if self.window is not None else self.view_length
         return KVView(
             self._keys[:, :, :length],

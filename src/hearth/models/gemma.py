@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.config import SLIDING_ATTENTION, Gemma3Config, RopeConfig
+from hearth.kernels.activation import gelu_tanh_mul
+from hearth.kernels.norm import add_rms_norm, rms_norm
+from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kv.cache import KVView, LayerCache
 
 
@@ -45,7 +48,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -63,13 +66,6 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves (NeoX layout): x·cos + rotate_half(x)·sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def attention_mask(
@@ -159,16 +155,27 @@ class Attention(nn.Module):
         cache: LayerCache | None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = q.view(batch, length, self.num_heads, self.head_dim)
-        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        # One rotation over query and key heads together: half the small ops per layer.
-        rotated = apply_rotary(torch.cat([self.q_norm(q), self.k_norm(k)], dim=2), cos, sin)
-        q, k = rotated.transpose(1, 2).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.transpose(1, 2)
-        view = KVView(k, v, k.shape[2], None) if cache is None else cache.update_and_fetch(k, v)
+        # Norms, rotation and the V split in one kernel on the GPU (the torch reference here).
+        q, k, v = norm_rope(
+            self.qkv_proj.proj(x).flatten(0, 1),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            cos[:, 0],
+            sin[:, 0],
+            self.q_norm.eps,
+            ValueMode.RAW,
+        )
+        assert k is not None and v is not None
+        q, k, v = (t.unflatten(0, (batch, length)).transpose(1, 2) for t in (q, k, v))
+        view = (
+            KVView(k, v, k.shape[2], None)
+            if cache is None
+            else cache.update_and_fetch(k, v, positions)
+        )
         out = attend(q, view, positions, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -184,8 +191,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_mul(self.gate_up_proj.proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -210,8 +216,18 @@ class DecoderLayer(nn.Module):
         cache: LayerCache | None,
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), rope, positions, cache)
-        x = x + self.post_attention_layernorm(attended)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        # Residual adds fused with the norms around them (one kernel each on the GPU).
+        x, normed = add_rms_norm(
+            x,
+            attended,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps,
+            self.pre_feedforward_layernorm.weight,
+            normalize_next=True,
+        )
+        assert normed is not None
+        post_ff = self.post_feedforward_layernorm
+        return add_rms_norm(x, self.mlp(normed), post_ff.weight, post_ff.eps)[0]
 
 
 class Embedding(nn.Embedding):

@@ -19,16 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config, RopeConfig
+from hearth.kernels.norm import add_rms_norm, rms_norm
+from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kv.cache import KVView, LayerCache
-from hearth.models.gemma import (
-    MLP,
-    Embedding,
-    RMSNorm,
-    RotaryEmbedding,
-    StackedLinear,
-    apply_rotary,
-    attend,
-)
+from hearth.models.gemma import MLP, Embedding, RMSNorm, RotaryEmbedding, StackedLinear, attend
 
 if TYPE_CHECKING:
     from hearth.quant.mlx import MLXQuantizedExperts
@@ -38,7 +32,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a learned scale (V, the router input), in fp32 and cast back."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).type_as(x)
+    return rms_norm(x, None, eps)
 
 
 class ProportionalRotaryEmbedding(RotaryEmbedding):
@@ -73,10 +67,13 @@ class Gemma4Attention(nn.Module):
         self.shares_kv = layer >= config.first_kv_shared_layer
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = {"q_proj": q_dim}
+        self.value_mode = ValueMode.ABSENT
         if not self.shares_kv:
             parts["k_proj"] = kv_dim
+            self.value_mode = ValueMode.UNIT_NORM_OF_K
             if not (config.attention_k_eq_v and kind == FULL_ATTENTION):
                 parts["v_proj"] = kv_dim
+                self.value_mode = ValueMode.UNIT_NORM
             self.k_norm = RMSNorm(self.head_dim, self.eps)
         self.qkv_proj = StackedLinear(config.hidden_size, parts)
         self.q_norm = RMSNorm(self.head_dim, self.eps)
@@ -92,20 +89,33 @@ class Gemma4Attention(nn.Module):
     ) -> tuple[torch.Tensor, KVView]:
         """Output and the K/V view attended over, which KV-sharing layers get as `shared`."""
         batch, length, _ = x.shape
-        q, *kv = self.qkv_proj(x)
-        q = apply_rotary(self.q_norm(q.view(batch, length, self.num_heads, -1)), *rope)
-        view = self._store_keys_values(kv, rope, cache) if shared is None else shared
-        out = attend(q.transpose(1, 2), view, positions, self.window, scale=1.0)
+        cos, sin = rope
+        # q/k norms, RoPE and the V norm (of raw K on k_eq_v layers) in one kernel on the GPU.
+        q, k, v = norm_rope(
+            self.qkv_proj.proj(x).flatten(0, 1),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.q_norm.weight,
+            self.k_norm.weight if not self.shares_kv else None,
+            cos[:, 0],
+            sin[:, 0],
+            self.eps,
+            self.value_mode,
+        )
+        q = q.unflatten(0, (batch, length)).transpose(1, 2)
+        if shared is not None:
+            view = shared
+        else:
+            assert k is not None and v is not None
+            k, v = (t.unflatten(0, (batch, length)).transpose(1, 2) for t in (k, v))
+            view = (
+                KVView(k, v, length, None)
+                if cache is None
+                else cache.update_and_fetch(k, v, positions)
+            )
+        out = attend(q, view, positions, self.window, scale=1.0)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), view
-
-    def _store_keys_values(
-        self, kv: list[torch.Tensor], rope: Rope, cache: LayerCache | None
-    ) -> KVView:
-        batch, length, _ = kv[0].shape
-        k, v = (t.view(batch, length, self.num_kv_heads, -1) for t in (kv[0], kv[-1]))
-        k = apply_rotary(self.k_norm(k), *rope).transpose(1, 2)
-        v = unit_rms_norm(v, self.eps).transpose(1, 2)  # without v_proj, kv[-1] is raw K
-        return KVView(k, v, length, None) if cache is None else cache.update_and_fetch(k, v)
 
 
 class Router(nn.Module):
@@ -182,6 +192,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.eps = eps
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.has_moe = config.moe is not None
         if self.has_moe:
@@ -206,15 +217,27 @@ class Gemma4DecoderLayer(nn.Module):
         per_layer_input: torch.Tensor | None,
     ) -> tuple[torch.Tensor, KVView]:
         attended, view = self.self_attn(self.input_layernorm(x), rope, positions, cache, shared)
-        x = x + self.post_attention_layernorm(attended)
-        x = x + self.post_feedforward_layernorm(self._feed_forward(x))
+        # Residual adds fused with the norms around them (one kernel each on the GPU).
+        x, normed = add_rms_norm(
+            x,
+            attended,
+            self.post_attention_layernorm.weight,
+            self.eps,
+            self.pre_feedforward_layernorm.weight,
+            normalize_next=True,
+        )
+        assert normed is not None
+        ff = self._feed_forward(x, normed)
+        x = add_rms_norm(x, ff, self.post_feedforward_layernorm.weight, self.eps)[0]
         if per_layer_input is not None:
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            projected = self.per_layer_projection(gated)
+            x = add_rms_norm(x, projected, self.post_per_layer_input_norm.weight, self.eps)[0]
         return x * self.layer_scalar, view
 
-    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        dense = self.mlp(self.pre_feedforward_layernorm(x))
+    def _feed_forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The feed-forward of the residual `x`, whose pre-feed-forward norm is `normed`."""
+        dense = self.mlp(normed)
         if not self.has_moe:
             return dense
         flat = x.reshape(-1, x.shape[-1])

@@ -1,0 +1,189 @@
+"""Q/K norms, rotary embedding and the V norm of one attention layer, in one kernel.
+
+After the stacked QKV projection [tokens, (Hq + Hk + Hv)·D], Gemma normalises each query and
+key head (RMSNorm with a learned multiplier), rotates both (RoPE, NeoX half layout), and —
+Gemma 4 — RMS-normalises V without a weight (on k_eq_v layers V is the raw K projection).
+Eagerly that is ~20 launches per layer; here one program per (token, head) does it all and
+writes Q, K and V as separate contiguous tensors.
+
+Roundings follow the eager path where they matter: the normed head is rounded to the
+activations' dtype before rotation; the rotation itself is computed in fp32 and rounded once
+(eager rounds each of its three ops: differences are within one ulp of the dtype).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels.norm import rms_norm_reference
+
+
+class ValueMode(IntEnum):
+    """What the kernel does with V."""
+
+    ABSENT = 0  # a KV-sharing layer: the projection holds only Q
+    RAW = 1  # Gemma 3: V as projected
+    UNIT_NORM = 2  # Gemma 4: V RMS-normalised without a weight
+    UNIT_NORM_OF_K = 3  # Gemma 4 k_eq_v: V is the raw K projection, RMS-normalised
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _norm_rope_kernel(
+        qkv_ptr,
+        q_weight_ptr,
+        k_weight_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        eps,
+        row_width,
+        Q_HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        D: tl.constexpr,
+        V_MODE: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        dims = tl.arange(0, D)
+        half: tl.constexpr = D // 2
+        partner = (dims + half) % D
+        row = qkv_ptr + token * row_width
+        if head < Q_HEADS + KV_HEADS:
+            is_query = head < Q_HEADS
+            source = row + head * D
+            x = tl.load(source + dims).to(tl.float32)
+            x_partner = tl.load(source + partner).to(tl.float32)
+            inverse_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            if is_query:
+                w = tl.load(q_weight_ptr + dims)
+                w_partner = tl.load(q_weight_ptr + partner)
+            else:
+                w = tl.load(k_weight_ptr + dims)
+                w_partner = tl.load(k_weight_ptr + partner)
+            dtype = q_ptr.dtype.element_ty
+            normed = (x * inverse_rms * w).to(dtype).to(tl.float32)
+            normed_partner = (x_partner * inverse_rms * w_partner).to(dtype).to(tl.float32)
+            cos = tl.load(cos_ptr + token * D + dims).to(tl.float32)
+            sin = tl.load(sin_ptr + token * D + dims).to(tl.float32)
+            sign = tl.where(dims < half, -1.0, 1.0)
+            rotated = (normed * cos + sign * normed_partner * sin).to(dtype)
+            if is_query:
+                tl.store(q_ptr + (token * Q_HEADS + head) * D + dims, rotated)
+            else:
+                tl.store(k_ptr + (token * KV_HEADS + head - Q_HEADS) * D + dims, rotated)
+        else:
+            kv_head = head - Q_HEADS - KV_HEADS
+            if V_MODE == 3:
+                source = row + (Q_HEADS + kv_head) * D
+            else:
+                source = row + (Q_HEADS + KV_HEADS + kv_head) * D
+            v = tl.load(source + dims)
+            if V_MODE >= 2:
+                vf = v.to(tl.float32)
+                v = vf * tl.rsqrt(tl.sum(vf * vf, axis=0) / D + eps)
+            tl.store(v_ptr + (token * KV_HEADS + kv_head) * D + dims, v.to(v_ptr.dtype.element_ty))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (NeoX layout): x·cos + rotate_half(x)·sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def norm_rope_reference(
+    qkv: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    value_mode: ValueMode,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(q [T, Hq, D], k [T, Hk, D] or None, v [T, Hk, D] or None) as the eager model makes them.
+
+    `qkv` is [T, width]; cos/sin are [T, D].
+    """
+    tokens = qkv.shape[0]
+    q_width, kv_width = q_heads * head_dim, kv_heads * head_dim
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q = qkv[:, :q_width].view(tokens, q_heads, head_dim)
+    q = apply_rotary(rms_norm_reference(q, q_weight, eps), cos, sin)
+    if value_mode == ValueMode.ABSENT:
+        return q, None, None
+    raw_k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, head_dim)
+    k = apply_rotary(rms_norm_reference(raw_k, k_weight, eps), cos, sin)
+    if value_mode == ValueMode.UNIT_NORM_OF_K:
+        v = rms_norm_reference(raw_k, None, eps)
+    else:
+        v = qkv[:, q_width + kv_width : q_width + 2 * kv_width].view(tokens, kv_heads, head_dim)
+        v = rms_norm_reference(v, None, eps) if value_mode == ValueMode.UNIT_NORM else v
+    return q, k, v.contiguous()
+
+
+def norm_rope_triton(
+    qkv: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    value_mode: ValueMode,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    source = qkv.contiguous()
+    tokens = source.shape[0]
+    q = source.new_empty((tokens, q_heads, head_dim))
+    has_kv = value_mode != ValueMode.ABSENT
+    k = source.new_empty((tokens, kv_heads, head_dim)) if has_kv else q
+    v = source.new_empty((tokens, kv_heads, head_dim)) if has_kv else q
+    heads = q_heads + (2 * kv_heads if has_kv else 0)
+    _norm_rope_kernel[(tokens, heads)](
+        source,
+        q_weight,
+        k_weight if k_weight is not None else q_weight,
+        cos.contiguous(),
+        sin.contiguous(),
+        q,
+        k,
+        v,
+        eps,
+        source.shape[1],
+        Q_HEADS=q_heads,
+        KV_HEADS=kv_heads,
+        D=head_dim,
+        V_MODE=int(value_mode),
+        num_warps=2 if head_dim <= 256 else 4,
+    )
+    return (q, k, v) if has_kv else (q, None, None)
+
+
+def norm_rope(
+    qkv: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    value_mode: ValueMode,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Normed and rotated Q and K, and V, of a stacked QKV projection [T, width]."""
+    run = norm_rope_triton if kernel_enabled(qkv) else norm_rope_reference
+    return run(qkv, q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, eps, value_mode)
