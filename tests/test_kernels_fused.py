@@ -49,8 +49,12 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> N
 
 
 @pytest.fixture(autouse=True)
-def _seeded() -> None:
+def _seeded_on_device() -> object:
+    """Seeded inputs, made on the GPU when there is one (else the interpreter runs on CPU)."""
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        yield
 
 
 def oracle_rms_norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
