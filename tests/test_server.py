@@ -187,7 +187,7 @@ BAD_CHAT_BODIES = [
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": USER, "tools": []}, "tools"),
     ({"messages": USER, "n": 2}, "n"),
-    ({"messages": USER, "logprobs": True}, "logprobs"),
+    ({"messages": USER, "logprobs": "yes"}, "logprobs"),
     ({"messages": USER, "colour": "blue"}, "colour"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ({"messages": []}, "messages"),

@@ -53,14 +53,58 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability, and the most likely tokens at its step.
+
+    The distribution is log_softmax of the logits after the logit processors (bias, penalties)
+    and before the temperature and the top-p/min-p/top-k filters: `Sampler.logprobs`, the
+    numbers mlx-lm reports.
+    """
+
+    token: int
+    logprob: float
+    top_tokens: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass
+class LogprobRecorder:
+    """Asks `generate_tokens` for every token's `TokenLogprobs` with `top` alternatives (0 or
+    more); they gather in `records` until taken."""
+
+    top: int = 0
+    records: list[TokenLogprobs] = field(default_factory=list)
+
+    def record(self, logprobs: torch.Tensor, token: int) -> None:
+        """Read one step's record off the device (`logprobs`: [vocab]) in a single copy."""
+        top = min(self.top, logprobs.shape[-1])
+        values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0])
+        # Ids below 2**53 are exact in float64, so one tensor carries everything at once.
+        chosen = logprobs[token : token + 1]
+        numbers = torch.cat([chosen.double(), values.double(), ids.double()]).tolist()
+        top_ids = tuple(int(i) for i in numbers[1 + top :])
+        self.records.append(TokenLogprobs(token, numbers[0], top_ids, tuple(numbers[1 : 1 + top])))
+
+    def take(self) -> tuple[TokenLogprobs, ...]:
+        taken, self.records = tuple(self.records), []
+        return taken
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
-    """One streamed piece: new text (possibly empty) and, at the end, why generation stopped."""
+    """One streamed piece: new text (possibly empty) and, at the end, why generation stopped.
+
+    `logprobs` (only when asked for) holds the records of the tokens generated since the
+    previous chunk, in order: across a stream every generated token appears exactly once, also
+    those whose text is held back, cut by a stop string, or an end id (no text at all).
+    """
 
     text: str
     token: int | None
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
     stats: GenerationStats | None = field(default=None, compare=False)
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -130,13 +174,15 @@ def generate_tokens(
     prefill_step: int = 512,
     cached_tokens: int = 0,
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
+    logprobs: LogprobRecorder | None = None,
 ) -> Iterator[int]:
     """Token ids, one per step, until `max_tokens`; the caller decides when to stop early.
 
     `cached_tokens`: how many leading prompt tokens `caches` already hold (a prompt cache
     hit); only the rest is prefilled, and at least one token must be left to prefill.
     `on_prefilled` sees the caches once they hold exactly the prompt (a prompt cache keeps a
-    snapshot there).
+    snapshot there). `logprobs`: records each token's log-probabilities before it is yielded
+    (None: none are computed).
     """
     if not 0 <= cached_tokens < len(prompt_ids):
         raise ValueError(f"cached_tokens {cached_tokens} must leave a prompt token to prefill")
@@ -156,7 +202,12 @@ def generate_tokens(
     if on_prefilled is not None:
         on_prefilled(caches)
     for produced in range(max_tokens):
-        token = int(sampler.sample(logits, history))
+        if logprobs is None:
+            token = int(sampler.sample(logits, history))
+        else:
+            sampled, distribution = sampler.sample_with_logprobs(logits, history)
+            token = int(sampled)
+            logprobs.record(distribution.reshape(-1), token)
         now = time.perf_counter()
         if produced == 0:
             stats.prefill_seconds = now - started
@@ -198,10 +249,13 @@ def stream_generate(
     caches: list[LayerCache] | None = None,
     cached_tokens: int = 0,
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
+    top_logprobs: int | None = None,
 ) -> Iterator[GenerationChunk]:
     """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
 
-    `cached_tokens`, `on_prefilled`: see `generate_tokens`.
+    `cached_tokens`, `on_prefilled`: see `generate_tokens`. `top_logprobs`: None computes no
+    log-probabilities; a count (0 or more) fills each chunk's `logprobs`, with that many
+    alternatives per token.
 
     `cancelled` is checked before each token; once it returns true the stream ends at once,
     without a final chunk (a server's client went away).
@@ -216,6 +270,11 @@ def stream_generate(
     stops = StopStrings(stop)
     stats = GenerationStats()
     finish = FINISH_LENGTH
+    recorder = None if top_logprobs is None else LogprobRecorder(top_logprobs)
+
+    def records() -> tuple[TokenLogprobs, ...] | None:
+        return None if recorder is None else recorder.take()
+
     tokens = generate_tokens(
         model,
         prompt_ids,
@@ -225,6 +284,7 @@ def stream_generate(
         caches,
         cached_tokens=cached_tokens,
         on_prefilled=on_prefilled,
+        logprobs=recorder,
     )
     for token in tokens:
         if cancelled is not None and cancelled():
@@ -234,7 +294,7 @@ def stream_generate(
             break
         text = stops.feed(detokenizer.add_token(token))
         if text:
-            yield GenerationChunk(text, token)
+            yield GenerationChunk(text, token, logprobs=records())
         if stops.stopped:
             finish = FINISH_STOP
             break
@@ -244,4 +304,4 @@ def stream_generate(
         tail += "" if stops.stopped else stops.flush()
         finish = FINISH_STOP if stops.stopped else finish
     stats.peak_memory_bytes = peak_memory_bytes(model.device)
-    yield GenerationChunk(tail, None, finish, stops.matched, stats)
+    yield GenerationChunk(tail, None, finish, stops.matched, stats, records())

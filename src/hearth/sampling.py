@@ -150,13 +150,28 @@ class Sampler:
     def sample(self, logits: torch.Tensor, history: History) -> torch.Tensor:
         """Token ids, shaped ``[batch]`` (a 0-d tensor for 1-D logits), on the logits' device."""
         rows = _as_rows(self.process_logits(logits, history))
+        return self._pick(rows).reshape(logits.shape[:-1])
+
+    def sample_with_logprobs(
+        self, logits: torch.Tensor, history: History
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample` and :meth:`logprobs` from one pass of the processors; the same token
+        (and the same random draw) as :meth:`sample` would give."""
+        rows = _as_rows(self.process_logits(logits, history))
+        logprobs = rows.log_softmax(dim=-1)
+        tokens = self._pick(rows, logprobs)
+        return tokens.reshape(logits.shape[:-1]), logprobs.reshape(logits.shape)
+
+    def _pick(self, rows: torch.Tensor, logprobs: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row of processed logits; `logprobs`: their log_softmax, if at hand."""
         if self._is_greedy:
-            tokens = rows.argmax(dim=-1)
-        else:
-            scores, ids = self._scaled_candidates(rows)
-            choice = _gumbel_argmax(scores, self._generator)
-            tokens = choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
-        return tokens.reshape(logits.shape[:-1])
+            # On the logits themselves: log_softmax's rounding could turn a near-tie into a tie.
+            return rows.argmax(dim=-1)
+        if logprobs is None:
+            logprobs = rows.log_softmax(dim=-1)
+        scores, ids = self._scaled_candidates(logprobs)
+        choice = _gumbel_argmax(scores, self._generator)
+        return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
 
     def probabilities(self, logits: torch.Tensor, history: History) -> torch.Tensor:
         """The distribution :meth:`sample` draws from, over the whole vocabulary.
@@ -167,7 +182,7 @@ class Sampler:
         if self._is_greedy:
             probs = F.one_hot(rows.argmax(dim=-1), rows.shape[-1]).float()
         else:
-            scores, ids = self._scaled_candidates(rows)
+            scores, ids = self._scaled_candidates(rows.log_softmax(dim=-1))
             probs = scores.softmax(dim=-1)
             if ids is not None:
                 probs = torch.zeros_like(rows).scatter(-1, ids, probs)
@@ -212,9 +227,11 @@ class Sampler:
             rows = _subtract_per_occurrence(rows, tokens, params.frequency_penalty)
         return rows
 
-    def _scaled_candidates(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _scaled_candidates(
+        self, logprobs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The filtered log-probabilities divided by the temperature, with their token ids."""
-        values, ids = self._filtered_candidates(rows.log_softmax(dim=-1))
+        values, ids = self._filtered_candidates(logprobs)
         return values * (1.0 / self.params.temperature), ids
 
     def _filtered_candidates(

@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from hearth.generate import GenerationStats
+from hearth.generate import GenerationStats, TokenLogprobs
 from hearth.sampling import SamplingParams
 from hearth.server.errors import RequestError, parse_request, read_json_object
+from hearth.server.logprobs import chat_logprobs, completion_logprobs
 from hearth.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from hearth.server.state import (
     ChatPrompt,
@@ -73,7 +74,13 @@ async def chat_completions(request: Request) -> Response:
     ids = await state.encode_chat(_chat_prompt(body), "messages")
     sampling = _sampling(state, body)
     generation = state.plan(
-        ids, body.token_limit(), sampling, body.stop_strings(), "messages", state.chat_stop_ids
+        ids,
+        body.token_limit(),
+        sampling,
+        body.stop_strings(),
+        "messages",
+        state.chat_stop_ids,
+        body.logprob_alternatives(),
     )
     reply = _Reply(body, state, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
     tools_on = body.tools_on()
@@ -105,7 +112,11 @@ async def completions(request: Request) -> Response:
 def _plan(
     state: ServerState, body: OpenAIRequest, ids: list[int], limit: int | None, prompt_param: str
 ) -> Generation:
-    return state.plan(ids, limit, _sampling(state, body), body.stop_strings(), prompt_param)
+    sampling = _sampling(state, body)
+    alternatives = body.logprob_alternatives()
+    return state.plan(
+        ids, limit, sampling, body.stop_strings(), prompt_param, top_logprobs=alternatives
+    )
 
 
 def _sampling(state: ServerState, body: OpenAIRequest) -> SamplingParams:
@@ -171,6 +182,7 @@ class _Reply:
         self.created = int(time.time())
         self.model = body.model or state.model_id  # echoed back, as mlx_lm.server does
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.tokenizer = state.engine.tokenizer
 
     def chat_completion(self, result: Completion, tools_on: bool) -> dict[str, Any]:
         reply = parse_reply(result.text, tools_on)
@@ -182,13 +194,19 @@ class _Reply:
         if reply.tool_calls:
             message["tool_calls"] = [openai_tool_call(call) for call in reply.tool_calls]
         finish = _chat_finish_reason(result.finish_reason, bool(reply.tool_calls))
-        return self._whole(result, {"message": message}, finish)
+        logprobs = chat_logprobs(self.tokenizer, result.logprobs or ())
+        return self._whole(result, {"message": message}, finish, logprobs)
 
     def text_completion(self, result: Completion) -> dict[str, Any]:
-        return self._whole(result, {"text": result.text}, result.finish_reason)
+        logprobs = None
+        if result.logprobs is not None:
+            logprobs, _ = completion_logprobs(self.tokenizer, result.logprobs)
+        return self._whole(result, {"text": result.text}, result.finish_reason, logprobs)
 
-    def _whole(self, result: Completion, output: dict[str, Any], finish: str) -> dict[str, Any]:
-        choice = {"index": 0, **output, "logprobs": None, "finish_reason": finish}
+    def _whole(
+        self, result: Completion, output: dict[str, Any], finish: str, logprobs: Any
+    ) -> dict[str, Any]:
+        choice = {"index": 0, **output, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope(self.kind, [choice]) | {"usage": usage_of(result.stats)}
 
     async def chat_events(
@@ -198,25 +216,36 @@ class _Reply:
         yield self._chunk(CHAT_CHUNK, "delta", {"role": "assistant", "content": ""}, None)
         parser = ReplyParser(tools_on)
         calls = 0
+        # Tokens whose text the parser holds back go out with the next chunk sent; what is
+        # left at the end (the end of turn token, say) with the finishing chunk.
+        unsent: list[TokenLogprobs] = []
         async for piece in pieces(state, generation):
+            unsent.extend(piece.logprobs or ())
             parts = parser.feed(piece.text)
             if piece.finish_reason is not None:
                 parts += parser.finish()
             for part in parts:
-                yield self._chunk(CHAT_CHUNK, "delta", _delta(part, calls), None)
+                logprobs = chat_logprobs(self.tokenizer, unsent)
+                yield self._chunk(CHAT_CHUNK, "delta", _delta(part, calls), None, logprobs)
                 calls += part.call is not None
+                unsent = []
             if piece.finish_reason is not None:
                 finish = _chat_finish_reason(piece.finish_reason, calls > 0)
-                yield self._chunk(CHAT_CHUNK, "delta", {}, finish)
+                logprobs = chat_logprobs(self.tokenizer, unsent)
+                yield self._chunk(CHAT_CHUNK, "delta", {}, finish, logprobs)
             if piece.stats is not None and self.include_usage:
                 yield self._envelope(CHAT_CHUNK, []) | {"usage": usage_of(piece.stats)}
 
     async def text_events(
         self, state: ServerState, generation: Generation
     ) -> AsyncIterator[dict[str, Any]]:
+        offset = 0  # text_offset runs on across the stream's chunks
         async for piece in pieces(state, generation):
             if piece.text or piece.finish_reason:
-                yield self._chunk(self.kind, "text", piece.text, piece.finish_reason)
+                logprobs = None
+                if piece.logprobs is not None:
+                    logprobs, offset = completion_logprobs(self.tokenizer, piece.logprobs, offset)
+                yield self._chunk(self.kind, "text", piece.text, piece.finish_reason, logprobs)
             if piece.stats is not None and self.include_usage:
                 yield self._envelope(self.kind, []) | {"usage": usage_of(piece.stats)}
 
@@ -229,8 +258,10 @@ class _Reply:
             "choices": choices,
         }
 
-    def _chunk(self, kind: str, key: str, content: Any, finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+    def _chunk(
+        self, kind: str, key: str, content: Any, finish: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        choice = {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
         chunk = self._envelope(kind, [choice])
         # With include_usage every chunk carries "usage": null until the final usage chunk.
         return chunk | {"usage": None} if self.include_usage else chunk

@@ -9,7 +9,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from hearth.server.tools import function_tool
 
@@ -43,6 +50,8 @@ UnitInterval = Annotated[float, Field(ge=0, le=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 # Beyond any context window Hearth runs; the per-model limit is checked after tokenizing.
 MaxTokens = Annotated[int, Field(ge=1, le=1_048_576)]
+# Alternatives reported per token (OpenAI's limit for chat; the legacy API's `logprobs` too).
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 
 class StrictModel(BaseModel):
@@ -162,7 +171,6 @@ class OpenAIRequest(StrictModel):
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: int | None = None
-    logprobs: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own tracking; no effect here
@@ -173,13 +181,6 @@ class OpenAIRequest(StrictModel):
         if n not in (None, 1):
             raise ValueError("only n=1 is supported (one choice per request)")
         return n
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported yet")
-        return logprobs
 
     @field_validator("logit_bias")
     @classmethod
@@ -197,18 +198,35 @@ class OpenAIRequest(StrictModel):
     def token_bias(self) -> dict[int, float] | None:
         return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
+    def logprob_alternatives(self) -> int | None:
+        """None: no log-probabilities; else how many alternatives to report per token."""
+        raise NotImplementedError
+
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None  # needs logprobs: true (declared just above)
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        # As OpenAI: alternatives are only sent along with the tokens' own log-probabilities.
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return top
+
     def token_limit(self) -> int | None:
         # The newer name wins, as in OpenAI's API (max_tokens is its deprecated alias).
         return self.max_completion_tokens or self.max_tokens
+
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def neutral_messages(self) -> list[dict[str, Any]]:
         return [message.neutral(index) for index, message in enumerate(self.messages)]
@@ -228,9 +246,14 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str = Field(min_length=1)
+    # The legacy API's logprobs is the number of alternatives per token (0: the token's only).
+    logprobs: TopLogprobs | None = None
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
 
 class AnthropicText(StrictModel):

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from hearth.engine import Engine
 from hearth.errors import HearthError
-from hearth.generate import GenerationChunk, GenerationStats
+from hearth.generate import GenerationChunk, GenerationStats, TokenLogprobs
 from hearth.sampling import SamplingParams
 from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError
@@ -47,6 +47,7 @@ class Generation:
     sampling: SamplingParams
     stop: tuple[str, ...]
     stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
+    top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per token
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class ServerState:
         stop: Sequence[str],
         prompt_param: str,
         stop_ids: tuple[int, ...] | None = None,
+        top_logprobs: int | None = None,
     ) -> Generation:
         """Check the prompt fits the context and the memory budget, and the sampling settings
         are valid."""
@@ -162,7 +164,7 @@ class ServerState:
         limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
         if self.memory_budget is not None:
             self.memory_budget.check(len(prompt_ids), limit)
-        return Generation(prompt_ids, limit, sampling, tuple(stop), stop_ids)
+        return Generation(prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs)
 
 
 def state_of(request: Request) -> ServerState:
@@ -171,12 +173,13 @@ def state_of(request: Request) -> ServerState:
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole generation's text and how it ended."""
+    """A whole generation's text and how it ended; `logprobs` when asked, one per token."""
 
     text: str
     finish_reason: str
     stop_sequence: str | None
     stats: GenerationStats
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 async def complete(state: ServerState, generation: Generation, request: Request) -> Completion:
@@ -203,10 +206,14 @@ async def _until_disconnected(request: Request) -> None:
 
 async def _collect(state: ServerState, generation: Generation) -> Completion:
     texts = []
+    records: list[TokenLogprobs] = []
     async for piece in pieces(state, generation):
         texts.append(piece.text)
+        records.extend(piece.logprobs or ())
         if piece.finish_reason is not None and piece.stats is not None:
-            return Completion("".join(texts), piece.finish_reason, piece.stop_sequence, piece.stats)
+            logprobs = None if generation.top_logprobs is None else tuple(records)
+            text = "".join(texts)
+            return Completion(text, piece.finish_reason, piece.stop_sequence, piece.stats, logprobs)
     raise RuntimeError("the generation ended without a final piece")
 
 
@@ -217,6 +224,7 @@ def pieces(state: ServerState, generation: Generation) -> AsyncIterator[Generati
         generation.sampling,
         generation.stop,
         generation.stop_ids,
+        generation.top_logprobs,
     )
 
 

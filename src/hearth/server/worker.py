@@ -35,6 +35,7 @@ class GenerationJob:
     sampling: SamplingParams
     stop: Sequence[str]
     stop_ids: tuple[int, ...] | None
+    top_logprobs: int | None  # None: no log-probabilities
     loop: asyncio.AbstractEventLoop
     results: asyncio.Queue[GenerationChunk | BaseException] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -98,13 +99,14 @@ class GenerationWorker:
         sampling: SamplingParams,
         stop: Sequence[str],
         stop_ids: tuple[int, ...] | None = None,
+        top_logprobs: int | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """The pieces of one generation, in order, ending with the one that has finish_reason.
 
         Leaving the iteration early (client gone, task cancelled) cancels the generation.
         """
         loop = asyncio.get_running_loop()
-        job = GenerationJob(prompt_ids, max_tokens, sampling, stop, stop_ids, loop)
+        job = GenerationJob(prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, loop)
         self._jobs.put(job)
         try:
             while True:
@@ -146,6 +148,7 @@ class GenerationWorker:
             caches=reuse.caches,
             cached_tokens=reuse.cached_tokens,
             on_prefilled=(lambda caches: boundary.append(copy_caches(caches))) if keep else None,
+            top_logprobs=job.top_logprobs,
         )
         for chunk in chunks:
             if chunk.stats is not None:  # the last piece: the caches will not change again
