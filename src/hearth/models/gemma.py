@@ -211,12 +211,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        normed_input: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
         cache: LayerCache | None,
-    ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), rope, positions, cache)
-        # Residual adds fused with the norms around them (one kernel each on the GPU).
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after this layer and its norm by `next_norm`.
+
+        `normed_input` is `input_layernorm(x)`, computed by the layer before (fused with its
+        last residual add): each norm here is fused with the add before it.
+        """
+        attended = self.self_attn(normed_input, rope, positions, cache)
         x, normed = add_rms_norm(
             x,
             attended,
@@ -227,7 +233,11 @@ class DecoderLayer(nn.Module):
         )
         assert normed is not None
         post_ff = self.post_feedforward_layernorm
-        return add_rms_norm(x, self.mlp(normed), post_ff.weight, post_ff.eps)[0]
+        x, normed_next = add_rms_norm(
+            x, self.mlp(normed), post_ff.weight, post_ff.eps, next_norm.weight, True
+        )
+        assert normed_next is not None
+        return x, normed_next
 
 
 class Embedding(nn.Embedding):
@@ -283,12 +293,13 @@ class Gemma3Model(nn.Module):
         # `start` may be a device tensor, so a captured decode step reads it at replay.
         positions = torch.arange(input_ids.shape[1], device=input_ids.device) + start
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
+        normed = self.layers[0].input_layernorm(x)
         for index, layer in enumerate(self.layers):
             cache = caches[index] if caches is not None else None
-            x = layer(x, ropes[layer.layer_type], positions, cache)
-        if last_only:
-            x = x[:, -1:]
-        x = self.norm(x)
+            following = index + 1 < len(self.layers)
+            next_norm = self.layers[index + 1].input_layernorm if following else self.norm
+            x, normed = layer(x, normed, ropes[layer.layer_type], positions, cache, next_norm)
+        x = normed[:, -1:] if last_only else normed  # the final norm came with the last layer
         tied = self.config.tie_word_embeddings
         logits = self.embed_tokens.head(x) if tied else self.lm_head(x)
         softcap = self.config.final_logit_softcapping
