@@ -14,6 +14,26 @@ from hearth.kv.cache import layer_specs
 from hearth.kv.static import StaticCache
 
 
+class TokenReadback:
+    """A sampled token copied to pinned host memory without waiting for later GPU work.
+
+    `start` queues the copy and marks it with an event; `result` waits for that event only,
+    so a decode step queued after `start` keeps running while the host reads the token.
+    """
+
+    def __init__(self) -> None:
+        self._host = torch.empty((1,), dtype=torch.long, pin_memory=True)
+        self._copied = torch.cuda.Event()
+
+    def start(self, token: torch.Tensor) -> None:
+        self._host.copy_(token.reshape(1), non_blocking=True)
+        self._copied.record()
+
+    def result(self) -> int:
+        self._copied.synchronize()
+        return int(self._host[0])
+
+
 class GraphDecoder:
     """Prefill eagerly, then decode one token per `step` from a captured graph."""
 
@@ -48,6 +68,9 @@ class GraphDecoder:
             logits = self.model(piece, self.caches, start=start, last_only=True)[:, -1]
         self.length = ids.shape[1]
         return logits
+
+    def readback(self) -> TokenReadback:
+        return TokenReadback()
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor) -> torch.Tensor:

@@ -201,12 +201,19 @@ def generate_tokens(
         logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
     if on_prefilled is not None:
         on_prefilled(caches)
+    readback = graph.readback() if graph is not None else None
+    sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
     for produced in range(max_tokens):
-        if logprobs is None:
-            token = int(sampler.sample(logits, history))
+        more = produced + 1 < max_tokens
+        if more and graph is not None and readback is not None:
+            # Queue the next step before reading this token back: the GPU never waits for
+            # the host, which reads the token while the step runs.
+            readback.start(sampled)
+            logits = graph.step(sampled.reshape(1, 1))
+            token = readback.result()
         else:
-            sampled, distribution = sampler.sample_with_logprobs(logits, history)
             token = int(sampled)
+        if logprobs is not None and distribution is not None:
             logprobs.record(distribution.reshape(-1), token)
         now = time.perf_counter()
         if produced == 0:
@@ -217,12 +224,20 @@ def generate_tokens(
         stats.generated_tokens = produced + 1
         history.append(token)
         yield token
-        if produced + 1 < max_tokens:
-            step = torch.tensor([[token]], dtype=torch.long, device=device)
-            if graph is not None:
-                logits = graph.step(step)
-            else:
+        if more:
+            if graph is None:
+                step = torch.tensor([[token]], dtype=torch.long, device=device)
                 logits = model(step, caches, start=len(history) - 1, last_only=True)[:, -1]
+            sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+
+
+def _sample(
+    sampler: Sampler, logits: torch.Tensor, history: list[int], with_logprobs: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next token on the device (no host sync) and, if asked, its logprob row."""
+    if with_logprobs:
+        return sampler.sample_with_logprobs(logits, history)
+    return sampler.sample(logits, history), None
 
 
 def _graph_decoder(model: Model, caches: list[LayerCache] | None, context: int) -> Any:
