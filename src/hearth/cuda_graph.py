@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hearth.kv.cache import layer_specs
+from hearth.kv.policy import KVPolicy
 from hearth.kv.static import StaticCache
 
 
@@ -37,12 +38,21 @@ class TokenReadback:
 class GraphDecoder:
     """Prefill eagerly, then decode one token per `step` from a captured graph."""
 
-    def __init__(self, model: nn.Module, max_context: int, bucket: int = 256) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_context: int,
+        bucket: int = 256,
+        policy: KVPolicy | None = None,
+    ) -> None:
         self.model = model
         self.bucket = bucket
         self.max_context = -(-max_context // bucket) * bucket
+        policy = policy or KVPolicy()
+        policy.check(model.config)
         self.caches = [
-            StaticCache(self.max_context, spec.window) for spec in layer_specs(model.config)
+            StaticCache(self.max_context, spec.window, policy.codec_of(spec.index))
+            for spec in layer_specs(model.config)
         ]
         device = model.device
         self._token = torch.zeros((1, 1), dtype=torch.long, device=device)

@@ -131,8 +131,8 @@ class Engine:
             sampling,
             max_tokens,
             stop,
-            # Plain caches are left to the loop, which picks static ones for CUDA graphs.
-            caches=None if self.kv_policy.is_dense else self.new_caches(),
+            # The loop makes the caches: static ones, decoded through CUDA graphs, on a GPU.
+            kv_policy=self.kv_policy,
         )
 
     def generate(

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hearth.kv import LayerCache, make_caches
+from hearth.kv import KVPolicy, LayerCache
 from hearth.models import Model
 from hearth.sampling import Sampler, SamplingParams
 from hearth.tokenizer import Tokenizer
@@ -175,8 +175,12 @@ def generate_tokens(
     cached_tokens: int = 0,
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
     logprobs: LogprobRecorder | None = None,
+    kv_policy: KVPolicy | None = None,
 ) -> Iterator[int]:
     """Token ids, one per step, until `max_tokens`; the caller decides when to stop early.
+
+    With no `caches` given, the loop makes them by `kv_policy` (dense when None): static ones
+    decoded through CUDA graphs on a GPU, dynamic ones elsewhere.
 
     `cached_tokens`: how many leading prompt tokens `caches` already hold (a prompt cache
     hit); only the rest is prefilled, and at least one token must be left to prefill.
@@ -192,12 +196,13 @@ def generate_tokens(
     stats.prompt_tokens = len(history)
     stats.cached_tokens = cached_tokens
     started = decode_started = time.perf_counter()
-    graph = _graph_decoder(model, caches, len(history) + max_tokens)
+    policy = kv_policy or KVPolicy()
+    graph = _graph_decoder(model, caches, len(history) + max_tokens, policy)
     if graph is not None:
         caches = graph.caches
         logits = graph.prefill(prompt, prefill_step)
     else:
-        caches = make_caches(model.config) if caches is None else caches
+        caches = policy.make_caches(model.config) if caches is None else caches
         logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
     if on_prefilled is not None:
         on_prefilled(caches)
@@ -240,16 +245,18 @@ def _sample(
     return sampler.sample(logits, history), None
 
 
-def _graph_decoder(model: Model, caches: list[LayerCache] | None, context: int) -> Any:
-    """A CUDA-graph decoder when it applies: a CUDA model, fresh dense caches (no KV kind or
-    prompt-cache hit given), and no MoE block (its expert loop synchronises with the host)."""
+def _graph_decoder(
+    model: Model, caches: list[LayerCache] | None, context: int, policy: KVPolicy
+) -> Any:
+    """A CUDA-graph decoder when it applies: a CUDA model, fresh caches (no prompt-cache hit
+    given), and no MoE block (its expert loop synchronises with the host)."""
     if model.device.type != "cuda" or caches is not None:
         return None
     if getattr(model.config, "moe", None) is not None:
         return None
     from hearth.cuda_graph import GraphDecoder
 
-    return GraphDecoder(model, max_context=context + 1)
+    return GraphDecoder(model, max_context=context + 1, policy=policy)
 
 
 def stream_generate(
@@ -263,6 +270,7 @@ def stream_generate(
     cancelled: Callable[[], bool] | None = None,
     caches: list[LayerCache] | None = None,
     cached_tokens: int = 0,
+    kv_policy: KVPolicy | None = None,
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
     top_logprobs: int | None = None,
 ) -> Iterator[GenerationChunk]:
@@ -300,6 +308,7 @@ def stream_generate(
         cached_tokens=cached_tokens,
         on_prefilled=on_prefilled,
         logprobs=recorder,
+        kv_policy=kv_policy,
     )
     for token in tokens:
         if cancelled is not None and cancelled():

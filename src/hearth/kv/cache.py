@@ -23,6 +23,13 @@ from hearth.config import SLIDING_ATTENTION, Gemma4Config, ModelConfig
 EMPTY_POSITION = 2**62
 
 
+class StoredKV(NamedTuple):
+    """A cache's slots as stored: the codec's planes, for kernels that read them directly."""
+
+    planes: tuple[torch.Tensor, ...]
+    codec: KVCodec
+
+
 class KVView(NamedTuple):
     """Keys and values to attend over.
 
@@ -30,14 +37,18 @@ class KVView(NamedTuple):
     shapes the same across decode steps (CPU matmul kernels are compiled per shape).
     `positions` holds the absolute position of each real key; None means the keys are
     positions 0..length-1 in order, or, for a single query, that every real key is visible.
+    `stored`: when set (a quantized static cache at a GPU decode step), keys and values are
+    None and attention reads the encoded planes instead.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
     length: int
     positions: torch.Tensor | None
+    stored: StoredKV | None = None
 
     def real(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.keys is not None and self.values is not None, "an encoded view"
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
 

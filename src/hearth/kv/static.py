@@ -5,6 +5,11 @@ a decode step over these caches can be captured once in a CUDA graph and replaye
 keeps its own next-position counter on the device; attention reads the first `view_length`
 slots (a bucket the graph runner sets, so one graph serves many steps) and masks the rest by
 position.
+
+Slots hold tokens encoded by a `KVCodec` (dense, affine, TurboQuant), as the dynamic caches
+do, with their default policy: the first update (the prompt's first chunk) attends over
+exact K/V, every later one over K/V as stored. A one-token step on the GPU returns a view of
+the stored planes, which the decode-attention kernel reads without decoding them.
 """
 
 from __future__ import annotations
@@ -13,25 +18,31 @@ import torch
 
 from hearth.kernels import kernel_enabled
 from hearth.kernels.kv_write import append_token_triton
-from hearth.kv.cache import EMPTY_POSITION, KVView
+from hearth.kv.cache import DENSE, EMPTY_POSITION, KVCodec, KVView, StoredKV
+
+
+def _as_indexable(plane: torch.Tensor) -> torch.Tensor:
+    """`index_copy_` has no uint32 kernel: copy packed words as int32 (same bits)."""
+    return plane.view(torch.int32) if plane.dtype == torch.uint32 else plane
 
 
 class StaticCache:
     """`capacity` slots in position order (full layers) or a ring of `window` slots."""
 
-    def __init__(self, capacity: int, window: int | None = None) -> None:
+    def __init__(self, capacity: int, window: int | None = None, codec: KVCodec = DENSE) -> None:
         self.window = window
         self.capacity = window if window is not None else capacity
         self.view_length = self.capacity
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
+        self.codec = codec
+        self._planes: list[torch.Tensor] = []
+        self._dtype = torch.float32
         self._positions: torch.Tensor | None = None
         self._next: torch.Tensor | None = None
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        shape = (*keys.shape[:2], self.capacity)
-        self._keys = keys.new_zeros((*shape, keys.shape[3]))
-        self._values = values.new_zeros((*shape, values.shape[3]))
+        sample = self.codec.encode(keys[:, :, :1], values[:, :, :1])
+        self._planes = [p.new_zeros((*p.shape[:2], self.capacity, *p.shape[3:])) for p in sample]
+        self._dtype = values.dtype
         self._positions = torch.full((self.capacity,), EMPTY_POSITION, device=keys.device)
         self._next = torch.zeros((), dtype=torch.long, device=keys.device)
 
@@ -40,48 +51,76 @@ class StaticCache:
         """Tokens stored so far (reads the device counter: not for the hot path)."""
         return 0 if self._next is None else int(self._next)
 
+    @property
+    def is_dense(self) -> bool:
+        return self.codec is DENSE
+
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
     ) -> KVView:
-        if self._keys is None:
+        first = not self._planes
+        if first:
             self._allocate(keys, values)
-        assert self._keys is not None and self._values is not None
         assert self._positions is not None and self._next is not None
         count = keys.shape[2]
-        if count == 1 and positions is not None and kernel_enabled(keys):
+        if count == 1 and positions is not None and self.is_dense and kernel_enabled(keys):
             # One launch instead of ~7: the decode step's hot path.
+            key_plane, value_plane = self._planes
             append_token_triton(
-                positions, keys, values, self._keys, self._values, self._positions, self._next
+                positions, keys, values, key_plane, value_plane, self._positions, self._next
             )
-            return self._view()
-        positions = self._next + torch.arange(count, device=keys.device)  # own counter
+            return self._view(stored=True)
+        new_positions = self._next + torch.arange(count, device=keys.device)
         ring_prefill = self.window is not None and count > 1
-        if ring_prefill:
+        if first:
+            # Nothing is stored yet: attend over exact K/V, as the dynamic caches do.
+            view = KVView(keys, values, count, new_positions)
+        elif ring_prefill:
             # As RotatingCache: attend over the old slots and every new token, keep the newest.
+            old_keys, old_values = self._decoded(self.capacity)
+            new_keys, new_values = self._roundtrip(keys, values)
             view = KVView(
-                torch.cat([self._keys, keys], dim=2),
-                torch.cat([self._values, values], dim=2),
+                torch.cat([old_keys, new_keys], dim=2),
+                torch.cat([old_values, new_values], dim=2),
                 self.capacity + count,
-                torch.cat([self._positions, positions]),
+                torch.cat([self._positions, new_positions]),
             )
         kept = min(count, self.capacity)
-        slots = positions[-kept:] % self.capacity
-        self._keys.index_copy_(2, slots, keys[:, :, -kept:])
-        self._values.index_copy_(2, slots, values[:, :, -kept:])
-        self._positions.index_copy_(0, slots, positions[-kept:])
+        slots = new_positions[-kept:] % self.capacity
+        encoded = self.codec.encode(keys[:, :, -kept:], values[:, :, -kept:])
+        for plane, part in zip(self._planes, encoded, strict=True):
+            _as_indexable(plane).index_copy_(2, slots, _as_indexable(part))
+        self._positions.index_copy_(0, slots, new_positions[-kept:])
         self._next.add_(count)
-        return view if ring_prefill else self._view()
+        # Quantized planes are decoded for prefill chunks (attended by SDPA) and on the CPU.
+        if first or ring_prefill:
+            return view
+        return self._view(stored=count == 1 and kernel_enabled(keys))
 
-    def _view(self) -> KVView:
-        assert self._keys is not None and self._values is not None
+    def _roundtrip(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_dense:
+            return keys, values
+        return self.codec.decode(self.codec.encode(keys, values), values.dtype)
+
+    def _decoded(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        planes = [plane[:, :, :length] for plane in self._planes]
+        return self.codec.decode(planes, self._dtype)
+
+    def _view(self, stored: bool) -> KVView:
+        """The first `view_length` slots (the whole ring on window layers).
+
+        `stored`: a quantized cache hands attention its planes instead of decoded K/V.
+        """
         assert self._positions is not None
         length = self.capacity if self.window is not None else self.view_length
-        return KVView(
-            self._keys[:, :, :length],
-            self._values[:, :, :length],
-            length,
-            self._positions[:length],
-        )
+        positions = self._positions[:length]
+        if self.is_dense or not stored:
+            keys, values = self._decoded(length)
+            return KVView(keys, values, length, positions)
+        planes = tuple(plane[:, :, :length] for plane in self._planes)
+        return KVView(None, None, length, positions, StoredKV(planes, self.codec))
 
     def reset(self, offset: int = 0) -> None:
         """Forget tokens from `offset` on (a graph's warm-up step wrote one)."""
@@ -95,10 +134,9 @@ class StaticCache:
 
     @property
     def nbytes(self) -> int:
-        if self._keys is None or self._values is None:
-            return 0
-        per_token = self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes
+        per_token = sum(plane[:, :, :1].nbytes for plane in self._planes)
         return per_token * min(self.offset, self.capacity)
 
     def signature(self) -> str:
-        return "static" if self.window is None else "static-ring"
+        kind = "static" if self.window is None else "static-ring"
+        return kind if self.is_dense else f"{kind}:{self.codec.signature()}"
