@@ -56,22 +56,32 @@ def test_graph_decoder_matches_eager_on_gpu(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_generate_loop_uses_graphs_on_gpu_with_the_same_tokens(tmp_path: Path) -> None:
-    """generate_tokens with no caches given takes the CUDA-graph path; fp32 greedy tokens must
-    equal the eager path's (their logits differ by summation order only, ~1e-6)."""
+    """generate_tokens decodes through CUDA graphs on a GPU, from its own static caches or
+    from given dynamic ones (a prompt-cache hit, adopted); fp32 greedy tokens must equal a
+    plain eager loop's (their logits differ by summation order only, ~1e-6)."""
     from hearth.generate import GenerationStats, generate_tokens
     from hearth.kv import make_caches
     from hearth.sampling import Sampler, SamplingParams
 
     model = _model("gemma3", tmp_path, "cuda")
     prompt = torch.randint(4, 256, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    eager: list[int] = []
+    caches = make_caches(model.config)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt], device="cuda"), caches)[:, -1]
+        for position in range(len(prompt), len(prompt) + 40):
+            eager.append(int(logits.argmax()))
+            step = torch.tensor([[eager[-1]]], device="cuda")
+            logits = model(step, caches, start=position)[:, -1]
     greedy = Sampler(SamplingParams(), device="cuda")
     graphed = list(generate_tokens(model, prompt, greedy, 40, GenerationStats()))
-    eager = list(
+    adopted = list(
         generate_tokens(
             model, prompt, greedy, 40, GenerationStats(), caches=make_caches(model.config)
         )
     )
     assert graphed == eager
+    assert adopted == eager
 
 
 @pytest.mark.parametrize("scheme", ["4", "8", "turbo:k8v3", "turbo:t4v3"])

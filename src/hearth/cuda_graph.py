@@ -7,10 +7,12 @@ captured once per key-length bucket over static caches and replayed: one launch 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from hearth.kv.cache import layer_specs
+from hearth.kv.cache import LayerCache, layer_specs
 from hearth.kv.policy import KVPolicy
 from hearth.kv.static import StaticCache
 
@@ -81,6 +83,15 @@ class GraphDecoder:
 
     def readback(self) -> TokenReadback:
         return TokenReadback()
+
+    @torch.inference_mode()
+    def adopt(self, caches: Sequence[LayerCache], length: int) -> None:
+        """Continue from dynamic caches that hold `length` tokens (e.g. a prompt-cache hit)."""
+        if length >= self.max_context:
+            raise ValueError(f"the prompt ({length} tokens) fills the context")
+        for static, dynamic in zip(self.caches, caches, strict=True):
+            static.load(dynamic.contents())
+        self.length = length
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor) -> torch.Tensor:

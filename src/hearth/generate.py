@@ -197,8 +197,8 @@ def generate_tokens(
     stats.cached_tokens = cached_tokens
     started = decode_started = time.perf_counter()
     policy = kv_policy or KVPolicy()
-    graph = _graph_decoder(model, caches, len(history) + max_tokens, policy)
-    if graph is not None:
+    graph = _graph_decoder(model, len(history) + max_tokens, policy)
+    if graph is not None and caches is None:
         caches = graph.caches
         logits = graph.prefill(prompt, prefill_step)
     else:
@@ -206,6 +206,8 @@ def generate_tokens(
         logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
     if on_prefilled is not None:
         on_prefilled(caches)
+    if graph is not None and caches is not graph.caches:
+        graph.adopt(caches, len(history))  # given caches (a prompt cache): decode via graphs
     readback = graph.readback() if graph is not None else None
     sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
     for produced in range(max_tokens):
@@ -245,12 +247,10 @@ def _sample(
     return sampler.sample(logits, history), None
 
 
-def _graph_decoder(
-    model: Model, caches: list[LayerCache] | None, context: int, policy: KVPolicy
-) -> Any:
-    """A CUDA-graph decoder when it applies: a CUDA model, fresh caches (no prompt-cache hit
-    given), and no MoE block (its expert loop synchronises with the host)."""
-    if model.device.type != "cuda" or caches is not None:
+def _graph_decoder(model: Model, context: int, policy: KVPolicy) -> Any:
+    """A CUDA-graph decoder when it applies: a CUDA model with no MoE block (its expert loop
+    synchronises with the host)."""
+    if model.device.type != "cuda":
         return None
     if getattr(model.config, "moe", None) is not None:
         return None

@@ -30,6 +30,15 @@ class StoredKV(NamedTuple):
     codec: KVCodec
 
 
+class CacheContents(NamedTuple):
+    """What a cache holds, for copying into another cache: its slots as stored, the dtype
+    they decode to, and each slot's position (EMPTY_POSITION for an unused slot)."""
+
+    stored: StoredKV
+    dtype: torch.dtype
+    positions: torch.Tensor
+
+
 class KVView(NamedTuple):
     """Keys and values to attend over.
 
@@ -171,6 +180,10 @@ class LayerCache(Protocol):
         """The storage layout, e.g. "dense", "affine:b4:g64", "rotating:turbo:k8v3"."""
         ...
 
+    def contents(self) -> CacheContents:
+        """The slots as stored, with their positions (to continue in a static cache)."""
+        ...
+
 
 class DenseCache:
     """Grows in steps of `step` tokens; keys are stored in position order."""
@@ -195,6 +208,12 @@ class DenseCache:
 
     def trim(self, tokens: int) -> None:
         self.offset -= min(tokens, self.offset)
+
+    def contents(self) -> CacheContents:
+        planes = tuple(plane[:, :, : self.offset] for plane in self._store.planes)
+        device = planes[0].device if planes else None
+        positions = torch.arange(self.offset, device=device)
+        return CacheContents(StoredKV(planes, self._store.codec), self._store.dtype, positions)
 
     @property
     def nbytes(self) -> int:
@@ -296,6 +315,11 @@ class RotatingCache:
     @property
     def nbytes(self) -> int:
         return self._store.bytes_per_slot() * min(self.offset, self.capacity)
+
+    def contents(self) -> CacheContents:
+        assert self._positions is not None, "an empty ring"
+        stored = StoredKV(tuple(self._store.planes), self._store.codec)
+        return CacheContents(stored, self._store.dtype, self._positions)
 
     def signature(self) -> str:
         return f"rotating:{self._store.signature()}"

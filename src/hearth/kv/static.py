@@ -18,7 +18,7 @@ import torch
 
 from hearth.kernels import kernel_enabled
 from hearth.kernels.kv_write import append_token_triton
-from hearth.kv.cache import DENSE, EMPTY_POSITION, KVCodec, KVView, StoredKV
+from hearth.kv.cache import DENSE, EMPTY_POSITION, CacheContents, KVCodec, KVView, StoredKV
 
 
 def _as_indexable(plane: torch.Tensor) -> torch.Tensor:
@@ -121,6 +121,29 @@ class StaticCache:
             return KVView(keys, values, length, positions)
         planes = tuple(plane[:, :, :length] for plane in self._planes)
         return KVView(None, None, length, positions, StoredKV(planes, self.codec))
+
+    def load(self, contents: CacheContents) -> None:
+        """Hold what a dynamic cache holds (a prompt-cache hit, then decoded through graphs).
+
+        Planes are copied as they are when the codecs agree, re-encoded otherwise.
+        """
+        source, dtype, positions = contents
+        keys, values = source.codec.decode(source.planes, dtype)
+        if not self._planes:
+            self._allocate(keys, values)
+        assert self._positions is not None and self._next is not None
+        same_layout = source.codec.signature() == self.codec.signature()
+        planes = source.planes if same_layout else self.codec.encode(keys, values)
+        filled = positions != EMPTY_POSITION
+        if self.window is not None and bool(filled.any()):
+            # A larger ring may hold more than this one: keep the newest `capacity` tokens.
+            filled &= positions > positions[filled].max() - self.capacity
+        slots = positions[filled] % self.capacity
+        for plane, part in zip(self._planes, planes, strict=True):
+            _as_indexable(plane).index_copy_(2, slots, _as_indexable(part[:, :, filled]))
+        self._positions.fill_(EMPTY_POSITION)
+        self._positions.index_copy_(0, slots, positions[filled])
+        self._next.fill_(int(positions[filled].max()) + 1 if bool(filled.any()) else 0)
 
     def reset(self, offset: int = 0) -> None:
         """Forget tokens from `offset` on (a graph's warm-up step wrote one)."""

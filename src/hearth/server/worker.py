@@ -149,6 +149,7 @@ class GenerationWorker:
             cached_tokens=reuse.cached_tokens,
             on_prefilled=(lambda caches: boundary.append(copy_caches(caches))) if keep else None,
             top_logprobs=job.top_logprobs,
+            kv_policy=self.engine.kv_policy,
         )
         for chunk in chunks:
             if chunk.stats is not None:  # the last piece: the caches will not change again
