@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config, RopeConfig
+from hearth.kernels import kernel_enabled
+from hearth.kernels.affine_matmul import KERNEL_BITS as AFFINE_KERNEL_BITS
+from hearth.kernels.affine_matmul import float_expert_matmul
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kv.cache import KVView, LayerCache
@@ -166,7 +169,39 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        """x [tokens, H]; each expert runs once on the tokens that chose it."""
+        """x [tokens, H]; weights (fp32) and expert ids [tokens, top_k]."""
+        if self._has_gathered_kernels(x):
+            return self.forward_gathered(x, weights, experts)
+        return self.forward_loop(x, weights, experts)
+
+    def _has_gathered_kernels(self, x: torch.Tensor) -> bool:
+        """On CUDA, when every weight is float or packed in widths the kernels cover."""
+        return kernel_enabled(x) and all(
+            isinstance(w, torch.Tensor) or w.bits in AFFINE_KERNEL_BITS
+            for w in (self.gate_up_proj, self.down_proj)
+        )
+
+    @staticmethod
+    def _per_slot(
+        weight: torch.Tensor | MLXQuantizedExperts, x: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return float_expert_matmul(x, weight, experts)
+        return weight.gathered_matmul(x, experts)
+
+    def forward_gathered(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """Every (token, slot) pair through its expert, ids kept on the device: no host sync,
+        so CUDA graphs can capture it. Equals `forward_loop` up to summation order."""
+        gate, up = self._per_slot(self.gate_up_proj, x, experts).chunk(2, dim=-1)
+        y = self._per_slot(self.down_proj, F.gelu(gate, approximate="tanh") * up, experts)
+        return (y * weights[..., None]).to(x.dtype).sum(dim=1)
+
+    def forward_loop(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """Each expert runs once on the tokens that chose it (syncs to list the experts)."""
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             tokens, slots = (experts == expert).nonzero(as_tuple=True)

@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hearth.errors import CheckpointError
+
+# A module import: the kernels module reads `dequantize_affine` from here (a cycle).
+from hearth.kernels import affine_matmul as affine_kernels
 
 AFFINE_MODE = "affine"
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -208,8 +210,8 @@ class _PackedAffine(nn.Module):
 class MLXQuantizedLinear(_PackedAffine):
     """A bias-free linear layer whose weights stay MLX-packed in memory.
 
-    ``forward`` is the torch reference: dequantize (bit-exact with mlx), cast to the
-    activations' dtype, ``F.linear``.
+    On CPU ``forward`` is the torch reference: dequantize (bit-exact with mlx), cast to the
+    activations' dtype, ``F.linear``; on CUDA a Triton kernel reads the packed codes.
     """
 
     @classmethod
@@ -217,7 +219,9 @@ class MLXQuantizedLinear(_PackedAffine):
         return cls(*quantize_affine(weight, bits, group_size), bits, group_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.dequantize().to(x.dtype))
+        return affine_kernels.affine_linear(
+            x, self.packed, self.scales, self.biases, self.bits, self.group_size
+        )
 
 
 class MLXQuantizedEmbedding(_PackedAffine):
@@ -231,7 +235,9 @@ class MLXQuantizedEmbedding(_PackedAffine):
         return rows.to(dtype)
 
     def head(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.dequantize().to(x.dtype))
+        return affine_kernels.affine_linear(
+            x, self.packed, self.scales, self.biases, self.bits, self.group_size
+        )
 
 
 class MLXQuantizedExperts(_PackedAffine):
@@ -248,6 +254,13 @@ class MLXQuantizedExperts(_PackedAffine):
             self.biases[expert],
             self.bits,
             self.group_size,
+        )
+
+    def gathered_matmul(self, x: Tensor, expert_ids: Tensor) -> Tensor:
+        """``[T, top_k, out]``: x ``[T, in]`` or ``[T, top_k, in]`` times each chosen expert,
+        reading only those experts (no host sync on CUDA)."""
+        return affine_kernels.affine_expert_matmul(
+            x, self.packed, self.scales, self.biases, expert_ids, self.bits, self.group_size
         )
 
 

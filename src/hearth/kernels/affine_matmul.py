@@ -1,0 +1,615 @@
+"""Matmuls that read MLX affine-quantized weights (``w = scale * q + bias``) where they lie.
+
+Layout (hearth.quant.mlx): packed uint32 ``[..., N, K * bits / 32]``, codes LSB first; scales
+and biases ``[..., N, K / group]``. Three Triton paths, each beside its torch reference:
+
+* **GEMV** (rows M <= 16, decode): each program owns ``BLOCK_N`` output rows and walks K a
+  few groups at a time, reading the packed words of a row contiguously. Codes are unpacked with
+  constant shifts and turned into floats with the exponent trick (``code | 0x4B000000`` is the
+  float ``2**23 + code``), which avoids the quarter-rate int->float conversion. Per group it
+  forms ``sum(x * q)`` and applies ``scale * that + bias * sum(x)``, so the scale and bias cost
+  nothing per element. When N alone gives too few programs, K is split and the last program of
+  each row block adds the partial sums in a fixed order (one kernel, deterministic).
+* **Prefill** (M > 16): dequantize once with a Triton kernel that rounds exactly as
+  ``dequantize_affine`` does, then cuBLAS. Dequantizing costs ~N*K*2 bytes, small beside the
+  2*M*N*K FLOPs of a long prompt.
+* **Gathered experts** (MoE): the GEMV kernel again, one program row per (token, slot) pair,
+  reading only the rows of the expert that pair chose; the ids stay on the device (no sync,
+  so CUDA graphs can capture it). A float variant serves bf16 experts.
+
+Accumulation is fp32 everywhere. Bits 4 and 8 have kernels; other widths use the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hearth.kernels import HAS_TRITON, kernel_enabled
+
+# A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
+from hearth.quant import mlx as mlx_affine
+
+KERNEL_BITS = (4, 8)
+# Above this many rows the weight is dequantized once and cuBLAS runs the matmul.
+GEMV_MAX_ROWS = 16
+WORD_BITS = 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch references
+
+
+def affine_matmul_reference(
+    x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+) -> Tensor:
+    """``x @ W.T`` with W dequantized exactly as mlx does, then cast to the activations' dtype."""
+    return F.linear(
+        x, mlx_affine.dequantize_affine(packed, scales, biases, bits, group_size).to(x.dtype)
+    )
+
+
+def _slot_rows(x: Tensor, expert_ids: Tensor) -> Tensor:
+    """One input row per (token, slot) pair, ``[T * top_k, K]``: x is ``[T, K]`` (shared by a
+    token's slots, as the gate/up projection is) or ``[T, top_k, K]`` (one row per slot)."""
+    if x.dim() == 2:
+        x = x[:, None, :].expand(-1, expert_ids.shape[1], -1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def _check_expert_shapes(x: Tensor, expert_ids: Tensor) -> None:
+    if expert_ids.dim() != 2 or x.shape[0] != expert_ids.shape[0]:
+        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} must be [tokens, top_k] of x")
+    if x.dim() == 3 and x.shape[1] != expert_ids.shape[1]:
+        raise ValueError(
+            f"x {tuple(x.shape)} has a row per slot, but top_k is {expert_ids.shape[1]}"
+        )
+
+
+def affine_expert_matmul_reference(
+    x: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    expert_ids: Tensor,
+    bits: int,
+    group_size: int,
+) -> Tensor:
+    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``."""
+    _check_expert_shapes(x, expert_ids)
+    ids = expert_ids.reshape(-1)
+    weights = mlx_affine.dequantize_affine(packed[ids], scales[ids], biases[ids], bits, group_size)
+    rows = _slot_rows(x, expert_ids)
+    out = torch.bmm(weights.to(x.dtype), rows[:, :, None])[..., 0]
+    return out.view(*expert_ids.shape, -1)
+
+
+def float_expert_matmul_reference(x: Tensor, weight: Tensor, expert_ids: Tensor) -> Tensor:
+    """``[T, top_k, N]`` of float experts ``weight [E, N, K]``, as the quantized one above."""
+    _check_expert_shapes(x, expert_ids)
+    rows = _slot_rows(x, expert_ids)
+    chosen = weight[expert_ids.reshape(-1)].to(x.dtype)
+    return torch.bmm(chosen, rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatchers: the Triton kernel on CUDA for the widths it covers, the reference otherwise
+
+
+def affine_linear(
+    x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+) -> Tensor:
+    """``x @ W.T`` of an MLX-packed W; the CPU path is the reference, bit for bit."""
+    if kernel_enabled(x) and bits in KERNEL_BITS:
+        return affine_matmul_triton(x, packed, scales, biases, bits, group_size)
+    return affine_matmul_reference(x, packed, scales, biases, bits, group_size)
+
+
+def affine_expert_matmul(
+    x: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    expert_ids: Tensor,
+    bits: int,
+    group_size: int,
+) -> Tensor:
+    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights."""
+    if kernel_enabled(x) and bits in KERNEL_BITS:
+        return affine_expert_matmul_triton(x, packed, scales, biases, expert_ids, bits, group_size)
+    return affine_expert_matmul_reference(x, packed, scales, biases, expert_ids, bits, group_size)
+
+
+def float_expert_matmul(x: Tensor, weight: Tensor, expert_ids: Tensor) -> Tensor:
+    """``[T, top_k, N]`` of float experts ``[E, N, K]``, without a host sync on CUDA."""
+    if kernel_enabled(x):
+        return float_expert_matmul_triton(x, weight, expert_ids)
+    return float_expert_matmul_reference(x, weight, expert_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):
+        """Codes at bit `shift` of int32 words, as exact fp32: ``2**23 + code`` minus ``2**23``."""
+        code = (words >> shift) & mask
+        return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _affine_gemv_kernel(
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        ids_ptr,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_om,
+        X_ROWS_PER_ID,
+        ROWS,
+        K: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        GATHER: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_KW: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        """out[r, m, n] = sum_k x[row(r) + m, k] * W_r[n, k]; W_r is expert ids[r] or the weight.
+
+        Grid: (ROWS, blocks of N, splits of K). Without GATHER there is one r and BLOCK_M
+        rows of x; with it each r is a (token, slot) pair with one row, x row r // X_ROWS_PER_ID.
+        """
+        CODES: tl.constexpr = WORD_BITS // BITS
+        WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
+        BLOCK_G: tl.constexpr = (BLOCK_KW + WORDS_PER_GROUP - 1) // WORDS_PER_GROUP
+        MASK: tl.constexpr = (1 << BITS) - 1
+        pid_r = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        row_words = K // CODES
+        groups = K // GROUP
+        if GATHER:
+            expert = tl.load(ids_ptr + pid_r).to(tl.int64)
+            packed_ptr += expert * N * row_words
+            scales_ptr += expert * N * groups
+            biases_ptr += expert * N * groups
+            x_ptr += (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
+            out_ptr += pid_r.to(tl.int64) * stride_om
+
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        word_rows = n.to(tl.int64) * row_words
+        group_rows = n.to(tl.int64) * groups
+        x_rows = m.to(tl.int64) * stride_xm
+        # This split's groups, in whole steps of BLOCK_G so that loads stay aligned. The trip
+        # count is a constexpr (K is one): Triton's interpreter cannot loop to runtime bounds.
+        STEPS: tl.constexpr = ((K // GROUP + SPLIT_K - 1) // SPLIT_K + BLOCK_G - 1) // BLOCK_G
+        g_begin = pid_k * (STEPS * BLOCK_G)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], tl.float32)
+        for step in range(STEPS):
+            g = g_begin + step * BLOCK_G + tl.arange(0, BLOCK_G)
+            g_ok = g < groups
+            word = g[:, None] * WORDS_PER_GROUP + tl.arange(0, WORDS_PER_GROUP)[None, :]
+            words = tl.load(
+                packed_ptr + word_rows[:, None, None] + word[None, :, :],
+                mask=n_ok[:, None, None] & g_ok[None, :, None],
+                other=0,
+            )
+            group_ok = n_ok[:, None] & g_ok[None, :]
+            group_at = group_rows[:, None] + g[None, :]
+            scale = tl.load(scales_ptr + group_at, mask=group_ok, other=0).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at, mask=group_ok, other=0).to(tl.float32)
+            x_ok = m_ok[:, None, None] & g_ok[None, :, None]
+            products = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G, WORDS_PER_GROUP], tl.float32)
+            x_sums = tl.zeros([BLOCK_M, BLOCK_G, WORDS_PER_GROUP], tl.float32)
+            # Code j of every word pairs with x at k = word * CODES + j.
+            for j in tl.static_range(CODES):
+                q = _codes_as_float(words, j * BITS, MASK)
+                xj = tl.load(
+                    x_ptr + x_rows[:, None, None] + (word * CODES + j)[None, :, :],
+                    mask=x_ok,
+                    other=0,
+                ).to(tl.float32)
+                products += q[None, :, :, :] * xj[:, None, :, :]
+                x_sums += xj
+            dots = tl.sum(products, axis=3)
+            acc += dots * scale[None, :, :] + bias[None, :, :] * tl.sum(x_sums, axis=2)[:, None, :]
+        result = tl.sum(acc, axis=2)
+
+        out_at = m[:, None] * stride_om + n[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            # Partials [SPLIT_K, R, M, N] fp32; the last split to finish sums them in order.
+            split_stride = tl.cast(ROWS, tl.int64) * M * N
+            own = (pid_r * M + m[:, None]).to(tl.int64) * N + n[None, :]
+            tl.store(partial_ptr + pid_k * split_stride + own, result, mask=out_ok)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            counter = counter_ptr + pid_r * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    # .cg reads L2, where the other programs' partials are, not a stale L1.
+                    total += tl.load(
+                        partial_ptr + split * split_stride + own,
+                        mask=out_ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA-graph replays)
+
+    @triton.jit
+    def _affine_dequantize_kernel(
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        out_ptr,
+        N,
+        K,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+    ):
+        """W [N, K] in out's dtype, rounded as ``dequantize_affine``: ``q * scale`` and then
+        ``+ bias``, each rounded to the scales' dtype, then cast."""
+        CODES: tl.constexpr = WORD_BITS // BITS
+        WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
+        MASK: tl.constexpr = (1 << BITS) - 1
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        groups = K // GROUP
+        ok = (n < N)[:, None] & (g < groups)[None, :]
+        word = g[:, None] * WORDS_PER_GROUP + tl.arange(0, WORDS_PER_GROUP)[None, :]
+        words = tl.load(
+            packed_ptr + n.to(tl.int64)[:, None, None] * (K // CODES) + word[None, :, :],
+            mask=ok[:, :, None],
+            other=0,
+        )
+        group_at = n.to(tl.int64)[:, None] * groups + g[None, :]
+        scale = tl.load(scales_ptr + group_at, mask=ok, other=0)
+        bias = tl.load(biases_ptr + group_at, mask=ok, other=0)
+        shifts = tl.arange(0, CODES) * BITS
+        codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & MASK
+        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        # The product of a code (<= 8 bits) and a scale is exact in fp32: one rounding each.
+        weight = (q * scale.to(tl.float32)[:, :, None, None]).to(scale.dtype)
+        weight = (weight.to(tl.float32) + bias.to(tl.float32)[:, :, None, None]).to(scale.dtype)
+        column = word[:, :, None] * CODES + tl.arange(0, CODES)[None, None, :]
+        tl.store(
+            out_ptr + n.to(tl.int64)[:, None, None, None] * K + column[None, :, :, :],
+            weight.to(out_ptr.dtype.element_ty),
+            mask=ok[:, :, None, None],
+        )
+
+    @triton.jit
+    def _float_gather_gemv_kernel(
+        x_ptr,
+        weight_ptr,
+        ids_ptr,
+        out_ptr,
+        N,
+        stride_xm,
+        stride_om,
+        X_ROWS_PER_ID,
+        K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N)."""
+        pid_r = tl.program_id(0)
+        expert = tl.load(ids_ptr + pid_r).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = weight_ptr + expert * N * K + n.to(tl.int64)[:, None] * K
+        x_row = x_ptr + (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for step in range((K + BLOCK_K - 1) // BLOCK_K):
+            k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
+            acc += w.to(tl.float32) * xk[None, :]
+        out = tl.sum(acc, axis=1)
+        tl.store(
+            out_ptr + pid_r.to(tl.int64) * stride_om + n,
+            out.to(out_ptr.dtype.element_ty),
+            mask=n_ok,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Launch configurations
+
+    MAX_SPLIT_K = 8
+    # Word tiles BLOCK_M * BLOCK_N * BLOCK_KW above this spill registers (fp32 products).
+    _MAX_TILE_WORDS = 4096
+    _GEMV_TILES = ((8, 32, 4), (16, 64, 4), (32, 32, 4), (64, 32, 4), (64, 64, 8))
+    _GEMV_CONFIGS = [
+        triton.Config({"BLOCK_N": n, "BLOCK_KW": kw, "SPLIT_K": split}, num_warps=warps)
+        for n, kw, warps in _GEMV_TILES
+        for split in (1, 2, 4, MAX_SPLIT_K)
+    ]
+    # Used where there is no autotuning: Triton's CPU interpreter (tests).
+    DEFAULT_GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_KW": 32, "SPLIT_K": 1}
+
+    def _multiprocessors() -> int:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    def _split_allowed(rows: int, n: int) -> bool:
+        """Split K only where N gives fewer than two programs per SM at the smallest block."""
+        return rows * triton.cdiv(n, _GEMV_TILES[0][0]) < 2 * _multiprocessors()
+
+    def _prune_gemv_configs(configs: list, named_args: dict, **kwargs: object) -> list:
+        args = {**named_args, **kwargs}
+        rows, n, block_m = args["ROWS"], args["N"], args["BLOCK_M"]
+        groups = args["K"] // args["GROUP"]
+        allowed = _split_allowed(rows, n)
+        kept = []
+        for config in configs:
+            block_n, block_kw, split = (
+                config.kwargs[k] for k in ("BLOCK_N", "BLOCK_KW", "SPLIT_K")
+            )
+            programs = rows * triton.cdiv(n, block_n)
+            if block_m * block_n * block_kw > _MAX_TILE_WORDS:
+                continue
+            if split > 1 and (not allowed or programs * split > 8 * _multiprocessors()):
+                continue
+            if split > 1 and groups < 2 * split:
+                continue
+            kept.append(config)
+        return kept or [triton.Config(DEFAULT_GEMV_CONFIG, num_warps=4)]
+
+    _affine_gemv_tuned = triton.autotune(
+        configs=_GEMV_CONFIGS,
+        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GATHER"],
+        prune_configs_by={"early_config_prune": _prune_gemv_configs},
+    )(_affine_gemv_kernel)
+
+    _float_gather_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
+            for n, k, warps in ((8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8))
+        ],
+        key=["N", "K"],
+    )(_float_gather_gemv_kernel)
+    DEFAULT_FLOAT_GATHER_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 64}
+
+    # Split-K arrival counters, zero between launches (the last program resets its own).
+    _COUNTERS: dict[torch.device, Tensor] = {}
+
+    def _counters(device: torch.device, count: int) -> Tensor:
+        counters = _COUNTERS.get(device)
+        if counters is None or counters.numel() < count:
+            counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+            _COUNTERS[device] = counters
+        return counters
+
+    # -----------------------------------------------------------------------------------------
+    # Launchers
+
+    def _check_operands(x: Tensor, packed: Tensor, scales: Tensor, bits: int, group: int) -> int:
+        if bits not in KERNEL_BITS:
+            raise ValueError(f"the affine kernels cover bits {KERNEL_BITS}, not {bits}")
+        k = packed.shape[-1] * WORD_BITS // bits
+        if x.shape[-1] != k or scales.shape[-1] * group != k:
+            raise ValueError(
+                f"x has {x.shape[-1]} inputs; the weight packs {k} in groups of {group}"
+            )
+        return k
+
+    def _launch_gemv(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        out: Tensor,
+        bits: int,
+        group: int,
+        *,
+        ids: Tensor | None,
+        rows: int,
+        block_m: int,
+        x_rows_per_id: int,
+        config: dict | None,
+    ) -> None:
+        """One GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`."""
+        m = 1 if ids is not None else x.shape[0]
+        k = x.shape[-1]
+        n = packed.shape[-2]
+        words = packed.view(torch.int32)  # same bits; Triton shifts int32 everywhere
+        interpreted = not x.is_cuda
+        split_possible = (
+            config["SPLIT_K"] > 1
+            if config is not None
+            else (not interpreted and _split_allowed(rows, n))
+        )
+        partial = torch.empty(
+            (MAX_SPLIT_K * rows * m * n) if split_possible else 1,
+            dtype=torch.float32,
+            device=x.device,
+        )
+        counters = _counters(x.device, rows * n) if split_possible else partial
+        ids_arg = ids if ids is not None else words  # unread without GATHER
+        args = (
+            x,
+            words,
+            scales,
+            biases,
+            ids_arg,
+            out,
+            partial,
+            counters,
+            m,
+            n,
+            x.stride(-2),
+            out.stride(-2),
+            x_rows_per_id,
+            rows,
+            k,
+        )
+        constants = {"BITS": bits, "GROUP": group, "BLOCK_M": block_m, "GATHER": ids is not None}
+
+        def grid(meta: dict) -> tuple[int, int, int]:
+            return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+        if config is None and not interpreted:
+            _affine_gemv_tuned[grid](*args, **constants)
+        else:
+            chosen = config or DEFAULT_GEMV_CONFIG
+            _affine_gemv_kernel[grid(chosen)](*args, **constants, **chosen)
+
+    def affine_gemv_triton(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: dict | None = None,
+    ) -> Tensor:
+        """``x [..., K] @ W.T`` for at most GEMV_MAX_ROWS rows; `config` pins a launch (tests)."""
+        k = _check_operands(x, packed, scales, bits, group_size)
+        rows = x.reshape(-1, k)
+        if rows.shape[0] > GEMV_MAX_ROWS:
+            raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        out = torch.empty(rows.shape[0], packed.shape[-2], dtype=x.dtype, device=x.device)
+        block_m = triton.next_power_of_2(rows.shape[0])
+        _launch_gemv(
+            rows,
+            packed,
+            scales,
+            biases,
+            out,
+            bits,
+            group_size,
+            ids=None,
+            rows=1,
+            block_m=block_m,
+            x_rows_per_id=1,
+            config=config,
+        )
+        return out.view(*x.shape[:-1], -1)
+
+    def affine_dequantize_triton(
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """``dequantize_affine(...).to(dtype)`` for a 2-D weight, in one kernel."""
+        n, k = packed.shape[0], packed.shape[1] * WORD_BITS // bits
+        out = torch.empty(n, k, dtype=dtype, device=packed.device)
+        block_n, block_g = 16, max(1, 128 // group_size)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k // group_size, block_g))
+        _affine_dequantize_kernel[grid](
+            packed.view(torch.int32),
+            scales,
+            biases,
+            out,
+            n,
+            k,
+            BITS=bits,
+            GROUP=group_size,
+            BLOCK_N=block_n,
+            BLOCK_G=block_g,
+            num_warps=4,
+        )
+        return out
+
+    def affine_matmul_triton(
+        x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+    ) -> Tensor:
+        """GEMV kernel for few rows (decode); dequantize-once plus cuBLAS for many (prefill)."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        if rows <= GEMV_MAX_ROWS:
+            return affine_gemv_triton(x, packed, scales, biases, bits, group_size)
+        _check_operands(x, packed, scales, bits, group_size)
+        weight = affine_dequantize_triton(packed, scales, biases, bits, group_size, x.dtype)
+        return F.linear(x, weight)
+
+    def affine_expert_matmul_triton(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        expert_ids: Tensor,
+        bits: int,
+        group_size: int,
+        config: dict | None = None,
+    ) -> Tensor:
+        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows."""
+        _check_expert_shapes(x, expert_ids)
+        _check_operands(x, packed, scales, bits, group_size)
+        pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        out = torch.empty(pairs, packed.shape[-2], dtype=x.dtype, device=x.device)
+        _launch_gemv(
+            rows,
+            packed,
+            scales,
+            biases,
+            out,
+            bits,
+            group_size,
+            ids=expert_ids.reshape(-1).contiguous(),
+            rows=pairs,
+            block_m=1,
+            x_rows_per_id=top_k if x.dim() == 2 else 1,
+            config=config,
+        )
+        return out.view(*expert_ids.shape, -1)
+
+    def float_expert_matmul_triton(
+        x: Tensor, weight: Tensor, expert_ids: Tensor, config: dict | None = None
+    ) -> Tensor:
+        """Gathered GEMV over float experts ``[E, N, K]``: ``[T, top_k, N]``."""
+        _check_expert_shapes(x, expert_ids)
+        pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
+        n, k = weight.shape[-2:]
+        rows = x.reshape(-1, k)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+        args = (
+            rows,
+            weight,
+            expert_ids.reshape(-1).contiguous(),
+            out,
+            n,
+            rows.stride(0),
+            out.stride(0),
+            top_k if x.dim() == 2 else 1,
+            k,
+        )
+
+        def grid(meta: dict) -> tuple[int, int]:
+            return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
+
+        if config is None and x.is_cuda:
+            _float_gather_tuned[grid](*args)
+        else:
+            chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
+            _float_gather_gemv_kernel[grid(chosen)](*args, **chosen)
+        return out.view(*expert_ids.shape, -1)

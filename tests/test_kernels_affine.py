@@ -1,0 +1,280 @@
+"""Triton matmuls over MLX affine-packed weights, run in Triton's CPU interpreter.
+
+Each kernel is checked against its torch reference and against an independent oracle: codes
+unpacked by `unpack_codes`, ``scale * q + bias`` in fp64, matmul in fp64.
+
+Tolerances. The kernels apply the group's scale and bias in fp32, never rounding the weight,
+so against the oracle they differ only by fp32 accumulation (order differs; an error of about
+sqrt(K) * eps32 of the sum of |x * w|, with a factor 4 of slack) and the final rounding to the
+activations' dtype (half an ulp: eps_out * |y|). The reference rounds each weight to the
+scales' dtype twice (``q * s`` then ``+ b``, as mlx does), up to one ulp of the scales' dtype
+per weight, so it may stray from the oracle by eps_scales * sum |x * w| more; kernel vs
+reference allows both. Shapes stay small (K <= 256) for the interpreter's sake; bf16
+activations are covered by the GPU script (these kernels use no tl.dot, but the interpreter's
+bf16 arithmetic is not what the GPU does, so fp16 and fp32 stand in).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hearth.config import parse_config
+from hearth.kernels import affine_matmul as am
+from hearth.models.gemma4 import Experts
+from hearth.quant.mlx import (
+    MLXQuantizedEmbedding,
+    MLXQuantizedExperts,
+    MLXQuantizedLinear,
+    dequantize_affine,
+    quantize_affine,
+    unpack_codes,
+)
+from tiny import tiny_gemma4_config
+
+pytestmark = pytest.mark.skipif(not am.HAS_TRITON, reason="needs triton (its interpreter)")
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _oracle_weight(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int):
+    codes = unpack_codes(packed, bits).double()
+    group = codes.shape[-1] // scales.shape[-1]
+    grouped = codes.unflatten(-1, (-1, group))
+    return (grouped * scales.double()[..., None] + biases.double()[..., None]).flatten(-2)
+
+
+def _bound(got: torch.Tensor, want: torch.Tensor, magnitude, k: int, weight_eps: float):
+    """The error allowed at each output: see the module docstring."""
+    out_eps = max(torch.finfo(t.dtype).eps for t in (got, want))
+    return out_eps * want.double().abs() + (weight_eps + 4 * math.sqrt(k) * EPS32) * magnitude
+
+
+def _assert_close(got, want, magnitude, k, weight_eps=0.0):
+    error = (got.double() - want.double()).abs()
+    bound = _bound(got, want, magnitude, k, weight_eps) + 1e-30
+    assert (error <= bound).all(), f"max error/bound {(error / bound).max().item():.3f}"
+
+
+def _quantized(n: int, k: int, bits: int, group: int, dtype: torch.dtype, lead=()):
+    packed, scales, biases = quantize_affine(torch.randn(*lead, n, k), bits, group)
+    return packed, scales.to(dtype), biases.to(dtype)
+
+
+GEMV_CONFIGS = {
+    "default": None,
+    "split2": {"BLOCK_N": 8, "BLOCK_KW": 16, "SPLIT_K": 2},
+    "split4_wide": {"BLOCK_N": 32, "BLOCK_KW": 64, "SPLIT_K": 4},
+}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemv_matches_reference_and_oracle(bits, group, rows, dtype) -> None:
+    torch.manual_seed(bits * group + rows)
+    n, k = 40, 256
+    packed, scales, biases = _quantized(n, k, bits, group, torch.float16)
+    x = torch.randn(rows, k, dtype=dtype)
+    weight = _oracle_weight(packed, scales, biases, bits)
+    oracle = x.double() @ weight.T
+    magnitude = x.double().abs() @ weight.abs().T
+    reference = am.affine_matmul_reference(x, packed, scales, biases, bits, group)
+    eps16 = torch.finfo(torch.float16).eps
+    _assert_close(reference, oracle, magnitude, k, weight_eps=eps16)
+    for name, config in GEMV_CONFIGS.items():
+        got = am.affine_gemv_triton(x, packed, scales, biases, bits, group, config=config)
+        assert got.dtype == dtype and got.shape == (rows, n), name
+        _assert_close(got, oracle, magnitude, k)
+        _assert_close(got, reference, magnitude, k, weight_eps=eps16)
+
+
+def test_gemv_odd_rows_leading_dims_and_bf16_scales() -> None:
+    """N = 72 (not a multiple of any block), x [2, 2, K], bf16 scales, fp32 activations."""
+    torch.manual_seed(1)
+    n, k, bits, group = 72, 128, 4, 32
+    packed, scales, biases = _quantized(n, k, bits, group, torch.bfloat16)
+    x = torch.randn(2, 2, k)
+    weight = _oracle_weight(packed, scales, biases, bits)
+    split = GEMV_CONFIGS["split2"]
+    got = am.affine_gemv_triton(x, packed, scales, biases, bits, group, config=split)
+    assert got.shape == (2, 2, n)
+    _assert_close(got, x.double() @ weight.T, x.double().abs() @ weight.abs().T, k)
+
+
+def test_split_k_leaves_counters_ready_for_the_next_launch() -> None:
+    torch.manual_seed(2)
+    packed, scales, biases = _quantized(40, 256, 4, 32, torch.float16)
+    x = torch.randn(1, 256)
+    config = GEMV_CONFIGS["split4_wide"]
+    first = am.affine_gemv_triton(x, packed, scales, biases, 4, 32, config=config)
+    second = am.affine_gemv_triton(x, packed, scales, biases, 4, 32, config=config)
+    assert torch.equal(first, second)  # the partials are summed in a fixed order
+    assert not am._counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scales_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_kernel_rounds_as_mlx(bits, scales_dtype) -> None:
+    """Bit for bit: the prefill path is this weight and the same F.linear as the reference.
+
+    Except bf16 here: Triton's interpreter casts fp32 to bf16 by truncation (the GPU rounds to
+    nearest even, and the GPU script checks bf16 bit for bit), so each of the two roundings
+    may land one bf16 ulp lower in magnitude: within 2 ulps of |w| + |bias|."""
+    torch.manual_seed(3)
+    packed, scales, biases = _quantized(40, 128, bits, 32, scales_dtype)
+    want = dequantize_affine(packed, scales, biases, bits, 32)
+    for dtype in (scales_dtype, torch.float32):
+        got = am.affine_dequantize_triton(packed, scales, biases, bits, 32, dtype)
+        if scales_dtype != torch.bfloat16:
+            assert torch.equal(got, want.to(dtype))
+            continue
+        ulp = torch.finfo(torch.bfloat16).eps
+        span = want.float().abs() + biases.float().abs().repeat_interleave(32, dim=-1)
+        assert ((got.float() - want.float()).abs() <= 2 * ulp * span).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_rows_equal_the_reference(bits) -> None:
+    torch.manual_seed(4)
+    packed, scales, biases = _quantized(40, 128, bits, 64, torch.float16)
+    x = torch.randn(33, 128)
+    got = am.affine_matmul_triton(x, packed, scales, biases, bits, 64)
+    assert torch.equal(got, am.affine_matmul_reference(x, packed, scales, biases, bits, 64))
+
+
+EXPERT_IDS = {
+    "repeated": [[1, 1], [3, 1], [1, 3]],  # one expert twice in a token, shared across tokens
+    "distinct": [[0, 2], [3, 1], [2, 0]],
+}
+
+
+def _pair_oracle(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    """Per (token, slot): rows [P, K] fp64 times weights[ids] [P, N, K] fp64."""
+    chosen = weights[ids.reshape(-1)]
+    oracle = torch.einsum("pk,pnk->pn", rows.double(), chosen)
+    magnitude = torch.einsum("pk,pnk->pn", rows.double().abs(), chosen.abs())
+    return oracle.view(*ids.shape, -1), magnitude.view(*ids.shape, -1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("ids_name", list(EXPERT_IDS))
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_gathered_experts(bits, ids_name, per_slot) -> None:
+    torch.manual_seed(5)
+    experts, n, k, group = 4, 40, 128, 32
+    packed, scales, biases = _quantized(n, k, bits, group, torch.float16, lead=(experts,))
+    ids = torch.tensor(EXPERT_IDS[ids_name])
+    x = torch.randn(3, 2, k) if per_slot else torch.randn(3, k)
+    x = x.half()
+    rows = x.reshape(-1, k) if per_slot else x.repeat_interleave(2, dim=0)
+    oracle, magnitude = _pair_oracle(rows, _oracle_weight(packed, scales, biases, bits), ids)
+    reference = am.affine_expert_matmul_reference(x, packed, scales, biases, ids, bits, group)
+    eps16 = torch.finfo(torch.float16).eps
+    _assert_close(reference, oracle, magnitude, k, weight_eps=eps16)
+    split = {"BLOCK_N": 16, "BLOCK_KW": 16, "SPLIT_K": 2}  # split-K over pairs (some cases)
+    for config in (None, split) if per_slot else (None,):
+        got = am.affine_expert_matmul_triton(
+            x, packed, scales, biases, ids, bits, group, config=config
+        )
+        assert got.shape == (3, 2, n) and got.dtype == x.dtype
+        _assert_close(got, oracle, magnitude, k)
+        _assert_close(got, reference, magnitude, k, weight_eps=eps16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_gathered_float_experts(dtype, per_slot) -> None:
+    torch.manual_seed(6)
+    weights = torch.randn(4, 40, 96).to(dtype)  # K = 96: not a multiple of the K block
+    ids = torch.tensor(EXPERT_IDS["repeated"])
+    x = (torch.randn(3, 2, 96) if per_slot else torch.randn(3, 96)).to(dtype)
+    rows = x.reshape(-1, 96) if per_slot else x.repeat_interleave(2, dim=0)
+    oracle, magnitude = _pair_oracle(rows, weights.double(), ids)
+    reference = am.float_expert_matmul_reference(x, weights, ids)
+    got = am.float_expert_matmul_triton(x, weights, ids)
+    _assert_close(reference, oracle, magnitude, 96)
+    _assert_close(got, oracle, magnitude, 96)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch and the modules that use it
+
+
+def _record_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Pretend the tensors are on a GPU, and record which kernel launchers run."""
+    calls: list[str] = []
+    monkeypatch.setattr(am, "kernel_enabled", lambda tensor: True)
+    for name in ("affine_matmul_triton", "affine_expert_matmul_triton"):
+        launcher: Callable = getattr(am, name)
+
+        def spy(*args, _launcher=launcher, _name=name, **kwargs):
+            calls.append(_name)
+            return _launcher(*args, **kwargs)
+
+        monkeypatch.setattr(am, name, spy)
+    return calls
+
+
+def test_dispatcher_falls_back_to_the_reference_for_other_widths(monkeypatch) -> None:
+    calls = _record_kernel_calls(monkeypatch)
+    x = torch.randn(2, 128)
+    packed, scales, biases = _quantized(40, 128, 3, 64, torch.float32)
+    got = am.affine_linear(x, packed, scales, biases, 3, 64)
+    assert calls == []
+    assert torch.equal(got, am.affine_matmul_reference(x, packed, scales, biases, 3, 64))
+    packed, scales, biases = _quantized(40, 128, 4, 64, torch.float32)
+    am.affine_linear(x, packed, scales, biases, 4, 64)
+    assert calls == ["affine_matmul_triton"]
+
+
+def test_cpu_modules_stay_the_reference_bit_for_bit() -> None:
+    torch.manual_seed(7)
+    linear = MLXQuantizedLinear.from_float(torch.randn(40, 128).bfloat16(), 4, 64)
+    table = MLXQuantizedEmbedding(*quantize_affine(torch.randn(40, 128).bfloat16(), 8, 32), 8, 32)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    for module, call in ((linear, linear.forward), (table, table.head)):
+        want = torch.nn.functional.linear(x, module.dequantize().to(x.dtype))
+        assert torch.equal(call(x), want)
+
+
+def _tiny_experts(bits: int | None) -> Experts:
+    """The tiny MoE of test_mlx_gemma4 (hidden 64, experts 32 wide): random, maybe packed."""
+    config = parse_config(
+        tiny_gemma4_config(
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32
+        ).to_dict()
+    )
+    experts = Experts(config)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0.0, 0.2)
+        experts.down_proj.normal_(0.0, 0.2)
+    if bits is not None:
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name).detach()
+            delattr(experts, name)  # a Parameter's name takes no module until freed
+            packed = MLXQuantizedExperts(*quantize_affine(weight, bits, 32), bits, 32)
+            setattr(experts, name, packed)
+    return experts
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_sync_free_experts_equal_the_loop(bits, kernels, monkeypatch) -> None:
+    """fp32 throughout, so only the summation order differs: 1e-5 relative to the output's
+    scale is ~100 eps32, room for the two chained projections' reordered sums."""
+    torch.manual_seed(8)
+    experts = _tiny_experts(bits)
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 1], [1, 0], [3, 3], [2, 1], [0, 2]])
+    weights = torch.rand(5, 2)
+    calls = _record_kernel_calls(monkeypatch) if kernels else []
+    gathered = experts.forward_gathered(x, weights, ids)
+    monkeypatch.undo()
+    loop = experts.forward_loop(x, weights, ids)
+    assert calls == (["affine_expert_matmul_triton"] * 2 if kernels and bits else [])
+    torch.testing.assert_close(gathered, loop, rtol=0, atol=1e-5 * loop.abs().max().item())
+    assert torch.equal(experts(x, weights, ids), loop)  # on CPU, forward is the loop
