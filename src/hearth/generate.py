@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hearth.kernels import HAS_TRITON
 from hearth.kv import KVPolicy, LayerCache
 from hearth.models import Model
 from hearth.sampling import Sampler, SamplingParams
@@ -248,11 +249,13 @@ def _sample(
 
 
 def _graph_decoder(model: Model, context: int, policy: KVPolicy) -> Any:
-    """A CUDA-graph decoder when it applies: a CUDA model with no MoE block (its expert loop
-    synchronises with the host)."""
-    if model.device.type != "cuda":
+    """A CUDA-graph decoder when it applies: a CUDA model whose MoE blocks, if any, run on
+    the gathered-expert kernels (the per-expert loop synchronises with the host)."""
+    from hearth.models.gemma4 import Experts
+
+    if model.device.type != "cuda" or not HAS_TRITON:
         return None
-    if getattr(model.config, "moe", None) is not None:
+    if any(isinstance(m, Experts) and not m.kernels_cover_weights for m in model.modules()):
         return None
     from hearth.cuda_graph import GraphDecoder
 

@@ -13,10 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.config import SLIDING_ATTENTION, Gemma3Config, RopeConfig
+from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
+from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
+from hearth.kernels.decode_attention import formats_of
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
-from hearth.kv.cache import KVView, LayerCache
+from hearth.kv.cache import DENSE, KVView, LayerCache
 
 
 class StackedLinear(nn.Module):
@@ -107,7 +110,13 @@ def decode_attention(
 def attend(
     q: torch.Tensor, view: KVView, positions: torch.Tensor, window: int | None, scale: float
 ) -> torch.Tensor:
-    """q [batch, heads, queries, dim] over a cache view; softmax in fp32, GQA by grouping."""
+    """q [batch, heads, queries, dim] over a cache view; softmax in fp32, GQA by grouping.
+
+    One query on the GPU: the Triton decode kernel, which reads the cache's planes as stored
+    (dense, affine or TurboQuant) and masks by position on the device.
+    """
+    if q.shape[2] == 1 and kernel_enabled(q):
+        return _kernel_decode_attention(q, view, positions, window, scale)
     mask = view_mask(positions, view, window)
     if q.shape[2] == 1 and mask is None and _slow_half_sdpa(q):
         return decode_attention(q, view.keys, view.values, scale, view.length)
@@ -116,6 +125,35 @@ def attend(
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=grouped
     )
+
+
+def _kernel_decode_attention(
+    q: torch.Tensor, view: KVView, positions: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    if view.stored is not None:
+        planes, codec = view.stored
+    else:
+        planes, codec = view.real(), DENSE
+    key_format, value_format, key_planes = formats_of(codec)
+    if view.positions is None:
+        # Every real key is visible to this one query (KVView's contract): number them
+        # 0..length-1 and put the query last.
+        slots = torch.arange(view.length, device=q.device)
+        query_position, window = slots[-1], None
+    else:
+        slots, query_position = view.positions[: view.length], positions.reshape(())
+    out = decode_attention_kernel(
+        q[:, :, 0],
+        planes[:key_planes],
+        planes[key_planes:],
+        key_format,
+        value_format,
+        slots,
+        query_position,
+        window,
+        scale,
+    )
+    return out.unsqueeze(2)
 
 
 def view_mask(positions: torch.Tensor, view: KVView, window: int | None) -> torch.Tensor | None:

@@ -176,7 +176,13 @@ class Experts(nn.Module):
 
     def _has_gathered_kernels(self, x: torch.Tensor) -> bool:
         """On CUDA, when every weight is float or packed in widths the kernels cover."""
-        return kernel_enabled(x) and all(
+        return kernel_enabled(x) and self.kernels_cover_weights
+
+    @property
+    def kernels_cover_weights(self) -> bool:
+        """Every weight is float or packed in widths the gathered kernels read, so a CUDA
+        forward never synchronises with the host (and can be captured in a CUDA graph)."""
+        return all(
             isinstance(w, torch.Tensor) or w.bits in AFFINE_KERNEL_BITS
             for w in (self.gate_up_proj, self.down_proj)
         )
