@@ -19,6 +19,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def on_kernel_device() -> Any:
+    """Seeded tensors made on the GPU when there is one, else on the CPU (where the Triton
+    kernels run in the interpreter): kernel tests run for real on a GPU machine."""
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def embedded_gguf() -> Path:
     from hearth.embedded import embedded_model_path

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-
 from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
 from hearth.kernels.kv_write import append_token_reference, append_token_triton
 from hearth.kernels.norm import (
@@ -26,6 +25,7 @@ from hearth.kernels.rope import (
 )
 from hearth.kv.cache import EMPTY_POSITION
 
+pytestmark = pytest.mark.usefixtures("on_kernel_device")
 EPS = 1e-6
 
 
@@ -46,15 +46,6 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> N
     scale = expected.abs().float().amax(dim=-1, keepdim=True).clamp_min(1e-3)
     error = ((actual.float() - expected.float()).abs() / scale).max().item()
     assert error <= ulps(dtype), error
-
-
-@pytest.fixture(autouse=True)
-def _seeded_on_device() -> object:
-    """Seeded inputs, made on the GPU when there is one (else the interpreter runs on CPU)."""
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        yield
 
 
 def oracle_rms_norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
