@@ -19,81 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hearth.config import parse_config
+from hearth.bench.measure import copy_bandwidth, decode_bytes
+from hearth.bench.random_model import GEMMA3_12B, build_random, quantize_4bit
 from hearth.cuda_graph import GraphDecoder
 from hearth.kv import make_caches
 from hearth.models.gemma4_presets import GEMMA4_PRESETS
-from hearth.models.loading import _model_class
-from hearth.quant.mlx import MLXQuantizedLinear
 
 PROMPT, DECODE_STEPS = 512, 32
-# Gemma 3 12B text shapes (google/gemma-3-12b), for comparison with llama.cpp's numbers.
-GEMMA3_12B = {
-    "model_type": "gemma3_text",
-    "vocab_size": 262_208,
-    "hidden_size": 3840,
-    "intermediate_size": 15360,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 256,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 1024,
-    "sliding_window_pattern": 6,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
-    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 131072,
-}
 PRESETS = {**GEMMA4_PRESETS, "gemma3-12b": GEMMA3_12B}
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a device-to-device copy (read + write), the decode roofline's bandwidth."""
-    source = torch.empty(2**30, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(20):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    return 2 * source.numel() * 20 / (time.perf_counter() - begin)
-
-
-def build_random(preset: dict[str, Any], device: torch.device) -> nn.Module:
-    config = parse_config(preset)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = _model_class(config)(config, torch.bfloat16)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    return model.to(device).eval()
-
-
-def quantize_4bit(model: nn.Module) -> None:
-    """Every linear layer to MLX affine 4-bit, group 64 (the common mlx-community setting)."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear):
-            model.set_submodule(name, MLXQuantizedLinear.from_float(module.weight.data, 4, 64))
-            del module
-
-
-def decode_bytes(model: nn.Module) -> int:
-    """Weight bytes one decode step reads: all, less lookup-only tables and idle experts."""
-    config = model.config
-    total = 0
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if "rotary" in name or "embed_tokens_per_layer" in name:
-            continue
-        share = 1.0
-        if ".experts." in name and config.moe is not None:
-            share = config.moe.top_k / config.moe.num_experts
-        total += int(tensor.numel() * tensor.element_size() * share)
-    return total
 
 
 def timed(step: Callable[[], object], repeats: int = 1) -> float:
@@ -190,10 +123,10 @@ def main() -> None:
                 f"{decode / roofline:.0%} of {roofline:,.0f} |"
             )
             print(rows[-1], flush=True)
-            if kind == "bf16" and getattr(model.config, "moe", None) is None:
+            if True:  # every model decodes through CUDA graphs now (MoE: gathered experts)
                 decode = measure_graph(model, device)
                 rows.append(
-                    f"| {name} | Hearth bf16, CUDA graph | | {decode:.1f} | "
+                    f"| {name} | Hearth {kind}, CUDA graph | | {decode:.1f} | "
                     f"{decode / roofline:.0%} of {roofline:,.0f} |"
                 )
                 print(rows[-1], flush=True)

@@ -23,8 +23,7 @@ from hearth.kv.cache import layer_specs  # noqa: E402
 from hearth.kv.static import StaticCache  # noqa: E402
 from hearth.models import gemma  # noqa: E402
 from hearth.models.loading import build_model  # noqa: E402
-from test_kv_quant import GEMMA4_SHARING  # noqa: E402
-from tiny import save_hf, tiny_gemma3_model, tiny_gemma4_model  # noqa: E402
+from tiny import GEMMA4_SHARING, save_hf, tiny_gemma3_model, tiny_gemma4_model  # noqa: E402
 
 # fp32 throughout: kernel and torch differ by summation order and exp2 vs exp (the kernel
 # tests bound that at 2e-5 per output); through a few layers and the head, logits of size

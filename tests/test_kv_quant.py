@@ -44,7 +44,15 @@ from hearth.kv.turbo import (
 )
 from hearth.models.loading import build_model
 from hearth.quant.mlx import pack_codes, unpack_codes
-from tiny import FULL, SLIDING, save_hf, tiny_gemma3_config, tiny_gemma3_model, tiny_gemma4_model
+from tiny import (
+    FULL,
+    GEMMA4_SHARING,
+    SLIDING,
+    save_hf,
+    tiny_gemma3_config,
+    tiny_gemma3_model,
+    tiny_gemma4_model,
+)
 
 KINDS = ["8", "4", "turbo:k8v4", "turbo:k8v3", "turbo:k4v3", "turbo:t4v3", "turbo:k8v2"]
 # Max |logit - dense logit| / std(dense logits). Measured (Gemma 3, Gemma 4): 8: .019, .026;
@@ -61,14 +69,6 @@ LOGIT_BOUNDS = {
 # Lloyd–Max MSE of N(0, 1) at 1-4 bits (Max 1960), to the digits given.
 LLOYD_MAX_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
 PROMPT, TOTAL = 20, 32
-GEMMA4_SHARING = {
-    "head_dim": 32,
-    "global_head_dim": 64,
-    "hidden_size_per_layer_input": 8,
-    "num_hidden_layers": 6,
-    "num_kv_shared_layers": 2,
-    "layer_types": [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
-}
 
 
 def _kv(tokens: int, dtype: torch.dtype, dim: int = 64, seed: int = 0) -> torch.Tensor:

@@ -13,7 +13,7 @@ from hearth.kv.cache import layer_specs
 from hearth.kv.static import StaticCache
 from hearth.models.loading import build_model
 from test_gemma4 import CONFIGS
-from tiny import save_hf, tiny_gemma3_model, tiny_gemma4_model
+from tiny import GEMMA4_SHARING, save_hf, tiny_gemma3_model, tiny_gemma4_model
 
 # fp32, same math as the dynamic caches: summation order only (see test_gemma3_tiny, test_gemma4).
 ATOL = 5e-5
@@ -93,7 +93,6 @@ def test_quantized_static_caches_match_the_dynamic_ones(
     codec (first chunk exact, then everything as stored), through two prefill chunks that
     pass the window (8) and decode steps; only summation order differs (ATOL)."""
     from hearth.kv import parse_kv_quant
-    from test_kv_quant import GEMMA4_SHARING
 
     policy = parse_kv_quant(scheme, group_size=32)
     if kind == "gemma3":

@@ -109,3 +109,15 @@ def save_hf(model: Any, directory: Path, max_shard_size: str | None = None) -> P
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+# A tiny Gemma 4 whose head_dims (32 sliding, 64 full) every KV layout can store, with PLE
+# and KV sharing: the KV-cache tests run each cache kind on it.
+GEMMA4_SHARING = {
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "hidden_size_per_layer_input": 8,
+    "num_hidden_layers": 6,
+    "num_kv_shared_layers": 2,
+    "layer_types": [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
+}

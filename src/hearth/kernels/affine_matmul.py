@@ -135,6 +135,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
+    _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
+
     @triton.jit
     def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):
         """Codes at bit `shift` of int32 words, as exact fp32: ``2**23 + code`` minus ``2**23``."""
@@ -171,7 +174,7 @@ if HAS_TRITON:
         Grid: (ROWS, blocks of N, splits of K). Without GATHER there is one r and BLOCK_M
         rows of x; with it each r is a (token, slot) pair with one row, x row r // X_ROWS_PER_ID.
         """
-        CODES: tl.constexpr = WORD_BITS // BITS
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
         BLOCK_G: tl.constexpr = (BLOCK_KW + WORDS_PER_GROUP - 1) // WORDS_PER_GROUP
         MASK: tl.constexpr = (1 << BITS) - 1
@@ -271,7 +274,7 @@ if HAS_TRITON:
     ):
         """W [N, K] in out's dtype, rounded as ``dequantize_affine``: ``q * scale`` and then
         ``+ bias``, each rounded to the scales' dtype, then cast."""
-        CODES: tl.constexpr = WORD_BITS // BITS
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
         MASK: tl.constexpr = (1 << BITS) - 1
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
