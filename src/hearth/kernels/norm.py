@@ -109,7 +109,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         HAS_NEXT=normalize_next,
         HAS_NEXT_WEIGHT=next_weight is not None,
-        num_warps=4 if columns <= 4096 else 8,
+        num_warps=4 if columns <= 1024 else 8 if columns <= 8192 else 16,
     )
     return out, normed
 
