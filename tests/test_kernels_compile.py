@@ -133,6 +133,24 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 x, *p, b, 64
             ),
         )
+    packed, scales, biases = quantize_affine(torch.randn(4, 48, 256, dtype=bf16), 4, 64)
+    ids = torch.tensor([[0, 3]])
+    yield (
+        "affine experts",
+        lambda: affine_matmul.affine_expert_matmul_triton(x, packed, scales, biases, ids, 4, 64),
+    )
+    yield (
+        "float experts",
+        lambda: affine_matmul.float_expert_matmul_triton(
+            x, torch.randn(4, 48, 256, dtype=bf16), ids
+        ),
+    )
+    yield (
+        "affine prefill",
+        lambda: affine_matmul.affine_matmul_triton(
+            torch.randn(40, 256, dtype=bf16), packed[0], scales[0], biases[0], 4, 64
+        ),
+    )
     # Decode attention over every plane format the caches store.
     slots, q = 64, torch.randn(1, 4, 64, dtype=bf16)
     keys = torch.randn(1, 2, slots, 64, dtype=bf16)
