@@ -19,6 +19,7 @@ from hearth.kernels.norm import (
     rms_norm_triton,
 )
 from hearth.kernels.rope import (
+    CacheWrite,
     ValueMode,
     norm_rope_reference,
     norm_rope_triton,
@@ -149,3 +150,31 @@ def test_append_token(capacity: int, position: int) -> None:
     assert torch.equal(key_buffer[:, :, slot], keys[:, :, 0])
     assert torch.equal(value_buffer[:, :, slot], values[:, :, 0])
     assert stored_positions[slot] == position and int(next_position) == position + 1
+
+
+@pytest.mark.parametrize("mode", [ValueMode.RAW, ValueMode.UNIT_NORM_OF_K])
+def test_norm_rope_writes_into_a_static_cache(mode: ValueMode) -> None:
+    """One decode token: K/V go straight into slot position % capacity of the buffers."""
+    q_heads, kv_heads, dim, capacity, position = 4, 2, 64, 8, 13
+    kv_parts = 1 if mode == ValueMode.UNIT_NORM_OF_K else 2
+    qkv = torch.randn(1, (q_heads + kv_parts * kv_heads) * dim, dtype=torch.bfloat16)
+    weights = torch.rand(dim) + 0.5, torch.rand(dim) + 0.5
+    angles = torch.rand(1, dim) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    args = (q_heads, kv_heads, dim, *weights, cos, sin, EPS, mode)
+    plain_q, plain_k, plain_v = norm_rope_reference(qkv, *args)
+    assert plain_k is not None and plain_v is not None
+    results = []
+    for run in (norm_rope_triton, norm_rope_reference):
+        buffers = [torch.zeros(1, kv_heads, capacity, dim, dtype=torch.bfloat16) for _ in "kv"]
+        slots = torch.full((capacity,), EMPTY_POSITION)
+        counter = torch.zeros((), dtype=torch.long)
+        write = CacheWrite(torch.tensor([position]), *buffers, slots, counter)
+        q, k, v = run(qkv, *args, write)
+        assert k is None and v is None
+        close(q, plain_q, torch.bfloat16)
+        slot = position % capacity
+        close(buffers[0][0, :, slot], plain_k[0], torch.bfloat16)
+        close(buffers[1][0, :, slot], plain_v[0], torch.bfloat16)
+        assert int(slots[slot]) == position and int(counter) == position + 1
+        results.append(buffers)

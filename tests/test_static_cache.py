@@ -118,3 +118,27 @@ def test_quantized_static_caches_match_the_dynamic_ones(
         dense = model(ids)
     assert (outputs[0] - dense).abs().max() > 1e-3
     assert static[0].signature().endswith(dynamic[0].signature().split(":", 1)[-1])
+
+
+def test_decode_steps_writing_kv_from_the_rope_kernel_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU decode path where the norm + RoPE step writes K/V into the static cache
+    (its torch reference here, the Triton kernel on a GPU) gives the same logits as the
+    path that returns K/V and appends them."""
+    import hearth.kv.static as static_module
+
+    model = _model("gemma3", tmp_path)
+    ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for direct in (False, True):
+        if direct:  # let dense static caches hand out their buffers as on a GPU
+            monkeypatch.setattr(static_module, "kernel_enabled", lambda tensor: True)
+        caches = [StaticCache(64, spec.window) for spec in layer_specs(model.config)]
+        with torch.inference_mode():
+            logits = [model(ids[:, :20], caches)]
+            logits += [
+                model(ids[:, p : p + 1], caches, start=torch.tensor(p)) for p in range(20, 30)
+            ]
+        outputs.append(torch.cat(logits, dim=1))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=ATOL, rtol=0)

@@ -14,6 +14,7 @@ activations' dtype before rotation; the rotation itself is computed in fp32 and 
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,20 @@ class ValueMode(IntEnum):
     UNIT_NORM_OF_K = 3  # Gemma 4 k_eq_v: V is the raw K projection, RMS-normalised
 
 
+class CacheWrite(NamedTuple):
+    """Where a decode step's K/V go instead of new tensors: a dense static cache's buffers.
+
+    K and V land in slot position % capacity of [1, Hk, capacity, D]; the slot's position is
+    recorded and the cache's next-position counter set to position + 1.
+    """
+
+    position: torch.Tensor  # [1] int64, on the device
+    key_buffer: torch.Tensor
+    value_buffer: torch.Tensor
+    slot_positions: torch.Tensor
+    next_position: torch.Tensor
+
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -44,12 +59,17 @@ if HAS_TRITON:
         q_ptr,
         k_ptr,
         v_ptr,
+        position_ptr,
+        slot_positions_ptr,
+        next_ptr,
+        capacity,
         eps,
         row_width,
         Q_HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr,
         D: tl.constexpr,
         V_MODE: tl.constexpr,
+        WRITE_CACHE: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -78,6 +98,13 @@ if HAS_TRITON:
             rotated = (normed * cos + sign * normed_partner * sin).to(dtype)
             if is_query:
                 tl.store(q_ptr + (token * Q_HEADS + head) * D + dims, rotated)
+            elif WRITE_CACHE:
+                position = tl.load(position_ptr)
+                slot = position % capacity
+                tl.store(k_ptr + ((head - Q_HEADS) * capacity + slot) * D + dims, rotated)
+                if head == Q_HEADS:
+                    tl.store(slot_positions_ptr + slot, position)
+                    tl.store(next_ptr, position + 1)
             else:
                 tl.store(k_ptr + (token * KV_HEADS + head - Q_HEADS) * D + dims, rotated)
         else:
@@ -90,7 +117,12 @@ if HAS_TRITON:
             if V_MODE >= 2:
                 vf = v.to(tl.float32)
                 v = vf * tl.rsqrt(tl.sum(vf * vf, axis=0) / D + eps)
-            tl.store(v_ptr + (token * KV_HEADS + kv_head) * D + dims, v.to(v_ptr.dtype.element_ty))
+            if WRITE_CACHE:
+                slot = tl.load(position_ptr) % capacity
+                target = v_ptr + (kv_head * capacity + slot) * D + dims
+            else:
+                target = v_ptr + (token * KV_HEADS + kv_head) * D + dims
+            tl.store(target, v.to(v_ptr.dtype.element_ty))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,10 +143,12 @@ def norm_rope_reference(
     sin: torch.Tensor,
     eps: float,
     value_mode: ValueMode,
+    cache_write: CacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(q [T, Hq, D], k [T, Hk, D] or None, v [T, Hk, D] or None) as the eager model makes them.
 
-    `qkv` is [T, width]; cos/sin are [T, D].
+    `qkv` is [T, width]; cos/sin are [T, D]. With `cache_write` (one token), K and V go
+    into the cache instead and come back as None.
     """
     tokens = qkv.shape[0]
     q_width, kv_width = q_heads * head_dim, kv_heads * head_dim
@@ -130,6 +164,14 @@ def norm_rope_reference(
     else:
         v = qkv[:, q_width + kv_width : q_width + 2 * kv_width].view(tokens, kv_heads, head_dim)
         v = rms_norm_reference(v, None, eps) if value_mode == ValueMode.UNIT_NORM else v
+    if cache_write is not None:
+        position, key_buffer, value_buffer, slot_positions, next_position = cache_write
+        slot = position.reshape(1) % key_buffer.shape[2]
+        key_buffer.index_copy_(2, slot, k.transpose(0, 1)[None])
+        value_buffer.index_copy_(2, slot, v.transpose(0, 1)[None])
+        slot_positions.index_copy_(0, slot, position.reshape(1))
+        next_position.copy_(position.reshape(()) + 1)
+        return q, None, None
     return q, k, v.contiguous()
 
 
@@ -144,13 +186,21 @@ def norm_rope_triton(
     sin: torch.Tensor,
     eps: float,
     value_mode: ValueMode,
+    cache_write: CacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     source = qkv.contiguous()
     tokens = source.shape[0]
     q = source.new_empty((tokens, q_heads, head_dim))
     has_kv = value_mode != ValueMode.ABSENT
-    k = source.new_empty((tokens, kv_heads, head_dim)) if has_kv else q
-    v = source.new_empty((tokens, kv_heads, head_dim)) if has_kv else q
+    if cache_write is not None:
+        assert has_kv and tokens == 1, "a cache write is one token's K and V"
+        position, k, v, slot_positions, next_position = cache_write
+        capacity = k.shape[2]
+    else:
+        k = source.new_empty((tokens, kv_heads, head_dim)) if has_kv else q
+        v = source.new_empty((tokens, kv_heads, head_dim)) if has_kv else q
+        position = slot_positions = next_position = q  # unread placeholders
+        capacity = 1
     heads = q_heads + (2 * kv_heads if has_kv else 0)
     _norm_rope_kernel[(tokens, heads)](
         source,
@@ -161,15 +211,22 @@ def norm_rope_triton(
         q,
         k,
         v,
+        position,
+        slot_positions,
+        next_position,
+        capacity,
         eps,
         source.shape[1],
         Q_HEADS=q_heads,
         KV_HEADS=kv_heads,
         D=head_dim,
         V_MODE=int(value_mode),
+        WRITE_CACHE=cache_write is not None,
         num_warps=2 if head_dim <= 256 else 4,
     )
-    return (q, k, v) if has_kv else (q, None, None)
+    if cache_write is not None or not has_kv:
+        return q, None, None
+    return q, k, v
 
 
 def norm_rope(
@@ -183,7 +240,14 @@ def norm_rope(
     sin: torch.Tensor,
     eps: float,
     value_mode: ValueMode,
+    cache_write: CacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Normed and rotated Q and K, and V, of a stacked QKV projection [T, width]."""
+    """Normed and rotated Q and K, and V, of a stacked QKV projection [T, width].
+
+    With `cache_write`, K and V are written into a dense static cache instead (one token).
+    """
     run = norm_rope_triton if kernel_enabled(qkv) else norm_rope_reference
-    return run(qkv, q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, eps, value_mode)
+    return run(
+        qkv, q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, eps, value_mode,
+        cache_write,
+    )  # fmt: skip

@@ -18,6 +18,7 @@ import torch
 
 from hearth.kernels import kernel_enabled
 from hearth.kernels.kv_write import append_token_triton
+from hearth.kernels.rope import CacheWrite
 from hearth.kv.cache import DENSE, EMPTY_POSITION, CacheContents, KVCodec, KVView, StoredKV
 
 
@@ -96,6 +97,19 @@ class StaticCache:
         if first or ring_prefill:
             return view
         return self._view(stored=count == 1 and kernel_enabled(keys))
+
+    def decode_write(self, positions: torch.Tensor) -> CacheWrite | None:
+        """Where a one-token step may write its K/V directly (the fused norm + RoPE kernel
+        writes them), then call `view_after_write`; None when this cache cannot take that:
+        not yet allocated, quantized, or not on the GPU."""
+        if not self._planes or not self.is_dense or not kernel_enabled(self._planes[0]):
+            return None
+        assert self._positions is not None and self._next is not None
+        key_plane, value_plane = self._planes
+        return CacheWrite(positions, key_plane, value_plane, self._positions, self._next)
+
+    def view_after_write(self) -> KVView:
+        return self._view(stored=True)
 
     def _roundtrip(
         self, keys: torch.Tensor, values: torch.Tensor

@@ -18,8 +18,9 @@ from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
 from hearth.kernels.norm import add_rms_norm, rms_norm
-from hearth.kernels.rope import ValueMode, norm_rope
+from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
 from hearth.kv.cache import DENSE, KVView, LayerCache
+from hearth.kv.static import StaticCache
 
 
 class StackedLinear(nn.Module):
@@ -156,6 +157,34 @@ def _kernel_decode_attention(
     return out.unsqueeze(2)
 
 
+def decode_write(
+    cache: LayerCache | None, positions: torch.Tensor, tokens: int
+) -> CacheWrite | None:
+    """Where a one-token step writes K/V directly: a dense static cache on the GPU."""
+    if tokens != 1 or not isinstance(cache, StaticCache):
+        return None
+    return cache.decode_write(positions)
+
+
+def store_keys_values(
+    cache: LayerCache | None,
+    write: CacheWrite | None,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    positions: torch.Tensor,
+    batch_length: tuple[int, int],
+) -> KVView:
+    """The view attention reads after K/V [tokens, Hk, D] were made (or written by `write`)."""
+    if write is not None:
+        assert isinstance(cache, StaticCache)
+        return cache.view_after_write()
+    assert k is not None and v is not None
+    k, v = (t.unflatten(0, batch_length).transpose(1, 2) for t in (k, v))
+    if cache is None:
+        return KVView(k, v, k.shape[2], None)
+    return cache.update_and_fetch(k, v, positions)
+
+
 def view_mask(positions: torch.Tensor, view: KVView, window: int | None) -> torch.Tensor | None:
     """The causal/sliding mask of queries at `positions` over a view; None when all visible."""
     key_positions = view.positions
@@ -194,7 +223,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         cos, sin = rope
-        # Norms, rotation and the V split in one kernel on the GPU (the torch reference here).
+        write = decode_write(cache, positions, batch * length)
+        # Norms, rotation and the V split in one kernel on the GPU (the torch reference here),
+        # which at a GPU decode step also stores K/V in the cache.
         q, k, v = norm_rope(
             self.qkv_proj.proj(x).flatten(0, 1),
             self.num_heads,
@@ -206,14 +237,10 @@ class Attention(nn.Module):
             sin[:, 0],
             self.q_norm.eps,
             ValueMode.RAW,
+            write,
         )
-        assert k is not None and v is not None
-        q, k, v = (t.unflatten(0, (batch, length)).transpose(1, 2) for t in (q, k, v))
-        view = (
-            KVView(k, v, k.shape[2], None)
-            if cache is None
-            else cache.update_and_fetch(k, v, positions)
-        )
+        q = q.unflatten(0, (batch, length)).transpose(1, 2)
+        view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 

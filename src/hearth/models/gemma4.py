@@ -25,7 +25,16 @@ from hearth.kernels.affine_matmul import float_expert_matmul
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kv.cache import KVView, LayerCache
-from hearth.models.gemma import MLP, Embedding, RMSNorm, RotaryEmbedding, StackedLinear, attend
+from hearth.models.gemma import (
+    MLP,
+    Embedding,
+    RMSNorm,
+    RotaryEmbedding,
+    StackedLinear,
+    attend,
+    decode_write,
+    store_keys_values,
+)
 
 if TYPE_CHECKING:
     from hearth.quant.mlx import MLXQuantizedExperts
@@ -93,7 +102,9 @@ class Gemma4Attention(nn.Module):
         """Output and the K/V view attended over, which KV-sharing layers get as `shared`."""
         batch, length, _ = x.shape
         cos, sin = rope
-        # q/k norms, RoPE and the V norm (of raw K on k_eq_v layers) in one kernel on the GPU.
+        write = decode_write(cache, positions, batch * length) if shared is None else None
+        # q/k norms, RoPE and the V norm (of raw K on k_eq_v layers) in one kernel on the GPU,
+        # which at a GPU decode step also stores K/V in the cache.
         q, k, v = norm_rope(
             self.qkv_proj.proj(x).flatten(0, 1),
             self.num_heads,
@@ -105,18 +116,13 @@ class Gemma4Attention(nn.Module):
             sin[:, 0],
             self.eps,
             self.value_mode,
+            write,
         )
         q = q.unflatten(0, (batch, length)).transpose(1, 2)
         if shared is not None:
             view = shared
         else:
-            assert k is not None and v is not None
-            k, v = (t.unflatten(0, (batch, length)).transpose(1, 2) for t in (k, v))
-            view = (
-                KVView(k, v, length, None)
-                if cache is None
-                else cache.update_and_fetch(k, v, positions)
-            )
+            view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, scale=1.0)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), view
 
