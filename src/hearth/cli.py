@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat)
     _add_serve_parser(commands)
     _add_inspect_parser(commands)
+    _add_bench_parser(commands)
     return parser
 
 
@@ -203,6 +204,106 @@ def _add_inspect_parser(commands: Any) -> None:
     inspect.add_argument(
         "model", nargs="?", help="a GGUF file or HF directory (default: the embedded Gemma 3 270M)"
     )
+
+
+def length_list(text: str) -> list[int]:
+    """Comma-separated positive integers, e.g. 512,8192,32768."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas, got {text!r}"
+        ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas, got {text!r}"
+        )
+    return values
+
+
+def _add_bench_parser(commands: Any) -> None:
+    bench = commands.add_parser(
+        "bench", help="time batch-1 decode and prefill against the bandwidth/compute rooflines"
+    )
+    bench.add_argument(
+        "model", nargs="?", help="a GGUF file, HF or MLX directory (default: the embedded model)"
+    )
+    bench.add_argument(
+        "--random",
+        metavar="CONFIG",
+        help="random weights at a preset's shapes (gemma3-270m, gemma3-12b, e2b, e4b, 12b, "
+        "26b-a4b, 31b) or a config.json's",
+    )
+    bench.add_argument(
+        "--quant",
+        choices=["bf16", "4bit", "8bit"],
+        help="weights of a --random model: bf16 (default) or MLX affine 4/8-bit, group 64",
+    )
+    bench.add_argument(
+        "--contexts",
+        type=length_list,
+        default=[512, 8192, 32768],
+        metavar="N,N,...",
+        help="decode with this many tokens in context (default 512,8192,32768)",
+    )
+    bench.add_argument(
+        "--prefill",
+        type=length_list,
+        default=[512, 4096, 32768],
+        metavar="N,N,...",
+        help="prompt lengths to prefill (default 512,4096,32768)",
+    )
+    bench.add_argument(
+        "--steps", type=positive_int, default=32, help="decode steps timed per context (32)"
+    )
+    bench.add_argument(
+        "--hf", action="store_true", help="also time HF transformers (bf16, same process)"
+    )
+    bench.add_argument("--device", help="cuda or cpu (default: cuda if present)")
+    bench.add_argument(
+        "--bandwidth",
+        type=positive_float,
+        default=4.2e12,
+        metavar="B/S",
+        help="memory bandwidth of the decode roofline (default 4.2e12, an H200's copy speed)",
+    )
+    bench.add_argument(
+        "--peak-flops",
+        type=positive_float,
+        default=790e12,
+        metavar="FLOP/S",
+        help="compute peak of the prefill roofline (default 790e12, H200 dense bf16)",
+    )
+    bench.add_argument("--out", metavar="FILE", help="also write the Markdown table to FILE")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from hearth.bench import BenchOptions, render
+    from hearth.bench import run_bench as bench
+
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise HearthError(f"--out {args.out}: the directory does not exist")
+    options = BenchOptions(
+        model=args.model,
+        random=args.random,
+        quant=args.quant,
+        contexts=args.contexts,
+        prefill=args.prefill,
+        steps=args.steps,
+        hf=args.hf,
+        device=args.device,
+        bandwidth=args.bandwidth,
+        peak_flops=args.peak_flops,
+    )
+    table = render(bench(options, lambda line: print(line, file=sys.stderr, flush=True)))
+    print(table, end="")
+    if args.out:
+        try:
+            with open(args.out, "w") as handle:
+                handle.write(table)
+        except OSError as error:
+            raise HearthError(f"cannot write {args.out}: {error.strerror}") from None
+    return 0
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -302,6 +403,7 @@ _COMMANDS = {
     "chat": run_chat,
     "serve": run_serve,
     "inspect": run_inspect,
+    "bench": run_bench,
 }
 
 

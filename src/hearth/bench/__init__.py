@@ -1,0 +1,11 @@
+"""`hearth bench`: batch-1 decode/prefill speed against the bandwidth and compute rooflines.
+
+random_model: random weights at preset shapes (bf16 or MLX-packed), built on the device.
+measure: timings and roofline arithmetic. hf: the HF transformers peer. report: the table.
+random_gguf: random-weight Gemma 3 GGUF files, for Hearth and llama.cpp on the same file.
+"""
+
+from hearth.bench.report import BenchReport, Row, render
+from hearth.bench.runner import BenchOptions, run_bench
+
+__all__ = ["BenchOptions", "BenchReport", "Row", "render", "run_bench"]

@@ -1,0 +1,288 @@
+"""Batch-1 timings (decode, prefill, time to first token) and their rooflines.
+
+Decode at context C: the caches are filled with C - 1 tokens of random K/V (writing them
+costs nothing next to prefilling C tokens), then `steps` greedy steps run as the engine runs
+them: replayed from CUDA graphs over static caches on a GPU (dense models), eagerly over the
+growing caches otherwise. Prefill runs the prompt in the engine's chunks of 512 tokens.
+
+Rooflines: a decode step must read every weight it uses once (`decode_bytes`) and the K/V of
+the context (`kv_bytes`), at `bandwidth`; a prefill must do `prefill_flops`, at `peak_flops`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hearth.config import FULL_ATTENTION, Gemma4Config, ModelConfig
+from hearth.generate import prefill
+from hearth.kv import LayerCache, layer_specs, make_caches
+from hearth.models import Model
+from hearth.models.loading import _model_class
+from hearth.sampling import Sampler, SamplingParams
+
+PREFILL_CHUNK = 512  # the engine's prefill step (generate_tokens' default)
+WARMUP_STEPS = 2  # eager decode steps run before timing (kernel selection, allocations)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rooflines
+
+
+def decode_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step reads: every tensor once, except rows only looked up
+    (an untied token table, the per-layer table, RoPE tables) and idle experts (a MoE step
+    reads top_k of num_experts)."""
+    config = model.config
+    tied = config.tie_word_embeddings
+    total = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if "rotary" in name or "embed_tokens_per_layer" in name:
+            continue
+        if name.startswith("embed_tokens.") and not tied:
+            continue  # only looked up; the separate lm_head is the one read whole
+        share = 1.0
+        if ".experts." in name and getattr(config, "moe", None) is not None:
+            share = config.moe.top_k / config.moe.num_experts
+        total += int(tensor.numel() * tensor.element_size() * share)
+    return total
+
+
+def _attention_layers(config: ModelConfig) -> list[tuple[int, int, int, int | None]]:
+    """(query heads, KV heads, head_dim, window) of every layer, KV-sharing ones included."""
+    layers = []
+    for kind in config.layer_types:
+        if isinstance(config, Gemma4Config):
+            kv_heads, head_dim = config.kv_heads_of(kind), config.head_dim_of(kind)
+        else:
+            kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+        window = None if kind == FULL_ATTENTION else config.sliding_window
+        layers.append((config.num_attention_heads, kv_heads, head_dim, window))
+    return layers
+
+
+def kv_bytes(config: ModelConfig, context: int, element_bytes: int) -> int:
+    """K/V bytes a decode step at `context` reads: each layer its keys within reach (all on
+    full layers, the window on sliding ones). Gemma 4's KV-sharing layers read their donor's
+    K/V again, so they count too."""
+    return sum(
+        2 * kv_heads * head_dim * element_bytes * min(context, window or context)
+        for _, kv_heads, head_dim, window in _attention_layers(config)
+    )
+
+
+def _matrix_params(config: ModelConfig) -> tuple[float, float]:
+    """Multiply-adds per token: (of modules every prompt token runs through, of modules only
+    the last token of each chunk reaches: the head and Gemma 4's KV-sharing layers)."""
+    with torch.device("meta"):
+        model = _model_class(config)(config)
+    first_shared = getattr(config, "first_kv_shared_layer", config.num_hidden_layers)
+    moe = getattr(config, "moe", None)
+    every_token = last_token = 0.0
+    for name, parameter in model.named_parameters():
+        if parameter.dim() < 2 or "embed_tokens_per_layer" in name:
+            continue  # norms and scales: no matmul; the per-layer table: looked up
+        if name.startswith("embed_tokens."):
+            if config.tie_word_embeddings:
+                last_token += parameter.numel()  # as the head
+            continue
+        count = float(parameter.numel())
+        if ".experts." in name and moe is not None:
+            count *= moe.top_k / moe.num_experts
+        shared_layer = name.startswith("layers.") and int(name.split(".")[1]) >= first_shared
+        if name.startswith("lm_head.") or shared_layer:
+            last_token += count
+        else:
+            every_token += count
+    return every_token, last_token
+
+
+def _keys_seen(position: int, window: int | None) -> int:
+    return min(position + 1, window or position + 1)
+
+
+def _keys_seen_sum(first: int, last: int, window: int | None) -> int:
+    """Σ over positions first..last-1 of the keys each attends to (causal, windowed)."""
+    total = 0
+    ramp_end = min(last, window or last)  # positions below this see position + 1 keys
+    if first < ramp_end:
+        total += (ramp_end * (ramp_end + 1) - first * (first + 1)) // 2
+    if window is not None and last > max(first, window):
+        total += (last - max(first, window)) * window
+    return total
+
+
+def prefill_flops(config: ModelConfig, tokens: int, chunk: int = PREFILL_CHUNK) -> float:
+    """FLOPs of a chunked prefill of `tokens`: 2 per multiply-add of every matmul token by
+    token, with the head and KV-sharing layers on the last token of each chunk only (as the
+    model runs them), plus attention's QK^T and PV over the keys each query may see."""
+    every_token, last_token = _matrix_params(config)
+    chunks = -(-tokens // chunk)
+    flops = 2.0 * (every_token * tokens + last_token * chunks)
+    first_shared = getattr(config, "first_kv_shared_layer", config.num_hidden_layers)
+    for index, (heads, _, head_dim, window) in enumerate(_attention_layers(config)):
+        if index < first_shared:
+            keys = _keys_seen_sum(0, tokens, window)
+        else:
+            ends = [min(start + chunk, tokens) - 1 for start in range(0, tokens, chunk)]
+            keys = sum(_keys_seen(end, window) for end in ends)
+        flops += 4.0 * heads * head_dim * keys  # 2 matmuls x 2 FLOPs per multiply-add
+    return flops
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, work: Callable[[], object]) -> float:
+    """Seconds `work` takes, its device work included."""
+    synchronize(device)
+    begin = time.perf_counter()
+    work()
+    synchronize(device)
+    return time.perf_counter() - begin
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def uses_graphs(model: Model) -> bool:
+    """Whether the engine decodes this model from CUDA graphs (generate._graph_decoder's rule:
+    a CUDA model without MoE, whose expert loop synchronises with the host)."""
+    return model.device.type == "cuda" and getattr(model.config, "moe", None) is None
+
+
+def _random_ids(model: Model, count: int, device: torch.device) -> torch.Tensor:
+    config = model.config
+    vocab = min(config.vocab_size, getattr(config, "vocab_size_per_layer_input", None) or 2**62)
+    return torch.randint(0, vocab, (1, count), device=device)
+
+
+def fill_caches(caches: list[Any], model: Model, tokens: int) -> None:
+    """Store `tokens` tokens of random K/V in each layer's cache, as a prefill would leave them
+    (positions and counters included), without running the model."""
+    if tokens == 0:
+        return
+    config, device, dtype = model.config, model.device, model.compute_dtype
+    for cache, spec in zip(caches, layer_specs(config), strict=True):
+        if isinstance(config, Gemma4Config):
+            kv_heads = config.kv_heads_of(spec.kind)
+        else:
+            kv_heads = config.num_key_value_heads
+        shape = (1, kv_heads, tokens, spec.head_dim)
+        keys = torch.randn(shape, dtype=dtype, device=device)
+        cache.update_and_fetch(keys, torch.randn_like(keys))
+
+
+@torch.inference_mode()
+def time_decode(model: Model, context: int, steps: int) -> tuple[float, str]:
+    """Seconds per greedy decode step with `context - 1` tokens already cached, and the path."""
+    device = model.device
+    if uses_graphs(model):
+        seconds = _time_graph_decode(model, context, steps)
+        release(device)  # the static caches and the graphs' memory pools
+        return seconds, "CUDA graph"
+    caches: list[LayerCache] = make_caches(model.config)
+    fill_caches(caches, model, context - 1)
+    token = _random_ids(model, 1, device)
+    position = context - 1
+
+    def run(count: int) -> None:
+        nonlocal token, position
+        for _ in range(count):
+            logits = model(token, caches, start=position, last_only=True)[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+            position += 1
+
+    run(WARMUP_STEPS)
+    return timed(device, lambda: run(steps)) / steps, "eager"
+
+
+def _time_graph_decode(model: Model, context: int, steps: int) -> float:
+    from hearth.cuda_graph import GraphDecoder
+
+    device = model.device
+    decoder = GraphDecoder(model, max_context=context + steps)
+    fill_caches(decoder.caches, model, context - 1)
+    token = _random_ids(model, 1, device)
+
+    def run() -> None:
+        nonlocal token
+        for _ in range(steps):
+            token = decoder.step(token).argmax(-1, keepdim=True)
+
+    def rewind() -> None:
+        for cache in decoder.caches:
+            cache.reset(context - 1)
+        decoder.length = context - 1
+
+    decoder.length = context - 1
+    run()  # captures a graph for every key-length bucket the timed steps reach
+    rewind()
+    return timed(device, run) / steps
+
+
+def _prefill_runner(model: Model, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A fresh chunked prefill of `ids` as the engine runs it; returns the last logits."""
+    if uses_graphs(model):
+        from hearth.cuda_graph import GraphDecoder
+
+        return lambda: GraphDecoder(model, ids.shape[1] + 1).prefill(ids, PREFILL_CHUNK)
+    return lambda: prefill(model, ids, make_caches(model.config), PREFILL_CHUNK)
+
+
+@torch.inference_mode()
+def time_prefill(model: Model, tokens: int) -> float:
+    """Seconds of a chunked prefill of `tokens` random tokens (after a shorter warm-up)."""
+    device = model.device
+    warmup = _prefill_runner(model, _random_ids(model, min(tokens, 2 * PREFILL_CHUNK), device))
+    warmup()
+    run = _prefill_runner(model, _random_ids(model, tokens, device))
+    seconds = timed(device, run)
+    release(device)
+    return seconds
+
+
+@torch.inference_mode()
+def time_first_token(model: Model, tokens: int) -> float:
+    """Seconds from a prompt of `tokens` ids on the device to the first token id on the host:
+    prefill, then greedy sampling as the generate loop does it."""
+    device = model.device
+    ids = _random_ids(model, tokens, device)
+    run = _prefill_runner(model, ids)
+    sampler = Sampler(SamplingParams(), device=device)
+    history = ids[0].tolist()
+    run()  # warm-up
+    synchronize(device)
+    begin = time.perf_counter()
+    int(sampler.sample(run(), history))
+    seconds = time.perf_counter() - begin
+    release(device)
+    return seconds
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy (read + write), the decode roofline's bandwidth."""
+    source = torch.empty(2**30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(20):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    return 2 * source.numel() * 20 / (time.perf_counter() - begin)

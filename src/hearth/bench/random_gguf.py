@@ -1,0 +1,192 @@
+"""Random-weight Gemma 3 GGUF files at real shapes, for Hearth and llama.cpp on one file.
+
+Each tensor is drawn when the writer reaches it, from its own seed, already in the stored
+type: F16/BF16 values from a normal draw, Q8_0/Q4_0 blocks from random codes and random
+scales (nothing is quantized, so a 12B file costs only the draws and the disk). `values()`
+gives the float32 tensor a reader must get back from those bytes, for round-trip checks.
+The vocabulary and tokenizer come from another GGUF file (the embedded model's by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hearth.checkpoint.gguf_writer import GGUFTensor, stream_gemma3_gguf, tokenizer_metadata
+from hearth.config import FULL_ATTENTION, Gemma3Config, parse_config
+
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0")
+BLOCK = 32  # values per Q8_0 / Q4_0 block
+WEIGHT_STD = 0.02
+# Standard deviation of a uniform code: int8 over [-127, 127], a nibble over [0, 15].
+_CODE_STD = {"Q8_0": (255**2 - 1) ** 0.5 / 12**0.5, "Q4_0": (16**2 - 1) ** 0.5 / 12**0.5}
+# llama.cpp fixes Gemma 3's pattern: every 6th layer is full attention.
+GGUF_SLIDING_PATTERN = 6
+
+
+@dataclass(frozen=True)
+class RandomTensor:
+    """One random tensor: canonical name, torch-order shape, stored GGML type, seed."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: str
+    seed: int
+    device: str = "cpu"
+
+    def _generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.seed)
+
+    def _draw(self) -> dict[str, torch.Tensor]:
+        """The random parts of the stored form, on the device."""
+        gen, device = self._generator(), self.device
+        if self.ggml_type == "F32":  # norm weights, stored as 1 + w
+            return {"stored": torch.rand(self.shape, generator=gen, device=device) + 0.5}
+        if self.ggml_type in ("F16", "BF16"):
+            normal = torch.randn(self.shape, generator=gen, device=device) * WEIGHT_STD
+            dtype = torch.float16 if self.ggml_type == "F16" else torch.bfloat16
+            return {"stored": normal.to(dtype)}
+        rows, columns = self.shape
+        blocks = (rows, columns // BLOCK)
+        scale = WEIGHT_STD / _CODE_STD[self.ggml_type]
+        scales = ((torch.rand(blocks, generator=gen, device=device) + 0.5) * scale).half()
+        # Drawn as bytes: a 262144 x 3840 table would take 8 GB as int64.
+        low, high = (-127, 128) if self.ggml_type == "Q8_0" else (0, 16)
+        shape = (*blocks, BLOCK)
+        codes = torch.randint(low, high, shape, generator=gen, device=device, dtype=torch.int8)
+        return {"scales": scales, "codes": codes}
+
+    def encode(self) -> np.ndarray:
+        """The bytes the file stores."""
+        parts = self._draw()
+        if "stored" in parts:
+            stored = parts["stored"]
+            if stored.dtype == torch.bfloat16:
+                stored = stored.view(torch.int16)  # numpy has no bfloat16: store the bits
+            return stored.cpu().numpy()
+        scales = parts["scales"][..., None].view(torch.uint8)  # [rows, blocks, 2]
+        codes = parts["codes"]
+        if self.ggml_type == "Q8_0":
+            payload = codes.view(torch.uint8)
+        else:  # byte j holds value j in its low nibble and value j + 16 in its high one
+            nibbles = codes.to(torch.uint8)
+            payload = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+        return torch.cat([scales, payload], dim=-1).reshape(self.shape[0], -1).cpu().numpy()
+
+    def values(self) -> torch.Tensor:
+        """The canonical float32 tensor these bytes mean (norms: w, not 1 + w), on the CPU."""
+        parts = self._draw()
+        if "stored" in parts:
+            stored = parts["stored"].float()
+            return (stored - 1 if self.ggml_type == "F32" else stored).cpu()
+        codes = parts["codes"].float()
+        if self.ggml_type == "Q4_0":
+            codes = codes - 8
+        values = parts["scales"].float()[..., None] * codes
+        return values.reshape(self.shape).cpu()
+
+    def as_gguf(self) -> GGUFTensor:
+        return GGUFTensor(self.name, self.shape, self.ggml_type, self.encode)
+
+
+def gemma3_tensor_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of a Gemma 3 text model with its shape, in llama.cpp's order."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_rows = config.num_attention_heads * head_dim
+    kv_rows = config.num_key_value_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, hidden)}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"layers.{layer}"
+        shapes |= {
+            f"{prefix}.input_layernorm.weight": (hidden,),
+            f"{prefix}.self_attn.q_proj.weight": (q_rows, hidden),
+            f"{prefix}.self_attn.k_proj.weight": (kv_rows, hidden),
+            f"{prefix}.self_attn.v_proj.weight": (kv_rows, hidden),
+            f"{prefix}.self_attn.q_norm.weight": (head_dim,),
+            f"{prefix}.self_attn.k_norm.weight": (head_dim,),
+            f"{prefix}.self_attn.o_proj.weight": (hidden, q_rows),
+            f"{prefix}.post_attention_layernorm.weight": (hidden,),
+            f"{prefix}.pre_feedforward_layernorm.weight": (hidden,),
+            f"{prefix}.mlp.gate_proj.weight": (config.intermediate_size, hidden),
+            f"{prefix}.mlp.up_proj.weight": (config.intermediate_size, hidden),
+            f"{prefix}.mlp.down_proj.weight": (hidden, config.intermediate_size),
+            f"{prefix}.post_feedforward_layernorm.weight": (hidden,),
+        }
+    shapes["norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def random_gemma3_tensors(
+    config: Gemma3Config, ggml_type: str, seed: int = 0, device: str = "cpu"
+) -> list[RandomTensor]:
+    """The tensors of a random model: norms F32, matrices in `ggml_type` (F16 for a matrix
+    whose rows do not split into 32-value blocks, as llama.cpp's converter falls back)."""
+    if ggml_type not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {ggml_type!r} (choose from {', '.join(GGUF_TYPES)})")
+    tensors = []
+    for index, (name, shape) in enumerate(gemma3_tensor_shapes(config).items()):
+        kind = "F32" if len(shape) == 1 else ggml_type
+        if kind in ("Q8_0", "Q4_0") and shape[-1] % BLOCK:
+            kind = "F16"
+        tensors.append(RandomTensor(name, shape, kind, seed * 1_000_003 + index, device))
+    return tensors
+
+
+def check_gguf_layout(config: Gemma3Config) -> None:
+    """Raise ValueError unless llama.cpp and Hearth would read `config` back from a GGUF,
+    which stores neither the layer pattern nor the attention scale."""
+    expected = tuple(
+        FULL_ATTENTION if (i + 1) % GGUF_SLIDING_PATTERN == 0 else "sliding_attention"
+        for i in range(config.num_hidden_layers)
+    )
+    if config.layer_types != expected:
+        raise ValueError(
+            f"a gemma3 GGUF implies every {GGUF_SLIDING_PATTERN}th layer is full attention; "
+            "this config's layer_types differ"
+        )
+    if config.query_pre_attn_scalar != config.head_dim and config.hidden_size != 5376:
+        raise ValueError(
+            "a gemma3 GGUF implies query_pre_attn_scalar == head_dim (27B aside); "
+            f"this config has {config.query_pre_attn_scalar} and {config.head_dim}"
+        )
+
+
+def write_random_gemma3_gguf(
+    path: Path,
+    config: Mapping[str, Any],
+    tokenizer: Mapping[str, Any],
+    ggml_type: str = "F16",
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[Path, dict[str, Any]]:
+    """Write a random Gemma 3 GGUF of `config` with `tokenizer` metadata (`tokenizer.*`).
+
+    The vocabulary size becomes the tokenizer's token count (llama.cpp requires the two to
+    agree; HF configs pad it, e.g. 262208 for 262144 tokens). Returns the path and the config
+    as written.
+    """
+    tokens = tokenizer.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("the tokenizer metadata has no tokenizer.ggml.tokens")
+    config = {**dict(config), "vocab_size": len(tokens)}
+    parsed = parse_config(config)
+    if not isinstance(parsed, Gemma3Config):
+        raise ValueError(f"only Gemma 3 configs can be written as GGUF, not {parsed.model_type}")
+    check_gguf_layout(parsed)
+    tensors = [t.as_gguf() for t in random_gemma3_tensors(parsed, ggml_type, seed, device)]
+    return stream_gemma3_gguf(path, config, tensors, tokenizer), config
+
+
+def embedded_tokenizer() -> dict[str, Any]:
+    """The embedded Gemma 3 model's tokenizer metadata (262144 tokens, Gemma 3's vocabulary)."""
+    from hearth.checkpoint.gguf_file import GGUFFile
+    from hearth.embedded import embedded_model_path
+
+    return tokenizer_metadata(GGUFFile(embedded_model_path()).metadata)

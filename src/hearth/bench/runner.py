@@ -1,0 +1,227 @@
+"""`hearth bench`: build or load the model, run every measurement, collect the report."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearth.bench.measure import (
+    PREFILL_CHUNK,
+    decode_bytes,
+    kv_bytes,
+    prefill_flops,
+    release,
+    time_decode,
+    time_first_token,
+    time_prefill,
+)
+from hearth.bench.random_model import QUANT_BITS, build_random_model, resolve_config
+from hearth.bench.report import (
+    DECODE,
+    FIRST_TOKEN,
+    HF_DECODE,
+    HF_PREFILL,
+    PREFILL,
+    BenchReport,
+    Row,
+)
+from hearth.config import ModelConfig, parse_config
+from hearth.errors import HearthError
+from hearth.models import Model
+
+DEFAULT_BANDWIDTH = 4.2e12  # B/s: measured device-to-device copy on an H200
+DEFAULT_PEAK_FLOPS = 790e12  # FLOP/s: dense bf16 that an H200 reaches in practice
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str | None = None  # a checkpoint path; None with `random` None: the embedded model
+    random: str | None = None  # a preset name or a config.json path
+    quant: str | None = None  # bf16 | 8bit | 4bit, for random models only
+    contexts: Sequence[int] = (512, 8192, 32768)
+    prefill: Sequence[int] = (512, 4096, 32768)
+    steps: int = 32
+    hf: bool = False
+    device: str | None = None
+    bandwidth: float = DEFAULT_BANDWIDTH
+    peak_flops: float = DEFAULT_PEAK_FLOPS
+
+
+@dataclass
+class _Subject:
+    """What is benchmarked: a name for the title, its config dict, and how to build it."""
+
+    name: str
+    config: dict[str, Any]
+    build: Callable[[], Model]
+
+
+def _device(name: str | None) -> torch.device:
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise HearthError(f"--device {name!r} is not a torch device (cpu or cuda)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise HearthError(f"--device {name!r}: hearth bench runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise HearthError("--device cuda: no CUDA device is available")
+    return device
+
+
+def _subject(options: BenchOptions, device: torch.device) -> _Subject:
+    if options.random is not None:
+        if options.model is not None:
+            raise HearthError("give either MODEL or --random CONFIG, not both")
+        quant = options.quant or "bf16"
+        if quant not in QUANT_BITS:
+            raise HearthError(f"--quant {quant!r}: choose from {', '.join(QUANT_BITS)}")
+        config = resolve_config(options.random)
+        name = f"{options.random} (random weights, {quant})"
+        return _Subject(name, config, lambda: build_random_model(config, device, quant))
+    if options.quant is not None:
+        raise HearthError("--quant applies to --random models; a checkpoint keeps its weights")
+    from hearth.checkpoint import open_checkpoint
+    from hearth.embedded import embedded_model_path
+    from hearth.engine import Engine
+
+    path = Path(options.model) if options.model else embedded_model_path()
+    checkpoint = open_checkpoint(path)
+
+    def load() -> Model:
+        return Engine.load(path, device=device, progress=False).model
+
+    return _Subject(f"{path.name} ({checkpoint.format})", checkpoint.config, load)
+
+
+def _check_lengths(config: ModelConfig, options: BenchOptions) -> None:
+    limit = config.max_position_embeddings
+    for context in options.contexts:
+        if context < 2:  # the decode loops continue from a filled cache, as after a prefill
+            raise HearthError(f"context {context}: decode needs a context of at least 2")
+        if context - 1 + options.steps > limit:
+            raise HearthError(
+                f"context {context} plus {options.steps} decode steps exceeds the model's "
+                f"maximum of {limit} positions (give smaller --contexts or --steps)"
+            )
+    for tokens in options.prefill:
+        if tokens > limit:
+            raise HearthError(
+                f"prefill length {tokens} exceeds the model's maximum of {limit} positions"
+            )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _precision(model: Model) -> str:
+    kinds = {type(m).__name__ for m in model.modules()}
+    packed = [k for k in ("MLXQuantizedLinear", "Int8Linear", "Int4Linear") if k in kinds]
+    weights = f", {packed[0]} weights" if packed else ""
+    return f"computes in {str(model.compute_dtype).removeprefix('torch.')}{weights}"
+
+
+def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchReport:
+    """Every measurement of `options`; `progress` receives a line per step."""
+    if not options.contexts or not options.prefill:
+        raise HearthError("--contexts and --prefill need at least one length each")
+    device = _device(options.device)
+    subject = _subject(options, device)
+    config = parse_config(subject.config)
+    _check_lengths(config, options)
+    progress(f"bench: building {subject.name} on {device}")
+    model = subject.build()
+    report = BenchReport(
+        model=f"{subject.name}, {_precision(model)}",
+        date=datetime.date.today().isoformat(),
+        device=_device_name(device),
+        versions=f"torch {torch.__version__}, triton {_version('triton')}",
+        settings=(
+            f"batch 1, {options.steps} decode steps per context, prefill in chunks of "
+            f"{PREFILL_CHUNK}; rooflines at {options.bandwidth / 1e12:.3g} TB/s and "
+            f"{options.peak_flops / 1e12:.4g} TFLOP/s"
+        ),
+    )
+    _measure_hearth(model, config, options, report, progress)
+    del model
+    release(device)
+    if options.hf:
+        _measure_hf(subject.config, options, device, report, progress)
+    return report
+
+
+def _measure_hearth(
+    model: Model,
+    config: ModelConfig,
+    options: BenchOptions,
+    report: BenchReport,
+    progress: Callable[[str], None],
+) -> None:
+    weights = decode_bytes(model)
+    element = torch.empty((), dtype=model.compute_dtype).element_size()
+    for context in options.contexts:
+        seconds, path = time_decode(model, context, options.steps)
+        work = weights + kv_bytes(config, context, element)
+        report.rows.append(Row(DECODE, context, seconds, path, work, work / options.bandwidth))
+        progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")
+    for tokens in options.prefill:
+        seconds = time_prefill(model, tokens)
+        work = prefill_flops(config, tokens)
+        row = Row(PREFILL, tokens, seconds, "chunked", work, work / options.peak_flops)
+        report.rows.append(row)
+        progress(f"bench: prefill of {tokens}: {tokens / seconds:,.1f} tok/s")
+    first = options.prefill[0]
+    seconds = time_first_token(model, first)
+    report.rows.append(Row(FIRST_TOKEN, first, seconds, "prefill + greedy sample"))
+    progress(f"bench: first token after {first}: {seconds * 1e3:,.1f} ms")
+
+
+def _measure_hf(
+    config: dict[str, Any],
+    options: BenchOptions,
+    device: torch.device,
+    report: BenchReport,
+    progress: Callable[[str], None],
+) -> None:
+    from hearth.bench.hf import HFUnavailable, build_hf_model, time_hf_decode, time_hf_prefill
+
+    try:
+        progress("bench: building the HF transformers model")
+        hf = build_hf_model(config, device)
+    except HFUnavailable as error:
+        note = f"HF transformers skipped: {error}."
+        progress(f"bench: {note}")
+        report.notes.append(note)
+        return
+    path = f"transformers {_version('transformers')}, bf16"
+    context, tokens = options.contexts[0], options.prefill[0]
+    decode = time_hf_decode(hf, context, options.steps, device)
+    report.rows.append(Row(HF_DECODE, context, decode, path))
+    progress(f"bench: HF decode at context {context}: {1 / decode:,.1f} tok/s")
+    prefill = time_hf_prefill(hf, tokens, device)
+    report.rows.append(Row(HF_PREFILL, tokens, prefill, path))
+    progress(f"bench: HF prefill of {tokens}: {tokens / prefill:,.1f} tok/s")
+    del hf
+    release(device)
+    ours_decode, ours_prefill = report.row(DECODE, context), report.row(PREFILL, tokens)
+    assert ours_decode is not None and ours_prefill is not None
+    report.notes.append(
+        f"Hearth / HF transformers: decode {decode / ours_decode.seconds:.2f}x at context "
+        f"{context}, prefill {prefill / ours_prefill.seconds:.2f}x at {tokens} tokens."
+    )

@@ -1,0 +1,357 @@
+"""`hearth bench` on tiny random models (CPU), its roofline arithmetic checked by hand, and
+random-weight GGUF files read back by Hearth (and llama.cpp, when installed)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hearth.bench.measure import kv_bytes, prefill_flops
+from hearth.bench.random_gguf import (
+    GGUF_TYPES,
+    embedded_tokenizer,
+    random_gemma3_tensors,
+    write_random_gemma3_gguf,
+)
+from hearth.bench.report import COLUMNS
+from hearth.checkpoint import open_checkpoint
+from hearth.checkpoint.gguf_writer import minimal_tokenizer, tokenizer_metadata
+from hearth.cli import main
+from hearth.config import parse_config
+from hearth.models.loading import build_model
+from tiny import TINY_VOCAB, tiny_gemma3_config, tiny_gemma4_config
+
+BANDWIDTH = PEAK = 1e9  # round numbers make the roofline columns easy to check
+
+
+def _config_file(directory: Path, config: Any, name: str = "config.json") -> Path:
+    path = directory / name
+    path.write_text(json.dumps(config.to_dict()))
+    return path
+
+
+def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run `hearth bench ARGS` in this process: exit code, stdout, stderr."""
+    try:
+        code = main(["bench", *args])
+    except SystemExit as exit_:  # argparse errors
+        code = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _table(text: str) -> list[dict[str, str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    assert tuple(header) == COLUMNS
+    return [
+        dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+        for line in lines[1:]
+    ]
+
+
+_PREFIX = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+
+
+def _si(cell: str) -> float:
+    match = re.fullmatch(r"([\d.]+) ([kMGT]?)(B|FLOP)", cell)
+    assert match, cell
+    return float(match[1]) * _PREFIX[match[2]]
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace(",", "").rstrip("%"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline arithmetic, by hand for the tiny Gemma 3 config: hidden 64, MLP 96, 4 layers
+# (sliding, full, sliding, full; window 8), 4 query heads and 2 KV heads of 32, vocab 256.
+
+LAYER_MATRICES = 128 * 64 + 2 * (64 * 64) + 64 * 128 + 3 * (96 * 64)  # q, k, v, o, MLP
+LAYER_NORMS = 4 * 64 + 2 * 32  # four sandwich norms, q_norm, k_norm: kept in fp32
+TABLE = 256 * 64  # tied: also the head
+
+
+def hand_decode_bytes(context: int) -> int:
+    """bf16 matrices, fp32 norms, then 2 (K and V) x 2 heads x 32 x 2 bytes per token seen."""
+    weights = 4 * (2 * LAYER_MATRICES + 4 * LAYER_NORMS) + 2 * TABLE + 4 * 64
+    seen = 2 * min(context, 8) + 2 * context
+    return weights + 2 * 2 * 32 * 2 * seen
+
+
+def hand_prefill_flops(tokens: int) -> int:
+    """One chunk: every token through the layers, the head on the last one; attention sums
+    the keys each query sees (positions 0..t-1: t+1 keys, at most 8 on sliding layers)."""
+    matmuls = 2 * (4 * LAYER_MATRICES * tokens + TABLE)
+    full = sum(p + 1 for p in range(tokens))
+    sliding = sum(min(p + 1, 8) for p in range(tokens))
+    return matmuls + 4 * 4 * 32 * 2 * (full + sliding)
+
+
+def test_roofline_helpers_match_the_hand_computation() -> None:
+    config = parse_config(tiny_gemma3_config().to_dict())
+    assert kv_bytes(config, 16, 2) == hand_decode_bytes(16) - hand_decode_bytes(0)
+    assert prefill_flops(config, 16) == hand_prefill_flops(16)
+    # Chunks of 4: the head runs once per chunk, attention still sees every earlier key.
+    assert prefill_flops(config, 16, chunk=4) == hand_prefill_flops(16) + 2 * 3 * TABLE
+
+
+def test_bench_random_tiny_prints_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config_file(tmp_path, tiny_gemma3_config())
+    out = tmp_path / "table.md"
+    code, stdout, stderr = _bench(
+        capsys,
+        *("--random", str(config), "--device", "cpu", "--contexts", "16,32"),
+        *("--prefill", "8,16", "--steps", "2", "--hf", "--out", str(out)),
+        *("--bandwidth", str(BANDWIDTH), "--peak-flops", str(PEAK)),
+    )
+    assert code == 0, stderr
+    assert out.read_text() == stdout
+    assert "torch " in stdout and "triton " in stdout and "CPU" in stdout
+    assert "bench: decode at context 16" in stderr  # progress goes to stderr
+    rows = _table(stdout)
+    phases = [(row["phase"], int(row["tokens"])) for row in rows]
+    assert phases == [
+        ("decode", 16),
+        ("decode", 32),
+        ("prefill", 8),
+        ("prefill", 16),
+        ("first token", 8),
+        ("HF decode", 16),
+        ("HF prefill", 8),
+    ]
+    for row in rows:
+        assert _number(row["ms"]) > 0
+        if row["phase"] != "first token":
+            assert _number(row["tok/s"]) > 0
+    for row in rows[:4]:
+        tokens = int(row["tokens"])
+        if row["phase"] == "decode":
+            work = hand_decode_bytes(tokens)
+            roofline = BANDWIDTH / work  # steps per second
+        else:
+            work = hand_prefill_flops(tokens)
+            roofline = tokens * PEAK / work
+        assert _si(row["work"]) == pytest.approx(work, rel=1e-3)  # 4 significant digits
+        assert _number(row["roofline tok/s"]) == pytest.approx(roofline, abs=0.05)
+        share = _number(row["tok/s"]) / roofline * 100
+        assert _number(row["of roofline"]) == pytest.approx(share, rel=0.01, abs=0.05)
+    assert "Hearth / HF transformers: decode" in stdout
+
+
+@pytest.mark.parametrize("context", [5, 20])  # within and past the sliding window of 8
+def test_filled_static_and_dynamic_caches_decode_alike(context: int) -> None:
+    """Random K/V written into the graph decoder's static caches and into the eager loop's
+    dynamic ones (same draws) give the same next-step logits: positions, ring slots and
+    counters are set as a prefill would set them. fp32: summation order only (5e-5)."""
+    from hearth.bench.measure import fill_caches
+    from hearth.bench.random_model import build_random_model
+    from hearth.kv import layer_specs, make_caches
+    from hearth.kv.static import StaticCache
+
+    model = build_random_model(tiny_gemma3_config().to_dict(), "cpu", dtype=torch.float32)
+    dynamic = make_caches(model.config)
+    static = [StaticCache(64, spec.window) for spec in layer_specs(model.config)]
+    for caches in (dynamic, static):
+        torch.manual_seed(1)
+        fill_caches(caches, model, context - 1)
+    token = torch.tensor([[7]])
+    with torch.inference_mode():
+        eager = model(token, dynamic, start=context - 1)
+        graphed = model(token, static, start=torch.tensor(context - 1))
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=5e-5)
+    assert static[1].offset == context
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph path needs a GPU")
+def test_bench_on_gpu_decodes_through_cuda_graphs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config_file(tmp_path, tiny_gemma3_config())
+    code, stdout, stderr = _bench(
+        capsys,
+        *("--random", str(config), "--device", "cuda", "--contexts", "16,250"),
+        *("--prefill", "8,600", "--steps", "12", "--hf"),  # 250 + 12 crosses a 256 bucket
+    )
+    assert code == 0, stderr
+    rows = _table(stdout)
+    assert [row["path"] for row in rows if row["phase"] == "decode"] == ["CUDA graph"] * 2
+    assert all(_number(row["tok/s"]) > 0 for row in rows if row["tok/s"])
+
+
+def test_bench_random_gemma4_moe_4bit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MLX-packed random weights on every path Gemma 4 adds: MoE, PLE, KV sharing."""
+    gemma4 = tiny_gemma4_config(
+        hidden_size_per_layer_input=16,
+        num_kv_shared_layers=2,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=64,
+    )
+    config = _config_file(tmp_path, gemma4)
+    code, stdout, stderr = _bench(
+        capsys,
+        *("--random", str(config), "--quant", "4bit", "--device", "cpu"),
+        *("--contexts", "12", "--prefill", "10", "--steps", "2"),
+    )
+    assert code == 0, stderr
+    assert "MLXQuantizedLinear weights" in stdout
+    assert [row["phase"] for row in _table(stdout)] == ["decode", "prefill", "first token"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Random GGUF files
+
+# llama.cpp's fixed Gemma 3 layout: every 6th layer full, attention scale 1/sqrt(head_dim).
+# The file keeps rms_norm_eps in float32: 2^-20 reads back as it was written.
+GGUF_SHAPES = {
+    "num_hidden_layers": 6,
+    "layer_types": None,
+    "query_pre_attn_scalar": 32,
+    "rms_norm_eps": 2**-20,
+}
+
+
+class MemoryCheckpoint:
+    """Canonical tensors held in memory, through the same loader as files."""
+
+    format = "memory"
+    stored_dtype = torch.float32
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.path = Path("memory")
+        self.config = config
+        self._tensors = tensors
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._tensors.items()
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES)
+def test_random_gguf_round_trips_through_the_loader(ggml_type: str, tmp_path: Path) -> None:
+    """The file's logits equal those of the same random tensors given from memory, exactly:
+    both are fp32 models of the same values (the file's dequantized by the reader)."""
+    config = tiny_gemma3_config(**GGUF_SHAPES).to_dict()
+    path, written = write_random_gemma3_gguf(
+        tmp_path / "tiny.gguf", config, minimal_tokenizer(TINY_VOCAB), ggml_type, seed=3
+    )
+    parsed = parse_config(written)
+    tensors = {t.name: t.values() for t in random_gemma3_tensors(parsed, ggml_type, seed=3)}
+    from_file = build_model(open_checkpoint(path), torch.float32, progress=False)
+    from_memory = build_model(MemoryCheckpoint(written, tensors), torch.float32, progress=False)  # type: ignore[arg-type]
+    assert from_file.config == from_memory.config
+    ids = torch.randint(0, len(TINY_VOCAB), (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(from_file(ids), from_memory(ids), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def gemma3_tokenizer() -> dict[str, Any]:
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_with_tokenizer(
+    tmp_path_factory: pytest.TempPathFactory, gemma3_tokenizer: dict[str, Any]
+) -> Path:
+    """Tiny widths, Gemma 3's real tokenizer (262144 tokens: a 17 MB Q8_0 file)."""
+    config = tiny_gemma3_config(**GGUF_SHAPES).to_dict()
+    path = tmp_path_factory.mktemp("gguf") / "tiny-real-vocab.gguf"
+    return write_random_gemma3_gguf(path, config, gemma3_tokenizer, "Q8_0")[0]
+
+
+def test_random_gguf_carries_the_tokenizer(
+    tiny_gguf_with_tokenizer: Path, gemma3_tokenizer: dict[str, Any]
+) -> None:
+    """Every tokenizer field, typed as llama.cpp reads them (the test below tokenizes with
+    it; test_bench_times_a_gguf_file loads it through Hearth's tokenizer)."""
+    checkpoint = open_checkpoint(tiny_gguf_with_tokenizer)
+    assert tokenizer_metadata(checkpoint.metadata) == gemma3_tokenizer  # type: ignore[attr-defined]
+    assert checkpoint.config["vocab_size"] == 262144  # the token count, not a padded 262208
+    assert checkpoint.config["hidden_size"] == 64
+
+
+def test_bench_times_a_gguf_file(
+    tiny_gguf_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, stdout, stderr = _bench(
+        capsys,
+        *(str(tiny_gguf_with_tokenizer), "--device", "cpu"),
+        *("--contexts", "16", "--prefill", "8", "--steps", "2"),
+    )
+    assert code == 0, stderr
+    assert "tiny-real-vocab.gguf (gguf)" in stdout
+    assert [row["phase"] for row in _table(stdout)] == ["decode", "prefill", "first token"]
+
+
+def test_llama_cpp_reads_the_random_gguf(tiny_gguf_with_tokenizer: Path) -> None:
+    """Same tokens, and last-position logits within llama.cpp's own rounding (it computes
+    Q8_0 dot products against 8-bit activations: ~1% of the logit scale here)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llama = llama_cpp.Llama(str(tiny_gguf_with_tokenizer), n_ctx=64, logits_all=True, verbose=False)
+    ids = llama.tokenize(b"Hello world")
+    assert ids == [2, 9259, 1902]  # "<bos>Hello world" in Gemma 3's vocabulary
+    llama.eval(ids)
+    theirs = np.array(llama.scores[len(ids) - 1])
+    model = build_model(open_checkpoint(tiny_gguf_with_tokenizer), torch.float32, progress=False)
+    with torch.inference_mode():
+        ours = model(torch.tensor([ids]))[0, -1].numpy()
+    assert np.abs(ours - theirs).max() < 0.05 * np.abs(ours).max()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2
+
+
+def _assert_one_line_error(code: int, stderr: str, needle: str) -> None:
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("hearth: error: ") and needle in lines[0], lines[0]
+
+
+def test_bad_inputs_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(_config_file(tmp_path, tiny_gemma3_config()))  # 512 positions at most
+    (tmp_path / "broken.json").write_text("{not json")
+    cpu = ("--device", "cpu")
+    cases = [
+        (("--random", "gemma9-1b", *cpu), "neither a preset"),
+        (("--random", str(tmp_path / "broken.json"), *cpu), "not a JSON config"),
+        (("--random", str(tmp_path / "absent"), *cpu), "neither a preset"),
+        (("--random", config, "--contexts", "1000", *cpu), "exceeds the model's maximum"),
+        (("--random", config, "--prefill", "600", *cpu), "exceeds the model's maximum"),
+        (("--random", config, "--contexts", "1", *cpu), "at least 2"),
+        (("--random", config, "--contexts", "16,x", *cpu), "positive integers"),
+        (("--random", config, "--steps", "0", *cpu), "positive integer"),
+        (("--random", config, "--quant", "3bit", *cpu), "invalid choice"),
+        (("--random", config, "--out", str(tmp_path / "no" / "t.md"), *cpu), "does not exist"),
+        ((config, "--random", config, *cpu), "not both"),
+        ((str(tmp_path / "missing.gguf"), *cpu), "does not exist"),
+        (("--random", config, "--device", "tpu"), "cpu or cuda"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((("--random", config, "--device", "cuda"), "no CUDA device"))
+    for args, needle in cases:
+        _assert_one_line_error(*_bench(capsys, *args)[::2], needle)
+
+
+def test_quant_applies_only_to_random_models(
+    tiny_gguf_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, stderr = _bench(capsys, str(tiny_gguf_with_tokenizer), "--quant", "4bit")
+    _assert_one_line_error(code, stderr, "--quant applies to --random")
