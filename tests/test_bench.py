@@ -25,6 +25,7 @@ from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_writer import minimal_tokenizer, tokenizer_metadata
 from hearth.cli import main
 from hearth.config import parse_config
+from hearth.kv import parse_kv_quant
 from hearth.models.loading import build_model
 from tiny import TINY_VOCAB, tiny_gemma3_config, tiny_gemma4_config
 
@@ -103,6 +104,18 @@ def test_roofline_helpers_match_the_hand_computation() -> None:
     assert prefill_flops(config, 16, chunk=4) == hand_prefill_flops(16) + 2 * 3 * TABLE
 
 
+def test_kv_bytes_follow_the_cache_layout() -> None:
+    """TurboQuant k8v3 at head_dim 32 in bf16, per token and KV head (docs/kv-cache.md):
+    keys 32 B of codes + one group's bf16 scale and bias (4 B); values 12 B of 3-bit codes
+    + one fp16 σ (2 B). A decode at 16 reads 8 tokens on sliding layers, 16 on full ones."""
+    config = parse_config(tiny_gemma3_config().to_dict())
+    per_token_and_head = (32 + 4) + (12 + 2)
+    seen = 2 * 8 + 2 * 16
+    expected = per_token_and_head * 2 * seen  # 2 KV heads
+    assert kv_bytes(config, 16, 2, parse_kv_quant("turbo:k8v3")) == expected
+    assert kv_bytes(config, 16, 2, parse_kv_quant("off")) == kv_bytes(config, 16, 2)
+
+
 def test_bench_random_tiny_prints_the_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -146,6 +159,23 @@ def test_bench_random_tiny_prints_the_table(
         share = _number(row["tok/s"]) / roofline * 100
         assert _number(row["of roofline"]) == pytest.approx(share, rel=0.01, abs=0.05)
     assert "Hearth / HF transformers: decode" in stdout
+
+
+def test_bench_decodes_over_a_quantized_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config_file(tmp_path, tiny_gemma3_config())
+    code, stdout, stderr = _bench(
+        capsys,
+        *("--random", str(config), "--device", "cpu", "--contexts", "16"),
+        *("--prefill", "8", "--steps", "2", "--kv-quant", "turbo:k8v3"),
+    )
+    assert code == 0, stderr
+    assert "KV cache turbo:k8v3" in stdout
+    decode = _table(stdout)[0]
+    assert _number(decode["tok/s"]) > 0
+    code, _, stderr = _bench(capsys, "--random", str(config), "--kv-quant", "k9")
+    assert code == 2 and "unknown --kv-quant 'k9'" in stderr
 
 
 @pytest.mark.parametrize("context", [5, 20])  # within and past the sliding window of 8

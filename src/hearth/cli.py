@@ -274,12 +274,19 @@ def _add_bench_parser(commands: Any) -> None:
         metavar="FLOP/S",
         help="compute peak of the prefill roofline (default 790e12, H200 dense bf16)",
     )
+    bench.add_argument(
+        "--kv-quant",
+        default="off",
+        metavar="KIND",
+        help="KV cache layout decode runs over: off (default), 8, 4, turbo:SCHEME",
+    )
     bench.add_argument("--out", metavar="FILE", help="also write the Markdown table to FILE")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from hearth.bench import BenchOptions, render
     from hearth.bench import run_bench as bench
+    from hearth.kv import parse_kv_quant
 
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise HearthError(f"--out {args.out}: the directory does not exist")
@@ -294,7 +301,12 @@ def run_bench(args: argparse.Namespace) -> int:
         device=args.device,
         bandwidth=args.bandwidth,
         peak_flops=args.peak_flops,
+        kv_quant=args.kv_quant,
     )
+    try:
+        parse_kv_quant(args.kv_quant)
+    except ValueError as error:
+        raise HearthError(str(error)) from None
     table = render(bench(options, lambda line: print(line, file=sys.stderr, flush=True)))
     print(table, end="")
     if args.out:

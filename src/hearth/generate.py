@@ -255,14 +255,18 @@ def _sample(
     return sampler.sample(logits, history), None
 
 
-def _graph_decoder(model: Model, context: int, policy: KVPolicy) -> Any:
-    """A CUDA-graph decoder when it applies: a CUDA model whose MoE blocks, if any, run on
+def decodes_with_graphs(model: Model) -> bool:
+    """Whether decode runs from CUDA graphs: a CUDA model whose MoE blocks, if any, run on
     the gathered-expert kernels (the per-expert loop synchronises with the host)."""
     from hearth.models.gemma4 import Experts
 
     if model.device.type != "cuda" or not HAS_TRITON:
-        return None
-    if any(isinstance(m, Experts) and not m.kernels_cover_weights for m in model.modules()):
+        return False
+    return not any(isinstance(m, Experts) and not m.kernels_cover_weights for m in model.modules())
+
+
+def _graph_decoder(model: Model, context: int, policy: KVPolicy) -> Any:
+    if not decodes_with_graphs(model):
         return None
     from hearth.cuda_graph import GraphDecoder
 

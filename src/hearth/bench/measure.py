@@ -3,7 +3,8 @@
 Decode at context C: the caches are filled with C - 1 tokens of random K/V (writing them
 costs nothing next to prefilling C tokens), then `steps` greedy steps run as the engine runs
 them: replayed from CUDA graphs over static caches on a GPU (dense models), eagerly over the
-growing caches otherwise. Prefill runs the prompt in the engine's chunks of 512 tokens.
+growing caches otherwise. Prefill runs the prompt in the engine's chunks (4096 tokens on a
+GPU, 512 on a CPU: `generate.default_prefill_step`).
 
 Rooflines: a decode step must read every weight it uses once (`decode_bytes`) and the K/V of
 the context (`kv_bytes`), at `bandwidth`; a prefill must do `prefill_flops`, at `peak_flops`.
@@ -20,13 +21,12 @@ import torch
 from torch import nn
 
 from hearth.config import FULL_ATTENTION, Gemma4Config, ModelConfig
-from hearth.generate import prefill
-from hearth.kv import LayerCache, layer_specs, make_caches
+from hearth.generate import decodes_with_graphs, default_prefill_step, prefill
+from hearth.kv import KVPolicy, LayerCache, layer_specs, make_caches
 from hearth.models import Model
 from hearth.models.loading import _model_class
 from hearth.sampling import Sampler, SamplingParams
 
-PREFILL_CHUNK = 512  # the engine's prefill step (generate_tokens' default)
 WARMUP_STEPS = 2  # eager decode steps run before timing (kernel selection, allocations)
 
 
@@ -66,14 +66,24 @@ def _attention_layers(config: ModelConfig) -> list[tuple[int, int, int, int | No
     return layers
 
 
-def kv_bytes(config: ModelConfig, context: int, element_bytes: int) -> int:
+def kv_bytes(
+    config: ModelConfig, context: int, element_bytes: int, policy: KVPolicy | None = None
+) -> int:
     """K/V bytes a decode step at `context` reads: each layer its keys within reach (all on
-    full layers, the window on sliding ones). Gemma 4's KV-sharing layers read their donor's
-    K/V again, so they count too."""
-    return sum(
-        2 * kv_heads * head_dim * element_bytes * min(context, window or context)
-        for _, kv_heads, head_dim, window in _attention_layers(config)
-    )
+    full layers, the window on sliding ones), in the layout `policy` stores them (plain
+    `element_bytes` values when None). Gemma 4's KV-sharing layers read their donor's K/V
+    again, so they count too."""
+    total = 0
+    for index, (_, kv_heads, head_dim, window) in enumerate(_attention_layers(config)):
+        per_token = 2 * kv_heads * head_dim * element_bytes
+        if policy is not None and not policy.is_dense:
+            sample = torch.zeros(1, kv_heads, 1, head_dim, dtype=_DTYPES[element_bytes])
+            per_token = sum(plane.nbytes for plane in policy.codec_of(index).encode(sample, sample))
+        total += per_token * min(context, window or context)
+    return total
+
+
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
 def _matrix_params(config: ModelConfig) -> tuple[float, float]:
@@ -117,7 +127,7 @@ def _keys_seen_sum(first: int, last: int, window: int | None) -> int:
     return total
 
 
-def prefill_flops(config: ModelConfig, tokens: int, chunk: int = PREFILL_CHUNK) -> float:
+def prefill_flops(config: ModelConfig, tokens: int, chunk: int = 512) -> float:
     """FLOPs of a chunked prefill of `tokens`: 2 per multiply-add of every matmul token by
     token, with the head and KV-sharing layers on the last token of each chunk only (as the
     model runs them), plus attention's QK^T and PV over the keys each query may see."""
@@ -159,12 +169,6 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def uses_graphs(model: Model) -> bool:
-    """Whether the engine decodes this model from CUDA graphs (generate._graph_decoder's rule:
-    a CUDA model without MoE, whose expert loop synchronises with the host)."""
-    return model.device.type == "cuda" and getattr(model.config, "moe", None) is None
-
-
 def _random_ids(model: Model, count: int, device: torch.device) -> torch.Tensor:
     config = model.config
     vocab = min(config.vocab_size, getattr(config, "vocab_size_per_layer_input", None) or 2**62)
@@ -188,14 +192,18 @@ def fill_caches(caches: list[Any], model: Model, tokens: int) -> None:
 
 
 @torch.inference_mode()
-def time_decode(model: Model, context: int, steps: int) -> tuple[float, str]:
-    """Seconds per greedy decode step with `context - 1` tokens already cached, and the path."""
+def time_decode(
+    model: Model, context: int, steps: int, policy: KVPolicy | None = None
+) -> tuple[float, str]:
+    """Seconds per greedy decode step with `context - 1` tokens already cached (in the
+    layout `policy` picks), and the path."""
     device = model.device
-    if uses_graphs(model):
-        seconds = _time_graph_decode(model, context, steps)
+    policy = policy or KVPolicy()
+    if decodes_with_graphs(model):
+        seconds = _time_graph_decode(model, context, steps, policy)
         release(device)  # the static caches and the graphs' memory pools
         return seconds, "CUDA graph"
-    caches: list[LayerCache] = make_caches(model.config)
+    caches: list[LayerCache] = policy.make_caches(model.config)
     fill_caches(caches, model, context - 1)
     token = _random_ids(model, 1, device)
     position = context - 1
@@ -211,11 +219,11 @@ def time_decode(model: Model, context: int, steps: int) -> tuple[float, str]:
     return timed(device, lambda: run(steps)) / steps, "eager"
 
 
-def _time_graph_decode(model: Model, context: int, steps: int) -> float:
+def _time_graph_decode(model: Model, context: int, steps: int, policy: KVPolicy) -> float:
     from hearth.cuda_graph import GraphDecoder
 
     device = model.device
-    decoder = GraphDecoder(model, max_context=context + steps)
+    decoder = GraphDecoder(model, max_context=context + steps, policy=policy)
     fill_caches(decoder.caches, model, context - 1)
     token = _random_ids(model, 1, device)
 
@@ -237,18 +245,21 @@ def _time_graph_decode(model: Model, context: int, steps: int) -> float:
 
 def _prefill_runner(model: Model, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A fresh chunked prefill of `ids` as the engine runs it; returns the last logits."""
-    if uses_graphs(model):
+    if decodes_with_graphs(model):
         from hearth.cuda_graph import GraphDecoder
 
-        return lambda: GraphDecoder(model, ids.shape[1] + 1).prefill(ids, PREFILL_CHUNK)
-    return lambda: prefill(model, ids, make_caches(model.config), PREFILL_CHUNK)
+        chunk = default_prefill_step(model.device)
+        return lambda: GraphDecoder(model, ids.shape[1] + 1).prefill(ids, chunk)
+    chunk = default_prefill_step(model.device)
+    return lambda: prefill(model, ids, make_caches(model.config), chunk)
 
 
 @torch.inference_mode()
 def time_prefill(model: Model, tokens: int) -> float:
     """Seconds of a chunked prefill of `tokens` random tokens (after a shorter warm-up)."""
     device = model.device
-    warmup = _prefill_runner(model, _random_ids(model, min(tokens, 2 * PREFILL_CHUNK), device))
+    chunk = default_prefill_step(device)
+    warmup = _prefill_runner(model, _random_ids(model, min(tokens, 2 * chunk), device))
     warmup()
     run = _prefill_runner(model, _random_ids(model, tokens, device))
     seconds = timed(device, run)

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from hearth.bench.measure import (
-    PREFILL_CHUNK,
     decode_bytes,
     kv_bytes,
     prefill_flops,
@@ -34,6 +33,8 @@ from hearth.bench.report import (
 )
 from hearth.config import ModelConfig, parse_config
 from hearth.errors import HearthError
+from hearth.generate import default_prefill_step
+from hearth.kv import parse_kv_quant
 from hearth.models import Model
 
 DEFAULT_BANDWIDTH = 4.2e12  # B/s: measured device-to-device copy on an H200
@@ -52,6 +53,7 @@ class BenchOptions:
     device: str | None = None
     bandwidth: float = DEFAULT_BANDWIDTH
     peak_flops: float = DEFAULT_PEAK_FLOPS
+    kv_quant: str = "off"  # the KV cache layout decode runs over (`--kv-quant`)
 
 
 @dataclass
@@ -153,8 +155,9 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
         device=_device_name(device),
         versions=f"torch {torch.__version__}, triton {_version('triton')}",
         settings=(
-            f"batch 1, {options.steps} decode steps per context, prefill in chunks of "
-            f"{PREFILL_CHUNK}; rooflines at {options.bandwidth / 1e12:.3g} TB/s and "
+            f"batch 1, {options.steps} decode steps per context, KV cache "
+            f"{options.kv_quant}, prefill in chunks of {default_prefill_step(device)}; "
+            f"rooflines at {options.bandwidth / 1e12:.3g} TB/s and "
             f"{options.peak_flops / 1e12:.4g} TFLOP/s"
         ),
     )
@@ -175,14 +178,15 @@ def _measure_hearth(
 ) -> None:
     weights = decode_bytes(model)
     element = torch.empty((), dtype=model.compute_dtype).element_size()
+    policy = parse_kv_quant(options.kv_quant)
     for context in options.contexts:
-        seconds, path = time_decode(model, context, options.steps)
-        work = weights + kv_bytes(config, context, element)
+        seconds, path = time_decode(model, context, options.steps, policy)
+        work = weights + kv_bytes(config, context, element, policy)
         report.rows.append(Row(DECODE, context, seconds, path, work, work / options.bandwidth))
         progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")
     for tokens in options.prefill:
         seconds = time_prefill(model, tokens)
-        work = prefill_flops(config, tokens)
+        work = prefill_flops(config, tokens, default_prefill_step(model.device))
         row = Row(PREFILL, tokens, seconds, "chunked", work, work / options.peak_flops)
         report.rows.append(row)
         progress(f"bench: prefill of {tokens}: {tokens / seconds:,.1f} tok/s")
