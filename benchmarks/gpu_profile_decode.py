@@ -18,9 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_decode import PRESETS, build_random
+from hearth.bench.random_model import PRESETS, build_random
 from hearth.cuda_graph import GraphDecoder
 
 STEPS = 5
