@@ -168,12 +168,14 @@ def test_bench_decodes_over_a_quantized_cache(
     code, stdout, stderr = _bench(
         capsys,
         *("--random", str(config), "--device", "cpu", "--contexts", "16"),
-        *("--prefill", "8", "--steps", "2", "--kv-quant", "turbo:k8v3"),
+        *("--prefill", "8", "--steps", "2", "--kv-quant", "off,turbo:k8v3"),
     )
     assert code == 0, stderr
-    assert "KV cache turbo:k8v3" in stdout
-    decode = _table(stdout)[0]
-    assert _number(decode["tok/s"]) > 0
+    assert "KV cache off, turbo:k8v3" in stdout
+    dense, turbo = _table(stdout)[:2]
+    assert dense["path"].endswith("KV off") and turbo["path"].endswith("KV turbo:k8v3")
+    assert _number(turbo["tok/s"]) > 0
+    assert _si(turbo["work"]) < _si(dense["work"])  # the same weights, fewer KV bytes
     code, _, stderr = _bench(capsys, "--random", str(config), "--kv-quant", "k9")
     assert code == 2 and "unknown --kv-quant 'k9'" in stderr
 

@@ -277,8 +277,9 @@ def _add_bench_parser(commands: Any) -> None:
     bench.add_argument(
         "--kv-quant",
         default="off",
-        metavar="KIND",
-        help="KV cache layout decode runs over: off (default), 8, 4, turbo:SCHEME",
+        metavar="KINDS",
+        help="KV cache layouts decode runs over, comma-separated: off (default), 8, 4, "
+        "turbo:SCHEME; e.g. off,4,turbo:k4v3",
     )
     bench.add_argument("--out", metavar="FILE", help="also write the Markdown table to FILE")
 
@@ -301,10 +302,11 @@ def run_bench(args: argparse.Namespace) -> int:
         device=args.device,
         bandwidth=args.bandwidth,
         peak_flops=args.peak_flops,
-        kv_quant=args.kv_quant,
+        kv_quant=tuple(args.kv_quant.split(",")),
     )
     try:
-        parse_kv_quant(args.kv_quant)
+        for layout in options.kv_quant:
+            parse_kv_quant(layout)
     except ValueError as error:
         raise HearthError(str(error)) from None
     table = render(bench(options, lambda line: print(line, file=sys.stderr, flush=True)))

@@ -53,7 +53,7 @@ class BenchOptions:
     device: str | None = None
     bandwidth: float = DEFAULT_BANDWIDTH
     peak_flops: float = DEFAULT_PEAK_FLOPS
-    kv_quant: str = "off"  # the KV cache layout decode runs over (`--kv-quant`)
+    kv_quant: Sequence[str] = ("off",)  # KV cache layouts decode runs over (`--kv-quant`)
 
 
 @dataclass
@@ -156,7 +156,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
         versions=f"torch {torch.__version__}, triton {_version('triton')}",
         settings=(
             f"batch 1, {options.steps} decode steps per context, KV cache "
-            f"{options.kv_quant}, prefill in chunks of {default_prefill_step(device)}; "
+            f"{', '.join(options.kv_quant)}, prefill in chunks of {default_prefill_step(device)}; "
             f"rooflines at {options.bandwidth / 1e12:.3g} TB/s and "
             f"{options.peak_flops / 1e12:.4g} TFLOP/s"
         ),
@@ -178,12 +178,16 @@ def _measure_hearth(
 ) -> None:
     weights = decode_bytes(model)
     element = torch.empty((), dtype=model.compute_dtype).element_size()
-    policy = parse_kv_quant(options.kv_quant)
-    for context in options.contexts:
-        seconds, path = time_decode(model, context, options.steps, policy)
-        work = weights + kv_bytes(config, context, element, policy)
-        report.rows.append(Row(DECODE, context, seconds, path, work, work / options.bandwidth))
-        progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")
+    layouts = list(options.kv_quant)
+    for layout in layouts:
+        policy = parse_kv_quant(layout)
+        for context in options.contexts:
+            seconds, path = time_decode(model, context, options.steps, policy)
+            path += f", KV {layout}" if layouts != ["off"] else ""
+            work = weights + kv_bytes(config, context, element, policy)
+            row = Row(DECODE, context, seconds, path, work, work / options.bandwidth)
+            report.rows.append(row)
+            progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")
     for tokens in options.prefill:
         seconds = time_prefill(model, tokens)
         work = prefill_flops(config, tokens, default_prefill_step(model.device))
