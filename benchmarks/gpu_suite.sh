@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check and measurement of the kernels and the decode loop, in one run on the H200.
 # Tables land in $OUT (default benchmarks/results/tmp); each stage has its own time limit so
-# one slow stage cannot take the others down.  Usage: OUT=/tmp/out benchmarks/gpu_suite.sh
+# one slow stage cannot take the others down. Two parts, each within one 10-minute device call:
+#   OUT=/tmp/out benchmarks/gpu_suite.sh kernels   # checks, kernels, Gemma 3 12B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh models    # KV layouts at long context, Gemma 4 models
 set -u
+PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src OUT
@@ -14,13 +17,16 @@ stage() {  # stage SECONDS NAME COMMAND...
   grep -E '^\||passed|failed|Error' "$OUT/$name.log" | tail -40
 }
 bench() { python -m hearth.cli bench "$@"; }
+if [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
 stage 60 gemv python benchmarks/gpu_gemv_bf16.py
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 150 bench-12b bench --random gemma3-12b --hf --out "$OUT/bench-gemma3-12b.md"
 stage 120 bench-12b-4bit bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+else
 stage 150 bench-12b-kv bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131072 --prefill 512 --out "$OUT/bench-gemma3-12b-kv.md"
 stage 120 bench-e4b bench --random e4b --hf --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-e4b.md"
 stage 120 bench-26b bench --random 26b-a4b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-26b-a4b.md"
 stage 150 bench-31b bench --random 31b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-31b.md"
+fi
