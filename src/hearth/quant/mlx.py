@@ -229,8 +229,10 @@ class MLXQuantizedEmbedding(_PackedAffine):
 
     def embed(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows of ``ids``, dequantizing only those rows."""
+        # Gathered as int32 (same bits): CUDA has no uint32 index kernel.
+        packed = self.packed.view(torch.int32)[ids].view(torch.uint32)
         rows = dequantize_affine(
-            self.packed[ids], self.scales[ids], self.biases[ids], self.bits, self.group_size
+            packed, self.scales[ids], self.biases[ids], self.bits, self.group_size
         )
         return rows.to(dtype)
 
