@@ -154,7 +154,7 @@ class StaticCache:
             filled &= positions > positions[filled].max() - self.capacity
         slots = positions[filled] % self.capacity
         for plane, part in zip(self._planes, planes, strict=True):
-            _as_indexable(plane).index_copy_(2, slots, _as_indexable(part[:, :, filled]))
+            _as_indexable(plane).index_copy_(2, slots, _as_indexable(part)[:, :, filled])
         self._positions.fill_(EMPTY_POSITION)
         self._positions.index_copy_(0, slots, positions[filled])
         self._next.fill_(int(positions[filled].max()) + 1 if bool(filled.any()) else 0)
