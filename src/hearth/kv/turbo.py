@@ -80,14 +80,24 @@ def _tables() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 CODEBOOKS = _tables()  # bits -> (centroids, boundaries), fp32; ~10 ms at import
 
 
+@cache
+def _on_device(table: str, key: int, device: torch.device) -> torch.Tensor:
+    """A codebook (by bits) or sign vector (by dim) copied to `device` once: a decode step
+    captured in a CUDA graph must not copy from the host."""
+    if table == "signs":
+        return random_signs(key).to(device)
+    centroids, boundaries = CODEBOOKS[key]
+    return (centroids if table == "centroids" else boundaries).to(device)
+
+
 def quantize_normal(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Codebook index of each element (the number of boundaries below it), as uint8."""
-    boundaries = CODEBOOKS[bits][1].to(x.device)
+    boundaries = _on_device("boundaries", bits, x.device)
     return torch.bucketize(x.float().contiguous(), boundaries).to(torch.uint8)
 
 
 def dequantize_normal(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    return CODEBOOKS[bits][0].to(codes.device)[codes.long()]
+    return _on_device("centroids", bits, codes.device)[codes.long()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,12 +130,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """H·diag(s)·x: spreads each vector's energy evenly, so coordinates look Gaussian."""
-    return hadamard(x.float() * random_signs(x.shape[-1]).to(x.device))
+    return hadamard(x.float() * _on_device("signs", x.shape[-1], x.device))
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """diag(s)·H·y, the inverse of `rotate`."""
-    return hadamard(y) * random_signs(y.shape[-1]).to(y.device)
+    return hadamard(y) * _on_device("signs", y.shape[-1], y.device)
 
 
 # ---------------------------------------------------------------------------------------------
