@@ -207,7 +207,9 @@ def test_dense_query_in_the_middle_of_the_cache() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bits", "group_size", "dim"), [(4, 32, 64), (8, 64, 64), (4, 64, 256), (3, 32, 64)]
+    ("bits", "group_size", "dim"),
+    # 3/5/6 bits: codes straddle words (3-bit g64: two 3-word units per scale group).
+    [(4, 32, 64), (8, 64, 64), (4, 64, 256), (3, 32, 64), (3, 64, 128), (2, 32, 64), (6, 32, 64)],
 )
 def test_affine(bits: int, group_size: int, dim: int) -> None:
     q, keys, values = random_qkv(1, 4, 2, 96, dim, torch.float32)
@@ -230,6 +232,27 @@ def test_turbo(scheme: str, dim: int) -> None:
     check(
         q, planes[:key_planes], planes[key_planes:], key_format, value_format,
         positions, 69, None, dim**-0.5, SMALL_BLOCKS,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("scheme", ["dense", "affine4", "t4v3"])
+def test_single_pass_without_merge(scheme: str) -> None:
+    # splits=1: the split kernel normalises and writes the output itself (no merge launch).
+    q, keys, values = random_qkv(1, 4, 2, 48, 64, torch.float32)
+    positions = ring_positions(48, 60)
+    if scheme == "dense":
+        planes, key_format, value_format, key_planes = [keys, values], DENSE, DENSE, 1
+    elif scheme == "affine4":
+        planes = AffineCodec(4, 32).encode(keys, values)
+        key_format = value_format = PlaneFormat.affine(4, 32)
+        key_planes = 3
+    else:
+        codec = TurboCodec.parse(scheme)
+        key_format, value_format, key_planes = formats_of(codec)
+        planes = codec.encode(keys, values)
+    check(
+        q, planes[:key_planes], planes[key_planes:], key_format, value_format,
+        positions, 59, 40, 0.125, LaunchConfig(block_n=16, splits=1),
     )  # fmt: skip
 
 

@@ -92,6 +92,7 @@ class LaunchConfig:
     num_stages: int | None = None
     splits: int | None = None  # a target: slots per split are rounded to 2^k blocks
     skip_masked_blocks: bool = True  # branch over blocks with no visible slot
+    programs_per_sm: int | None = None  # split target when `splits` is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,11 +120,11 @@ def _centroids(bits: int, device: torch.device) -> torch.Tensor:
 
 
 @cache
-def _programs_wanted(device: torch.device) -> int:
-    """About two programs per SM keep every SM streaming; a fixed count off the GPU."""
+def _multiprocessors(device: torch.device) -> int:
+    """SM count; a fixed 8 off the GPU (the interpreter), so CPU tests see several splits."""
     if device.type != "cuda":
-        return 16
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,43 +142,62 @@ if triton is not None:
     EMPTY = tl.constexpr(EMPTY_POSITION)
 
     @triton.jit
-    def _unpack_codes(
-        words,
-        rows,
-        row_mask,
-        stride_slot,
-        BITS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """Codes [BLOCK_N, HEAD_DIM] (uint32) of the rows' LSB-first bit streams."""
-        if 32 % BITS == 0:
-            # Whole codes per word: load each word once and fan it out with shifts.
-            PER_WORD: tl.constexpr = 32 // BITS
-            WORDS: tl.constexpr = HEAD_DIM // PER_WORD
-            offsets = rows[:, None] * stride_slot + tl.arange(0, WORDS)[None, :]
-            packed = tl.load(words + offsets, mask=row_mask[:, None], other=0)
-            packed = packed.to(tl.uint32, bitcast=True)
-            shifts = (tl.arange(0, PER_WORD) * BITS).to(tl.uint32)
-            codes = (packed[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-            codes = tl.reshape(codes, (BLOCK_N, HEAD_DIM))
-        else:
-            # Codes straddle words (3-bit): read the word holding each code's low bits and,
-            # where it spills over, the next word's low bits.
-            bit = tl.arange(0, HEAD_DIM) * BITS
-            word = bit // 32
-            shift = (bit % 32).to(tl.uint32)
-            spills = (bit % 32) + BITS > 32
-            base = words + rows[:, None] * stride_slot + word[None, :]
-            low = tl.load(base, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)
-            high = tl.load(base + 1, mask=row_mask[:, None] & spills[None, :], other=0)
-            high = high.to(tl.uint32, bitcast=True)
-            codes = (low >> shift[None, :]) | (high << ((32 - shift) % 32)[None, :])
-            codes = codes & ((1 << BITS) - 1)
-        return codes
+    def _centroid(codes, centroids, BITS: tl.constexpr):
+        """Codebook values of codes, with no per-code loads: the codebook is symmetric
+        (c[2^b-1-i] = -c[i]), so the top bit is the sign and a select tree over the other
+        bits picks one of the 2^(b-1) positive centroids (scalars loaded once)."""
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        positive = (codes >> (BITS - 1)) != 0
+        # Magnitude rank: positive codes count up from the middle, negative ones down.
+        # (top bit - 1) is 0 for positive codes and all ones for negative ones.
+        rank = (codes ^ ((codes >> (BITS - 1)) - 1)) & (HALF - 1)
+        magnitude = tl.load(centroids + HALF) + tl.zeros(codes.shape, tl.float32)
+        if BITS >= 2:
+            bit0 = (rank & 1) != 0
+            pair0 = tl.where(bit0, tl.load(centroids + HALF + 1), tl.load(centroids + HALF))
+            magnitude = pair0
+            if BITS >= 3:
+                bit1 = (rank & 2) != 0
+                pair1 = tl.where(bit0, tl.load(centroids + HALF + 3), tl.load(centroids + HALF + 2))
+                magnitude = tl.where(bit1, pair1, pair0)
+                if BITS >= 4:
+                    bit2 = (rank & 4) != 0
+                    pair2 = tl.where(
+                        bit0, tl.load(centroids + HALF + 5), tl.load(centroids + HALF + 4)
+                    )
+                    pair3 = tl.where(
+                        bit0, tl.load(centroids + HALF + 7), tl.load(centroids + HALF + 6)
+                    )
+                    upper = tl.where(bit1, pair3, pair2)
+                    magnitude = tl.where(bit2, upper, magnitude)
+        return tl.where(positive, magnitude, -magnitude)
 
     @triton.jit
-    def _decode_tile(
+    def _group_lanes(BITS: tl.constexpr, GROUP_SIZE: tl.constexpr):
+        """(unit, code index in the unit) of each lane of a group's columns.
+
+        A unit is the fewest whole words holding whole codes (1 word of 32/BITS codes, or 3
+        words of 32 3-bit codes). Lane c holds code c // UNITS of unit c % UNITS: adjacent
+        lanes read adjacent words (vector loads, each word once per shift) and no reshape
+        or layout change is needed; the query and the output are permuted to match.
+        """
+        UNIT_WORDS: tl.constexpr = BITS // (BITS & -BITS)
+        PER_UNIT: tl.constexpr = 32 * UNIT_WORDS // BITS
+        UNITS: tl.constexpr = GROUP_SIZE // PER_UNIT
+        lane = tl.arange(0, GROUP_SIZE)[None, None, :]
+        return lane % UNITS, lane // UNITS
+
+    @triton.jit
+    def _group_dims(BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Head dim [GROUPS, 1, GROUP_SIZE] of each (group, lane) of a grouped tile."""
+        UNIT_WORDS: tl.constexpr = BITS // (BITS & -BITS)
+        PER_UNIT: tl.constexpr = 32 * UNIT_WORDS // BITS
+        unit, index = _group_lanes(BITS, GROUP_SIZE)
+        group = tl.arange(0, HEAD_DIM // GROUP_SIZE)[:, None, None]
+        return group * GROUP_SIZE + unit * PER_UNIT + index
+
+    @triton.jit
+    def _grouped_tile(
         data,
         aux,
         aux2,
@@ -190,29 +210,57 @@ if triton is not None:
         BITS: tl.constexpr,
         GROUP_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        OUT_DTYPE: tl.constexpr,
     ):
-        """Rows of one KV head's planes as a [BLOCK_N, HEAD_DIM] tile in OUT_DTYPE."""
-        if FORMAT == 0:
-            offsets = rows[:, None] * stride_data + tl.arange(0, HEAD_DIM)[None, :]
-            tile = tl.load(data + offsets, mask=row_mask[:, None], other=0.0).to(OUT_DTYPE)
+        """Decoded rows of one KV head as fp32 [GROUPS, BLOCK_N, GROUP_SIZE], lanes in the
+        order of `_group_lanes`; scales broadcast along the lanes (no reshape)."""
+        UNIT_WORDS: tl.constexpr = BITS // (BITS & -BITS)
+        PER_UNIT: tl.constexpr = 32 * UNIT_WORDS // BITS
+        UNITS: tl.constexpr = GROUP_SIZE // PER_UNIT
+        group = tl.arange(0, HEAD_DIM // GROUP_SIZE)[:, None, None]
+        row = rows[None, :, None]
+        mask = row_mask[None, :, None]
+        unit, index = _group_lanes(BITS, GROUP_SIZE)
+        bit = index * BITS
+        shift = (bit % 32).to(tl.uint32)
+        base = data + row * stride_data + group * (UNITS * UNIT_WORDS)
+        if UNIT_WORDS == 1:
+            packed = tl.load(base + unit, mask=mask, other=0).to(tl.uint32, bitcast=True)
+            codes = packed >> shift
         else:
-            GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE
-            codes = _unpack_codes(data, rows, row_mask, stride_data, BITS, HEAD_DIM, BLOCK_N)
-            group_offsets = rows[:, None] * stride_aux + tl.arange(0, GROUPS)[None, :]
-            scale = tl.load(aux + group_offsets, mask=row_mask[:, None], other=0.0)
-            scale = scale.to(tl.float32)[:, :, None]
-            if FORMAT == 1:
-                bias = tl.load(aux2 + group_offsets, mask=row_mask[:, None], other=0.0)
-                levels = tl.reshape(codes.to(tl.float32), (BLOCK_N, GROUPS, GROUP_SIZE))
-                grouped = levels * scale + bias.to(tl.float32)[:, :, None]
-            else:
-                # The codebook has at most 16 entries: the gather stays in L1.
-                levels = tl.load(centroids + codes.to(tl.int32))
-                grouped = tl.reshape(levels, (BLOCK_N, GROUPS, GROUP_SIZE)) * scale
-            tile = tl.reshape(grouped, (BLOCK_N, HEAD_DIM)).to(OUT_DTYPE)
+            # Codes straddle words (3-bit): take each code's low bits from its word and,
+            # where it spills over, the next word's low bits.
+            word_of_code = bit // 32
+            spills = (bit % 32) + BITS > 32
+            low = tl.zeros([1, 1, GROUP_SIZE], tl.uint32)
+            high = tl.zeros([1, 1, GROUP_SIZE], tl.uint32)
+            for k in tl.static_range(UNIT_WORDS):
+                if UNITS == 1:
+                    word = tl.load(base + k, mask=mask, other=0)  # one per (group, row)
+                else:
+                    word = tl.load(base + unit * UNIT_WORDS + k, mask=mask, other=0)
+                word = word.to(tl.uint32, bitcast=True)
+                low = tl.where(word_of_code == k, word, low)
+                high = tl.where(spills & (word_of_code + 1 == k), word, high)
+            codes = (low >> shift) | (high << ((32 - shift) % 32))
+        codes = codes & ((1 << BITS) - 1)
+        aux_offsets = row * stride_aux + group
+        scale = tl.load(aux + aux_offsets, mask=mask, other=0.0).to(tl.float32)
+        if FORMAT == 1:
+            bias = tl.load(aux2 + aux_offsets, mask=mask, other=0.0).to(tl.float32)
+            # Exact int -> float without the slow conversion: 2^23 + code, minus 2^23.
+            levels = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            tile = levels * scale + bias
+        else:
+            tile = _centroid(codes, centroids, BITS) * scale
         return tile
+
+    @triton.jit
+    def _dense_tile(
+        data, rows, row_mask, stride_data, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr
+    ):
+        """Rows of one KV head's dense plane as a [BLOCK_N, HEAD_DIM] tile in OUT_DTYPE."""
+        offsets = rows[:, None] * stride_data + tl.arange(0, HEAD_DIM)[None, :]
+        return tl.load(data + offsets, mask=row_mask[:, None], other=0.0).to(OUT_DTYPE)
 
     @triton.jit
     def _attend_block(
@@ -245,25 +293,45 @@ if triton is not None:
         V_GROUP: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """One online-softmax step (base 2) of the query heads over a block of slots."""
+        """One online-softmax step (base 2) of the query heads over a block of slots.
+
+        Quantized planes are decoded per scale group into [GROUPS, BLOCK_N, GROUP] tiles and
+        multiplied by batched dots (query and accumulator held per group in the same lane
+        order), so no tile is reshaped: reshapes cost layout shuffles through shared memory.
+        """
         dtype = query.dtype
-        keys = _decode_tile(
-            k0, k1, k2, k_centroids, rows, visible, stride_k0s, stride_k1s,
-            K_FORMAT, K_BITS, K_GROUP, HEAD_DIM, BLOCK_N, dtype,
-        )  # fmt: skip
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale_log2
-        scores = tl.where(visible[None, :], scores, float("-inf"))
+        if K_FORMAT == 0:
+            keys = _dense_tile(k0, rows, visible, stride_k0s, HEAD_DIM, dtype)
+            scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
+        else:
+            keys = _grouped_tile(
+                k0, k1, k2, k_centroids, rows, visible, stride_k0s, stride_k1s,
+                K_FORMAT, K_BITS, K_GROUP, HEAD_DIM,
+            ).to(dtype)  # fmt: skip
+            per_group = tl.dot(query, tl.permute(keys, (0, 2, 1)), input_precision=PRECISION)
+            scores = tl.sum(per_group, axis=0)
+        scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp2(running_max - new_max)
         weights = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        values = _decode_tile(
-            v0, v1, v2, v_centroids, rows, visible, stride_v0s, stride_v1s,
-            V_FORMAT, V_BITS, V_GROUP, HEAD_DIM, BLOCK_N, dtype,
-        )  # fmt: skip
-        acc = acc * correction[:, None] + tl.dot(
-            weights.to(dtype), values, input_precision=PRECISION
-        )
+        if V_FORMAT == 0:
+            values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
+            acc = acc * correction[:, None] + tl.dot(
+                weights.to(dtype), values, input_precision=PRECISION
+            )
+        else:
+            values = _grouped_tile(
+                v0, v1, v2, v_centroids, rows, visible, stride_v0s, stride_v1s,
+                V_FORMAT, V_BITS, V_GROUP, HEAD_DIM,
+            ).to(dtype)  # fmt: skip
+            GROUPS: tl.constexpr = HEAD_DIM // V_GROUP
+            shared = tl.broadcast_to(
+                weights.to(dtype)[None, :, :], (GROUPS, weights.shape[0], BLOCK_N)
+            )
+            acc = acc * correction[None, :, None] + tl.dot(
+                shared, values, input_precision=PRECISION
+            )
         return new_max, running_sum, acc
 
     @triton.jit
@@ -297,6 +365,7 @@ if triton is not None:
         part_acc,
         part_max,
         part_sum,
+        out,
         slots,
         splits,
         scale_log2,
@@ -315,6 +384,7 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr,
         SKIP_MASKED: tl.constexpr,
         PRECISION: tl.constexpr,
+        SINGLE_PASS: tl.constexpr,
     ):
         batch_head = tl.program_id(0)
         split = tl.program_id(1)
@@ -325,11 +395,16 @@ if triton is not None:
         group_mask = group < GROUPS
         heads = kv_head * GROUPS + group
         dims = tl.arange(0, HEAD_DIM)
-        query = tl.load(
-            q + batch * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-            mask=group_mask[:, None],
-            other=0.0,
-        )
+        query_rows = q + batch * stride_qb + heads * stride_qh
+        if K_FORMAT == 0:
+            query = tl.load(
+                query_rows[:, None] + dims[None, :], mask=group_mask[:, None], other=0.0
+            )
+        else:  # [GROUPS, BLOCK_G, GROUP], lanes in the key tiles' order
+            key_dims = _group_dims(K_BITS, K_GROUP, HEAD_DIM)
+            query = tl.load(
+                query_rows[None, :, None] + key_dims, mask=group_mask[None, :, None], other=0.0
+            )
         qpos = tl.load(query_position)
 
         k0 += batch * stride_k0b + kv_head * stride_k0h
@@ -341,7 +416,16 @@ if triton is not None:
 
         running_max = tl.full([BLOCK_G], NO_SCORE, tl.float32)
         running_sum = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        if V_FORMAT == 0:
+            acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+            acc_dims = dims[None, :]
+            acc_heads = heads[:, None]
+            acc_mask = group_mask[:, None]
+        else:  # [GROUPS, BLOCK_G, GROUP], lanes in the value tiles' order
+            acc = tl.zeros([HEAD_DIM // V_GROUP, BLOCK_G, V_GROUP], tl.float32)
+            acc_dims = _group_dims(V_BITS, V_GROUP, HEAD_DIM)
+            acc_heads = heads[None, :, None]
+            acc_mask = group_mask[None, :, None]
         start = split * CHUNK
         for block in range(0, CHUNK, BLOCK_N):
             rows = start + block + tl.arange(0, BLOCK_N)
@@ -369,12 +453,25 @@ if triton is not None:
                     V_FORMAT, V_BITS, V_GROUP, PRECISION,
                 )  # fmt: skip
 
-        rows_out = (batch * KV_HEADS * GROUPS + heads) * splits + split
-        tl.store(part_max + rows_out, running_max, mask=group_mask)
-        tl.store(part_sum + rows_out, running_sum, mask=group_mask)
-        tl.store(
-            part_acc + rows_out[:, None] * HEAD_DIM + dims[None, :], acc, mask=group_mask[:, None]
-        )
+        first_head = batch * KV_HEADS * GROUPS
+        if SINGLE_PASS:
+            # One split sees every slot: normalise here and skip the merge launch.
+            total = tl.maximum(running_sum, 1.0e-30)
+            if V_FORMAT == 0:  # noqa: SIM108 (a jitted constexpr branch)
+                result = acc / total[:, None]
+            else:
+                result = acc / total[None, :, None]
+            tl.store(
+                out + (first_head + acc_heads) * HEAD_DIM + acc_dims,
+                result.to(out.dtype.element_ty),
+                mask=acc_mask,
+            )
+        else:
+            rows_out = (first_head + heads) * splits + split
+            tl.store(part_max + rows_out, running_max, mask=group_mask)
+            tl.store(part_sum + rows_out, running_sum, mask=group_mask)
+            acc_rows = (first_head + acc_heads) * splits + split
+            tl.store(part_acc + acc_rows * HEAD_DIM + acc_dims, acc, mask=acc_mask)
 
     @triton.jit
     def _merge_kernel(
@@ -432,22 +529,37 @@ def _check_planes(
 
 
 def _split_plan(
-    slots: int, programs: int, block_n: int, device: torch.device, splits: int | None
+    slots: int, programs: int, block_n: int, device: torch.device, config: LaunchConfig
 ) -> tuple[int, int]:
     """(slots per split, splits): enough programs to fill the GPU, at least a block each.
 
     Slots per split is a power-of-two number of blocks and a compile-time constant, so a
     kernel is compiled for a handful of values however the cache length varies.
     """
-    wanted = splits or max(1, -(-_programs_wanted(device) // programs))
+    per_sm = config.programs_per_sm or PROGRAMS_PER_SM
+    wanted = config.splits or max(1, -(-per_sm * _multiprocessors(device) // programs))
     blocks = -(-slots // block_n)
     per_split = -(-blocks // min(wanted, blocks))
     chunk = block_n * triton.next_power_of_2(per_split)
     return chunk, -(-slots // chunk)
 
 
-def _default_block_n(head_dim: int) -> int:
-    return max(16, min(64, 16384 // head_dim))
+# Defaults chosen from the H200 sweep (benchmarks/gpu_kernels_attention.py).
+PROGRAMS_PER_SM = 2
+
+
+def _default_tiles(
+    head_dim: int, key_format: PlaneFormat, value_format: PlaneFormat
+) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) for a head size and formats."""
+    if key_format.kind != "dense" or value_format.kind != "dense":
+        # Decoded tiles live in registers: 32 slots x 4 warps never spilled in the sweep
+        # (64 slots spilled badly for t4v3 and at D=512), and was within ~6% of the best.
+        return 32, 4, 2
+    # Dense: 32..64 slots per block; 8 warps at D=256, 4 at D=512 (fewer, fuller warps won).
+    block_n = max(16, min(64, 16384 // head_dim))
+    warps = 8 if head_dim == 256 else 4
+    return block_n, warps, 2
 
 
 def decode_attention_rotated(
@@ -480,12 +592,17 @@ def decode_attention_rotated(
     if q.stride(-1) != 1:
         q = q.contiguous()
     groups = query_heads // kv_heads
-    block_n = config.block_n or _default_block_n(head_dim)
-    chunk, splits = _split_plan(slots, batch * kv_heads, block_n, q.device, config.splits)
+    default_n, default_warps, default_stages = _default_tiles(head_dim, key_format, value_format)
+    block_n = config.block_n or default_n
+    chunk, splits = _split_plan(slots, batch * kv_heads, block_n, q.device, config)
+    single_pass = splits == 1
 
     device = q.device
-    part_acc = torch.empty(batch * query_heads * splits, head_dim, device=device)
-    part_max = torch.empty(batch * query_heads * splits, device=device)
+    out_dtype = torch.float32 if value_format.rotated else q.dtype
+    out = torch.empty(batch, query_heads, head_dim, dtype=out_dtype, device=device)
+    partial_rows = 0 if single_pass else batch * query_heads * splits
+    part_acc = torch.empty(partial_rows, head_dim, device=device)
+    part_max = torch.empty(partial_rows, device=device)
     part_sum = torch.empty_like(part_max)
     k0, k1, k2 = _padded(key_planes)
     v0, v1, v2 = _padded(value_planes)
@@ -499,7 +616,7 @@ def decode_attention_rotated(
         _as_words(v0), v1, v2, *v0.stride()[:3], *v1.stride()[:3],
         k_centroids, v_centroids,
         positions, query_position, 0 if window is None else window,
-        part_acc, part_max, part_sum,
+        part_acc, part_max, part_sum, out,
         slots, splits, scale * _LOG2E,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, CHUNK=chunk,
@@ -508,15 +625,16 @@ def decode_attention_rotated(
         V_FORMAT=_KIND_CODES[value_format.kind], V_BITS=value_format.bits,
         V_GROUP=value_format.group_size,
         HAS_WINDOW=window is not None,
-        SKIP_MASKED=config.skip_masked_blocks, PRECISION=precision,
-        num_warps=config.num_warps or (4 if head_dim <= 128 else 8),
-        num_stages=config.num_stages or 2,
+        SKIP_MASKED=config.skip_masked_blocks, PRECISION=precision, SINGLE_PASS=single_pass,
+        num_warps=config.num_warps or default_warps,
+        num_stages=config.num_stages or default_stages,
     )  # fmt: skip
-    out_dtype = torch.float32 if value_format.rotated else q.dtype
-    out = torch.empty(batch, query_heads, head_dim, dtype=out_dtype, device=device)
-    # The merge holds every split of a BLOCK_D slice of one head at once.
+    if single_pass:
+        return out
+    # The merge holds every split of a BLOCK_D slice of one head at once; slices of 64
+    # give enough programs to merge in one wave.
     block_s = max(16, triton.next_power_of_2(splits))
-    block_d = min(head_dim, max(16, 8192 // block_s))
+    block_d = min(head_dim, 64, max(16, 8192 // block_s))
     _merge_kernel[(batch * query_heads, head_dim // block_d)](
         part_acc, part_max, part_sum, out, splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
