@@ -16,17 +16,23 @@ stage() {  # stage SECONDS NAME COMMAND...
   echo "=== $name: exit $?"
   grep -E '^\||passed|failed|Error' "$OUT/$name.log" | tail -40
 }
-bench() { python -m hearth.cli bench "$@"; }
-if [ "$PART" = kernels ]; then
+if [ "$PART" = headline ]; then  # the headline numbers, within one device call
+stage 45 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
+stage 100 affine python benchmarks/gpu_kernels_affine.py
+stage 130 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --out "$OUT/bench-gemma3-12b.md"
+stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 140 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131072 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
+stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
 stage 60 gemv python benchmarks/gpu_gemv_bf16.py
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
-stage 150 bench-12b bench --random gemma3-12b --hf --out "$OUT/bench-gemma3-12b.md"
-stage 120 bench-12b-4bit bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 150 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --out "$OUT/bench-gemma3-12b.md"
+stage 120 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 else
-stage 150 bench-12b-kv bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131072 --prefill 512 --out "$OUT/bench-gemma3-12b-kv.md"
-stage 120 bench-e4b bench --random e4b --hf --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-e4b.md"
-stage 120 bench-26b bench --random 26b-a4b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-26b-a4b.md"
-stage 150 bench-31b bench --random 31b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-31b.md"
+stage 150 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131072 --prefill 512 --out "$OUT/bench-gemma3-12b-kv.md"
+stage 120 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-e4b.md"
+stage 120 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-26b-a4b.md"
+stage 150 bench-31b python -m hearth.cli bench --random 31b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-31b.md"
 fi

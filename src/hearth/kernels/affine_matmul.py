@@ -79,7 +79,8 @@ def affine_expert_matmul_reference(
     """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``."""
     _check_expert_shapes(x, expert_ids)
     ids = expert_ids.reshape(-1)
-    weights = mlx_affine.dequantize_affine(packed[ids], scales[ids], biases[ids], bits, group_size)
+    words = packed.view(torch.int32)[ids].view(torch.uint32)  # CUDA cannot index uint32
+    weights = mlx_affine.dequantize_affine(words, scales[ids], biases[ids], bits, group_size)
     rows = _slot_rows(x, expert_ids)
     out = torch.bmm(weights.to(x.dtype), rows[:, :, None])[..., 0]
     return out.view(*expert_ids.shape, -1)
