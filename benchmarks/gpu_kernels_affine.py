@@ -209,7 +209,8 @@ def expert_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
             args = (x, packed, scales, biases, ids, bits, group)
             got = am.affine_expert_matmul(*args)
             want = am.affine_expert_matmul_reference(*args)
-            chosen = dequantize_affine(packed[ids[0]], scales[ids[0]], biases[ids[0]], bits, group)
+            words = packed.view(torch.int32)[ids[0]].view(torch.uint32)  # no uint32 index on CUDA
+            chosen = dequantize_affine(words, scales[ids[0]], biases[ids[0]], bits, group)
             rows_x = x.reshape(-1, k).expand(top_k, k).double().abs()
             magnitude = torch.einsum("pk,pnk->pn", rows_x, chosen.double().abs()).view(1, top_k, n)
             checks.append(
@@ -222,7 +223,9 @@ def expert_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
             seconds = bench(partial(am.affine_expert_matmul, *args))
             reference = bench(partial(am.affine_expert_matmul_reference, *args))
             ids_flat = ids[0]
-            moved = nbytes(packed[ids_flat], scales[ids_flat], biases[ids_flat], x, got)
+            moved = nbytes(
+                packed.view(torch.int32)[ids_flat], scales[ids_flat], biases[ids_flat], x, got
+            )
             rows.append(
                 [
                     f"experts {label} E={experts} top{top_k} {n}x{k}",

@@ -21,8 +21,13 @@ stage 45 tests python -m pytest -q -x tests/test_static_cache.py tests/test_benc
 stage 100 affine python benchmarks/gpu_kernels_affine.py
 stage 130 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --out "$OUT/bench-gemma3-12b.md"
 stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
-stage 140 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131072 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
+stage 140 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131000 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
 stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = rest ]; then  # what the headline call left: affine kernels, KV layouts, Gemma 4
+stage 90 affine python benchmarks/gpu_kernels_affine.py
+stage 130 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131000 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
+stage 70 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b.md"
+stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-31b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
@@ -31,7 +36,7 @@ stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 150 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --out "$OUT/bench-gemma3-12b.md"
 stage 120 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 else
-stage 150 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131072 --prefill 512 --out "$OUT/bench-gemma3-12b-kv.md"
+stage 150 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131000 --prefill 512 --out "$OUT/bench-gemma3-12b-kv.md"
 stage 120 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-e4b.md"
 stage 120 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-26b-a4b.md"
 stage 150 bench-31b python -m hearth.cli bench --random 31b --contexts 512,8192 --prefill 512,4096 --out "$OUT/bench-31b.md"
