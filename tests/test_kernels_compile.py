@@ -27,8 +27,17 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 import hearth  # noqa: E402
-from hearth.kernels import activation, affine_matmul, decode_attention, kv_write, norm, rope  # noqa: E402
+from hearth.kernels import (  # noqa: E402
+    activation,
+    affine_matmul,
+    decode_attention,
+    kv_quantize,
+    kv_write,
+    norm,
+    rope,
+)
 from hearth.kv.cache import EMPTY_POSITION  # noqa: E402
+from hearth.kv.quantized import AffineCodec  # noqa: E402
 from hearth.kv.turbo import TurboCodec  # noqa: E402
 from hearth.quant.mlx import quantize_affine  # noqa: E402
 
@@ -151,6 +160,18 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             torch.randn(40, 256, dtype=bf16), packed[0], scales[0], biases[0], 4, 64
         ),
     )
+    for bits in kv_quantize.KERNEL_BITS:
+        codec = AffineCodec(bits, 64)
+        sample = torch.zeros(1, 2, 1, 64, dtype=bf16)
+        kv_planes = [
+            p.new_zeros((*p.shape[:2], 16, *p.shape[3:])) for p in codec.encode(sample, sample)
+        ]
+        yield (
+            f"kv quantize b{bits}",
+            lambda b=bits, planes=kv_planes: kv_quantize.quantize_append_triton(
+                torch.tensor([3]), k, k, planes, positions, counter, b, 64
+            ),
+        )
     # Decode attention over every plane format the caches store.
     slots, q = 64, torch.randn(1, 4, 64, dtype=bf16)
     keys = torch.randn(1, 2, slots, 64, dtype=bf16)

@@ -17,9 +17,12 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import kernel_enabled
+from hearth.kernels.kv_quantize import KERNEL_BITS as AFFINE_APPEND_BITS
+from hearth.kernels.kv_quantize import quantize_append_triton
 from hearth.kernels.kv_write import append_token_triton
 from hearth.kernels.rope import CacheWrite
 from hearth.kv.cache import DENSE, EMPTY_POSITION, CacheContents, KVCodec, KVView, StoredKV
+from hearth.kv.quantized import AffineCodec
 
 
 def _as_indexable(plane: torch.Tensor) -> torch.Tensor:
@@ -71,6 +74,20 @@ class StaticCache:
                 positions, keys, values, key_plane, value_plane, self._positions, self._next
             )
             return self._view(stored=True)
+        if count == 1 and positions is not None and self._affine_kernel_applies(keys):
+            # One launch instead of ~100 torch ops: quantize and store in the MLX layout.
+            assert isinstance(self.codec, AffineCodec)
+            quantize_append_triton(
+                positions,
+                keys,
+                values,
+                self._planes,
+                self._positions,
+                self._next,
+                self.codec.bits,
+                self.codec.group_size,
+            )
+            return self._view(stored=True)
         new_positions = self._next + torch.arange(count, device=keys.device)
         ring_prefill = self.window is not None and count > 1
         if first:
@@ -97,6 +114,14 @@ class StaticCache:
         if first or ring_prefill:
             return view
         return self._view(stored=count == 1 and kernel_enabled(keys))
+
+    def _affine_kernel_applies(self, keys: torch.Tensor) -> bool:
+        codec = self.codec
+        return (
+            isinstance(codec, AffineCodec)
+            and codec.bits in AFFINE_APPEND_BITS
+            and kernel_enabled(keys)
+        )
 
     def decode_write(self, positions: torch.Tensor) -> CacheWrite | None:
         """Where a one-token step may write its K/V directly (the fused norm + RoPE kernel
