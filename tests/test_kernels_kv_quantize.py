@@ -51,3 +51,65 @@ def test_quantize_append_equals_quantize_affine(
             assert ((got.float() - expected.float()).abs() <= ulp).all()
         else:
             assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dim", [32, 64, 256, 512])
+def test_rotation_kernel_is_the_reference_bit_for_bit(dim: int) -> None:
+    """Same butterflies in the same order, in fp32: identical to kv.turbo.rotate/unrotate."""
+    from hearth.kernels.hadamard import rotation_triton
+    from hearth.kv.turbo import rotate, unrotate
+
+    x = torch.randn(3, 2, dim).bfloat16()
+    rotated = rotation_triton(x, inverse=False)
+    assert torch.equal(rotated, rotate(x))
+    assert torch.equal(rotation_triton(rotated, inverse=True), unrotate(rotated))
+
+
+@pytest.mark.parametrize("scheme", ["k8v3", "k4v3", "t4v3", "k8v2", "k8v4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_turbo_append_matches_the_codec(scheme: str, dtype: torch.dtype) -> None:
+    """The kernels store what TurboCodec.encode stores. σ is summed in another order, so a σ
+    may differ by one fp16 ulp (and the codes of its group by one level, rarely; none seen):
+    bound the σ difference at one ulp, and require ≥ 99% identical codes."""
+    from hearth.kernels.kv_quantize import turbo_append_reference, turbo_append_triton
+    from hearth.kv.turbo import TurboCodec
+    from hearth.quant.mlx import unpack_codes
+
+    codec = TurboCodec.parse(scheme)
+    heads, dim, capacity, position = 2, 256, 8, 19
+    sample = torch.zeros(1, heads, 1, dim, dtype=dtype)
+    keys = (torch.randn(1, heads, 1, dim) * 3).to(dtype)
+    values = torch.randn(1, heads, 1, dim).to(dtype)
+    results = []
+    for append in (turbo_append_triton, turbo_append_reference):
+        planes = [
+            p.new_zeros((*p.shape[:2], capacity, *p.shape[3:]))
+            for p in codec.encode(sample, sample)
+        ]
+        slots = torch.full((capacity,), EMPTY_POSITION)
+        counter = torch.zeros((), dtype=torch.long)
+        append(torch.tensor([position]), keys, values, planes, slots, counter, codec)
+        assert int(slots[position % capacity]) == position and int(counter) == position + 1
+        results.append(planes)
+    slot = position % capacity
+    for got, expected in zip(*results, strict=True):
+        got, expected = got[:, :, slot], expected[:, :, slot]
+        if got.dtype == torch.uint32:
+            bits = (got.shape[-1] * 32) // dim
+            same = unpack_codes(got, bits) == unpack_codes(expected, bits)
+            assert same.float().mean() >= 0.99
+        elif got.dtype == torch.float16:
+            ulp = expected.float().abs() * 2**-10
+            assert ((got.float() - expected.float()).abs() <= ulp).all()
+        elif got.dtype == torch.bfloat16 and not got.is_cuda:  # interpreter truncation
+            assert ((got.float() - expected.float()).abs() <= expected.float().abs() * 2**-7).all()
+        else:
+            assert torch.equal(got, expected)
+    decoded = [
+        codec.decode([plane[:, :, slot : slot + 1] for plane in planes], torch.float32)
+        for planes in results
+    ]
+    for got, expected in zip(*decoded, strict=True):
+        # Equal codes and σ; an interpreted bf16 key scale one ulp off moves a decoded key
+        # by up to 255 codes x that ulp: ~1% of the range (exactly 0 on a GPU).
+        assert ((got - expected).abs() <= 0.02 * expected.abs().max()).all()

@@ -174,20 +174,20 @@ def test_graph_decode_over_quantized_caches_on_gpu(scheme: str, tmp_path: Path) 
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter path; on a GPU the graph test covers it"
 )
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scheme", ["4", "8", "turbo:k8v3", "turbo:t4v3"])
 def test_quantized_decode_steps_through_the_append_kernel_match(
-    bits: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode steps of an affine static cache whose token is quantized and stored by the
-    Triton kernel (interpreted here) and attended by the decode kernel over the stored
-    planes give the logits of the torch path (fp32: the append kernel equals quantize_affine
-    bit for bit; the attention kernel differs by summation order and exp2, bounded at 1e-4
-    in tests/test_attention_kernel_path.py)."""
+    """Decode steps of a quantized static cache whose token is coded and stored by the
+    Triton kernels (interpreted here) and attended by the decode kernel over the stored
+    planes give the logits of the torch path (fp32: the affine append equals quantize_affine
+    bit for bit, the TurboQuant one stores the codec's codes; the attention kernel differs by
+    summation order and exp2, bounded at 1e-4 in tests/test_attention_kernel_path.py)."""
     import hearth.kv.static as static_module
     from hearth.kv import parse_kv_quant
     from hearth.models import gemma
 
-    policy = parse_kv_quant(str(bits), group_size=32)
+    policy = parse_kv_quant(scheme, group_size=32)
     hf = tiny_gemma3_model(seed=8, head_dim=32)
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(6))

@@ -28,9 +28,10 @@ from functools import cache
 
 import torch
 
+from hearth.kernels.hadamard import rotate_rows, unrotate_rows
 from hearth.kv.cache import EMPTY_POSITION
 from hearth.kv.quantized import AffineCodec
-from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec, decode_rotated, hadamard, random_signs
+from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec, decode_rotated
 
 DENSE, AFFINE, CODEBOOK = 0, 1, 2
 _KIND_CODES = {"dense": DENSE, "affine": AFFINE, "codebook": CODEBOOK}
@@ -99,19 +100,14 @@ class LaunchConfig:
 # Rotation helpers (device-cached: no host-to-device copy on the hot path, nor in a graph)
 
 
-@cache
-def _signs(dim: int, device: torch.device) -> torch.Tensor:
-    return random_signs(dim).to(device)
-
-
 def rotate_query(q: torch.Tensor) -> torch.Tensor:
-    """`turbo.rotate(q)` in fp32, with the sign diagonal kept on q's device."""
-    return hadamard(q.float() * _signs(q.shape[-1], q.device))
+    """`turbo.rotate(q)` in fp32: one kernel on the GPU (kernels/hadamard.py)."""
+    return rotate_rows(q)
 
 
 def unrotate_output(y: torch.Tensor) -> torch.Tensor:
-    """`turbo.unrotate(y)` in fp32, with the sign diagonal kept on y's device."""
-    return hadamard(y) * _signs(y.shape[-1], y.device)
+    """`turbo.unrotate(y)` in fp32: one kernel on the GPU (kernels/hadamard.py)."""
+    return unrotate_rows(y)
 
 
 @cache

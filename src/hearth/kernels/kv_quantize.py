@@ -1,4 +1,4 @@
-"""Quantize one decode token's K/V to the MLX affine layout and store it in a static cache.
+"""Quantize one decode token's K/V and store it in a static cache: MLX affine or TuroQuant.
 
 A quantized static cache encodes each new token with `quantize_affine` (about fifty small torch
 ops for K and V) and copies six planes: at batch-1 decode that is thousands of launches per
@@ -7,14 +7,27 @@ per (KV head, K or V) computes each group's statistics in fp32 with the rule of
 `mx.quantize` (the scale re-fitted so the edge of larger magnitude is exact; round half to
 even), packs the codes LSB first into 32-bit words and writes codes, scales and biases into
 slot position % capacity. The result equals `quantize_affine` bit for bit.
+
+TurboQuant planes (kv/turbo.py) take two more kernels: the rotation (kernels/hadamard.py,
+bit-identical to `turbo.rotate`) and the codebook coder below (σ per 32-group rounded to
+fp16, codes = how many Lloyd–Max boundaries lie below each normalised coordinate, packed LSB
+first at any width, also 3 bits straddling words). Its σ sums in a different order than
+torch, so a σ can differ from `encode_rotated`'s by one fp16 ulp (and then a code rarely).
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from hearth.kernels import HAS_TRITON
+from hearth.kernels.hadamard import rotation_triton
+from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec
 from hearth.quant.mlx import SCALE_EPSILON, quantize_affine
+
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+_FP32_TINY = float(torch.finfo(torch.float32).tiny)
 
 if HAS_TRITON:
     import triton
@@ -46,7 +59,9 @@ if HAS_TRITON:
         D: tl.constexpr,
         GROUP: tl.constexpr,
         BITS: tl.constexpr,
+        WRITES_POSITION: tl.constexpr,
     ):
+        """Grid (KV heads, 1 or 2): K only (TurboQuant's affine keys), or K and V."""
         head = tl.program_id(0).to(tl.int64)
         is_value = tl.program_id(1) == 1
         GROUPS: tl.constexpr = D // GROUP
@@ -85,9 +100,65 @@ if HAS_TRITON:
         stored_dtype = scales_out.dtype.element_ty
         tl.store(scales_out + slot_row * GROUPS + group_index, scale.to(stored_dtype))
         tl.store(biases_out + slot_row * GROUPS + group_index, bias.to(stored_dtype))
-        if (head == 0) & (tl.program_id(1) == 0):
-            tl.store(slot_positions_ptr + slot, position)
-            tl.store(next_ptr, position + 1)
+        if WRITES_POSITION:  # noqa: SIM102 - a compile-time switch around a runtime test
+            if (head == 0) & (tl.program_id(1) == 0):
+                tl.store(slot_positions_ptr + slot, position)
+                tl.store(next_ptr, position + 1)
+
+    @triton.jit
+    def _pack(codes, D: tl.constexpr, BITS: tl.constexpr, WORDS_BLOCK: tl.constexpr):
+        """Codes [D] (uint32, < 2^BITS) as the LSB-first bit stream of D·BITS/32 words, in a
+        block of WORDS_BLOCK (a power of two; the words past the stream are 0)."""
+        # Code j starts at bit j·BITS; its share of word w is shifted by j·BITS − 32·w.
+        shift = tl.arange(0, D)[None, :] * BITS - tl.arange(0, WORDS_BLOCK)[:, None] * 32
+        wide = codes.to(tl.uint64)[None, :]
+        left = wide << tl.maximum(shift, 0).to(tl.uint64)
+        right = wide >> tl.maximum(-shift, 0).to(tl.uint64)
+        part = tl.where(shift >= 0, left, right) & 0xFFFFFFFF
+        part = tl.where((shift > -BITS) & (shift < 32), part, 0)
+        return tl.sum(part, axis=1).to(tl.uint32)  # disjoint bit fields: the sum is the OR
+
+    @triton.jit
+    def _codebook_append_kernel(
+        rotated_ptr,
+        codes_ptr,
+        sigma_ptr,
+        boundaries_ptr,
+        position_ptr,
+        slot_positions_ptr,
+        next_ptr,
+        capacity,
+        fp16_max,
+        fp32_tiny,
+        D: tl.constexpr,
+        BITS: tl.constexpr,
+        WORDS_BLOCK: tl.constexpr,
+        WRITES_POSITION: tl.constexpr,
+    ):
+        """One program per KV head: code a rotated row [D] into slot position % capacity."""
+        head = tl.program_id(0).to(tl.int64)
+        GROUPS: tl.constexpr = D // 32
+        WORDS: tl.constexpr = D * BITS // 32
+        position = tl.load(position_ptr)
+        slot = position % capacity
+        y = tl.load(rotated_ptr + head * D + tl.arange(0, D))
+        groups = tl.reshape(y, (GROUPS, 32))
+        sigma = tl.sqrt_rn(tl.math.div_rn(tl.sum(groups * groups, axis=1), 32.0))
+        sigma = tl.minimum(sigma, fp16_max).to(tl.float16)
+        divisor = tl.maximum(sigma.to(tl.float32), fp32_tiny)
+        normalised = tl.math.div_rn(groups, divisor[:, None])
+        codes = tl.zeros((GROUPS, 32), tl.uint32)
+        for b in tl.static_range((1 << BITS) - 1):
+            codes += (normalised > tl.load(boundaries_ptr + b)).to(tl.uint32)
+        words = _pack(tl.reshape(codes, (D,)), D, BITS, WORDS_BLOCK)
+        slot_row = head * capacity + slot
+        word_index = tl.arange(0, WORDS_BLOCK)
+        tl.store(codes_ptr + slot_row * WORDS + word_index, words, mask=word_index < WORDS)
+        tl.store(sigma_ptr + slot_row * GROUPS + tl.arange(0, GROUPS), sigma)
+        if WRITES_POSITION:  # noqa: SIM102 - a compile-time switch around a runtime test
+            if head == 0:
+                tl.store(slot_positions_ptr + slot, position)
+                tl.store(next_ptr, position + 1)
 
 
 def quantize_append_reference(
@@ -136,8 +207,91 @@ def quantize_append_triton(
         D=head_dim,
         GROUP=group_size,
         BITS=bits,
+        WRITES_POSITION=True,
         num_warps=1 if head_dim <= 128 else 2,
     )
 
 
-KERNEL_BITS = (4, 8)  # widths whose codes fill words exactly (3-, 5-, 6-bit codes straddle)
+@cache
+def _boundaries(bits: int, device: torch.device) -> torch.Tensor:
+    return CODEBOOKS[bits][1].to(device)
+
+
+def turbo_append_reference(
+    position: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    planes: list[torch.Tensor],
+    slot_positions: torch.Tensor,
+    next_position: torch.Tensor,
+    codec: TurboCodec,
+) -> None:
+    """`codec.encode` of K and V [1, Hk, 1, D], written to slot position % capacity."""
+    slot = position.reshape(1) % planes[0].shape[2]
+    for plane, part in zip(planes, codec.encode(keys, values), strict=True):
+        as_int = torch.int32 if plane.dtype == torch.uint32 else plane.dtype
+        plane.view(as_int).index_copy_(2, slot, part.view(as_int))
+    slot_positions.index_copy_(0, slot, position.reshape(1))
+    next_position.copy_(position.reshape(()) + 1)
+
+
+def turbo_append_triton(
+    position: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    planes: list[torch.Tensor],
+    slot_positions: torch.Tensor,
+    next_position: torch.Tensor,
+    codec: TurboCodec,
+) -> None:
+    """Three or four launches: rotate, code values; affine keys, or rotate and code them."""
+    batch, kv_heads, tokens, head_dim = keys.shape
+    assert batch == 1 and tokens == 1, "one token of batch 1"
+    capacity = planes[0].shape[2]
+    *key_planes, value_codes, value_sigma = planes
+    warps = 1 if head_dim <= 128 else 2
+
+    def code(
+        rows: torch.Tensor, codes: torch.Tensor, sigma: torch.Tensor, bits: int, last: bool
+    ) -> None:
+        _codebook_append_kernel[(kv_heads,)](
+            rotation_triton(rows, inverse=False),
+            codes,
+            sigma,
+            _boundaries(bits, rows.device),
+            position,
+            slot_positions,
+            next_position,
+            capacity,
+            _FP16_MAX,
+            _FP32_TINY,
+            D=head_dim,
+            BITS=bits,
+            WORDS_BLOCK=triton.next_power_of_2(head_dim * bits // 32),
+            WRITES_POSITION=last,  # the last launch moves the position on
+            num_warps=warps,
+        )
+
+    code(values.reshape(kv_heads, head_dim), value_codes, value_sigma, codec.value_bits, False)
+    if codec.key_kind == "t":
+        code(keys.reshape(kv_heads, head_dim), *key_planes, codec.key_bits, True)
+        return
+    _quantize_append_kernel[(kv_heads, 1)](
+        keys.contiguous(),
+        keys,
+        *key_planes,
+        *key_planes,
+        position,
+        slot_positions,
+        next_position,
+        capacity,
+        SCALE_EPSILON,
+        D=head_dim,
+        GROUP=GROUP,
+        BITS=codec.key_bits,
+        WRITES_POSITION=True,
+        num_warps=warps,
+    )
+
+
+KERNEL_BITS = (4, 8)  # affine widths whose codes fill words exactly (3-, 5-, 6-bit straddle)

@@ -18,11 +18,12 @@ import torch
 
 from hearth.kernels import kernel_enabled
 from hearth.kernels.kv_quantize import KERNEL_BITS as AFFINE_APPEND_BITS
-from hearth.kernels.kv_quantize import quantize_append_triton
+from hearth.kernels.kv_quantize import quantize_append_triton, turbo_append_triton
 from hearth.kernels.kv_write import append_token_triton
 from hearth.kernels.rope import CacheWrite
 from hearth.kv.cache import DENSE, EMPTY_POSITION, CacheContents, KVCodec, KVView, StoredKV
 from hearth.kv.quantized import AffineCodec
+from hearth.kv.turbo import TurboCodec
 
 
 def _as_indexable(plane: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,13 @@ class StaticCache:
                 positions, keys, values, key_plane, value_plane, self._positions, self._next
             )
             return self._view(stored=True)
+        if count == 1 and positions is not None and self._turbo_kernel_applies(keys):
+            # Three or four launches instead of ~150 torch ops: rotate, code, store.
+            assert isinstance(self.codec, TurboCodec)
+            turbo_append_triton(
+                positions, keys, values, self._planes, self._positions, self._next, self.codec
+            )
+            return self._view(stored=True)
         if count == 1 and positions is not None and self._affine_kernel_applies(keys):
             # One launch instead of ~100 torch ops: quantize and store in the MLX layout.
             assert isinstance(self.codec, AffineCodec)
@@ -114,6 +122,9 @@ class StaticCache:
         if first or ring_prefill:
             return view
         return self._view(stored=count == 1 and kernel_enabled(keys))
+
+    def _turbo_kernel_applies(self, keys: torch.Tensor) -> bool:
+        return isinstance(self.codec, TurboCodec) and kernel_enabled(keys)
 
     def _affine_kernel_applies(self, keys: torch.Tensor) -> bool:
         codec = self.codec
