@@ -22,9 +22,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _gelu_tanh_mul_kernel(
-        gate_up_ptr, out_ptr, width, coefficient, BLOCK: tl.constexpr
-    ):
+    def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, width, coefficient, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = columns < width
