@@ -31,7 +31,6 @@ from hearth.kernels import (  # noqa: E402
     activation,
     affine_matmul,
     decode_attention,
-    hadamard,
     kv_quantize,
     kv_write,
     norm,
@@ -179,12 +178,12 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         turbo_planes = [
             p.new_zeros((*p.shape[:2], 16, *p.shape[3:])) for p in codec.encode(keys16, keys16)
         ]
-        yield f"turbo append {scheme}", lambda c=codec, planes=turbo_planes: (
-            kv_quantize.turbo_append_triton(
+        yield (
+            f"turbo append {scheme}",
+            lambda c=codec, planes=turbo_planes: kv_quantize.turbo_append_triton(
                 torch.tensor([3]), keys16, keys16, planes, positions, counter, c
-            )
+            ),
         )
-    yield "unrotate", lambda: hadamard.rotation_triton(keys16, inverse=True)
     # Decode attention over every plane format the caches store.
     slots, q = 64, torch.randn(1, 4, 64, dtype=bf16)
     keys = torch.randn(1, 2, slots, 64, dtype=bf16)

@@ -8,8 +8,8 @@ per (KV head, K or V) computes each group's statistics in fp32 with the rule of
 even), packs the codes LSB first into 32-bit words and writes codes, scales and biases into
 slot position % capacity. The result equals `quantize_affine` bit for bit.
 
-TurboQuant planes (kv/turbo.py) take two more kernels: the rotation (kernels/hadamard.py,
-bit-identical to `turbo.rotate`) and the codebook coder below (σ per 32-group rounded to
+TurboQuant planes (kv/turbo.py) take two more launches: the rotation (kernels/hadamard.py,
+one matmul on the GPU) and the codebook coder below (σ per 32-group rounded to
 fp16, codes = how many Lloyd–Max boundaries lie below each normalised coordinate, packed LSB
 first at any width, also 3 bits straddling words). Its σ sums in a different order than
 torch, so a σ can differ from `encode_rotated`'s by one fp16 ulp (and then a code rarely).
@@ -22,7 +22,7 @@ from functools import cache
 import torch
 
 from hearth.kernels import HAS_TRITON
-from hearth.kernels.hadamard import rotation_triton
+from hearth.kernels.hadamard import rotate_rows
 from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec
 from hearth.quant.mlx import SCALE_EPSILON, quantize_affine
 
@@ -255,7 +255,7 @@ def turbo_append_triton(
         rows: torch.Tensor, codes: torch.Tensor, sigma: torch.Tensor, bits: int, last: bool
     ) -> None:
         _codebook_append_kernel[(kv_heads,)](
-            rotation_triton(rows, inverse=False),
+            rotate_rows(rows).contiguous(),
             codes,
             sigma,
             _boundaries(bits, rows.device),
