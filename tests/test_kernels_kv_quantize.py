@@ -117,3 +117,13 @@ def test_turbo_append_matches_the_codec(scheme: str, dtype: torch.dtype) -> None
         # Equal codes and σ; an interpreted bf16 key scale one ulp off moves a decoded key
         # by up to 255 codes x that ulp: ~1% of the range (exactly 0 on a GPU).
         assert ((got - expected).abs() <= 0.02 * expected.abs().max()).all()
+
+
+@pytest.mark.parametrize("scheme", ["k8v3", "t4v3"])
+def test_turbo_kernels_vouch_for_themselves(scheme: str) -> None:
+    """The once-per-device check the static cache runs before trusting the turbo kernels."""
+    from hearth.kernels.kv_quantize import turbo_kernel_agrees
+    from hearth.kv.turbo import TurboCodec
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert turbo_kernel_agrees(TurboCodec.parse(scheme), 64, torch.float32, device)

@@ -295,3 +295,35 @@ def turbo_append_triton(
 
 
 KERNEL_BITS = (4, 8)  # affine widths whose codes fill words exactly (3-, 5-, 6-bit straddle)
+
+
+@cache
+def turbo_kernel_agrees(codec: TurboCodec, head_dim: int, dtype: torch.dtype, device: str) -> bool:
+    """Whether the TurboQuant append kernels store what `codec.encode` stores on `device`,
+    checked once on a random token (the GPU run that would vouch for them is still owed):
+    codes ≥ 99% equal (σ sums in another order), everything else within one ulp."""
+    from hearth.quant.mlx import unpack_codes
+
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (
+        torch.randn(1, 4, 1, head_dim, generator=generator).mul(2).to(dtype).to(device)
+        for _ in range(2)
+    )
+    sample = torch.zeros_like(keys)
+    results = []
+    for append in (turbo_append_triton, turbo_append_reference):
+        encoded = codec.encode(sample, sample)
+        planes = [p.new_zeros((*p.shape[:2], 4, *p.shape[3:])) for p in encoded]
+        slots = torch.zeros(4, dtype=torch.long, device=device)
+        counter = torch.zeros((), dtype=torch.long, device=device)
+        append(torch.tensor([1], device=device), keys, values, planes, slots, counter, codec)
+        results.append(planes)
+    for got, expected in zip(*results, strict=True):
+        if got.dtype == torch.uint32:
+            bits = got.shape[-1] * 32 // head_dim
+            same = unpack_codes(got, bits) == unpack_codes(expected, bits)
+            if same.float().mean() < 0.99:
+                return False
+        elif not torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=0):
+            return False
+    return True

@@ -18,7 +18,11 @@ import torch
 
 from hearth.kernels import kernel_enabled
 from hearth.kernels.kv_quantize import KERNEL_BITS as AFFINE_APPEND_BITS
-from hearth.kernels.kv_quantize import quantize_append_triton, turbo_append_triton
+from hearth.kernels.kv_quantize import (
+    quantize_append_triton,
+    turbo_append_triton,
+    turbo_kernel_agrees,
+)
 from hearth.kernels.kv_write import append_token_triton
 from hearth.kernels.rope import CacheWrite
 from hearth.kv.cache import DENSE, EMPTY_POSITION, CacheContents, KVCodec, KVView, StoredKV
@@ -124,7 +128,11 @@ class StaticCache:
         return self._view(stored=count == 1 and kernel_enabled(keys))
 
     def _turbo_kernel_applies(self, keys: torch.Tensor) -> bool:
-        return isinstance(self.codec, TurboCodec) and kernel_enabled(keys)
+        if not isinstance(self.codec, TurboCodec) or not kernel_enabled(keys):
+            return False
+        # Checked once per device against the codec before it is trusted (before any graph
+        # capture: a graph's warm-up step runs first).
+        return turbo_kernel_agrees(self.codec, keys.shape[-1], keys.dtype, str(keys.device))
 
     def _affine_kernel_applies(self, keys: torch.Tensor) -> bool:
         codec = self.codec
