@@ -173,10 +173,21 @@ def quantize_append_reference(
 ) -> None:
     """`quantize_affine` of K and V [1, Hk, 1, D], written to slot position % capacity of the
     six planes (codes, scales, biases of K, then of V) [1, Hk, capacity, ...]."""
-    slot = position.reshape(1) % planes[0].shape[2]
     encoded = (*quantize_affine(keys, bits, group_size), *quantize_affine(values, bits, group_size))
+    _store(position, encoded, planes, slot_positions, next_position)
+
+
+def _store(
+    position: torch.Tensor,
+    encoded: tuple[torch.Tensor, ...],
+    planes: list[torch.Tensor],
+    slot_positions: torch.Tensor,
+    next_position: torch.Tensor,
+) -> None:
+    """Write one token's encoded planes into slot position % capacity; move the counter."""
+    slot = position.reshape(1) % planes[0].shape[2]
     for plane, part in zip(planes, encoded, strict=True):
-        as_int = torch.int32 if plane.dtype == torch.uint32 else plane.dtype
+        as_int = torch.int32 if plane.dtype == torch.uint32 else plane.dtype  # no uint32 copy
         plane.view(as_int).index_copy_(2, slot, part.view(as_int))
     slot_positions.index_copy_(0, slot, position.reshape(1))
     next_position.copy_(position.reshape(()) + 1)
@@ -227,12 +238,7 @@ def turbo_append_reference(
     codec: TurboCodec,
 ) -> None:
     """`codec.encode` of K and V [1, Hk, 1, D], written to slot position % capacity."""
-    slot = position.reshape(1) % planes[0].shape[2]
-    for plane, part in zip(planes, codec.encode(keys, values), strict=True):
-        as_int = torch.int32 if plane.dtype == torch.uint32 else plane.dtype
-        plane.view(as_int).index_copy_(2, slot, part.view(as_int))
-    slot_positions.index_copy_(0, slot, position.reshape(1))
-    next_position.copy_(position.reshape(()) + 1)
+    _store(position, codec.encode(keys, values), planes, slot_positions, next_position)
 
 
 def turbo_append_triton(
