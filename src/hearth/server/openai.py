@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -24,7 +24,7 @@ from hearth.server.state import (
     Generation,
     ServerState,
     complete,
-    pieces,
+    pieces_batched,
     sse_response,
     state_of,
 )
@@ -161,16 +161,41 @@ def usage_of(stats: GenerationStats) -> dict[str, Any]:
     }
 
 
-async def _data_lines(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def _data_lines(events: AsyncIterator[list[str]]) -> AsyncIterator[str]:
+    """SSE `data:` lines; the events ready together (one batch of pieces) go in one write."""
     try:
-        async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        async for payloads in events:
+            yield "".join(f"data: {payload}\n\n" for payload in payloads)
     except Exception as error:  # headers are sent: the error can only travel as an event
         log.exception("streamed generation failed")
         error_body = {"message": str(error), "type": "server_error", "param": None, "code": None}
         yield f"data: {json.dumps({'error': error_body})}\n\n"
         return
     yield "data: [DONE]\n\n"
+
+
+def _json(event: dict[str, Any]) -> str:
+    return json.dumps(event, ensure_ascii=False)
+
+
+class _ChunkTemplate:
+    """A stream chunk serialised once with a marker where its text goes: each token then
+    costs one string escape instead of building and serialising the whole chunk (the HTTP
+    thread's per-token work competes with the model's threads for the same cores). The bytes
+    are exactly those of `json.dumps` of the chunk `build(text)`."""
+
+    MARKER = "\x00hearth-text\x00"
+
+    def __init__(self, build: Callable[[str], dict[str, Any]]) -> None:
+        self.build = build
+        text, marker = _json(build(self.MARKER)), _json(self.MARKER)
+        # A model name holding the marker would make the split ambiguous: no template then.
+        self.parts = text.split(marker) if text.count(marker) == 1 else None
+
+    def fill(self, text: str) -> str:
+        if self.parts is None:
+            return _json(self.build(text))
+        return _json(text).join(self.parts)
 
 
 class _Reply:
@@ -183,6 +208,7 @@ class _Reply:
         self.model = body.model or state.model_id  # echoed back, as mlx_lm.server does
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.tokenizer = state.engine.tokenizer
+        self._delta_templates: dict[str, _ChunkTemplate] = {}
 
     def chat_completion(self, result: Completion, tools_on: bool) -> dict[str, Any]:
         reply = parse_reply(result.text, tools_on)
@@ -211,43 +237,78 @@ class _Reply:
 
     async def chat_events(
         self, state: ServerState, generation: Generation, tools_on: bool
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[list[str]]:
+        """The JSON of each chat chunk, a list per batch of generated pieces."""
         # OpenAI opens every chat stream with the role and an empty content.
-        yield self._chunk(CHAT_CHUNK, "delta", {"role": "assistant", "content": ""}, None)
+        yield [_json(self._chunk(CHAT_CHUNK, "delta", {"role": "assistant", "content": ""}, None))]
         parser = ReplyParser(tools_on)
         calls = 0
         # Tokens whose text the parser holds back go out with the next chunk sent; what is
         # left at the end (the end of turn token, say) with the finishing chunk.
         unsent: list[TokenLogprobs] = []
-        async for piece in pieces(state, generation):
-            unsent.extend(piece.logprobs or ())
-            parts = parser.feed(piece.text)
-            if piece.finish_reason is not None:
-                parts += parser.finish()
-            for part in parts:
-                logprobs = chat_logprobs(self.tokenizer, unsent)
-                yield self._chunk(CHAT_CHUNK, "delta", _delta(part, calls), None, logprobs)
-                calls += part.call is not None
-                unsent = []
-            if piece.finish_reason is not None:
-                finish = _chat_finish_reason(piece.finish_reason, calls > 0)
-                logprobs = chat_logprobs(self.tokenizer, unsent)
-                yield self._chunk(CHAT_CHUNK, "delta", {}, finish, logprobs)
-            if piece.stats is not None and self.include_usage:
-                yield self._envelope(CHAT_CHUNK, []) | {"usage": usage_of(piece.stats)}
+        async for batch in pieces_batched(state, generation):
+            events: list[str] = []
+            for piece in batch:
+                unsent.extend(piece.logprobs or ())
+                parts = parser.feed(piece.text)
+                if piece.finish_reason is not None:
+                    parts += parser.finish()
+                for part in parts:
+                    if not unsent and part.call is None:
+                        events.append(self._delta_text(part))
+                    else:
+                        logprobs = chat_logprobs(self.tokenizer, unsent)
+                        delta = _delta(part, calls)
+                        events.append(
+                            _json(self._chunk(CHAT_CHUNK, "delta", delta, None, logprobs))
+                        )
+                    calls += part.call is not None
+                    unsent = []
+                if piece.finish_reason is not None:
+                    finish = _chat_finish_reason(piece.finish_reason, calls > 0)
+                    logprobs = chat_logprobs(self.tokenizer, unsent)
+                    events.append(_json(self._chunk(CHAT_CHUNK, "delta", {}, finish, logprobs)))
+                if piece.stats is not None and self.include_usage:
+                    usage = self._envelope(CHAT_CHUNK, []) | {"usage": usage_of(piece.stats)}
+                    events.append(_json(usage))
+            yield events
 
     async def text_events(
         self, state: ServerState, generation: Generation
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[list[str]]:
+        """The JSON of each completion chunk, a list per batch of generated pieces."""
         offset = 0  # text_offset runs on across the stream's chunks
-        async for piece in pieces(state, generation):
-            if piece.text or piece.finish_reason:
-                logprobs = None
-                if piece.logprobs is not None:
-                    logprobs, offset = completion_logprobs(self.tokenizer, piece.logprobs, offset)
-                yield self._chunk(self.kind, "text", piece.text, piece.finish_reason, logprobs)
-            if piece.stats is not None and self.include_usage:
-                yield self._envelope(self.kind, []) | {"usage": usage_of(piece.stats)}
+        template = _ChunkTemplate(lambda text: self._chunk(self.kind, "text", text, None))
+        async for batch in pieces_batched(state, generation):
+            events: list[str] = []
+            for piece in batch:
+                if piece.text and piece.finish_reason is None and piece.logprobs is None:
+                    events.append(template.fill(piece.text))
+                elif piece.text or piece.finish_reason:
+                    logprobs = None
+                    if piece.logprobs is not None:
+                        logprobs, offset = completion_logprobs(
+                            self.tokenizer, piece.logprobs, offset
+                        )
+                    chunk = self._chunk(
+                        self.kind, "text", piece.text, piece.finish_reason, logprobs
+                    )
+                    events.append(_json(chunk))
+                if piece.stats is not None and self.include_usage:
+                    usage = self._envelope(self.kind, []) | {"usage": usage_of(piece.stats)}
+                    events.append(_json(usage))
+            yield events
+
+    def _delta_text(self, part: ReplyPart) -> str:
+        """A text or reasoning delta without log-probabilities, from its template."""
+        key = "reasoning_content" if part.kind == "reasoning" else "content"
+        template = self._delta_templates.get(key)
+        if template is None:
+            template = _ChunkTemplate(
+                lambda text: self._chunk(CHAT_CHUNK, "delta", {key: text}, None)
+            )
+            self._delta_templates[key] = template
+        return template.fill(part.text)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -37,15 +38,50 @@ class GenerationJob:
     stop_ids: tuple[int, ...] | None
     top_logprobs: int | None  # None: no log-probabilities
     loop: asyncio.AbstractEventLoop
-    results: asyncio.Queue[GenerationChunk | BaseException] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Items handed over by the worker thread, taken by the request's task. One wake-up of the
+    # event loop per burst, not per item: a wake-up is a syscall plus a loop iteration on the
+    # HTTP thread, which competes with the model's threads for the same cores.
+    _ready: deque[GenerationChunk | BaseException] = field(default_factory=deque, init=False)
+    _wake_pending: bool = field(default=False, init=False)
+    _woken: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     def deliver(self, item: GenerationChunk | BaseException) -> None:
         """Hand one item to the waiting request; cancels the job if its event loop is gone."""
+        self._ready.append(item)  # before the flag is read: see `batches`
+        if self._wake_pending:
+            return  # the request's task will drain the deque before it waits again
+        self._wake_pending = True
         try:
-            self.loop.call_soon_threadsafe(self.results.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._woken.set)
         except RuntimeError:  # the loop closed: the server is shutting down
             self.cancelled.set()
+
+    async def batches(self) -> AsyncIterator[list[GenerationChunk]]:
+        """Everything delivered since the last batch, in order; waits only when nothing is.
+
+        Ends after the piece with finish_reason; a delivered exception is raised in its place.
+        """
+        while True:
+            # Cleared before draining: an item appended after the drain sees the flag down
+            # and wakes us again, so nothing is left behind.
+            self._wake_pending = False
+            batch: list[GenerationChunk] = []
+            while self._ready:
+                item = self._ready.popleft()
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                batch.append(item)
+                if item.finish_reason is not None:
+                    yield batch
+                    return
+            if batch:
+                yield batch
+                continue
+            await self._woken.wait()
+            self._woken.clear()
 
 
 @dataclass
@@ -105,17 +141,33 @@ class GenerationWorker:
 
         Leaving the iteration early (client gone, task cancelled) cancels the generation.
         """
+        batches = self.stream_batches(
+            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs
+        )
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
+
+    async def stream_batches(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop: Sequence[str],
+        stop_ids: tuple[int, ...] | None = None,
+        top_logprobs: int | None = None,
+    ) -> AsyncIterator[list[GenerationChunk]]:
+        """As `stream`, but all the pieces ready at once come together (a stream writes them
+        in one send: the model never waits for a token, the client gets no extra delay)."""
         loop = asyncio.get_running_loop()
         job = GenerationJob(prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, loop)
         self._jobs.put(job)
         try:
-            while True:
-                item = await job.results.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+            async for batch in job.batches():
+                yield batch
         finally:
             job.cancelled.set()
 
