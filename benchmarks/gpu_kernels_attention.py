@@ -362,14 +362,11 @@ def sweep_rows(all_formats: bool) -> list[str]:
     """Tile sizes / warps / stages / block skipping at S=32768, for choosing the defaults."""
     configs = [
         LaunchConfig(),
-        LaunchConfig(block_n=32, num_warps=4),
+        LaunchConfig(block_n=16, num_warps=4),
+        LaunchConfig(block_n=32, num_warps=2),
         LaunchConfig(block_n=64, num_warps=4),
-        LaunchConfig(block_n=128, num_warps=4),
         LaunchConfig(block_n=64, num_warps=8),
-        LaunchConfig(block_n=128, num_warps=8),
-        LaunchConfig(num_stages=1),
         LaunchConfig(num_stages=3),
-        LaunchConfig(programs_per_sm=1),
         LaunchConfig(programs_per_sm=4),
     ]
     slots = 32768
@@ -423,6 +420,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep-all", action="store_true", help="sweep every format")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--sweep-only", action="store_true", help="correctness and the sweep")
     options = parser.parse_args()
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
@@ -461,6 +459,8 @@ def main() -> None:
             speed_rows,
         ),
     ]
+    if options.sweep_only:
+        sections = sections[:1]
     if not options.no_sweep:
         sections += [
             (["## Splits at short caches (µs, % of 4.2 TB/s)", ""], split_rows),

@@ -168,14 +168,39 @@ def test_bench_decodes_over_a_quantized_cache(
     code, stdout, stderr = _bench(
         capsys,
         *("--random", str(config), "--device", "cpu", "--contexts", "16"),
-        *("--prefill", "8", "--steps", "2", "--kv-quant", "off,turbo:k8v3"),
+        *("--prefill", "8", "--steps", "2", "--kv-quant", "off,turbo:k8v3,turbo:k8v3@full"),
     )
     assert code == 0, stderr
-    assert "KV cache off, turbo:k8v3" in stdout
-    dense, turbo = _table(stdout)[:2]
-    assert dense["path"].endswith("KV off") and turbo["path"].endswith("KV turbo:k8v3")
+    assert "KV cache off, turbo:k8v3, turbo:k8v3@full" in stdout
+    dense, turbo, full_only = _table(stdout)[:3]
+    assert "KV off " in dense["path"] and "KV turbo:k8v3 " in turbo["path"]
     assert _number(turbo["tok/s"]) > 0
     assert _si(turbo["work"]) < _si(dense["work"])  # the same weights, fewer KV bytes
+    # KV memory in the path, by hand: the tiny model's layers at 16 tokens of context.
+    config_dict = tiny_gemma3_config().to_dict()
+    # The random model computes in bf16 (2-byte K/V); the path prints 3 significant
+    # digits, so values agree to 5e-3 relative.
+    per_layer_dense = 2 * config_dict["num_key_value_heads"] * config_dict["head_dim"] * 2
+    windows = [
+        min(16, config_dict["sliding_window"]) if kind == "sliding_attention" else 16
+        for kind in config_dict["layer_types"]
+    ]
+    dense_bytes = sum(per_layer_dense * tokens for tokens in windows)
+    assert float(dense["path"].split("KV off ")[1].split(" MiB")[0]) == pytest.approx(
+        dense_bytes / 2**20, rel=5e-3
+    )
+    # @full: sliding layers dense, full layers k8v3: per KV head and token, 8-bit key codes
+    # plus a bf16 scale and bias per 32, 3-bit value codes plus an fp16 sigma per 32.
+    dim = config_dict["head_dim"]
+    per_head = dim + 2 * 2 * (dim // 32) + dim * 3 // 8 + 2 * (dim // 32)
+    per_layer_turbo = config_dict["num_key_value_heads"] * per_head
+    full_bytes = sum(
+        (per_layer_turbo if kind == "full_attention" else per_layer_dense) * tokens
+        for kind, tokens in zip(config_dict["layer_types"], windows, strict=True)
+    )
+    assert float(
+        full_only["path"].split("KV turbo:k8v3@full ")[1].split(" MiB")[0]
+    ) == pytest.approx(full_bytes / 2**20, rel=5e-3)
     code, _, stderr = _bench(capsys, "--random", str(config), "--kv-quant", "k9")
     assert code == 2 and "unknown --kv-quant 'k9'" in stderr
 

@@ -31,6 +31,8 @@ from hearth.kernels import (  # noqa: E402
     activation,
     affine_matmul,
     decode_attention,
+    gemv,
+    grouped_matmul,
     kv_quantize,
     kv_write,
     norm,
@@ -117,6 +119,16 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     weight = torch.rand(256) + 0.5
     yield "rms_norm", lambda: norm.add_rms_norm_triton(x, x, weight, 1e-6, weight, True)
     yield "gelu_tanh_mul", lambda: activation.gelu_tanh_mul_triton(torch.randn(1, 512, dtype=bf16))
+    for geglu in (False, True):
+        yield (
+            f"gemv geglu={geglu}",
+            lambda g=geglu: gemv.gemv_triton(
+                torch.randn(1, 512 if g else 256, dtype=bf16),
+                torch.randn(48, 256, dtype=bf16),
+                g,
+                {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2},
+            ),
+        )
     qkv = torch.randn(1, (4 + 2 * 2) * 64, dtype=bf16)
     cos = sin = torch.ones(1, 64, dtype=bf16)
     for mode in rope.ValueMode:
@@ -154,6 +166,19 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             x, torch.randn(4, 48, 256, dtype=bf16), ids
         ),
     )
+    expert_ids = torch.tensor([[0, 3], [1, 3], [3, 2]])
+    yield (
+        "grouped experts",
+        lambda: grouped_matmul.grouped_expert_matmul_triton(
+            torch.randn(3, 256, dtype=bf16), torch.randn(4, 48, 256, dtype=bf16), expert_ids
+        ),
+    )
+    yield (
+        "grouped affine experts",
+        lambda: grouped_matmul.grouped_affine_expert_matmul_triton(
+            torch.randn(3, 256, dtype=bf16), packed, scales, biases, expert_ids, 4, 64
+        ),
+    )
     yield (
         "affine prefill",
         lambda: affine_matmul.affine_matmul_triton(
@@ -189,10 +214,12 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     keys = torch.randn(1, 2, slots, 64, dtype=bf16)
     slot_positions = torch.arange(slots)
     query_position = torch.tensor(slots - 1)
-    codecs: list[Any] = [None, TurboCodec.parse("k8v3"), TurboCodec.parse("t4v3")]
+    codecs: list[Any] = [
+        None, AffineCodec(4, 64), TurboCodec.parse("k8v3"), TurboCodec.parse("t4v3")
+    ]  # fmt: skip
     for codec in codecs:
         planes = (keys, keys) if codec is None else codec.encode(keys, keys)
-        name = "dense" if codec is None else codec.name
+        name = "dense" if codec is None else codec.signature()
         formats = decode_attention.formats_of(codec if codec is not None else _Dense())
         yield (
             f"decode_attention {name}",

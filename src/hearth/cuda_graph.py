@@ -53,7 +53,7 @@ class GraphDecoder:
         policy = policy or KVPolicy()
         policy.check(model.config)
         self.caches = [
-            StaticCache(self.max_context, spec.window, policy.codec_of(spec.index))
+            StaticCache(self.max_context, spec.window, policy.codec_of(spec.index, spec.window))
             for spec in layer_specs(model.config)
         ]
         device = model.device

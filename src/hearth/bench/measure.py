@@ -78,7 +78,8 @@ def kv_bytes(
         per_token = 2 * kv_heads * head_dim * element_bytes
         if policy is not None and not policy.is_dense:
             sample = torch.zeros(1, kv_heads, 1, head_dim, dtype=_DTYPES[element_bytes])
-            per_token = sum(plane.nbytes for plane in policy.codec_of(index).encode(sample, sample))
+            codec = policy.codec_of(index, window)
+            per_token = sum(plane.nbytes for plane in codec.encode(sample, sample))
         total += per_token * min(context, window or context)
     return total
 

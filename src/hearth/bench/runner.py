@@ -183,8 +183,10 @@ def _measure_hearth(
         policy = parse_kv_quant(layout)
         for context in options.contexts:
             seconds, path = time_decode(model, context, options.steps, policy)
-            path += f", KV {layout}" if layouts != ["off"] else ""
-            work = weights + kv_bytes(config, context, element, policy)
+            kv = kv_bytes(config, context, element, policy)
+            layout_name = f"KV {layout} " if layouts != ["off"] else "KV "
+            path += f", {layout_name}{kv / 2**20:.3g} MiB"
+            work = weights + kv
             row = Row(DECODE, context, seconds, path, work, work / options.bandwidth)
             report.rows.append(row)
             progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")

@@ -22,18 +22,22 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def gelu_tanh(g, coefficient):
+        """gelu with the tanh approximation, fp32 in and out (coefficient = sqrt(2/pi))."""
+        inner = coefficient * (g + 0.044715 * g * g * g)
+        # tanh from exp, which every backend has; exp(-2|z|) never overflows.
+        decay = tl.exp(-2.0 * tl.abs(inner))
+        tanh = tl.where(inner >= 0, 1.0, -1.0) * (1.0 - decay) / (1.0 + decay)
+        return 0.5 * g * (1.0 + tanh)
+
+    @triton.jit
     def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, width, coefficient, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = columns < width
         gate = tl.load(gate_up_ptr + row * 2 * width + columns, mask=mask, other=0.0)
         up = tl.load(gate_up_ptr + row * 2 * width + width + columns, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        inner = coefficient * (g + 0.044715 * g * g * g)
-        # tanh from exp, which every backend has; exp(-2|z|) never overflows.
-        decay = tl.exp(-2.0 * tl.abs(inner))
-        tanh = tl.where(inner >= 0, 1.0, -1.0) * (1.0 - decay) / (1.0 + decay)
-        gelu = (0.5 * g * (1.0 + tanh)).to(out_ptr.dtype.element_ty)
+        gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(out_ptr.dtype.element_ty)
         product = gelu.to(tl.float32) * up.to(tl.float32)
         tl.store(out_ptr + row * width + columns, product.to(out_ptr.dtype.element_ty), mask=mask)
 

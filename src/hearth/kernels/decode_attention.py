@@ -193,7 +193,7 @@ if triton is not None:
         return group * GROUP_SIZE + unit * PER_UNIT + index
 
     @triton.jit
-    def _grouped_tile(
+    def _grouped_levels(
         data,
         aux,
         aux2,
@@ -207,8 +207,10 @@ if triton is not None:
         GROUP_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
     ):
-        """Decoded rows of one KV head as fp32 [GROUPS, BLOCK_N, GROUP_SIZE], lanes in the
-        order of `_group_lanes`; scales broadcast along the lanes (no reshape)."""
+        """Rows of one KV head as (levels [GROUPS, BLOCK_N, GROUP_SIZE], scale and bias
+        [GROUPS, BLOCK_N]), fp32, lanes in the order of `_group_lanes`: an element is
+        level * scale + bias (codebook planes: level = centroid, no bias). Affine levels
+        are small integers, exact in any float type, so the dots take them unscaled."""
         UNIT_WORDS: tl.constexpr = BITS // (BITS & -BITS)
         PER_UNIT: tl.constexpr = 32 * UNIT_WORDS // BITS
         UNITS: tl.constexpr = GROUP_SIZE // PER_UNIT
@@ -239,16 +241,17 @@ if triton is not None:
                 high = tl.where(spills & (word_of_code + 1 == k), word, high)
             codes = (low >> shift) | (high << ((32 - shift) % 32))
         codes = codes & ((1 << BITS) - 1)
-        aux_offsets = row * stride_aux + group
-        scale = tl.load(aux + aux_offsets, mask=mask, other=0.0).to(tl.float32)
+        aux_offsets = rows[None, :] * stride_aux + tl.arange(0, HEAD_DIM // GROUP_SIZE)[:, None]
+        aux_mask = row_mask[None, :]
+        scale = tl.load(aux + aux_offsets, mask=aux_mask, other=0.0).to(tl.float32)
         if FORMAT == 1:
-            bias = tl.load(aux2 + aux_offsets, mask=mask, other=0.0).to(tl.float32)
+            bias = tl.load(aux2 + aux_offsets, mask=aux_mask, other=0.0).to(tl.float32)
             # Exact int -> float without the slow conversion: 2^23 + code, minus 2^23.
             levels = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            tile = levels * scale + bias
         else:
-            tile = _centroid(codes, centroids, BITS) * scale
-        return tile
+            bias = tl.zeros(scale.shape, tl.float32)
+            levels = _centroid(codes, centroids, BITS)
+        return levels, scale, bias
 
     @triton.jit
     def _dense_tile(
@@ -261,6 +264,7 @@ if triton is not None:
     @triton.jit
     def _attend_block(
         query,
+        query_sums,
         running_max,
         running_sum,
         acc,
@@ -291,20 +295,29 @@ if triton is not None:
     ):
         """One online-softmax step (base 2) of the query heads over a block of slots.
 
-        Quantized planes are decoded per scale group into [GROUPS, BLOCK_N, GROUP] tiles and
-        multiplied by batched dots (query and accumulator held per group in the same lane
-        order), so no tile is reshaped: reshapes cost layout shuffles through shared memory.
+        Quantized planes are decoded per scale group into [GROUPS, BLOCK_N, GROUP] tiles of
+        levels and multiplied by batched dots (query and accumulator held per group in the
+        same lane order), so no tile is reshaped: reshapes cost layout shuffles through
+        shared memory. Scales and biases act on the dots' small outputs, not on every
+        element: q.k = sum_g s_g (q_g . levels_g) + b_g sum(q_g), and
+        sum_n p_n v_n = sum_n (p_n s_n) levels_n + sum_n p_n b_n per group.
+        `query_sums` holds sum(q_g) [GROUPS, BLOCK_G] for affine keys.
         """
         dtype = query.dtype
         if K_FORMAT == 0:
             keys = _dense_tile(k0, rows, visible, stride_k0s, HEAD_DIM, dtype)
             scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
         else:
-            keys = _grouped_tile(
+            levels, k_scale, k_bias = _grouped_levels(
                 k0, k1, k2, k_centroids, rows, visible, stride_k0s, stride_k1s,
                 K_FORMAT, K_BITS, K_GROUP, HEAD_DIM,
-            ).to(dtype)  # fmt: skip
-            per_group = tl.dot(query, tl.permute(keys, (0, 2, 1)), input_precision=PRECISION)
+            )  # fmt: skip
+            per_group = tl.dot(
+                query, tl.permute(levels.to(dtype), (0, 2, 1)), input_precision=PRECISION
+            )
+            per_group = per_group * k_scale[:, None, :]
+            if K_FORMAT == 1:
+                per_group += query_sums[:, :, None] * k_bias[:, None, :]
             scores = tl.sum(per_group, axis=0)
         scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -317,17 +330,16 @@ if triton is not None:
                 weights.to(dtype), values, input_precision=PRECISION
             )
         else:
-            values = _grouped_tile(
+            levels, v_scale, v_bias = _grouped_levels(
                 v0, v1, v2, v_centroids, rows, visible, stride_v0s, stride_v1s,
                 V_FORMAT, V_BITS, V_GROUP, HEAD_DIM,
-            ).to(dtype)  # fmt: skip
-            GROUPS: tl.constexpr = HEAD_DIM // V_GROUP
-            shared = tl.broadcast_to(
-                weights.to(dtype)[None, :, :], (GROUPS, weights.shape[0], BLOCK_N)
-            )
+            )  # fmt: skip
+            scaled = (weights[None, :, :] * v_scale[:, None, :]).to(dtype)
             acc = acc * correction[None, :, None] + tl.dot(
-                shared, values, input_precision=PRECISION
+                scaled, levels.to(dtype), input_precision=PRECISION
             )
+            if V_FORMAT == 1:
+                acc += tl.sum(weights[None, :, :] * v_bias[:, None, :], axis=2)[:, :, None]
         return new_max, running_sum, acc
 
     @triton.jit
@@ -401,6 +413,10 @@ if triton is not None:
             query = tl.load(
                 query_rows[None, :, None] + key_dims, mask=group_mask[None, :, None], other=0.0
             )
+        if K_FORMAT == 1:
+            query_sums = tl.sum(query.to(tl.float32), axis=2)
+        else:
+            query_sums = tl.zeros([1], tl.float32)  # unread
         qpos = tl.load(query_position)
 
         k0 += batch * stride_k0b + kv_head * stride_k0h
@@ -434,7 +450,7 @@ if triton is not None:
                 # Empty or out-of-window blocks cost only their positions.
                 if tl.max(visible.to(tl.int32), axis=0) > 0:
                     running_max, running_sum, acc = _attend_block(
-                        query, running_max, running_sum, acc, rows, visible, scale_log2,
+                        query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
                         k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                         v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                         HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
@@ -442,7 +458,7 @@ if triton is not None:
                     )  # fmt: skip
             else:
                 running_max, running_sum, acc = _attend_block(
-                    query, running_max, running_sum, acc, rows, visible, scale_log2,
+                    query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
                     k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                     v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                     HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,

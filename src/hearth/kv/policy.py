@@ -5,6 +5,10 @@
 * config: per-layer affine from the checkpoint's kv_config.json, a list of
   {"layer_idx", "bits", "group_size"}; layers it does not list stay dense.
 * turbo[:SCHEME]: TurboQuant (default k8v3) on every layer.
+* any of 4, 8, turbo[:SCHEME] followed by `@full`: only full-attention layers are quantized;
+  sliding-window layers keep their window dense. Their memory is bounded by the window
+  (Gemma 3 12B at 32k: 40 sliding layers hold 1,024 tokens each, 8 full ones 32,768), so
+  leaving them exact costs little memory and spares their attention the decode work.
 
 Every quantized cache stores dense K/V until it holds `quantize_after` tokens (0: the
 prefill attends over exact K/V and is quantized right after it). `KVPolicy.check` rejects
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,11 @@ from hearth.kv.turbo import DEFAULT_SCHEME, TurboCodec
 KV_CONFIG_FILE = "kv_config.json"
 UNIFORM_BITS = {"4": 4, "8": 8}
 DEFAULT_GROUP_SIZE = 64
-CHOICES = "off, 4, 8, config, turbo or turbo:SCHEME (k8v4, k8v3, k4v3, t4v3, k8v2)"
+CHOICES = (
+    "off, 4, 8, config, turbo or turbo:SCHEME (k8v4, k8v3, k4v3, t4v3, k8v2), "
+    "the quantized ones optionally followed by @full"
+)
+FULL_LAYERS_ONLY = "@full"
 
 
 @dataclass(frozen=True)
@@ -46,8 +54,11 @@ class KVPolicy:
     codec: KVCodec = DENSE
     per_layer: Mapping[int, KVCodec] = field(default_factory=dict)
     quantize_after: int = 0
+    sliding_dense: bool = False  # `@full`: sliding-window layers keep dense K/V
 
-    def codec_of(self, layer: int) -> KVCodec:
+    def codec_of(self, layer: int, window: int | None = None) -> KVCodec:
+        if self.sliding_dense and window is not None:
+            return DENSE
         return self.per_layer.get(layer, self.codec)
 
     @property
@@ -56,7 +67,7 @@ class KVPolicy:
         return self.codec is DENSE and not self.per_layer
 
     def __call__(self, spec: LayerSpec) -> LayerCache:
-        codec = self.codec_of(spec.index)
+        codec = self.codec_of(spec.index, spec.window)
         try:
             codec.check_head_dim(spec.head_dim)
         except ValueError as error:
@@ -83,6 +94,12 @@ def parse_kv_quant(
     """The policy named by a `--kv-quant` value; ValueError with the valid forms otherwise."""
     if quantize_after < 0:
         raise ValueError(f"quantize_after must be >= 0, got {quantize_after}")
+    base = choice.removesuffix(FULL_LAYERS_ONLY)
+    if base != choice:
+        if base in ("off", "config"):
+            raise ValueError(f"--kv-quant {choice!r}: {FULL_LAYERS_ONLY} goes after 4, 8 or turbo")
+        policy = parse_kv_quant(base, checkpoint, quantize_after, group_size)
+        return replace(policy, sliding_dense=True)
     kind, _, scheme = choice.partition(":")
     if choice == "off":
         return KVPolicy()

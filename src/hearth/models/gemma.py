@@ -17,7 +17,9 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
+from hearth.kernels.gemv import gemv
 from hearth.kernels.norm import add_rms_norm, rms_norm
+from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
 from hearth.kv.cache import DENSE, KVView, LayerCache
 from hearth.kv.static import StaticCache
@@ -37,6 +39,19 @@ class StackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.proj(x).split(list(self.parts.values()), dim=-1)
+
+
+def project(linear: nn.Module, x: torch.Tensor, geglu: bool = False) -> torch.Tensor:
+    """`linear(x)` (after GeGLU of a stacked gate/up x if asked); float weights go through
+    `gemv`, which at a GPU decode step is one kernel with no split-K reduce launches."""
+    if isinstance(linear, nn.Linear) and linear.bias is None and (FUSED_GEGLU or not geglu):
+        return gemv(x, linear.weight, geglu)
+    return linear(gelu_tanh_mul(x) if geglu else x)
+
+
+# GeGLU inside the down projection's GEMV: off, as measured slower than the GeGLU kernel
+# plus cuBLAS on the H200 (benchmarks/results/gpu_gemv_bf16-*.md: 39.4 vs 35.5 µs).
+FUSED_GEGLU = False
 
 
 class RMSNorm(nn.Module):
@@ -114,10 +129,19 @@ def attend(
     """q [batch, heads, queries, dim] over a cache view; softmax in fp32, GQA by grouping.
 
     One query on the GPU: the Triton decode kernel, which reads the cache's planes as stored
-    (dense, affine or TurboQuant) and masks by position on the device.
+    (dense, affine or TurboQuant) and masks by position on the device; several: the Triton
+    prefill (flash) kernel over the view's exact K/V.
     """
     if q.shape[2] == 1 and kernel_enabled(q):
         return _kernel_decode_attention(q, view, positions, window, scale)
+    if kernel_enabled(q):
+        # Prefill on the GPU: a flash kernel masking by position (SDPA with a bool mask
+        # cannot use its flash path, and at head_dim 512 falls to slow kernels).
+        keys, values = view.real()
+        key_positions = view.positions
+        if key_positions is None:
+            key_positions = torch.arange(view.length, device=q.device)
+        return prefill_attention(q, keys, values, positions, key_positions, window, scale)
     mask = view_mask(positions, view, window)
     if q.shape[2] == 1 and mask is None and _slow_half_sdpa(q):
         return decode_attention(q, view.keys, view.values, scale, view.length)
@@ -242,7 +266,7 @@ class Attention(nn.Module):
         q = q.unflatten(0, (batch, length)).transpose(1, 2)
         view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLP(nn.Module):
@@ -256,7 +280,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_mul(self.gate_up_proj.proj(x)))
+        return project(self.down_proj, self.gate_up_proj.proj(x), geglu=True)
 
 
 class DecoderLayer(nn.Module):

@@ -20,8 +20,15 @@ from torch import nn
 
 from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config, RopeConfig
 from hearth.kernels import kernel_enabled
+from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.affine_matmul import KERNEL_BITS as AFFINE_KERNEL_BITS
 from hearth.kernels.affine_matmul import float_expert_matmul
+from hearth.kernels.grouped_matmul import (
+    ExpertPlan,
+    grouped_affine_expert_matmul,
+    grouped_expert_matmul,
+    plan_experts,
+)
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kv.cache import KVView, LayerCache
@@ -33,6 +40,7 @@ from hearth.models.gemma import (
     StackedLinear,
     attend,
     decode_write,
+    project,
     store_keys_values,
 )
 
@@ -40,6 +48,10 @@ if TYPE_CHECKING:
     from hearth.quant.mlx import MLXQuantizedExperts
 
 Rope = tuple[torch.Tensor, torch.Tensor]
+# From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
+# each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
+# reads less, and decode's CUDA graphs capture that path.
+GROUPED_EXPERTS_MIN_TOKENS = 64
 
 
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,7 +136,7 @@ class Gemma4Attention(nn.Module):
         else:
             view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, scale=1.0)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), view
+        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1)), view
 
 
 class Router(nn.Module):
@@ -169,6 +181,7 @@ class Experts(nn.Module):
             "gate_up_proj": {"gate_proj": width, "up_proj": width},
             "down_proj": {"down_proj": hidden},
         }
+        self.num_experts = experts
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
 
@@ -177,6 +190,8 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """x [tokens, H]; weights (fp32) and expert ids [tokens, top_k]."""
         if self._has_gathered_kernels(x):
+            if x.shape[0] >= GROUPED_EXPERTS_MIN_TOKENS:
+                return self.forward_grouped(x, weights, experts)
             return self.forward_gathered(x, weights, experts)
         return self.forward_loop(x, weights, experts)
 
@@ -209,6 +224,31 @@ class Experts(nn.Module):
         gate, up = self._per_slot(self.gate_up_proj, x, experts).chunk(2, dim=-1)
         y = self._per_slot(self.down_proj, F.gelu(gate, approximate="tanh") * up, experts)
         return (y * weights[..., None]).to(x.dtype).sum(dim=1)
+
+    @staticmethod
+    def _grouped(
+        weight: torch.Tensor | MLXQuantizedExperts,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        plan: ExpertPlan,
+        row_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return grouped_expert_matmul(x, weight, experts, row_scale, plan)
+        packed = (weight.packed, weight.scales, weight.biases)
+        return grouped_affine_expert_matmul(
+            x, *packed, experts, weight.bits, weight.group_size, row_scale, plan
+        )
+
+    def forward_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """Pairs sorted by expert on the device, each expert's rows through tensor-core
+        matmuls (prefill). Equals `forward_loop` up to summation order and rounding."""
+        plan = plan_experts(experts, self.num_experts)
+        gate_up = self._grouped(self.gate_up_proj, x, experts, plan)
+        y = self._grouped(self.down_proj, gelu_tanh_mul(gate_up), experts, plan, weights)
+        return y.sum(dim=1)
 
     def forward_loop(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor

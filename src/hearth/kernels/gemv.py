@@ -1,0 +1,195 @@
+"""Float matrix-vector products for batch-1 decode, with the MLP's GeGLU folded into the input.
+
+In the decode profile (Gemma 3 12B, H200) cuBLAS runs the wide projections (qkv, gate/up,
+the head) at 94-106% of copy bandwidth, but the two with few outputs (o_proj and down,
+N = hidden) it splits over K and follows with a memset and a reduce kernel per call, and
+down's input first needs its own GeGLU kernel. Here that is one kernel:
+
+* each program streams BLOCK_N weight rows over one slice of K (coalesced 16-byte loads),
+  and the last program of a row block to finish adds the slices' partial sums in slice
+  order (deterministic: no float atomics);
+* with `geglu`, the input is `gelu_tanh(gate) * up` computed on the fly from the stacked
+  gate/up output, rounded exactly as `activation.gelu_tanh_mul` rounds.
+
+Accumulation is fp32; the output is rounded once to the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul, gelu_tanh_mul_reference
+
+# Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
+GEMV_MAX_ROWS = 4
+
+
+def gemv_reference(x: Tensor, weight: Tensor, geglu: bool = False) -> Tensor:
+    """``x @ weight.T``, with ``x = gelu_tanh(gate) * up`` of a stacked [.., 2K] input first."""
+    if geglu:
+        x = gelu_tanh_mul_reference(x)
+    return F.linear(x, weight)
+
+
+def gemv(x: Tensor, weight: Tensor, geglu: bool = False) -> Tensor:
+    """`gemv_reference`, one Triton kernel for few rows on CUDA (cuBLAS for many)."""
+    rows = x.numel() // x.shape[-1]
+    if kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype:
+        return gemv_triton(x, weight, geglu)
+    return F.linear(gelu_tanh_mul(x) if geglu else x, weight)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from hearth.kernels.activation import gelu_tanh
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        coefficient,
+        K: tl.constexpr,
+        GEGLU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        # Whole BLOCK_K steps per slice; the trip count is a constexpr (K is one) because
+        # Triton's interpreter cannot loop to runtime bounds.
+        STEPS: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K
+        k_begin = pid_k * (STEPS * BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        for step in range(STEPS):
+            k = k_begin + step * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            if GEGLU:
+                gate = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
+                up = tl.load(x_rows + K + k[None, :], mask=x_ok, other=0.0)
+                gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(gate.dtype)
+                xk = (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            else:
+                xk = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32)[None, :, :] * xk[:, None, :]
+        result = tl.sum(acc, axis=2)
+
+        out_at = m[:, None] * stride_om + n[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            # Partials [SPLIT_K, M, N] fp32; the last slice to finish sums them in order.
+            own = m[:, None].to(tl.int64) * N + n[None, :]
+            tl.store(partial_ptr + pid_k * M * N + own, result, mask=out_ok)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    # .cg reads L2, where the other programs' partials are, not a stale L1.
+                    total += tl.load(
+                        partial_ptr + split * M * N + own,
+                        mask=out_ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch / replay
+
+    _TILES = ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (64, 128, 8))
+    _CONFIGS = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split}, num_warps=warps)
+        for n, k, warps in _TILES
+        for split in (1, 2, 4, 8)
+    ]
+    # Used where there is no autotuning: Triton's CPU interpreter (tests).
+    DEFAULT_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1}
+    MAX_SPLIT_K = 8
+
+    def _prune(configs: list, named_args: dict, **kwargs: object) -> list:
+        """Drop splits whose slices would be under two steps, and tiles that spill."""
+        args = {**named_args, **kwargs}
+        kept = [
+            c
+            for c in configs
+            if args["K"] >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
+            and args["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 8192
+        ]
+        return kept or [triton.Config(DEFAULT_CONFIG, num_warps=4)]
+
+    _gemv_tuned = triton.autotune(
+        configs=_CONFIGS,
+        key=["N", "K", "BLOCK_M", "GEGLU"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(_gemv_kernel)
+
+    # Split-K arrival counters, zero between launches (the last program resets its own).
+    _COUNTERS: dict[torch.device, Tensor] = {}
+
+    def _counters(device: torch.device, count: int) -> Tensor:
+        counters = _COUNTERS.get(device)
+        if counters is None or counters.numel() < count:
+            counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+            _COUNTERS[device] = counters
+        return counters
+
+    def gemv_triton(
+        x: Tensor, weight: Tensor, geglu: bool = False, config: dict | None = None
+    ) -> Tensor:
+        """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter)."""
+        k = weight.shape[-1]
+        width = 2 * k if geglu else k
+        if x.shape[-1] != width:
+            raise ValueError(f"x has {x.shape[-1]} inputs; the weight takes {width}")
+        rows = x.reshape(-1, width)
+        if rows.shape[0] > GEMV_MAX_ROWS:
+            raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+        m, n = rows.shape[0], weight.shape[0]
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        interpreted = not x.is_cuda
+        split_possible = (config is None and not interpreted) or (config or {}).get(
+            "SPLIT_K", 1
+        ) > 1
+        partial = torch.empty(
+            MAX_SPLIT_K * m * n if split_possible else 1, dtype=torch.float32, device=x.device
+        )
+        counters = _counters(x.device, triton.cdiv(n, 8)) if split_possible else partial
+        args = (rows, weight, out, partial, counters, m, n)
+        args += (rows.stride(0), weight.stride(0), out.stride(0), SQRT_2_OVER_PI)
+        constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
+
+        def grid(meta: dict) -> tuple[int, int]:
+            return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+        if config is None and not interpreted:
+            _gemv_tuned[grid](*args, **constants)
+        else:
+            chosen = config or DEFAULT_CONFIG
+            _gemv_kernel[grid(chosen)](*args, **constants, **chosen)
+        return out.view(*x.shape[:-1], n)

@@ -1,0 +1,66 @@
+"""The float GEMV kernel (kernels/gemv.py) in Triton's CPU interpreter.
+
+Oracle: fp64 matmul of the same inputs; with `geglu`, the input is first made by the eager
+torch ops (`gelu_tanh_mul_reference`, whose roundings the kernel reproduces exactly), so the
+kernel differs from the oracle only by fp32 accumulation in another order (about
+sqrt(K) eps32 of sum |x w|, a factor 4 of slack) and the output's final rounding (half an
+ulp of its dtype). fp16/fp32 stand in for bf16: the interpreter's bf16 is not the GPU's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hearth.kernels import gemv as gemv_module
+from hearth.kernels.activation import gelu_tanh_mul_reference
+
+pytestmark = [
+    pytest.mark.skipif(not gemv_module.HAS_TRITON, reason="needs triton (its interpreter)"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; GPU script checks"),
+]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, geglu: bool, config: dict) -> None:
+    got = gemv_module.gemv_triton(x, weight, geglu, config)
+    inputs = gelu_tanh_mul_reference(x) if geglu else x
+    oracle = inputs.double() @ weight.double().T
+    magnitude = inputs.double().abs() @ weight.double().abs().T
+    k = weight.shape[1]
+    bound = torch.finfo(x.dtype).eps * oracle.abs() + 4 * math.sqrt(k) * EPS32 * magnitude
+    assert got.shape == (*x.shape[:-1], weight.shape[0]) and got.dtype == x.dtype
+    assert ((got.double() - oracle).abs() <= bound).all()
+    reference = gemv_module.gemv_reference(x, weight, geglu)
+    assert ((reference.double() - oracle).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("geglu", [False, True])
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_against_fp64(dtype: torch.dtype, geglu: bool, split: int) -> None:
+    # N=40 is not a multiple of BLOCK_N=16; K=200 leaves ragged last steps in every slice.
+    generator = torch.Generator().manual_seed(split + 2 * geglu)
+    n, k = 40, 200
+    weight = (torch.randn(n, k, generator=generator) * 0.1).to(dtype)
+    x = torch.randn(3, 2 * k if geglu else k, generator=generator).to(dtype)
+    _check(x, weight, geglu, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split})
+
+
+def test_gemv_keeps_leading_dims_and_runs_again_after_a_split() -> None:
+    # The split-K counters must be back at zero after a launch, or the next one sums early.
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(24, 96, generator=generator)
+    x = torch.randn(1, 1, 96, generator=generator)
+    for _ in range(2):
+        _check(x, weight, False, {"BLOCK_N": 8, "BLOCK_K": 16, "SPLIT_K": 2})
+
+
+def test_gemv_rejects_a_wrong_width_and_too_many_rows() -> None:
+    weight = torch.randn(8, 32)
+    with pytest.raises(ValueError, match="inputs"):
+        gemv_module.gemv_triton(torch.randn(1, 32), weight, geglu=True)
+    with pytest.raises(ValueError, match="at most"):
+        gemv_module.gemv_triton(torch.randn(5, 32), weight)
