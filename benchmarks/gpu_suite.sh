@@ -28,6 +28,19 @@ stage 90 affine python benchmarks/gpu_kernels_affine.py
 stage 130 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,turbo:k8v3,turbo:k4v3 --contexts 8192,32768,131000 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
 stage 70 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b.md"
 stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-31b.md"
+elif [ "$PART" = kernels2 ]; then  # this session's new kernels, each against its reference
+for i in $(seq 0 13); do ATTN_WARM=$i/14 timeout 150 python benchmarks/gpu_kernels_attention.py --sweep-only >/dev/null 2>&1 & done
+stage 60 turbo-append python benchmarks/gpu_turbo_append.py
+wait
+stage 120 attention python benchmarks/gpu_kernels_attention.py --sweep-only
+stage 60 gemv python benchmarks/gpu_gemv_bf16.py
+stage 150 prefill-attention python benchmarks/gpu_kernels_prefill_attention.py --no-16k
+stage 200 grouped python benchmarks/gpu_kernels_grouped.py
+elif [ "$PART" = e2e ]; then  # end to end after kernels2: KV layouts at 32k, prefill per model
+stage 200 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,4@full,turbo:k4v3@full --contexts 8192,32768 --prefill 4096 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
+stage 120 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-31b.md"
+stage 100 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
+stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

@@ -257,6 +257,18 @@ def test_policy_quantizes_sliding_and_full_layers(models: dict[str, Any]) -> Non
     ]
 
 
+def test_full_only_policy_keeps_sliding_layers_dense(models: dict[str, Any]) -> None:
+    config = models["gemma4"].config
+    caches = parse_kv_quant("turbo:k4v3@full").make_caches(config)
+    for cache in caches:
+        cache.update_and_fetch(*(_kv(1, torch.float32, dim=64),) * 2)
+    signatures = [c.signature() for c in caches]
+    assert signatures == ["rotating:dense", "rotating:dense", "turbo:k4v3", "rotating:dense"]
+    for bad in ("off@full", "config@full", "4@ful"):
+        with pytest.raises(ValueError, match="--kv-quant"):
+            parse_kv_quant(bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bytes, kv_config.json, errors
 
