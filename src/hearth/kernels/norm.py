@@ -24,11 +24,11 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _norm_row(x, w_ptr, columns, mask, eps, N: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    def _norm_row(x, w, eps, N: tl.constexpr, HAS_WEIGHT: tl.constexpr):
         mean_square = tl.sum(x * x, axis=0) / N
         y = x * tl.rsqrt(mean_square + eps)
         if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + columns, mask=mask, other=0.0)
+            y = y * w
         return y
 
     @triton.jit
@@ -50,15 +50,21 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
         mask = columns < N
+        # Every load is issued before the first reduction: at batch-1 decode this kernel is
+        # one program per row, so its time is load latency, not bandwidth.
         x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
-        y = _norm_row(x, w_ptr, columns, mask, eps, N, HAS_WEIGHT)
-        y = y.to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + columns, mask=mask & HAS_WEIGHT, other=0.0)
         if HAS_RESIDUAL:
             residual = tl.load(residual_ptr + row * N + columns, mask=mask, other=0.0)
+        if HAS_NEXT:
+            next_w = tl.load(next_w_ptr + columns, mask=mask & HAS_NEXT_WEIGHT, other=0.0)
+        y = _norm_row(x, w, eps, N, HAS_WEIGHT)
+        y = y.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
             y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * N + columns, y, mask=mask)
         if HAS_NEXT:
-            z = _norm_row(y.to(tl.float32), next_w_ptr, columns, mask, eps, N, HAS_NEXT_WEIGHT)
+            z = _norm_row(y.to(tl.float32), next_w, eps, N, HAS_NEXT_WEIGHT)
             tl.store(normed_ptr + row * N + columns, z.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
