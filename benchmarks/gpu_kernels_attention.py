@@ -368,6 +368,12 @@ def sweep_rows(all_formats: bool) -> list[str]:
         LaunchConfig(block_n=64, num_warps=8),
         LaunchConfig(num_stages=3),
         LaunchConfig(programs_per_sm=4),
+        # Without the branch over masked blocks the loop body has no `if`, so Triton's
+        # pipeliner may prefetch the next block's K/V while this one computes.
+        LaunchConfig(skip_masked_blocks=False),
+        LaunchConfig(skip_masked_blocks=False, num_stages=3),
+        LaunchConfig(skip_masked_blocks=False, num_stages=4),
+        LaunchConfig(skip_masked_blocks=False, block_n=64, num_stages=3),
     ]
     slots = 32768
     rows = []

@@ -61,7 +61,6 @@ def _check(got, want, x, weight, scales, *, extra_eps=0.0, fold_slack=0.0):
         + fold_slack * scaled_x
     )
     error = (got.double() - want.double()).abs()
-    print(f"ratio {(error / bound).max().item():.3f}")
     assert (error <= bound + 1e-30).all(), f"max error/bound {(error / bound).max().item():.3f}"
 
 
