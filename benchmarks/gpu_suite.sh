@@ -41,6 +41,16 @@ stage 200 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant
 stage 120 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-31b.md"
 stage 100 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"
+elif [ "$PART" = attention-gemv ]; then  # decode attention sweep and the 4-bit GEMV variants
+for i in $(seq 0 13); do ATTN_WARM=$i/14 timeout 150 python benchmarks/gpu_kernels_attention.py --sweep-only >/dev/null 2>&1 & done
+stage 60 turbo-append python benchmarks/gpu_turbo_append.py
+wait
+stage 120 attention python benchmarks/gpu_kernels_attention.py --sweep-only
+stage 250 gemv-affine-variants python benchmarks/gpu_gemv_affine_variants.py
+elif [ "$PART" = prefill-kv ]; then  # prefill kernels against references, then KV layouts at 32k
+stage 130 prefill-attention python benchmarks/gpu_kernels_prefill_attention.py --no-16k
+stage 180 grouped python benchmarks/gpu_kernels_grouped.py
+stage 220 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,4@full,turbo:k4v3@full --contexts 8192,32768 --prefill 4096 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
