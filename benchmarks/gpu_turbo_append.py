@@ -17,7 +17,7 @@ import triton
 from hearth.kernels.kv_quantize import (
     turbo_append_reference,
     turbo_append_triton,
-    turbo_kernel_agrees,
+    turbo_kernel_mismatch,
 )
 from hearth.kv.turbo import TurboCodec
 from hearth.quant.mlx import unpack_codes
@@ -74,7 +74,7 @@ def main() -> None:
     for scheme in ("k8v3", "k4v3", "t4v3"):
         codec = TurboCodec.parse(scheme)
         for dim in (256, 512):
-            agrees = turbo_kernel_agrees(codec, dim, torch.bfloat16, "cuda:0")
+            agrees = turbo_kernel_mismatch(codec, dim, torch.bfloat16, "cuda:0") or "ok"
             detail = compare(codec, dim)
             kernel = append_micros(turbo_append_triton, codec, dim)
             reference = append_micros(turbo_append_reference, codec, dim)

@@ -119,7 +119,7 @@ def test_turbo_append_matches_the_codec(scheme: str, dtype: torch.dtype) -> None
         assert ((got - expected).abs() <= 0.02 * expected.abs().max()).all()
 
 
-@pytest.mark.parametrize("scheme", ["k8v3", "t4v3"])
+@pytest.mark.parametrize("scheme", ["k8v3", "k4v3", "t4v3"])
 def test_turbo_kernels_vouch_for_themselves(scheme: str) -> None:
     """The once-per-device check the static cache runs before trusting the turbo kernels."""
     from hearth.kernels.kv_quantize import turbo_kernel_agrees
@@ -127,3 +127,22 @@ def test_turbo_kernels_vouch_for_themselves(scheme: str) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert turbo_kernel_agrees(TurboCodec.parse(scheme), 64, torch.float32, device)
+
+
+def test_turbo_self_check_rejects_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check must fail when the kernel path stores something else than the codec: here
+    a kernel whose value codes all come out zero."""
+    from hearth.kernels import kv_quantize
+    from hearth.kv.turbo import TurboCodec
+
+    honest = kv_quantize.turbo_append_triton
+
+    def broken(position, keys, values, planes, *rest):
+        honest(position, keys, values, planes, *rest)
+        planes[-2].zero_()
+
+    monkeypatch.setattr(kv_quantize, "turbo_append_triton", broken)
+    codec = TurboCodec.parse("k4v3")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reason = kv_quantize.turbo_kernel_mismatch(codec, 64, torch.float32, device)
+    assert reason is not None and reason.startswith("values")
