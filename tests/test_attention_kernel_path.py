@@ -88,3 +88,27 @@ def test_kernel_path_matches_torch_path(
     got = _decode(model, ids, _caches(model, kind, scheme))
     assert len(calls) >= STEPS
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("queries", "keys", "window"),
+    [(12, 12, None), (12, 12, 12), (12, 12, 5), (4, 12, None), (4, 12, 6)],
+)
+def test_gpu_prefill_dispatch_matches_masked_sdpa(
+    queries: int, keys: int, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Multi-query attention on the GPU path takes SDPA's is_causal only where that mask is
+    ours (queries = keys 0..S-1, window not binding), else the position-masked kernel; both
+    must equal the CPU path's SDPA with our explicit mask. fp32; the paths differ only by
+    summation order (1e-6 on outputs of size ~1)."""
+    from hearth.kv.cache import KVView
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, queries, 16, generator=generator)
+    k, v = (torch.randn(1, 2, keys, 16, generator=generator) for _ in range(2))
+    view = KVView(k, v, keys, None)
+    positions = torch.arange(keys - queries, keys)
+    expected = gemma.attend(q, view, positions, window, 0.25)
+    monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
+    got = gemma.attend(q, view, positions, window, 0.25)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)

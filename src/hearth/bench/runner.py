@@ -185,7 +185,10 @@ def _measure_hearth(
             seconds, path = time_decode(model, context, options.steps, policy)
             kv = kv_bytes(config, context, element, policy)
             layout_name = f"KV {layout} " if layouts != ["off"] else "KV "
-            path += f", {layout_name}{kv / 2**20:.3g} MiB"
+            mib = kv / 2**20
+            path += (
+                f", {layout_name}{mib:.0f} MiB" if mib >= 100 else f", {layout_name}{mib:.3g} MiB"
+            )
             work = weights + kv
             row = Row(DECODE, context, seconds, path, work, work / options.bandwidth)
             report.rows.append(row)
