@@ -1,9 +1,11 @@
-"""Where a batch-1 decode step's GPU time goes: kernels per step and time per kernel family.
+"""Where a batch-1 decode step's (or a prefill's) GPU time goes, by kernel name.
 
 Profiles eager decode steps of a random-weight model at real shapes (the CUDA-graph replay
-runs the same kernels) and groups the GPU time by kernel name.
+runs the same kernels), or with --prefill N one forward over an N-token prompt, and groups
+the GPU time by kernel name.
 
     OUT=/tmp/out python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
+    OUT=/tmp/out python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hearth.bench.random_model import PRESETS, build_random
 from hearth.cuda_graph import GraphDecoder
+from hearth.kv import make_caches, parse_kv_quant
 
 STEPS = 5
 
@@ -30,8 +33,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="gemma3-12b")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill")
     args = parser.parse_args()
     model = build_random(PRESETS[args.model], torch.device("cuda"))
+    if args.prefill:
+        profile_prefill(model, args.model, args.prefill)
+        return
     decoder = GraphDecoder(model, max_context=args.context + 64)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
     token = decoder.prefill(ids).argmax(-1, keepdim=True)
@@ -51,6 +58,23 @@ def main() -> None:
         for _ in range(STEPS):
             eager_step()
         torch.cuda.synchronize()
+    title = f"Decode step profile: {args.model}, context {args.context}"
+    write_table(prof, STEPS, title, f"gpu_profile_{args.model}.md", "step")
+
+
+@torch.inference_mode()
+def profile_prefill(model: torch.nn.Module, name: str, tokens: int) -> None:
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    model(ids, make_caches(model.config, parse_kv_quant("off")), last_only=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(ids, make_caches(model.config, parse_kv_quant("off")), last_only=True)
+        torch.cuda.synchronize()
+    title = f"Prefill profile: {name}, {tokens} tokens in one forward"
+    write_table(prof, 1, title, f"gpu_profile_{name}_prefill{tokens}.md", "forward")
+
+
+def write_table(prof: profile, steps: int, title: str, filename: str, unit: str) -> None:
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for event in prof.events():
@@ -60,25 +84,24 @@ def main() -> None:
             counts[name] += 1
     total = sum(totals.values())
     lines = [
-        f"# Decode step profile: {args.model}, context {args.context}, "
-        f"{torch.cuda.get_device_name()}",
+        f"# {title}, {torch.cuda.get_device_name()}",
         "",
-        f"kernels per step: {sum(counts.values()) / STEPS:.0f}; GPU time per step: "
-        f"{total / STEPS / 1e3:.2f} ms",
+        f"kernels per {unit}: {sum(counts.values()) / steps:.0f}; GPU time per {unit}: "
+        f"{total / steps / 1e3:.2f} ms",
         "",
-        "| kernel | launches/step | µs/step | share |",
+        f"| kernel | launches/{unit} | µs/{unit} | share |",
         "|---|---|---|---|",
     ]
     for name, micros in sorted(totals.items(), key=lambda item: -item[1])[:25]:
         lines.append(
-            f"| `{name}` | {counts[name] / STEPS:.0f} | {micros / STEPS:.0f} | "
+            f"| `{name}` | {counts[name] / steps:.0f} | {micros / steps:.0f} | "
             f"{micros / total:.1%} |"
         )
     table = "\n".join(lines) + "\n"
     print(table)
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"gpu_profile_{args.model}.md").write_text(table)
+    (out / filename).write_text(table)
 
 
 if __name__ == "__main__":
