@@ -1,11 +1,13 @@
 """Candidate designs for the batch-1 (M = 1..4) GEMV over MLX affine-packed weights.
 
 Layout as hearth.quant.mlx: packed uint32 ``[N, K * bits / 32]`` (codes LSB first), scales and
-biases ``[N, K / group]``, ``w = scale * q + bias``. The kernel in hearth.kernels.affine_matmul
-reaches 13-26 % of the 4.2 TB/s copy bandwidth on an H200; these variants try to close the gap.
+biases ``[N, K / group]``, ``w = scale * q + bias``. hearth.kernels.affine_matmul's earlier
+kernel (the M rows a tensor dimension of one tile; 13-26 % of the 4.2 TB/s copy bandwidth on
+an H200) lost to v1 on every shape (benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md),
+and v1 became the library's GEMV, launched by its `gemv_config` heuristic: "current" below.
 All keep fp32 accumulation, read the packed words where they lie and are deterministic.
 
-What they share (and how they differ from the current kernel):
+What they share:
 
 * A step is a ``[BLOCK_N rows, BLOCK_G groups, words per group]`` tile of packed words; each
   thread holds 16 contiguous bytes of several rows, so the x values it loads serve every row
@@ -39,7 +41,7 @@ Runs:
 
 The GPU run checks every variant against ``affine_matmul_reference`` at real shapes (bound as
 benchmarks/gpu_kernels_affine.py), times a small config sweep per shape (median of
-``triton.testing.do_bench``) beside the current kernel and cuBLAS bf16 on the dequantized
+``triton.testing.do_bench``) beside the library kernel and cuBLAS bf16 on the dequantized
 weight, and writes ``$OUT/gpu_gemv_affine_variants.md`` with the best config per shape.
 """
 
@@ -480,16 +482,8 @@ def _gemv_kernel(
 # Launcher
 
 
-@dataclass(frozen=True)
-class Config:
-    block_n: int
-    block_g: int
-    warps: int = 4
-    split_k: int = 1
-
-    def __str__(self) -> str:
-        split = f" split{self.split_k}" if self.split_k > 1 else ""
-        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}"
+# A launch: rows per program, groups per step, warps, K splits (as the library's GEMV).
+Config = am.GemvConfig
 
 
 @dataclass(frozen=True)
@@ -598,7 +592,6 @@ SWEEP = {
     "v2": [Config(32, 4), Config(16, 8)],
 }
 SPLIT_MAX_ROWS = 8192  # split configs are timed only where N is this small
-CURRENT_CONFIG = {"BLOCK_N": 16, "BLOCK_KW": 64, "SPLIT_K": 1}  # tuned on 3 of the 4 shapes
 
 
 def _variant(name: str) -> Variant:
@@ -606,8 +599,8 @@ def _variant(name: str) -> Variant:
 
 
 def gpu_checks(checks: list[list[str]]) -> None:
-    """Every variant against the reference: bits 4/8, groups 64/32, M 1/3/4, and split-K
-    (repeat-stable, bit for bit) on 3840 x 15360 and 8192 x 3840."""
+    """Every variant and the library's kernel against the reference: bits 4/8, groups 64/32,
+    M 1/3/4, and split-K (repeat-stable, bit for bit) on 3840 x 15360 and 8192 x 3840."""
     from gpu_kernels_affine import packed_weight, within_bound
 
     for n, k in ((3840, 15360), (8192, 3840)):
@@ -635,6 +628,18 @@ def gpu_checks(checks: list[list[str]]) -> None:
                                     verdict,
                                 ]
                             )
+                    # The library's kernel at its heuristic launch (a split on 3840 x 15360).
+                    args = (x, packed, scales, biases, bits, group)
+                    got = am.affine_gemv_triton(*args)
+                    verdict = within_bound(got, want, magnitude, k)
+                    if not all(torch.equal(am.affine_gemv_triton(*args), got) for _ in range(20)):
+                        verdict += " FAIL (not repeatable)"
+                    chosen = am.gemv_config(n, k, bits, group, _multiprocessors())
+                    checks.append([f"current [{chosen}] M={m} {n}x{k}", f"{bits}/{group}", verdict])
+
+
+def _multiprocessors() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def gpu_sweep(rows: list[list[str]], best: list[list[str]], checks: list[list[str]]) -> None:
@@ -664,12 +669,12 @@ def gpu_sweep(rows: list[list[str]], best: list[list[str]], checks: list[list[st
 
             cublas = bench(partial(F.linear, x, weight))
             row("cuBLAS bf16 (dequantized weight, its bytes)", cublas, nbytes(weight, x, want))
+            # The library's GEMV at the launch its heuristic picks for this shape.
+            chosen = am.gemv_config(n, k, bits, group, _multiprocessors())
             current = bench(
-                partial(
-                    am.affine_gemv_triton, x, packed, scales, biases, bits, group, CURRENT_CONFIG
-                )
+                partial(am.affine_gemv_triton, x, packed, scales, biases, bits, group, chosen)
             )
-            row("current kernel N16 KW64 w4", current)
+            row(f"current (library v1, heuristic) {chosen}", current)
             timings: list[tuple[float, str]] = []
             for name, configs in SWEEP.items():
                 variant = _variant(name)
@@ -763,12 +768,16 @@ def cpu_errors(seed: int = 0) -> list[tuple[str, float]]:
             for m in (1, 4):
                 x = torch.randn(m, 384)
                 want = am.affine_matmul_reference(x, packed, scales, biases, bits, group)
-                for variant in VARIANTS:
+                for variant in (*VARIANTS, None):
                     for config in CPU_CONFIGS:
-                        got = gemv(variant, config, x, packed, scales, biases, bits, group)
+                        args = (x, packed, scales, biases, bits, group)
+                        if variant is None:  # the library's kernel ("current")
+                            got = am.affine_gemv_triton(*args, config)
+                        else:
+                            got = gemv(variant, config, *args)
                         error = ((got - want).abs().max() / want.abs().max()).item()
-                        name = f"{variant.name} [{config}] {bits}/{group} M={m}"
-                        results.append((name, error))
+                        label = variant.name if variant is not None else "current"
+                        results.append((f"{label} [{config}] {bits}/{group} M={m}", error))
     return results
 
 

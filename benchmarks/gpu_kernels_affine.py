@@ -115,9 +115,15 @@ def gemv_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
                     f"{moved / seconds / COPY_BANDWIDTH:.0%}",
                     f"{cublas * 1e6:.1f} ({cublas_moved / cublas / COPY_BANDWIDTH:.0%})",
                     f"{cublas / seconds:.2f}x",
-                    tuned_config(am._affine_gemv_tuned),
+                    str(gemv_launch(n, k, bits, group)),
                 ]
             )
+
+
+def gemv_launch(n: int, k: int, bits: int, group: int) -> am.GemvConfig:
+    """The M=1 GEMV launch hearth's heuristic picks on this GPU."""
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    return am.gemv_config(n, k, bits, group, sms)
 
 
 def correctness_grid(checks: list[list[str]]) -> None:
@@ -164,7 +170,7 @@ def split_k_determinism(checks: list[list[str]]) -> None:
     for _ in range(3):
         graph.replay()
         replays.append(torch.equal(captured, first))
-    config = tuned_config(am._affine_gemv_tuned)
+    config = gemv_launch(n, k, 4, 64)
     verdict = "ok" if same and all(replays) else f"FAIL (repeat {same}, graph {replays})"
     checks.append([f"split-K {n}x{k} x200 + graph", f"4/64 [{config}]", verdict])
 
@@ -235,7 +241,7 @@ def expert_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
                     f"{moved / seconds / COPY_BANDWIDTH:.0%}",
                     f"torch ref {reference * 1e6:.0f}",
                     f"{reference / seconds:.1f}x",
-                    tuned_config(am._affine_gemv_tuned),
+                    tuned_config(am._affine_tile_gemv_tuned),
                 ]
             )
         weight = torch.randn(experts, n, k, device=DEVICE, dtype=BF16)

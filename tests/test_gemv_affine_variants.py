@@ -104,3 +104,16 @@ def test_fp16_activations(variants) -> None:
     )
     assert got.dtype == torch.float16
     _check(got, x.double() @ weight.T, x, weight, scales)
+
+
+@pytest.mark.parametrize(("bits", "group", "rows"), [(4, 32, 4), (8, 64, 1), (8, 128, 3)])
+def test_library_gemv_is_v1(variants, bits, group, rows) -> None:
+    """hearth's GEMV is the ported v1: the same launch gives the same bits (same operations in
+    the same order), split or not."""
+    torch.manual_seed(9 + bits + rows)
+    packed, scales, biases, _ = _weights(bits, group)
+    x = torch.randn(rows, K)
+    v1 = next(v for v in variants.VARIANTS if v.name == "v1")
+    for config in variants.CPU_CONFIGS:
+        args = (x, packed, scales, biases, bits, group)
+        assert torch.equal(am.affine_gemv_triton(*args, config), variants.gemv(v1, config, *args))

@@ -1,26 +1,38 @@
 """Matmuls that read MLX affine-quantized weights (``w = scale * q + bias``) where they lie.
 
 Layout (hearth.quant.mlx): packed uint32 ``[..., N, K * bits / 32]``, codes LSB first; scales
-and biases ``[..., N, K / group]``. Three Triton paths, each beside its torch reference:
+and biases ``[..., N, K / group]``. Triton paths, each beside its torch reference:
 
-* **GEMV** (rows M <= 16, decode): each program owns ``BLOCK_N`` output rows and walks K a
-  few groups at a time, reading the packed words of a row contiguously. Codes are unpacked with
-  constant shifts and turned into floats with the exponent trick (``code | 0x4B000000`` is the
-  float ``2**23 + code``), which avoids the quarter-rate int->float conversion. Per group it
-  forms ``sum(x * q)`` and applies ``scale * that + bias * sum(x)``, so the scale and bias cost
-  nothing per element. When N alone gives too few programs, K is split and the last program of
-  each row block adds the partial sums in a fixed order (one kernel, deterministic).
+* **GEMV** (M <= 4 rows: decode, a few speculative rows): each program owns ``BLOCK_N``
+  output rows and walks its share of K a step of ``BLOCK_G`` groups at a time. A step is a
+  ``[BLOCK_N, BLOCK_G * words per group]`` tile of packed words, read where they lie; a thread
+  holds contiguous words of several rows, so each x value it loads serves all of them. The M
+  rows of x are unrolled (one accumulator each, never a tensor dimension) and share the
+  unpacked codes. A code becomes an exact float with one AND|OR and one subtraction (the
+  exponent trick): the code at bits ``[p, p + bits)`` of a word, ``p + bits <= 23``, ORed
+  with the exponent of ``2**(23 - p)`` is the float ``2**(23 - p) + code``; codes above bit 23
+  are moved down 16 first. Per group it forms ``sum(x * q)`` and applies
+  ``scale * that + bias * sum(x)``, so the scale and bias cost nothing per element. Where N
+  gives too few programs, K is split: each program stores fp32 partials and the last of a row
+  block to arrive (an acq_rel counter) adds them in split order and resets the counter (one
+  kernel, deterministic, CUDA-graph safe). The launch config comes from `gemv_config`, a
+  small heuristic fitted to H200 measurements.
+* **Tile GEMV** (5..16 rows, and gathered experts): the rows are a tensor dimension of one
+  ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias, split-K and
+  deterministic finish; autotuned. For MoE each program row is a (token, slot) pair reading
+  only the rows of the expert that pair chose; the ids stay on the device (no sync, so CUDA
+  graphs can capture it). A float variant serves bf16 experts.
 * **Prefill** (M > 16): dequantize once with a Triton kernel that rounds exactly as
   ``dequantize_affine`` does, then cuBLAS. Dequantizing costs ~N*K*2 bytes, small beside the
   2*M*N*K FLOPs of a long prompt.
-* **Gathered experts** (MoE): the GEMV kernel again, one program row per (token, slot) pair,
-  reading only the rows of the expert that pair chose; the ids stay on the device (no sync,
-  so CUDA graphs can capture it). A float variant serves bf16 experts.
 
 Accumulation is fp32 everywhere. Bits 4 and 8 have kernels; other widths use the reference.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +46,10 @@ from hearth.quant import mlx as mlx_affine
 KERNEL_BITS = (4, 8)
 # Above this many rows the weight is dequantized once and cuBLAS runs the matmul.
 GEMV_MAX_ROWS = 16
+# Rows the GEMV kernel unrolls; 5..GEMV_MAX_ROWS rows take the tile kernel.
+UNROLLED_ROWS = 4
 WORD_BITS = 32
+MAX_SPLIT_K = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +145,74 @@ def float_expert_matmul(x: Tensor, weight: Tensor, expert_ids: Tensor) -> Tensor
 
 
 # ---------------------------------------------------------------------------------------------
+# GEMV launch configuration
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A GEMV launch: output rows per program, groups per step, warps and K splits."""
+
+    block_n: int
+    block_g: int
+    warps: int = 4
+    split_k: int = 1
+
+    def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}"
+
+
+H200_MULTIPROCESSORS = 132
+# Rows from which a weight counts as a vocabulary head (Gemma's tied heads are 262144 rows).
+HEAD_ROWS = 1 << 16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@lru_cache(maxsize=256)
+def gemv_config(
+    n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
+) -> GemvConfig:
+    """The GEMV launch for an ``[N, K]`` weight, fitted to the M=1 sweep of group-64 weights
+    on an H200 (benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md, variant v1):
+
+    ==== ============================================ ================= =========================
+    bits shape class (measured shapes, N x K)          config            µs (old kernel's)
+    ==== ============================================ ================= =========================
+    4    N >= 65536 (tied head 262144 x 3840)          N64 G4 w4         249.5 (587)
+    4    N/32 blocks > 2 per SM (15360 x 3840)         N32 G4 w4         34.4 (45.4)
+    4    fewer (8192 x 3840; 3840 x 15360)             N32 G4 w4 split2  22.6 (26.0); 49.0 (62.1)
+    8    N/32 blocks > 2 per SM (15360 x 3840; head)   N32 G8 w4         30.8 (50.6); 278.6 (642)
+    8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G8 w4         20.0 (32.4)
+    8    fewer (3840 x 15360)                          N16 G8 w4 split4  32.4 (84.6)
+    ==== ============================================ ================= =========================
+
+    The rule: split K only while N's row blocks give at most ~2 programs per SM (the 4-bit q
+    projection's 256 blocks gained from split 2; the 8-bit one's 512 did not); N far below
+    the measured shapes doubles the split until there is about one program per SM. Other
+    group sizes keep the packed words per step (32 words at 4-bit, 128 at 8-bit: what a
+    thread holds), so G scales with 64 / group; they, and M > 1, are not measured.
+    """
+    few = 2 * multiprocessors
+    if bits == 4:
+        block_n, step_words, split = (64 if n >= HEAD_ROWS else 32), 32, 2
+    else:
+        block_n, step_words, split = (32 if _cdiv(n, 32) > few else 16), 128, 4
+    block_g = max(1, step_words // (group * bits // WORD_BITS))
+    blocks = _cdiv(n, block_n)
+    if blocks > few:
+        split = 1
+    else:
+        while blocks * split < multiprocessors and split < MAX_SPLIT_K:
+            split *= 2
+        # Each split gets at least one whole step of groups.
+        split = max(1, min(split, k // group // block_g))
+    return GemvConfig(block_n, block_g, split_k=split)
+
+
+# ---------------------------------------------------------------------------------------------
 # Triton kernels
 
 if HAS_TRITON:
@@ -138,6 +221,9 @@ if HAS_TRITON:
 
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
+    # The float 2**23 as int32 bits, passed to the GEMV at run time: were the exponent a
+    # constant, ptxas would need two LOP3s (one immediate operand each) for the AND and the OR.
+    TWO23_BITS = 150 << 23
 
     @triton.jit
     def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):
@@ -146,7 +232,223 @@ if HAS_TRITON:
         return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def _exact_codes(words, two23, J: tl.constexpr, BITS: tl.constexpr):
+        """Code J of each int32 word as exact fp32, without shifting it to bit 0: at bit P it
+        is ORed with the exponent of ``2**(23 - P)`` (one LOP3 with the AND), giving the float
+        ``2**(23 - P) + code``, and that power of two is subtracted. Codes reaching past bit 23
+        would leave the mantissa, so those are moved down 16 first (one shift per word)."""
+        MASK: tl.constexpr = (1 << BITS) - 1
+        LOWER: tl.constexpr = 16 if J * BITS + BITS > 23 else 0
+        P: tl.constexpr = J * BITS - LOWER
+        exponent = two23 - (P << 23)
+        if LOWER > 0:
+            words = words >> LOWER  # arithmetic: the sign copies land above the mask
+        values = ((words & (MASK << P)) | exponent).to(tl.float32, bitcast=True)
+        return values - exponent.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _add_row(
+        acc,
+        words,
+        scale,
+        bias,
+        two23,
+        x_row,
+        k_word,
+        k_ok,
+        BITS: tl.constexpr,
+        CODES: tl.constexpr,
+        WPG: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """acc ``[BLOCK_N, BLOCK_G]`` plus one x row's ``scale * sum(x q) + bias * sum(x)``
+        per (output row, group) of the step; words is ``[BLOCK_N, BLOCK_G * WPG]``."""
+        dots = tl.zeros(words.shape, tl.float32)
+        x_sums = tl.zeros(k_word.shape, tl.float32)
+        for j in tl.static_range(CODES):
+            # Code j of every word pairs with x at k = word * CODES + j: one x slice serves
+            # every row a thread holds, and the code values every x row (the compiler CSEs them
+            # across the unrolled rows).
+            q = _exact_codes(words, two23, j, BITS)
+            if MASKED:
+                xj = tl.load(x_row + k_word * CODES + j, mask=k_ok, other=0)
+            else:
+                xj = tl.load(x_row + k_word * CODES + j)
+            xj = xj.to(tl.float32)
+            dots += q * xj[None, :]
+            x_sums += xj
+        group_dots = tl.sum(tl.reshape(dots, [BLOCK_N, BLOCK_G, WPG]), axis=2)
+        group_x = tl.sum(tl.reshape(x_sums, [BLOCK_G, WPG]), axis=1)
+        return acc + (group_dots * scale + bias * group_x[None, :])
+
+    @triton.jit
+    def _gemv_step(
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        word_rows,
+        group_rows,
+        g0,
+        g_end,
+        stride_xm,
+        two23,
+        M: tl.constexpr,
+        BITS: tl.constexpr,
+        CODES: tl.constexpr,
+        WPG: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """Add groups ``[g0, g0 + BLOCK_G)`` to the M accumulators. MASKED only for a split's
+        tail: a mask costs a compare per element, so whole steps go without."""
+        k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
+        g = g0 + tl.arange(0, BLOCK_G)
+        k_ok = k_word < g_end * WPG
+        word_at = packed_ptr + word_rows[:, None] + k_word[None, :]
+        group_at = group_rows[:, None] + g[None, :]
+        if MASKED:
+            words = tl.load(word_at, mask=k_ok[None, :], other=0)
+            g_ok = (g < g_end)[None, :]
+            scale = tl.load(scales_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
+        else:
+            words = tl.load(word_at)
+            scale = tl.load(scales_ptr + group_at).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at).to(tl.float32)
+        acc0 = _add_row(
+            acc0, words, scale, bias, two23, x_ptr, k_word, k_ok,
+            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+        )  # fmt: skip
+        if M > 1:
+            acc1 = _add_row(
+                acc1, words, scale, bias, two23, x_ptr + stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+            )  # fmt: skip
+        if M > 2:
+            acc2 = _add_row(
+                acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+            )  # fmt: skip
+        if M > 3:
+            acc3 = _add_row(
+                acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+            )  # fmt: skip
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _store_row(out_ptr, acc, n, n_ok):
+        tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
     def _affine_gemv_kernel(
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        N,
+        row_words,
+        groups,
+        split_groups,
+        stride_xm,
+        stride_om,
+        two23,
+        M: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
+
+        `row_words` and `groups` (K / codes per word, K / GROUP) are passed, not derived, so
+        Triton sees the row strides' divisibility and loads 16 bytes at a time. Split s owns
+        groups ``[s * split_groups, (s + 1) * split_groups)``, whole steps but for the last.
+        The loops are `while` loops: Triton's interpreter cannot run `range` to a run-time
+        bound. two23: see TWO23_BITS."""
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
+        WPG: tl.constexpr = GROUP // CODES  # words per group
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        # Rows past N read row N - 1 (no load masks) and are not stored. int32 offsets: the
+        # launcher takes this kernel only for N * row_words < 2**31.
+        n_read = tl.minimum(n, N - 1)
+        word_rows = n_read * row_words
+        group_rows = n_read * groups
+        g0 = pid_k * split_groups
+        g_end = tl.minimum(g0 + split_groups, groups)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        while g0 + BLOCK_G <= g_end:
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                acc0, acc1, acc2, acc3, x_ptr, packed_ptr, scales_ptr, biases_ptr,
+                word_rows, group_rows, g0, g_end, stride_xm, two23,
+                M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
+            )  # fmt: skip
+            g0 += BLOCK_G
+        if g0 < g_end:
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                acc0, acc1, acc2, acc3, x_ptr, packed_ptr, scales_ptr, biases_ptr,
+                word_rows, group_rows, g0, g_end, stride_xm, two23,
+                M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True,
+            )  # fmt: skip
+
+        if SPLIT_K == 1:
+            _store_row(out_ptr, acc0, n, n_ok)
+            if M > 1:
+                _store_row(out_ptr + stride_om, acc1, n, n_ok)
+            if M > 2:
+                _store_row(out_ptr + 2 * stride_om, acc2, n, n_ok)
+            if M > 3:
+                _store_row(out_ptr + 3 * stride_om, acc3, n, n_ok)
+        else:
+            # Partials [SPLIT_K, M, N] fp32; the last split to arrive sums them in split order.
+            own = partial_ptr + pid_k * M * N
+            tl.store(own + n, tl.sum(acc0, axis=1), mask=n_ok)
+            if M > 1:
+                tl.store(own + N + n, tl.sum(acc1, axis=1), mask=n_ok)
+            if M > 2:
+                tl.store(own + 2 * N + n, tl.sum(acc2, axis=1), mask=n_ok)
+            if M > 3:
+                tl.store(own + 3 * N + n, tl.sum(acc3, axis=1), mask=n_ok)
+            tl.debug_barrier()  # every thread's partials are written before the release below
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                for m in tl.static_range(M):
+                    total = tl.zeros([BLOCK_N], tl.float32)
+                    for split in tl.static_range(SPLIT_K):
+                        # .cg reads L2, where the other programs' partials are, not a stale L1.
+                        total += tl.load(
+                            partial_ptr + (split * M + m) * N + n,
+                            mask=n_ok,
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                    tl.store(
+                        out_ptr + m * stride_om + n,
+                        total.to(out_ptr.dtype.element_ty),
+                        mask=n_ok,
+                    )
+                tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch (and replays)
+
+    @triton.jit
+    def _affine_tile_gemv_kernel(
         x_ptr,
         packed_ptr,
         scales_ptr,
@@ -340,28 +642,27 @@ if HAS_TRITON:
         )
 
     # -----------------------------------------------------------------------------------------
-    # Launch configurations
+    # Tile GEMV configurations (autotuned)
 
-    MAX_SPLIT_K = 8
     # Word tiles BLOCK_M * BLOCK_N * BLOCK_KW above this spill registers (fp32 products).
     _MAX_TILE_WORDS = 4096
-    _GEMV_TILES = ((8, 32, 4), (16, 64, 4), (32, 32, 4), (64, 32, 4), (64, 64, 8))
-    _GEMV_CONFIGS = [
+    _TILE_SHAPES = ((8, 32, 4), (16, 64, 4), (32, 32, 4), (64, 32, 4), (64, 64, 8))
+    _TILE_CONFIGS = [
         triton.Config({"BLOCK_N": n, "BLOCK_KW": kw, "SPLIT_K": split}, num_warps=warps)
-        for n, kw, warps in _GEMV_TILES
+        for n, kw, warps in _TILE_SHAPES
         for split in (1, 2, 4, MAX_SPLIT_K)
     ]
     # Used where there is no autotuning: Triton's CPU interpreter (tests).
-    DEFAULT_GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_KW": 32, "SPLIT_K": 1}
+    DEFAULT_TILE_CONFIG = {"BLOCK_N": 16, "BLOCK_KW": 32, "SPLIT_K": 1}
 
     def _multiprocessors() -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def _split_allowed(rows: int, n: int) -> bool:
         """Split K only where N gives fewer than two programs per SM at the smallest block."""
-        return rows * triton.cdiv(n, _GEMV_TILES[0][0]) < 2 * _multiprocessors()
+        return rows * triton.cdiv(n, _TILE_SHAPES[0][0]) < 2 * _multiprocessors()
 
-    def _prune_gemv_configs(configs: list, named_args: dict, **kwargs: object) -> list:
+    def _prune_tile_configs(configs: list, named_args: dict, **kwargs: object) -> list:
         args = {**named_args, **kwargs}
         rows, n, block_m = args["ROWS"], args["N"], args["BLOCK_M"]
         groups = args["K"] // args["GROUP"]
@@ -379,13 +680,13 @@ if HAS_TRITON:
             if split > 1 and groups < 2 * split:
                 continue
             kept.append(config)
-        return kept or [triton.Config(DEFAULT_GEMV_CONFIG, num_warps=4)]
+        return kept or [triton.Config(DEFAULT_TILE_CONFIG, num_warps=4)]
 
-    _affine_gemv_tuned = triton.autotune(
-        configs=_GEMV_CONFIGS,
+    _affine_tile_gemv_tuned = triton.autotune(
+        configs=_TILE_CONFIGS,
         key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GATHER"],
-        prune_configs_by={"early_config_prune": _prune_gemv_configs},
-    )(_affine_gemv_kernel)
+        prune_configs_by={"early_config_prune": _prune_tile_configs},
+    )(_affine_tile_gemv_kernel)
 
     _float_gather_tuned = triton.autotune(
         configs=[
@@ -396,13 +697,14 @@ if HAS_TRITON:
     )(_float_gather_gemv_kernel)
     DEFAULT_FLOAT_GATHER_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 64}
 
-    # Split-K arrival counters, zero between launches (the last program resets its own).
+    # Split-K arrival counters, zero between launches (the last program resets its own). Sized
+    # so that model shapes never regrow it: a CUDA graph keeps the buffer it captured.
     _COUNTERS: dict[torch.device, Tensor] = {}
 
     def _counters(device: torch.device, count: int) -> Tensor:
         counters = _COUNTERS.get(device)
         if counters is None or counters.numel() < count:
-            counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+            counters = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
             _COUNTERS[device] = counters
         return counters
 
@@ -427,14 +729,62 @@ if HAS_TRITON:
         out: Tensor,
         bits: int,
         group: int,
+        config: GemvConfig,
+    ) -> None:
+        """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``."""
+        m, k = x.shape
+        n, row_words = packed.shape[-2:]
+        groups = k // group
+        # Whole steps per split, so that only a split's last step can need masks.
+        split_groups = triton.cdiv(triton.cdiv(groups, config.split_k), config.block_g)
+        split_groups *= config.block_g
+        blocks = triton.cdiv(n, config.block_n)
+        if config.split_k > 1:
+            partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
+            counters = _counters(x.device, blocks)
+        else:
+            partial = counters = out  # unread
+        _affine_gemv_kernel[(blocks, config.split_k)](
+            x,
+            packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
+            scales,
+            biases,
+            out,
+            partial,
+            counters,
+            n,
+            row_words,
+            groups,
+            split_groups,
+            x.stride(0),
+            out.stride(0),
+            TWO23_BITS,
+            M=m,
+            BITS=bits,
+            GROUP=group,
+            BLOCK_N=config.block_n,
+            BLOCK_G=config.block_g,
+            SPLIT_K=config.split_k,
+            num_warps=config.warps,
+        )
+
+    def _launch_tile_gemv(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        out: Tensor,
+        bits: int,
+        group: int,
         *,
         ids: Tensor | None,
         rows: int,
         block_m: int,
         x_rows_per_id: int,
         config: dict | None,
+        num_warps: int = 4,
     ) -> None:
-        """One GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`."""
+        """One tile-GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`."""
         m = 1 if ids is not None else x.shape[0]
         k = x.shape[-1]
         n = packed.shape[-2]
@@ -475,10 +825,12 @@ if HAS_TRITON:
             return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         if config is None and not interpreted:
-            _affine_gemv_tuned[grid](*args, **constants)
+            _affine_tile_gemv_tuned[grid](*args, **constants)
         else:
-            chosen = config or DEFAULT_GEMV_CONFIG
-            _affine_gemv_kernel[grid(chosen)](*args, **constants, **chosen)
+            chosen = config or DEFAULT_TILE_CONFIG
+            _affine_tile_gemv_kernel[grid(chosen)](
+                *args, **constants, **chosen, num_warps=num_warps
+            )
 
     def affine_gemv_triton(
         x: Tensor,
@@ -487,17 +839,36 @@ if HAS_TRITON:
         biases: Tensor,
         bits: int,
         group_size: int,
-        config: dict | None = None,
+        config: GemvConfig | None = None,
     ) -> Tensor:
-        """``x [..., K] @ W.T`` for at most GEMV_MAX_ROWS rows; `config` pins a launch (tests)."""
+        """``x [..., K] @ W.T`` for at most GEMV_MAX_ROWS rows: the unrolled GEMV up to
+        UNROLLED_ROWS rows (launched as `gemv_config` says), the tile GEMV above (autotuned).
+        `config` pins the launch (tests); for the tile GEMV it means the same tile shape."""
         k = _check_operands(x, packed, scales, bits, group_size)
         rows = x.reshape(-1, k)
-        if rows.shape[0] > GEMV_MAX_ROWS:
-            raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
+        m, n = rows.shape[0], packed.shape[-2]
+        if m > GEMV_MAX_ROWS:
+            raise ValueError(f"the GEMV kernels take at most {GEMV_MAX_ROWS} rows")
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        out = torch.empty(rows.shape[0], packed.shape[-2], dtype=x.dtype, device=x.device)
-        block_m = triton.next_power_of_2(rows.shape[0])
-        _launch_gemv(
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m == 0 or n == 0:
+            return out.view(*x.shape[:-1], -1)
+        # The unrolled kernel offsets words in int32; larger weights take the tile kernel.
+        if m <= UNROLLED_ROWS and n * packed.shape[-1] < 2**31:
+            if config is None:
+                sms = _multiprocessors() if x.is_cuda else H200_MULTIPROCESSORS
+                config = gemv_config(n, k, bits, group_size, sms)
+            _launch_gemv(rows, packed, scales, biases, out, bits, group_size, config)
+            return out.view(*x.shape[:-1], -1)
+        tile = None
+        if config is not None:
+            words_per_group = group_size * bits // WORD_BITS
+            tile = {
+                "BLOCK_N": config.block_n,
+                "BLOCK_KW": config.block_g * words_per_group,
+                "SPLIT_K": config.split_k,
+            }
+        _launch_tile_gemv(
             rows,
             packed,
             scales,
@@ -507,9 +878,10 @@ if HAS_TRITON:
             group_size,
             ids=None,
             rows=1,
-            block_m=block_m,
+            block_m=triton.next_power_of_2(m),
             x_rows_per_id=1,
-            config=config,
+            config=tile,
+            num_warps=config.warps if config is not None else 4,
         )
         return out.view(*x.shape[:-1], -1)
 
@@ -569,7 +941,7 @@ if HAS_TRITON:
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = torch.empty(pairs, packed.shape[-2], dtype=x.dtype, device=x.device)
-        _launch_gemv(
+        _launch_tile_gemv(
             rows,
             packed,
             scales,
