@@ -51,6 +51,19 @@ elif [ "$PART" = prefill-kv ]; then  # prefill kernels against references, then 
 stage 130 prefill-attention python benchmarks/gpu_kernels_prefill_attention.py --no-16k
 stage 180 grouped python benchmarks/gpu_kernels_grouped.py
 stage 220 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4,4@full,turbo:k4v3@full --contexts 8192,32768 --prefill 4096 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
+elif [ "$PART" = verify ]; then  # kernel checks after a change: tests on CUDA, attention, affine, parity
+for i in $(seq 0 13); do ATTN_WARM=$i/14 timeout 150 python benchmarks/gpu_kernels_attention.py --sweep-only >/dev/null 2>&1 & done
+stage 150 tests python -m pytest -q -x tests/test_static_cache.py tests/test_kernels_decode_attention.py tests/test_kernels_affine.py tests/test_bench.py
+wait
+stage 120 attention python benchmarks/gpu_kernels_attention.py --sweep-only
+stage 150 affine python benchmarks/gpu_kernels_affine.py
+stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+elif [ "$PART" = decode ]; then  # end to end: 12B bf16, 4-bit, KV layouts to 128k; E4B, 26B-A4B
+stage 100 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 100 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 200 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4@full,turbo:k4v3@full --contexts 8192,32768,131000 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
+stage 60 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b.md"
+stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
