@@ -164,20 +164,32 @@ def correctness_rows() -> list[str]:
                     )
                 )
             for name, codec in CODECS.items():
-                try:
-                    key_planes, value_planes, kf, vf = make_planes(codec, keys, values)
-                    args = (q, key_planes, value_planes, kf, vf, positions, qpos, window, dim**-0.5)
-                    out = item(partial(decode_attention, *args))
-                    if out is None:
-                        continue
-                    reference = decode_attention_reference(*args)
-                    error = relative_rms(out, reference)
-                    verdict = "ok" if error <= RELATIVE_RMS_BOUND else "FAIL"
-                    rows.append(
-                        f"| {shape_name} | {case} S={slots} | {name} | {error:.2e} | {verdict} |"
-                    )
-                except Exception as exc:
-                    rows.append(error_row([shape_name, f"{case} S={slots}", name], exc, 2))
+                # The defaults, then (dense, k4v3) both ways of merging the splits.
+                variants = [("", LaunchConfig())]
+                if name in ("dense", "turbo-k4v3"):
+                    variants += [
+                        (" (fused merge)", LaunchConfig(fused_merge=True)),
+                        (" (merge launch)", LaunchConfig(fused_merge=False)),
+                    ]
+                for suffix, config in variants:
+                    label = name + suffix
+                    try:
+                        key_planes, value_planes, kf, vf = make_planes(codec, keys, values)
+                        args = (
+                            q, key_planes, value_planes, kf, vf, positions, qpos, window, dim**-0.5
+                        )  # fmt: skip
+                        out = item(partial(decode_attention, *args, config))
+                        if out is None:
+                            continue
+                        reference = decode_attention_reference(*args)
+                        error = relative_rms(out, reference)
+                        verdict = "ok" if error <= RELATIVE_RMS_BOUND else "FAIL"
+                        rows.append(
+                            f"| {shape_name} | {case} S={slots} | {label} | {error:.2e} "
+                            f"| {verdict} |"
+                        )
+                    except Exception as exc:
+                        rows.append(error_row([shape_name, f"{case} S={slots}", label], exc, 2))
     if WARM is None:
         rows.extend(graph_rows())
     return rows
@@ -210,12 +222,14 @@ def sdpa_row(
 
 
 def graph_rows() -> list[str]:
-    """Capture one call in a CUDA graph, move the query forward in place, replay."""
+    """Capture two calls in one CUDA graph (they share the fused merge's arrival counters),
+    move the query forward in place, replay three times: each replay must match the
+    reference and be bit-identical to the first (the counters are reset by every call)."""
     rows = []
     query_heads, kv_heads, dim = SHAPES["gemma3-12b"]
     slots = 4096
     keys, values = random_cache(kv_heads, slots, dim)
-    for name in ("dense", "turbo-k8v3", "turbo-t4v3"):
+    for name in ("dense", "affine4-g64", "turbo-k8v3", "turbo-t4v3"):
         try:
             key_planes, value_planes, kf, vf = make_planes(CODECS[name], keys, values)
             q = torch.randn(1, query_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -223,19 +237,36 @@ def graph_rows() -> list[str]:
             positions[:1000] = torch.arange(1000, device="cuda")
             qpos = torch.tensor(999, device="cuda")
             args = (q, key_planes, value_planes, kf, vf, positions, qpos, None, dim**-0.5)
+            # The second call: a sliding window and another split count (splits=8).
+            windowed = (*args[:7], 512, dim**-0.5)
+            second = LaunchConfig(splits=8)
             decode_attention(*args)  # warm-up: compiles, caches device tables
+            decode_attention(*windowed, second)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = decode_attention(*args)
+                out_windowed = decode_attention(*windowed, second)
             positions[:3000] = torch.arange(3000, device="cuda")
             qpos.fill_(2999)
             q.copy_(torch.randn_like(q))
-            graph.replay()
-            error = relative_rms(out, decode_attention_reference(*args))
-            verdict = "ok" if error <= RELATIVE_RMS_BOUND else "FAIL"
+            replays = []
+            for _ in range(3):
+                graph.replay()
+                replays.append((out.clone(), out_windowed.clone()))
+            error = max(
+                relative_rms(out, decode_attention_reference(*args)),
+                relative_rms(out_windowed, decode_attention_reference(*windowed)),
+            )
+            same = all(
+                torch.equal(a, b)
+                for replay in replays[1:]
+                for a, b in zip(replay, replays[0], strict=True)
+            )
+            verdict = "ok" if error <= RELATIVE_RMS_BOUND and same else "FAIL"
             rows.append(
-                f"| gemma3-12b | CUDA graph replay S={slots} | {name} | {error:.2e} | {verdict} |"
+                f"| gemma3-12b | CUDA graph, 2 calls, 3 replays S={slots} | {name} | "
+                f"{error:.2e}{'' if same else ' (replays differ)'} | {verdict} |"
             )
         except Exception as exc:
             rows.append(error_row(["gemma3-12b", "CUDA graph", name], exc, 2))
@@ -324,23 +355,32 @@ def speed_rows_at(shape_name: str, dims: tuple[int, int, int], slots: int) -> li
 
 
 def split_rows() -> list[str]:
-    """Programs per SM / single pass at short caches (gemma3-12b; its sliding layers hold
-    1024 slots), for choosing the split policy."""
+    """Programs per SM / single pass / how the splits are merged at short caches
+    (gemma3-12b's sliding layers hold 1024 slots), for choosing the split and merge policy:
+    the last split merging (fused) saves a launch but reads all partials of its KV head
+    alone, so wide heads (gemma4-31b-full) may be better off with the merge launch."""
     configs = [
         LaunchConfig(),
         LaunchConfig(splits=1),
         LaunchConfig(programs_per_sm=1),
         LaunchConfig(programs_per_sm=4),
         LaunchConfig(programs_per_sm=8),
+        LaunchConfig(fused_merge=True),
+        LaunchConfig(fused_merge=False),
     ]
-    query_heads, kv_heads, dim = SHAPES["gemma3-12b"]
     rows = []
-    for slots in (1024, 8192):
+    for shape_name, slots, names in (
+        ("gemma3-12b", 1024, ("dense", "affine4-g64", "turbo-k4v3", "turbo-t4v3")),
+        ("gemma3-12b", 8192, ("dense", "affine4-g64", "turbo-k4v3", "turbo-t4v3")),
+        ("gemma4-31b-full", 1024, ("dense", "affine4-g64", "turbo-k4v3")),
+        ("gemma4-31b-full", 8192, ("dense", "affine4-g64", "turbo-k4v3")),
+    ):
+        query_heads, kv_heads, dim = SHAPES[shape_name]
         keys, values = random_cache(kv_heads, slots, dim)
         q = torch.randn(1, query_heads, dim, device="cuda", dtype=torch.bfloat16)
         positions = torch.arange(slots, device="cuda")
         qpos = torch.tensor(slots - 1, device="cuda")
-        for name in ("dense", "affine4-g64", "turbo-k4v3", "turbo-t4v3"):
+        for name in names:
             key_planes, value_planes, kf, vf = make_planes(CODECS[name], keys, values)
             kv_bytes = plane_bytes(key_planes) + plane_bytes(value_planes)
             args = (q, key_planes, value_planes, kf, vf, positions, qpos, None, dim**-0.5)
@@ -353,7 +393,7 @@ def split_rows() -> list[str]:
                     )
                 except Exception as exc:
                     cells.append(f"error: {type(exc).__name__}")
-            rows.append(f"| gemma3-12b | {slots} | {name} | " + " | ".join(cells) + " |")
+            rows.append(f"| {shape_name} | {slots} | {name} | " + " | ".join(cells) + " |")
     header = "| shape | S | format | " + " | ".join(_describe(c) for c in configs) + " |"
     return [header, "|" + "---|" * (len(configs) + 3), *rows]
 
@@ -374,6 +414,12 @@ def sweep_rows(all_formats: bool) -> list[str]:
         LaunchConfig(skip_masked_blocks=False, num_stages=3),
         LaunchConfig(skip_masked_blocks=False, num_stages=4),
         LaunchConfig(skip_masked_blocks=False, block_n=64, num_stages=3),
+        # The defaults before 2026-12-03's sweep: dense skipped masked blocks at 2 stages,
+        # affine took N=32.
+        LaunchConfig(skip_masked_blocks=True, num_stages=2),
+        LaunchConfig(block_n=32, num_warps=4),
+        LaunchConfig(fused_merge=True),
+        LaunchConfig(fused_merge=False),
     ]
     slots = 32768
     rows = []
@@ -417,8 +463,10 @@ def _describe(config: LaunchConfig) -> str:
         )
         if value is not None
     ]
-    if not config.skip_masked_blocks:
-        parts.append("no skip")
+    if config.skip_masked_blocks is not None:
+        parts.append("skip" if config.skip_masked_blocks else "no skip")
+    if config.fused_merge is not None:
+        parts.append("fused merge" if config.fused_merge else "merge launch")
     return ", ".join(parts) or "default"
 
 

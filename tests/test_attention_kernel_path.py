@@ -5,6 +5,7 @@ static quantized caches whose planes the kernel reads without decoding."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 from hearth.checkpoint import open_checkpoint  # noqa: E402
+from hearth.kernels import decode_attention as decode_attention_module  # noqa: E402
+from hearth.kernels.decode_attention import LaunchConfig  # noqa: E402
 from hearth.kv import make_caches, parse_kv_quant  # noqa: E402
 from hearth.kv.cache import layer_specs  # noqa: E402
 from hearth.kv.static import StaticCache  # noqa: E402
@@ -112,3 +115,39 @@ def test_gpu_prefill_dispatch_matches_masked_sdpa(
     monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
     got = gemma.attend(q, view, positions, window, 0.25)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "kind", "scheme"),
+    [("gemma3", "static", "off"), ("gemma3", "static", "4"), ("gemma4", "static", "turbo:t4v3")],
+)
+def test_kernel_path_with_split_merges(
+    family: str, kind: str, scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 16-slot blocks, so every layer's call has several splits that its last split merges:
+    # the layers' calls share the arrival counters one after another, as in a decode step.
+    hf = (
+        tiny_gemma3_model(seed=8, head_dim=32)
+        if family == "gemma3"
+        else tiny_gemma4_model(3, **GEMMA4_SHARING)
+    )
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
+    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    expected = _decode(model, ids, _caches(model, kind, scheme))
+    kernel = gemma.decode_attention_kernel
+    counters = decode_attention_module._arrival_counters
+    fused = []
+
+    def counted(*args: object) -> torch.Tensor:  # asked for only by fused-merge launches
+        fused.append(1)
+        return counters(*args)
+
+    monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(
+        gemma, "decode_attention_kernel", partial(kernel, config=LaunchConfig(block_n=16))
+    )
+    monkeypatch.setattr(decode_attention_module, "_arrival_counters", counted)
+    got = _decode(model, ids, _caches(model, kind, scheme))
+    assert len(fused) >= STEPS
+    assert all(not c.any() for c in decode_attention_module._COUNTERS.values())
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

@@ -154,7 +154,31 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 x, *p, b, 64
             ),
         )
+    # The GEMV at each launch its heuristic picks for Gemma 3 12B's shapes, the tied head and
+    # small weights (splits 4 and 8), at M = 1 and 4, and at groups 32 / 128 (other steps). Small
+    # tensors stand in: what compiles differently is the launch, not the shape.
+    for bits in affine_matmul.KERNEL_BITS:
+        for group in (64, 32, 128):
+            shapes = GEMV_SHAPES if group == 64 else GEMV_SHAPES[:1]
+            configs = {affine_matmul.gemv_config(n, k, bits, group) for n, k in shapes}
+            operands = quantize_affine(torch.randn(48, 256, dtype=bf16), bits, group)
+            for config in sorted(configs, key=str):
+                for rows in (1, 4) if group == 64 else (1,):
+                    yield (
+                        f"affine gemv b{bits} g{group} M={rows} {config}",
+                        lambda p=operands, b=bits, g=group, c=config, m=rows: (
+                            affine_matmul.affine_gemv_triton(
+                                torch.randn(m, 256, dtype=bf16), *p, b, g, c
+                            )
+                        ),
+                    )
     packed, scales, biases = quantize_affine(torch.randn(4, 48, 256, dtype=bf16), 4, 64)
+    yield (
+        "affine gemv tile M=8",
+        lambda: affine_matmul.affine_matmul_triton(
+            torch.randn(8, 256, dtype=bf16), packed[0], scales[0], biases[0], 4, 64
+        ),
+    )
     ids = torch.tensor([[0, 3]])
     yield (
         "affine experts",
@@ -209,24 +233,60 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 torch.tensor([3]), keys16, keys16, planes, positions, counter, c
             ),
         )
-    # Decode attention over every plane format the caches store.
-    slots, q = 64, torch.randn(1, 4, 64, dtype=bf16)
-    keys = torch.randn(1, 2, slots, 64, dtype=bf16)
-    slot_positions = torch.arange(slots)
-    query_position = torch.tensor(slots - 1)
+
+    # Decode attention over every plane format the caches store, at the default launches:
+    # 256 slots give several splits, merged by the last one; D=256 (Gemma 3 12B) takes the
+    # dense 8 warps x 3 stages without block skipping, and affine 64-slot blocks.
+    def attention(
+        heads: int,
+        kv_heads: int,
+        dim: int,
+        slots: int,
+        codec: Any,
+        window: int | None = None,
+        config: decode_attention.LaunchConfig | None = None,
+    ) -> Callable[[], object]:
+        q = torch.randn(1, heads, dim, dtype=bf16)
+        keys = torch.randn(1, kv_heads, slots, dim, dtype=bf16)
+        planes = (keys, keys) if codec is None else codec.encode(keys, keys)
+        key_format, value_format, count = decode_attention.formats_of(codec or _Dense())
+        return lambda: decode_attention.decode_attention(
+            q, planes[:count], planes[count:], key_format, value_format,
+            torch.arange(slots), torch.tensor(slots - 1), window, dim**-0.5,
+            config or decode_attention.LaunchConfig(),
+        )  # fmt: skip
+
     codecs: list[Any] = [
         None, AffineCodec(4, 64), TurboCodec.parse("k8v3"), TurboCodec.parse("t4v3")
     ]  # fmt: skip
     for codec in codecs:
-        planes = (keys, keys) if codec is None else codec.encode(keys, keys)
         name = "dense" if codec is None else codec.signature()
-        formats = decode_attention.formats_of(codec if codec is not None else _Dense())
-        yield (
-            f"decode_attention {name}",
-            lambda p=planes, f=formats: decode_attention.decode_attention(
-                q, p[: f[2]], p[f[2] :], f[0], f[1], slot_positions, query_position, None, 0.125
-            ),
-        )
+        yield f"decode_attention {name}", attention(4, 2, 64, 256, codec)
+    for codec in (None, AffineCodec(4, 64)):
+        name = "dense" if codec is None else codec.signature()
+        yield f"decode_attention {name} D=256 window", attention(4, 2, 256, 256, codec, 128)
+    launch = decode_attention.LaunchConfig
+    yield "decode_attention one split", attention(4, 2, 64, 256, None, config=launch(splits=1))
+    yield (
+        "decode_attention merge launch",
+        attention(4, 2, 64, 256, None, config=launch(fused_merge=False)),
+    )
+    # GQA 8 with 32 splits: the fused merge takes its splits in two chunks.
+    yield (
+        "decode_attention fused merge in chunks",
+        attention(16, 2, 64, 512, None, config=launch(block_n=16, splits=32, fused_merge=True)),
+    )
+
+
+# (N, K): Gemma 3 12B's gate/up, down and q projections, the tied head, and two small weights.
+GEMV_SHAPES = (
+    (15360, 3840),
+    (3840, 15360),
+    (8192, 3840),
+    (262144, 3840),
+    (2048, 4096),
+    (512, 4096),
+)
 
 
 class _Dense:

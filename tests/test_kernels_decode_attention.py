@@ -24,9 +24,17 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from hearth.kernels import decode_attention as decode_attention_module
 from hearth.kernels.decode_attention import (
+    _MERGE_LAST,
+    _WRITE_OUTPUT,
+    _WRITE_PARTIALS,
     LaunchConfig,
     PlaneFormat,
+    _default_tiles,
+    _finish_mode,
+    _Launch,
+    _resolve,
     decode_attention,
     decode_attention_reference,
     formats_of,
@@ -296,3 +304,123 @@ def test_rejects_a_host_query_position_number() -> None:
         decode_attention(
             q, [keys], [values], DENSE, DENSE, torch.arange(32), torch.tensor([3]), None, 1.0
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch defaults and the fused merge (the last split of each KV head merges its splits)
+
+
+def test_default_tiles_follow_the_h200_sweep() -> None:
+    affine4, affine8 = PlaneFormat.affine(4, 64), PlaneFormat.affine(8, 64)
+    turbo_keys, turbo_values, _ = formats_of(TurboCodec.parse("k4v3"))
+    # Dense: 3 stages and no branch over masked blocks, at both measured head sizes.
+    assert _default_tiles(256, DENSE, DENSE) == _Launch(64, 8, 3, False)
+    assert _default_tiles(512, DENSE, DENSE) == _Launch(32, 4, 3, False)
+    # Affine 4/8-bit: 64 slots x 4 warps up to D=256; D=512 keeps 32 (64 spilled there).
+    assert _default_tiles(256, affine4, affine4) == _Launch(64, 4, 2, True)
+    assert _default_tiles(256, affine8, affine8) == _Launch(64, 4, 2, True)
+    assert _default_tiles(512, affine4, affine4) == _Launch(32, 4, 2, True)
+    assert _default_tiles(256, turbo_keys, turbo_values) == _Launch(32, 4, 2, True)
+    # Explicit fields win over the defaults.
+    config = LaunchConfig(block_n=16, num_stages=2, skip_masked_blocks=True)
+    assert _resolve(config, 256, DENSE, DENSE) == _Launch(16, 8, 2, True)
+
+
+def test_merge_policy() -> None:
+    default = LaunchConfig()
+    assert _finish_mode(default, 1, 2, 256) == _WRITE_OUTPUT
+    # Gemma 3 12B (GQA 2, D=256), 16-32 splits: 32-64 KiB of partials, merged in the kernel.
+    assert _finish_mode(default, 32, 2, 256) == _MERGE_LAST
+    # Gemma 4 31B full layers (GQA 8, D=512), 32 splits: 512 KiB, left to a merge launch.
+    assert _finish_mode(default, 32, 8, 512) == _WRITE_PARTIALS
+    assert _finish_mode(LaunchConfig(fused_merge=True), 32, 8, 512) == _MERGE_LAST
+    assert _finish_mode(LaunchConfig(fused_merge=False), 16, 2, 256) == _WRITE_PARTIALS
+
+
+def _scheme_planes(
+    scheme: str, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], PlaneFormat, PlaneFormat]:
+    if scheme == "dense":
+        return [keys], [values], DENSE, DENSE
+    affine = scheme.startswith("affine")
+    codec = AffineCodec(int(scheme[-1]), 32) if affine else TurboCodec.parse(scheme)
+    key_format, value_format, key_planes = formats_of(codec)
+    planes = codec.encode(keys, values)
+    return planes[:key_planes], planes[key_planes:], key_format, value_format
+
+
+# (positions, query position, window): a wrapped ring under a sliding window (fully masked
+# blocks inside the ring), and a linear cache with an empty tail (a whole split sees nothing).
+CACHES = {
+    "ring+window": (ring_positions(96, 150), 149, 40),
+    "empty tail": (ring_positions(96, 50), 49, None),
+}
+
+
+@pytest.mark.parametrize("skip", [None, False], ids=["default-skip", "no-skip"])
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("scheme", ["dense", "affine4", "affine8", "k4v3"])
+def test_fused_merge_matches_reference(scheme: str, cache: str, skip: bool | None) -> None:
+    # Batch 2 x 2 KV heads: four arrival counters in one launch; 16-slot blocks give 3 splits.
+    # fp32, so the 2e-5 kernel bound of the module docstring holds (summation order, exp2).
+    q, keys, values = random_qkv(2, 8, 2, 96, 64, torch.float32)
+    key_planes, value_planes, key_format, value_format = _scheme_planes(scheme, keys, values)
+    positions, query_position, window = CACHES[cache]
+    config = LaunchConfig(block_n=16, splits=4, fused_merge=True, skip_masked_blocks=skip)
+    check(
+        q, key_planes, value_planes, key_format, value_format,
+        positions, query_position, window, 64**-0.5, config,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-launch"])
+def test_merge_over_several_chunks_of_splits(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tiny merge tile: 2 splits x 4 rows x 16 dims, so the fused merge walks 4 chunks of
+    # splits (the last one half outside the 6 splits) and 4 slices of dims.
+    monkeypatch.setattr(decode_attention_module, "_MERGE_TILE", 32)
+    assert decode_attention_module._fused_merge_tiles(6, 4, 64) == (4, 2, 4, 16)
+    q, keys, values = random_qkv(1, 8, 2, 96, 64, torch.float32)
+    positions, query_position, window = CACHES["ring+window"]
+    config = LaunchConfig(block_n=16, splits=6, fused_merge=fused)
+    check(
+        q, [keys], [values], DENSE, DENSE, positions, query_position, window, 0.125, config
+    )  # fmt: skip
+
+
+def _counters_are_zero() -> bool:
+    return all(not counters.any() for counters in decode_attention_module._COUNTERS.values())
+
+
+@pytest.mark.parametrize("scheme", ["dense", "k4v3"])
+def test_fused_merge_repeats_bit_identically(scheme: str) -> None:
+    # The counters are back at zero after each call, so the next call's last split merges
+    # again; the merge's order is fixed, so repeated calls agree bit for bit. Outputs are
+    # kept alive so that no call can get a previous call's output memory back.
+    q, keys, values = random_qkv(2, 8, 2, 96, 64, torch.float32)
+    key_planes, value_planes, key_format, value_format = _scheme_planes(scheme, keys, values)
+    positions, query_position, window = CACHES["ring+window"]
+    args = (q, key_planes, value_planes, key_format, value_format, positions)
+    qpos = torch.tensor(query_position)
+    config = LaunchConfig(block_n=16, splits=4, fused_merge=True)
+    outputs = []
+    for _ in range(4):
+        outputs.append(decode_attention(*args, qpos, window, 0.125, config))
+        assert _counters_are_zero()
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    reference = decode_attention_reference(*args, qpos, window, 0.125)
+    torch.testing.assert_close(outputs[0], reference, atol=KERNEL_TOLERANCE[q.dtype], rtol=0)
+
+
+def test_fused_merge_after_a_call_with_another_split_count() -> None:
+    # Calls of 3, 2, 6 and again 3 splits share the counters: each must start from zero.
+    q, keys, values = random_qkv(1, 4, 2, 96, 64, torch.float32)
+    positions, query_position, window = CACHES["empty tail"]
+    args = (q, [keys], [values], DENSE, DENSE, positions, torch.tensor(query_position))
+    reference = decode_attention_reference(*args, window, 0.125)
+    outputs = []
+    for splits in (4, 2, 6, 4):
+        config = LaunchConfig(block_n=16, splits=splits, fused_merge=True)
+        outputs.append(decode_attention(*args, window, 0.125, config))
+        assert _counters_are_zero()
+        torch.testing.assert_close(outputs[-1], reference, atol=KERNEL_TOLERANCE[q.dtype], rtol=0)
+    assert torch.equal(outputs[0], outputs[3])

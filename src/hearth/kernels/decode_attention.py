@@ -7,13 +7,18 @@ compile-time switches, so every cache kind is served by the same code.
 
 Work split: one program per (batch, KV head, split of the slots); it holds all query heads
 of its KV head (GQA), so each K/V byte is read once. Each split writes (max, sum, acc) in
-fp32; a second small kernel merges the splits. The number of splits depends only on shapes
-and the device, never on data, and the query position is read on the device, so a call can
-be captured in a CUDA graph and replayed as the cache fills.
+fp32 and counts itself in on a per-(batch, KV head) arrival counter; the program that
+arrives last merges that head's splits in split order (deterministic) and resets the
+counter, so a decode step costs one launch. Where the partials of one KV head are too large
+for one program to read quickly (many splits of wide heads), a second small kernel merges
+them instead. The number of splits depends only on shapes and the device, never on data,
+and the query position is read on the device, so a call can be captured in a CUDA graph
+and replayed as the cache fills.
 
 Masking uses each slot's absolute position (`positions`, EMPTY_POSITION for empty slots):
-slot n is visible iff pos[n] <= qpos and (window is None or qpos - pos[n] < window). Blocks
-with no visible slot are skipped without reading K/V (empty tails of a static cache).
+slot n is visible iff pos[n] <= qpos and (window is None or qpos - pos[n] < window). Every
+block is masked so; with `skip_masked_blocks` a block with no visible slot is also branched
+over (empty tails of a static cache). Masked loads fetch nothing either way.
 
 Rotation: codebook keys are dot-products in the rotated space, so the wrapper rotates the
 query once; codebook values are averaged in the rotated space and the wrapper un-rotates
@@ -40,6 +45,9 @@ _LOG2E = 1.4426950408889634
 # Finite start for the running max: a split whose slots are all masked keeps m = this and
 # sum = 0, and exp2(m - m_new) stays 1 instead of NaN (-inf - -inf).
 _NO_SCORE = -1.0e30
+# How a split program finishes: one split normalises and writes the output; else it writes
+# its partials, and either the last split of its KV head merges them or a merge launch does.
+_WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,9 @@ class LaunchConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     splits: int | None = None  # a target: slots per split are rounded to 2^k blocks
-    skip_masked_blocks: bool = True  # branch over blocks with no visible slot
+    skip_masked_blocks: bool | None = None  # branch over blocks with no visible slot
     programs_per_sm: int | None = None  # split target when `splits` is None
+    fused_merge: bool | None = None  # last split merges (True) or a merge launch (False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +145,8 @@ if triton is not None:
     # Jitted code reads module globals only as constexprs.
     NO_SCORE = tl.constexpr(_NO_SCORE)
     EMPTY = tl.constexpr(EMPTY_POSITION)
+    WRITE_OUTPUT = tl.constexpr(_WRITE_OUTPUT)
+    MERGE_LAST = tl.constexpr(_MERGE_LAST)
 
     @triton.jit
     def _centroid(codes, centroids, BITS: tl.constexpr):
@@ -374,6 +385,7 @@ if triton is not None:
         part_max,
         part_sum,
         out,
+        counters,
         slots,
         splits,
         scale_log2,
@@ -392,8 +404,14 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr,
         SKIP_MASKED: tl.constexpr,
         PRECISION: tl.constexpr,
-        SINGLE_PASS: tl.constexpr,
+        FINISH: tl.constexpr,
+        MERGE_ROWS: tl.constexpr,
+        MERGE_SPLITS: tl.constexpr,
+        MERGE_CHUNKS: tl.constexpr,
+        MERGE_D: tl.constexpr,
     ):
+        """(max, sum, acc) of one split of one KV head's slots for its query heads; see
+        FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`)."""
         batch_head = tl.program_id(0)
         split = tl.program_id(1)
         batch = batch_head // KV_HEADS
@@ -466,8 +484,8 @@ if triton is not None:
                 )  # fmt: skip
 
         first_head = batch * KV_HEADS * GROUPS
-        if SINGLE_PASS:
-            # One split sees every slot: normalise here and skip the merge launch.
+        if FINISH == WRITE_OUTPUT:
+            # One split sees every slot: normalise here, nothing to merge.
             total = tl.maximum(running_sum, 1.0e-30)
             if V_FORMAT == 0:  # noqa: SIM108 (a jitted constexpr branch)
                 result = acc / total[:, None]
@@ -484,6 +502,87 @@ if triton is not None:
             tl.store(part_sum + rows_out, running_sum, mask=group_mask)
             acc_rows = (first_head + acc_heads) * splits + split
             tl.store(part_acc + acc_rows * HEAD_DIM + acc_dims, acc, mask=acc_mask)
+            if FINISH == MERGE_LAST:
+                tl.debug_barrier()  # every thread's partials are written before the release
+                arrived = tl.atomic_add(counters + batch_head, 1, sem="acq_rel")
+                if arrived == splits - 1:
+                    # All splits of this KV head are in: merge them from memory (not from
+                    # this program's registers), so the sum is the same whoever is last.
+                    _merge_splits(
+                        part_acc, part_max, part_sum, out, first_head + kv_head * GROUPS,
+                        splits, 0, GROUPS, HEAD_DIM, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS,
+                        MERGE_CHUNKS, MERGE_D,
+                    )  # fmt: skip
+                    tl.atomic_xchg(counters + batch_head, 0)  # zero for the next call / replay
+
+    @triton.jit
+    def _split_tile(part_max, part_sum, rows, row_ok, splits, chunk, BLOCK_S: tl.constexpr):
+        """(maxima, sums, partial row, mask), each [BLOCK_S, rows], of one chunk of splits.
+        `.cg` loads read L2, where other programs' partials are, not a stale L1 line."""
+        index = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+        at = rows[None, :] * splits + index[:, None]
+        inside = (index < splits)[:, None] & row_ok[None, :]
+        maxima = tl.load(part_max + at, mask=inside, other=NO_SCORE, cache_modifier=".cg")
+        sums = tl.load(part_sum + at, mask=inside, other=0.0, cache_modifier=".cg")
+        return maxima, sums, at, inside
+
+    @triton.jit
+    def _merge_splits(
+        part_acc,
+        part_max,
+        part_sum,
+        out,
+        first_row,
+        splits,
+        dim_start,
+        ROWS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        SPAN: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """out[r, dims] = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) sum_s, M = max_s m_s, for
+        ROWS rows from first_row and SPAN dims from dim_start, in tiles of BLOCK_S splits x
+        BLOCK_R rows x BLOCK_D dims. CHUNKS tiles cover the splits, always summed in the
+        same order: the result does not depend on which program merges."""
+        rows = first_row + tl.arange(0, BLOCK_R)
+        row_ok = tl.arange(0, BLOCK_R) < ROWS
+        top = tl.full([BLOCK_R], NO_SCORE, tl.float32)
+        for chunk in tl.static_range(CHUNKS):
+            maxima, sums, at, inside = _split_tile(
+                part_max, part_sum, rows, row_ok, splits, chunk, BLOCK_S
+            )
+            top = tl.maximum(top, tl.max(maxima, axis=0))
+        denominator = tl.zeros([BLOCK_R], tl.float32)
+        for chunk in tl.static_range(CHUNKS):
+            maxima, sums, at, inside = _split_tile(
+                part_max, part_sum, rows, row_ok, splits, chunk, BLOCK_S
+            )
+            denominator += tl.sum(tl.exp2(maxima - top[None, :]) * sums, axis=0)
+        # No visible slot at all (never the case for a real query: it sees itself) gives 0.
+        denominator = tl.maximum(denominator, 1.0e-30)
+        for start in tl.static_range(0, SPAN, BLOCK_D):
+            dims = dim_start + start + tl.arange(0, BLOCK_D)
+            total = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+            for chunk in tl.static_range(CHUNKS):
+                maxima, sums, at, inside = _split_tile(
+                    part_max, part_sum, rows, row_ok, splits, chunk, BLOCK_S
+                )
+                weight = tl.exp2(maxima - top[None, :])
+                partial = tl.load(
+                    part_acc + at[:, :, None] * HEAD_DIM + dims[None, None, :],
+                    mask=inside[:, :, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                total += tl.sum(weight[:, :, None] * partial, axis=0)
+            tl.store(
+                out + rows[:, None] * HEAD_DIM + dims[None, :],
+                (total / denominator[:, None]).to(out.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
 
     @triton.jit
     def _merge_kernel(
@@ -496,23 +595,11 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_S: tl.constexpr,
     ):
-        """out[row, dblock] = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) sum_s over the splits."""
-        row = tl.program_id(0)
-        dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        index = tl.arange(0, BLOCK_S)
-        inside = index < splits
-        maxima = tl.load(part_max + row * splits + index, mask=inside, other=NO_SCORE)
-        sums = tl.load(part_sum + row * splits + index, mask=inside, other=0.0)
-        weight = tl.exp2(maxima - tl.max(maxima, axis=0))
-        partial = tl.load(
-            part_acc + (row * splits + index)[:, None] * HEAD_DIM + dims[None, :],
-            mask=inside[:, None],
-            other=0.0,
-        )
-        # No visible slot at all (never the case for a real query: it sees itself) gives 0.
-        denominator = tl.maximum(tl.sum(weight * sums, axis=0), 1.0e-30)
-        result = tl.sum(weight[:, None] * partial, axis=0) / denominator
-        tl.store(out + row * HEAD_DIM + dims, result.to(out.dtype.element_ty))
+        """The merge as its own launch: one program per (query head row, BLOCK_D dims)."""
+        _merge_splits(
+            part_acc, part_max, part_sum, out, tl.program_id(0), splits,
+            tl.program_id(1) * BLOCK_D, 1, HEAD_DIM, BLOCK_D, 1, BLOCK_S, 1, BLOCK_D,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,22 +643,99 @@ def _split_plan(
     return chunk, -(-slots // chunk)
 
 
-# Defaults chosen from the H200 sweep (benchmarks/gpu_kernels_attention.py).
+# Defaults chosen from the H200 sweeps (benchmarks/gpu_kernels_attention.py,
+# benchmarks/results/gpu_kernels_attention-2026-12-03.md).
 PROGRAMS_PER_SM = 2
+# Largest fp32 partial accumulator of one (batch, KV head) that its last split merges itself
+# (splits x query heads per KV head x head_dim x 4 bytes). One SM reads L2 at roughly
+# 100 GB/s, so 128 KiB is ~1.3 µs, under the ~2 µs of a merge launch in the decode profile;
+# beyond it (e.g. 32 splits of D=512, GQA 8: 512 KiB) the merge launch spreads the reads.
+# An estimate: the short-cache table of the benchmark times both.
+FUSED_MERGE_MAX_BYTES = 128 * 1024
+# Elements of one fused-merge tile (splits x rows x dims): 16 fp32 registers a thread at 4
+# warps. 4096 raised the split kernel's registers (sm_90 ptxas: k4v3 168 -> 240, t4v3 216 ->
+# 255 + spills); at 2048 they are those of the kernel without the merge.
+_MERGE_TILE = 2048
 
 
-def _default_tiles(
-    head_dim: int, key_format: PlaneFormat, value_format: PlaneFormat
-) -> tuple[int, int, int]:
-    """(block_n, num_warps, num_stages) for a head size and formats."""
-    if key_format.kind != "dense" or value_format.kind != "dense":
+@dataclass(frozen=True)
+class _Launch:
+    """A LaunchConfig with every field resolved for one call."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    skip_masked_blocks: bool
+
+
+def _default_tiles(head_dim: int, key_format: PlaneFormat, value_format: PlaneFormat) -> _Launch:
+    """Tile sizes, warps, stages and block skipping for a head size and formats."""
+    kinds = (key_format.kind, value_format.kind)
+    if kinds == ("affine", "affine") and key_format.bits in (4, 8) and head_dim <= 256:
+        # 2026-12-03 sweep, S=32768, D=256: N=64 w4 172 µs vs 190 (N=32); D=512 spilled (2062).
+        return _Launch(64, 4, 2, True)
+    if kinds != ("dense", "dense"):
         # Decoded tiles live in registers: 32 slots x 4 warps never spilled in the sweep
         # (64 slots spilled badly for t4v3 and at D=512), and was within ~6% of the best.
-        return 32, 4, 2
+        return _Launch(32, 4, 2, True)
     # Dense: 32..64 slots per block; 8 warps at D=256, 4 at D=512 (fewer, fuller warps won).
     block_n = max(16, min(64, 16384 // head_dim))
     warps = 8 if head_dim == 256 else 4
-    return block_n, warps, 2
+    # 2026-12-03 sweep, S=32768: no branch + 3 stages (K/V prefetched) 81 µs vs 88 at D=256,
+    # 82 vs 104 at D=512. Unskipped masked blocks cost no K/V traffic (the loads are masked).
+    return _Launch(block_n, warps, 3, False)
+
+
+def _resolve(
+    config: LaunchConfig, head_dim: int, key_format: PlaneFormat, value_format: PlaneFormat
+) -> _Launch:
+    """The config's fields, the defaults where they are None."""
+    default = _default_tiles(head_dim, key_format, value_format)
+    return _Launch(
+        config.block_n or default.block_n,
+        config.num_warps or default.num_warps,
+        config.num_stages or default.num_stages,
+        default.skip_masked_blocks
+        if config.skip_masked_blocks is None
+        else config.skip_masked_blocks,
+    )
+
+
+def _finish_mode(config: LaunchConfig, splits: int, groups: int, head_dim: int) -> int:
+    """How the split programs finish (see _WRITE_OUTPUT): fused merge unless too large."""
+    if splits == 1:
+        return _WRITE_OUTPUT
+    fused = config.fused_merge
+    if fused is None:
+        fused = splits * groups * head_dim * 4 <= FUSED_MERGE_MAX_BYTES
+    return _MERGE_LAST if fused else _WRITE_PARTIALS
+
+
+def _fused_merge_tiles(splits: int, groups: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(rows, splits, chunks of splits, dims) of the fused merge's tiles: all rows of a KV
+    head, as many splits as fit in one tile (chunks cover the rest), dims to fill it."""
+    rows = triton.next_power_of_2(groups)
+    all_splits = triton.next_power_of_2(splits)
+    per_tile = min(all_splits, max(2, _MERGE_TILE // (16 * rows)))
+    dims = min(head_dim, max(16, _MERGE_TILE // (per_tile * rows)))
+    return rows, per_tile, all_splits // per_tile, dims
+
+
+# Arrival counters of the fused merge, one per (batch, KV head) of a launch; zero between
+# launches (each launch's last programs reset theirs), so calls ordered on a stream share
+# them. Outgrown buffers stay referenced: captured graphs still point at them.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def decode_attention_rotated(
@@ -586,7 +750,7 @@ def decode_attention_rotated(
     scale: float,
     config: LaunchConfig = LaunchConfig(),
 ) -> torch.Tensor:
-    """The raw kernel pair: q must already be rotated for codebook keys, and the output
+    """The raw kernel(s): q must already be rotated for codebook keys, and the output
     [B, Hq, D] is in the rotated space (fp32) for codebook values, else in q's dtype."""
     batch, query_heads, head_dim = q.shape
     kv_heads, slots = key_planes[0].shape[1:3]
@@ -604,18 +768,23 @@ def decode_attention_rotated(
     if q.stride(-1) != 1:
         q = q.contiguous()
     groups = query_heads // kv_heads
-    default_n, default_warps, default_stages = _default_tiles(head_dim, key_format, value_format)
-    block_n = config.block_n or default_n
-    chunk, splits = _split_plan(slots, batch * kv_heads, block_n, q.device, config)
-    single_pass = splits == 1
+    launch = _resolve(config, head_dim, key_format, value_format)
+    chunk, splits = _split_plan(slots, batch * kv_heads, launch.block_n, q.device, config)
+    finish = _finish_mode(config, splits, groups, head_dim)
+    # Fixed when unused, so they add no compiled variants to the other paths.
+    merge_rows, merge_splits, merge_chunks, merge_d = (
+        _fused_merge_tiles(splits, groups, head_dim) if finish == _MERGE_LAST else (1, 2, 1, 16)
+    )
 
     device = q.device
     out_dtype = torch.float32 if value_format.rotated else q.dtype
     out = torch.empty(batch, query_heads, head_dim, dtype=out_dtype, device=device)
-    partial_rows = 0 if single_pass else batch * query_heads * splits
+    partial_rows = 0 if finish == _WRITE_OUTPUT else batch * query_heads * splits
     part_acc = torch.empty(partial_rows, head_dim, device=device)
     part_max = torch.empty(partial_rows, device=device)
     part_sum = torch.empty_like(part_max)
+    # Unread unless the last split merges; then one counter per program row of the grid.
+    counters = _arrival_counters(device, batch * kv_heads) if finish == _MERGE_LAST else part_max
     k0, k1, k2 = _padded(key_planes)
     v0, v1, v2 = _padded(value_planes)
     k_centroids = _centroids(key_format.bits if key_format.rotated else 1, device)
@@ -628,20 +797,20 @@ def decode_attention_rotated(
         _as_words(v0), v1, v2, *v0.stride()[:3], *v1.stride()[:3],
         k_centroids, v_centroids,
         positions, query_position, 0 if window is None else window,
-        part_acc, part_max, part_sum, out,
+        part_acc, part_max, part_sum, out, counters,
         slots, splits, scale * _LOG2E,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, CHUNK=chunk,
+        HEAD_DIM=head_dim, BLOCK_N=launch.block_n, CHUNK=chunk,
         K_FORMAT=_KIND_CODES[key_format.kind], K_BITS=key_format.bits,
         K_GROUP=key_format.group_size,
         V_FORMAT=_KIND_CODES[value_format.kind], V_BITS=value_format.bits,
         V_GROUP=value_format.group_size,
         HAS_WINDOW=window is not None,
-        SKIP_MASKED=config.skip_masked_blocks, PRECISION=precision, SINGLE_PASS=single_pass,
-        num_warps=config.num_warps or default_warps,
-        num_stages=config.num_stages or default_stages,
+        SKIP_MASKED=launch.skip_masked_blocks, PRECISION=precision, FINISH=finish,
+        MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, MERGE_CHUNKS=merge_chunks,
+        MERGE_D=merge_d, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
-    if single_pass:
+    if finish != _WRITE_PARTIALS:
         return out
     # The merge holds every split of a BLOCK_D slice of one head at once; slices of 64
     # give enough programs to merge in one wave.
