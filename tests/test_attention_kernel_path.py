@@ -124,8 +124,9 @@ def test_gpu_prefill_dispatch_matches_masked_sdpa(
 def test_kernel_path_with_split_merges(
     family: str, kind: str, scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 16-slot blocks, so every layer's call has several splits that its last split merges:
-    # the layers' calls share the arrival counters one after another, as in a decode step.
+    # 16-slot blocks, so every layer's call has several splits that its last split merges
+    # (the fused merge, asked for: it is off by default): the layers' calls share the
+    # arrival counters one after another, as in a decode step.
     hf = (
         tiny_gemma3_model(seed=8, head_dim=32)
         if family == "gemma3"
@@ -144,7 +145,9 @@ def test_kernel_path_with_split_merges(
 
     monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
     monkeypatch.setattr(
-        gemma, "decode_attention_kernel", partial(kernel, config=LaunchConfig(block_n=16))
+        gemma,
+        "decode_attention_kernel",
+        partial(kernel, config=LaunchConfig(block_n=16, fused_merge=True)),
     )
     monkeypatch.setattr(decode_attention_module, "_arrival_counters", counted)
     got = _decode(model, ids, _caches(model, kind, scheme))

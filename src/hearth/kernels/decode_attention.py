@@ -647,11 +647,11 @@ def _split_plan(
 # benchmarks/results/gpu_kernels_attention-2026-12-03.md).
 PROGRAMS_PER_SM = 2
 # Largest fp32 partial accumulator of one (batch, KV head) that its last split merges itself
-# (splits x query heads per KV head x head_dim x 4 bytes). One SM reads L2 at roughly
-# 100 GB/s, so 128 KiB is ~1.3 µs, under the ~2 µs of a merge launch in the decode profile;
-# beyond it (e.g. 32 splits of D=512, GQA 8: 512 KiB) the merge launch spreads the reads.
-# An estimate: the short-cache table of the benchmark times both.
-FUSED_MERGE_MAX_BYTES = 128 * 1024
+# (splits x query heads per KV head x head_dim x 4 bytes); 0 turns the fused merge off. It
+# was meant to save the merge launch (~2 µs) but measured slower on the H200 everywhere
+# (12B shape, S=1024: 18.5 µs fused vs 12.9 with the launch; S=32768: 90 vs 82): the one
+# merging program reads every split alone. `LaunchConfig(fused_merge=True)` still selects it.
+FUSED_MERGE_MAX_BYTES = 0
 # Elements of one fused-merge tile (splits x rows x dims): 16 fp32 registers a thread at 4
 # warps. 4096 raised the split kernel's registers (sm_90 ptxas: k4v3 168 -> 240, t4v3 216 ->
 # 255 + spills); at 2048 they are those of the kernel without the merge.
@@ -702,7 +702,8 @@ def _resolve(
 
 
 def _finish_mode(config: LaunchConfig, splits: int, groups: int, head_dim: int) -> int:
-    """How the split programs finish (see _WRITE_OUTPUT): fused merge unless too large."""
+    """How the split programs finish (see _WRITE_OUTPUT): partials for the merge launch,
+    unless the config or FUSED_MERGE_MAX_BYTES asks for the fused merge."""
     if splits == 1:
         return _WRITE_OUTPUT
     fused = config.fused_merge
