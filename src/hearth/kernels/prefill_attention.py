@@ -68,12 +68,10 @@ def default_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
         return LaunchConfig(128, 32 if wide else 64, 8, 3 if not wide else 2, 1)
     if head_dim <= 256:
         return LaunchConfig(64 if wide else 128, 32 if wide else 64, 8, 2, 1)
-    if wide:
-        return LaunchConfig(32, 32, 8, 1, 1)
-    # D=512 (Gemma 4 full layers): two programs per query tile, each owning half the output
-    # columns, let the tile grow to 128 queries; H200, 31B full layer at 4096 tokens: 2176 µs
-    # vs 2650 for 64x32 unsplit (results/gpu_kernels_prefill_attention-2026-12-03.md).
-    return LaunchConfig(128, 32, 8, 2, 2)
+    # D=512: 128x32 with two value splits won the kernel sweep on a 31B full layer (2176 vs
+    # 2650 µs) but end to end left 31B prefill unchanged and slowed E4B (63.3% -> 59.5% of
+    # peak) and 26B-A4B (40.8% -> 35.5%) on the H200, so 64x32 unsplit stays.
+    return LaunchConfig(32 if wide else 64, 32, 8, 1 if wide else 2, 1)
 
 
 def _resolve(config: LaunchConfig | None, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
