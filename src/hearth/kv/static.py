@@ -103,8 +103,10 @@ class StaticCache:
         new_positions = self._next + torch.arange(count, device=keys.device)
         ring_prefill = self.window is not None and count > 1
         if first:
-            # Nothing is stored yet: attend over exact K/V, as the dynamic caches do.
-            view = KVView(keys, values, count, new_positions)
+            # Nothing is stored yet: attend over exact K/V, as the dynamic caches do. A fresh
+            # cache starts at position 0, so the keys are 0..count-1 in order (positions None),
+            # which lets a GPU prefill use SDPA's causal flash kernel.
+            view = KVView(keys, values, count, None)
         elif ring_prefill:
             # As RotatingCache: attend over the old slots and every new token, keep the newest.
             old_keys, old_values = self._decoded(self.capacity)
