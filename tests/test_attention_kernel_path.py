@@ -45,6 +45,18 @@ def _caches(model: torch.nn.Module, kind: str, scheme: str) -> list:
     ]
 
 
+def _tiny_model(family: str, tmp_path: Path) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A tiny fp32 Gemma 3 or Gemma 4 (KV sharing) model and the ids the tests decode."""
+    hf = (
+        tiny_gemma3_model(seed=8, head_dim=32)
+        if family == "gemma3"
+        else tiny_gemma4_model(3, **GEMMA4_SHARING)
+    )
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
+    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    return model, ids
+
+
 def _decode(model: torch.nn.Module, ids: torch.Tensor, caches: list) -> torch.Tensor:
     with torch.inference_mode():
         model(ids[:, :PROMPT], caches)
@@ -69,13 +81,7 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor, caches: list) -> torch.Te
 def test_kernel_path_matches_torch_path(
     family: str, kind: str, scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hf = (
-        tiny_gemma3_model(seed=8, head_dim=32)
-        if family == "gemma3"
-        else tiny_gemma4_model(3, **GEMMA4_SHARING)
-    )
-    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
-    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    model, ids = _tiny_model(family, tmp_path)
     expected = _decode(model, ids, _caches(model, kind, scheme))
     calls = []
     kernel = gemma._kernel_decode_attention
@@ -127,13 +133,7 @@ def test_kernel_path_with_split_merges(
     # 16-slot blocks, so every layer's call has several splits that its last split merges
     # (the fused merge, asked for: it is off by default): the layers' calls share the
     # arrival counters one after another, as in a decode step.
-    hf = (
-        tiny_gemma3_model(seed=8, head_dim=32)
-        if family == "gemma3"
-        else tiny_gemma4_model(3, **GEMMA4_SHARING)
-    )
-    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
-    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    model, ids = _tiny_model(family, tmp_path)
     expected = _decode(model, ids, _caches(model, kind, scheme))
     kernel = gemma.decode_attention_kernel
     counters = decode_attention_module._arrival_counters
