@@ -12,6 +12,10 @@ bf16 scales and biases, bits 4 and 8, groups 64 and 32), then times (CUDA events
   packed and bf16, against the torch references (gather the experts, then bmm).
 
     OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_kernels_affine.py
+    OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_kernels_affine.py --sweep
+
+`--sweep` instead times GEMV launches around `gemv_config`'s choice, with the prefetching loop
+(each checked against cuBLAS on the dequantized weight first).
 """
 
 from __future__ import annotations
@@ -118,6 +122,51 @@ def gemv_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
                     str(gemv_launch(n, k, bits, group)),
                 ]
             )
+
+
+def sweep_configs(base: am.GemvConfig) -> list[am.GemvConfig]:
+    """The heuristic's launch, it with prefetching, and prefetching neighbours of it."""
+    shapes = {(base.block_n, base.block_g, base.warps)}
+    shapes |= {(2 * base.block_n, base.block_g, 4), (2 * base.block_n, base.block_g, 8)}
+    shapes |= {(base.block_n, 2 * base.block_g, 4), (max(8, base.block_n // 2), base.block_g, 4)}
+    configs = [base]
+    for block_n, block_g, warps in sorted(shapes):
+        for split in sorted({base.split_k, 2 * base.split_k, max(1, base.split_k // 2)}):
+            configs.append(am.GemvConfig(block_n, block_g, warps, split, prefetch=True))
+    return configs
+
+
+def gemv_sweep(rows: list[list[str]], checks: list[list[str]]) -> None:
+    """Every sweep config per 12B shape at M=1, checked and timed (`--sweep`)."""
+    for n, k, label in GEMV_SHAPES:
+        for bits in (4, 8):
+            group = 64
+            packed, scales, biases = packed_weight(n, k, bits, group)
+            x = torch.randn(1, k, device=DEVICE, dtype=BF16)
+            weight = dequantize_affine(packed, scales, biases, bits, group).to(BF16)
+            want = F.linear(x, weight)
+            magnitude = x.double().abs() @ weight.double().abs().T
+            base = gemv_launch(n, k, bits, group)
+            timed = []
+            for config in sweep_configs(base):
+                run = partial(am.affine_gemv_triton, x, packed, scales, biases, bits, group, config)
+                verdict = within_bound(run(), want, magnitude, k)
+                if "FAIL" in verdict:
+                    checks.append([f"sweep {label} {config}", f"{bits}/{group}", verdict])
+                timed.append((bench(run), config))
+            moved = nbytes(packed, scales, biases, x, want)
+            base_seconds = timed[0][0]
+            for seconds, config in sorted(timed, key=lambda item: item[0]):
+                rows.append(
+                    [
+                        f"{label} {n}x{k}",
+                        f"{bits}-bit g{group}",
+                        str(config) + (" (heuristic)" if config == base else ""),
+                        f"{seconds * 1e6:.1f}",
+                        f"{moved / seconds / COPY_BANDWIDTH:.0%}",
+                        f"{base_seconds / seconds:.2f}x",
+                    ]
+                )
 
 
 def gemv_launch(n: int, k: int, bits: int, group: int) -> am.GemvConfig:
@@ -281,6 +330,24 @@ def main() -> None:
     torch.manual_seed(0)
     checks: list[list[str]] = []
     rows: list[list[str]] = []
+    if "--sweep" in sys.argv:
+        gemv_sweep(rows, checks)
+        report = "\n\n".join(
+            [
+                f"# Affine GEMV launch sweep (M=1, prefetching loop) on "
+                f"{torch.cuda.get_device_name()}",
+                f"torch {torch.__version__}, triton {triton.__version__}. Medians of "
+                "triton.testing.do_bench; % of 4.2 TB/s over packed + scales + biases + x + "
+                "out; speedup over the heuristic's launch (first row of each shape is the best).",
+                table(["case", "quant", "config", "µs", "% of 4.2 TB/s", "speedup"], rows),
+                "Failed checks: " + (", ".join(c[0] for c in checks) or "none"),
+            ]
+        )
+        print(report)
+        out = Path(os.environ.get("OUT", "benchmarks/results"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_gemv_prefetch_sweep.md").write_text(report + "\n")
+        sys.exit(1 if checks else 0)
     correctness_grid(checks)
     split_k_determinism(checks)
     gemv_rows(rows, checks)

@@ -6,6 +6,7 @@ the GPU time by kernel name.
 
     OUT=/tmp/out python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
     OUT=/tmp/out python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
+    OUT=/tmp/out python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hearth.bench.random_model import PRESETS, build_random
+from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
 from hearth.kv import make_caches, parse_kv_quant
 
@@ -34,10 +35,12 @@ def main() -> None:
     parser.add_argument("--model", default="gemma3-12b")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill")
+    parser.add_argument("--quant", default="bf16", help="bf16, 4bit or 8bit weights")
     args = parser.parse_args()
-    model = build_random(PRESETS[args.model], torch.device("cuda"))
+    model = build_random_model(PRESETS[args.model], torch.device("cuda"), quant=args.quant)
+    name = args.model if args.quant == "bf16" else f"{args.model}_{args.quant}"
     if args.prefill:
-        profile_prefill(model, args.model, args.prefill)
+        profile_prefill(model, name, args.prefill)
         return
     decoder = GraphDecoder(model, max_context=args.context + 64)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
@@ -58,8 +61,8 @@ def main() -> None:
         for _ in range(STEPS):
             eager_step()
         torch.cuda.synchronize()
-    title = f"Decode step profile: {args.model}, context {args.context}"
-    write_table(prof, STEPS, title, f"gpu_profile_{args.model}.md", "step")
+    title = f"Decode step profile: {name}, context {args.context}"
+    write_table(prof, STEPS, title, f"gpu_profile_{name}.md", "step")
 
 
 @torch.inference_mode()

@@ -76,13 +76,19 @@ def _quantized(n: int, k: int, bits: int, group: int, dtype: torch.dtype, lead=(
 # block) and K = 384, whose 12 / 6 / 3 groups (group 32 / 64 / 128) are not all whole steps:
 # "whole" takes whole steps and a masked tail (6 groups in steps of 4), "split2" a split with
 # only a tail and an empty one (6 or 3 groups in splits of 8), "split3" three splits, the
-# last a tail (3 groups in splits of 2). None is the heuristic's own launch.
+# last a tail (3 groups in splits of 2). None is the heuristic's own launch. The prefetching
+# loop (step s + 1 loaded before step s is added) runs 3, 1 or 0 whole steps before a tail
+# ("prefetch"), 12, 6 or 3 whole steps and no tail ("prefetch G1"), and split ("prefetch
+# split3").
 GEMV_N, GEMV_K = 21, 384
 GEMV_CONFIGS = {
     "heuristic": None,
     "whole": am.GemvConfig(16, 4),
     "split2": am.GemvConfig(8, 8, split_k=2),
     "split3": am.GemvConfig(32, 2, split_k=3),
+    "prefetch": am.GemvConfig(16, 4, prefetch=True),
+    "prefetch G1": am.GemvConfig(8, 1, prefetch=True),
+    "prefetch split3": am.GemvConfig(32, 2, split_k=3, prefetch=True),
 }
 
 

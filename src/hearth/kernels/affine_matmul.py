@@ -156,10 +156,12 @@ class GemvConfig:
     block_g: int
     warps: int = 4
     split_k: int = 1
+    prefetch: bool = False  # load step s + 1 before step s's arithmetic
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
-        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}"
+        prefetch = " prefetch" if self.prefetch else ""
+        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}"
 
 
 H200_MULTIPROCESSORS = 132
@@ -284,17 +286,46 @@ if HAS_TRITON:
         return acc + (group_dots * scale + bias * group_x[None, :])
 
     @triton.jit
-    def _gemv_step(
-        acc0,
-        acc1,
-        acc2,
-        acc3,
-        x_ptr,
+    def _load_step(
         packed_ptr,
         scales_ptr,
         biases_ptr,
         word_rows,
         group_rows,
+        g0,
+        g_end,
+        WPG: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """The packed words ``[BLOCK_N, BLOCK_G * WPG]`` and fp32 scales and biases
+        ``[BLOCK_N, BLOCK_G]`` of groups ``[g0, g0 + BLOCK_G)``. MASKED only for a split's tail:
+        a mask costs a compare per element, so whole steps go without."""
+        k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
+        g = g0 + tl.arange(0, BLOCK_G)
+        word_at = packed_ptr + word_rows[:, None] + k_word[None, :]
+        group_at = group_rows[:, None] + g[None, :]
+        if MASKED:
+            words = tl.load(word_at, mask=(k_word < g_end * WPG)[None, :], other=0)
+            g_ok = (g < g_end)[None, :]
+            scale = tl.load(scales_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
+        else:
+            words = tl.load(word_at)
+            scale = tl.load(scales_ptr + group_at).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at).to(tl.float32)
+        return words, scale, bias
+
+    @triton.jit
+    def _gemv_step(
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        words,
+        scale,
+        bias,
+        x_ptr,
         g0,
         g_end,
         stride_xm,
@@ -307,22 +338,9 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr,
         MASKED: tl.constexpr,
     ):
-        """Add groups ``[g0, g0 + BLOCK_G)`` to the M accumulators. MASKED only for a split's
-        tail: a mask costs a compare per element, so whole steps go without."""
+        """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators."""
         k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
-        g = g0 + tl.arange(0, BLOCK_G)
         k_ok = k_word < g_end * WPG
-        word_at = packed_ptr + word_rows[:, None] + k_word[None, :]
-        group_at = group_rows[:, None] + g[None, :]
-        if MASKED:
-            words = tl.load(word_at, mask=k_ok[None, :], other=0)
-            g_ok = (g < g_end)[None, :]
-            scale = tl.load(scales_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
-            bias = tl.load(biases_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
-        else:
-            words = tl.load(word_at)
-            scale = tl.load(scales_ptr + group_at).to(tl.float32)
-            bias = tl.load(biases_ptr + group_at).to(tl.float32)
         acc0 = _add_row(
             acc0, words, scale, bias, two23, x_ptr, k_word, k_ok,
             BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
@@ -370,6 +388,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_G: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
 
@@ -395,18 +414,50 @@ if HAS_TRITON:
         acc1 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-        while g0 + BLOCK_G <= g_end:
+        whole = (g_end - g0) // BLOCK_G  # steps without masks
+        if PREFETCH and whole > 0:
+            # Register double buffering: the next step's words are requested before this
+            # step's arithmetic, so one program keeps two steps of loads in flight (a `while`
+            # loop is not software-pipelined by Triton).
+            words, scale, bias = _load_step(
+                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
+                WPG, BLOCK_G, False,
+            )  # fmt: skip
+            last = g0 + (whole - 1) * BLOCK_G
+            while g0 < last:
+                next_words, next_scale, next_bias = _load_step(
+                    packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0 + BLOCK_G,
+                    g_end, WPG, BLOCK_G, False,
+                )  # fmt: skip
+                acc0, acc1, acc2, acc3 = _gemv_step(
+                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
+                )  # fmt: skip
+                words, scale, bias = next_words, next_scale, next_bias
+                g0 += BLOCK_G
             acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, x_ptr, packed_ptr, scales_ptr, biases_ptr,
-                word_rows, group_rows, g0, g_end, stride_xm, two23,
-                M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
+                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
+            )  # fmt: skip
+            g0 += BLOCK_G
+        while g0 + BLOCK_G <= g_end:  # without PREFETCH
+            words, scale, bias = _load_step(
+                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
+                WPG, BLOCK_G, False,
+            )  # fmt: skip
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
             )  # fmt: skip
             g0 += BLOCK_G
         if g0 < g_end:
+            words, scale, bias = _load_step(
+                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
+                WPG, BLOCK_G, True,
+            )  # fmt: skip
             acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, x_ptr, packed_ptr, scales_ptr, biases_ptr,
-                word_rows, group_rows, g0, g_end, stride_xm, two23,
-                M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True,
+                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True,
             )  # fmt: skip
 
         if SPLIT_K == 1:
@@ -765,6 +816,7 @@ if HAS_TRITON:
             BLOCK_N=config.block_n,
             BLOCK_G=config.block_g,
             SPLIT_K=config.split_k,
+            PREFETCH=config.prefetch,
             num_warps=config.warps,
         )
 
