@@ -64,3 +64,47 @@ def test_gemv_rejects_a_wrong_width_and_too_many_rows() -> None:
         gemv_module.gemv_triton(torch.randn(1, 32), weight, geglu=True)
     with pytest.raises(ValueError, match="at most"):
         gemv_module.gemv_triton(torch.randn(5, 32), weight)
+
+
+def _gelu_tanh64(g: torch.Tensor) -> torch.Tensor:
+    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_geglu_against_fp64(dtype: torch.dtype, rows: int) -> None:
+    """The gate/up GEMV that stores gelu_tanh(gate) * up, against an fp64 oracle. Its
+    roundings (gate, up, the GELU, the product: one ulp of the dtype each; the fp32 tanh from
+    exp: a few eps32, so 8 eps of the GELU) and the fp32 accumulation of gate and up (4
+    sqrt(K) eps32 of sum |x w|, carried through |gelu'| <= 1.13 and |up|) bound the error."""
+    generator = torch.Generator().manual_seed(rows)
+    n, k = 40, 200  # 40 outputs: not a multiple of BLOCK_N=16; K ragged in BLOCK_K=32
+    stacked = (torch.randn(2 * n, k, generator=generator) * 0.1).to(dtype)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    got = gemv_module.gemv_geglu_triton(x, stacked, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1})
+    projected = x.double() @ stacked.double().T
+    magnitude = x.double().abs() @ stacked.double().abs().T
+    gate, up = projected[:, :n], projected[:, n:]
+    oracle = _gelu_tanh64(gate) * up
+    eps = torch.finfo(dtype).eps
+    accumulated = 4 * math.sqrt(k) * EPS32
+    gelu = _gelu_tanh64(gate).abs()
+    bound = (
+        max(eps, 8 * EPS32) * gelu * up.abs()
+        + (eps * gate.abs() + accumulated * magnitude[:, :n]) * 1.13 * up.abs()
+        + (eps * up.abs() + accumulated * magnitude[:, n:]) * gelu
+        + eps * oracle.abs()
+    )
+    reference = gemv_module.gemv_geglu_reference(x, stacked)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert ((got.double() - oracle).abs() <= bound).all()
+    assert ((reference.double() - oracle).abs() <= bound).all()
+
+
+def test_gemv_geglu_rejects_an_odd_stack_and_a_split() -> None:
+    with pytest.raises(ValueError, match="even"):
+        gemv_module.gemv_geglu_triton(torch.randn(1, 8), torch.randn(7, 8))
+    with pytest.raises(ValueError, match="split"):
+        gemv_module.gemv_geglu_triton(
+            torch.randn(1, 8), torch.randn(8, 8), {"BLOCK_N": 8, "BLOCK_K": 8, "SPLIT_K": 2}
+        )
