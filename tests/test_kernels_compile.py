@@ -9,6 +9,7 @@ Triton; no driver is needed).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -129,6 +130,14 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2},
             ),
         )
+    yield (
+        "gemv_geglu",
+        lambda: gemv.gemv_geglu_triton(
+            torch.randn(1, 256, dtype=bf16),
+            torch.randn(96, 256, dtype=bf16),
+            {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1},
+        ),
+    )
     qkv = torch.randn(1, (4 + 2 * 2) * 64, dtype=bf16)
     cos = sin = torch.ones(1, 64, dtype=bf16)
     for mode in rope.ValueMode:
@@ -161,6 +170,8 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         for group in (64, 32, 128):
             shapes = GEMV_SHAPES if group == 64 else GEMV_SHAPES[:1]
             configs = {affine_matmul.gemv_config(n, k, bits, group) for n, k in shapes}
+            if group == 64:  # and the prefetching loop at each of those launches
+                configs |= {dataclasses.replace(c, prefetch=True) for c in configs}
             operands = quantize_affine(torch.randn(48, 256, dtype=bf16), bits, group)
             for config in sorted(configs, key=str):
                 for rows in (1, 4) if group == 64 else (1,):
