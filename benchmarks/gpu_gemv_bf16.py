@@ -4,8 +4,7 @@ decode step runs them, so Python launch overhead is not counted) of 20 calls in 
 distinct weights (so L2 holds none of them, as in a real step).
 
 "down+geglu" is the MLP's tail: cuBLAS needs the GeGLU kernel first (timed with it); the
-Triton GEMV computes gelu_tanh(gate)·up while loading its input. "gate_up+geglu" is the MLP's
-head: cuBLAS and then the GeGLU kernel, against `gemv_geglu` storing gelu_tanh(gate)·up.
+Triton GEMV computes gelu_tanh(gate)·up while loading its input.
 
     OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_gemv_bf16.py
 """
@@ -22,12 +21,7 @@ import torch.nn.functional as F
 import triton
 
 from hearth.kernels.activation import gelu_tanh_mul
-from hearth.kernels.gemv import (
-    gemv_geglu_reference,
-    gemv_geglu_triton,
-    gemv_reference,
-    gemv_triton,
-)
+from hearth.kernels.gemv import gemv_reference, gemv_triton
 
 SHAPES = {  # (out, in) of the 12B decode step's projections
     "qkv": (8192, 3840, False),
@@ -35,7 +29,6 @@ SHAPES = {  # (out, in) of the 12B decode step's projections
     "gate_up": (30720, 3840, False),
     "down": (3840, 15360, False),
     "down+geglu": (3840, 15360, True),
-    "gate_up+geglu": (30720, 3840, "out"),
 }
 BANDWIDTH = 4.2e12
 CALLS = 20
@@ -67,24 +60,15 @@ def main() -> None:
         weights = [
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(CALLS)
         ]
-        geglu_out, geglu = geglu == "out", geglu is True
         x = torch.randn(1, 2 * k if geglu else k, device="cuda", dtype=torch.bfloat16)
-        if geglu_out:
-            reference = gemv_geglu_reference(x, weights[0]).float()
-            got = gemv_geglu_triton(x, weights[0]).float()
-        else:
-            reference = gemv_reference(x, weights[0], geglu).float()
-            got = gemv_triton(x, weights[0], geglu).float()
+        reference = gemv_reference(x, weights[0], geglu).float()
+        got = gemv_triton(x, weights[0], geglu).float()
         error = ((got - reference).norm() / reference.norm()).item()
 
-        def cublas(i: int, x=x, geglu=geglu, out=geglu_out, weights=weights) -> object:
-            if out:
-                return gelu_tanh_mul(F.linear(x, weights[i]))
+        def cublas(i: int, x=x, geglu=geglu, weights=weights) -> object:
             return F.linear(gelu_tanh_mul(x) if geglu else x, weights[i])
 
-        def kernel(i: int, x=x, geglu=geglu, out=geglu_out, weights=weights) -> object:
-            if out:
-                return gemv_geglu_triton(x, weights[i])
+        def kernel(i: int, x=x, geglu=geglu, weights=weights) -> object:
             return gemv_triton(x, weights[i], geglu)
 
         base, ours = replay_micros(cublas), replay_micros(kernel)

@@ -64,11 +64,8 @@ stage 100 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 
 stage 200 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4@full,turbo:k4v3@full --contexts 8192,32768,131000 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
 stage 60 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b.md"
 stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
-elif [ "$PART" = ab ]; then  # GEMV launch sweep, bf16 GEMVs, then end-to-end A/B of the options
-stage 170 gemv-sweep python benchmarks/gpu_kernels_affine.py --sweep
-stage 60 gemv python benchmarks/gpu_gemv_bf16.py
-stage 330 ab bash benchmarks/ab_gemv_prefetch.sh
 elif [ "$PART" = profile ]; then  # where decode time goes (12B bf16, 4-bit), prefill medians
+stage 150 gemv-sweep python benchmarks/gpu_kernels_affine.py --sweep
 stage 90 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
 stage 90 profile-12b-4bit python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit --context 512
 stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"

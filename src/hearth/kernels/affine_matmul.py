@@ -50,8 +50,6 @@ GEMV_MAX_ROWS = 16
 UNROLLED_ROWS = 4
 WORD_BITS = 32
 MAX_SPLIT_K = 8
-# Whether `gemv_config` launches the register-prefetching loop (GemvConfig.prefetch).
-GEMV_PREFETCH = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +211,7 @@ def gemv_config(
             split *= 2
         # Each split gets at least one whole step of groups.
         split = max(1, min(split, k // group // block_g))
-    return GemvConfig(block_n, block_g, split_k=split, prefetch=GEMV_PREFETCH)
+    return GemvConfig(block_n, block_g, split_k=split)
 
 
 # ---------------------------------------------------------------------------------------------

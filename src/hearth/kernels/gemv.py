@@ -9,10 +9,7 @@ down's input first needs its own GeGLU kernel. Here that is one kernel:
   and the last program of a row block to finish adds the slices' partial sums in slice
   order (deterministic: no float atomics);
 * with `geglu`, the input is `gelu_tanh(gate) * up` computed on the fly from the stacked
-  gate/up output, rounded exactly as `activation.gelu_tanh_mul` rounds;
-* `gemv_geglu` is the other side of that GeGLU: the stacked gate/up projection whose
-  programs each hold a block of gate rows and the matching up rows, and store
-  `gelu_tanh(gate) * up` (each rounded as the eager ops round) instead of both halves.
+  gate/up output, rounded exactly as `activation.gelu_tanh_mul` rounds.
 
 Accumulation is fp32; the output is rounded once to the activations' dtype.
 """
@@ -35,19 +32,6 @@ def gemv_reference(x: Tensor, weight: Tensor, geglu: bool = False) -> Tensor:
     if geglu:
         x = gelu_tanh_mul_reference(x)
     return F.linear(x, weight)
-
-
-def gemv_geglu_reference(x: Tensor, stacked: Tensor) -> Tensor:
-    """``gelu_tanh(x @ gate.T) * (x @ up.T)`` of a stacked ``[2I, K]`` gate/up weight."""
-    return gelu_tanh_mul_reference(F.linear(x, stacked))
-
-
-def gemv_geglu(x: Tensor, stacked: Tensor) -> Tensor:
-    """`gemv_geglu_reference`, one Triton kernel for few rows on CUDA."""
-    rows = x.numel() // x.shape[-1]
-    if kernel_enabled(x) and rows <= GEMV_MAX_ROWS and stacked.dtype == x.dtype:
-        return gemv_geglu_triton(x, stacked)
-    return gelu_tanh_mul(F.linear(x, stacked))
 
 
 def gemv(x: Tensor, weight: Tensor, geglu: bool = False) -> Tensor:
@@ -79,15 +63,12 @@ if HAS_TRITON:
         coefficient,
         K: tl.constexpr,
         GEGLU: tl.constexpr,
-        GEGLU_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):
-        """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). GEGLU_OUT:
-        w holds 2N rows (gate, then up) and out[m, n] = gelu_tanh(gate[m, n]) * up[m, n]
-        (one slice of K only)."""
+        """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         m = tl.arange(0, BLOCK_M)
@@ -101,8 +82,6 @@ if HAS_TRITON:
         STEPS: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K
         k_begin = pid_k * (STEPS * BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        if GEGLU_OUT:
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for step in range(STEPS):
             k = k_begin + step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
@@ -116,20 +95,7 @@ if HAS_TRITON:
             else:
                 xk = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32)[None, :, :] * xk[:, None, :]
-            if GEGLU_OUT:
-                w_up = tl.load(
-                    w_rows + N * stride_wn + k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                acc_up += w_up.to(tl.float32)[None, :, :] * xk[:, None, :]
         result = tl.sum(acc, axis=2)
-        if GEGLU_OUT:
-            # Round gate and up as the stacked projection's output would be, then the GELU.
-            dtype = out_ptr.dtype.element_ty
-            gate = result.to(dtype).to(tl.float32)
-            up = tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
-            result = gelu_tanh(gate, coefficient).to(dtype).to(tl.float32) * up
 
         out_at = m[:, None] * stride_om + n[None, :]
         out_ok = m_ok[:, None] & n_ok[None, :]
@@ -167,19 +133,17 @@ if HAS_TRITON:
     def _prune(configs: list, named_args: dict, **kwargs: object) -> list:
         """Drop splits whose slices would be under two steps, and tiles that spill."""
         args = {**named_args, **kwargs}
-        accumulators = 2 if args["GEGLU_OUT"] else 1
         kept = [
             c
             for c in configs
             if args["K"] >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
-            and accumulators * args["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 8192
-            and (c.kwargs["SPLIT_K"] == 1 or not args["GEGLU_OUT"])
+            and args["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 8192
         ]
         return kept or [triton.Config(DEFAULT_CONFIG, num_warps=4)]
 
     _gemv_tuned = triton.autotune(
         configs=_CONFIGS,
-        key=["N", "K", "BLOCK_M", "GEGLU", "GEGLU_OUT"],
+        key=["N", "K", "BLOCK_M", "GEGLU"],
         prune_configs_by={"early_config_prune": _prune},
     )(_gemv_kernel)
 
@@ -193,26 +157,32 @@ if HAS_TRITON:
             _COUNTERS[device] = counters
         return counters
 
-    def _launch(
-        rows: Tensor, weight: Tensor, out: Tensor, geglu: bool, geglu_out: bool, config: dict | None
-    ) -> None:
-        m, n, k = rows.shape[0], out.shape[-1], weight.shape[-1]
-        interpreted = not rows.is_cuda
-        split_possible = (config is None and not interpreted and not geglu_out) or (
-            config or {}
-        ).get("SPLIT_K", 1) > 1
+    def gemv_triton(
+        x: Tensor, weight: Tensor, geglu: bool = False, config: dict | None = None
+    ) -> Tensor:
+        """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter)."""
+        k = weight.shape[-1]
+        width = 2 * k if geglu else k
+        if x.shape[-1] != width:
+            raise ValueError(f"x has {x.shape[-1]} inputs; the weight takes {width}")
+        rows = x.reshape(-1, width)
+        if rows.shape[0] > GEMV_MAX_ROWS:
+            raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+        m, n = rows.shape[0], weight.shape[0]
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        interpreted = not x.is_cuda
+        split_possible = (config is None and not interpreted) or (config or {}).get(
+            "SPLIT_K", 1
+        ) > 1
         partial = torch.empty(
-            MAX_SPLIT_K * m * n if split_possible else 1, dtype=torch.float32, device=rows.device
+            MAX_SPLIT_K * m * n if split_possible else 1, dtype=torch.float32, device=x.device
         )
-        counters = _counters(rows.device, triton.cdiv(n, 8)) if split_possible else partial
+        counters = _counters(x.device, triton.cdiv(n, 8)) if split_possible else partial
         args = (rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), weight.stride(0), out.stride(0), SQRT_2_OVER_PI)
-        constants = {
-            "K": k,
-            "GEGLU": geglu,
-            "GEGLU_OUT": geglu_out,
-            "BLOCK_M": triton.next_power_of_2(m),
-        }
+        constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
 
         def grid(meta: dict) -> tuple[int, int]:
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
@@ -222,36 +192,4 @@ if HAS_TRITON:
         else:
             chosen = config or DEFAULT_CONFIG
             _gemv_kernel[grid(chosen)](*args, **constants, **chosen)
-
-    def _rows(x: Tensor, width: int) -> Tensor:
-        if x.shape[-1] != width:
-            raise ValueError(f"x has {x.shape[-1]} inputs; the weight takes {width}")
-        rows = x.reshape(-1, width)
-        if rows.shape[0] > GEMV_MAX_ROWS:
-            raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
-        return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-    def gemv_triton(
-        x: Tensor, weight: Tensor, geglu: bool = False, config: dict | None = None
-    ) -> Tensor:
-        """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter)."""
-        k = weight.shape[-1]
-        rows = _rows(x, 2 * k if geglu else k)
-        weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-        out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        _launch(rows, weight, out, geglu, False, config)
-        return out.view(*x.shape[:-1], -1)
-
-    def gemv_geglu_triton(x: Tensor, stacked: Tensor, config: dict | None = None) -> Tensor:
-        """``gemv_geglu_reference`` in one launch (no K split); `config` pins the tiles."""
-        if stacked.shape[0] % 2:
-            raise ValueError(
-                f"a stacked gate/up weight has an even row count, not {stacked.shape[0]}"
-            )
-        if config is not None and config.get("SPLIT_K", 1) != 1:
-            raise ValueError("the gate/up GEMV does not split K")
-        rows = _rows(x, stacked.shape[-1])
-        stacked = stacked if stacked.stride(-1) == 1 else stacked.contiguous()
-        out = torch.empty(rows.shape[0], stacked.shape[0] // 2, dtype=x.dtype, device=x.device)
-        _launch(rows, stacked, out, False, True, config)
-        return out.view(*x.shape[:-1], -1)
+        return out.view(*x.shape[:-1], n)

@@ -17,7 +17,7 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
-from hearth.kernels.gemv import gemv, gemv_geglu
+from hearth.kernels.gemv import gemv
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
@@ -44,11 +44,7 @@ class StackedLinear(nn.Module):
 def project(linear: nn.Module, x: torch.Tensor, geglu: bool = False) -> torch.Tensor:
     """`linear(x)` (after GeGLU of a stacked gate/up x if asked); float weights go through
     `gemv`, which at a GPU decode step is one kernel with no split-K reduce launches."""
-    if isinstance(linear, nn.Linear) and linear.bias is None:
-        if geglu and not FUSED_GEGLU:
-            if DOWN_GEMV:
-                return gemv(gelu_tanh_mul(x), linear.weight)
-            return linear(gelu_tanh_mul(x))
+    if isinstance(linear, nn.Linear) and linear.bias is None and (FUSED_GEGLU or not geglu):
         return gemv(x, linear.weight, geglu)
     return linear(gelu_tanh_mul(x) if geglu else x)
 
@@ -56,10 +52,6 @@ def project(linear: nn.Module, x: torch.Tensor, geglu: bool = False) -> torch.Te
 # GeGLU inside the down projection's GEMV: off, as measured slower than the GeGLU kernel
 # plus cuBLAS on the H200 (benchmarks/results/gpu_gemv_bf16-*.md: 39.4 vs 35.5 µs).
 FUSED_GEGLU = False
-# The down projection through `gemv` (no cuBLAS memset + split-K reduce launches): under test.
-DOWN_GEMV = False
-# The gate/up projection and GeGLU as one GEMV (`gemv_geglu`): under test.
-GEGLU_GEMV = False
 
 
 class RMSNorm(nn.Module):
@@ -307,11 +299,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stacked = self.gate_up_proj.proj
-        if GEGLU_GEMV and isinstance(stacked, nn.Linear) and stacked.bias is None:
-            # One GEMV makes gelu(gate) * up (no GeGLU launch, no 2I intermediate).
-            return project(self.down_proj, gemv_geglu(x, stacked.weight))
-        return project(self.down_proj, stacked(x), geglu=True)
+        return project(self.down_proj, self.gate_up_proj.proj(x), geglu=True)
 
 
 class DecoderLayer(nn.Module):
