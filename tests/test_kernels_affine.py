@@ -181,12 +181,13 @@ def test_gemv_repeats_bits_and_leaves_counters_ready(bits, rows, name) -> None:
     assert not am._counters(first.device, 1).any()
 
 
-# The H200 winners of benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md (group 64).
+# The H200 winners of benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md (group 64);
+# 4-bit with the prefetching loop (gpu_gemv_prefetch_ab-2026-12-03.md: faster end to end).
 MEASURED_CONFIGS = {
-    (4, 15360, 3840): am.GemvConfig(32, 4),
-    (4, 3840, 15360): am.GemvConfig(32, 4, split_k=2),
-    (4, 8192, 3840): am.GemvConfig(32, 4, split_k=2),
-    (4, 262144, 3840): am.GemvConfig(64, 4),
+    (4, 15360, 3840): am.GemvConfig(32, 4, prefetch=True),
+    (4, 3840, 15360): am.GemvConfig(32, 4, split_k=2, prefetch=True),
+    (4, 8192, 3840): am.GemvConfig(32, 4, split_k=2, prefetch=True),
+    (4, 262144, 3840): am.GemvConfig(64, 4, prefetch=True),
     (8, 15360, 3840): am.GemvConfig(32, 8),
     (8, 3840, 15360): am.GemvConfig(16, 8, split_k=4),
     (8, 8192, 3840): am.GemvConfig(16, 8),
@@ -198,10 +199,10 @@ def test_gemv_heuristic_picks_the_measured_winners() -> None:
     for (bits, n, k), config in MEASURED_CONFIGS.items():
         assert am.gemv_config(n, k, bits, 64, 132) == config, (bits, n, k)
     # Other groups keep the words per step; tiny N splits further, within whole steps.
-    assert am.gemv_config(15360, 3840, 4, 32) == am.GemvConfig(32, 8)
+    assert am.gemv_config(15360, 3840, 4, 32) == am.GemvConfig(32, 8, prefetch=True)
     assert am.gemv_config(15360, 3840, 8, 128) == am.GemvConfig(32, 4)
-    assert am.gemv_config(1024, 4096, 4, 64) == am.GemvConfig(32, 4, split_k=8)
-    assert am.gemv_config(1024, 512, 4, 64) == am.GemvConfig(32, 4, split_k=2)
+    assert am.gemv_config(1024, 4096, 4, 64) == am.GemvConfig(32, 4, split_k=8, prefetch=True)
+    assert am.gemv_config(1024, 512, 4, 64) == am.GemvConfig(32, 4, split_k=2, prefetch=True)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -130,14 +130,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2},
             ),
         )
-    yield (
-        "gemv_geglu",
-        lambda: gemv.gemv_geglu_triton(
-            torch.randn(1, 256, dtype=bf16),
-            torch.randn(96, 256, dtype=bf16),
-            {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1},
-        ),
-    )
     qkv = torch.randn(1, (4 + 2 * 2) * 64, dtype=bf16)
     cos = sin = torch.ones(1, 64, dtype=bf16)
     for mode in rope.ValueMode:

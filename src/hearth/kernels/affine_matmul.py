@@ -50,6 +50,10 @@ GEMV_MAX_ROWS = 16
 UNROLLED_ROWS = 4
 WORD_BITS = 32
 MAX_SPLIT_K = 8
+# Widths whose `gemv_config` launches the register-prefetching loop (GemvConfig.prefetch).
+# End to end on an H200 (Gemma 3 12B, decode at 512): 4-bit 137.2 -> 146.2 tok/s, 8-bit
+# 186.0 -> 177.5 (benchmarks/results/gpu_gemv_prefetch_ab-2026-12-03.md).
+GEMV_PREFETCH_BITS = (4,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +215,7 @@ def gemv_config(
             split *= 2
         # Each split gets at least one whole step of groups.
         split = max(1, min(split, k // group // block_g))
-    return GemvConfig(block_n, block_g, split_k=split)
+    return GemvConfig(block_n, block_g, split_k=split, prefetch=bits in GEMV_PREFETCH_BITS)
 
 
 # ---------------------------------------------------------------------------------------------
