@@ -7,14 +7,16 @@
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
-mkdir -p "$OUT"
+# Logs apart from the tables: the device returns at most 8 files from $OUT.
+LOGS=${LOGS:-$OUT}
+mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=$PWD/src OUT
 stage() {  # stage SECONDS NAME COMMAND...
   local limit=$1 name=$2; shift 2
   echo "=== $name"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   echo "=== $name: exit $?"
-  grep -E '^\||passed|failed|Error' "$OUT/$name.log" | tail -40
+  grep -E '^\||passed|failed|Error' "$LOGS/$name.log" | tail -40
 }
 if [ "$PART" = headline ]; then  # the headline numbers, within one device call
 stage 45 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
@@ -65,7 +67,6 @@ stage 200 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant
 stage 60 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b.md"
 stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = profile ]; then  # where decode time goes (12B bf16, 4-bit), prefill medians
-stage 150 gemv-sweep python benchmarks/gpu_kernels_affine.py --sweep
 stage 90 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
 stage 90 profile-12b-4bit python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit --context 512
 stage 60 profile-e4b-prefill python benchmarks/gpu_profile_decode.py --model e4b --prefill 4096
