@@ -66,13 +66,12 @@ stage 100 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 
 stage 200 bench-12b-kv python -m hearth.cli bench --random gemma3-12b --kv-quant off,4@full,turbo:k4v3@full --contexts 8192,32768,131000 --prefill 512 --steps 16 --out "$OUT/bench-gemma3-12b-kv.md"
 stage 60 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b.md"
 stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
-elif [ "$PART" = profile ]; then  # where decode time goes (12B bf16, 4-bit), prefill medians
-stage 90 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
-stage 90 profile-12b-4bit python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit --context 512
-stage 60 profile-e4b-prefill python benchmarks/gpu_profile_decode.py --model e4b --prefill 4096
+elif [ "$PART" = profile ]; then  # prefill medians (E4B), 12B 4-bit, where decode time goes
 stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"
-stage 100 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
+stage 60 profile-e4b-prefill python benchmarks/gpu_profile_decode.py --model e4b --prefill 4096
 stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 80 profile-12b-4bit python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit --context 512
+stage 80 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
