@@ -199,7 +199,8 @@ def gemv_config(
     projection's 256 blocks gained from split 2; the 8-bit one's 512 did not); N far below
     the measured shapes doubles the split until there is about one program per SM. Other
     group sizes keep the packed words per step (32 words at 4-bit, 128 at 8-bit: what a
-    thread holds), so G scales with 64 / group; they, and M > 1, are not measured.
+    thread holds), so G scales with 64 / group; they, and M > 1, are not measured. Widths
+    in GEMV_PREFETCH_BITS take the prefetching loop (measured end to end, not per kernel).
     """
     few = 2 * multiprocessors
     if bits == 4:
