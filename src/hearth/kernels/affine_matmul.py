@@ -16,7 +16,9 @@ and biases ``[..., N, K / group]``. Triton paths, each beside its torch referenc
   gives too few programs, K is split: each program stores fp32 partials and the last of a row
   block to arrive (an acq_rel counter) adds them in split order and resets the counter (one
   kernel, deterministic, CUDA-graph safe). The launch config comes from `gemv_config`, a
-  small heuristic fitted to H200 measurements.
+  small heuristic fitted to H200 measurements. With `prefetch` the loop requests the next
+  step's words, scales and biases before this step's arithmetic (Triton does not
+  software-pipeline a `while` loop), keeping two steps of loads in flight per program.
 * **Tile GEMV** (5..16 rows, and gathered experts): the rows are a tensor dimension of one
   ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias, split-K and
   deterministic finish; autotuned. For MoE each program row is a (token, slot) pair reading
