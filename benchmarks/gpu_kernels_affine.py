@@ -93,16 +93,21 @@ def tuned_config(kernel: object) -> str:
     return " ".join(f"{k}={v}" for k, v in best.kwargs.items()) + f" w={best.num_warps}"
 
 
+def gemv_case(n: int, k: int, bits: int, group: int):
+    """Packed weight, one bf16 x row, cuBLAS on the dequantized weight, and sum |x w|."""
+    packed, scales, biases = packed_weight(n, k, bits, group)
+    x = torch.randn(1, k, device=DEVICE, dtype=BF16)
+    weight = dequantize_affine(packed, scales, biases, bits, group).to(BF16)
+    magnitude = x.double().abs() @ weight.double().abs().T
+    return (x, packed, scales, biases), weight, F.linear(x, weight), magnitude
+
+
 def gemv_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
     for n, k, label in GEMV_SHAPES:
         for bits in (4, 8):
             group = 64
-            packed, scales, biases = packed_weight(n, k, bits, group)
-            x = torch.randn(1, k, device=DEVICE, dtype=BF16)
-            weight = dequantize_affine(packed, scales, biases, bits, group).to(BF16)
+            (x, packed, scales, biases), weight, want, magnitude = gemv_case(n, k, bits, group)
             got = am.affine_linear(x, packed, scales, biases, bits, group)
-            want = F.linear(x, weight)
-            magnitude = x.double().abs() @ weight.double().abs().T
             checks.append(
                 [f"GEMV {label} {n}x{k}", f"{bits}/{group}", within_bound(got, want, magnitude, k)]
             )
@@ -141,11 +146,7 @@ def gemv_sweep(rows: list[list[str]], checks: list[list[str]]) -> None:
     for n, k, label in GEMV_SHAPES:
         for bits in (4, 8):
             group = 64
-            packed, scales, biases = packed_weight(n, k, bits, group)
-            x = torch.randn(1, k, device=DEVICE, dtype=BF16)
-            weight = dequantize_affine(packed, scales, biases, bits, group).to(BF16)
-            want = F.linear(x, weight)
-            magnitude = x.double().abs() @ weight.double().abs().T
+            (x, packed, scales, biases), _, want, magnitude = gemv_case(n, k, bits, group)
             base = gemv_launch(n, k, bits, group)
             timed = []
             for config in sweep_configs(base):
