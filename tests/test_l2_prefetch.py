@@ -4,7 +4,6 @@ weight gives exactly what the same step gives eagerly."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ from hearth.kernels.l2_prefetch import ALIGN, LANES, MAX_CHUNK, plan_prefetch
 
 def _covered(plan: l2_prefetch.PrefetchPlan) -> list[tuple[int, int]]:
     ranges = plan.ranges()
-    for (_, end), (start, _) in itertools.pairwise(ranges):
+    for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
         assert end == start, "lanes must tile the bytes with no gap or overlap"
     return ranges
 
