@@ -18,7 +18,6 @@ from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
 from hearth.kernels.gemv import gemv
-from hearth.kernels.l2_prefetch import module_tensors, prefetch_branch
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
@@ -268,13 +267,10 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length)
-        qkv = self.qkv_proj.proj(x)
-        # o_proj's weight into L2 while the attention kernels leave DRAM idle (graphs only).
-        join_prefetch = prefetch_branch(module_tensors(self.o_proj), qkv)
         # Norms, rotation and the V split in one kernel on the GPU (the torch reference here),
         # which at a GPU decode step also stores K/V in the cache.
         q, k, v = norm_rope(
-            qkv.flatten(0, 1),
+            self.qkv_proj.proj(x).flatten(0, 1),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
@@ -289,7 +285,6 @@ class Attention(nn.Module):
         q = q.unflatten(0, (batch, length)).transpose(1, 2)
         view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, self.scale)
-        join_prefetch()
         return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 

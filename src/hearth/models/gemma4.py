@@ -29,7 +29,6 @@ from hearth.kernels.grouped_matmul import (
     grouped_expert_matmul,
     plan_experts,
 )
-from hearth.kernels.l2_prefetch import module_tensors, prefetch_branch
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kv.cache import KVView, LayerCache
@@ -116,13 +115,10 @@ class Gemma4Attention(nn.Module):
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length) if shared is None else None
-        qkv = self.qkv_proj.proj(x)
-        # o_proj's weight into L2 while the attention kernels leave DRAM idle (graphs only).
-        join_prefetch = prefetch_branch(module_tensors(self.o_proj), qkv)
         # q/k norms, RoPE and the V norm (of raw K on k_eq_v layers) in one kernel on the GPU,
         # which at a GPU decode step also stores K/V in the cache.
         q, k, v = norm_rope(
-            qkv.flatten(0, 1),
+            self.qkv_proj.proj(x).flatten(0, 1),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
@@ -140,7 +136,6 @@ class Gemma4Attention(nn.Module):
         else:
             view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, scale=1.0)
-        join_prefetch()
         return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1)), view
 
 
