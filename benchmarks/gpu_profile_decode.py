@@ -1,8 +1,8 @@
 """Where a batch-1 decode step's (or a prefill's) GPU time goes, by kernel name.
 
 Profiles eager decode steps of a random-weight model at real shapes (the CUDA-graph replay
-runs the same kernels), or with --prefill N one forward over an N-token prompt, and groups
-the GPU time by kernel name.
+runs the same kernels), or with --prefill N one N-token prefill as `hearth bench` times it,
+and groups the GPU time by kernel name.
 
     OUT=/tmp/out python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
     OUT=/tmp/out python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
@@ -22,9 +22,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from hearth.bench.measure import _prefill_runner
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
-from hearth.kv import make_caches, parse_kv_quant
 
 STEPS = 5
 
@@ -67,13 +67,15 @@ def main() -> None:
 
 @torch.inference_mode()
 def profile_prefill(model: torch.nn.Module, name: str, tokens: int) -> None:
+    """One prefill as `hearth bench` times it (static caches on a GPU, the engine's chunks)."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
-    model(ids, make_caches(model.config, parse_kv_quant("off")), last_only=True)
+    run = _prefill_runner(model, ids)
+    run()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model(ids, make_caches(model.config, parse_kv_quant("off")), last_only=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
         torch.cuda.synchronize()
-    title = f"Prefill profile: {name}, {tokens} tokens in one forward"
+    title = f"Prefill profile: {name}, {tokens} tokens as `hearth bench` runs them"
     write_table(prof, 1, title, f"gpu_profile_{name}_prefill{tokens}.md", "forward")
 
 
@@ -100,6 +102,14 @@ def write_table(prof: profile, steps: int, title: str, filename: str, unit: str)
             f"| `{name}` | {counts[name] / steps:.0f} | {micros / steps:.0f} | "
             f"{micros / total:.1%} |"
         )
+    # With CPU events recorded: which torch ops launched that GPU time.
+    ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    ops = [e for e in ops if e.key.startswith("aten::") and e.device_time_total > 0]
+    if ops:
+        lines += ["", f"| torch op | calls/{unit} | GPU µs/{unit} (with its children) |"]
+        lines.append("|---|---|---|")
+        for op in sorted(ops, key=lambda e: -e.device_time_total)[:20]:
+            lines.append(f"| `{op.key}` | {op.count / steps:.0f} | {op.device_time_total / steps:.0f} |")
     table = "\n".join(lines) + "\n"
     print(table)
     out = Path(os.environ.get("OUT", "benchmarks/results"))

@@ -1,0 +1,136 @@
+"""End-to-end A/B of decode-path variants: batch-1 CUDA-graph decode tok/s per variant.
+
+Each variant patches module globals (kernel launch defaults) for its timings only. Variants
+alternate for several rounds in one process, on one random-weight model at a time, so drift
+of the machine hits them alike; the median counts.
+
+    OUT=/tmp/out python benchmarks/ab_decode.py --models gemma3-12b --variants base,attn-n32
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from datetime import date
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import triton
+
+from hearth.bench.measure import copy_bandwidth, decode_bytes, kv_bytes, time_decode
+from hearth.bench.random_model import PRESETS, build_random_model
+from hearth.kernels import decode_attention as attention
+from hearth.kernels import gemv
+from hearth.models import gemma
+
+Patch = Callable[[], contextlib.AbstractContextManager]
+
+
+def _dense_tiles(
+    block_n: int, warps: int, stages: int
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """Dense decode attention at fixed tiles (quantized formats keep their defaults)."""
+    original = attention._default_tiles
+
+    def tiles(head_dim: int, key_format, value_format):
+        if key_format.kind == value_format.kind == "dense":
+            return attention._Launch(block_n, warps, stages, False)
+        return original(head_dim, key_format, value_format)
+
+    return lambda: mock.patch.object(attention, "_default_tiles", tiles)
+
+
+def _stacked(*patches: Patch) -> Patch:
+    @contextlib.contextmanager
+    def apply() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch())
+            yield
+
+    return apply
+
+
+def _set(
+    module: object, name: str, value: object
+) -> Callable[[], contextlib.AbstractContextManager]:
+    return lambda: mock.patch.object(module, name, value)
+
+
+FUSED_MERGE = _set(attention, "FUSED_MERGE_MAX_BYTES", 1 << 40)
+VARIANTS: dict[str, Patch] = {
+    "base": contextlib.nullcontext,
+    "attn-n32": _dense_tiles(32, 4, 3),
+    "attn-n32-w8": _dense_tiles(32, 8, 3),
+    "attn-n16": _dense_tiles(16, 4, 3),
+    "attn-n64-w4": _dense_tiles(64, 4, 3),
+    "attn-fused-merge": FUSED_MERGE,
+    "attn-n32-fused-merge": _stacked(_dense_tiles(32, 4, 3), FUSED_MERGE),
+    "attn-pps4": _set(attention, "PROGRAMS_PER_SM", 4),
+    "attn-pps1": _set(attention, "PROGRAMS_PER_SM", 1),
+    "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
+    "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="gemma3-12b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--quant", default="bf16")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--name", default="decode")
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    lines = [
+        f"# Decode A/B: {', '.join(names)} ({date.today()}, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, triton {triton.__version__})",
+        "",
+        f"Batch-1 CUDA-graph decode at context {args.context}, {args.steps} steps a timing, "
+        f"{args.quant} weights, variants alternating for {args.rounds} rounds in one process. "
+        f"Roofline: (weights + KV bytes) / {bandwidth / 1e12:.2f} TB/s (measured copy).",
+        "",
+        "| model | variant | tok/s (each round) | median | vs base | % of roofline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model_name in args.models.split(","):
+        model = build_random_model(PRESETS[model_name], device, quant=args.quant)
+        step_bytes = decode_bytes(model) + kv_bytes(model.config, args.context, 2)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.rounds):
+            for name in names:
+                with VARIANTS[name]():
+                    seconds, _ = time_decode(model, args.context, args.steps)
+                rates[name].append(1.0 / seconds)
+        base = statistics.median(rates[names[0]])
+        for name in names:
+            median = statistics.median(rates[name])
+            each = ", ".join(f"{r:.1f}" for r in rates[name])
+            lines.append(
+                f"| {model_name} | {name} | {each} | {median:.1f} | {median / base - 1:+.1%} | "
+                f"{median * step_bytes / bandwidth:.1%} |"
+            )
+        print("\n".join(lines[-len(names) :]), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    table = "\n".join(lines) + "\n"
+    print(table)
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"ab_{args.name}.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()
