@@ -109,7 +109,8 @@ def write_table(prof: profile, steps: int, title: str, filename: str, unit: str)
         lines += ["", f"| torch op | calls/{unit} | GPU µs/{unit} (with its children) |"]
         lines.append("|---|---|---|")
         for op in sorted(ops, key=lambda e: -e.device_time_total)[:20]:
-            lines.append(f"| `{op.key}` | {op.count / steps:.0f} | {op.device_time_total / steps:.0f} |")
+            calls, micros = op.count / steps, op.device_time_total / steps
+            lines.append(f"| `{op.key}` | {calls:.0f} | {micros:.0f} |")
     table = "\n".join(lines) + "\n"
     print(table)
     out = Path(os.environ.get("OUT", "benchmarks/results"))
