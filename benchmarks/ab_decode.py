@@ -1,10 +1,12 @@
-"""End-to-end A/B of decode-path variants: batch-1 CUDA-graph decode tok/s per variant.
+"""End-to-end A/B of variants: batch-1 CUDA-graph decode tok/s (or prefill tok/s) per variant.
 
 Each variant patches module globals (kernel launch defaults) for its timings only. Variants
 alternate for several rounds in one process, on one random-weight model at a time, so drift
 of the machine hits them alike; the median counts.
 
     OUT=/tmp/out python benchmarks/ab_decode.py --models gemma3-12b --variants base,attn-n32
+    OUT=/tmp/out python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 \
+        --variants base,grouped-m128
 """
 
 from __future__ import annotations
@@ -25,10 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import triton
 
-from hearth.bench.measure import copy_bandwidth, decode_bytes, kv_bytes, time_decode
+from hearth.bench.measure import (
+    copy_bandwidth,
+    decode_bytes,
+    kv_bytes,
+    prefill_flops,
+    time_decode,
+    time_prefill,
+)
 from hearth.bench.random_model import PRESETS, build_random_model
+from hearth.generate import default_prefill_step
 from hearth.kernels import decode_attention as attention
-from hearth.kernels import gemv
+from hearth.kernels import gemv, grouped_matmul
 from hearth.models import gemma
 
 Patch = Callable[[], contextlib.AbstractContextManager]
@@ -78,7 +88,9 @@ VARIANTS: dict[str, Patch] = {
     "attn-pps1": _set(attention, "PROGRAMS_PER_SM", 1),
     "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
+    "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles
 }
+PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 
 
 def main() -> None:
@@ -90,30 +102,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="decode")
+    parser.add_argument("--prefill", type=int, default=0, help="time an N-token prefill")
     args = parser.parse_args()
     names = args.variants.split(",")
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
+    if args.prefill:
+        what = (
+            f"Prefill of {args.prefill} tokens (median of repeats; % of "
+            f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s)"
+        )
+    else:
+        what = (
+            f"Batch-1 CUDA-graph decode at context {args.context}, {args.steps} steps a timing "
+            f"(% of (weights + KV bytes) / {bandwidth / 1e12:.2f} TB/s measured copy)"
+        )
     lines = [
-        f"# Decode A/B: {', '.join(names)} ({date.today()}, {torch.cuda.get_device_name()}, "
+        f"# A/B: {', '.join(names)} ({date.today()}, {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}, triton {triton.__version__})",
         "",
-        f"Batch-1 CUDA-graph decode at context {args.context}, {args.steps} steps a timing, "
-        f"{args.quant} weights, variants alternating for {args.rounds} rounds in one process. "
-        f"Roofline: (weights + KV bytes) / {bandwidth / 1e12:.2f} TB/s (measured copy).",
+        f"{what}, {args.quant} weights, variants alternating for {args.rounds} rounds in one "
+        "process.",
         "",
-        "| model | variant | tok/s (each round) | median | vs base | % of roofline |",
+        "| model | variant | tok/s (each round) | median | vs base | % of roofline or peak |",
         "|---|---|---|---|---|---|",
     ]
     for model_name in args.models.split(","):
         model = build_random_model(PRESETS[model_name], device, quant=args.quant)
         step_bytes = decode_bytes(model) + kv_bytes(model.config, args.context, 2)
+        if args.prefill:  # a token's share of the prefill's FLOPs, at the matmul peak
+            chunk = default_prefill_step(device)
+            per_token = prefill_flops(model.config, args.prefill, chunk) / args.prefill
+            step_bytes, bandwidth = per_token, PEAK_FLOPS
         rates: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(args.rounds):
             for name in names:
                 with VARIANTS[name]():
-                    seconds, _ = time_decode(model, args.context, args.steps)
-                rates[name].append(1.0 / seconds)
+                    if args.prefill:
+                        rate = args.prefill / time_prefill(model, args.prefill)
+                    else:
+                        rate = 1.0 / time_decode(model, args.context, args.steps)[0]
+                rates[name].append(rate)
         base = statistics.median(rates[names[0]])
         for name in names:
             median = statistics.median(rates[name])
