@@ -71,6 +71,7 @@ def _mma_gemv_kernel(
     p_k = 8 * (p // 2) + 4 * (p % 2)
     in_column = (p // 16)[:, None] == col[None, :]
     col_ok = col < 4
+    ones = tl.full([BLOCK_N, 2 * STEP_WORDS], 1.0, tl.float32)
     total = tl.zeros([BLOCK_N, COLS], tl.float32)
     g0 = pid_k * split_groups
     g_end = tl.minimum(g0 + split_groups, groups)
@@ -78,7 +79,7 @@ def _mma_gemv_kernel(
         words = tl.load(packed_ptr + word_rows[:, None] + g0 * 8 + w[None, :])
         x_step = x_ptr + g0 * 64
         acc = tl.zeros([BLOCK_N, COLS], tl.float32)
-        x_sums = tl.zeros([COLS], tl.float32)
+        x_sums = tl.zeros([BLOCK_N, COLS], tl.float32)  # every row: the groups' sums of x
         for j in tl.static_range(4):
             pairs = ((words >> (4 * j)) & 0x000F000F) | 0x43004300
             if BITCAST:  # the halves are bf16 bit patterns: no conversion instruction
@@ -94,13 +95,17 @@ def _mma_gemv_kernel(
             b = tl.where(in_column, xk[:, None], 0.0).to(tl.bfloat16)
             if BITCAST:
                 acc = tl.dot(a, b, acc)
+                # Column sums of B by the mma too, already in the accumulator's layout.
+                x_sums = tl.dot(ones.to(tl.bfloat16), b, x_sums)
             else:
                 acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
-            x_sums += tl.sum(b.to(tl.float32), axis=0)
+                x_sums = tl.dot(
+                    ones.to(tl.float32), b.to(tl.float32), x_sums, input_precision="ieee"
+                )
         at = group_rows[:, None] + g0 + col[None, :]
         scale = tl.load(scales_ptr + at, mask=col_ok[None, :], other=0.0).to(tl.float32)
         bias = tl.load(biases_ptr + at, mask=col_ok[None, :], other=0.0).to(tl.float32)
-        total += acc * scale + (bias - 128.0 * scale) * x_sums[None, :]
+        total += acc * scale + (bias - 128.0 * scale) * x_sums
         g0 += 4
     result = tl.sum(total, axis=1)
     if SPLIT_K == 1:
