@@ -34,6 +34,41 @@ import triton.language as tl
 WORDS = 32  # words a row contributes per step: 4 groups of 64 4-bit codes
 GROUPS_PER_STEP = 4
 COLUMNS = 16  # B's width: one column per group of the step (mma needs >= 16)
+MAGIC = 0x43004300  # the bf16 pair (128, 128)
+
+
+@triton.jit
+def _substep(
+    acc, x_sums, packed_ptr, word_rows, x_ptr, g, w, p_k, p, col, ones, magic,
+    SUB: tl.constexpr, BLOCK_N: tl.constexpr, BITCAST: tl.constexpr,
+):  # fmt: skip
+    """Four groups from group g into columns 4 SUB .. 4 SUB + 3 of the accumulators."""
+    STEP_WORDS: tl.constexpr = 32
+    words = tl.load(packed_ptr + word_rows[:, None] + g * 8 + w[None, :])
+    x_step = x_ptr + g * 64
+    in_column = (p // 16 + 4 * SUB)[:, None] == col[None, :]
+    for j in tl.static_range(4):
+        # magic = 0x43004300 at run time: one LOP3 (AND and OR) with a register operand.
+        pairs = ((words >> (4 * j)) & 0x000F000F) | magic
+        if BITCAST:  # the halves are bf16 bit patterns: no conversion instruction
+            low = (pairs & 0xFFFF).to(tl.int16)
+            high = (pairs >> 16).to(tl.int16)
+            a = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * STEP_WORDS])
+            a = a.to(tl.bfloat16, bitcast=True)
+        else:  # the interpreter mishandles these bf16 tiles: the same values in fp32
+            low = ((pairs & 0xFF) + 128).to(tl.float32)
+            high = (((pairs >> 16) & 0xFF) + 128).to(tl.float32)
+            a = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * STEP_WORDS])
+        xk = tl.load(x_step + p_k + j)
+        b = tl.where(in_column, xk[:, None], 0.0).to(tl.bfloat16)
+        if BITCAST:
+            acc = tl.dot(a, b, acc)
+            # Column sums of B by the mma too, already in the accumulator's layout.
+            x_sums = tl.dot(ones.to(tl.bfloat16), b, x_sums)
+        else:
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+            x_sums = tl.dot(ones, b.to(tl.float32), x_sums, input_precision="ieee")
+    return acc, x_sums
 
 
 @triton.jit
@@ -49,9 +84,11 @@ def _mma_gemv_kernel(
     row_words,
     groups,
     split_groups,
+    magic,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BITCAST: tl.constexpr,
+    SUBSTEPS: tl.constexpr,
 ):
     """out[n] = sum_k x[k] w[n, k], 4-bit group-64 MLX weights; grid (row blocks, K splits).
     Split s owns groups [s * split_groups, ...), a multiple of GROUPS_PER_STEP."""
@@ -69,44 +106,31 @@ def _mma_gemv_kernel(
     # B row p holds k = 8 * (p // 2) + j + 4 * (p % 2) of dot j; its group is p // 16.
     p = tl.arange(0, 2 * STEP_WORDS)
     p_k = 8 * (p // 2) + 4 * (p % 2)
-    in_column = (p // 16)[:, None] == col[None, :]
-    col_ok = col < 4
     ones = tl.full([BLOCK_N, 2 * STEP_WORDS], 1.0, tl.float32)
     total = tl.zeros([BLOCK_N, COLS], tl.float32)
     g0 = pid_k * split_groups
     g_end = tl.minimum(g0 + split_groups, groups)
     while g0 < g_end:
-        words = tl.load(packed_ptr + word_rows[:, None] + g0 * 8 + w[None, :])
-        x_step = x_ptr + g0 * 64
         acc = tl.zeros([BLOCK_N, COLS], tl.float32)
         x_sums = tl.zeros([BLOCK_N, COLS], tl.float32)  # every row: the groups' sums of x
-        for j in tl.static_range(4):
-            pairs = ((words >> (4 * j)) & 0x000F000F) | 0x43004300
-            if BITCAST:  # the halves are bf16 bit patterns: no conversion instruction
-                low = (pairs & 0xFFFF).to(tl.int16)
-                high = (pairs >> 16).to(tl.int16)
-                a = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * STEP_WORDS])
-                a = a.to(tl.bfloat16, bitcast=True)
-            else:  # the interpreter mishandles these bf16 tiles: the same values in fp32
-                low = ((pairs & 0xFF) + 128).to(tl.float32)
-                high = (((pairs >> 16) & 0xFF) + 128).to(tl.float32)
-                a = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * STEP_WORDS])
-            xk = tl.load(x_step + p_k + j)
-            b = tl.where(in_column, xk[:, None], 0.0).to(tl.bfloat16)
-            if BITCAST:
-                acc = tl.dot(a, b, acc)
-                # Column sums of B by the mma too, already in the accumulator's layout.
-                x_sums = tl.dot(ones.to(tl.bfloat16), b, x_sums)
-            else:
-                acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
-                x_sums = tl.dot(
-                    ones.to(tl.float32), b.to(tl.float32), x_sums, input_precision="ieee"
-                )
+        for sub in tl.static_range(SUBSTEPS):
+            # Sub-step `sub` fills columns 4 sub .. 4 sub + 3; one fold per SUBSTEPS.
+            if SUBSTEPS == 1:
+                acc, x_sums = _substep(
+                    acc, x_sums, packed_ptr, word_rows, x_ptr, g0, w, p_k, p, col, ones, magic,
+                    0, BLOCK_N, BITCAST,
+                )  # fmt: skip
+            elif g0 + 4 * sub < g_end:
+                acc, x_sums = _substep(
+                    acc, x_sums, packed_ptr, word_rows, x_ptr, g0 + 4 * sub, w, p_k, p, col,
+                    ones, magic, sub, BLOCK_N, BITCAST,
+                )  # fmt: skip
         at = group_rows[:, None] + g0 + col[None, :]
-        scale = tl.load(scales_ptr + at, mask=col_ok[None, :], other=0.0).to(tl.float32)
-        bias = tl.load(biases_ptr + at, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        ok = ((col < 4 * SUBSTEPS) & (g0 + col < g_end))[None, :]
+        scale = tl.load(scales_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        bias = tl.load(biases_ptr + at, mask=ok, other=0.0).to(tl.float32)
         total += acc * scale + (bias - 128.0 * scale) * x_sums
-        g0 += 4
+        g0 += 4 * SUBSTEPS
     result = tl.sum(total, axis=1)
     if SPLIT_K == 1:
         tl.store(out_ptr + n, result.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -135,6 +159,7 @@ def mma_gemv(
     block_n: int = 64,
     split_k: int = 1,
     num_warps: int = 4,
+    substeps: int = 4,
 ) -> torch.Tensor:
     """x [K] (bf16) @ W.T for 4-bit group-64 packed W [N, K/8]; K a multiple of 256."""
     n, row_words = packed.shape
@@ -153,8 +178,8 @@ def mma_gemv(
     grid = (triton.cdiv(n, block_n), split_k)
     _mma_gemv_kernel[grid](
         x, packed.view(torch.int32), scales, biases, out, partial, counters,
-        n, row_words, groups, split_groups, BLOCK_N=block_n, SPLIT_K=split_k,
-        BITCAST=x.is_cuda, num_warps=num_warps,
+        n, row_words, groups, split_groups, MAGIC, BLOCK_N=block_n, SPLIT_K=split_k,
+        BITCAST=x.is_cuda, SUBSTEPS=substeps, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -187,13 +212,13 @@ def check(device: torch.device, shapes, splits) -> list[str]:
         want = _exact(x, scales, biases, codes)
         # The mma sums (128 + q) s x: terms up to 143 s |x|, before the 128 offset cancels.
         terms = (143 * scales.double().repeat_interleave(64, 1)) @ x.double().abs()
-        for split in splits:
-            got = mma_gemv(x, packed, scales, biases, split_k=split).double()
+        for split, substeps in [(split, sub) for split in splits for sub in (1, 4)]:
+            got = mma_gemv(x, packed, scales, biases, split_k=split, substeps=substeps).double()
             # bf16 output rounding (one ulp, 2^-8 |y|) plus fp32 accumulation: rounding errors
             # of K terms grow ~sqrt(K) ulps of their magnitude; 2^-16 = 256 ulps covers K=64k.
             error = ((got - want).abs() / (want.abs() * 2**-8 + terms * 2**-16)).max()
             lines.append(
-                f"| {n}x{k} | split {split} | max error / bound {error:.3f} | "
+                f"| {n}x{k} | split {split} sub {substeps} | max error / bound {error:.3f} | "
                 f"{'ok' if error <= 1 else 'FAIL'} |"
             )
     return lines
@@ -204,7 +229,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="interpreter check on small shapes")
     args = parser.parse_args()
     if args.cpu:
-        print("\n".join(check(torch.device("cpu"), [(96, 512), (64, 1024)], [1, 2, 4])))
+        print("\n".join(check(torch.device("cpu"), [(96, 512), (64, 1280)], [1, 2, 4])))
         return
     from hearth.kernels import affine_matmul as am
 
@@ -216,7 +241,12 @@ def main() -> None:
         (15360, 3840, "gate/up half"), (30720, 3840, "gate/up"), (3840, 15360, "down"),
         (8192, 3840, "qkv"), (3840, 4096, "o_proj"), (262144, 3840, "head"),
     ]  # fmt: skip
-    launches = [(64, 1, 4), (64, 2, 4), (64, 4, 4), (128, 1, 8), (128, 2, 8), (128, 4, 8)]
+    launches = [
+        (block_n, split, warps, sub)
+        for block_n, warps in ((64, 4), (128, 8))
+        for split in (1, 2, 4)
+        for sub in (1, 4)
+    ]
     for n, k, name in shapes:
         x, packed, scales, biases, _ = _operands(n, k, device)
         moved = packed.numel() * 4 + scales.numel() * 4
@@ -230,11 +260,11 @@ def main() -> None:
             return [partial(am.affine_gemv_triton, x[None], *o, 4, 64) for o in ops]
 
         v1 = _graph_time(v1_calls())
-        for block_n, split, warps in launches:
-            calls = [partial(mma_gemv, x, *o, block_n, split, warps) for o in copies]
+        for block_n, split, warps, sub in launches:
+            calls = [partial(mma_gemv, x, *o, block_n, split, warps, sub) for o in copies]
             t = _graph_time(calls)
             lines.append(
-                f"| {name} {n}x{k} | {v1 * 1e6:.1f} | N{block_n} split{split} w{warps} "
+                f"| {name} {n}x{k} | {v1 * 1e6:.1f} | N{block_n} split{split} w{warps} sub{sub} "
                 f"| {t * 1e6:.1f} | {moved / t / 1e9:.0f} | {v1 / t:.2f}x |"
             )
         print("\n".join(lines[-len(launches) :]), flush=True)
