@@ -39,12 +39,20 @@ MAGIC = 0x43004300  # the bf16 pair (128, 128)
 
 @triton.jit
 def _substep(
-    acc, x_sums, packed_ptr, word_rows, x_ptr, g, w, p_k, p, col, ones, magic,
-    SUB: tl.constexpr, BLOCK_N: tl.constexpr, BITCAST: tl.constexpr,
+    acc, x_sums, packed_ptr, word_rows, x_ptr, g, g_end, w, p_k, p, col, ones, magic,
+    SUB: tl.constexpr, BLOCK_N: tl.constexpr, BITCAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Four groups from group g into columns 4 SUB .. 4 SUB + 3 of the accumulators."""
+    """Four groups from group g into columns 4 SUB .. 4 SUB + 3 of the accumulators; MASKED:
+    groups from g_end on count as zero (codes 0 and x 0)."""
     STEP_WORDS: tl.constexpr = 32
-    words = tl.load(packed_ptr + word_rows[:, None] + g * 8 + w[None, :])
+    if MASKED:
+        words = tl.load(
+            packed_ptr + word_rows[:, None] + g * 8 + w[None, :],
+            mask=(g + w // 8 < g_end)[None, :],
+            other=0,
+        )
+    else:
+        words = tl.load(packed_ptr + word_rows[:, None] + g * 8 + w[None, :])
     x_step = x_ptr + g * 64
     in_column = (p // 16 + 4 * SUB)[:, None] == col[None, :]
     for j in tl.static_range(4):
@@ -59,7 +67,10 @@ def _substep(
             low = ((pairs & 0xFF) + 128).to(tl.float32)
             high = (((pairs >> 16) & 0xFF) + 128).to(tl.float32)
             a = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * STEP_WORDS])
-        xk = tl.load(x_step + p_k + j)
+        if MASKED:
+            xk = tl.load(x_step + p_k + j, mask=g + p // 16 < g_end, other=0.0)
+        else:
+            xk = tl.load(x_step + p_k + j)
         b = tl.where(in_column, xk[:, None], 0.0).to(tl.bfloat16)
         if BITCAST:
             acc = tl.dot(a, b, acc)
@@ -83,12 +94,13 @@ def _mma_gemv_kernel(
     N,
     row_words,
     groups,
-    split_groups,
     magic,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BITCAST: tl.constexpr,
     SUBSTEPS: tl.constexpr,
+    SPLIT_GROUPS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """out[n] = sum_k x[k] w[n, k], 4-bit group-64 MLX weights; grid (row blocks, K splits).
     Split s owns groups [s * split_groups, ...), a multiple of GROUPS_PER_STEP."""
@@ -108,8 +120,25 @@ def _mma_gemv_kernel(
     p_k = 8 * (p // 2) + 4 * (p % 2)
     ones = tl.full([BLOCK_N, 2 * STEP_WORDS], 1.0, tl.float32)
     total = tl.zeros([BLOCK_N, COLS], tl.float32)
-    g0 = pid_k * split_groups
-    g_end = tl.minimum(g0 + split_groups, groups)
+    g0 = pid_k * SPLIT_GROUPS
+    g_end = tl.minimum(g0 + SPLIT_GROUPS, groups)
+    if STAGES > 0:
+        # A constexpr trip count, so Triton software-pipelines the loads STAGES deep (a
+        # `while` loop keeps one step of loads in flight: latency, not bandwidth, bound).
+        for step in tl.range(0, SPLIT_GROUPS // 4, num_stages=STAGES):
+            g = g0 + 4 * step
+            acc = tl.zeros([BLOCK_N, COLS], tl.float32)
+            x_sums = tl.zeros([BLOCK_N, COLS], tl.float32)
+            acc, x_sums = _substep(
+                acc, x_sums, packed_ptr, word_rows, x_ptr, g, g_end, w, p_k, p, col, ones,
+                magic, 0, BLOCK_N, BITCAST, True,
+            )  # fmt: skip
+            at = group_rows[:, None] + g + col[None, :]
+            ok = ((col < 4) & (g + col < g_end))[None, :]
+            scale = tl.load(scales_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            bias = tl.load(biases_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            total += acc * scale + (bias - 128.0 * scale) * x_sums
+        g0 = g_end  # skips the loop below
     while g0 < g_end:
         acc = tl.zeros([BLOCK_N, COLS], tl.float32)
         x_sums = tl.zeros([BLOCK_N, COLS], tl.float32)  # every row: the groups' sums of x
@@ -117,13 +146,13 @@ def _mma_gemv_kernel(
             # Sub-step `sub` fills columns 4 sub .. 4 sub + 3; one fold per SUBSTEPS.
             if SUBSTEPS == 1:
                 acc, x_sums = _substep(
-                    acc, x_sums, packed_ptr, word_rows, x_ptr, g0, w, p_k, p, col, ones, magic,
-                    0, BLOCK_N, BITCAST,
+                    acc, x_sums, packed_ptr, word_rows, x_ptr, g0, g_end, w, p_k, p, col, ones,
+                    magic, 0, BLOCK_N, BITCAST, False,
                 )  # fmt: skip
             elif g0 + 4 * sub < g_end:
                 acc, x_sums = _substep(
-                    acc, x_sums, packed_ptr, word_rows, x_ptr, g0 + 4 * sub, w, p_k, p, col,
-                    ones, magic, sub, BLOCK_N, BITCAST,
+                    acc, x_sums, packed_ptr, word_rows, x_ptr, g0 + 4 * sub, g_end, w, p_k, p,
+                    col, ones, magic, sub, BLOCK_N, BITCAST, False,
                 )  # fmt: skip
         at = group_rows[:, None] + g0 + col[None, :]
         ok = ((col < 4 * SUBSTEPS) & (g0 + col < g_end))[None, :]
@@ -160,6 +189,7 @@ def mma_gemv(
     split_k: int = 1,
     num_warps: int = 4,
     substeps: int = 4,
+    stages: int = 0,
 ) -> torch.Tensor:
     """x [K] (bf16) @ W.T for 4-bit group-64 packed W [N, K/8]; K a multiple of 256."""
     n, row_words = packed.shape
@@ -178,8 +208,9 @@ def mma_gemv(
     grid = (triton.cdiv(n, block_n), split_k)
     _mma_gemv_kernel[grid](
         x, packed.view(torch.int32), scales, biases, out, partial, counters,
-        n, row_words, groups, split_groups, MAGIC, BLOCK_N=block_n, SPLIT_K=split_k,
-        BITCAST=x.is_cuda, SUBSTEPS=substeps, num_warps=num_warps,
+        n, row_words, groups, MAGIC, BLOCK_N=block_n, SPLIT_K=split_k,
+        BITCAST=x.is_cuda, SUBSTEPS=substeps, SPLIT_GROUPS=split_groups, STAGES=stages,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -212,13 +243,18 @@ def check(device: torch.device, shapes, splits) -> list[str]:
         want = _exact(x, scales, biases, codes)
         # The mma sums (128 + q) s x: terms up to 143 s |x|, before the 128 offset cancels.
         terms = (143 * scales.double().repeat_interleave(64, 1)) @ x.double().abs()
-        for split, substeps in [(split, sub) for split in splits for sub in (1, 4)]:
-            got = mma_gemv(x, packed, scales, biases, split_k=split, substeps=substeps).double()
+        variants = [(split, sub, 0) for split in splits for sub in (1, 4)]
+        variants += [(split, 1, 3) for split in splits]
+        for split, substeps, stages in variants:
+            got = mma_gemv(
+                x, packed, scales, biases, split_k=split, substeps=substeps, stages=stages
+            ).double()
             # bf16 output rounding (one ulp, 2^-8 |y|) plus fp32 accumulation: rounding errors
             # of K terms grow ~sqrt(K) ulps of their magnitude; 2^-16 = 256 ulps covers K=64k.
             error = ((got - want).abs() / (want.abs() * 2**-8 + terms * 2**-16)).max()
             lines.append(
-                f"| {n}x{k} | split {split} sub {substeps} | max error / bound {error:.3f} | "
+                f"| {n}x{k} | split {split} sub {substeps} stages {stages} | "
+                f"max error / bound {error:.3f} | "
                 f"{'ok' if error <= 1 else 'FAIL'} |"
             )
     return lines
@@ -242,10 +278,10 @@ def main() -> None:
         (8192, 3840, "qkv"), (3840, 4096, "o_proj"), (262144, 3840, "head"),
     ]  # fmt: skip
     launches = [
-        (block_n, split, warps, sub)
+        (block_n, split, warps, sub, stages)
         for block_n, warps in ((64, 4), (128, 8))
         for split in (1, 2, 4)
-        for sub in (1, 4)
+        for sub, stages in ((4, 0), (1, 2), (1, 3), (1, 4))
     ]
     for n, k, name in shapes:
         x, packed, scales, biases, _ = _operands(n, k, device)
@@ -260,11 +296,12 @@ def main() -> None:
             return [partial(am.affine_gemv_triton, x[None], *o, 4, 64) for o in ops]
 
         v1 = _graph_time(v1_calls())
-        for block_n, split, warps, sub in launches:
-            calls = [partial(mma_gemv, x, *o, block_n, split, warps, sub) for o in copies]
+        for block_n, split, warps, sub, stages in launches:
+            calls = [partial(mma_gemv, x, *o, block_n, split, warps, sub, stages) for o in copies]
             t = _graph_time(calls)
             lines.append(
                 f"| {name} {n}x{k} | {v1 * 1e6:.1f} | N{block_n} split{split} w{warps} sub{sub} "
+                f"stages{stages} "
                 f"| {t * 1e6:.1f} | {moved / t / 1e9:.0f} | {v1 / t:.2f}x |"
             )
         print("\n".join(lines[-len(launches) :]), flush=True)
