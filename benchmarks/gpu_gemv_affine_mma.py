@@ -260,6 +260,13 @@ def check(device: torch.device, shapes, splits) -> list[str]:
     return lines
 
 
+# Rows and warps per program (64+ rows: Hopper's warpgroup MMA), and (fold every SUBSTEPS x 4
+# groups, pipeline stages).
+# (mma.sync tiles of 16-32 rows compile to ~3x the instructions: B is rebuilt per warp.)
+LAUNCH_TILES = ((64, 4), (128, 8))
+LAUNCH_LOOPS = ((4, 0), (1, 2), (1, 3), (1, 4))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpu", action="store_true", help="interpreter check on small shapes")
@@ -279,9 +286,9 @@ def main() -> None:
     ]  # fmt: skip
     launches = [
         (block_n, split, warps, sub, stages)
-        for block_n, warps in ((64, 4), (128, 8))
+        for block_n, warps in LAUNCH_TILES
         for split in (1, 2, 4)
-        for sub, stages in ((4, 0), (1, 2), (1, 3), (1, 4))
+        for sub, stages in LAUNCH_LOOPS
     ]
     for n, k, name in shapes:
         x, packed, scales, biases, _ = _operands(n, k, device)

@@ -38,6 +38,7 @@ from hearth.kernels import (  # noqa: E402
     kv_write,
     norm,
     rope,
+    slot_sum,
 )
 from hearth.kv.cache import EMPTY_POSITION  # noqa: E402
 from hearth.kv.quantized import AffineCodec  # noqa: E402
@@ -119,7 +120,22 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     x = torch.randn(1, 256, dtype=bf16)
     weight = torch.rand(256) + 0.5
     yield "rms_norm", lambda: norm.add_rms_norm_triton(x, x, weight, 1e-6, weight, True)
+    scalar = torch.ones(1, dtype=bf16)
+    yield (
+        "rms_norm layer scalar",
+        lambda: norm.add_rms_norm_triton(x, x, weight, 1e-6, weight, True, scalar),
+    )
     yield "gelu_tanh_mul", lambda: activation.gelu_tanh_mul_triton(torch.randn(1, 512, dtype=bf16))
+    yield (
+        "gelu_tanh_mul of two",
+        lambda: activation.gelu_tanh_mul_triton(x, torch.randn(1, 4, 256, dtype=bf16)[:, 1]),
+    )
+    yield (
+        "weighted slot sum",
+        lambda: slot_sum.weighted_slot_sum_triton(
+            torch.randn(2, 8, 256, dtype=bf16), torch.rand(2, 8)
+        ),
+    )
     for geglu in (False, True):
         yield (
             f"gemv geglu={geglu}",

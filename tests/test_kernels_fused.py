@@ -24,6 +24,7 @@ from hearth.kernels.rope import (
     norm_rope_reference,
     norm_rope_triton,
 )
+from hearth.kernels.slot_sum import weighted_slot_sum_reference, weighted_slot_sum_triton
 from hearth.kv.cache import EMPTY_POSITION
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
@@ -178,3 +179,46 @@ def test_norm_rope_writes_into_a_static_cache(mode: ValueMode) -> None:
         close(buffers[1][0, :, slot], plain_v[0], torch.bfloat16)
         assert int(slots[slot]) == position and int(counter) == position + 1
         results.append(buffers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_of_two_tensors(dtype: torch.dtype) -> None:
+    """Gate and up apart (Gemma 4's per-layer input gate), up a strided view."""
+    gate = torch.randn(1, 3, 256).mul(3).to(dtype)
+    up = torch.randn(1, 3, 5, 256).to(dtype)[:, :, 2]  # one layer's slice of a stacked table
+    expected = gelu_tanh_mul_reference(gate, up)
+    close(gelu_tanh_mul_triton(gate, up), expected, dtype)
+    close(expected, gelu_tanh_mul_reference(torch.cat([gate, up], dim=-1)), dtype)
+    with pytest.raises(ValueError, match="differ"):
+        gelu_tanh_mul_triton(gate, up[..., :128])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_with_layer_scalar(dtype: torch.dtype) -> None:
+    """(residual + norm(x)·w)·s, rounded after the add and after the multiply, then the next
+    norm of that: the end of a Gemma 4 layer and the next layer's input norm in one kernel."""
+    residual, x = torch.randn(2, 3, 96).to(dtype), torch.randn(2, 3, 96).mul(9).to(dtype)
+    weight, next_weight = torch.rand(96) + 0.5, torch.rand(96) + 0.5
+    scalar = torch.tensor([0.37]).to(dtype)
+    summed, normed = add_rms_norm_triton(residual, x, weight, EPS, next_weight, True, scalar)
+    ref_summed, ref_normed = add_rms_norm_reference(
+        residual, x, weight, EPS, next_weight, True, scalar
+    )
+    close(summed, ref_summed, dtype)
+    close(normed, ref_normed, dtype)
+    oracle = (residual.double() + oracle_rms_norm(x, weight)) * 0.37
+    close(ref_summed, oracle, dtype)
+    with pytest.raises(ValueError, match="one"):
+        add_rms_norm_triton(residual, x, weight, EPS, scale=torch.ones(2, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_slot_sum(dtype: torch.dtype) -> None:
+    y = torch.randn(3, 8, 1500).to(dtype)  # 1500: two blocks, one partial
+    weights = torch.rand(3, 8)
+    expected = weighted_slot_sum_reference(y, weights)
+    close(weighted_slot_sum_triton(y, weights), expected, dtype)
+    oracle = (y.double() * weights.double()[..., None]).sum(dim=1)
+    close(expected, oracle, dtype)
+    with pytest.raises(ValueError, match="do not match"):
+        weighted_slot_sum_triton(y, weights[:, :4])

@@ -3,7 +3,8 @@
 The MLP computes gate and up as one matmul (`StackedLinear`): its output [..., 2·I] holds
 gate then up. Eagerly that is a split, a GELU and a multiply (two launches, two round trips
 of the intermediate); here it is one pass that rounds the GELU to the activations' dtype
-before the multiply, as the eager ops do.
+before the multiply, as the eager ops do. Gate and up may also be two tensors (Gemma 4's
+per-layer input gate: gelu_tanh(gate(x)) · per_layer_input).
 """
 
 from __future__ import annotations
@@ -31,34 +32,56 @@ if HAS_TRITON:
         return 0.5 * g * (1.0 + tanh)
 
     @triton.jit
-    def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, width, coefficient, BLOCK: tl.constexpr):
+    def _gelu_tanh_mul_kernel(
+        gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, coefficient, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = columns < width
-        gate = tl.load(gate_up_ptr + row * 2 * width + columns, mask=mask, other=0.0)
-        up = tl.load(gate_up_ptr + row * 2 * width + width + columns, mask=mask, other=0.0)
+        gate = tl.load(gate_ptr + row * gate_stride + columns, mask=mask, other=0.0)
+        up = tl.load(up_ptr + row * up_stride + columns, mask=mask, other=0.0)
         gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(out_ptr.dtype.element_ty)
         product = gelu.to(tl.float32) * up.to(tl.float32)
         tl.store(out_ptr + row * width + columns, product.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
+def _gate_and_up(gate_up: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(gate, up): halves of a stacked projection, or the two tensors given."""
+    if up is None:
+        return gate_up.chunk(2, dim=-1)
+    if up.shape != gate_up.shape:
+        raise ValueError(f"gate {tuple(gate_up.shape)} and up {tuple(up.shape)} differ")
+    return gate_up, up
+
+
+def gelu_tanh_mul_reference(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = _gate_and_up(gate_up, up)
     return F.gelu(gate, approximate="tanh") * up
 
 
-def gelu_tanh_mul_triton(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    width = gate_up.shape[-1] // 2
-    source = gate_up.contiguous()
-    rows = source.numel() // (2 * width)
-    out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
-    grid = (rows, triton.cdiv(width, block))
-    _gelu_tanh_mul_kernel[grid](source, out, width, SQRT_2_OVER_PI, BLOCK=block)
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """[rows, width] with unit column stride (a view where the layout allows)."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def gelu_tanh_mul_triton(
+    gate_up: torch.Tensor, up: torch.Tensor | None = None, block: int = 1024
+) -> torch.Tensor:
+    gate, up = _gate_and_up(gate_up, up)
+    width = gate.shape[-1]
+    gates, ups = _rows(gate), _rows(up)
+    out = torch.empty((*gate.shape[:-1], width), dtype=gate.dtype, device=gate.device)
+    grid = (gates.shape[0], triton.cdiv(width, block))
+    _gelu_tanh_mul_kernel[grid](
+        gates, ups, out, width, gates.stride(0), ups.stride(0), SQRT_2_OVER_PI, BLOCK=block
+    )
     return out
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) · up of a stacked [..., 2·I] gate/up projection."""
+def gelu_tanh_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu_tanh(gate) · up of a stacked [..., 2·I] gate/up projection, or of gate `gate_up`
+    and a separate `up` of the same shape."""
     if kernel_enabled(gate_up):
-        return gelu_tanh_mul_triton(gate_up)
-    return gelu_tanh_mul_reference(gate_up)
+        return gelu_tanh_mul_triton(gate_up, up)
+    return gelu_tanh_mul_reference(gate_up, up)

@@ -5,6 +5,7 @@ norm is four kernels (upcast, reduce, scale, downcast) and each add one more, an
 decode these tiny launches, not bandwidth, set the step time. One kernel here does
 
     h = residual + round(norm(x) · w)            (round: to the activations' dtype)
+    h = round(h · s)                             (optional: Gemma 4's layer scalar)
     out = round(norm(h) · w_next)                (optional)
 
 with the same roundings as the eager reference, so only the fp32 reduction order differs.
@@ -37,6 +38,7 @@ if HAS_TRITON:
         residual_ptr,
         w_ptr,
         next_w_ptr,
+        scale_ptr,
         out_ptr,
         normed_ptr,
         eps,
@@ -44,6 +46,7 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
         HAS_NEXT: tl.constexpr,
         HAS_NEXT_WEIGHT: tl.constexpr,
     ):
@@ -62,6 +65,8 @@ if HAS_TRITON:
         y = y.to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
             y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if HAS_SCALE:  # a second rounding, as the eager multiply after the add
+            y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * N + columns, y, mask=mask)
         if HAS_NEXT:
             z = _norm_row(y.to(tl.float32), next_w, eps, N, HAS_NEXT_WEIGHT)
@@ -80,9 +85,13 @@ def add_rms_norm_reference(
     eps: float,
     next_weight: torch.Tensor | None = None,
     normalize_next: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(residual + norm(x)·w, norm(that)·w_next if asked), with the eager roundings."""
+    """((residual + norm(x)·w)·s, norm(that)·w_next if asked), with the eager roundings; s is
+    a one-element tensor (none: 1)."""
     summed = residual + rms_norm_reference(x, weight, eps)
+    if scale is not None:
+        summed = summed * scale
     normed = rms_norm_reference(summed, next_weight, eps) if normalize_next else None
     return summed, normed
 
@@ -94,8 +103,11 @@ def _launch(
     next_weight: torch.Tensor | None,
     normalize_next: bool,
     eps: float,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     columns = x.shape[-1]
+    if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype):
+        raise ValueError(f"scale must be one {x.dtype} value, got {scale.dtype} {scale.shape}")
     rows = x.numel() // columns
     x2 = x.contiguous()
     out = torch.empty_like(x2)
@@ -106,6 +118,7 @@ def _launch(
         residual.contiguous() if residual is not None else placeholder,
         weight if weight is not None else placeholder,
         next_weight if next_weight is not None else placeholder,
+        scale if scale is not None else placeholder,
         out,
         normed if normed is not None else placeholder,
         eps,
@@ -113,6 +126,7 @@ def _launch(
         BLOCK=triton.next_power_of_2(columns),
         HAS_WEIGHT=weight is not None,
         HAS_RESIDUAL=residual is not None,
+        HAS_SCALE=scale is not None,
         HAS_NEXT=normalize_next,
         HAS_NEXT_WEIGHT=next_weight is not None,
         num_warps=4 if columns <= 1024 else 8 if columns <= 8192 else 16,
@@ -131,8 +145,9 @@ def add_rms_norm_triton(
     eps: float,
     next_weight: torch.Tensor | None = None,
     normalize_next: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return _launch(x, residual, weight, next_weight, normalize_next, eps)
+    return _launch(x, residual, weight, next_weight, normalize_next, eps, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -149,8 +164,9 @@ def add_rms_norm(
     eps: float,
     next_weight: torch.Tensor | None = None,
     normalize_next: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`residual + norm(x)·w` and, with `normalize_next`, its norm by `next_weight`."""
+    """`(residual + norm(x)·w)·scale` and, with `normalize_next`, its norm by `next_weight`."""
     if kernel_enabled(x):
-        return add_rms_norm_triton(residual, x, weight, eps, next_weight, normalize_next)
-    return add_rms_norm_reference(residual, x, weight, eps, next_weight, normalize_next)
+        return add_rms_norm_triton(residual, x, weight, eps, next_weight, normalize_next, scale)
+    return add_rms_norm_reference(residual, x, weight, eps, next_weight, normalize_next, scale)

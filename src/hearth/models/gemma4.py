@@ -31,6 +31,7 @@ from hearth.kernels.grouped_matmul import (
 )
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
+from hearth.kernels.slot_sum import weighted_slot_sum
 from hearth.kv.cache import KVView, LayerCache
 from hearth.models.gemma import (
     MLP,
@@ -221,9 +222,9 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """Every (token, slot) pair through its expert, ids kept on the device: no host sync,
         so CUDA graphs can capture it. Equals `forward_loop` up to summation order."""
-        gate, up = self._per_slot(self.gate_up_proj, x, experts).chunk(2, dim=-1)
-        y = self._per_slot(self.down_proj, F.gelu(gate, approximate="tanh") * up, experts)
-        return (y * weights[..., None]).to(x.dtype).sum(dim=1)
+        gate_up = self._per_slot(self.gate_up_proj, x, experts)
+        y = self._per_slot(self.down_proj, gelu_tanh_mul(gate_up), experts)
+        return weighted_slot_sum(y, weights)
 
     @staticmethod
     def _grouped(
@@ -297,14 +298,21 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        normed_input: torch.Tensor,
         rope: Rope,
         positions: torch.Tensor,
         cache: LayerCache | None,
         shared: KVView | None,
         per_layer_input: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, KVView]:
-        attended, view = self.self_attn(self.input_layernorm(x), rope, positions, cache, shared)
-        # Residual adds fused with the norms around them (one kernel each on the GPU).
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor, KVView]:
+        """The residual stream after this layer, its norm by `next_norm` (the next layer's
+        input norm, or the final norm) and the K/V view attended over.
+
+        `normed_input` is `input_layernorm(x)`, computed by the layer before with its last
+        residual add: each norm here is fused with the add (and the layer scalar) before it.
+        """
+        attended, view = self.self_attn(normed_input, rope, positions, cache, shared)
         x, normed = add_rms_norm(
             x,
             attended,
@@ -315,12 +323,17 @@ class Gemma4DecoderLayer(nn.Module):
         )
         assert normed is not None
         ff = self._feed_forward(x, normed)
-        x = add_rms_norm(x, ff, self.post_feedforward_layernorm.weight, self.eps)[0]
+        last_norm = self.post_feedforward_layernorm
         if per_layer_input is not None:
-            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
-            projected = self.per_layer_projection(gated)
-            x = add_rms_norm(x, projected, self.post_per_layer_input_norm.weight, self.eps)[0]
-        return x * self.layer_scalar, view
+            x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
+            gated = gelu_tanh_mul(self.per_layer_input_gate(x), per_layer_input)
+            ff = self.per_layer_projection(gated)
+            last_norm = self.post_per_layer_input_norm
+        x, normed_next = add_rms_norm(
+            x, ff, last_norm.weight, self.eps, next_norm.weight, True, self.layer_scalar
+        )
+        assert normed_next is not None
+        return x, normed_next, view
 
     def _feed_forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """The feed-forward of the residual `x`, whose pre-feed-forward norm is `normed`."""
@@ -398,25 +411,28 @@ class Gemma4Model(nn.Module):
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         donors: dict[str, KVView] = {}
         first_shared = self.config.first_kv_shared_layer
+        normed = self.layers[0].input_layernorm(x)
         for index, layer in enumerate(self.layers):
             if index == first_shared and last_only:
                 # Sharing layers write no cache, so only the last position still matters.
-                x, positions, per_layer = x[:, -1:], positions[-1:], _last(per_layer)
+                x, normed, positions = x[:, -1:], normed[:, -1:], positions[-1:]
+                per_layer = _last(per_layer)
                 ropes = {kind: (cos[-1:], sin[-1:]) for kind, (cos, sin) in ropes.items()}
             owns_kv = index < first_shared
-            x, view = layer(
+            following = index + 1 < len(self.layers)
+            x, normed, view = layer(
                 x,
+                normed,
                 ropes[layer.layer_type],
                 positions,
                 caches[index] if caches is not None and owns_kv else None,
                 None if owns_kv else donors[layer.layer_type],
                 None if per_layer is None else per_layer[:, :, index],
+                self.layers[index + 1].input_layernorm if following else self.norm,
             )
             if owns_kv:  # the last owner of each type is the donor of the sharers of that type
                 donors[layer.layer_type] = view
-        if last_only:
-            x = x[:, -1:]
-        x = self.norm(x)
+        x = normed[:, -1:] if last_only else normed  # the final norm came with the last layer
         tied = self.config.tie_word_embeddings
         logits = self.embed_tokens.head(x) if tied else self.lm_head(x)
         softcap = self.config.final_logit_softcapping
