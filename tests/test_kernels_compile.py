@@ -38,6 +38,7 @@ from hearth.kernels import (  # noqa: E402
     kv_write,
     norm,
     rope,
+    router,
     slot_sum,
 )
 from hearth.kv.cache import EMPTY_POSITION  # noqa: E402
@@ -129,6 +130,12 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     yield (
         "gelu_tanh_mul of two",
         lambda: activation.gelu_tanh_mul_triton(x, torch.randn(1, 4, 256, dtype=bf16)[:, 1]),
+    )
+    yield (
+        "route",
+        lambda: router.route_triton(
+            torch.randn(2, 128, dtype=bf16), 8, torch.ones(128, dtype=bf16)
+        ),
     )
     yield (
         "weighted slot sum",

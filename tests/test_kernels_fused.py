@@ -24,6 +24,7 @@ from hearth.kernels.rope import (
     norm_rope_reference,
     norm_rope_triton,
 )
+from hearth.kernels.router import route_reference, route_triton
 from hearth.kernels.slot_sum import weighted_slot_sum_reference, weighted_slot_sum_triton
 from hearth.kv.cache import EMPTY_POSITION
 
@@ -222,3 +223,18 @@ def test_weighted_slot_sum(dtype: torch.dtype) -> None:
     close(expected, oracle, dtype)
     with pytest.raises(ValueError, match="do not match"):
         weighted_slot_sum_triton(y, weights[:, :4])
+
+
+def test_route_matches_softmax_topk() -> None:
+    """Softmax, top-8 of 128, renormalise, per-expert scale: the experts in torch.topk's
+    order and the weights to fp32 rounding (the sums run in another order)."""
+    logits = torch.randn(5, 128).mul(3).to(torch.bfloat16)
+    scale = torch.rand(128).add(0.5).to(torch.bfloat16)
+    weights, experts = route_triton(logits, 8, scale)
+    want_weights, want_experts = route_reference(logits, 8, scale)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+    # Hand-derived: the renormalised weights sum to 1 before the per-expert scale.
+    torch.testing.assert_close((weights / scale[experts].float()).sum(-1), torch.ones(5))
+    with pytest.raises(ValueError, match="top_k"):
+        route_triton(logits, 200, scale)

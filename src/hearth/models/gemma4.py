@@ -31,6 +31,7 @@ from hearth.kernels.grouped_matmul import (
 )
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
+from hearth.kernels.router import route
 from hearth.kernels.slot_sum import weighted_slot_sum
 from hearth.kv.cache import KVView, LayerCache
 from hearth.models.gemma import (
@@ -155,10 +156,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights (fp32) and expert ids, both [tokens, top_k]."""
         x = unit_rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
-        probabilities = self.proj(x).float().softmax(dim=-1)
-        weights, experts = probabilities.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale[experts], experts
+        # Softmax, top-k, renormalisation and per-expert scale: one kernel on the GPU.
+        return route(self.proj(x), self.top_k, self.per_expert_scale)
 
 
 class Experts(nn.Module):

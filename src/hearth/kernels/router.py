@@ -1,0 +1,98 @@
+"""Gemma 4's MoE routing after the router projection, in one kernel.
+
+From the router logits [tokens, experts] the model takes the softmax (fp32), the top_k
+experts, renormalises their probabilities to sum to 1 and scales each by its expert's
+`per_expert_scale`. Eagerly that is about eight launches (upcast, softmax, top-k, sum,
+divide, gather, multiply) per MoE layer for a few hundred bytes; at a batch-1 decode step
+their launch gaps cost more than the work. One program per token does it here: the top_k
+are found by repeated argmax (largest first, the lower expert id on a tie), so the experts
+come out in `torch.topk`'s order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.kernels import HAS_TRITON, kernel_enabled
+
+
+def route_reference(
+    logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32, expert ids int64), each [tokens, top_k], largest probability first."""
+    probabilities = logits.float().softmax(dim=-1)
+    weights, experts = probabilities.topk(top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * per_expert_scale[experts], experts
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _route_kernel(
+        logits_ptr,
+        scale_ptr,
+        weights_ptr,
+        experts_ptr,
+        EXPERTS: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        TOP_K: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        ids = tl.arange(0, BLOCK_E)
+        valid = ids < EXPERTS
+        logits = tl.load(logits_ptr + token * EXPERTS + ids, mask=valid, other=float("-inf"))
+        logits = logits.to(tl.float32)
+        exps = tl.exp(logits - tl.max(logits, axis=0))
+        probabilities = exps / tl.sum(exps, axis=0)
+        remaining = tl.where(valid, probabilities, -1.0)  # probabilities are >= 0
+        slots = tl.arange(0, BLOCK_K)
+        chosen = tl.zeros([BLOCK_K], tl.float32)
+        chosen_ids = tl.zeros([BLOCK_K], tl.int64)
+        for slot in tl.static_range(TOP_K):
+            best = tl.max(remaining, axis=0)
+            # The lowest id holding the maximum.
+            best_id = tl.min(tl.where(remaining == best, ids, BLOCK_E), axis=0)
+            chosen = tl.where(slots == slot, best, chosen)
+            chosen_ids = tl.where(slots == slot, best_id.to(tl.int64), chosen_ids)
+            remaining = tl.where(ids == best_id, -1.0, remaining)
+        in_k = slots < TOP_K
+        total = tl.sum(tl.where(in_k, chosen, 0.0), axis=0)
+        scales = tl.load(scale_ptr + chosen_ids, mask=in_k, other=0.0).to(tl.float32)
+        out = token * TOP_K + slots
+        tl.store(weights_ptr + out, chosen / total * scales, mask=in_k)
+        tl.store(experts_ptr + out, chosen_ids, mask=in_k)
+
+    def route_triton(
+        logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, experts = logits.shape
+        if not 0 < top_k <= experts or per_expert_scale.shape != (experts,):
+            shape = tuple(per_expert_scale.shape)
+            raise ValueError(f"top_k {top_k} of {experts} experts with scales {shape}")
+        source = logits.contiguous()
+        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
+        _route_kernel[(tokens,)](
+            source,
+            per_expert_scale,
+            weights,
+            ids,
+            EXPERTS=experts,
+            BLOCK_E=triton.next_power_of_2(experts),
+            TOP_K=top_k,
+            BLOCK_K=triton.next_power_of_2(top_k),
+        )
+        return weights, ids
+
+
+def route(
+    logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_reference` for logits [tokens, experts]; one Triton kernel on CUDA."""
+    if kernel_enabled(logits):
+        return route_triton(logits, top_k, per_expert_scale)
+    return route_reference(logits, top_k, per_expert_scale)
