@@ -15,6 +15,12 @@ dot products run as `tl.dot` (mma), so a code costs only its conversion to bf16:
 
     OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_gemv_affine_mma.py
     PYTHONPATH=$PWD/src TRITON_INTERPRET=1 python benchmarks/gpu_gemv_affine_mma.py --cpu
+
+Measured on the H200 (results/gpu_gemv_affine_mma_*-2026-12-03.md): correct, but never
+faster than v1. At best it ties (12B gate/up 52.5 µs both; qkv 17.0 vs 16.6); down and the
+head run at 0.6-0.9x. sm_90 SASS has ~2.9 instructions a code against v1's 5-7, so issue
+slots were not what bound v1 either; a software-pipelined loop (cp.async, 2-4 stages) made
+it slower still. Not adopted; kept as the record of the design and its numbers.
 """
 
 from __future__ import annotations
