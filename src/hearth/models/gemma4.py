@@ -342,9 +342,10 @@ class Gemma4DecoderLayer(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.router(flat)  # the router reads the unnormalised residual
         sparse = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)
-        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(
-            sparse.view_as(x)
-        )
+        # norm_1(dense) + norm_2(sparse), the add fused with the second norm.
+        dense = self.post_feedforward_layernorm_1(dense)
+        sparse = sparse.view_as(x)
+        return add_rms_norm(dense, sparse, self.post_feedforward_layernorm_2.weight, self.eps)[0]
 
 
 class Gemma4Model(nn.Module):
