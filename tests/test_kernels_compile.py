@@ -132,6 +132,10 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         lambda: activation.gelu_tanh_mul_triton(x, torch.randn(1, 4, 256, dtype=bf16)[:, 1]),
     )
     yield (
+        "router input",
+        lambda: router.router_input_triton(x, torch.ones(256, dtype=bf16), 1e-6),
+    )
+    yield (
         "route",
         lambda: router.route_triton(
             torch.randn(2, 128, dtype=bf16), 8, torch.ones(128, dtype=bf16)

@@ -24,7 +24,12 @@ from hearth.kernels.rope import (
     norm_rope_reference,
     norm_rope_triton,
 )
-from hearth.kernels.router import route_reference, route_triton
+from hearth.kernels.router import (
+    route_reference,
+    route_triton,
+    router_input_reference,
+    router_input_triton,
+)
 from hearth.kernels.slot_sum import weighted_slot_sum_reference, weighted_slot_sum_triton
 from hearth.kv.cache import EMPTY_POSITION
 
@@ -238,3 +243,15 @@ def test_route_matches_softmax_topk() -> None:
     torch.testing.assert_close((weights / scale[experts].float()).sum(-1), torch.ones(5))
     with pytest.raises(ValueError, match="top_k"):
         route_triton(logits, 200, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_input(dtype: torch.dtype) -> None:
+    """The router's input: weightless norm, · scale, · hidden^-1/2, each step rounded."""
+    x = torch.randn(3, 2816).mul(5).to(dtype)
+    scale = (torch.rand(2816) + 0.5).to(dtype)
+    expected = router_input_reference(x, scale, EPS)
+    close(router_input_triton(x, scale, EPS), expected, dtype)
+    close(expected, oracle_rms_norm(x, None) * scale.double() / math.sqrt(2816), dtype)
+    with pytest.raises(ValueError, match="does not match"):
+        router_input_triton(x, scale[:100], EPS)

@@ -1,4 +1,8 @@
-"""Gemma 4's MoE routing after the router projection, in one kernel.
+"""Gemma 4's MoE routing around the router projection: its input and output, a kernel each.
+
+The router's input is a weightless RMSNorm of x, times `scale`, times hidden^-1/2: three
+eager launches, each rounding to the activations' dtype; `router_input` does the three
+roundings in one pass.
 
 From the router logits [tokens, experts] the model takes the softmax (fp32), the top_k
 experts, renormalises their probabilities to sum to 1 and scales each by its expert's
@@ -14,6 +18,12 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels.norm import rms_norm_reference
+
+
+def router_input_reference(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """round(round(round(x̂) · scale) · hidden^-1/2), x̂ the weightless RMSNorm in fp32."""
+    return rms_norm_reference(x, None, eps) * scale * x.shape[-1] ** -0.5
 
 
 def route_reference(
@@ -29,6 +39,35 @@ def route_reference(
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from hearth.kernels.norm import _norm_row
+
+    @triton.jit
+    def _router_input_kernel(
+        x_ptr, scale_ptr, out_ptr, eps, factor, N: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        columns = tl.arange(0, BLOCK)
+        mask = columns < N
+        x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        y = _norm_row(x, scale, eps, N, False).to(dtype)  # the weightless norm, rounded
+        y = (y.to(tl.float32) * scale).to(dtype)
+        y = (y.to(tl.float32) * factor).to(dtype)
+        tl.store(out_ptr + row * N + columns, y, mask=mask)
+
+    def router_input_triton(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        columns = x.shape[-1]
+        if scale.shape != (columns,):
+            raise ValueError(f"scale {tuple(scale.shape)} does not match width {columns}")
+        source = x.contiguous()
+        out = torch.empty_like(source)
+        _router_input_kernel[(source.numel() // columns,)](
+            source, scale, out, eps, columns**-0.5, N=columns,
+            BLOCK=triton.next_power_of_2(columns), num_warps=4 if columns <= 1024 else 8,
+        )  # fmt: skip
+        return out
 
     @triton.jit
     def _route_kernel(
@@ -87,6 +126,13 @@ if HAS_TRITON:
             BLOCK_K=triton.next_power_of_2(top_k),
         )
         return weights, ids
+
+
+def router_input(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """`router_input_reference`; one Triton kernel on CUDA."""
+    if kernel_enabled(x):
+        return router_input_triton(x, scale, eps)
+    return router_input_reference(x, scale, eps)
 
 
 def route(

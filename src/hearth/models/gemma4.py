@@ -29,9 +29,9 @@ from hearth.kernels.grouped_matmul import (
     grouped_expert_matmul,
     plan_experts,
 )
-from hearth.kernels.norm import add_rms_norm, rms_norm
+from hearth.kernels.norm import add_rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
-from hearth.kernels.router import route
+from hearth.kernels.router import route, router_input
 from hearth.kernels.slot_sum import weighted_slot_sum
 from hearth.kv.cache import KVView, LayerCache
 from hearth.models.gemma import (
@@ -54,11 +54,6 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
 GROUPED_EXPERTS_MIN_TOKENS = 64
-
-
-def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a learned scale (V, the router input), in fp32 and cast back."""
-    return rms_norm(x, None, eps)
 
 
 class ProportionalRotaryEmbedding(RotaryEmbedding):
@@ -155,7 +150,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights (fp32) and expert ids, both [tokens, top_k]."""
-        x = unit_rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
+        x = router_input(x, self.scale, self.eps)  # norm, · scale, · hidden^-1/2
         # Softmax, top-k, renormalisation and per-expert scale: one kernel on the GPU.
         return route(self.proj(x), self.top_k, self.per_expert_scale)
 
