@@ -1,0 +1,78 @@
+"""Gemma 4's fused GPU kernels wired into the model, run in Triton's interpreter on CPU.
+
+On a GPU the model calls the Triton kernels for CUDA tensors; here their dispatchers are told
+to take the kernel path for CPU tensors too, so the interpreter runs them inside a real
+forward: each layer's last add + layer scalar + next input norm, the per-layer input gate's
+GeGLU, the router's input and routing, and the gathered experts (GeGLU, weighted slot sum).
+The reference is the same model on the torch path. (Attention has its own such test,
+tests/test_attention_kernel_path.py; each kernel has its own in tests/test_kernels_fused.py.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter path; the GPU runs the kernels itself"
+)
+
+from hearth.checkpoint import open_checkpoint  # noqa: E402
+from hearth.kernels import activation, norm, router, slot_sum  # noqa: E402
+from hearth.models import gemma4  # noqa: E402
+from hearth.models.loading import build_model  # noqa: E402
+from test_gemma4 import CONFIGS  # noqa: E402
+from tiny import save_hf, tiny_gemma4_model  # noqa: E402
+
+# fp32 throughout: the kernels and torch differ by summation order (norms, softmax, the slot
+# sum); through the tiny models' layers and head, logits of size ~1-25 stay within 1e-4.
+ATOL = 1e-4
+PROMPT, STEPS = 20, 4
+FUSED_MODULES = (norm, activation, router, slot_sum)
+
+
+def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    from hearth.kv import make_caches
+
+    caches = make_caches(model.config)
+    with torch.inference_mode():
+        steps = [model(ids[:, :PROMPT], caches)]
+        steps += [model(ids[:, p : p + 1], caches, start=p) for p in range(PROMPT, PROMPT + STEPS)]
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("config", ["moe", "ple_sharing_double_wide"])
+def test_fused_kernels_in_the_model_match_the_torch_path(
+    config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
+    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
+    expected = _decode(model, ids)
+
+    launched: list[str] = []
+    for module in FUSED_MODULES:
+        monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
+    # The MoE block takes the gathered-expert path (graph-capturable decode) as on a GPU;
+    # the expert GEMVs themselves stay on their torch reference.
+    monkeypatch.setattr(gemma4, "kernel_enabled", lambda tensor: True)
+    for name in ("route_triton", "router_input_triton"):
+        monkeypatch.setattr(router, name, _counted(getattr(router, name), launched, name))
+    monkeypatch.setattr(
+        gemma4, "weighted_slot_sum", _counted(gemma4.weighted_slot_sum, launched, "slot_sum")
+    )
+    got = _decode(model, ids)
+    if config == "moe":
+        assert {"route_triton", "router_input_triton", "slot_sum"} <= set(launched)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def _counted(function, launched: list[str], name: str):
+    def wrapper(*args, **kwargs):
+        launched.append(name)
+        return function(*args, **kwargs)
+
+    return wrapper
