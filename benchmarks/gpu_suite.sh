@@ -4,6 +4,7 @@
 # one slow stage cannot take the others down. Two parts, each within one 10-minute device call:
 #   OUT=/tmp/out benchmarks/gpu_suite.sh kernels   # checks, kernels, Gemma 3 12B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh models    # KV layouts at long context, Gemma 4 models
+#   OUT=/tmp/out benchmarks/gpu_suite.sh pending   # what the last stop could not run on the GPU
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -72,6 +73,11 @@ stage 60 profile-e4b-prefill python benchmarks/gpu_profile_decode.py --model e4b
 stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 80 profile-12b-4bit python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit --context 512
 stage 80 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
+elif [ "$PART" = pending ]; then  # left by the 2026-12-03 stop: the router-input kernel on the GPU
+stage 90 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py
+stage 100 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+stage 120 ab-26b python benchmarks/ab_decode.py --models 26b-a4b,e4b --variants base --rounds 3 --name gemma4_decode
+stage 120 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base --rounds 3 --name 26b_prefill
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
