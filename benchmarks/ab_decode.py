@@ -37,8 +37,8 @@ from hearth.bench.measure import (
 )
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.generate import default_prefill_step
+from hearth.kernels import affine_matmul, gemv, grouped_matmul
 from hearth.kernels import decode_attention as attention
-from hearth.kernels import gemv, grouped_matmul
 from hearth.models import gemma
 
 Patch = Callable[[], contextlib.AbstractContextManager]
@@ -89,6 +89,7 @@ VARIANTS: dict[str, Patch] = {
     "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
     "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles
+    "x-input-order": _set(affine_matmul, "GEMV_CODES_MAJOR_X", False),  # affine GEMV's x
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 

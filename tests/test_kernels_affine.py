@@ -17,6 +17,7 @@ fp32 stand in and the GPU scripts cover bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -181,13 +182,47 @@ def test_gemv_repeats_bits_and_leaves_counters_ready(bits, rows, name) -> None:
     assert not am._counters(first.device, 1).any()
 
 
+def test_codes_major_places_each_input_by_block_code_and_word() -> None:
+    """Element [m, b, j, w] is x[m, (b * 32 + w) * codes + j], from the definition."""
+    x = torch.arange(2 * 512, dtype=torch.float32).view(2, 512)
+    for bits in (4, 8):
+        codes = 32 // bits
+        got = am.codes_major(x, bits)
+        assert got.shape == (2, 512 // (32 * codes), codes, 32)
+        for m, b, j, w in [(0, 0, 0, 0), (1, 0, 3, 5), (0, 1, codes - 1, 31), (1, 1, 1, 17)]:
+            assert got[m, b, j, w] == x[m, (b * 32 + w) * codes + j]
+    assert am.codes_major_fits(512, 4) and not am.codes_major_fits(384, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("name", ["whole", "split3", "prefetch", "prefetch split3"])
+def test_gemv_codes_major_x_equals_input_order(bits, rows, name, monkeypatch) -> None:
+    """Reading x codes-major changes only where each x value is loaded from, not which
+    products are summed or in what order: bit for bit the input-order result. K = 768: 4-bit
+    rows of 96 words (3 blocks), 8-bit 192 (6), both with tails in the pinned configs."""
+    torch.manual_seed(bits + rows)
+    k = 768
+    packed, scales, biases = _quantized(GEMV_N, k, bits, 64, torch.float16)
+    x = torch.randn(rows, k)
+    config = dataclasses.replace(GEMV_CONFIGS[name], codes_major_x=True)
+    monkeypatch.setattr(am, "GEMV_CODES_MAJOR_X", False)
+    input_order = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
+    monkeypatch.setattr(am, "GEMV_CODES_MAJOR_X", True)
+    ordered = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
+    assert torch.equal(ordered, input_order)
+    weight = _oracle_weight(packed, scales, biases, bits)
+    _assert_close(ordered, x.double() @ weight.T, x.double().abs() @ weight.abs().T, k)
+
+
 # The H200 winners of benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md (group 64);
 # 4-bit with the prefetching loop (gpu_gemv_prefetch_ab-2026-12-03.md: faster end to end).
+# x codes-major where 4-bit runs without a K split (gpu_gemv_x_order-2026-12-03.md).
 MEASURED_CONFIGS = {
-    (4, 15360, 3840): am.GemvConfig(32, 4, prefetch=True),
+    (4, 15360, 3840): am.GemvConfig(32, 4, prefetch=True, codes_major_x=True),
     (4, 3840, 15360): am.GemvConfig(32, 4, split_k=2, prefetch=True),
     (4, 8192, 3840): am.GemvConfig(32, 4, split_k=2, prefetch=True),
-    (4, 262144, 3840): am.GemvConfig(64, 4, prefetch=True),
+    (4, 262144, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
     (8, 15360, 3840): am.GemvConfig(32, 8),
     (8, 3840, 15360): am.GemvConfig(16, 8, split_k=4),
     (8, 8192, 3840): am.GemvConfig(16, 8),
@@ -199,7 +234,9 @@ def test_gemv_heuristic_picks_the_measured_winners() -> None:
     for (bits, n, k), config in MEASURED_CONFIGS.items():
         assert am.gemv_config(n, k, bits, 64, 132) == config, (bits, n, k)
     # Other groups keep the words per step; tiny N splits further, within whole steps.
-    assert am.gemv_config(15360, 3840, 4, 32) == am.GemvConfig(32, 8, prefetch=True)
+    assert am.gemv_config(15360, 3840, 4, 32) == am.GemvConfig(
+        32, 8, prefetch=True, codes_major_x=True
+    )
     assert am.gemv_config(15360, 3840, 8, 128) == am.GemvConfig(32, 4)
     assert am.gemv_config(1024, 4096, 4, 64) == am.GemvConfig(32, 4, split_k=8, prefetch=True)
     assert am.gemv_config(1024, 512, 4, 64) == am.GemvConfig(32, 4, split_k=2, prefetch=True)

@@ -56,10 +56,31 @@ MAX_SPLIT_K = 8
 # End to end on an H200 (Gemma 3 12B, decode at 512): 4-bit 137.2 -> 146.2 tok/s, 8-bit
 # 186.0 -> 177.5 (benchmarks/results/gpu_gemv_prefetch_ab-2026-12-03.md).
 GEMV_PREFETCH_BITS = (4,)
+# Where `gemv_config` says so, the GEMV reads x codes-major (`codes_major`, in blocks of
+# X_BLOCK_WORDS words): per code position j, the x values of a thread's words are adjacent,
+# one vector load instead of one 2-byte load per word and j. Nsight Compute found the 4-bit
+# GEMV bound by L1 requests, most of them x loads (benchmarks/results/
+# gpu_gemv_x_order-2026-12-03.md). False turns it off everywhere (A/B runs).
+GEMV_CODES_MAJOR_X = True
+X_BLOCK_WORDS = 32
 
 
 # ---------------------------------------------------------------------------------------------
 # Torch references
+
+
+def codes_major(x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS) -> Tensor:
+    """x ``[M, K]`` reordered per block of `block_words` packed words so that, within a block,
+    the inputs of code position j of every word are adjacent: ``[M, blocks, codes, words]``,
+    element ``[m, b, j, w] = x[m, (b * block_words + w) * codes + j]`` (codes = 32 / bits)."""
+    m, k = x.shape
+    codes = WORD_BITS // bits
+    blocks = k // (codes * block_words)
+    return x.view(m, blocks, block_words, codes).transpose(2, 3).contiguous()
+
+
+def codes_major_fits(k: int, bits: int, block_words: int = X_BLOCK_WORDS) -> bool:
+    return k % (WORD_BITS // bits * block_words) == 0
 
 
 def affine_matmul_reference(
@@ -163,11 +184,13 @@ class GemvConfig:
     warps: int = 4
     split_k: int = 1
     prefetch: bool = False  # load step s + 1 before step s's arithmetic
+    codes_major_x: bool = False  # read x reordered by `codes_major` where it fits
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
         prefetch = " prefetch" if self.prefetch else ""
-        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}"
+        ordered = " x-codes-major" if self.codes_major_x else ""
+        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}{ordered}"
 
 
 H200_MULTIPROCESSORS = 132
@@ -203,6 +226,9 @@ def gemv_config(
     group sizes keep the packed words per step (32 words at 4-bit, 128 at 8-bit: what a
     thread holds), so G scales with 64 / group; they, and M > 1, are not measured. Widths
     in GEMV_PREFETCH_BITS take the prefetching loop (measured end to end, not per kernel).
+    4-bit launches without a K split read x codes-major: under Nsight Compute, 12B gate/up
+    68.7 -> 46.5 µs and q/k/v 30.1 -> 26.4 µs, but split down 45.0 -> 51.2 and o 16.1 ->
+    16.9, and 8-bit 0.81-0.88x on all four (gpu_gemv_x_order-2026-12-03.md).
     """
     few = 2 * multiprocessors
     if bits == 4:
@@ -218,7 +244,13 @@ def gemv_config(
             split *= 2
         # Each split gets at least one whole step of groups.
         split = max(1, min(split, k // group // block_g))
-    return GemvConfig(block_n, block_g, split_k=split, prefetch=bits in GEMV_PREFETCH_BITS)
+    return GemvConfig(
+        block_n,
+        block_g,
+        split_k=split,
+        prefetch=bits in GEMV_PREFETCH_BITS,
+        codes_major_x=bits == 4 and split == 1,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,9 +303,11 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_G: tl.constexpr,
         MASKED: tl.constexpr,
+        X_BLOCK: tl.constexpr,
     ):
         """acc ``[BLOCK_N, BLOCK_G]`` plus one x row's ``scale * sum(x q) + bias * sum(x)``
-        per (output row, group) of the step; words is ``[BLOCK_N, BLOCK_G * WPG]``."""
+        per (output row, group) of the step; words is ``[BLOCK_N, BLOCK_G * WPG]``. x is in
+        input order (X_BLOCK 0) or `codes_major` in blocks of X_BLOCK words."""
         dots = tl.zeros(words.shape, tl.float32)
         x_sums = tl.zeros(k_word.shape, tl.float32)
         for j in tl.static_range(CODES):
@@ -281,10 +315,12 @@ if HAS_TRITON:
             # every row a thread holds, and the code values every x row (the compiler CSEs them
             # across the unrolled rows).
             q = _exact_codes(words, two23, j, BITS)
-            if MASKED:
-                xj = tl.load(x_row + k_word * CODES + j, mask=k_ok, other=0)
+            if X_BLOCK == 0:
+                x_at = x_row + k_word * CODES + j
             else:
-                xj = tl.load(x_row + k_word * CODES + j)
+                x_at = x_row + (k_word // X_BLOCK) * (X_BLOCK * CODES) + j * X_BLOCK
+                x_at += k_word % X_BLOCK
+            xj = tl.load(x_at, mask=k_ok, other=0) if MASKED else tl.load(x_at)
             xj = xj.to(tl.float32)
             dots += q * xj[None, :]
             x_sums += xj
@@ -344,28 +380,29 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_G: tl.constexpr,
         MASKED: tl.constexpr,
+        X_BLOCK: tl.constexpr,
     ):
         """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators."""
         k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
         k_ok = k_word < g_end * WPG
         acc0 = _add_row(
             acc0, words, scale, bias, two23, x_ptr, k_word, k_ok,
-            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
         )  # fmt: skip
         if M > 1:
             acc1 = _add_row(
                 acc1, words, scale, bias, two23, x_ptr + stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
             )  # fmt: skip
         if M > 2:
             acc2 = _add_row(
                 acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
             )  # fmt: skip
         if M > 3:
             acc3 = _add_row(
                 acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
             )  # fmt: skip
         return acc0, acc1, acc2, acc3
 
@@ -396,6 +433,7 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr,
         SPLIT_K: tl.constexpr,
         PREFETCH: tl.constexpr,
+        X_BLOCK: tl.constexpr,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
 
@@ -438,13 +476,13 @@ if HAS_TRITON:
                 )  # fmt: skip
                 acc0, acc1, acc2, acc3 = _gemv_step(
                     acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
+                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
                 )  # fmt: skip
                 words, scale, bias = next_words, next_scale, next_bias
                 g0 += BLOCK_G
             acc0, acc1, acc2, acc3 = _gemv_step(
                 acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
             )  # fmt: skip
             g0 += BLOCK_G
         while g0 + BLOCK_G <= g_end:  # without PREFETCH
@@ -454,7 +492,7 @@ if HAS_TRITON:
             )  # fmt: skip
             acc0, acc1, acc2, acc3 = _gemv_step(
                 acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
             )  # fmt: skip
             g0 += BLOCK_G
         if g0 < g_end:
@@ -464,7 +502,7 @@ if HAS_TRITON:
             )  # fmt: skip
             acc0, acc1, acc2, acc3 = _gemv_step(
                 acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True, X_BLOCK,
             )  # fmt: skip
 
         if SPLIT_K == 1:
@@ -788,9 +826,11 @@ if HAS_TRITON:
         bits: int,
         group: int,
         config: GemvConfig,
+        x_codes_major: bool = False,
     ) -> None:
-        """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``."""
-        m, k = x.shape
+        """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``; with
+        `x_codes_major` x is ``codes_major(x)``, contiguous."""
+        m, k = x.shape[0], x[0].numel()
         n, row_words = packed.shape[-2:]
         groups = k // group
         # Whole steps per split, so that only a split's last step can need masks.
@@ -824,6 +864,7 @@ if HAS_TRITON:
             BLOCK_G=config.block_g,
             SPLIT_K=config.split_k,
             PREFETCH=config.prefetch,
+            X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
             num_warps=config.warps,
         )
 
@@ -917,7 +958,10 @@ if HAS_TRITON:
             if config is None:
                 sms = _multiprocessors() if x.is_cuda else H200_MULTIPROCESSORS
                 config = gemv_config(n, k, bits, group_size, sms)
-            _launch_gemv(rows, packed, scales, biases, out, bits, group_size, config)
+            ordered = config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits)
+            if ordered:
+                rows = codes_major(rows, bits)
+            _launch_gemv(rows, packed, scales, biases, out, bits, group_size, config, ordered)
             return out.view(*x.shape[:-1], -1)
         tile = None
         if config is not None:
