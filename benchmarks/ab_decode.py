@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -76,6 +77,21 @@ def _set(
 
 
 FUSED_MERGE = _set(attention, "FUSED_MERGE_MAX_BYTES", 1 << 40)
+
+
+def _gemv4_rows(block_n: int) -> Patch:
+    """4-bit GEMV launches without a K split (but the head) at `block_n` rows per program."""
+    original = affine_matmul.gemv_config
+
+    def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
+        chosen = original(n, k, bits, group, multiprocessors)
+        if bits == 4 and chosen.split_k == 1 and n < affine_matmul.HEAD_ROWS:
+            return dataclasses.replace(chosen, block_n=block_n)
+        return chosen
+
+    return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
+
+
 VARIANTS: dict[str, Patch] = {
     "base": contextlib.nullcontext,
     "attn-n32": _dense_tiles(32, 4, 3),
@@ -90,6 +106,9 @@ VARIANTS: dict[str, Patch] = {
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
     "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles
     "x-input-order": _set(affine_matmul, "GEMV_CODES_MAJOR_X", False),  # affine GEMV's x
+    "gemv4-n32": _gemv4_rows(32),
+    "gemv4-n128": _gemv4_rows(128),
+    "gemv4-n16": _gemv4_rows(16),
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 

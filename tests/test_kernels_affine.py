@@ -217,9 +217,10 @@ def test_gemv_codes_major_x_equals_input_order(bits, rows, name, monkeypatch) ->
 
 # The H200 winners of benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md (group 64);
 # 4-bit with the prefetching loop (gpu_gemv_prefetch_ab-2026-12-03.md: faster end to end).
-# x codes-major where 4-bit runs without a K split (gpu_gemv_x_order-2026-12-03.md).
+# x codes-major and 64 rows where 4-bit runs without a K split (gpu_gemv_x_order-2026-12-03.md,
+# ab_gemv4_rows-2026-12-03.md).
 MEASURED_CONFIGS = {
-    (4, 15360, 3840): am.GemvConfig(32, 4, prefetch=True, codes_major_x=True),
+    (4, 15360, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
     (4, 3840, 15360): am.GemvConfig(32, 4, split_k=2, prefetch=True),
     (4, 8192, 3840): am.GemvConfig(32, 4, split_k=2, prefetch=True),
     (4, 262144, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
@@ -235,7 +236,7 @@ def test_gemv_heuristic_picks_the_measured_winners() -> None:
         assert am.gemv_config(n, k, bits, 64, 132) == config, (bits, n, k)
     # Other groups keep the words per step; tiny N splits further, within whole steps.
     assert am.gemv_config(15360, 3840, 4, 32) == am.GemvConfig(
-        32, 8, prefetch=True, codes_major_x=True
+        64, 8, prefetch=True, codes_major_x=True
     )
     assert am.gemv_config(15360, 3840, 8, 128) == am.GemvConfig(32, 4)
     assert am.gemv_config(1024, 4096, 4, 64) == am.GemvConfig(32, 4, split_k=8, prefetch=True)

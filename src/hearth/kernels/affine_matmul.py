@@ -213,7 +213,7 @@ def gemv_config(
     bits shape class (measured shapes, N x K)          config            µs (old kernel's)
     ==== ============================================ ================= =========================
     4    N >= 65536 (tied head 262144 x 3840)          N64 G4 w4         249.5 (587)
-    4    N/32 blocks > 2 per SM (15360 x 3840)         N32 G4 w4         34.4 (45.4)
+    4    N/32 blocks > 2 per SM (15360 x 3840)         N32 G4 w4 (*)     34.4 (45.4)
     4    fewer (8192 x 3840; 3840 x 15360)             N32 G4 w4 split2  22.6 (26.0); 49.0 (62.1)
     8    N/32 blocks > 2 per SM (15360 x 3840; head)   N32 G8 w4         30.8 (50.6); 278.6 (642)
     8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G8 w4         20.0 (32.4)
@@ -228,16 +228,21 @@ def gemv_config(
     in GEMV_PREFETCH_BITS take the prefetching loop (measured end to end, not per kernel).
     4-bit launches without a K split read x codes-major: under Nsight Compute, 12B gate/up
     68.7 -> 46.5 µs and q/k/v 30.1 -> 26.4 µs, but split down 45.0 -> 51.2 and o 16.1 ->
-    16.9, and 8-bit 0.81-0.88x on all four (gpu_gemv_x_order-2026-12-03.md).
+    16.9, and 8-bit 0.81-0.88x on all four (gpu_gemv_x_order-2026-12-03.md). (*) They then
+    take 64 rows per program (12B 4-bit decode 164.9 -> 169.0 tok/s; 16 rows: 149.8).
     """
     few = 2 * multiprocessors
     if bits == 4:
-        block_n, step_words, split = (64 if n >= HEAD_ROWS else 32), 32, 2
+        # Row blocks of 32 decide the split. Launches without one take 64 rows: with x
+        # codes-major, the x loads, conversions and sums of a thread serve 4 rows, not 2.
+        unsplit = _cdiv(n, 32) > few
+        block_n, step_words, split = (64 if unsplit else 32), 32, 2
     else:
         block_n, step_words, split = (32 if _cdiv(n, 32) > few else 16), 128, 4
+        unsplit = _cdiv(n, block_n) > few
     block_g = max(1, step_words // (group * bits // WORD_BITS))
     blocks = _cdiv(n, block_n)
-    if blocks > few:
+    if unsplit:
         split = 1
     else:
         while blocks * split < multiprocessors and split < MAX_SPLIT_K:
