@@ -92,6 +92,22 @@ def _gemv4_rows(block_n: int) -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
+def _gemv4_split(codes_major_x: bool, unsplit_below_k: int = 0) -> Patch:
+    """4-bit GEMV launches with a K split: x codes-major too, and (for K below
+    `unsplit_below_k`) no split at all, 32 rows per program."""
+    original = affine_matmul.gemv_config
+
+    def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
+        chosen = original(n, k, bits, group, multiprocessors)
+        if bits != 4 or chosen.split_k == 1:
+            return chosen
+        if k < unsplit_below_k:
+            return dataclasses.replace(chosen, split_k=1, codes_major_x=True)
+        return dataclasses.replace(chosen, codes_major_x=codes_major_x)
+
+    return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
+
+
 VARIANTS: dict[str, Patch] = {
     "base": contextlib.nullcontext,
     "attn-n32": _dense_tiles(32, 4, 3),
@@ -109,6 +125,8 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-n32": _gemv4_rows(32),
     "gemv4-n128": _gemv4_rows(128),
     "gemv4-n16": _gemv4_rows(16),
+    "gemv4-split-x-codes-major": _gemv4_split(True),
+    "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 
