@@ -125,6 +125,7 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-n32": _gemv4_rows(32),
     "gemv4-n128": _gemv4_rows(128),
     "gemv4-n16": _gemv4_rows(16),
+    "x-codes-major-bf16": _set(affine_matmul, "CODES_MAJOR_DTYPE", None),
     "gemv4-split-x-codes-major": _gemv4_split(True),
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
 }

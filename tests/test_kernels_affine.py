@@ -191,26 +191,31 @@ def test_codes_major_places_each_input_by_block_code_and_word() -> None:
         assert got.shape == (2, 512 // (32 * codes), codes, 32)
         for m, b, j, w in [(0, 0, 0, 0), (1, 0, 3, 5), (0, 1, codes - 1, 31), (1, 1, 1, 17)]:
             assert got[m, b, j, w] == x[m, (b * 32 + w) * codes + j]
+        wide = am.codes_major(x.bfloat16(), bits, dtype=torch.float32)
+        assert wide.dtype == torch.float32 and wide.is_contiguous()
+        assert torch.equal(wide, am.codes_major(x.bfloat16(), bits).float())
     assert am.codes_major_fits(512, 4) and not am.codes_major_fits(384, 4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", ["whole", "split3", "prefetch", "prefetch split3"])
-def test_gemv_codes_major_x_equals_input_order(bits, rows, name, monkeypatch) -> None:
-    """Reading x codes-major changes only where each x value is loaded from, not which
-    products are summed or in what order: bit for bit the input-order result. K = 768: 4-bit
-    rows of 96 words (3 blocks), 8-bit 192 (6), both with tails in the pinned configs."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_codes_major_x_equals_input_order(bits, rows, name, dtype, monkeypatch) -> None:
+    """Reading x codes-major (cast to fp32 by the reordering copy, as the kernel casts each
+    value it loads) changes only where each x value comes from, not which products are summed
+    or in what order: bit for bit the input-order result. K = 768: 4-bit rows of 96 words
+    (3 blocks), 8-bit 192 (6), both with tails in the pinned configs."""
     torch.manual_seed(bits + rows)
     k = 768
     packed, scales, biases = _quantized(GEMV_N, k, bits, 64, torch.float16)
-    x = torch.randn(rows, k)
+    x = torch.randn(rows, k).to(dtype)
     config = dataclasses.replace(GEMV_CONFIGS[name], codes_major_x=True)
     monkeypatch.setattr(am, "GEMV_CODES_MAJOR_X", False)
     input_order = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
     monkeypatch.setattr(am, "GEMV_CODES_MAJOR_X", True)
     ordered = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
-    assert torch.equal(ordered, input_order)
+    assert ordered.dtype == dtype and torch.equal(ordered, input_order)
     weight = _oracle_weight(packed, scales, biases, bits)
     _assert_close(ordered, x.double() @ weight.T, x.double().abs() @ weight.abs().T, k)
 

@@ -63,20 +63,30 @@ GEMV_PREFETCH_BITS = (4,)
 # gpu_gemv_x_order-2026-12-03.md). False turns it off everywhere (A/B runs).
 GEMV_CODES_MAJOR_X = True
 X_BLOCK_WORDS = 32
+# The reordered x is written in fp32 (None: x's dtype): the kernel converts every x value it
+# loads to fp32 anyway, and the copy can do it once (10% fewer instructions in the loop).
+CODES_MAJOR_DTYPE: torch.dtype | None = torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
 # Torch references
 
 
-def codes_major(x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS) -> Tensor:
+def codes_major(
+    x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS, dtype: torch.dtype | None = None
+) -> Tensor:
     """x ``[M, K]`` reordered per block of `block_words` packed words so that, within a block,
     the inputs of code position j of every word are adjacent: ``[M, blocks, codes, words]``,
-    element ``[m, b, j, w] = x[m, (b * block_words + w) * codes + j]`` (codes = 32 / bits)."""
+    element ``[m, b, j, w] = x[m, (b * block_words + w) * codes + j]`` (codes = 32 / bits),
+    cast to `dtype` (exact for a wider float) in the same copy."""
     m, k = x.shape
     codes = WORD_BITS // bits
     blocks = k // (codes * block_words)
-    return x.view(m, blocks, block_words, codes).transpose(2, 3).contiguous()
+    grouped = x.view(m, blocks, block_words, codes).transpose(2, 3)
+    # One copy kernel for the reorder and the cast (`.to` would return the strided view
+    # itself when the dtype does not change).
+    out = torch.empty(grouped.shape, dtype=dtype or x.dtype, device=x.device)
+    return out.copy_(grouped)
 
 
 def codes_major_fits(k: int, bits: int, block_words: int = X_BLOCK_WORDS) -> bool:
@@ -965,7 +975,7 @@ if HAS_TRITON:
                 config = gemv_config(n, k, bits, group_size, sms)
             ordered = config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits)
             if ordered:
-                rows = codes_major(rows, bits)
+                rows = codes_major(rows, bits, dtype=CODES_MAJOR_DTYPE)
             _launch_gemv(rows, packed, scales, biases, out, bits, group_size, config, ordered)
             return out.view(*x.shape[:-1], -1)
         tile = None
