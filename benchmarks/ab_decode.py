@@ -79,14 +79,15 @@ def _set(
 FUSED_MERGE = _set(attention, "FUSED_MERGE_MAX_BYTES", 1 << 40)
 
 
-def _gemv4_rows(block_n: int) -> Patch:
-    """4-bit GEMV launches without a K split (but the head) at `block_n` rows per program."""
+def _gemv4_rows(block_n: int, block_g: int = 0) -> Patch:
+    """4-bit GEMV launches without a K split (but the head) at `block_n` rows per program
+    (and `block_g` groups per step, if given)."""
     original = affine_matmul.gemv_config
 
     def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
         chosen = original(n, k, bits, group, multiprocessors)
         if bits == 4 and chosen.split_k == 1 and n < affine_matmul.HEAD_ROWS:
-            return dataclasses.replace(chosen, block_n=block_n)
+            return dataclasses.replace(chosen, block_n=block_n, block_g=block_g or chosen.block_g)
         return chosen
 
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
@@ -125,6 +126,7 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-n32": _gemv4_rows(32),
     "gemv4-n128": _gemv4_rows(128),
     "gemv4-n16": _gemv4_rows(16),
+    "gemv4-g8": _gemv4_rows(64, block_g=8),
     "x-codes-major-bf16": _set(affine_matmul, "CODES_MAJOR_DTYPE", None),
     "gemv4-split-x-codes-major": _gemv4_split(True),
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
