@@ -78,8 +78,9 @@ stage 90 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_sta
 stage 100 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 120 ab-26b python benchmarks/ab_decode.py --models 26b-a4b,e4b --variants base --rounds 3 --name gemma4_decode
 stage 120 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base --rounds 3 --name 26b_prefill
-elif [ "$PART" = ncu ]; then  # why the 4-bit GEMV stops near 1.3 TB/s (needs ncu + counters)
-stage 320 ncu-gemv bash benchmarks/ncu_gemv_affine.sh
+elif [ "$PART" = ncu ]; then  # what bounds the 4-bit GEMV (needs ncu + counters)
+stage 200 ncu-gemv bash benchmarks/ncu_gemv_affine.sh
+stage 200 ncu-gemv-x-order bash benchmarks/ncu_gemv_affine.sh x-order
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

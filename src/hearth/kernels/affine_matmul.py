@@ -18,7 +18,10 @@ and biases ``[..., N, K / group]``. Triton paths, each beside its torch referenc
   kernel, deterministic, CUDA-graph safe). The launch config comes from `gemv_config`, a
   small heuristic fitted to H200 measurements. With `prefetch` the loop requests the next
   step's words, scales and biases before this step's arithmetic (Triton does not
-  software-pipeline a `while` loop), keeping two steps of loads in flight per program.
+  software-pipeline a `while` loop), keeping two steps of loads in flight per program. With
+  `codes_major_x` the launcher first copies x into `codes_major` order, in fp32, so that the
+  x values a thread needs for one code position are one vector load (the 4-bit kernel was
+  bound by L1 requests for x).
 * **Tile GEMV** (5..16 rows, and gathered experts): the rows are a tensor dimension of one
   ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias, split-K and
   deterministic finish; autotuned. For MoE each program row is a (token, slot) pair reading
