@@ -122,6 +122,7 @@ VARIANTS: dict[str, Patch] = {
     "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
     "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles
+    "plan-torch": _set(grouped_matmul, "TRITON_PLAN", False),  # MoE plan from torch ops
     "x-input-order": _set(affine_matmul, "GEMV_CODES_MAJOR_X", False),  # affine GEMV's x
     "gemv4-n32": _gemv4_rows(32),
     "gemv4-n128": _gemv4_rows(128),

@@ -159,8 +159,21 @@ def projection_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
             rows.append(
                 flops_row(f"{case} cuBLAS per expert", loop, pairs, n, k, "bf16 (reference)")
             )
+            reference_plan = gm.plan_experts_reference(ids, EXPERTS)
+            same = torch.equal(plan.rows, reference_plan.rows) and torch.equal(
+                plan.tile_experts, reference_plan.tile_experts
+            )
+            checks.append(
+                [f"{case} plan", "counting sort = argsort plan", "ok" if same else "FAIL"]
+            )
             planning = bench(partial(gm.plan_experts, ids, EXPERTS))
-            rows.append([f"{case} plan_experts", f"{planning * 1e6:.0f}", "-", "-", "sort + tiles"])
+            rows.append(
+                [f"{case} plan_experts", f"{planning * 1e6:.0f}", "-", "-", "counting sort"]
+            )
+            planning = bench(partial(gm.plan_experts_reference, ids, EXPERTS))
+            rows.append(
+                [f"{case} plan_experts_reference", f"{planning * 1e6:.0f}", "-", "-", "torch ops"]
+            )
 
             for bits, (packed, scales, biases) in quantized.items():
                 if bits == 8 and tokens != TOKENS[0]:

@@ -32,6 +32,7 @@ from hearth.kernels import (  # noqa: E402
     activation,
     affine_matmul,
     decode_attention,
+    expert_plan,
     gemv,
     grouped_matmul,
     kv_quantize,
@@ -232,6 +233,11 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         lambda: grouped_matmul.grouped_affine_expert_matmul_triton(
             torch.randn(3, 256, dtype=bf16), packed, scales, biases, expert_ids, 4, 64
         ),
+    )
+    # The plan's counting sort at 26B-A4B's 128 experts and top 8, over several chunks.
+    yield (
+        "expert plan",
+        lambda: expert_plan.sort_pairs_triton(torch.randint(0, 128, (320 * 8,)), 128, 64, 168),
     )
     yield (
         "affine prefill",

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hearth.kernels import expert_plan
 from hearth.kernels import grouped_matmul as gm
 from hearth.models import gemma4
 from hearth.models.gemma4 import GROUPED_EXPERTS_MIN_TOKENS, Experts
@@ -103,6 +104,44 @@ def test_plan_places_every_pair_once_in_its_experts_tiles(kind, tokens, top_k, b
     used = plan.tile_experts[plan.tile_experts < EXPERTS]
     assert (used[1:] >= used[:-1]).all()
     assert set(used.tolist()) == set(flat.tolist())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_m", "kind"),
+    [
+        (24, 8, EXPERTS, 16, "ragged"),  # one chunk, unused experts
+        (40, 8, EXPERTS, 64, "one"),  # every pair on one expert
+        (600, 8, 128, 64, "uniform"),  # 4800 pairs: 38 chunks (two count blocks); 128 experts
+        (5, 2, 6, 16, "uniform"),  # experts not a power of two
+        (1, 1, 3, 16, "uniform"),
+    ],
+)
+def test_triton_plan_equals_the_reference(tokens, top_k, experts, block_m, kind) -> None:
+    """The counting sort gives the stable argsort's plan exactly: every row and tile expert."""
+    if kind == "uniform":
+        ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(3))
+    else:
+        ids = _routing(kind, tokens, top_k)
+    want = gm.plan_experts_reference(ids, experts, block_m)
+    rows, tile_experts = expert_plan.sort_pairs_triton(
+        ids.reshape(-1), experts, block_m, want.tiles
+    )
+    assert torch.equal(rows, want.rows)
+    assert torch.equal(tile_experts, want.tile_experts)
+
+
+def test_plan_experts_takes_the_counting_sort_for_kernel_tensors(monkeypatch) -> None:
+    calls = []
+    sort = expert_plan.sort_pairs_triton
+    monkeypatch.setattr(gm, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(
+        expert_plan, "sort_pairs_triton", lambda *args: calls.append(args) or sort(*args)
+    )
+    ids = _routing("ragged", 70, 8)
+    got, want = gm.plan_experts(ids, EXPERTS), gm.plan_experts_reference(ids, EXPERTS)
+    assert len(calls) == 1
+    assert torch.equal(got.rows, want.rows) and torch.equal(got.tile_experts, want.tile_experts)
+    assert (got.block_m, got.tokens, got.top_k) == (want.block_m, want.tokens, want.top_k)
 
 
 def test_default_block_m_grows_with_rows_per_expert() -> None:

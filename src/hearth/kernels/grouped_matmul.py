@@ -3,7 +3,7 @@
 The gathered GEMV (affine_matmul.py) runs one dot product per (token, slot) pair and reads the
 chosen expert's weight once per pair: right for decode, but at prefill it rereads every expert's
 weight hundreds of times and never uses the tensor cores. Here the pairs are sorted by expert on
-the device (`plan_experts`: argsort + a count per expert, no host sync) and laid out in tiles of
+the device (`plan_experts`: a counting sort by expert, no host sync) and laid out in tiles of
 BLOCK_M rows, each expert's segment padded to whole tiles, so every tile belongs to one expert.
 One program multiplies a tile by a BLOCK_N slice of its expert's weight ``[N, K]`` with
 ``tl.dot`` (fp32 accumulation), optionally scales each row (the routing weight) and stores the
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels import HAS_TRITON, expert_plan, kernel_enabled
 
 # A module import: hearth.quant.mlx imports hearth.kernels.affine_matmul, which imports it back.
 from hearth.quant import mlx as mlx_affine
@@ -41,6 +41,9 @@ SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
 # Mean rows per expert from which LARGE_BLOCK_M tiles pay for their padding.
 LARGE_BLOCK_MIN_ROWS = 32
+# The plan from three Triton kernels (`expert_plan`) instead of ~20 torch ops. Not yet timed on
+# the GPU (benchmarks/ab_decode.py --prefill 4096 --variants base,plan-torch will).
+TRITON_PLAN = True
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,31 @@ def default_block_m(pairs: int, num_experts: int) -> int:
     return LARGE_BLOCK_M if pairs >= LARGE_BLOCK_MIN_ROWS * num_experts else SMALL_BLOCK_M
 
 
+def _tile_bound(pairs: int, num_experts: int, block_m: int) -> int:
+    """Tiles the grid allots: each expert that has rows adds at most one partial tile."""
+    return -(-pairs // block_m) + min(num_experts, pairs)
+
+
 def plan_experts(expert_ids: Tensor, num_experts: int, block_m: int | None = None) -> ExpertPlan:
-    """Sort the pairs of ``expert_ids [T, top_k]`` by expert into tiles of `block_m` rows."""
+    """Sort the pairs of ``expert_ids [T, top_k]`` by expert into tiles of `block_m` rows: a
+    counting sort in three Triton kernels on CUDA (`expert_plan`), torch ops elsewhere."""
+    if expert_ids.dim() != 2:
+        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} must be [tokens, top_k]")
+    if not (TRITON_PLAN and kernel_enabled(expert_ids)):
+        return plan_experts_reference(expert_ids, num_experts, block_m)
+    tokens, top_k = expert_ids.shape
+    pairs = tokens * top_k
+    block_m = block_m or default_block_m(pairs, num_experts)
+    tiles = _tile_bound(pairs, num_experts, block_m)
+    flat = expert_ids.reshape(-1)
+    rows, tile_experts = expert_plan.sort_pairs_triton(flat, num_experts, block_m, tiles)
+    return ExpertPlan(rows, tile_experts, block_m, num_experts, tokens, top_k)
+
+
+def plan_experts_reference(
+    expert_ids: Tensor, num_experts: int, block_m: int | None = None
+) -> ExpertPlan:
+    """`plan_experts` from torch ops: a stable argsort and a count per expert (no host sync)."""
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids {tuple(expert_ids.shape)} must be [tokens, top_k]")
     tokens, top_k = expert_ids.shape
@@ -92,8 +118,7 @@ def plan_experts(expert_ids: Tensor, num_experts: int, block_m: int | None = Non
     first_of_expert = counts.cumsum(0) - counts
     rank = torch.arange(pairs, device=device) - first_of_expert[sorted_experts]
     destination = (padded_end - padded)[sorted_experts] + rank
-    # Each expert that has rows adds at most one partial tile.
-    tiles = -(-pairs // block_m) + min(num_experts, pairs)
+    tiles = _tile_bound(pairs, num_experts, block_m)
     rows = torch.full((tiles * block_m,), pairs, dtype=torch.int32, device=device)
     rows[destination] = order.int()
     tile_starts = torch.arange(tiles, device=device) * block_m
