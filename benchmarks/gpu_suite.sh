@@ -5,6 +5,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh kernels   # checks, kernels, Gemma 3 12B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh models    # KV layouts at long context, Gemma 4 models
 #   OUT=/tmp/out benchmarks/gpu_suite.sh pending   # what the last stop could not run on the GPU
+#   OUT=/tmp/out benchmarks/gpu_suite.sh ncu       # Nsight Compute on the 4-bit GEMV
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -73,11 +74,10 @@ stage 60 profile-e4b-prefill python benchmarks/gpu_profile_decode.py --model e4b
 stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 80 profile-12b-4bit python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit --context 512
 stage 80 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
-elif [ "$PART" = pending ]; then  # left by the 2026-12-03 stop: the router-input kernel on the GPU
-stage 90 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py
-stage 100 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
-stage 120 ab-26b python benchmarks/ab_decode.py --models 26b-a4b,e4b --variants base --rounds 3 --name gemma4_decode
-stage 120 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base --rounds 3 --name 26b_prefill
+elif [ "$PART" = pending ]; then  # left by the 2026-12-03 evening stop: the MoE plan kernels
+stage 200 grouped python benchmarks/gpu_kernels_grouped.py
+stage 150 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,plan-torch --rounds 3 --name 26b_prefill_plan
+stage 120 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = ncu ]; then  # what bounds the 4-bit GEMV (needs ncu + counters)
 stage 200 ncu-gemv bash benchmarks/ncu_gemv_affine.sh
 stage 200 ncu-gemv-x-order bash benchmarks/ncu_gemv_affine.sh x-order
