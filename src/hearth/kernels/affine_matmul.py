@@ -240,8 +240,8 @@ def gemv_config(
     thread holds), so G scales with 64 / group; they, and M > 1, are not measured. Widths
     in GEMV_PREFETCH_BITS take the prefetching loop (measured end to end, not per kernel).
     4-bit launches without a K split read x codes-major: under Nsight Compute, 12B gate/up
-    68.7 -> 46.5 µs and q/k/v 30.1 -> 26.4 µs, but split down 45.0 -> 51.2 and o 16.1 ->
-    16.9, and 8-bit 0.81-0.88x on all four (gpu_gemv_x_order-2026-12-03.md). (*) They then
+    68.5 -> 46.1 µs and q/k/v 30.1 -> 26.4 µs, but split down 45.1 -> 50.8 and o 16.3 ->
+    16.6, and 8-bit 0.81-0.89x on all four (gpu_gemv_x_order-2026-12-03.md). (*) They then
     take 64 rows per program (12B 4-bit decode 164.9 -> 169.0 tok/s; 16 rows: 149.8).
     """
     few = 2 * multiprocessors

@@ -86,7 +86,7 @@ def plan_experts(expert_ids: Tensor, num_experts: int, block_m: int | None = Non
     counting sort in three Triton kernels on CUDA (`expert_plan`), torch ops elsewhere."""
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids {tuple(expert_ids.shape)} must be [tokens, top_k]")
-    if not (TRITON_PLAN and kernel_enabled(expert_ids)):
+    if not (TRITON_PLAN and kernel_enabled(expert_ids)) or expert_ids.numel() == 0:
         return plan_experts_reference(expert_ids, num_experts, block_m)
     tokens, top_k = expert_ids.shape
     pairs = tokens * top_k
