@@ -12,10 +12,12 @@ CASE=${1:-mma}
 OUT=${OUT:-benchmarks/results/tmp}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
 if ! command -v ncu >/dev/null; then
   echo "ncu not found: nothing profiled"; exit 0
 fi
-cat >/tmp/gemv_case.py <<'PY'
+cat >"$SCRATCH/gemv_case.py" <<'PY'
 import sys
 sys.path.insert(0, "benchmarks")
 import torch
@@ -27,7 +29,7 @@ for _ in range(3):  # compile, then the profiled launches
     mma_gemv(x, packed, scales, biases, 64, 1, 4, 4, 0)
 torch.cuda.synchronize()
 PY
-cat >/tmp/gemv_x_order.py <<'PY'
+cat >"$SCRATCH/gemv_x_order.py" <<'PY'
 import torch
 from hearth.kernels import affine_matmul as am
 from hearth.quant.mlx import pack_codes
@@ -50,7 +52,7 @@ if [ "$CASE" = x-order ]; then
   # 16 profiled launches: odd ones (warm-ups) skipped by the filter below.
   timeout 300 ncu --kernel-name regex:"_affine_gemv_kernel" --section SpeedOfLight \
     --section SchedulerStats --section WarpStateStats \
-    python /tmp/gemv_x_order.py >"$OUT/ncu_gemv_x_order.txt" 2>&1
+    python "$SCRATCH/gemv_x_order.py" >"$OUT/ncu_gemv_x_order.txt" 2>&1
   echo "ncu exit $?"
   grep -E "ERR_NVGPUCTRPERM|_affine_gemv_kernel|DRAM Throughput|L1/TEX Cache|Duration|Issued Warp" \
     "$OUT/ncu_gemv_x_order.txt" | head -120
@@ -59,7 +61,7 @@ fi
 timeout 300 ncu --kernel-name regex:"_affine_gemv_kernel|_mma_gemv_kernel" --launch-skip 2 \
   --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SchedulerStats --section Occupancy \
-  python /tmp/gemv_case.py >"$OUT/ncu_gemv_affine.txt" 2>&1
+  python "$SCRATCH/gemv_case.py" >"$OUT/ncu_gemv_affine.txt" 2>&1
 echo "ncu exit $?"
 grep -E "ERR_NVGPUCTRPERM|Memory Throughput|DRAM Throughput|L2 Hit|Stall|Issued Warp|Achieved Occupancy|Duration" \
   "$OUT/ncu_gemv_affine.txt" | head -60

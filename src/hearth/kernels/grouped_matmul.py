@@ -81,17 +81,24 @@ def _tile_bound(pairs: int, num_experts: int, block_m: int) -> int:
     return -(-pairs // block_m) + min(num_experts, pairs)
 
 
-def plan_experts(expert_ids: Tensor, num_experts: int, block_m: int | None = None) -> ExpertPlan:
-    """Sort the pairs of ``expert_ids [T, top_k]`` by expert into tiles of `block_m` rows: a
-    counting sort in three Triton kernels on CUDA (`expert_plan`), torch ops elsewhere."""
+def _plan_shape(
+    expert_ids: Tensor, num_experts: int, block_m: int | None
+) -> tuple[int, int, int, int]:
+    """(tokens, top_k, block_m, tiles) of a plan for ``expert_ids [T, top_k]``."""
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids {tuple(expert_ids.shape)} must be [tokens, top_k]")
-    if not (TRITON_PLAN and kernel_enabled(expert_ids)) or expert_ids.numel() == 0:
-        return plan_experts_reference(expert_ids, num_experts, block_m)
     tokens, top_k = expert_ids.shape
     pairs = tokens * top_k
     block_m = block_m or default_block_m(pairs, num_experts)
-    tiles = _tile_bound(pairs, num_experts, block_m)
+    return tokens, top_k, block_m, _tile_bound(pairs, num_experts, block_m)
+
+
+def plan_experts(expert_ids: Tensor, num_experts: int, block_m: int | None = None) -> ExpertPlan:
+    """Sort the pairs of ``expert_ids [T, top_k]`` by expert into tiles of `block_m` rows: a
+    counting sort in three Triton kernels on CUDA (`expert_plan`), torch ops elsewhere."""
+    if not (TRITON_PLAN and kernel_enabled(expert_ids)) or expert_ids.numel() == 0:
+        return plan_experts_reference(expert_ids, num_experts, block_m)
+    tokens, top_k, block_m, tiles = _plan_shape(expert_ids, num_experts, block_m)
     flat = expert_ids.reshape(-1)
     rows, tile_experts = expert_plan.sort_pairs_triton(flat, num_experts, block_m, tiles)
     return ExpertPlan(rows, tile_experts, block_m, num_experts, tokens, top_k)
@@ -101,11 +108,8 @@ def plan_experts_reference(
     expert_ids: Tensor, num_experts: int, block_m: int | None = None
 ) -> ExpertPlan:
     """`plan_experts` from torch ops: a stable argsort and a count per expert (no host sync)."""
-    if expert_ids.dim() != 2:
-        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} must be [tokens, top_k]")
-    tokens, top_k = expert_ids.shape
+    tokens, top_k, block_m, tiles = _plan_shape(expert_ids, num_experts, block_m)
     pairs = tokens * top_k
-    block_m = block_m or default_block_m(pairs, num_experts)
     device = expert_ids.device
     flat = expert_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
@@ -118,7 +122,6 @@ def plan_experts_reference(
     first_of_expert = counts.cumsum(0) - counts
     rank = torch.arange(pairs, device=device) - first_of_expert[sorted_experts]
     destination = (padded_end - padded)[sorted_experts] + rank
-    tiles = _tile_bound(pairs, num_experts, block_m)
     rows = torch.full((tiles * block_m,), pairs, dtype=torch.int32, device=device)
     rows[destination] = order.int()
     tile_starts = torch.arange(tiles, device=device) * block_m
