@@ -28,15 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import triton
 
+import hearth.kernels
 from hearth.bench.measure import (
     copy_bandwidth,
     decode_bytes,
+    fill_caches,
     kv_bytes,
     prefill_flops,
     time_decode,
     time_prefill,
 )
 from hearth.bench.random_model import PRESETS, build_random_model
+from hearth.cuda_graph import GraphDecoder
 from hearth.generate import default_prefill_step
 from hearth.kernels import affine_matmul, gemv, grouped_matmul
 from hearth.kernels import decode_attention as attention
@@ -121,8 +124,13 @@ VARIANTS: dict[str, Patch] = {
     "attn-pps1": _set(attention, "PROGRAMS_PER_SM", 1),
     "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
+    "wide-gemv": _set(gemma, "WIDE_GEMV", True),  # qkv, gate/up through the Triton GEMV
+    "down-cublas": _set(gemma, "DOWN_GEMV", False),  # down (after the GeGLU kernel): cuBLAS
+    "no-norm-epilogue": _set(gemv, "NORM_EPILOGUE", False),  # add + norms as their own kernel
+    "all-gemv": _stacked(_set(gemma, "WIDE_GEMV", True), _set(gemma, "FUSED_GEGLU", True)),
     "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles
     "plan-torch": _set(grouped_matmul, "TRITON_PLAN", False),  # MoE plan from torch ops
+    "pdl-off": _set(hearth.kernels, "PDL", False),  # no programmatic dependent launch
     "x-input-order": _set(affine_matmul, "GEMV_CODES_MAJOR_X", False),  # affine GEMV's x
     "gemv4-n32": _gemv4_rows(32),
     "gemv4-n128": _gemv4_rows(128),
@@ -135,6 +143,41 @@ VARIANTS: dict[str, Patch] = {
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 
 
+@torch.inference_mode()
+def _graph_logits(model, context: int, steps: int = 8) -> torch.Tensor:
+    """Logits of `steps` greedy CUDA-graph decode steps after seeded random K/V."""
+    torch.manual_seed(0)
+    decoder = GraphDecoder(model, max_context=context + steps)
+    fill_caches(decoder.caches, model, context - 1)
+    decoder.length = context - 1
+    token = torch.randint(0, 1000, (1, 1), device=model.device)
+    logits = []
+    for _ in range(steps):
+        logits.append(decoder.step(token).float())
+        token = logits[-1].argmax(-1, keepdim=True)
+    return torch.stack(logits)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    return f"{(a - b).abs().max():.3g}"
+
+
+def _logit_checks(model, model_name: str, names: list[str], context: int) -> list[str]:
+    """A row per variant: are its decode logits bit-identical to base's (else max diff)?"""
+    with VARIANTS[names[0]]():
+        base = _graph_logits(model, context)
+        again = _graph_logits(model, context)
+    cells = [f"{names[0]} again: " + ("bit-identical" if torch.equal(again, base) else "DIFFERS")]
+    for name in names[1:]:
+        with VARIANTS[name]():
+            other = _graph_logits(model, context)
+        diff = (
+            "bit-identical" if torch.equal(other, base) else f"max |diff| {_max_diff(other, base)}"
+        )
+        cells.append(f"{name}: {diff}")
+    return [f"| {model_name} | logits vs {names[0]} (8 steps) | {'; '.join(cells)} | | | |"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gemma3-12b")
@@ -145,6 +188,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="decode")
     parser.add_argument("--prefill", type=int, default=0, help="time an N-token prefill")
+    parser.add_argument(
+        "--check", action="store_true", help="compare each variant's decode logits with base's"
+    )
     args = parser.parse_args()
     names = args.variants.split(",")
     device = torch.device("cuda")
@@ -194,6 +240,9 @@ def main() -> None:
                 f"{median * step_bytes / bandwidth:.1%} |"
             )
         print("\n".join(lines[-len(names) :]), flush=True)
+        if args.check and not args.prefill:
+            lines += _logit_checks(model, model_name, names, args.context)
+            print(lines[-1], flush=True)
         del model
         torch.cuda.empty_cache()
     table = "\n".join(lines) + "\n"

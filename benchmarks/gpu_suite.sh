@@ -5,6 +5,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh kernels   # checks, kernels, Gemma 3 12B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh models    # KV layouts at long context, Gemma 4 models
 #   OUT=/tmp/out benchmarks/gpu_suite.sh pending   # what the last stop could not run on the GPU
+#   OUT=/tmp/out benchmarks/gpu_suite.sh pdl       # PDL on/off A/B with logit checks, MoE plan
+#   OUT=/tmp/out benchmarks/gpu_suite.sh epilogue  # GEMV add-norm epilogue: tests, parity, A/B, bench
 #   OUT=/tmp/out benchmarks/gpu_suite.sh ncu       # Nsight Compute on the 4-bit GEMV
 set -u
 PART=${1:-kernels}
@@ -78,6 +80,23 @@ elif [ "$PART" = pending ]; then  # left by the 2026-12-03 evening stop: the MoE
 stage 200 grouped python benchmarks/gpu_kernels_grouped.py
 stage 150 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,plan-torch --rounds 3 --name 26b_prefill_plan
 stage 120 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = pdl ]; then  # programmatic dependent launch on/off, logits checked; the MoE plan
+stage 20 plan python benchmarks/gpu_plan_check.py
+stage 270 ab-12b-pdl python benchmarks/ab_decode.py --models gemma3-12b --variants base,pdl-off,gemv-no-ahead,fused-geglu-down,wide-gemv,all-gemv --rounds 3 --check --name 12b_pdl
+stage 110 ab-12b-4bit-pdl python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,pdl-off --rounds 3 --check --name 12b_4bit_pdl
+stage 130 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,plan-torch --rounds 3 --name 26b_prefill_plan
+elif [ "$PART" = pdl2 ]; then  # after PDL: 12B launch choices, Gemma 4 PDL A/B, profiles, benches
+stage 120 ab-12b-choices python benchmarks/ab_decode.py --models gemma3-12b --variants base,down-gemv,attn-fused-merge,cublas-gemv,pdl-off --rounds 3 --check --name 12b_pdl_choices
+stage 150 ab-gemma4-pdl python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,pdl-off --rounds 3 --check --name gemma4_pdl
+stage 60 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
+stage 100 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 70 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+elif [ "$PART" = epilogue ]; then  # the GEMV's add-norm epilogue: GPU tests, parity, A/B, bench
+stage 60 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
+stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+stage 130 ab-12b-epilogue python benchmarks/ab_decode.py --models gemma3-12b --variants base,no-norm-epilogue,down-cublas,pdl-off --rounds 3 --check --name 12b_epilogue
+stage 150 ab-gemma4-pdl python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,pdl-off --rounds 3 --check --name gemma4_pdl
+stage 100 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
 elif [ "$PART" = ncu ]; then  # what bounds the 4-bit GEMV (needs ncu + counters)
 stage 200 ncu-gemv bash benchmarks/ncu_gemv_affine.sh
 stage 200 ncu-gemv-x-order bash benchmarks/ncu_gemv_affine.sh x-order

@@ -64,3 +64,50 @@ def test_gemv_rejects_a_wrong_width_and_too_many_rows() -> None:
         gemv_module.gemv_triton(torch.randn(1, 32), weight, geglu=True)
     with pytest.raises(ValueError, match="at most"):
         gemv_module.gemv_triton(torch.randn(5, 32), weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("geglu", [False, True])
+@pytest.mark.parametrize("split", [1, 3])
+def test_add_norm_epilogue_equals_the_gemv_then_the_norm_kernel(
+    dtype: torch.dtype, geglu: bool, split: int
+) -> None:
+    # The epilogue runs the norm kernel's own code on the GEMV's rounded output, so it must
+    # equal the two launches bit for bit; each launch twice, as the done-count must be back
+    # at zero for a graph replay. The pair is checked against the torch reference too: the
+    # same roundings, fp32 reductions in another order (a rounding step of the output's
+    # dtype can flip: one ulp, ~2 eps of the |values| ~ 1-4 here).
+    from hearth.kernels.norm import add_rms_norm_reference, add_rms_norm_triton
+
+    generator = torch.Generator().manual_seed(7 + split + 2 * geglu)
+    n, k = 40, 200
+    weight = (torch.randn(n, k, generator=generator) * 0.1).to(dtype)
+    x = torch.randn(1, 1, 2 * k if geglu else k, generator=generator).to(dtype)
+    residual = torch.randn(1, 1, n, generator=generator).to(dtype)
+    norm_weight = torch.rand(n, generator=generator) + 0.5
+    next_weight = torch.rand(n, generator=generator) + 0.5
+    then = gemv_module.AddNorm(residual, norm_weight, 1e-6, next_weight)
+    config = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split}
+    y = gemv_module.gemv_triton(x, weight, geglu, config)
+    expected = add_rms_norm_triton(residual, y, norm_weight, 1e-6, next_weight, True)
+    for _ in range(2):
+        got = gemv_module.gemv_add_norm_triton(x, weight, then, geglu, config)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    reference = add_rms_norm_reference(residual, y, norm_weight, 1e-6, next_weight, True)
+    for g, r in zip(got, reference, strict=True):
+        assert r is not None and g.shape == r.shape == residual.shape
+        torch.testing.assert_close(g, r, rtol=0, atol=8 * torch.finfo(dtype).eps)
+
+
+def test_gemv_add_norm_falls_back_off_the_gpu_and_for_several_rows() -> None:
+    from hearth.kernels.norm import add_rms_norm_reference
+
+    weight, x = torch.randn(8, 32), torch.randn(2, 32)
+    residual, w = torch.randn(2, 8), torch.rand(8) + 0.5
+    got = gemv_module.gemv_add_norm(x, weight, gemv_module.AddNorm(residual, w, 1e-6, w))
+    expected = add_rms_norm_reference(residual, x @ weight.T, w, 1e-6, w, True)
+    for g, e in zip(got, expected, strict=True):
+        assert e is not None
+        torch.testing.assert_close(g, e)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_module.gemv_add_norm_triton(x, weight, gemv_module.AddNorm(residual, w, 1e-6, w))

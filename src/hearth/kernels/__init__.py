@@ -8,10 +8,12 @@ kernel is checked against its reference without a GPU. Triton is optional at run
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # Triton ships with CUDA builds of torch; CPU installs may lack it.
-    import triton  # noqa: F401
+    import triton
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install
@@ -21,3 +23,35 @@ except ImportError:  # pragma: no cover - depends on the install
 def kernel_enabled(tensor: torch.Tensor) -> bool:
     """Whether the model's hot path should use the Triton kernel for `tensor`."""
     return HAS_TRITON and tensor.is_cuda
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while
+# the kernel before it in the stream is still finishing, and waits (`wait_for_producer`)
+# before it touches memory. The decode step is ~600 short kernels, and the gap between two
+# of them is of the order of a microsecond; with PDL the next kernel's launch overlaps the
+# previous one's tail. A kill switch for A/B measurements.
+PDL = True
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
+    """Launch keywords for a kernel whose first step is `wait_for_producer(PDL)`: the
+    constexpr `PDL` and Triton's `launch_pdl`, on where the device supports it."""
+    on = PDL and HAS_TRITON and tensor.is_cuda and _device_has_pdl(tensor.device.index or 0)
+    return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
+
+
+if HAS_TRITON:
+    import triton.language as tl
+
+    @triton.jit
+    def wait_for_producer(PDL: tl.constexpr):
+        """With PDL: wait until the previous kernel has finished and its writes are visible,
+        then let the next kernel launch (its programs wait in turn before reading ours)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

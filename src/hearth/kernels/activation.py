@@ -14,13 +14,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from hearth.kernels import wait_for_producer
 
     @triton.jit
     def gelu_tanh(g, coefficient):
@@ -33,8 +35,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _gelu_tanh_mul_kernel(
-        gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, coefficient, BLOCK: tl.constexpr
+        gate_ptr,
+        up_ptr,
+        out_ptr,
+        width,
+        gate_stride,
+        up_stride,
+        coefficient,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = columns < width
@@ -74,8 +85,9 @@ def gelu_tanh_mul_triton(
     out = torch.empty((*gate.shape[:-1], width), dtype=gate.dtype, device=gate.device)
     grid = (gates.shape[0], triton.cdiv(width, block))
     _gelu_tanh_mul_kernel[grid](
-        gates, ups, out, width, gates.stride(0), ups.stride(0), SQRT_2_OVER_PI, BLOCK=block
-    )
+        gates, ups, out, width, gates.stride(0), ups.stride(0), SQRT_2_OVER_PI, BLOCK=block,
+        **pdl_options(gates),
+    )  # fmt: skip
     return out
 
 

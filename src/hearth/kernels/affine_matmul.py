@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
 from hearth.quant import mlx as mlx_affine
@@ -278,6 +278,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from hearth.kernels import wait_for_producer
+
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
     # The float 2**23 as int32 bits, passed to the GEMV at run time: were the exponent a
@@ -452,6 +454,7 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         PREFETCH: tl.constexpr,
         X_BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
 
@@ -460,6 +463,7 @@ if HAS_TRITON:
         groups ``[s * split_groups, (s + 1) * split_groups)``, whole steps but for the last.
         The loops are `while` loops: Triton's interpreter cannot run `range` to a run-time
         bound. two23: see TWO23_BITS."""
+        wait_for_producer(PDL)
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WPG: tl.constexpr = GROUP // CODES  # words per group
         pid_n = tl.program_id(0)
@@ -585,12 +589,14 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """out[r, m, n] = sum_k x[row(r) + m, k] * W_r[n, k]; W_r is expert ids[r] or the weight.
 
         Grid: (ROWS, blocks of N, splits of K). Without GATHER there is one r and BLOCK_M
         rows of x; with it each r is a (token, slot) pair with one row, x row r // X_ROWS_PER_ID.
         """
+        wait_for_producer(PDL)
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
         BLOCK_G: tl.constexpr = (BLOCK_KW + WORDS_PER_GROUP - 1) // WORDS_PER_GROUP
@@ -733,8 +739,10 @@ if HAS_TRITON:
         K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N)."""
+        wait_for_producer(PDL)
         pid_r = tl.program_id(0)
         expert = tl.load(ids_ptr + pid_r).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -884,6 +892,7 @@ if HAS_TRITON:
             PREFETCH=config.prefetch,
             X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
             num_warps=config.warps,
+            **pdl_options(x),
         )
 
     def _launch_tile_gemv(
@@ -938,6 +947,7 @@ if HAS_TRITON:
             k,
         )
         constants = {"BITS": bits, "GROUP": group, "BLOCK_M": block_m, "GATHER": ids is not None}
+        constants |= pdl_options(x)
 
         def grid(meta: dict) -> tuple[int, int, int]:
             return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
@@ -1105,8 +1115,8 @@ if HAS_TRITON:
             return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
         if config is None and x.is_cuda:
-            _float_gather_tuned[grid](*args)
+            _float_gather_tuned[grid](*args, **pdl_options(x))
         else:
             chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
-            _float_gather_gemv_kernel[grid(chosen)](*args, **chosen)
+            _float_gather_gemv_kernel[grid(chosen)](*args, **chosen, **pdl_options(x))
         return out.view(*expert_ids.shape, -1)

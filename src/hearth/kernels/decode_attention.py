@@ -33,6 +33,7 @@ from functools import cache
 
 import torch
 
+from hearth.kernels import pdl_options
 from hearth.kernels.hadamard import rotate_rows, unrotate_rows
 from hearth.kv.cache import EMPTY_POSITION
 from hearth.kv.quantized import AffineCodec
@@ -138,6 +139,8 @@ def _multiprocessors(device: torch.device) -> int:
 try:
     import triton
     import triton.language as tl
+
+    from hearth.kernels import wait_for_producer
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -409,9 +412,11 @@ if triton is not None:
         MERGE_SPLITS: tl.constexpr,
         MERGE_CHUNKS: tl.constexpr,
         MERGE_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """(max, sum, acc) of one split of one KV head's slots for its query heads; see
         FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`)."""
+        wait_for_producer(PDL)
         batch_head = tl.program_id(0)
         split = tl.program_id(1)
         batch = batch_head // KV_HEADS
@@ -594,8 +599,10 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """The merge as its own launch: one program per (query head row, BLOCK_D dims)."""
+        wait_for_producer(PDL)
         _merge_splits(
             part_acc, part_max, part_sum, out, tl.program_id(0), splits,
             tl.program_id(1) * BLOCK_D, 1, HEAD_DIM, BLOCK_D, 1, BLOCK_S, 1, BLOCK_D,
@@ -810,6 +817,7 @@ def decode_attention_rotated(
         SKIP_MASKED=launch.skip_masked_blocks, PRECISION=precision, FINISH=finish,
         MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, MERGE_CHUNKS=merge_chunks,
         MERGE_D=merge_d, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **pdl_options(q),
     )  # fmt: skip
     if finish != _WRITE_PARTIALS:
         return out
@@ -819,7 +827,7 @@ def decode_attention_rotated(
     block_d = min(head_dim, 64, max(16, 8192 // block_s))
     _merge_kernel[(batch * query_heads, head_dim // block_d)](
         part_acc, part_max, part_sum, out, splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4, **pdl_options(q),
     )  # fmt: skip
     return out
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from hearth.kernels import HAS_TRITON
+from hearth.kernels import HAS_TRITON, pdl_options
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from hearth.kernels import wait_for_producer
 
     @triton.jit
     def _append_kernel(
@@ -28,7 +30,9 @@ if HAS_TRITON:
         next_ptr,
         capacity,
         D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_producer(PDL)
         head = tl.program_id(0).to(tl.int64)
         position = tl.load(position_ptr)
         slot = position % capacity
@@ -81,4 +85,5 @@ def append_token_triton(
         capacity,
         D=head_dim,
         num_warps=1 if head_dim <= 256 else 2,
+        **pdl_options(key_buffer),
     )

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.norm import rms_norm_reference
 
 
@@ -49,6 +49,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from hearth.kernels import wait_for_producer
+
     @triton.jit
     def _norm_rope_kernel(
         qkv_ptr,
@@ -70,7 +72,9 @@ if HAS_TRITON:
         D: tl.constexpr,
         V_MODE: tl.constexpr,
         WRITE_CACHE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_producer(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         dims = tl.arange(0, D)
@@ -223,6 +227,7 @@ def norm_rope_triton(
         V_MODE=int(value_mode),
         WRITE_CACHE=cache_write is not None,
         num_warps=2 if head_dim <= 256 else 4,
+        **pdl_options(source),
     )
     if cache_write is not None or not has_kv:
         return q, None, None

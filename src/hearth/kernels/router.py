@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.norm import rms_norm_reference
 
 
@@ -40,12 +40,21 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from hearth.kernels import wait_for_producer
     from hearth.kernels.norm import _norm_row
 
     @triton.jit
     def _router_input_kernel(
-        x_ptr, scale_ptr, out_ptr, eps, factor, N: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        scale_ptr,
+        out_ptr,
+        eps,
+        factor,
+        N: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
         mask = columns < N
@@ -66,6 +75,7 @@ if HAS_TRITON:
         _router_input_kernel[(source.numel() // columns,)](
             source, scale, out, eps, columns**-0.5, N=columns,
             BLOCK=triton.next_power_of_2(columns), num_warps=4 if columns <= 1024 else 8,
+            **pdl_options(source),
         )  # fmt: skip
         return out
 
@@ -79,7 +89,9 @@ if HAS_TRITON:
         BLOCK_E: tl.constexpr,
         TOP_K: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_producer(PDL)
         token = tl.program_id(0).to(tl.int64)
         ids = tl.arange(0, BLOCK_E)
         valid = ids < EXPERTS
@@ -124,6 +136,7 @@ if HAS_TRITON:
             BLOCK_E=triton.next_power_of_2(experts),
             TOP_K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k),
+            **pdl_options(source),
         )
         return weights, ids
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hearth.kernels import HAS_TRITON, kernel_enabled
+from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 
 
 def weighted_slot_sum_reference(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -23,8 +23,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from hearth.kernels import wait_for_producer
+
     @triton.jit
-    def _slot_sum_kernel(y_ptr, w_ptr, out_ptr, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    def _slot_sum_kernel(
+        y_ptr, w_ptr, out_ptr, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
+        wait_for_producer(PDL)
         token = tl.program_id(0).to(tl.int64)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = columns < hidden
@@ -47,7 +52,9 @@ if HAS_TRITON:
         scales = weights.float().contiguous()
         out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
         grid = (tokens, triton.cdiv(hidden, block))
-        _slot_sum_kernel[grid](rows, scales, out, hidden, SLOTS=slots, BLOCK=block)
+        _slot_sum_kernel[grid](
+            rows, scales, out, hidden, SLOTS=slots, BLOCK=block, **pdl_options(rows)
+        )
         return out
 
 
