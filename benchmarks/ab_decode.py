@@ -126,7 +126,6 @@ VARIANTS: dict[str, Patch] = {
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
     "wide-gemv": _set(gemma, "WIDE_GEMV", True),  # qkv, gate/up through the Triton GEMV
     "down-cublas": _set(gemma, "DOWN_GEMV", False),  # down (after the GeGLU kernel): cuBLAS
-    "no-norm-epilogue": _set(gemv, "NORM_EPILOGUE", False),  # add + norms as their own kernel
     "all-gemv": _stacked(_set(gemma, "WIDE_GEMV", True), _set(gemma, "FUSED_GEGLU", True)),
     "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles
     "plan-torch": _set(grouped_matmul, "TRITON_PLAN", False),  # MoE plan from torch ops

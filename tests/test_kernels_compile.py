@@ -4,7 +4,9 @@ CI has no GPU: the kernel tests run in Triton's interpreter, which accepts code 
 compiler rejects (e.g. a kernel reading a plain Python global). Here each kernel is launched
 once in the interpreter at model-like shapes, its launch arguments are recorded, and the
 same function is compiled by Triton's real pipeline down to a Hopper cubin (ptxas ships with
-Triton; no driver is needed).
+Triton; no driver is needed). Kernels with a PDL switch are compiled as the H200 launches
+them, with programmatic dependent launch on, and their PTX must hold the wait for the
+previous kernel.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
         else:
             signature[name] = mangle_type(value)
     options = {key: arguments[key] for key in LAUNCH_OPTIONS if key in arguments}
+    if "PDL" in constants:  # compiled as Hopper launches it: with programmatic dependent launch
+        constants["PDL"] = options["launch_pdl"] = True
     return {
         "module": kernel.fn.__module__,
         "name": kernel.fn.__name__,
@@ -110,6 +114,8 @@ for spec in json.load(sys.stdin):
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
         assert compiled.asm["cubin"]
+        if spec["constants"].get("PDL"):  # waits for the previous kernel before anything else
+            assert "griddepcontrol.wait" in compiled.asm["ptx"], "no PDL wait in the PTX"
     except Exception as error:
         failures.append(f"{spec['name']}: {type(error).__name__}: {str(error)[-600:]}")
 print("\\n".join(failures))

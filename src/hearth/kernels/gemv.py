@@ -3,23 +3,19 @@
 In the decode profile (Gemma 3 12B, H200) cuBLAS runs the wide projections (qkv, gate/up,
 the head) at 94-106% of copy bandwidth, but the two with few outputs (o_proj and down,
 N = hidden) it splits over K and follows with a memset and a reduce kernel per call, and
-down's input first needs its own GeGLU kernel. Here that is one kernel:
+down's input first needs its own GeGLU kernel. Here the projection is one kernel (the
+models run the GeGLU kernel first: folding it in, below, measured slower):
 
 * each program streams BLOCK_N weight rows over one slice of K (coalesced 16-byte loads),
   and the last program of a row block to finish adds the slices' partial sums in slice
   order (deterministic: no float atomics);
 * with `geglu`, the input is `gelu_tanh(gate) * up` computed on the fly from the stacked
-  gate/up output, rounded exactly as `activation.gelu_tanh_mul` rounds;
-* with an `AddNorm` (one row), the last program to finish a row block runs the residual add
-  and the norms that follow the projection in Gemma's layer (`norm.add_rms_norm`, the same
-  code and roundings), which saves that kernel's launch at each decode step.
+  gate/up output, rounded exactly as `activation.gelu_tanh_mul` rounds.
 
 Accumulation is fp32; the output is rounded once to the activations' dtype.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +23,6 @@ from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul, gelu_tanh_mul_reference
-from hearth.kernels.norm import add_rms_norm
 
 # Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
 GEMV_MAX_ROWS = 4
@@ -48,43 +43,12 @@ def gemv(x: Tensor, weight: Tensor, geglu: bool = False) -> Tensor:
     return F.linear(gelu_tanh_mul(x) if geglu else x, weight)
 
 
-class AddNorm(NamedTuple):
-    """What follows a projection y in Gemma's layer: ``add_rms_norm(residual, y, weight, eps,
-    next_weight, normalize_next=True)``, i.e. h = residual + norm(y)·w, then norm(h)·w_next."""
-
-    residual: Tensor
-    weight: Tensor
-    eps: float
-    next_weight: Tensor
-
-
-# The add and norms inside the GEMV's last program (one launch fewer per projection); an A/B
-# switch.
-NORM_EPILOGUE = True
-
-
-def gemv_add_norm(
-    x: Tensor, weight: Tensor, then: AddNorm, geglu: bool = False
-) -> tuple[Tensor, Tensor]:
-    """(h, norm(h)·w_next) of `AddNorm` applied to ``gemv(x, weight, geglu)``: one Triton
-    kernel at a decode step (one row, CUDA); the GEMV and `add_rms_norm` otherwise."""
-    one_row = x.numel() == x.shape[-1]
-    if NORM_EPILOGUE and kernel_enabled(x) and one_row and weight.dtype == x.dtype:
-        return gemv_add_norm_triton(x, weight, then, geglu)
-    summed, normed = add_rms_norm(
-        then.residual, gemv(x, weight, geglu), then.weight, then.eps, then.next_weight, True
-    )
-    assert normed is not None
-    return summed, normed
-
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from hearth.kernels import wait_for_producer
     from hearth.kernels.activation import gelu_tanh
-    from hearth.kernels.norm import add_norm_row
 
     @triton.jit
     def _gemv_kernel(
@@ -94,22 +58,13 @@ if HAS_TRITON:
         partial_ptr,
         counter_ptr,
         M,
-        N: tl.constexpr,
+        N,
         stride_xm,
         stride_wn,
         stride_om,
         coefficient,
-        residual_ptr,
-        norm_w_ptr,
-        next_w_ptr,
-        summed_ptr,
-        normed_ptr,
-        done_ptr,
-        eps,
         K: tl.constexpr,
         GEGLU: tl.constexpr,
-        ADD_NORM: tl.constexpr,
-        BLOCK_ROW: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -150,11 +105,6 @@ if HAS_TRITON:
         out_ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
-            if ADD_NORM:
-                _add_norm_when_last(
-                    out_ptr, residual_ptr, norm_w_ptr, next_w_ptr, summed_ptr, normed_ptr,
-                    done_ptr, eps, tl.num_programs(0), N, BLOCK_ROW,
-                )  # fmt: skip
         else:
             # Partials [SPLIT_K, M, N] fp32; the last slice to finish sums them in order.
             own = m[:, None].to(tl.int64) * N + n[None, :]
@@ -173,36 +123,6 @@ if HAS_TRITON:
                     )
                 tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch / replay
-                if ADD_NORM:
-                    _add_norm_when_last(
-                        out_ptr, residual_ptr, norm_w_ptr, next_w_ptr, summed_ptr, normed_ptr,
-                        done_ptr, eps, tl.num_programs(0), N, BLOCK_ROW,
-                    )  # fmt: skip
-
-    @triton.jit
-    def _add_norm_when_last(
-        out_ptr,
-        residual_ptr,
-        norm_w_ptr,
-        next_w_ptr,
-        summed_ptr,
-        normed_ptr,
-        done_ptr,
-        eps,
-        blocks,
-        N: tl.constexpr,
-        BLOCK_ROW: tl.constexpr,
-    ):
-        """Called by the program that finished a row block of out's one row: the last of the
-        `blocks` to get here runs `AddNorm` on the whole row, then resets the count."""
-        tl.debug_barrier()  # every thread's output is written before the release below
-        finished = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-        if finished == blocks - 1:
-            add_norm_row(
-                out_ptr, residual_ptr, norm_w_ptr, next_w_ptr, out_ptr, summed_ptr, normed_ptr,
-                eps, 0, N, BLOCK_ROW, True, True, False, True, True, True,
-            )  # fmt: skip
-            tl.atomic_xchg(done_ptr, 0)
 
     _TILES = ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (64, 128, 8))
     _CONFIGS = [
@@ -227,7 +147,7 @@ if HAS_TRITON:
 
     _gemv_tuned = triton.autotune(
         configs=_CONFIGS,
-        key=["N", "K", "BLOCK_M", "GEGLU", "ADD_NORM"],
+        key=["N", "K", "BLOCK_M", "GEGLU"],
         prune_configs_by={"early_config_prune": _prune},
     )(_gemv_kernel)
 
@@ -241,28 +161,10 @@ if HAS_TRITON:
             _COUNTERS[device] = counters
         return counters
 
-    _DONE: dict[torch.device, Tensor] = {}
-
     def gemv_triton(
         x: Tensor, weight: Tensor, geglu: bool = False, config: dict | None = None
     ) -> Tensor:
         """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter)."""
-        return _launch(x, weight, geglu, config, None)[0]
-
-    def gemv_add_norm_triton(
-        x: Tensor, weight: Tensor, then: AddNorm, geglu: bool = False, config: dict | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """`gemv_add_norm` in one launch for one row of x."""
-        if x.numel() != x.shape[-1]:
-            raise ValueError("the add-norm epilogue takes one row")
-        _, summed, normed = _launch(x, weight, geglu, config, then)
-        assert summed is not None and normed is not None
-        return summed, normed
-
-    def _launch(
-        x: Tensor, weight: Tensor, geglu: bool, config: dict | None, then: AddNorm | None
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(out, h, norm(h)·w_next): the last two only with `then`."""
         k = weight.shape[-1]
         width = 2 * k if geglu else k
         if x.shape[-1] != width:
@@ -284,22 +186,7 @@ if HAS_TRITON:
         counters = _counters(x.device, triton.cdiv(n, 8)) if split_possible else partial
         args = (rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), weight.stride(0), out.stride(0), SQRT_2_OVER_PI)
-        summed = normed = None
-        if then is None:
-            args += (out, out, out, out, out, partial, 0.0)  # unread
-        else:
-            summed = then.residual.new_empty(then.residual.shape)  # contiguous
-            normed = then.residual.new_empty(then.residual.shape)
-            if summed.numel() != n or then.weight.numel() != n:
-                raise ValueError(f"the norm after the GEMV needs {n} wide residual and weights")
-            done = _DONE.get(x.device)
-            if done is None:  # the finished-row-block count, zero between launches
-                done = _DONE[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-            residual = then.residual.contiguous()
-            args += (residual, then.weight, then.next_weight, summed, normed, done, then.eps)
         constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
-        row_block = triton.next_power_of_2(n) if then is not None else 1
-        constants |= {"ADD_NORM": then is not None, "BLOCK_ROW": row_block}
         constants |= pdl_options(x)
 
         def grid(meta: dict) -> tuple[int, int]:
@@ -310,6 +197,4 @@ if HAS_TRITON:
         else:
             chosen = config or DEFAULT_CONFIG
             _gemv_kernel[grid(chosen)](*args, **constants, **chosen)
-        if then is None:
-            return out.view(*x.shape[:-1], n), None, None
-        return out, summed, normed
+        return out.view(*x.shape[:-1], n)

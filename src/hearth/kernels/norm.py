@@ -35,53 +35,6 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def add_norm_row(
-        x_ptr,
-        residual_ptr,
-        w_ptr,
-        next_w_ptr,
-        scale_ptr,
-        out_ptr,
-        normed_ptr,
-        eps,
-        row,
-        N: tl.constexpr,
-        BLOCK: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        HAS_NEXT: tl.constexpr,
-        HAS_NEXT_WEIGHT: tl.constexpr,
-        X_FROM_L2: tl.constexpr,
-    ):
-        """One row of the module docstring's computation. X_FROM_L2: x was written by other
-        programs of the calling kernel, so read it from L2, not from a possibly stale L1."""
-        columns = tl.arange(0, BLOCK)
-        mask = columns < N
-        # Every load is issued before the first reduction: at batch-1 decode this kernel is
-        # one program per row, so its time is load latency, not bandwidth.
-        if X_FROM_L2:
-            x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        w = tl.load(w_ptr + columns, mask=mask & HAS_WEIGHT, other=0.0)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * N + columns, mask=mask, other=0.0)
-        if HAS_NEXT:
-            next_w = tl.load(next_w_ptr + columns, mask=mask & HAS_NEXT_WEIGHT, other=0.0)
-        y = _norm_row(x, w, eps, N, HAS_WEIGHT)
-        y = y.to(out_ptr.dtype.element_ty)
-        if HAS_RESIDUAL:
-            y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        if HAS_SCALE:  # a second rounding, as the eager multiply after the add
-            y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * N + columns, y, mask=mask)
-        if HAS_NEXT:
-            z = _norm_row(y.to(tl.float32), next_w, eps, N, HAS_NEXT_WEIGHT)
-            tl.store(normed_ptr + row * N + columns, z.to(normed_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         residual_ptr,
@@ -101,11 +54,27 @@ if HAS_TRITON:
         PDL: tl.constexpr,
     ):
         wait_for_producer(PDL)
-        add_norm_row(
-            x_ptr, residual_ptr, w_ptr, next_w_ptr, scale_ptr, out_ptr, normed_ptr, eps,
-            tl.program_id(0).to(tl.int64), N, BLOCK, HAS_WEIGHT, HAS_RESIDUAL, HAS_SCALE,
-            HAS_NEXT, HAS_NEXT_WEIGHT, False,
-        )  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        columns = tl.arange(0, BLOCK)
+        mask = columns < N
+        # Every load is issued before the first reduction: at batch-1 decode this kernel is
+        # one program per row, so its time is load latency, not bandwidth.
+        x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + columns, mask=mask & HAS_WEIGHT, other=0.0)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * N + columns, mask=mask, other=0.0)
+        if HAS_NEXT:
+            next_w = tl.load(next_w_ptr + columns, mask=mask & HAS_NEXT_WEIGHT, other=0.0)
+        y = _norm_row(x, w, eps, N, HAS_WEIGHT)
+        y = y.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if HAS_SCALE:  # a second rounding, as the eager multiply after the add
+            y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * N + columns, y, mask=mask)
+        if HAS_NEXT:
+            z = _norm_row(y.to(tl.float32), next_w, eps, N, HAS_NEXT_WEIGHT)
+            tl.store(normed_ptr + row * N + columns, z.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
-from hearth.kernels.gemv import AddNorm, gemv, gemv_add_norm
+from hearth.kernels.gemv import gemv
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
@@ -56,31 +56,16 @@ def project(
     return linear(x)
 
 
-def project_add_norm(
-    linear: nn.Module, x: torch.Tensor, then: AddNorm, geglu: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`then` (residual add, norm, next norm) after `project(linear, x, geglu)`: with float
-    weights at a GPU decode step, one GEMV kernel whose last program runs the norms."""
-    float_weight = isinstance(linear, nn.Linear) and linear.bias is None
-    if float_weight and (DOWN_GEMV or not geglu):
-        if geglu and not FUSED_GEGLU:
-            x, geglu = gelu_tanh_mul(x), False
-        return gemv_add_norm(x, linear.weight, then, geglu)
-    summed, normed = add_rms_norm(
-        then.residual, project(linear, x, geglu), then.weight, then.eps, then.next_weight, True
-    )
-    assert normed is not None
-    return summed, normed
-
-
 # GeGLU inside the down projection's GEMV: off, as measured slower than the GeGLU kernel
-# plus cuBLAS on the H200 (benchmarks/results/gpu_gemv_bf16-*.md: 39.4 vs 35.5 µs).
+# and then the GEMV (each program recomputes GeGLU for its slice of K): -1.4% vs cuBLAS down,
+# -2.4% vs the Triton GEMV on 12B decode (results/ab_12b_pdl*-2026-12-03.md).
 FUSED_GEGLU = False
 # qkv and gate/up through the Triton GEMV as well: off, cuBLAS reads them at ~97% of copy
-# bandwidth (decode profile); an A/B switch for launch-overlap experiments.
+# bandwidth; -3.8% on 12B decode (results/ab_12b_pdl-2026-12-03.md). An A/B switch.
 WIDE_GEMV = False
-# down after the GeGLU kernel through the Triton GEMV rather than cuBLAS (split-K, a memset
-# and a reduce kernel): +1.0% on 12B decode with PDL (results/ab_12b_pdl_choices-*.md).
+# down after the GeGLU kernel through the Triton GEMV rather than cuBLAS (which splits K and
+# adds a memset and a reduce kernel): +1.0% on 12B decode with PDL
+# (results/ab_12b_pdl_choices-2026-12-03.md).
 DOWN_GEMV = True
 
 
@@ -294,16 +279,6 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cache: LayerCache | None,
     ) -> torch.Tensor:
-        return project(self.o_proj, self.heads(x, rope, positions, cache))
-
-    def heads(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        positions: torch.Tensor,
-        cache: LayerCache | None,
-    ) -> torch.Tensor:
-        """The attention output before o_proj, [batch, length, heads * head_dim]."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length)
@@ -325,7 +300,7 @@ class Attention(nn.Module):
         q = q.unflatten(0, (batch, length)).transpose(1, 2)
         view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, self.scale)
-        return out.transpose(1, 2).reshape(batch, length, -1)
+        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLP(nn.Module):
@@ -339,11 +314,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, self.gate_up(x), geglu=True)
-
-    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        """The stacked gate/up projection, down's input before the GeGLU."""
-        return project(self.gate_up_proj.proj, x, prefer_cublas=True)
+        gate_up = project(self.gate_up_proj.proj, x, prefer_cublas=True)
+        return project(self.down_proj, gate_up, geglu=True)
 
 
 class DecoderLayer(nn.Module):
@@ -374,13 +346,22 @@ class DecoderLayer(nn.Module):
         `normed_input` is `input_layernorm(x)`, computed by the layer before (fused with its
         last residual add): each norm here is fused with the add before it.
         """
-        heads = self.self_attn.heads(normed_input, rope, positions, cache)
-        post_attention, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
-        then = AddNorm(x, post_attention.weight, post_attention.eps, pre_ff.weight)
-        x, normed = project_add_norm(self.self_attn.o_proj, heads, then)
+        attended = self.self_attn(normed_input, rope, positions, cache)
+        x, normed = add_rms_norm(
+            x,
+            attended,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps,
+            self.pre_feedforward_layernorm.weight,
+            normalize_next=True,
+        )
+        assert normed is not None
         post_ff = self.post_feedforward_layernorm
-        then = AddNorm(x, post_ff.weight, post_ff.eps, next_norm.weight)
-        return project_add_norm(self.mlp.down_proj, self.mlp.gate_up(normed), then, geglu=True)
+        x, normed_next = add_rms_norm(
+            x, self.mlp(normed), post_ff.weight, post_ff.eps, next_norm.weight, True
+        )
+        assert normed_next is not None
+        return x, normed_next
 
 
 class Embedding(nn.Embedding):
