@@ -41,7 +41,7 @@ from hearth.bench.measure import (
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
 from hearth.generate import default_prefill_step
-from hearth.kernels import affine_matmul, gemv, grouped_matmul
+from hearth.kernels import activation, affine_matmul, gemv, grouped_matmul, norm, rope
 from hearth.kernels import decode_attention as attention
 from hearth.models import gemma
 
@@ -125,6 +125,13 @@ VARIANTS: dict[str, Patch] = {
     "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
     "wide-gemv": _set(gemma, "WIDE_GEMV", True),  # qkv, gate/up through the Triton GEMV
+    "norm-w4": _set(norm, "_warps", lambda columns: 4),  # RMSNorm launch width
+    "norm-w16": _set(norm, "_warps", lambda columns: 16),
+    "gelu-512": _set(activation, "BLOCK", 512),  # GeGLU kernel's elements per program
+    "gelu-2048": _set(activation, "BLOCK", 2048),
+    "rope-w4": _set(rope, "_warps", lambda head_dim: 4),  # norm_rope launch width
+    "rope-w1": _set(rope, "_warps", lambda head_dim: 1),
+    "qkv-gemv": _set(gemma, "QKV_GEMV", True),  # qkv through the Triton GEMV
     "down-cublas": _set(gemma, "DOWN_GEMV", False),  # down (after the GeGLU kernel): cuBLAS
     "all-gemv": _stacked(_set(gemma, "WIDE_GEMV", True), _set(gemma, "FUSED_GEGLU", True)),
     "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles

@@ -7,6 +7,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh pending   # what the last stop could not run on the GPU
 #   OUT=/tmp/out benchmarks/gpu_suite.sh pdl       # PDL on/off A/B with logit checks, MoE plan
 #   OUT=/tmp/out benchmarks/gpu_suite.sh epilogue  # GEMV add-norm epilogue: tests, parity, A/B, bench
+#   OUT=/tmp/out benchmarks/gpu_suite.sh final     # headline benches after PDL
 #   OUT=/tmp/out benchmarks/gpu_suite.sh ncu       # Nsight Compute on the 4-bit GEMV
 set -u
 PART=${1:-kernels}
@@ -97,6 +98,15 @@ stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 130 ab-12b-epilogue python benchmarks/ab_decode.py --models gemma3-12b --variants base,no-norm-epilogue,down-cublas,pdl-off --rounds 3 --check --name 12b_epilogue
 stage 150 ab-gemma4-pdl python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,pdl-off --rounds 3 --check --name gemma4_pdl
 stage 100 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+elif [ "$PART" = final ]; then  # the headline numbers after PDL, then launch widths of the small kernels
+stage 100 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 60 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 60 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"
+stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
+stage 80 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-31b.md"
+stage 130 ab-12b-widths python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-w4,norm-w16,attn-n32-w8,qkv-gemv,gelu-2048,rope-w4 --rounds 2 --name 12b_widths
+elif [ "$PART" = widths ]; then  # 12B decode: launch widths and tiles of the small kernels
+stage 300 ab-12b-widths python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-w4,norm-w16,attn-n32-w8,qkv-gemv,gelu-512,gelu-2048,rope-w4,rope-w1 --rounds 3 --name 12b_widths
 elif [ "$PART" = ncu ]; then  # what bounds the 4-bit GEMV (needs ncu + counters)
 stage 200 ncu-gemv bash benchmarks/ncu_gemv_affine.sh
 stage 200 ncu-gemv-x-order bash benchmarks/ncu_gemv_affine.sh x-order

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+# Elements per program of the GeGLU kernel.
+BLOCK = 1024
 
 if HAS_TRITON:
     import triton
@@ -77,10 +79,11 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_mul_triton(
-    gate_up: torch.Tensor, up: torch.Tensor | None = None, block: int = 1024
+    gate_up: torch.Tensor, up: torch.Tensor | None = None, block: int | None = None
 ) -> torch.Tensor:
     gate, up = _gate_and_up(gate_up, up)
     width = gate.shape[-1]
+    block = block or BLOCK
     gates, ups = _rows(gate), _rows(up)
     out = torch.empty((*gate.shape[:-1], width), dtype=gate.dtype, device=gate.device)
     grid = (gates.shape[0], triton.cdiv(width, block))

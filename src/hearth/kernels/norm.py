@@ -100,6 +100,10 @@ def add_rms_norm_reference(
     return summed, normed
 
 
+def _warps(columns: int) -> int:
+    return 4 if columns <= 1024 else 8 if columns <= 8192 else 16
+
+
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -133,7 +137,7 @@ def _launch(
         HAS_SCALE=scale is not None,
         HAS_NEXT=normalize_next,
         HAS_NEXT_WEIGHT=next_weight is not None,
-        num_warps=4 if columns <= 1024 else 8 if columns <= 8192 else 16,
+        num_warps=_warps(columns),
         **pdl_options(x),
     )
     return out, normed

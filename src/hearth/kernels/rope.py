@@ -179,6 +179,10 @@ def norm_rope_reference(
     return q, k, v.contiguous()
 
 
+def _warps(head_dim: int) -> int:
+    return 2 if head_dim <= 256 else 4
+
+
 def norm_rope_triton(
     qkv: torch.Tensor,
     q_heads: int,
@@ -226,7 +230,7 @@ def norm_rope_triton(
         D=head_dim,
         V_MODE=int(value_mode),
         WRITE_CACHE=cache_write is not None,
-        num_warps=2 if head_dim <= 256 else 4,
+        num_warps=_warps(head_dim),
         **pdl_options(source),
     )
     if cache_write is not None or not has_kv:
