@@ -131,7 +131,6 @@ VARIANTS: dict[str, Patch] = {
     "gelu-2048": _set(activation, "BLOCK", 2048),
     "rope-w4": _set(rope, "_warps", lambda head_dim: 4),  # norm_rope launch width
     "rope-w1": _set(rope, "_warps", lambda head_dim: 1),
-    "qkv-gemv": _set(gemma, "QKV_GEMV", True),  # qkv through the Triton GEMV
     "down-cublas": _set(gemma, "DOWN_GEMV", False),  # down (after the GeGLU kernel): cuBLAS
     "all-gemv": _stacked(_set(gemma, "WIDE_GEMV", True), _set(gemma, "FUSED_GEGLU", True)),
     "grouped-m128": _set(grouped_matmul, "LARGE_BLOCK_M", 128),  # MoE prefill tiles

@@ -104,9 +104,16 @@ stage 60 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4
 stage 60 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"
 stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 stage 80 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-31b.md"
-stage 130 ab-12b-widths python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-w4,norm-w16,attn-n32-w8,qkv-gemv,gelu-2048,rope-w4 --rounds 2 --name 12b_widths
+stage 130 ab-12b-widths python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-w4,norm-w16,attn-n32-w8,gelu-2048,rope-w4 --rounds 2 --name 12b_widths
 elif [ "$PART" = widths ]; then  # 12B decode: launch widths and tiles of the small kernels
-stage 300 ab-12b-widths python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-w4,norm-w16,attn-n32-w8,qkv-gemv,gelu-512,gelu-2048,rope-w4,rope-w1 --rounds 3 --name 12b_widths
+stage 300 ab-12b-widths python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-w4,norm-w16,attn-n32-w8,gelu-512,gelu-2048,rope-w4,rope-w1 --rounds 3 --name 12b_widths
+elif [ "$PART" = repeat ]; then  # GPU tests after PDL; 12B bf16 decode twice more (spread)
+stage 90 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
+stage 70 bench-12b-a python -m hearth.cli bench --random gemma3-12b --contexts 512,8192 --prefill 512 --out "$OUT/bench-gemma3-12b-a.md"
+stage 70 bench-12b-b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192 --prefill 512 --out "$OUT/bench-gemma3-12b-b.md"
+elif [ "$PART" = pdl-prefill ]; then  # does PDL change prefill? E4B and 12B at 4096 tokens
+stage 100 ab-e4b-prefill python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,pdl-off --rounds 3 --name e4b_prefill_pdl
+stage 100 ab-12b-prefill python benchmarks/ab_decode.py --models gemma3-12b --prefill 4096 --variants base,pdl-off --rounds 3 --name 12b_prefill_pdl
 elif [ "$PART" = ncu ]; then  # what bounds the 4-bit GEMV (needs ncu + counters)
 stage 200 ncu-gemv bash benchmarks/ncu_gemv_affine.sh
 stage 200 ncu-gemv-x-order bash benchmarks/ncu_gemv_affine.sh x-order

@@ -67,8 +67,6 @@ WIDE_GEMV = False
 # adds a memset and a reduce kernel): +1.0% on 12B decode with PDL
 # (results/ab_12b_pdl_choices-2026-12-03.md).
 DOWN_GEMV = True
-# qkv alone through the Triton GEMV (an A/B switch).
-QKV_GEMV = False
 
 
 class RMSNorm(nn.Module):
@@ -287,7 +285,7 @@ class Attention(nn.Module):
         # Norms, rotation and the V split in one kernel on the GPU (the torch reference here),
         # which at a GPU decode step also stores K/V in the cache.
         q, k, v = norm_rope(
-            project(self.qkv_proj.proj, x, prefer_cublas=not QKV_GEMV).flatten(0, 1),
+            project(self.qkv_proj.proj, x, prefer_cublas=True).flatten(0, 1),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
