@@ -255,3 +255,33 @@ def test_router_input(dtype: torch.dtype) -> None:
     close(expected, oracle_rms_norm(x, None) * scale.double() / math.sqrt(2816), dtype)
     with pytest.raises(ValueError, match="does not match"):
         router_input_triton(x, scale[:100], EPS)
+
+
+def test_pdl_launches_only_small_cuda_kernels_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The interpreter never sees `launch_pdl` (CPU tensors); on a GPU a decode-sized launch
+    # takes it where the device has PDL (sm_90+), a long prefill's does not, nor any with
+    # the kill switch off. A stand-in object plays the CUDA tensor (is_cuda, device, numel).
+    import hearth.kernels as kernels
+
+    assert kernels.pdl_options(torch.zeros(1, 3840)) == {"PDL": False}
+
+    class FakeCuda:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+        def __init__(self, numel: int) -> None:
+            self._numel = numel
+
+        def numel(self) -> int:
+            return self._numel
+
+    monkeypatch.setattr(kernels, "_device_has_pdl", lambda index: True)
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)
+    on = {"PDL": True, "launch_pdl": True}
+    assert kernels.pdl_options(FakeCuda(3840)) == on  # type: ignore[arg-type]
+    assert kernels.pdl_options(FakeCuda(4096 * 3840)) == {"PDL": False}  # type: ignore[arg-type]
+    monkeypatch.setattr(kernels, "_device_has_pdl", lambda index: False)  # e.g. an A100
+    assert kernels.pdl_options(FakeCuda(3840)) == {"PDL": False}  # type: ignore[arg-type]
+    monkeypatch.setattr(kernels, "_device_has_pdl", lambda index: True)
+    monkeypatch.setattr(kernels, "PDL", False)
+    assert kernels.pdl_options(FakeCuda(3840)) == {"PDL": False}  # type: ignore[arg-type]

@@ -29,8 +29,12 @@ def kernel_enabled(tensor: torch.Tensor) -> bool:
 # the kernel before it in the stream is still finishing, and waits (`wait_for_producer`)
 # before it touches memory. The decode step is ~600 short kernels, and the gap between two
 # of them is of the order of a microsecond; with PDL the next kernel's launch overlaps the
-# previous one's tail. A kill switch for A/B measurements.
+# previous one's tail. Only for small launches: a 4096-token prefill measured 1.0% slower with
+# it (results/ab_12b_prefill_pdl-2026-12-03.md). A kill switch for A/B measurements.
 PDL = True
+# Largest activation tensor (elements) whose kernels launch with PDL: a decode step's (31B's
+# stacked gate/up output is 43k) and prefill chunks of a few tokens, not long prefills.
+PDL_MAX_ELEMENTS = 1 << 17
 
 
 @functools.cache
@@ -41,7 +45,14 @@ def _device_has_pdl(index: int) -> bool:
 def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
     """Launch keywords for a kernel whose first step is `wait_for_producer(PDL)`: the
     constexpr `PDL` and Triton's `launch_pdl`, on where the device supports it."""
-    on = PDL and HAS_TRITON and tensor.is_cuda and _device_has_pdl(tensor.device.index or 0)
+    small = tensor.numel() <= PDL_MAX_ELEMENTS
+    on = (
+        PDL
+        and small
+        and HAS_TRITON
+        and tensor.is_cuda
+        and _device_has_pdl(tensor.device.index or 0)
+    )
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 

@@ -85,5 +85,5 @@ def append_token_triton(
         capacity,
         D=head_dim,
         num_warps=1 if head_dim <= 256 else 2,
-        **pdl_options(key_buffer),
+        **pdl_options(keys),
     )
