@@ -4,7 +4,7 @@
 # one slow stage cannot take the others down. Two parts, each within one 10-minute device call:
 #   OUT=/tmp/out benchmarks/gpu_suite.sh kernels   # checks, kernels, Gemma 3 12B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh models    # KV layouts at long context, Gemma 4 models
-#   OUT=/tmp/out benchmarks/gpu_suite.sh pending   # what the last stop could not run on the GPU
+#   OUT=/tmp/out benchmarks/gpu_suite.sh pending   # the MoE prefill plan: grouped kernels, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh pdl       # PDL on/off A/B with logit checks, MoE plan
 #   OUT=/tmp/out benchmarks/gpu_suite.sh epilogue  # GEMV add-norm epilogue: tests, parity, A/B, bench
 #   OUT=/tmp/out benchmarks/gpu_suite.sh final     # headline benches after PDL
@@ -77,7 +77,7 @@ stage 60 profile-e4b-prefill python benchmarks/gpu_profile_decode.py --model e4b
 stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 80 profile-12b-4bit python benchmarks/gpu_profile_decode.py --model gemma3-12b --quant 4bit --context 512
 stage 80 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
-elif [ "$PART" = pending ]; then  # left by the 2026-12-03 evening stop: the MoE plan kernels
+elif [ "$PART" = pending ]; then  # the MoE plan kernels against the torch plan, 26B prefill A/B (run 2026-12-03 night)
 stage 200 grouped python benchmarks/gpu_kernels_grouped.py
 stage 150 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,plan-torch --rounds 3 --name 26b_prefill_plan
 stage 120 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"

@@ -40,6 +40,12 @@ from tiny import (
 )
 
 ATOL = 5e-5
+# The multimodal checkpoint goes through HF's Gemma4ForConditionalGeneration, whose text path
+# differs most from Hearth's chunked-and-cached one in fp32 op order: 5.8e-5 measured (3.1e-6
+# of its largest logit, 19; AMD EPYC, 2026-12-03) where the CausalLM comparisons here stay
+# within 3.4e-5. Twice that measured value; a real error (a wrong scale, mask or weight) moves
+# logits by 1e-2 or more.
+MULTIMODAL_ATOL = 1.2e-4
 PROMPT, TOTAL = 30, 50  # prompt longer than the sliding window of 8, then 20 decode steps
 
 PLE = {"hidden_size_per_layer_input": 8}
@@ -266,7 +272,10 @@ def test_multimodal_checkpoint_skips_towers_and_sharer_kv(tmp_path: Path) -> Non
     assert parse_config(outer) == parse_config(open_checkpoint(path).config)
     ids = _ids(TOTAL)
     torch.testing.assert_close(
-        _cached_logits(_hearth(path), ids, chunk=13), _hf_logits(hf, ids), atol=ATOL, rtol=0
+        _cached_logits(_hearth(path), ids, chunk=13),
+        _hf_logits(hf, ids),
+        atol=MULTIMODAL_ATOL,
+        rtol=0,
     )
 
 
