@@ -50,8 +50,9 @@ def project(
     copy bandwidth; the switches below pick the measured-faster path for each."""
     float_weight = isinstance(linear, nn.Linear) and linear.bias is None
     if geglu and not (FUSED_GEGLU and float_weight):
-        x, geglu, prefer_cublas = gelu_tanh_mul(x), False, not DOWN_GEMV
-    if float_weight and not (prefer_cublas and not WIDE_GEMV):
+        x, geglu = gelu_tanh_mul(x), False
+        prefer_cublas = not DOWN_GEMV  # down, after the GeGLU kernel
+    if float_weight and (WIDE_GEMV or not prefer_cublas):
         return gemv(x, linear.weight, geglu)
     return linear(x)
 
