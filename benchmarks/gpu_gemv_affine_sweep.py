@@ -1,0 +1,161 @@
+"""Launch sweep of the 4-bit affine GEMV as decode runs it: back-to-back calls in a CUDA graph.
+
+`gemv_config` was fitted to `do_bench` timings of single calls with L2 flushed between them.
+In a decode step the GEMV follows other kernels in a CUDA graph, with programmatic dependent
+launch. This times each launch config that way: per shape, a graph of one call on each of
+several distinct weights (together past the 50 MB L2, so every call reads DRAM), replayed;
+µs per call and its share of the 4.2 TB/s copy bandwidth over the bytes one call moves
+(packed words, scales, biases). Each config's output is first checked against the torch
+reference (bound as benchmarks/gpu_kernels_affine.py).
+
+Nsight Compute put the 4-bit GEMV at 1.8 active warps per scheduler with 0.4 eligible (12B
+down, split 2; results/ncu_gemv_x_order-2026-12-03.txt): latency bound, too few bytes in
+flight. More row blocks, K splits, groups per step and warps all add bytes in flight.
+
+    OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_gemv_affine_sweep.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import torch
+
+from gpu_kernels_affine import COPY_BANDWIDTH, packed_weight, within_bound
+from hearth.kernels import affine_matmul as am
+from hearth.quant.mlx import dequantize_affine
+
+BITS, GROUP = 4, 64
+L2_BYTES = 50 << 20
+# Gemma 3 12B's decode GEMVs (q/k/v fused, o, gate/up fused, down) and the tied head.
+SHAPES = [
+    (8192, 3840, "12B qkv"),
+    (3840, 4096, "12B o"),
+    (30720, 3840, "12B gate/up"),
+    (3840, 15360, "12B down"),
+    (262144, 3840, "tied head"),
+]
+BLOCK_N = (32, 64)
+BLOCK_G = (4, 8, 16)
+SPLITS = (1, 2, 4, 8)
+WARPS = (4, 8)
+
+
+def configs(k: int) -> list[am.GemvConfig]:
+    found = []
+    for n, g, split, warps in itertools.product(BLOCK_N, BLOCK_G, SPLITS, WARPS):
+        if k // GROUP < g * split:  # each split needs at least one whole step
+            continue
+        found.append(am.GemvConfig(n, g, warps, split, True, split == 1))
+    return found
+
+
+def time_graph(calls: list) -> float:
+    """µs per call: the calls captured once into a graph, replayed; median of 5 timings."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    replays, samples = 20, []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    return sorted(samples)[2]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows, best = [], []
+    for n, k, label in SHAPES:
+        weights = [packed_weight(n, k, BITS, GROUP)]
+        moved = sum(t.numel() * t.element_size() for t in weights[0])
+        while len(weights) * moved < 4 * L2_BYTES and len(weights) < 16:
+            weights.append(packed_weight(n, k, BITS, GROUP))
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        check = None
+        if n <= 65536:
+            packed, scales, biases = weights[0]
+            weight = dequantize_affine(packed, scales, biases, BITS, GROUP).to(torch.bfloat16)
+            want = torch.nn.functional.linear(x, weight)
+            check = (want, x.double().abs() @ weight.double().abs().T)
+            del weight
+        chosen = am.gemv_config(n, k, BITS, GROUP, sms)
+        timed = []
+        for config in configs(k):
+            verdict = "-"
+            if check is not None:
+                got = am.affine_gemv_triton(x, *weights[0], BITS, GROUP, config)
+                verdict = within_bound(got, check[0], check[1], k)
+                if not verdict.startswith("ok"):
+                    rows.append([label, str(config), "-", "-", verdict])
+                    continue
+            calls = [
+                (lambda w=w, c=config, x=x: am.affine_gemv_triton(x, *w, BITS, GROUP, c))
+                for w in weights
+            ]
+            micros = time_graph(calls)
+            share = moved / (micros * 1e-6) / COPY_BANDWIDTH
+            timed.append((micros, config))
+            mark = " (heuristic)" if config == chosen else ""
+            rows.append([label, f"{config}{mark}", f"{micros:.1f}", f"{share:.0%}", verdict])
+            print(label, config, f"{micros:.1f} µs {share:.0%}", verdict, flush=True)
+        timed.sort(key=lambda t: t[0])
+        mine = next((m for m, c in timed if c == chosen), float("nan"))
+        fastest, config = timed[0]
+        best.append(
+            [
+                f"{label} {n}x{k}",
+                f"{chosen}: {mine:.1f}",
+                f"{config}: {fastest:.1f}",
+                f"{moved / (fastest * 1e-6) / COPY_BANDWIDTH:.0%}",
+                f"{mine / fastest:.2f}x",
+            ]
+        )
+    stamp = time.strftime("%Y-%m-%d")
+    lines = [
+        f"# 4-bit affine GEMV launch sweep in CUDA graphs ({stamp}, "
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+        f"triton {am.triton.__version__})",
+        "",
+        "MLX 4-bit g64, M=1. µs per call: a graph of back-to-back calls on distinct weights "
+        "(past L2), replayed; % of 4.2 TB/s over the packed words, scales and biases.",
+        "",
+        "| shape | heuristic: µs | fastest: µs | % of 4.2 TB/s | heuristic / fastest |",
+        "|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in best),
+        "",
+        "## Every config",
+        "",
+        "| shape | config | µs | % of 4.2 TB/s | check |",
+        "|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_gemv_affine_sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[: 12 + len(best)]))
+
+
+if __name__ == "__main__":
+    main()
