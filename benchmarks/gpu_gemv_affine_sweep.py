@@ -10,7 +10,8 @@ reference (bound as benchmarks/gpu_kernels_affine.py).
 
 Nsight Compute put the 4-bit GEMV at 1.8 active warps per scheduler with 0.4 eligible (12B
 down, split 2; results/ncu_gemv_x_order-2026-12-03.txt): latency bound, too few bytes in
-flight. More row blocks, K splits, groups per step and warps all add bytes in flight.
+flight. More row blocks, K splits, groups per step, steps loaded ahead (`prefetch`) and
+warps all add bytes in flight.
 
     OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_gemv_affine_sweep.py
 """
@@ -53,7 +54,9 @@ def configs(k: int) -> list[am.GemvConfig]:
     for n, g, split, warps in itertools.product(BLOCK_N, BLOCK_G, SPLITS, WARPS):
         if k // GROUP < g * split:  # each split needs at least one whole step
             continue
-        found.append(am.GemvConfig(n, g, warps, split, True, split == 1))
+        found.append(am.GemvConfig(n, g, warps, split, 1, split == 1))
+        if g <= 8 and warps == 4:  # two steps loaded ahead: as many bytes in flight as G x 2
+            found.append(am.GemvConfig(n, g, warps, split, 2, split == 1))
     return found
 
 

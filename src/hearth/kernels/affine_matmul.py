@@ -196,12 +196,12 @@ class GemvConfig:
     block_g: int
     warps: int = 4
     split_k: int = 1
-    prefetch: bool = False  # load step s + 1 before step s's arithmetic
+    prefetch: int = 0  # steps loaded ahead of the arithmetic: 0, 1 or 2
     codes_major_x: bool = False  # read x reordered by `codes_major` where it fits
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
-        prefetch = " prefetch" if self.prefetch else ""
+        prefetch = {0: "", 1: " prefetch"}.get(self.prefetch, f" prefetch{self.prefetch}")
         ordered = " x-codes-major" if self.codes_major_x else ""
         return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}{ordered}"
 
@@ -266,7 +266,7 @@ def gemv_config(
         block_n,
         block_g,
         split_k=split,
-        prefetch=bits in GEMV_PREFETCH_BITS,
+        prefetch=int(bits in GEMV_PREFETCH_BITS),
         codes_major_x=bits == 4 and split == 1,
     )
 
@@ -482,7 +482,39 @@ if HAS_TRITON:
         acc2 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         whole = (g_end - g0) // BLOCK_G  # steps without masks
-        if PREFETCH and whole > 0:
+        if PREFETCH == 2 and whole > 1:
+            # Two steps ahead: while step s computes, steps s + 1 and s + 2 are in flight.
+            words, scale, bias = _load_step(
+                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
+                WPG, BLOCK_G, False,
+            )  # fmt: skip
+            words1, scale1, bias1 = _load_step(
+                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0 + BLOCK_G,
+                g_end, WPG, BLOCK_G, False,
+            )  # fmt: skip
+            last = g0 + (whole - 2) * BLOCK_G
+            while g0 < last:
+                words2, scale2, bias2 = _load_step(
+                    packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows,
+                    g0 + 2 * BLOCK_G, g_end, WPG, BLOCK_G, False,
+                )  # fmt: skip
+                acc0, acc1, acc2, acc3 = _gemv_step(
+                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+                )  # fmt: skip
+                words, scale, bias = words1, scale1, bias1
+                words1, scale1, bias1 = words2, scale2, bias2
+                g0 += BLOCK_G
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+            )  # fmt: skip
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                acc0, acc1, acc2, acc3, words1, scale1, bias1, x_ptr, g0 + BLOCK_G, g_end,
+                stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+            )  # fmt: skip
+            g0 += 2 * BLOCK_G
+        if PREFETCH == 1 and whole > 0:
             # Register double buffering: the next step's words are requested before this
             # step's arithmetic, so one program keeps two steps of loads in flight (a `while`
             # loop is not software-pipelined by Triton).
@@ -889,7 +921,7 @@ if HAS_TRITON:
             BLOCK_N=config.block_n,
             BLOCK_G=config.block_g,
             SPLIT_K=config.split_k,
-            PREFETCH=config.prefetch,
+            PREFETCH=int(config.prefetch),
             X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
             num_warps=config.warps,
             **pdl_options(x),
