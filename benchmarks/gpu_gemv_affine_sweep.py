@@ -18,7 +18,9 @@ warps all add bytes in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
 import sys
 import time
@@ -90,6 +92,7 @@ def main() -> None:
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows, best = [], []
+    fastest_configs: dict[str, dict] = {}
     for n, k, label in SHAPES:
         weights = [packed_weight(n, k, BITS, GROUP)]
         moved = sum(t.numel() * t.element_size() for t in weights[0])
@@ -124,6 +127,7 @@ def main() -> None:
             rows.append([label, f"{config}{mark}", f"{micros:.1f}", f"{share:.0%}", verdict])
             print(label, config, f"{micros:.1f} µs {share:.0%}", verdict, flush=True)
         timed.sort(key=lambda t: t[0])
+        fastest_configs[f"{n}x{k}"] = dataclasses.asdict(timed[0][1])
         mine = next((m for m, c in timed if c == chosen), float("nan"))
         fastest, config = timed[0]
         best.append(
@@ -157,6 +161,8 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_gemv_affine_sweep.md").write_text("\n".join(lines) + "\n")
+    # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv4-sweep` variant.
+    (out / "gpu_gemv_affine_sweep.json").write_text(json.dumps(fastest_configs, indent=1))
     print("\n".join(lines[: 12 + len(best)]))
 
 
