@@ -10,14 +10,15 @@ reference (bound as benchmarks/gpu_kernels_affine.py).
 
 Nsight Compute put the 4-bit GEMV at 1.8 active warps per scheduler with 0.4 eligible (12B
 down, split 2; results/ncu_gemv_x_order-2026-12-03.txt): latency bound, too few bytes in
-flight. More row blocks, K splits, groups per step, steps loaded ahead (`prefetch`) and
-warps all add bytes in flight.
+flight. More row blocks, K splits, groups per step and warps all add bytes in flight. (A
+loop loading two steps ahead was also timed on 2026-12-03 and won nowhere: dropped.)
 
-    OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_gemv_affine_sweep.py
+    OUT=/tmp/out PYTHONPATH=src python benchmarks/gpu_gemv_affine_sweep.py [--bits 8] [--no-head]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -35,7 +36,7 @@ from gpu_kernels_affine import COPY_BANDWIDTH, packed_weight, within_bound
 from hearth.kernels import affine_matmul as am
 from hearth.quant.mlx import dequantize_affine
 
-BITS, GROUP = 4, 64
+GROUP = 64
 L2_BYTES = 50 << 20
 # Gemma 3 12B's decode GEMVs (q/k/v fused, o, gate/up fused, down) and the tied head.
 SHAPES = [
@@ -45,20 +46,22 @@ SHAPES = [
     (3840, 15360, "12B down"),
     (262144, 3840, "tied head"),
 ]
-BLOCK_N = (32, 64)
-BLOCK_G = (4, 8, 16)
-SPLITS = (1, 2, 4, 8)
-WARPS = (4, 8)
 
 
-def configs(k: int) -> list[am.GemvConfig]:
+def configs(k: int, bits: int) -> list[am.GemvConfig]:
+    """4-bit: rows, groups per step, splits, warps, with the prefetching loop and x
+    codes-major where unsplit (as `gemv_config` launches 4-bit). 8-bit: rows, groups, splits,
+    with and without the prefetching loop, x in input order."""
+    if bits == 4:
+        grid = itertools.product((32, 64), (4, 8, 16), (1, 2, 4, 8), (4, 8), (True,))
+    else:
+        grid = itertools.product((16, 32), (4, 8, 16), (1, 2, 4, 8), (4,), (False, True))
     found = []
-    for n, g, split, warps in itertools.product(BLOCK_N, BLOCK_G, SPLITS, WARPS):
+    for n, g, split, warps, prefetch in grid:
         if k // GROUP < g * split:  # each split needs at least one whole step
             continue
-        found.append(am.GemvConfig(n, g, warps, split, 1, split == 1))
-        if g <= 8 and warps == 4:  # two steps loaded ahead: as many bytes in flight as G x 2
-            found.append(am.GemvConfig(n, g, warps, split, 2, split == 1))
+        codes_major = bits == 4 and split == 1
+        found.append(am.GemvConfig(n, g, warps, split, prefetch, codes_major))
     return found
 
 
@@ -89,35 +92,41 @@ def time_graph(calls: list) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bits", type=int, default=4, choices=am.KERNEL_BITS)
+    parser.add_argument("--no-head", action="store_true", help="skip the 262144-row head")
+    args = parser.parse_args()
+    bits = args.bits
+    shapes = SHAPES[:-1] if args.no_head else SHAPES
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows, best = [], []
     fastest_configs: dict[str, dict] = {}
-    for n, k, label in SHAPES:
-        weights = [packed_weight(n, k, BITS, GROUP)]
+    for n, k, label in shapes:
+        weights = [packed_weight(n, k, bits, GROUP)]
         moved = sum(t.numel() * t.element_size() for t in weights[0])
         while len(weights) * moved < 4 * L2_BYTES and len(weights) < 16:
-            weights.append(packed_weight(n, k, BITS, GROUP))
+            weights.append(packed_weight(n, k, bits, GROUP))
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         check = None
         if n <= 65536:
             packed, scales, biases = weights[0]
-            weight = dequantize_affine(packed, scales, biases, BITS, GROUP).to(torch.bfloat16)
+            weight = dequantize_affine(packed, scales, biases, bits, GROUP).to(torch.bfloat16)
             want = torch.nn.functional.linear(x, weight)
             check = (want, x.double().abs() @ weight.double().abs().T)
             del weight
-        chosen = am.gemv_config(n, k, BITS, GROUP, sms)
+        chosen = am.gemv_config(n, k, bits, GROUP, sms)
         timed = []
-        for config in configs(k):
+        for config in configs(k, bits):
             verdict = "-"
             if check is not None:
-                got = am.affine_gemv_triton(x, *weights[0], BITS, GROUP, config)
+                got = am.affine_gemv_triton(x, *weights[0], bits, GROUP, config)
                 verdict = within_bound(got, check[0], check[1], k)
                 if not verdict.startswith("ok"):
                     rows.append([label, str(config), "-", "-", verdict])
                     continue
             calls = [
-                (lambda w=w, c=config, x=x: am.affine_gemv_triton(x, *w, BITS, GROUP, c))
+                (lambda w=w, c=config, x=x: am.affine_gemv_triton(x, *w, bits, GROUP, c))
                 for w in weights
             ]
             micros = time_graph(calls)
@@ -141,11 +150,11 @@ def main() -> None:
         )
     stamp = time.strftime("%Y-%m-%d")
     lines = [
-        f"# 4-bit affine GEMV launch sweep in CUDA graphs ({stamp}, "
+        f"# {bits}-bit affine GEMV launch sweep in CUDA graphs ({stamp}, "
         f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
         f"triton {am.triton.__version__})",
         "",
-        "MLX 4-bit g64, M=1. µs per call: a graph of back-to-back calls on distinct weights "
+        f"MLX {bits}-bit g64, M=1. µs per call: a graph of back-to-back calls on distinct weights "
         "(past L2), replayed; % of 4.2 TB/s over the packed words, scales and biases.",
         "",
         "| shape | heuristic: µs | fastest: µs | % of 4.2 TB/s | heuristic / fastest |",
@@ -160,9 +169,10 @@ def main() -> None:
     ]
     out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_gemv_affine_sweep.md").write_text("\n".join(lines) + "\n")
-    # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv4-sweep` variant.
-    (out / "gpu_gemv_affine_sweep.json").write_text(json.dumps(fastest_configs, indent=1))
+    (out / f"gpu_gemv_affine_sweep_{bits}bit.md").write_text("\n".join(lines) + "\n")
+    # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv4-json` variant.
+    fastest = out / f"gpu_gemv_affine_sweep_{bits}bit.json"
+    fastest.write_text(json.dumps(fastest_configs, indent=1))
     print("\n".join(lines[: 12 + len(best)]))
 
 

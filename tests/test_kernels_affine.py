@@ -80,19 +80,16 @@ def _quantized(n: int, k: int, bits: int, group: int, dtype: torch.dtype, lead=(
 # last a tail (3 groups in splits of 2). None is the heuristic's own launch. The prefetching
 # loop (step s + 1 loaded before step s is added) runs 3, 1 or 0 whole steps before a tail
 # ("prefetch"), 12, 6 or 3 whole steps and no tail ("prefetch G1"), and split ("prefetch
-# split3"). Two steps ahead ("prefetch2"): 3, 1 or 0 whole steps (the last two fall back to
-# the plain loop), and 12 / 6 / 3 with no tail ("prefetch2 G1").
+# split3").
 GEMV_N, GEMV_K = 21, 384
 GEMV_CONFIGS = {
     "heuristic": None,
     "whole": am.GemvConfig(16, 4),
     "split2": am.GemvConfig(8, 8, split_k=2),
     "split3": am.GemvConfig(32, 2, split_k=3),
-    "prefetch": am.GemvConfig(16, 4, prefetch=1),
-    "prefetch G1": am.GemvConfig(8, 1, prefetch=1),
-    "prefetch split3": am.GemvConfig(32, 2, split_k=3, prefetch=1),
-    "prefetch2": am.GemvConfig(16, 4, prefetch=2),
-    "prefetch2 G1": am.GemvConfig(8, 1, prefetch=2),
+    "prefetch": am.GemvConfig(16, 4, prefetch=True),
+    "prefetch G1": am.GemvConfig(8, 1, prefetch=True),
+    "prefetch split3": am.GemvConfig(32, 2, split_k=3, prefetch=True),
 }
 
 
@@ -202,7 +199,7 @@ def test_codes_major_places_each_input_by_block_code_and_word() -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("name", ["whole", "split3", "prefetch", "prefetch split3", "prefetch2"])
+@pytest.mark.parametrize("name", ["whole", "split3", "prefetch", "prefetch split3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_codes_major_x_equals_input_order(bits, rows, name, dtype, monkeypatch) -> None:
     """Reading x codes-major (cast to fp32 by the reordering copy, as the kernel casts each
@@ -223,15 +220,16 @@ def test_gemv_codes_major_x_equals_input_order(bits, rows, name, dtype, monkeypa
     _assert_close(ordered, x.double() @ weight.T, x.double().abs() @ weight.abs().T, k)
 
 
-# The H200 winners of benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md (group 64);
-# 4-bit with the prefetching loop (gpu_gemv_prefetch_ab-2026-12-03.md: faster end to end).
-# x codes-major and 64 rows where 4-bit runs without a K split (gpu_gemv_x_order-2026-12-03.md,
-# ab_gemv4_rows-2026-12-03.md).
+# The H200 winners (group 64). 4-bit: the launch sweep in CUDA graphs
+# (benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md), with the prefetching loop and x
+# codes-major at 64 rows where it runs without a K split. 8-bit: single-call timings
+# (gpu_gemv_affine_variants-2026-12-03.md).
 MEASURED_CONFIGS = {
-    (4, 15360, 3840): am.GemvConfig(64, 4, prefetch=1, codes_major_x=True),
-    (4, 3840, 15360): am.GemvConfig(32, 4, split_k=2, prefetch=1),
-    (4, 8192, 3840): am.GemvConfig(32, 4, split_k=2, prefetch=1),
-    (4, 262144, 3840): am.GemvConfig(64, 4, prefetch=1, codes_major_x=True),
+    (4, 30720, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
+    (4, 3840, 15360): am.GemvConfig(32, 16, split_k=2, prefetch=True),
+    (4, 3840, 4096): am.GemvConfig(32, 16, split_k=2, prefetch=True),
+    (4, 8192, 3840): am.GemvConfig(64, 4, split_k=4, prefetch=True),
+    (4, 262144, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
     (8, 15360, 3840): am.GemvConfig(32, 8),
     (8, 3840, 15360): am.GemvConfig(16, 8, split_k=4),
     (8, 8192, 3840): am.GemvConfig(16, 8),
@@ -244,11 +242,13 @@ def test_gemv_heuristic_picks_the_measured_winners() -> None:
         assert am.gemv_config(n, k, bits, 64, 132) == config, (bits, n, k)
     # Other groups keep the words per step; tiny N splits further, within whole steps.
     assert am.gemv_config(15360, 3840, 4, 32) == am.GemvConfig(
-        64, 8, prefetch=1, codes_major_x=True
+        64, 8, prefetch=True, codes_major_x=True
     )
+    assert am.gemv_config(3840, 15360, 4, 128) == am.GemvConfig(32, 8, split_k=2, prefetch=True)
     assert am.gemv_config(15360, 3840, 8, 128) == am.GemvConfig(32, 4)
-    assert am.gemv_config(1024, 4096, 4, 64) == am.GemvConfig(32, 4, split_k=8, prefetch=1)
-    assert am.gemv_config(1024, 512, 4, 64) == am.GemvConfig(32, 4, split_k=2, prefetch=1)
+    # 32 row blocks: splits double to one program per SM (8), capped at one 16-group step each.
+    assert am.gemv_config(1024, 4096, 4, 64) == am.GemvConfig(32, 16, split_k=4, prefetch=True)
+    assert am.gemv_config(1024, 512, 4, 64) == am.GemvConfig(64, 4, split_k=2, prefetch=True)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

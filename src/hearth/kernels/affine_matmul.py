@@ -196,12 +196,12 @@ class GemvConfig:
     block_g: int
     warps: int = 4
     split_k: int = 1
-    prefetch: int = 0  # steps loaded ahead of the arithmetic: 0, 1 or 2
+    prefetch: bool = False  # load step s + 1 before step s's arithmetic
     codes_major_x: bool = False  # read x reordered by `codes_major` where it fits
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
-        prefetch = {0: "", 1: " prefetch"}.get(self.prefetch, f" prefetch{self.prefetch}")
+        prefetch = " prefetch" if self.prefetch else ""
         ordered = " x-codes-major" if self.codes_major_x else ""
         return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}{ordered}"
 
@@ -219,46 +219,53 @@ def _cdiv(a: int, b: int) -> int:
 def gemv_config(
     n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
 ) -> GemvConfig:
-    """The GEMV launch for an ``[N, K]`` weight, fitted to the M=1 sweep of group-64 weights
-    on an H200 (benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md, variant v1):
+    """The GEMV launch for an ``[N, K]`` weight, fitted to H200 measurements of group-64
+    weights at M=1. 4-bit: the launch sweep in CUDA graphs, back-to-back calls past L2, as
+    decode runs them (benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md); 8-bit: single
+    calls (gpu_gemv_affine_variants-2026-12-03.md, variant v1):
 
     ==== ============================================ ================= =========================
-    bits shape class (measured shapes, N x K)          config            µs (old kernel's)
+    bits shape class (measured shapes, N x K)          config            µs (previous launch's)
     ==== ============================================ ================= =========================
-    4    N >= 65536 (tied head 262144 x 3840)          N64 G4 w4         249.5 (587)
-    4    N/32 blocks > 2 per SM (15360 x 3840)         N32 G4 w4 (*)     34.4 (45.4)
-    4    fewer (8192 x 3840; 3840 x 15360)             N32 G4 w4 split2  22.6 (26.0); 49.0 (62.1)
-    8    N/32 blocks > 2 per SM (15360 x 3840; head)   N32 G8 w4         30.8 (50.6); 278.6 (642)
-    8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G8 w4         20.0 (32.4)
-    8    fewer (3840 x 15360)                          N16 G8 w4 split4  32.4 (84.6)
+    4    N/32 blocks > 2 per SM (30720 x 3840; head)   N64 G4 w4         32.4; 202.3 (same)
+    4    fewer, rows of >= 512 words (3840 x 15360;    N32 G16 w4 split2 17.2 (35.3); 7.7 (11.8)
+         3840 x 4096)
+    4    fewer, shorter rows (8192 x 3840)             N64 G4 w4 split4  13.4 (16.4)
+    8    N/32 blocks > 2 per SM (15360 x 3840; head)   N32 G8 w4         30.8; 278.6
+    8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G8 w4         20.0
+    8    fewer (3840 x 15360)                          N16 G8 w4 split4  32.4
     ==== ============================================ ================= =========================
 
-    The rule: split K only while N's row blocks give at most ~2 programs per SM (the 4-bit q
-    projection's 256 blocks gained from split 2; the 8-bit one's 512 did not); N far below
-    the measured shapes doubles the split until there is about one program per SM. Other
-    group sizes keep the packed words per step (32 words at 4-bit, 128 at 8-bit: what a
-    thread holds), so G scales with 64 / group; they, and M > 1, are not measured. Widths
-    in GEMV_PREFETCH_BITS take the prefetching loop (measured end to end, not per kernel).
-    4-bit launches without a K split read x codes-major: under Nsight Compute, 12B gate/up
-    68.5 -> 46.1 µs and q/k/v 30.1 -> 26.4 µs, but split down 45.1 -> 50.8 and o 16.3 ->
-    16.6, and 8-bit 0.81-0.89x on all four (gpu_gemv_x_order-2026-12-03.md). (*) They then
-    take 64 rows per program (12B 4-bit decode 164.9 -> 169.0 tok/s; 16 rows: 149.8).
+    What the 4-bit sweep showed: a launch with few row blocks is latency bound (Nsight
+    Compute: 1.8 warps per scheduler, 0.4 eligible), and gains from anything that puts more
+    bytes in flight per program: 16 groups per step (a thread then holds 8 rows, so each x
+    value it loads serves 8 codes) where every split still gets two whole steps, else 64
+    rows and more splits. Splits double until the row blocks give one program per SM (two at
+    64 rows), each keeping at least one whole step. Other group sizes keep the packed words
+    per step (32 or 128 words at 4-bit, 128 at 8-bit), so G scales with 64 / group; they, and
+    M > 1, are not measured. Widths in GEMV_PREFETCH_BITS take the prefetching loop. 4-bit
+    launches without a K split read x codes-major (Nsight Compute: 12B gate/up 68.5 -> 46.1
+    µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B 4-bit decode 164.9 -> 169.0 tok/s).
     """
     few = 2 * multiprocessors
+    row_words = k * bits // WORD_BITS
+    programs = multiprocessors  # the split's target: programs per SM times SMs
     if bits == 4:
-        # Row blocks of 32 decide the split. Launches without one take 64 rows: with x
-        # codes-major, the x loads, conversions and sums of a thread serve 4 rows, not 2.
-        unsplit = _cdiv(n, 32) > few
-        block_n, step_words, split = (64 if unsplit else 32), 32, 2
+        split = 1 if _cdiv(n, 32) > few else 2
+        long_rows = row_words >= 4 * 128  # two whole 128-word steps in each of two splits
+        if split == 1 or not long_rows:
+            block_n, step_words = 64, 32
+            programs = few
+        else:
+            block_n, step_words = 32, 128
     else:
         block_n, step_words, split = (32 if _cdiv(n, 32) > few else 16), 128, 4
-        unsplit = _cdiv(n, block_n) > few
+        if _cdiv(n, block_n) > few:
+            split = 1
     block_g = max(1, step_words // (group * bits // WORD_BITS))
     blocks = _cdiv(n, block_n)
-    if unsplit:
-        split = 1
-    else:
-        while blocks * split < multiprocessors and split < MAX_SPLIT_K:
+    if split > 1:
+        while blocks * split < programs and split < MAX_SPLIT_K:
             split *= 2
         # Each split gets at least one whole step of groups.
         split = max(1, min(split, k // group // block_g))
@@ -266,7 +273,7 @@ def gemv_config(
         block_n,
         block_g,
         split_k=split,
-        prefetch=int(bits in GEMV_PREFETCH_BITS),
+        prefetch=bits in GEMV_PREFETCH_BITS,
         codes_major_x=bits == 4 and split == 1,
     )
 
@@ -482,39 +489,7 @@ if HAS_TRITON:
         acc2 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         whole = (g_end - g0) // BLOCK_G  # steps without masks
-        if PREFETCH == 2 and whole > 1:
-            # Two steps ahead: while step s computes, steps s + 1 and s + 2 are in flight.
-            words, scale, bias = _load_step(
-                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
-                WPG, BLOCK_G, False,
-            )  # fmt: skip
-            words1, scale1, bias1 = _load_step(
-                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0 + BLOCK_G,
-                g_end, WPG, BLOCK_G, False,
-            )  # fmt: skip
-            last = g0 + (whole - 2) * BLOCK_G
-            while g0 < last:
-                words2, scale2, bias2 = _load_step(
-                    packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows,
-                    g0 + 2 * BLOCK_G, g_end, WPG, BLOCK_G, False,
-                )  # fmt: skip
-                acc0, acc1, acc2, acc3 = _gemv_step(
-                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
-                )  # fmt: skip
-                words, scale, bias = words1, scale1, bias1
-                words1, scale1, bias1 = words2, scale2, bias2
-                g0 += BLOCK_G
-            acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
-            )  # fmt: skip
-            acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, words1, scale1, bias1, x_ptr, g0 + BLOCK_G, g_end,
-                stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
-            )  # fmt: skip
-            g0 += 2 * BLOCK_G
-        if PREFETCH == 1 and whole > 0:
+        if PREFETCH and whole > 0:
             # Register double buffering: the next step's words are requested before this
             # step's arithmetic, so one program keeps two steps of loads in flight (a `while`
             # loop is not software-pipelined by Triton).
@@ -921,7 +896,7 @@ if HAS_TRITON:
             BLOCK_N=config.block_n,
             BLOCK_G=config.block_g,
             SPLIT_K=config.split_k,
-            PREFETCH=int(config.prefetch),
+            PREFETCH=config.prefetch,
             X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
             num_warps=config.warps,
             **pdl_options(x),
