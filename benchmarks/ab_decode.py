@@ -113,15 +113,16 @@ def _gemv4_split(codes_major_x: bool, unsplit_below_k: int = 0) -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
-def _gemv4_from_json() -> Patch:
-    """4-bit g64 GEMVs at the launch per (N, K) of a JSON file ($GEMV_CONFIGS_JSON): the
-    fastest of benchmarks/gpu_gemv_affine_sweep.py (the default, in $OUT), or any other set."""
+def _gemv_from_json() -> Patch:
+    """Group-64 affine GEMVs at the launch per ("{bits}bit {N}x{K}") of a JSON file
+    ($GEMV_CONFIGS_JSON): the fastest of benchmarks/gpu_gemv_affine_sweep.py (the default, in
+    $OUT), or any other set; shapes it lacks keep `gemv_config`'s launch."""
     original = affine_matmul.gemv_config
 
     def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
-        default = Path(os.environ.get("OUT", ".")) / "gpu_gemv_affine_sweep_4bit.json"
-        swept = json.loads(Path(os.environ.get("GEMV_CONFIGS_JSON", default)).read_text())
-        fields = swept.get(f"{n}x{k}") if (bits, group) == (4, 64) else None
+        default = Path(os.environ.get("OUT", ".")) / f"gpu_gemv_affine_sweep_{bits}bit.json"
+        chosen = json.loads(Path(os.environ.get("GEMV_CONFIGS_JSON", default)).read_text())
+        fields = chosen.get(f"{bits}bit {n}x{k}") if group == 64 else None
         if fields is None:
             return original(n, k, bits, group, multiprocessors)
         return affine_matmul.GemvConfig(**fields)
@@ -161,7 +162,7 @@ VARIANTS: dict[str, Patch] = {
     "x-codes-major-bf16": _set(affine_matmul, "CODES_MAJOR_DTYPE", None),
     "gemv4-split-x-codes-major": _gemv4_split(True),
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
-    "gemv4-json": _gemv4_from_json(),
+    "gemv-json": _gemv_from_json(),
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 

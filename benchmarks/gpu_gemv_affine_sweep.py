@@ -136,7 +136,7 @@ def main() -> None:
             rows.append([label, f"{config}{mark}", f"{micros:.1f}", f"{share:.0%}", verdict])
             print(label, config, f"{micros:.1f} µs {share:.0%}", verdict, flush=True)
         timed.sort(key=lambda t: t[0])
-        fastest_configs[f"{n}x{k}"] = dataclasses.asdict(timed[0][1])
+        fastest_configs[f"{bits}bit {n}x{k}"] = dataclasses.asdict(timed[0][1])
         mine = next((m for m, c in timed if c == chosen), float("nan"))
         fastest, config = timed[0]
         best.append(
@@ -170,7 +170,7 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpu_gemv_affine_sweep_{bits}bit.md").write_text("\n".join(lines) + "\n")
-    # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv4-json` variant.
+    # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv-json` variant.
     fastest = out / f"gpu_gemv_affine_sweep_{bits}bit.json"
     fastest.write_text(json.dumps(fastest_configs, indent=1))
     print("\n".join(lines[: 12 + len(best)]))

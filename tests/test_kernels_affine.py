@@ -220,19 +220,19 @@ def test_gemv_codes_major_x_equals_input_order(bits, rows, name, dtype, monkeypa
     _assert_close(ordered, x.double() @ weight.T, x.double().abs() @ weight.abs().T, k)
 
 
-# The H200 winners (group 64). 4-bit: the launch sweep in CUDA graphs
-# (benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md), with the prefetching loop and x
-# codes-major at 64 rows where it runs without a K split. 8-bit: single-call timings
-# (gpu_gemv_affine_variants-2026-12-03.md).
+# The H200 winners (group 64) of the launch sweeps in CUDA graphs (benchmarks/results/
+# gpu_gemv_affine_sweep-2026-12-03.md, ..._8bit-2026-12-03.md); 4-bit with the prefetching
+# loop, and x codes-major at 64 rows where it runs without a K split.
 MEASURED_CONFIGS = {
     (4, 30720, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
     (4, 3840, 15360): am.GemvConfig(32, 16, split_k=2, prefetch=True),
     (4, 3840, 4096): am.GemvConfig(32, 16, split_k=2, prefetch=True),
     (4, 8192, 3840): am.GemvConfig(64, 4, split_k=4, prefetch=True),
     (4, 262144, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
-    (8, 15360, 3840): am.GemvConfig(32, 8),
-    (8, 3840, 15360): am.GemvConfig(16, 8, split_k=4),
-    (8, 8192, 3840): am.GemvConfig(16, 8),
+    (8, 30720, 3840): am.GemvConfig(32, 8),
+    (8, 3840, 15360): am.GemvConfig(32, 8, split_k=4),
+    (8, 3840, 4096): am.GemvConfig(32, 8, split_k=4),
+    (8, 8192, 3840): am.GemvConfig(16, 16),
     (8, 262144, 3840): am.GemvConfig(32, 8),
 }
 

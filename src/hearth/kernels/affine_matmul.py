@@ -219,10 +219,9 @@ def _cdiv(a: int, b: int) -> int:
 def gemv_config(
     n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
 ) -> GemvConfig:
-    """The GEMV launch for an ``[N, K]`` weight, fitted to H200 measurements of group-64
-    weights at M=1. 4-bit: the launch sweep in CUDA graphs, back-to-back calls past L2, as
-    decode runs them (benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md); 8-bit: single
-    calls (gpu_gemv_affine_variants-2026-12-03.md, variant v1):
+    """The GEMV launch for an ``[N, K]`` weight, fitted to the launch sweep of group-64 weights
+    at M=1 on an H200, in CUDA graphs of back-to-back calls past L2, as decode runs them
+    (benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md, ..._8bit-2026-12-03.md):
 
     ==== ============================================ ================= =========================
     bits shape class (measured shapes, N x K)          config            µs (previous launch's)
@@ -231,21 +230,22 @@ def gemv_config(
     4    fewer, rows of >= 512 words (3840 x 15360;    N32 G16 w4 split2 17.2 (35.3); 7.7 (11.8)
          3840 x 4096)
     4    fewer, shorter rows (8192 x 3840)             N64 G4 w4 split4  13.4 (16.4)
-    8    N/32 blocks > 2 per SM (15360 x 3840; head)   N32 G8 w4         30.8; 278.6
-    8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G8 w4         20.0
-    8    fewer (3840 x 15360)                          N16 G8 w4 split4  32.4
+    8    N/32 blocks > 2 per SM (30720 x 3840)         N32 G8 w4         38.6 (same)
+    8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G16 w4        12.6 (16.9)
+    8    fewer (3840 x 15360; 3840 x 4096)             N32 G8 w4 split4  21.6 (24.3); 8.0 (9.2)
     ==== ============================================ ================= =========================
 
-    What the 4-bit sweep showed: a launch with few row blocks is latency bound (Nsight
-    Compute: 1.8 warps per scheduler, 0.4 eligible), and gains from anything that puts more
-    bytes in flight per program: 16 groups per step (a thread then holds 8 rows, so each x
+    What the sweeps showed: a launch with few row blocks is latency bound (Nsight Compute:
+    1.8 warps per scheduler, 0.4 eligible) and gains from anything that puts more bytes in
+    flight per program. At 4 bits, 16 groups per step (a thread then holds 8 rows, so each x
     value it loads serves 8 codes) where every split still gets two whole steps, else 64
-    rows and more splits. Splits double until the row blocks give one program per SM (two at
-    64 rows), each keeping at least one whole step. Other group sizes keep the packed words
-    per step (32 or 128 words at 4-bit, 128 at 8-bit), so G scales with 64 / group; they, and
-    M > 1, are not measured. Widths in GEMV_PREFETCH_BITS take the prefetching loop. 4-bit
-    launches without a K split read x codes-major (Nsight Compute: 12B gate/up 68.5 -> 46.1
-    µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B 4-bit decode 164.9 -> 169.0 tok/s).
+    rows and more splits. Splits double until the row blocks give one program per SM (two
+    where marked), each keeping at least one whole step. Other group sizes keep the packed
+    words per step, so G scales with 64 / group; they, and M > 1, are not measured. Widths in
+    GEMV_PREFETCH_BITS take the prefetching loop (8-bit lost with it in the sweep, as end to
+    end before). 4-bit launches without a K split read x codes-major (Nsight Compute: 12B
+    gate/up 68.5 -> 46.1 µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B 4-bit decode
+    164.9 -> 169.0 tok/s).
     """
     few = 2 * multiprocessors
     row_words = k * bits // WORD_BITS
@@ -258,10 +258,13 @@ def gemv_config(
             programs = few
         else:
             block_n, step_words = 32, 128
+    elif _cdiv(n, 32) > few:
+        block_n, step_words, split = 32, 128, 1
+    elif _cdiv(n, 16) > few:
+        block_n, step_words, split = 16, 256, 1
     else:
-        block_n, step_words, split = (32 if _cdiv(n, 32) > few else 16), 128, 4
-        if _cdiv(n, block_n) > few:
-            split = 1
+        block_n, step_words, split = 32, 128, 2
+        programs = few
     block_g = max(1, step_words // (group * bits // WORD_BITS))
     blocks = _cdiv(n, block_n)
     if split > 1:
