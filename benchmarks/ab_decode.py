@@ -44,7 +44,7 @@ from hearth.cuda_graph import GraphDecoder
 from hearth.generate import default_prefill_step
 from hearth.kernels import activation, affine_matmul, gemv, grouped_matmul, norm, rope
 from hearth.kernels import decode_attention as attention
-from hearth.models import gemma
+from hearth.models import gemma, gemma4
 
 Patch = Callable[[], contextlib.AbstractContextManager]
 
@@ -163,6 +163,7 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-split-x-codes-major": _gemv4_split(True),
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
     "gemv-json": _gemv_from_json(),
+    "narrow-cublas": _set(gemma4, "NARROW_GEMV", False),  # PLE and router projections
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 

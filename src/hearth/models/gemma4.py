@@ -50,6 +50,10 @@ if TYPE_CHECKING:
     from hearth.quant.mlx import MLXQuantizedExperts
 
 Rope = tuple[torch.Tensor, torch.Tensor]
+# The narrow projections (the per-layer input's gate and projection, 2560 <-> 256 on E4B; the
+# router's 128 logits) through the Triton GEMV at a decode step: cuBLAS took ~6 µs for the
+# 256-wide projection (results/gpu_profile_e4b-2026-12-03.md). An A/B switch.
+NARROW_GEMV = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
@@ -152,7 +156,7 @@ class Router(nn.Module):
         """Weights (fp32) and expert ids, both [tokens, top_k]."""
         x = router_input(x, self.scale, self.eps)  # norm, · scale, · hidden^-1/2
         # Softmax, top-k, renormalisation and per-expert scale: one kernel on the GPU.
-        return route(self.proj(x), self.top_k, self.per_expert_scale)
+        return route(_narrow(self.proj, x), self.top_k, self.per_expert_scale)
 
 
 class Experts(nn.Module):
@@ -320,8 +324,8 @@ class Gemma4DecoderLayer(nn.Module):
         last_norm = self.post_feedforward_layernorm
         if per_layer_input is not None:
             x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
-            gated = gelu_tanh_mul(self.per_layer_input_gate(x), per_layer_input)
-            ff = self.per_layer_projection(gated)
+            gated = gelu_tanh_mul(_narrow(self.per_layer_input_gate, x), per_layer_input)
+            ff = _narrow(self.per_layer_projection, gated)
             last_norm = self.post_per_layer_input_norm
         x, normed_next = add_rms_norm(
             x, ff, last_norm.weight, self.eps, next_norm.weight, True, self.layer_scalar
@@ -449,6 +453,11 @@ class Gemma4Model(nn.Module):
         context = self.per_layer_model_projection(embedded) * self.config.hidden_size**-0.5
         context = self.per_layer_projection_norm(context.unflatten(-1, shape))
         return (context + tokens.unflatten(-1, shape)) * 2**-0.5
+
+
+def _narrow(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` for a narrow projection: see NARROW_GEMV."""
+    return project(linear, x) if NARROW_GEMV else linear(x)
 
 
 def _last(per_layer: torch.Tensor | None) -> torch.Tensor | None:
