@@ -196,8 +196,13 @@ def _logit_checks(model, model_name: str, names: list[str], context: int) -> lis
     for name in names[1:]:
         with VARIANTS[name]():
             other = _graph_logits(model, context)
+        # After a step whose argmax differs the steps decode other tokens, so step 1 is the
+        # like-for-like comparison; its largest logit gives the scale.
         diff = (
-            "bit-identical" if torch.equal(other, base) else f"max |diff| {_max_diff(other, base)}"
+            "bit-identical"
+            if torch.equal(other, base)
+            else f"step 1 max |diff| {_max_diff(other[0], base[0])} (max |logit| "
+            f"{base[0].abs().max():.3g}), 8 steps {_max_diff(other, base)}"
         )
         cells.append(f"{name}: {diff}")
     return [f"| {model_name} | logits vs {names[0]} (8 steps) | {'; '.join(cells)} | | | |"]

@@ -1,0 +1,127 @@
+"""Launch sweep of the bf16 Triton GEMV (`hearth.kernels.gemv`) as decode runs it, in CUDA graphs.
+
+The GEMV is autotuned, and Triton's autotuner times each config alone. The 4-bit GEMV's
+launches ranked differently when timed as decode runs them, back to back in a CUDA graph
+(results/gpu_gemv_affine_sweep-2026-12-03.md). This times every config of the autotuner's
+space that way (`gpu_gemv_affine_sweep.time_graph`: one call on each of several distinct
+weights, together past L2) beside the autotuner's own pick, at the shapes that take this
+GEMV at a decode step (o_proj, down after GeGLU, Gemma 4's narrow projections). Each config
+is first checked against cuBLAS on the same weight (bf16 output: within 2 ulps of |y| plus
+fp32 accumulation error).
+
+    OUT=/tmp/out PYTHONPATH=src python benchmarks/gpu_gemv_bf16_sweep.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import torch
+import torch.nn.functional as F
+
+from gpu_gemv_affine_sweep import L2_BYTES, time_graph
+from gpu_kernels_affine import COPY_BANDWIDTH
+from hearth.kernels import gemv
+
+SHAPES = [
+    (3840, 4096, "12B o"),
+    (3840, 15360, "12B down"),
+    (2560, 2048, "E4B o (sliding)"),
+    (2560, 10240, "E4B down"),
+    (2560, 256, "E4B PLE projection"),
+    (256, 2560, "E4B PLE gate"),
+    (2816, 4096, "26B-A4B o (sliding)"),
+    (2816, 2112, "26B-A4B dense down"),
+    (5376, 8192, "31B o (sliding)"),
+    (5376, 21504, "31B down"),
+]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    rows, best = [], []
+    for n, k, label in SHAPES:
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5]
+        moved = weights[0].numel() * 2
+        while len(weights) * moved < 4 * L2_BYTES and len(weights) < 64:
+            weights.append(torch.randn_like(weights[0]))
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        want = F.linear(x, weights[0]).float()
+        bound = 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item() + 1e-3
+        gemv.gemv_triton(x, weights[0])  # the autotuner picks its config for this shape
+        key_config = next(
+            (c for key, c in gemv._gemv_tuned.cache.items() if key[0] == n and key[1] == k),
+            None,
+        )
+        tuned = (
+            {**key_config.kwargs, "warps": key_config.num_warps} if key_config is not None else {}
+        )
+        configs = [
+            c
+            for c in gemv._CONFIGS
+            if k >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
+            and c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 8192
+        ]
+        timed = []
+        for c in configs:
+            name = " ".join(f"{key}={v}" for key, v in c.kwargs.items()) + f" w{c.num_warps}"
+            config = dict(c.kwargs)
+
+            config["num_warps"] = c.num_warps  # a launch option, passed with the tiles
+
+            def launch(w: torch.Tensor, config: dict = config, x=x) -> torch.Tensor:
+                return gemv.gemv_triton(x, w, False, config)
+
+            error = (launch(weights[0]).float() - want).abs().max().item()
+            if error > bound:
+                rows.append([label, name, "-", "-", f"FAIL ({error:.3g} > {bound:.3g})"])
+                continue
+            micros = time_graph([lambda w=w: launch(w) for w in weights])
+            timed.append((micros, name, c))
+            share = moved / (micros * 1e-6) / COPY_BANDWIDTH
+            mine = " (autotuned)" if {**c.kwargs, "warps": c.num_warps} == tuned else ""
+            rows.append([label, name + mine, f"{micros:.1f}", f"{share:.0%}", "ok"])
+            print(label, name + mine, f"{micros:.1f} µs {share:.0%}", flush=True)
+        auto = time_graph([lambda w=w, x=x: gemv.gemv_triton(x, w) for w in weights])
+        timed.sort(key=lambda t: t[0])
+        fastest, name, _ = timed[0]
+        best.append(
+            [
+                f"{label} {n}x{k}",
+                f"{auto:.1f} ({moved / (auto * 1e-6) / COPY_BANDWIDTH:.0%})",
+                f"{name}: {fastest:.1f} ({moved / (fastest * 1e-6) / COPY_BANDWIDTH:.0%})",
+                f"{auto / fastest:.2f}x",
+            ]
+        )
+    stamp = time.strftime("%Y-%m-%d")
+    lines = [
+        f"# bf16 GEMV launch sweep in CUDA graphs ({stamp}, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__})",
+        "",
+        "M=1. µs per call: a graph of back-to-back calls on distinct weights (past L2), "
+        "replayed; % of 4.2 TB/s over the weight bytes.",
+        "",
+        "| shape | autotuned: µs (%) | fastest: µs (%) | autotuned / fastest |",
+        "|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in best),
+        "",
+        "## Every config",
+        "",
+        "| shape | config | µs | % of 4.2 TB/s | check |",
+        "|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_gemv_bf16_sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[: 7 + len(best)]))
+
+
+if __name__ == "__main__":
+    main()
