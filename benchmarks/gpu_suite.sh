@@ -9,6 +9,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh epilogue  # GEMV add-norm epilogue: tests, parity, A/B, bench
 #   OUT=/tmp/out benchmarks/gpu_suite.sh final     # headline benches after PDL
 #   OUT=/tmp/out benchmarks/gpu_suite.sh ncu       # Nsight Compute on the 4-bit GEMV
+#   OUT=/tmp/out benchmarks/gpu_suite.sh sweeps    # GEMV launch sweeps in CUDA graphs, A/B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -117,6 +118,11 @@ stage 100 ab-12b-prefill python benchmarks/ab_decode.py --models gemma3-12b --pr
 elif [ "$PART" = ncu ]; then  # what bounds the 4-bit GEMV (needs ncu + counters)
 stage 200 ncu-gemv bash benchmarks/ncu_gemv_affine.sh
 stage 200 ncu-gemv-x-order bash benchmarks/ncu_gemv_affine.sh x-order
+elif [ "$PART" = sweeps ]; then  # GEMV launches timed in CUDA graphs, then end to end against the old ones
+stage 330 sweep-4bit python benchmarks/gpu_gemv_affine_sweep.py --no-head
+stage 200 sweep-8bit python benchmarks/gpu_gemv_affine_sweep.py --bits 8 --no-head
+GEMV_CONFIGS_JSON=benchmarks/results/gemv_configs_before_sweep-2026-12-03.json \
+  stage 230 ab-4bit python benchmarks/ab_decode.py --quant 4bit --variants base,gemv-json --check --name 12b_4bit_gemv
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
