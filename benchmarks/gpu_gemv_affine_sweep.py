@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch
+import triton
 
 from gpu_kernels_affine import COPY_BANDWIDTH, packed_weight, within_bound
 from hearth.kernels import affine_matmul as am
@@ -63,6 +64,35 @@ def configs(k: int, bits: int) -> list[am.GemvConfig]:
         codes_major = bits == 4 and split == 1
         found.append(am.GemvConfig(n, g, warps, split, prefetch, codes_major))
     return found
+
+
+def write_report(
+    name: str,
+    title: str,
+    note: str,
+    summary: tuple[list[str], list[list[str]]],
+    rows: list[list[str]],
+) -> Path:
+    """Write the markdown report `name` to $OUT (summary table, then every config), print its
+    summary; returns $OUT."""
+
+    def table(header: list[str], body: list[list[str]]) -> list[str]:
+        return [
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+            *("| " + " | ".join(r) + " |" for r in body),
+        ]
+
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    head = [f"# {title} ({time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, {versions})"]
+    head += ["", note, "", *table(*summary)]
+    every = ["", "## Every config", ""]
+    every += table(["shape", "config", "µs", "% of 4.2 TB/s", "check"], rows)
+    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("\n".join(head + every) + "\n")
+    print("\n".join(head))
+    return out
 
 
 def time_graph(calls: list) -> float:
@@ -148,32 +178,18 @@ def main() -> None:
                 f"{mine / fastest:.2f}x",
             ]
         )
-    stamp = time.strftime("%Y-%m-%d")
-    lines = [
-        f"# {bits}-bit affine GEMV launch sweep in CUDA graphs ({stamp}, "
-        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-        f"triton {am.triton.__version__})",
-        "",
-        f"MLX {bits}-bit g64, M=1. µs per call: a graph of back-to-back calls on distinct weights "
-        "(past L2), replayed; % of 4.2 TB/s over the packed words, scales and biases.",
-        "",
-        "| shape | heuristic: µs | fastest: µs | % of 4.2 TB/s | heuristic / fastest |",
-        "|---|---|---|---|---|",
-        *("| " + " | ".join(r) + " |" for r in best),
-        "",
-        "## Every config",
-        "",
-        "| shape | config | µs | % of 4.2 TB/s | check |",
-        "|---|---|---|---|---|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"gpu_gemv_affine_sweep_{bits}bit.md").write_text("\n".join(lines) + "\n")
+    summary = ["shape", "heuristic: µs", "fastest: µs", "% of 4.2 TB/s", "heuristic / fastest"]
+    out = write_report(
+        f"gpu_gemv_affine_sweep_{bits}bit.md",
+        f"{bits}-bit affine GEMV launch sweep in CUDA graphs",
+        f"MLX {bits}-bit g64, M=1. µs per call: a graph of back-to-back calls on distinct "
+        "weights (past L2), replayed; % of 4.2 TB/s over the packed words, scales and biases.",
+        (summary, best),
+        rows,
+    )
     # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv-json` variant.
     fastest = out / f"gpu_gemv_affine_sweep_{bits}bit.json"
     fastest.write_text(json.dumps(fastest_configs, indent=1))
-    print("\n".join(lines[: 12 + len(best)]))
 
 
 if __name__ == "__main__":

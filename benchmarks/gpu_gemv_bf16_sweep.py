@@ -15,9 +15,7 @@ fp32 accumulation error).
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch
 import torch.nn.functional as F
 
-from gpu_gemv_affine_sweep import L2_BYTES, time_graph
+from gpu_gemv_affine_sweep import L2_BYTES, time_graph, write_report
 from gpu_kernels_affine import COPY_BANDWIDTH
 from hearth.kernels import gemv
 
@@ -96,28 +94,14 @@ def main() -> None:
                 f"{auto / fastest:.2f}x",
             ]
         )
-    stamp = time.strftime("%Y-%m-%d")
-    lines = [
-        f"# bf16 GEMV launch sweep in CUDA graphs ({stamp}, {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__})",
-        "",
+    write_report(
+        "gpu_gemv_bf16_sweep.md",
+        "bf16 GEMV launch sweep in CUDA graphs",
         "M=1. µs per call: a graph of back-to-back calls on distinct weights (past L2), "
         "replayed; % of 4.2 TB/s over the weight bytes.",
-        "",
-        "| shape | autotuned: µs (%) | fastest: µs (%) | autotuned / fastest |",
-        "|---|---|---|---|",
-        *("| " + " | ".join(r) + " |" for r in best),
-        "",
-        "## Every config",
-        "",
-        "| shape | config | µs | % of 4.2 TB/s | check |",
-        "|---|---|---|---|---|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_gemv_bf16_sweep.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[: 7 + len(best)]))
+        (["shape", "autotuned: µs (%)", "fastest: µs (%)", "autotuned / fastest"], best),
+        rows,
+    )
 
 
 if __name__ == "__main__":
