@@ -47,6 +47,16 @@ SHAPES = [
     (3840, 15360, "12B down"),
     (262144, 3840, "tied head"),
 ]
+# Gemma 4 E4B's (`--shapes e4b`): q/k/v, o (sliding), gate/up, down, the per-layer input's
+# gate and projection.
+E4B_SHAPES = [
+    (3072, 2560, "E4B qkv"),
+    (2560, 2048, "E4B o"),
+    (20480, 2560, "E4B gate/up"),
+    (2560, 10240, "E4B down"),
+    (256, 2560, "E4B PLE gate"),
+    (2560, 256, "E4B PLE projection"),
+]
 
 
 def configs(k: int, bits: int) -> list[am.GemvConfig]:
@@ -125,9 +135,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bits", type=int, default=4, choices=am.KERNEL_BITS)
     parser.add_argument("--no-head", action="store_true", help="skip the 262144-row head")
+    parser.add_argument("--shapes", choices=("12b", "e4b"), default="12b")
     args = parser.parse_args()
     bits = args.bits
-    shapes = SHAPES[:-1] if args.no_head else SHAPES
+    shapes = E4B_SHAPES if args.shapes == "e4b" else SHAPES[:-1] if args.no_head else SHAPES
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows, best = [], []
