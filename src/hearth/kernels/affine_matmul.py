@@ -247,24 +247,24 @@ def gemv_config(
     gate/up 68.5 -> 46.1 µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B 4-bit decode
     164.9 -> 169.0 tok/s).
     """
-    few = 2 * multiprocessors
-    row_words = k * bits // WORD_BITS
-    programs = multiprocessors  # the split's target: programs per SM times SMs
+    few = 2 * multiprocessors  # more row blocks than this fill the GPU without a K split
+    many_rows = _cdiv(n, 32) > few
+    long_rows = k * bits // WORD_BITS >= 4 * 128  # two 128-word steps in each of two splits
+    # (rows per program, packed words per step, first split, programs the splits aim for)
     if bits == 4:
-        split = 1 if _cdiv(n, 32) > few else 2
-        long_rows = row_words >= 4 * 128  # two whole 128-word steps in each of two splits
-        if split == 1 or not long_rows:
-            block_n, step_words = 64, 32
-            programs = few
+        if many_rows:
+            launch = (64, 32, 1, 0)
+        elif long_rows:
+            launch = (32, 128, 2, multiprocessors)
         else:
-            block_n, step_words = 32, 128
-    elif _cdiv(n, 32) > few:
-        block_n, step_words, split = 32, 128, 1
+            launch = (64, 32, 2, few)
+    elif many_rows:
+        launch = (32, 128, 1, 0)
     elif _cdiv(n, 16) > few:
-        block_n, step_words, split = 16, 256, 1
+        launch = (16, 256, 1, 0)
     else:
-        block_n, step_words, split = 32, 128, 2
-        programs = few
+        launch = (32, 128, 2, few)
+    block_n, step_words, split, programs = launch
     block_g = max(1, step_words // (group * bits // WORD_BITS))
     blocks = _cdiv(n, block_n)
     if split > 1:
