@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 Rope = tuple[torch.Tensor, torch.Tensor]
 # The narrow projections (the per-layer input's gate and projection, 2560 <-> 256 on E4B; the
 # router's 128 logits) through the Triton GEMV at a decode step: cuBLAS took ~6 µs for the
-# 256-wide projection (results/gpu_profile_e4b-2026-12-03.md). An A/B switch.
+# 256-wide projection (results/gpu_profile_e4b-2026-12-03.md). E4B decode +3.8%, 26B-A4B
+# +1.5% (results/ab_gemma4_narrow_gemv-2026-12-03.md). An A/B switch.
 NARROW_GEMV = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
