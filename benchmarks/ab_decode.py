@@ -146,6 +146,20 @@ def _codes_major_many_rows() -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
+def _gemv4_register_cap(registers: int) -> Patch:
+    """4-bit launches without a K split (many row blocks: 12B gate/up, the head) with ptxas
+    capped at `registers` a thread, so that more programs share an SM."""
+    original = affine_matmul.gemv_config
+
+    def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
+        chosen = original(n, k, bits, group, multiprocessors)
+        if bits == 4 and chosen.split_k == 1:
+            return dataclasses.replace(chosen, max_registers=registers)
+        return chosen
+
+    return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
+
+
 VARIANTS: dict[str, Patch] = {
     "base": contextlib.nullcontext,
     "attn-n32": _dense_tiles(32, 4, 3),
@@ -180,6 +194,8 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
     "gemv-json": _gemv_from_json(),
     "codes-major-many-rows": _codes_major_many_rows(),
+    "gemv4-r80": _gemv4_register_cap(80),
+    "gemv4-r72": _gemv4_register_cap(72),
     "narrow-cublas": _set(gemma4, "NARROW_GEMV", False),  # PLE and router projections
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)

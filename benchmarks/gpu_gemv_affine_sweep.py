@@ -73,6 +73,11 @@ def configs(k: int, bits: int) -> list[am.GemvConfig]:
             continue
         codes_major = bits == 4 and split == 1
         found.append(am.GemvConfig(n, g, warps, split, prefetch, codes_major))
+        if bits == 4 and (n, g, split, warps) == (64, 4, 1, 4):
+            # 96 registers leave room for 5 programs an SM; capped, 6 or 7 (inspect_gemv_sass.py)
+            found += [
+                am.GemvConfig(n, g, warps, split, prefetch, codes_major, cap) for cap in (72, 80)
+            ]
     return found
 
 

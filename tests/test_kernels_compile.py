@@ -209,6 +209,15 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                             )
                         ),
                     )
+    # A launch with a register cap (ptxas's maxnreg), as the A/B runs launch it.
+    capped = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True, max_registers=80)
+    operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)
+    yield (
+        f"affine gemv {capped}",
+        lambda: affine_matmul.affine_gemv_triton(
+            torch.randn(1, 256, dtype=bf16), *operands, 4, 64, capped
+        ),
+    )
     packed, scales, biases = quantize_affine(torch.randn(4, 48, 256, dtype=bf16), 4, 64)
     yield (
         "affine gemv tile M=8",

@@ -198,12 +198,16 @@ class GemvConfig:
     split_k: int = 1
     prefetch: bool = False  # load step s + 1 before step s's arithmetic
     codes_major_x: bool = False  # read x reordered by `codes_major` where it fits
+    # Registers a thread may hold (ptxas's maxnreg; 0: its own choice). Fewer registers let
+    # more programs share an SM (65536 registers each): an A/B handle, not in `gemv_config`.
+    max_registers: int = 0
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
         prefetch = " prefetch" if self.prefetch else ""
         ordered = " x-codes-major" if self.codes_major_x else ""
-        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}{ordered}"
+        capped = f" r{self.max_registers}" if self.max_registers else ""
+        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}{ordered}{capped}"
 
 
 H200_MULTIPROCESSORS = 132
@@ -902,6 +906,7 @@ if HAS_TRITON:
             PREFETCH=config.prefetch,
             X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
             num_warps=config.warps,
+            **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl_options(x),
         )
 
