@@ -124,8 +124,8 @@ stage 330 sweep-4bit python benchmarks/gpu_gemv_affine_sweep.py --no-head
 stage 200 sweep-8bit python benchmarks/gpu_gemv_affine_sweep.py --bits 8 --no-head
 GEMV_CONFIGS_JSON=benchmarks/results/gemv_configs_before_sweep-2026-12-03.json \
   stage 230 ab-4bit python benchmarks/ab_decode.py --quant 4bit --variants base,gemv-json --check --name 12b_4bit_gemv
-elif [ "$PART" = next ]; then  # next 4-bit checks: x reorder on short K, register caps, E4B launches
-stage 200 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,codes-major-many-rows,gemv4-r80,gemv4-r72 --rounds 2 --check --name 4bit_next
+elif [ "$PART" = next ]; then  # next 4-bit checks: x reorder (short K, as a kernel), register caps, E4B launches
+stage 200 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,codes-major-many-rows,codes-major-kernel,gemv4-r80,gemv4-r72 --rounds 2 --check --name 4bit_next
 stage 350 sweep-e4b python benchmarks/gpu_gemv_affine_sweep.py --shapes e4b
 # then, with its JSON: GEMV_CONFIGS_JSON=... ab_decode.py --models e4b --quant 4bit --variants base,gemv-json
 elif [ "$PART" = kernels ]; then

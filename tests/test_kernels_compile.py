@@ -209,6 +209,12 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                             )
                         ),
                     )
+    yield (
+        "codes_major reorder",
+        lambda: affine_matmul.codes_major_triton(
+            torch.randn(1, 512, dtype=bf16), 4, dtype=torch.float32
+        ),
+    )
     # A launch with a register cap (ptxas's maxnreg), as the A/B runs launch it.
     capped = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True, max_registers=80)
     operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)

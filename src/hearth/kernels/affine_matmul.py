@@ -69,6 +69,10 @@ X_BLOCK_WORDS = 32
 # The reordered x is written in fp32 (None: x's dtype): the kernel converts every x value it
 # loads to fp32 anyway, and the copy can do it once (10% fewer instructions in the loop).
 CODES_MAJOR_DTYPE: torch.dtype | None = torch.float32
+# The reorder as a Triton kernel with programmatic dependent launch, rather than torch's copy
+# kernel (~2 µs a launch before the GEMV in the E4B 4-bit profile). Off until an A/B on the
+# H200 says it pays (benchmarks/ab_decode.py variant `codes-major-kernel`).
+CODES_MAJOR_KERNEL = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,6 +584,38 @@ if HAS_TRITON:
                 tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch (and replays)
 
     @triton.jit
+    def _codes_major_kernel(
+        x_ptr, out_ptr, stride_xm, K, CODES: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`codes_major` of one x row (program_id 1) in blocks of BLOCK outputs: output i of
+        the row is ``[block, j, w]`` and reads ``x[(block * BLOCK_WORDS + w) * CODES + j]``."""
+        wait_for_producer(PDL)
+        row = tl.program_id(1)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        per_block: tl.constexpr = CODES * BLOCK_WORDS
+        j = (i % per_block) // BLOCK_WORDS
+        w = i % BLOCK_WORDS
+        at = (i // per_block * BLOCK_WORDS + w) * CODES + j
+        ok = i < K
+        x = tl.load(x_ptr + row * stride_xm + at, mask=ok)
+        tl.store(out_ptr + row * K + i, x.to(out_ptr.dtype.element_ty), mask=ok)
+
+    def codes_major_triton(
+        x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """`codes_major` in one Triton launch (with PDL where the GPU has it)."""
+        m, k = x.shape
+        codes = WORD_BITS // bits
+        blocks = k // (codes * block_words)
+        out = torch.empty(m, blocks, codes, block_words, dtype=dtype or x.dtype, device=x.device)
+        block = 1024
+        _codes_major_kernel[(triton.cdiv(k, block), m)](
+            x, out, x.stride(0), k, codes, block_words, block, **pdl_options(x)
+        )
+        return out
+
+    @triton.jit
     def _affine_tile_gemv_kernel(
         x_ptr,
         packed_ptr,
@@ -1003,7 +1039,8 @@ if HAS_TRITON:
                 config = gemv_config(n, k, bits, group_size, sms)
             ordered = config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits)
             if ordered:
-                rows = codes_major(rows, bits, dtype=CODES_MAJOR_DTYPE)
+                reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
+                rows = reorder(rows, bits, dtype=CODES_MAJOR_DTYPE)
             _launch_gemv(rows, packed, scales, biases, out, bits, group_size, config, ordered)
             return out.view(*x.shape[:-1], -1)
         tile = None
