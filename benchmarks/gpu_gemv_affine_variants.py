@@ -795,15 +795,11 @@ def check_cpu() -> None:
 def inspect_sass() -> None:
     """Registers, spills and SASS instruction counts of each variant compiled for sm_90 here
     (ptxas ships with Triton): the cheapest look at what a config costs per code."""
-    import collections
-    import re
-    import subprocess
-    import tempfile
-
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    from inspect_gemv_sass import sass_stats
+
     pointers = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
     names = list(_gemv_kernel.arg_names)
     signature = dict(zip(names, pointers + ["i32"] * 8, strict=False))
@@ -830,26 +826,12 @@ def inspect_sass() -> None:
                 compiled = triton.compile(
                     source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.warps}
                 )
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-                    cubin.write(compiled.asm["cubin"])
-                    cubin.flush()
-                    sass = subprocess.run(
-                        [tools / "nvdisasm", "-c", cubin.name], capture_output=True, text=True
-                    ).stdout
-                    usage = subprocess.run(
-                        [tools / "cuobjdump", "-res-usage", cubin.name],
-                        capture_output=True,
-                        text=True,
-                    ).stdout
-                ops = collections.Counter(
-                    re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
-                )
+                stats = sass_stats(compiled.asm["cubin"])
+                ops = stats["all"]
                 shown = ("FFMA", "FADD", "LOP3", "SHF", "IMAD", "LDG", "LDS", "STS", "SHFL")
-                registers = re.search(r"REG:(\d+)", usage)[1]
-                stack = re.search(r"STACK:(\d+)", usage)[1]
                 print(
                     f"{bits}-bit g64 {name:8s} {config!s:18s} "
-                    f"regs {registers:>3} stack {stack:>3} "
+                    f"regs {stats['registers']:>3} stack {stats['stack']:>3} "
                     f"SASS {sum(ops.values()):5d}: " + " ".join(f"{op} {ops[op]}" for op in shown)
                 )
 
