@@ -125,8 +125,9 @@ stage 200 sweep-8bit python benchmarks/gpu_gemv_affine_sweep.py --bits 8 --no-he
 GEMV_CONFIGS_JSON=benchmarks/results/gemv_configs_before_sweep-2026-12-03.json \
   stage 230 ab-4bit python benchmarks/ab_decode.py --quant 4bit --variants base,gemv-json --check --name 12b_4bit_gemv
 elif [ "$PART" = next ]; then  # next 4-bit checks: x reorder (short K, as a kernel), register caps, E4B launches
-stage 200 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,codes-major-many-rows,codes-major-kernel,gemv4-r80,gemv4-r72 --rounds 2 --check --name 4bit_next
-stage 350 sweep-e4b python benchmarks/gpu_gemv_affine_sweep.py --shapes e4b
+stage 100 affine python benchmarks/gpu_kernels_affine.py
+stage 240 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,exact-codes,codes-major-many-rows,codes-major-kernel,gemv4-r80 --rounds 2 --check --name 4bit_next
+stage 250 sweep-4bit python benchmarks/gpu_gemv_affine_sweep.py --no-head
 # then, with its JSON: GEMV_CONFIGS_JSON=... ab_decode.py --models e4b --quant 4bit --variants base,gemv-json
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py

@@ -64,7 +64,9 @@ def sass_stats(cubin: bytes) -> dict:
     }
 
 
-def compile_gemv(block_n: int, block_g: int, split: int, x_block: int, maxnreg: int = 0):
+def compile_gemv(
+    block_n: int, block_g: int, split: int, x_block: int, maxnreg: int = 0, fold: bool = True
+):
     names = list(am._affine_gemv_kernel.arg_names)
     pointers = {
         "x_ptr": "*fp32" if x_block else "*bf16",
@@ -77,7 +79,7 @@ def compile_gemv(block_n: int, block_g: int, split: int, x_block: int, maxnreg: 
     }
     constants = dict(
         M=1, BITS=4, GROUP=GROUP, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=split,
-        PREFETCH=True, X_BLOCK=x_block, PDL=True,
+        PREFETCH=True, X_BLOCK=x_block, FOLD=fold, PDL=True,
     )  # fmt: skip
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32") for name in names
@@ -99,11 +101,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--launch", action="append", help="BLOCK_N,BLOCK_G,SPLIT_K,X_BLOCK")
     parser.add_argument("--maxnreg", type=int, default=0)
+    parser.add_argument(
+        "--exact-codes", action="store_true", help="codes minus their offset (no FOLD)"
+    )
     args = parser.parse_args()
     launches = [tuple(map(int, text.split(","))) for text in args.launch or []] or LAUNCHES
     for block_n, block_g, split, x_block in launches:
         stats = sass_stats(
-            compile_gemv(block_n, block_g, split, x_block, args.maxnreg).asm["cubin"]
+            compile_gemv(
+                block_n, block_g, split, x_block, args.maxnreg, not args.exact_codes
+            ).asm["cubin"]
         )
         codes = block_n * block_g * GROUP // THREADS  # codes per thread per step
         loop = stats["loop"]

@@ -73,6 +73,9 @@ CODES_MAJOR_DTYPE: torch.dtype | None = torch.float32
 # kernel (~2 µs a launch before the GEMV in the E4B 4-bit profile). Off until an A/B on the
 # H200 says it pays (benchmarks/ab_decode.py variant `codes-major-kernel`).
 CODES_MAJOR_KERNEL = False
+# 4-bit codes as ``offset + code`` floats, the offsets taken off once per group from the x
+# sums (`_offset_codes`): one subtraction fewer per code in the GEMV's loop.
+GEMV_FOLDED_OFFSETS = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +329,22 @@ if HAS_TRITON:
         return values - exponent.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _offset_codes(words, two23, J: tl.constexpr):
+        """4-bit code J of each int32 word as the exact fp32 ``OFFSET_J + code``, with no
+        subtraction (the caller takes ``OFFSET_J * sum(x)`` off per group instead): one shift
+        per pair of codes moves code 2p to bit 15 and code 2p + 1 to bit 19, where the
+        exponent of ``2**(23 - P)`` makes them ``256 + code`` and ``16 + code``. Small offsets
+        keep fp32 sums of ``x * (offset + code)`` within a few bits of sums of ``x * code``."""
+        P: tl.constexpr = 15 if J % 2 == 0 else 19
+        SHIFT: tl.constexpr = 15 - 8 * (J // 2)  # left; negative is right
+        if SHIFT > 0:
+            words = words << SHIFT
+        elif SHIFT < 0:
+            words = words >> -SHIFT  # arithmetic: the sign copies land above the mask
+        exponent = two23 - (P << 23)
+        return ((words & (15 << P)) | exponent).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _add_row(
         acc,
         words,
@@ -342,17 +361,22 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr,
         MASKED: tl.constexpr,
         X_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         """acc ``[BLOCK_N, BLOCK_G]`` plus one x row's ``scale * sum(x q) + bias * sum(x)``
         per (output row, group) of the step; words is ``[BLOCK_N, BLOCK_G * WPG]``. x is in
         input order (X_BLOCK 0) or `codes_major` in blocks of X_BLOCK words."""
         dots = tl.zeros(words.shape, tl.float32)
         x_sums = tl.zeros(k_word.shape, tl.float32)
+        x_odd_sums = tl.zeros(k_word.shape, tl.float32)  # FOLD: x of the odd codes
         for j in tl.static_range(CODES):
             # Code j of every word pairs with x at k = word * CODES + j: one x slice serves
             # every row a thread holds, and the code values every x row (the compiler CSEs them
             # across the unrolled rows).
-            q = _exact_codes(words, two23, j, BITS)
+            if FOLD:
+                q = _offset_codes(words, two23, j)
+            else:
+                q = _exact_codes(words, two23, j, BITS)
             if X_BLOCK == 0:
                 x_at = x_row + k_word * CODES + j
             else:
@@ -361,9 +385,16 @@ if HAS_TRITON:
             xj = tl.load(x_at, mask=k_ok, other=0) if MASKED else tl.load(x_at)
             xj = xj.to(tl.float32)
             dots += q * xj[None, :]
-            x_sums += xj
+            if FOLD and j % 2 == 1:
+                x_odd_sums += xj
+            else:
+                x_sums += xj
         group_dots = tl.sum(tl.reshape(dots, [BLOCK_N, BLOCK_G, WPG]), axis=2)
         group_x = tl.sum(tl.reshape(x_sums, [BLOCK_G, WPG]), axis=1)
+        if FOLD:  # x_sums holds the even codes' x: take off 256 * those + 16 * the odd ones
+            group_odd = tl.sum(tl.reshape(x_odd_sums, [BLOCK_G, WPG]), axis=1)
+            group_dots -= (256.0 * group_x + 16.0 * group_odd)[None, :]
+            group_x += group_odd
         return acc + (group_dots * scale + bias * group_x[None, :])
 
     @triton.jit
@@ -419,28 +450,29 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr,
         MASKED: tl.constexpr,
         X_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators."""
         k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
         k_ok = k_word < g_end * WPG
         acc0 = _add_row(
             acc0, words, scale, bias, two23, x_ptr, k_word, k_ok,
-            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
+            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
         )  # fmt: skip
         if M > 1:
             acc1 = _add_row(
                 acc1, words, scale, bias, two23, x_ptr + stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
             )  # fmt: skip
         if M > 2:
             acc2 = _add_row(
                 acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
             )  # fmt: skip
         if M > 3:
             acc3 = _add_row(
                 acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
             )  # fmt: skip
         return acc0, acc1, acc2, acc3
 
@@ -472,6 +504,7 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         PREFETCH: tl.constexpr,
         X_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
@@ -516,13 +549,13 @@ if HAS_TRITON:
                 )  # fmt: skip
                 acc0, acc1, acc2, acc3 = _gemv_step(
                     acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
                 )  # fmt: skip
                 words, scale, bias = next_words, next_scale, next_bias
                 g0 += BLOCK_G
             acc0, acc1, acc2, acc3 = _gemv_step(
                 acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
             )  # fmt: skip
             g0 += BLOCK_G
         while g0 + BLOCK_G <= g_end:  # without PREFETCH
@@ -532,7 +565,7 @@ if HAS_TRITON:
             )  # fmt: skip
             acc0, acc1, acc2, acc3 = _gemv_step(
                 acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
             )  # fmt: skip
             g0 += BLOCK_G
         if g0 < g_end:
@@ -542,7 +575,7 @@ if HAS_TRITON:
             )  # fmt: skip
             acc0, acc1, acc2, acc3 = _gemv_step(
                 acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True, X_BLOCK,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True, X_BLOCK, FOLD,
             )  # fmt: skip
 
         if SPLIT_K == 1:
@@ -941,6 +974,7 @@ if HAS_TRITON:
             SPLIT_K=config.split_k,
             PREFETCH=config.prefetch,
             X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
+            FOLD=bits == 4 and GEMV_FOLDED_OFFSETS,
             num_warps=config.warps,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl_options(x),
