@@ -195,7 +195,7 @@ VARIANTS: dict[str, Patch] = {
     "gemv-json": _gemv_from_json(),
     "codes-major-many-rows": _codes_major_many_rows(),
     "gemv4-r80": _gemv4_register_cap(80),
-    "codes-major-kernel": _set(affine_matmul, "CODES_MAJOR_KERNEL", True),  # PDL reorder
+    "codes-major-copy": _set(affine_matmul, "CODES_MAJOR_KERNEL", False),  # torch's reorder
     "gemv4-r72": _gemv4_register_cap(72),
     "narrow-cublas": _set(gemma4, "NARROW_GEMV", False),  # PLE and router projections
     "exact-codes": _set(affine_matmul, "GEMV_FOLDED_OFFSETS", False),  # a FADD per 4-bit code

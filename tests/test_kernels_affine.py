@@ -212,6 +212,7 @@ def test_codes_major_kernel_equals_the_reference(bits, monkeypatch) -> None:
         assert got.dtype == want.dtype and torch.equal(got, want)
     packed, scales, biases = _quantized(40, 3840, bits, 64, torch.bfloat16)
     config = am.GemvConfig(32, 4, prefetch=True, codes_major_x=True)
+    monkeypatch.setattr(am, "CODES_MAJOR_KERNEL", False)
     with_copy = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
     monkeypatch.setattr(am, "CODES_MAJOR_KERNEL", True)
     with_kernel = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)

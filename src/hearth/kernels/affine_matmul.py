@@ -70,11 +70,14 @@ X_BLOCK_WORDS = 32
 # loads to fp32 anyway, and the copy can do it once (10% fewer instructions in the loop).
 CODES_MAJOR_DTYPE: torch.dtype | None = torch.float32
 # The reorder as a Triton kernel with programmatic dependent launch, rather than torch's copy
-# kernel (~2 µs a launch before the GEMV in the E4B 4-bit profile). Off until an A/B on the
-# H200 says it pays (benchmarks/ab_decode.py variant `codes-major-kernel`).
-CODES_MAJOR_KERNEL = False
+# kernel (~2 µs a launch before the GEMV in the E4B 4-bit profile). A/B on an H200, logits
+# bit-identical: 12B 4-bit decode 237.6 -> 246.5 tok/s, E4B 4-bit 314.6 -> 333.6
+# (benchmarks/results/ab_4bit_next-2026-12-03.md). False: torch's copy.
+CODES_MAJOR_KERNEL = True
 # 4-bit codes as ``offset + code`` floats, the offsets taken off once per group from the x
-# sums (`_offset_codes`): one subtraction fewer per code in the GEMV's loop.
+# sums (`_offset_codes`): one subtraction fewer per code in the GEMV's loop (sm_90 SASS: 4.05
+# -> 3.59 instructions a code). A/B on an H200: 12B 4-bit decode 233.0 -> 237.6 tok/s, E4B
+# 4-bit 310.8 -> 314.6 (same table). False: exact codes, minus their offset one by one.
 GEMV_FOLDED_OFFSETS = True
 
 
