@@ -11,6 +11,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh ncu       # Nsight Compute on the 4-bit GEMV
 #   OUT=/tmp/out benchmarks/gpu_suite.sh sweeps    # GEMV launch sweeps in CUDA graphs, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh next      # E4B 4-bit launches, x reorder on short K
+#   OUT=/tmp/out benchmarks/gpu_suite.sh folded    # 4-bit A/B and benches after the folded offsets
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -129,6 +130,13 @@ stage 100 affine python benchmarks/gpu_kernels_affine.py
 stage 240 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,exact-codes,codes-major-many-rows,codes-major-kernel,gemv4-r80 --rounds 2 --check --name 4bit_next
 stage 250 sweep-4bit python benchmarks/gpu_gemv_affine_sweep.py --no-head
 # then, with its JSON: GEMV_CONFIGS_JSON=... ab_decode.py --models e4b --quant 4bit --variants base,gemv-json
+elif [ "$PART" = folded ]; then  # after the folded offsets and the PDL reorder: GPU tests, 4-bit A/B, benches
+stage 60 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
+GEMV_CONFIGS_JSON=benchmarks/results/gpu_gemv_affine_sweep_folded-2026-12-03.json \
+  stage 230 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,gemv4-split-x-codes-major,codes-major-many-rows,x-codes-major-bf16,gemv-json --rounds 2 --check --name 4bit_folded
+stage 80 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
+stage 90 bench-31b-4bit python -m hearth.cli bench --random 31b --quant 4bit --contexts 512 --prefill 512 --steps 16 --out "$OUT/bench-31b-4bit.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
