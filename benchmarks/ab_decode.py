@@ -189,7 +189,7 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-n128": _gemv4_rows(128),
     "gemv4-n16": _gemv4_rows(16),
     "gemv4-g8": _gemv4_rows(64, block_g=8),
-    "x-codes-major-bf16": _set(affine_matmul, "CODES_MAJOR_DTYPE", None),
+    "x-codes-major-fp32": _set(affine_matmul, "CODES_MAJOR_DTYPE", torch.float32),
     "gemv4-split-x-codes-major": _gemv4_split(True),
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
     "gemv-json": _gemv_from_json(),

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -69,7 +70,7 @@ def compile_gemv(
 ):
     names = list(am._affine_gemv_kernel.arg_names)
     pointers = {
-        "x_ptr": "*fp32" if x_block else "*bf16",
+        "x_ptr": "*fp32" if x_block and am.CODES_MAJOR_DTYPE == torch.float32 else "*bf16",
         "packed_ptr": "*i32",
         "scales_ptr": "*bf16",
         "biases_ptr": "*bf16",

@@ -223,12 +223,16 @@ def test_codes_major_kernel_equals_the_reference(bits, monkeypatch) -> None:
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", ["whole", "split3", "prefetch", "prefetch split3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_codes_major_x_equals_input_order(bits, rows, name, dtype, monkeypatch) -> None:
-    """Reading x codes-major (cast to fp32 by the reordering copy, as the kernel casts each
-    value it loads) changes only where each x value comes from, not which products are summed
-    or in what order: bit for bit the input-order result. K = 768: 4-bit rows of 96 words
-    (3 blocks), 8-bit 192 (6), both with tails in the pinned configs."""
+@pytest.mark.parametrize("reorder_dtype", [None, torch.float32])
+def test_gemv_codes_major_x_equals_input_order(
+    bits, rows, name, dtype, reorder_dtype, monkeypatch
+) -> None:
+    """Reading x codes-major (in x's dtype, or cast to fp32 by the reorder: exact either way)
+    changes only where each x value comes from, not which products are summed or in what
+    order: bit for bit the input-order result. K = 768: 4-bit rows of 96 words (3 blocks),
+    8-bit 192 (6), both with tails in the pinned configs."""
     torch.manual_seed(bits + rows)
+    monkeypatch.setattr(am, "CODES_MAJOR_DTYPE", reorder_dtype)
     k = 768
     packed, scales, biases = _quantized(GEMV_N, k, bits, 64, torch.float16)
     x = torch.randn(rows, k).to(dtype)

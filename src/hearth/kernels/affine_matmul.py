@@ -19,9 +19,12 @@ and biases ``[..., N, K / group]``. Triton paths, each beside its torch referenc
   small heuristic fitted to H200 measurements. With `prefetch` the loop requests the next
   step's words, scales and biases before this step's arithmetic (Triton does not
   software-pipeline a `while` loop), keeping two steps of loads in flight per program. With
-  `codes_major_x` the launcher first copies x into `codes_major` order, in fp32, so that the
-  x values a thread needs for one code position are one vector load (the 4-bit kernel was
-  bound by L1 requests for x).
+  `codes_major_x` the launcher first copies x into `codes_major` order (a PDL Triton kernel),
+  so that the x values a thread needs for one code position are one vector load (the 4-bit
+  kernel was bound by L1 requests for x). 4-bit codes are taken as ``offset + code`` floats
+  (one LOP3 per code after one shift per pair), their offsets taken off per group from the x
+  sums: fp32 sums of ``x * (offset + code)`` with offsets 16 and 256 lose a few bits against
+  sums of ``x * code``, ~2^-16 of sum |x * w|, far below the output's rounding.
 * **Tile GEMV** (5..16 rows, and gathered experts): the rows are a tensor dimension of one
   ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias, split-K and
   deterministic finish; autotuned. For MoE each program row is a (token, slot) pair reading
@@ -66,9 +69,12 @@ GEMV_PREFETCH_BITS = (4,)
 # gpu_gemv_x_order-2026-12-03.md). False turns it off everywhere (A/B runs).
 GEMV_CODES_MAJOR_X = True
 X_BLOCK_WORDS = 32
-# The reordered x is written in fp32 (None: x's dtype): the kernel converts every x value it
-# loads to fp32 anyway, and the copy can do it once (10% fewer instructions in the loop).
-CODES_MAJOR_DTYPE: torch.dtype | None = torch.float32
+# The reordered x's dtype (None: x's own). fp32 saves the kernel a conversion per x value it
+# loads (10% fewer instructions in the loop) but doubles the x bytes each thread loads; since
+# the folded offsets and the reorder kernel, x's own bf16 wins on an H200: 12B 4-bit decode
+# 247.5 -> 252.5 tok/s, E4B 4-bit 334.1 -> 346.7, logits bit-identical
+# (benchmarks/results/ab_4bit_folded-2026-12-03.md).
+CODES_MAJOR_DTYPE: torch.dtype | None = None
 # The reorder as a Triton kernel with programmatic dependent launch, rather than torch's copy
 # kernel (~2 µs a launch before the GEMV in the E4B 4-bit profile). A/B on an H200, logits
 # bit-identical: 12B 4-bit decode 237.6 -> 246.5 tok/s, E4B 4-bit 314.6 -> 333.6
