@@ -12,6 +12,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh sweeps    # GEMV launch sweeps in CUDA graphs, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh next      # E4B 4-bit launches, x reorder on short K
 #   OUT=/tmp/out benchmarks/gpu_suite.sh folded    # 4-bit A/B and benches after the folded offsets
+#   OUT=/tmp/out benchmarks/gpu_suite.sh moe       # fused MoE norms: parity, 26B A/B and bench
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -137,6 +138,13 @@ GEMV_CONFIGS_JSON=benchmarks/results/gpu_gemv_affine_sweep_folded-2026-12-03.jso
 stage 80 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
 stage 90 bench-31b-4bit python -m hearth.cli bench --random 31b --quant 4bit --contexts 512 --prefill 512 --steps 16 --out "$OUT/bench-31b-4bit.md"
+elif [ "$PART" = moe ]; then  # the fused MoE norms: GPU tests, tiny-model parity vs HF, 26B A/B; 12B 4-bit launches
+stage 60 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
+stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+stage 150 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,moe-norms-apart --rounds 3 --check --name 26b_moe_norms
+GEMV_CONFIGS_JSON=benchmarks/results/gpu_gemv_affine_sweep_folded-2026-12-03.json \
+  stage 100 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,gemv-json --rounds 3 --check --name 12b_4bit_json
+stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

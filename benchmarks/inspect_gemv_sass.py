@@ -70,7 +70,7 @@ def compile_gemv(
 ):
     names = list(am._affine_gemv_kernel.arg_names)
     pointers = {
-        "x_ptr": "*fp32" if x_block and am.CODES_MAJOR_DTYPE == torch.float32 else "*bf16",
+        "x_ptr": "*fp32" if x_block and am.CODES_MAJOR_DTYPE is torch.float32 else "*bf16",
         "packed_ptr": "*i32",
         "scales_ptr": "*bf16",
         "biases_ptr": "*bf16",
@@ -109,9 +109,9 @@ def main() -> None:
     launches = [tuple(map(int, text.split(","))) for text in args.launch or []] or LAUNCHES
     for block_n, block_g, split, x_block in launches:
         stats = sass_stats(
-            compile_gemv(
-                block_n, block_g, split, x_block, args.maxnreg, not args.exact_codes
-            ).asm["cubin"]
+            compile_gemv(block_n, block_g, split, x_block, args.maxnreg, not args.exact_codes).asm[
+                "cubin"
+            ]
         )
         codes = block_n * block_g * GROUP // THREADS  # codes per thread per step
         loop = stats["loop"]

@@ -25,6 +25,7 @@ from hearth.config import Gemma4Config, parse_config
 from hearth.errors import CheckpointError, UnsupportedModelError
 from hearth.generate import GenerationStats, generate_tokens
 from hearth.kv import make_caches
+from hearth.models import gemma4
 from hearth.models.gemma4 import Gemma4Model
 from hearth.models.gemma4_presets import GEMMA4_PRESETS
 from hearth.models.loading import build_model
@@ -171,6 +172,21 @@ def test_bf16_runs_close_to_fp32(checkpoints: Checkpoints, name: str) -> None:
     low = _cached_logits(_hearth(path, torch.bfloat16), ids, chunk=13).float()
     reference = _hf_logits(hf, ids)
     assert (low - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_norms_are_the_separate_norms_bit_for_bit(
+    checkpoints: Checkpoints, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A MoE layer's norms through `moe_add_rms_norm` and `moe_combine_add_rms_norm` (on the
+    CPU their references) give the separate modules' logits exactly: same inputs, weights and
+    roundings, wired from the other end of the layer (HF parity is the test above)."""
+    _, path = checkpoints("k_eq_v_moe")
+    model = _hearth(path, dtype)
+    ids = _ids(PROMPT + 3, seed=4)
+    fused = _cached_logits(model, ids, chunk=13)
+    monkeypatch.setattr(gemma4, "FUSED_MOE_NORMS", False)
+    assert torch.equal(_cached_logits(model, ids, chunk=13), fused)
 
 
 def _edit_config(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:

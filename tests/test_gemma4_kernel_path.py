@@ -3,7 +3,8 @@
 On a GPU the model calls the Triton kernels for CUDA tensors; here their dispatchers are told
 to take the kernel path for CPU tensors too, so the interpreter runs them inside a real
 forward: each layer's last add + layer scalar + next input norm, the per-layer input gate's
-GeGLU, the router's input and routing, and the gathered experts (GeGLU, weighted slot sum).
+GeGLU, the router's input and routing, the gathered experts (GeGLU, weighted slot sum), and
+a MoE layer's norms fused into two kernels (or, with FUSED_MOE_NORMS off, apart).
 The reference is the same model on the torch path. (Attention has its own such test,
 tests/test_attention_kernel_path.py; each kernel has its own in tests/test_kernels_fused.py.)
 """
@@ -44,10 +45,14 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(steps, dim=1)
 
 
-@pytest.mark.parametrize("config", ["moe", "ple_sharing_double_wide"])
+@pytest.mark.parametrize(
+    ("config", "fused_moe_norms"),
+    [("moe", True), ("moe", False), ("ple_sharing_double_wide", True)],
+)
 def test_fused_kernels_in_the_model_match_the_torch_path(
-    config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    config: str, fused_moe_norms: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(gemma4, "FUSED_MOE_NORMS", fused_moe_norms)
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
@@ -61,12 +66,19 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     monkeypatch.setattr(gemma4, "kernel_enabled", lambda tensor: True)
     for name in ("route_triton", "router_input_triton"):
         monkeypatch.setattr(router, name, _counted(getattr(router, name), launched, name))
+    for name in ("moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"):
+        monkeypatch.setattr(norm, name, _counted(getattr(norm, name), launched, name))
     monkeypatch.setattr(
         gemma4, "weighted_slot_sum", _counted(gemma4.weighted_slot_sum, launched, "slot_sum")
     )
     got = _decode(model, ids)
-    if config == "moe":
+    if config == "moe" and fused_moe_norms:
+        fused = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
+        assert fused | {"route_triton", "slot_sum"} <= set(launched)
+        assert "router_input_triton" not in launched
+    elif config == "moe":
         assert {"route_triton", "router_input_triton", "slot_sum"} <= set(launched)
+        assert not {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"} & set(launched)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 

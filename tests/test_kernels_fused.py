@@ -15,6 +15,10 @@ from hearth.kernels.kv_write import append_token_reference, append_token_triton
 from hearth.kernels.norm import (
     add_rms_norm_reference,
     add_rms_norm_triton,
+    moe_add_rms_norm_reference,
+    moe_add_rms_norm_triton,
+    moe_combine_add_rms_norm_reference,
+    moe_combine_add_rms_norm_triton,
     rms_norm_reference,
     rms_norm_triton,
 )
@@ -216,6 +220,56 @@ def test_add_rms_norm_with_layer_scalar(dtype: torch.dtype) -> None:
     close(ref_summed, oracle, dtype)
     with pytest.raises(ValueError, match="one"):
         add_rms_norm_triton(residual, x, weight, EPS, scale=torch.ones(2, dtype=dtype))
+
+
+# fp16 stands in for bf16 where an output is rounded three times: Triton's interpreter casts
+# fp32 to bf16 by truncation (the GPU rounds), up to an ulp per cast; on the H200,
+# benchmarks/ab_decode.py --check finds 26B-A4B's bf16 logits bit-identical with and without
+# the fused MoE norms.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_add_rms_norm(dtype: torch.dtype) -> None:
+    """h = residual + norm(x)·w, then from one RMS of h the dense MLP's input norm(h)·w_a, the
+    experts' norm(h)·w_b and the router's round(round(round(norm(h))·s)·N^-1/2); width 200
+    (not a power of two: masked lanes)."""
+    width = 200
+    residual, x = torch.randn(2, 3, width).to(dtype), torch.randn(2, 3, width).mul(9).to(dtype)
+    weight, dense_w, experts_w = (torch.rand(width) + 0.5 for _ in range(3))
+    router_scale = (torch.rand(width) + 0.5).to(dtype)
+    args = (residual, x, weight, EPS, dense_w, experts_w, router_scale)
+    got, want = moe_add_rms_norm_triton(*args), moe_add_rms_norm_reference(*args)
+    for name in ("residual", "dense", "experts", "router"):
+        close(getattr(got, name), getattr(want, name), dtype)
+    h = residual.double() + oracle_rms_norm(x, weight)
+    close(want.residual, h, dtype)
+    close(want.dense, oracle_rms_norm(want.residual, dense_w), dtype)
+    close(want.experts, oracle_rms_norm(want.residual, experts_w), dtype)
+    router = oracle_rms_norm(want.residual, None) * router_scale.double() / math.sqrt(width)
+    close(want.router, router, dtype)
+    with pytest.raises(ValueError, match="does not match"):
+        moe_add_rms_norm_triton(residual, x, weight, EPS, dense_w, experts_w, router_scale[:9])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_combine_add_rms_norm(dtype: torch.dtype) -> None:
+    """The end of a MoE layer: ff = norm(dense)·w1 + norm(experts)·w2, h = (residual +
+    norm(ff)·w)·s, and the next layer's input norm of h, in one kernel."""
+    width = 200
+    residual = torch.randn(2, 3, width).to(dtype)
+    dense, experts = (torch.randn(2, 3, width).mul(7).to(dtype) for _ in range(2))
+    dense_w, experts_w, weight, next_w = (torch.rand(width) + 0.5 for _ in range(4))
+    scalar = torch.tensor([0.37]).to(dtype)
+    args = (residual, dense, experts, dense_w, experts_w, weight, EPS, next_w, scalar)
+    (summed, normed), (want_summed, want_normed) = (
+        moe_combine_add_rms_norm_triton(*args),
+        moe_combine_add_rms_norm_reference(*args),
+    )
+    close(summed, want_summed, dtype)
+    close(normed, want_normed, dtype)
+    ff = oracle_rms_norm(dense, dense_w) + oracle_rms_norm(experts, experts_w)
+    close(want_summed, (residual.double() + oracle_rms_norm(ff, weight)) * 0.37, dtype)
+    close(want_normed, oracle_rms_norm(want_summed, next_w), dtype)
+    with pytest.raises(ValueError, match="does not match"):
+        moe_combine_add_rms_norm_triton(residual, dense[..., :9], *args[2:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -382,10 +382,7 @@ if HAS_TRITON:
             # Code j of every word pairs with x at k = word * CODES + j: one x slice serves
             # every row a thread holds, and the code values every x row (the compiler CSEs them
             # across the unrolled rows).
-            if FOLD:
-                q = _offset_codes(words, two23, j)
-            else:
-                q = _exact_codes(words, two23, j, BITS)
+            q = _offset_codes(words, two23, j) if FOLD else _exact_codes(words, two23, j, BITS)
             if X_BLOCK == 0:
                 x_at = x_row + k_word * CODES + j
             else:

@@ -11,9 +11,17 @@ decode these tiny launches, not bandwidth, set the step time. One kernel here do
 with the same roundings as the eager reference, so only the fp32 reduction order differs.
 Weights are fp32 multipliers (the models store 1 + w for Gemma 3 already), or None for a
 weightless norm.
+
+Gemma 4's MoE layers have more norms around the feed-forward, and the same kernel takes them
+(`moe_add_rms_norm`, `moe_combine_add_rms_norm`): after attention, h feeds three inputs (the
+dense MLP's norm, the experts' norm and the router's weightless norm · scale · hidden^-1/2),
+one RMS for all; before the last add, the sublayer output is itself
+``round(norm(dense) · w1) + round(norm(experts) · w2)``. Five launches a layer become two.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +51,14 @@ if HAS_TRITON:
         scale_ptr,
         out_ptr,
         normed_ptr,
+        dense_ptr,
+        dense_w_ptr,
+        x_w_ptr,
+        next2_w_ptr,
+        normed2_ptr,
+        router_w_ptr,
+        router_ptr,
+        router_factor,
         eps,
         N: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -51,12 +67,16 @@ if HAS_TRITON:
         HAS_SCALE: tl.constexpr,
         HAS_NEXT: tl.constexpr,
         HAS_NEXT_WEIGHT: tl.constexpr,
+        COMBINE: tl.constexpr,
+        HAS_NEXT2: tl.constexpr,
+        HAS_ROUTER: tl.constexpr,
         PDL: tl.constexpr,
     ):
         wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
         mask = columns < N
+        dtype = out_ptr.dtype.element_ty
         # Every load is issued before the first reduction: at batch-1 decode this kernel is
         # one program per row, so its time is load latency, not bandwidth.
         x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
@@ -65,16 +85,40 @@ if HAS_TRITON:
             residual = tl.load(residual_ptr + row * N + columns, mask=mask, other=0.0)
         if HAS_NEXT:
             next_w = tl.load(next_w_ptr + columns, mask=mask & HAS_NEXT_WEIGHT, other=0.0)
+        if COMBINE:  # x is round(norm(dense) · w1) + round(norm(x) · w2), rounded
+            dense = tl.load(dense_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
+            dense_w = tl.load(dense_w_ptr + columns, mask=mask, other=0.0)
+            x_w = tl.load(x_w_ptr + columns, mask=mask, other=0.0)
+            dense = _norm_row(dense, dense_w, eps, N, True).to(dtype).to(tl.float32)
+            x = _norm_row(x, x_w, eps, N, True).to(dtype).to(tl.float32)
+            x = (dense + x).to(dtype).to(tl.float32)
+        if HAS_NEXT2:
+            next2_w = tl.load(next2_w_ptr + columns, mask=mask, other=0.0)
+        if HAS_ROUTER:
+            router_w = tl.load(router_w_ptr + columns, mask=mask, other=0.0).to(tl.float32)
         y = _norm_row(x, w, eps, N, HAS_WEIGHT)
-        y = y.to(out_ptr.dtype.element_ty)
+        y = y.to(dtype)
         if HAS_RESIDUAL:
-            y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            y = (residual.to(tl.float32) + y.to(tl.float32)).to(dtype)
         if HAS_SCALE:  # a second rounding, as the eager multiply after the add
-            y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(out_ptr.dtype.element_ty)
+            y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
         tl.store(out_ptr + row * N + columns, y, mask=mask)
-        if HAS_NEXT:
-            z = _norm_row(y.to(tl.float32), next_w, eps, N, HAS_NEXT_WEIGHT)
-            tl.store(normed_ptr + row * N + columns, z.to(normed_ptr.dtype.element_ty), mask=mask)
+        if HAS_NEXT or HAS_NEXT2 or HAS_ROUTER:
+            h = y.to(tl.float32)
+            # The norms of h share one RMS, each computed as _norm_row does.
+            inverse_rms = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+            if HAS_NEXT:
+                z = h * inverse_rms
+                if HAS_NEXT_WEIGHT:
+                    z = z * next_w
+                tl.store(normed_ptr + row * N + columns, z.to(dtype), mask=mask)
+            if HAS_NEXT2:
+                z2 = h * inverse_rms * next2_w
+                tl.store(normed2_ptr + row * N + columns, z2.to(dtype), mask=mask)
+            if HAS_ROUTER:  # weightless norm, · scale, · factor: each rounded, as eagerly
+                r = (h * inverse_rms).to(dtype).to(tl.float32)
+                r = (r * router_w).to(dtype).to(tl.float32)
+                tl.store(router_ptr + row * N + columns, (r * router_factor).to(dtype), mask=mask)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -100,6 +144,57 @@ def add_rms_norm_reference(
     return summed, normed
 
 
+def router_input_reference(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's router input: round(round(round(x̂) · scale) · hidden^-1/2), x̂ the weightless
+    RMSNorm in fp32."""
+    return rms_norm_reference(x, None, eps) * scale * x.shape[-1] ** -0.5
+
+
+class MoEInputs(NamedTuple):
+    """What a Gemma 4 MoE layer's feed-forward reads, from h = residual + norm(attention)·w."""
+
+    residual: torch.Tensor  # h
+    dense: torch.Tensor  # pre_feedforward_layernorm(h): the dense MLP's input
+    experts: torch.Tensor  # pre_feedforward_layernorm_2(h): the experts' input
+    router: torch.Tensor  # router_input_reference(h, router scale)
+
+
+def moe_add_rms_norm_reference(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dense_weight: torch.Tensor,
+    experts_weight: torch.Tensor,
+    router_scale: torch.Tensor,
+) -> MoEInputs:
+    summed, dense = add_rms_norm_reference(residual, x, weight, eps, dense_weight, True)
+    assert dense is not None
+    experts = rms_norm_reference(summed, experts_weight, eps)
+    return MoEInputs(summed, dense, experts, router_input_reference(summed, router_scale, eps))
+
+
+def moe_combine_add_rms_norm_reference(
+    residual: torch.Tensor,
+    dense: torch.Tensor,
+    experts: torch.Tensor,
+    dense_weight: torch.Tensor,
+    experts_weight: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    next_weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of a Gemma 4 MoE layer: ff = norm(dense)·w1 + norm(experts)·w2, then
+    `add_rms_norm_reference(residual, ff, weight, eps, next_weight, True, scale)`."""
+    ff = add_rms_norm_reference(
+        rms_norm_reference(dense, dense_weight, eps), experts, experts_weight, eps
+    )[0]
+    summed, normed = add_rms_norm_reference(residual, ff, weight, eps, next_weight, True, scale)
+    assert normed is not None
+    return summed, normed
+
+
 def _warps(columns: int) -> int:
     return 4 if columns <= 1024 else 8 if columns <= 8192 else 16
 
@@ -112,23 +207,50 @@ def _launch(
     normalize_next: bool,
     eps: float,
     scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    *,
+    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    next_weight_2: torch.Tensor | None = None,
+    router_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """(out, normed or None, normed_2 if next_weight_2, router input if router_scale).
+    `combine` is (dense, dense_weight, x_weight): x is first replaced by
+    ``round(norm(dense) · dense_weight) + round(norm(x) · x_weight)``."""
     columns = x.shape[-1]
     if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype):
         raise ValueError(f"scale must be one {x.dtype} value, got {scale.dtype} {scale.shape}")
+    for name, vector in (("router scale", router_scale), ("next weight 2", next_weight_2)):
+        if vector is not None and vector.shape != (columns,):
+            raise ValueError(f"{name} {tuple(vector.shape)} does not match width {columns}")
     rows = x.numel() // columns
     x2 = x.contiguous()
     out = torch.empty_like(x2)
     normed = torch.empty_like(x2) if normalize_next else None
-    placeholder = x2  # any pointer for arguments a constexpr switch leaves unread
+    normed_2 = torch.empty_like(x2) if next_weight_2 is not None else None
+    routed = torch.empty_like(x2) if router_scale is not None else None
+    dense, dense_weight, x_weight = combine if combine is not None else (None, None, None)
+    if dense is not None and dense.shape != x.shape:
+        raise ValueError(f"dense {tuple(dense.shape)} does not match x {tuple(x.shape)}")
+
+    def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
+        # Any pointer serves for arguments a constexpr switch leaves unread.
+        return tensor if tensor is not None else x2
+
     _rms_norm_kernel[(rows,)](
         x2,
-        residual.contiguous() if residual is not None else placeholder,
-        weight if weight is not None else placeholder,
-        next_weight if next_weight is not None else placeholder,
-        scale if scale is not None else placeholder,
+        pointer(residual.contiguous() if residual is not None else None),
+        pointer(weight),
+        pointer(next_weight),
+        pointer(scale),
         out,
-        normed if normed is not None else placeholder,
+        pointer(normed),
+        pointer(dense.contiguous() if dense is not None else None),
+        pointer(dense_weight),
+        pointer(x_weight),
+        pointer(next_weight_2),
+        pointer(normed_2),
+        pointer(router_scale),
+        pointer(routed),
+        columns**-0.5,
         eps,
         N=columns,
         BLOCK=triton.next_power_of_2(columns),
@@ -137,10 +259,14 @@ def _launch(
         HAS_SCALE=scale is not None,
         HAS_NEXT=normalize_next,
         HAS_NEXT_WEIGHT=next_weight is not None,
+        COMBINE=combine is not None,
+        HAS_NEXT2=next_weight_2 is not None,
+        HAS_ROUTER=router_scale is not None,
         num_warps=_warps(columns),
         **pdl_options(x),
     )
-    return out, normed
+    extras = tuple(t for t in (normed_2, routed) if t is not None)
+    return (out, normed, *extras)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -156,7 +282,8 @@ def add_rms_norm_triton(
     normalize_next: bool = False,
     scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return _launch(x, residual, weight, next_weight, normalize_next, eps, scale)
+    out, normed = _launch(x, residual, weight, next_weight, normalize_next, eps, scale)
+    return out, normed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -179,3 +306,77 @@ def add_rms_norm(
     if kernel_enabled(x):
         return add_rms_norm_triton(residual, x, weight, eps, next_weight, normalize_next, scale)
     return add_rms_norm_reference(residual, x, weight, eps, next_weight, normalize_next, scale)
+
+
+def moe_add_rms_norm_triton(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dense_weight: torch.Tensor,
+    experts_weight: torch.Tensor,
+    router_scale: torch.Tensor,
+) -> MoEInputs:
+    summed, dense, experts, router = _launch(
+        x,
+        residual,
+        weight,
+        dense_weight,
+        True,
+        eps,
+        next_weight_2=experts_weight,
+        router_scale=router_scale,
+    )
+    return MoEInputs(summed, dense, experts, router)
+
+
+def moe_combine_add_rms_norm_triton(
+    residual: torch.Tensor,
+    dense: torch.Tensor,
+    experts: torch.Tensor,
+    dense_weight: torch.Tensor,
+    experts_weight: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    next_weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    combine = (dense, dense_weight, experts_weight)
+    out = _launch(experts, residual, weight, next_weight, True, eps, scale, combine=combine)
+    return out[0], out[1]
+
+
+def moe_add_rms_norm(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dense_weight: torch.Tensor,
+    experts_weight: torch.Tensor,
+    router_scale: torch.Tensor,
+) -> MoEInputs:
+    """h = residual + norm(x)·w and the three inputs of the MoE feed-forward from it (one
+    Triton kernel on CUDA: one RMS of h for all three)."""
+    args = (residual, x, weight, eps, dense_weight, experts_weight, router_scale)
+    if kernel_enabled(x):
+        return moe_add_rms_norm_triton(*args)
+    return moe_add_rms_norm_reference(*args)
+
+
+def moe_combine_add_rms_norm(
+    residual: torch.Tensor,
+    dense: torch.Tensor,
+    experts: torch.Tensor,
+    dense_weight: torch.Tensor,
+    experts_weight: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    next_weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_combine_add_rms_norm_reference`: the layer's last three norms in one Triton kernel
+    on CUDA."""
+    args = (residual, dense, experts, dense_weight, experts_weight, weight, eps, next_weight)
+    if kernel_enabled(experts):
+        return moe_combine_add_rms_norm_triton(*args, scale)
+    return moe_combine_add_rms_norm_reference(*args, scale)

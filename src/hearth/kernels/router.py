@@ -18,12 +18,7 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
-from hearth.kernels.norm import rms_norm_reference
-
-
-def router_input_reference(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """round(round(round(x̂) · scale) · hidden^-1/2), x̂ the weightless RMSNorm in fp32."""
-    return rms_norm_reference(x, None, eps) * scale * x.shape[-1] ** -0.5
+from hearth.kernels.norm import router_input_reference
 
 
 def route_reference(

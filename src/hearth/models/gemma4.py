@@ -29,7 +29,7 @@ from hearth.kernels.grouped_matmul import (
     grouped_expert_matmul,
     plan_experts,
 )
-from hearth.kernels.norm import add_rms_norm
+from hearth.kernels.norm import add_rms_norm, moe_add_rms_norm, moe_combine_add_rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kernels.router import route, router_input
 from hearth.kernels.slot_sum import weighted_slot_sum
@@ -55,6 +55,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 # 256-wide projection (results/gpu_profile_e4b-2026-12-03.md). E4B decode +3.8%, 26B-A4B
 # +1.5% (results/ab_gemma4_narrow_gemv-2026-12-03.md). An A/B switch.
 NARROW_GEMV = True
+# A MoE layer's five norms after attention in two kernels (`_moe_feed_forward`): one RMS of
+# the residual for the dense, expert and router inputs; both feed-forward branches' norms with
+# the last add. Bit-identical to the separate kernels. An A/B switch.
+FUSED_MOE_NORMS = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
@@ -155,9 +159,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights (fp32) and expert ids, both [tokens, top_k]."""
-        x = router_input(x, self.scale, self.eps)  # norm, · scale, · hidden^-1/2
+        return self.route(router_input(x, self.scale, self.eps))  # norm, · scale, · hidden^-1/2
+
+    def route(self, router_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from the router's input (`router_input` of x) rather than from x."""
         # Softmax, top-k, renormalisation and per-expert scale: one kernel on the GPU.
-        return route(_narrow(self.proj, x), self.top_k, self.per_expert_scale)
+        return route(_narrow(self.proj, router_input), self.top_k, self.per_expert_scale)
 
 
 class Experts(nn.Module):
@@ -312,6 +319,8 @@ class Gemma4DecoderLayer(nn.Module):
         residual add: each norm here is fused with the add (and the layer scalar) before it.
         """
         attended, view = self.self_attn(normed_input, rope, positions, cache, shared)
+        if self.has_moe and per_layer_input is None and FUSED_MOE_NORMS:
+            return (*self._moe_feed_forward(x, attended, next_norm), view)
         x, normed = add_rms_norm(
             x,
             attended,
@@ -333,6 +342,36 @@ class Gemma4DecoderLayer(nn.Module):
         )
         assert normed_next is not None
         return x, normed_next, view
+
+    def _moe_feed_forward(
+        self, x: torch.Tensor, attended: torch.Tensor, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `forward` does from the attention's output on; a MoE layer's five norms in
+        two kernels (`moe_add_rms_norm`, `moe_combine_add_rms_norm`)."""
+        inputs = moe_add_rms_norm(
+            x,
+            attended,
+            self.post_attention_layernorm.weight,
+            self.eps,
+            self.pre_feedforward_layernorm.weight,
+            self.pre_feedforward_layernorm_2.weight,
+            self.router.scale,
+        )
+        dense = self.mlp(inputs.dense)
+        hidden = x.shape[-1]
+        weights, experts = self.router.route(inputs.router.reshape(-1, hidden))
+        sparse = self.experts(inputs.experts.reshape(-1, hidden), weights, experts)
+        return moe_combine_add_rms_norm(
+            inputs.residual,
+            dense,
+            sparse.view_as(x),
+            self.post_feedforward_layernorm_1.weight,
+            self.post_feedforward_layernorm_2.weight,
+            self.post_feedforward_layernorm.weight,
+            self.eps,
+            next_norm.weight,
+            self.layer_scalar,
+        )
 
     def _feed_forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """The feed-forward of the residual `x`, whose pre-feed-forward norm is `normed`."""
