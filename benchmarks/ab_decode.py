@@ -200,6 +200,7 @@ VARIANTS: dict[str, Patch] = {
     "narrow-cublas": _set(gemma4, "NARROW_GEMV", False),  # PLE and router projections
     "exact-codes": _set(affine_matmul, "GEMV_FOLDED_OFFSETS", False),  # a FADD per 4-bit code
     "moe-norms-apart": _set(gemma4, "FUSED_MOE_NORMS", False),  # five norm launches, not two
+    "ple-geglu-apart": _set(gemma4, "FUSED_PER_LAYER_GEGLU", False),  # its own GeGLU kernel
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 

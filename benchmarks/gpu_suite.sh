@@ -13,6 +13,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh next      # E4B 4-bit launches, x reorder on short K
 #   OUT=/tmp/out benchmarks/gpu_suite.sh folded    # 4-bit A/B and benches after the folded offsets
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe       # fused MoE norms: parity, 26B A/B and bench
+#   OUT=/tmp/out benchmarks/gpu_suite.sh ple       # per-layer GeGLU in its GEMV: parity, E4B A/B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -145,6 +146,11 @@ stage 150 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base
 GEMV_CONFIGS_JSON=benchmarks/results/gpu_gemv_affine_sweep_folded-2026-12-03.json \
   stage 100 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,gemv-json --rounds 3 --check --name 12b_4bit_json
 stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = ple ]; then  # the per-layer input's GeGLU inside its projection: GPU tests, parity, E4B A/B and bench
+stage 120 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
+stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+stage 100 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,ple-geglu-apart --rounds 3 --check --name e4b_ple_geglu
+stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

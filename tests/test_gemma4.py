@@ -189,6 +189,19 @@ def test_fused_moe_norms_are_the_separate_norms_bit_for_bit(
     assert torch.equal(_cached_logits(model, ids, chunk=13), fused)
 
 
+def test_fused_per_layer_geglu_is_the_separate_kernel_bit_for_bit(
+    checkpoints: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-layer input's GeGLU handed to its projection (on the CPU: the same torch ops)
+    gives the unfused logits exactly."""
+    _, path = checkpoints("ple_sharing_double_wide")
+    model = _hearth(path, torch.bfloat16)
+    ids = _ids(PROMPT + 3, seed=5)
+    fused = _cached_logits(model, ids, chunk=13)
+    monkeypatch.setattr(gemma4, "FUSED_PER_LAYER_GEGLU", False)
+    assert torch.equal(_cached_logits(model, ids, chunk=13), fused)
+
+
 def _edit_config(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())

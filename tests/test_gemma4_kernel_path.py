@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from hearth.checkpoint import open_checkpoint  # noqa: E402
-from hearth.kernels import activation, norm, router, slot_sum  # noqa: E402
+from hearth.kernels import activation, gemv, norm, router, slot_sum  # noqa: E402
 from hearth.models import gemma4  # noqa: E402
 from hearth.models.loading import build_model  # noqa: E402
 from test_gemma4 import CONFIGS  # noqa: E402
@@ -32,7 +32,7 @@ from tiny import save_hf, tiny_gemma4_model  # noqa: E402
 # sum); through the tiny models' layers and head, logits of size ~1-25 stay within 1e-4.
 ATOL = 1e-4
 PROMPT, STEPS = 20, 4
-FUSED_MODULES = (norm, activation, router, slot_sum)
+FUSED_MODULES = (norm, activation, router, slot_sum, gemv)
 
 
 def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -46,13 +46,16 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("config", "fused_moe_norms"),
-    [("moe", True), ("moe", False), ("ple_sharing_double_wide", True)],
+    ("config", "fused"),
+    [("moe", True), ("moe", False), ("ple_sharing_double_wide", True), ("ple", False)],
 )
 def test_fused_kernels_in_the_model_match_the_torch_path(
-    config: str, fused_moe_norms: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    config: str, fused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(gemma4, "FUSED_MOE_NORMS", fused_moe_norms)
+    """`fused`: the MoE layer's norms in two kernels and the per-layer input's GeGLU inside
+    its projection's GEMV (else each apart)."""
+    monkeypatch.setattr(gemma4, "FUSED_MOE_NORMS", fused)
+    monkeypatch.setattr(gemma4, "FUSED_PER_LAYER_GEGLU", fused)
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
@@ -71,12 +74,23 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     monkeypatch.setattr(
         gemma4, "weighted_slot_sum", _counted(gemma4.weighted_slot_sum, launched, "slot_sum")
     )
+    original_gemv = gemv.gemv_triton
+
+    def counted_gemv(x, weight, geglu=False, config=None, up=None):
+        launched.append("gemv geglu of a separate up" if up is not None else "gemv")
+        return original_gemv(x, weight, geglu, config, up=up)
+
+    monkeypatch.setattr(gemv, "gemv_triton", counted_gemv)
     got = _decode(model, ids)
-    if config == "moe" and fused_moe_norms:
+    ple = "gemv geglu of a separate up"
+    if config.startswith("ple"):
+        assert (ple in launched) == fused, launched
+    if config == "moe" and fused:
         fused = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
         assert fused | {"route_triton", "slot_sum"} <= set(launched)
         assert "router_input_triton" not in launched
     elif config == "moe":
+        assert ple not in launched
         assert {"route_triton", "router_input_triton", "slot_sum"} <= set(launched)
         assert not {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"} & set(launched)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

@@ -133,6 +133,17 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         "rms_norm layer scalar",
         lambda: norm.add_rms_norm_triton(x, x, weight, 1e-6, weight, True, scalar),
     )
+    router_scale = torch.ones(256, dtype=bf16)
+    yield (
+        "moe_add_rms_norm",
+        lambda: norm.moe_add_rms_norm_triton(x, x, weight, 1e-6, weight, weight, router_scale),
+    )
+    yield (
+        "moe_combine_add_rms_norm",
+        lambda: norm.moe_combine_add_rms_norm_triton(
+            x, x, x, weight, weight, weight, 1e-6, weight, scalar
+        ),
+    )
     yield "gelu_tanh_mul", lambda: activation.gelu_tanh_mul_triton(torch.randn(1, 512, dtype=bf16))
     yield (
         "gelu_tanh_mul of two",
@@ -164,6 +175,16 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2},
             ),
         )
+    yield (
+        "gemv geglu of a separate up",
+        lambda: gemv.gemv_triton(
+            x,
+            torch.randn(48, 256, dtype=bf16),
+            True,
+            {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2},
+            up=torch.randn(1, 4, 256, dtype=bf16)[:, 1],
+        ),
+    )
     qkv = torch.randn(1, (4 + 2 * 2) * 64, dtype=bf16)
     cos = sin = torch.ones(1, 64, dtype=bf16)
     for mode in rope.ValueMode:

@@ -24,16 +24,22 @@ pytestmark = [
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, geglu: bool, config: dict) -> None:
-    got = gemv_module.gemv_triton(x, weight, geglu, config)
-    inputs = gelu_tanh_mul_reference(x) if geglu else x
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    geglu: bool,
+    config: dict,
+    up: torch.Tensor | None = None,
+) -> None:
+    got = gemv_module.gemv_triton(x, weight, geglu, config, up=up)
+    inputs = gelu_tanh_mul_reference(x, up) if geglu else x
     oracle = inputs.double() @ weight.double().T
     magnitude = inputs.double().abs() @ weight.double().abs().T
     k = weight.shape[1]
     bound = torch.finfo(x.dtype).eps * oracle.abs() + 4 * math.sqrt(k) * EPS32 * magnitude
     assert got.shape == (*x.shape[:-1], weight.shape[0]) and got.dtype == x.dtype
     assert ((got.double() - oracle).abs() <= bound).all()
-    reference = gemv_module.gemv_reference(x, weight, geglu)
+    reference = gemv_module.gemv_reference(x, weight, geglu, up)
     assert ((reference.double() - oracle).abs() <= bound).all()
 
 
@@ -47,6 +53,23 @@ def test_gemv_against_fp64(dtype: torch.dtype, geglu: bool, split: int) -> None:
     weight = (torch.randn(n, k, generator=generator) * 0.1).to(dtype)
     x = torch.randn(3, 2 * k if geglu else k, generator=generator).to(dtype)
     _check(x, weight, geglu, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_geglu_of_a_separate_up(dtype: torch.dtype, split: int) -> None:
+    """gelu_tanh(gate) * up from two tensors (Gemma 4's per-layer input gate and its input),
+    `up` a strided view: the same oracle as the stacked form, and the stacked form's bits."""
+    generator = torch.Generator().manual_seed(7 + split)
+    n, k = 40, 200
+    weight = (torch.randn(n, k, generator=generator) * 0.1).to(dtype)
+    stacked = torch.randn(3, 2 * k, generator=generator).to(dtype)
+    gate, up = stacked[:, :k].contiguous(), torch.randn(3, 2, k, generator=generator)[:, 1]
+    up.copy_(stacked[:, k:])
+    config = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split}
+    _check(gate, weight, True, config, up=up.to(dtype))
+    separate = gemv_module.gemv_triton(gate, weight, True, config, up=up.to(dtype))
+    assert torch.equal(separate, gemv_module.gemv_triton(stacked, weight, True, config))
 
 
 def test_gemv_keeps_leading_dims_and_runs_again_after_a_split() -> None:
@@ -64,3 +87,5 @@ def test_gemv_rejects_a_wrong_width_and_too_many_rows() -> None:
         gemv_module.gemv_triton(torch.randn(1, 32), weight, geglu=True)
     with pytest.raises(ValueError, match="at most"):
         gemv_module.gemv_triton(torch.randn(5, 32), weight)
+    with pytest.raises(ValueError, match="second input"):
+        gemv_module.gemv_triton(torch.randn(1, 32), weight, True, up=torch.randn(1, 16))

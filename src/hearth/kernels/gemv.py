@@ -10,7 +10,8 @@ models run the GeGLU kernel first: folding it in, below, measured slower):
   and the last program of a row block to finish adds the slices' partial sums in slice
   order (deterministic: no float atomics);
 * with `geglu`, the input is `gelu_tanh(gate) * up` computed on the fly from the stacked
-  gate/up output, rounded exactly as `activation.gelu_tanh_mul` rounds.
+  gate/up output (or from a gate and a separate `up`, as Gemma 4's per-layer input gate
+  has them), rounded exactly as `activation.gelu_tanh_mul` rounds.
 
 Accumulation is fp32; the output is rounded once to the activations' dtype.
 """
@@ -28,19 +29,22 @@ from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul, gelu_tanh_m
 GEMV_MAX_ROWS = 4
 
 
-def gemv_reference(x: Tensor, weight: Tensor, geglu: bool = False) -> Tensor:
-    """``x @ weight.T``, with ``x = gelu_tanh(gate) * up`` of a stacked [.., 2K] input first."""
+def gemv_reference(
+    x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None
+) -> Tensor:
+    """``x @ weight.T``, with ``x = gelu_tanh(gate) * up`` first: of a stacked [.., 2K] input,
+    or of gate x and `up`, both [.., K]."""
     if geglu:
-        x = gelu_tanh_mul_reference(x)
+        x = gelu_tanh_mul_reference(x, up)
     return F.linear(x, weight)
 
 
-def gemv(x: Tensor, weight: Tensor, geglu: bool = False) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None) -> Tensor:
     """`gemv_reference`, one Triton kernel for few rows on CUDA (cuBLAS for many)."""
     rows = x.numel() // x.shape[-1]
     if kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype:
-        return gemv_triton(x, weight, geglu)
-    return F.linear(gelu_tanh_mul(x) if geglu else x, weight)
+        return gemv_triton(x, weight, geglu, up=up)
+    return F.linear(gelu_tanh_mul(x, up) if geglu else x, weight)
 
 
 if HAS_TRITON:
@@ -53,6 +57,7 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_kernel(
         x_ptr,
+        up_ptr,
         w_ptr,
         out_ptr,
         partial_ptr,
@@ -60,6 +65,7 @@ if HAS_TRITON:
         M,
         N,
         stride_xm,
+        stride_um,
         stride_wn,
         stride_om,
         coefficient,
@@ -71,7 +77,8 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K)."""
+        """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). With GEGLU
+        x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up)."""
         wait_for_producer(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -81,6 +88,7 @@ if HAS_TRITON:
         n_ok = n < N
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        up_rows = up_ptr + m.to(tl.int64)[:, None] * stride_um
         # Whole BLOCK_K steps per slice; the trip count is a constexpr (K is one) because
         # Triton's interpreter cannot loop to runtime bounds.
         STEPS: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K
@@ -93,7 +101,7 @@ if HAS_TRITON:
             x_ok = m_ok[:, None] & k_ok[None, :]
             if GEGLU:
                 gate = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
-                up = tl.load(x_rows + K + k[None, :], mask=x_ok, other=0.0)
+                up = tl.load(up_rows + k[None, :], mask=x_ok, other=0.0)
                 gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(gate.dtype)
                 xk = (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
             else:
@@ -162,17 +170,28 @@ if HAS_TRITON:
         return counters
 
     def gemv_triton(
-        x: Tensor, weight: Tensor, geglu: bool = False, config: dict | None = None
+        x: Tensor,
+        weight: Tensor,
+        geglu: bool = False,
+        config: dict | None = None,
+        up: Tensor | None = None,
     ) -> Tensor:
         """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter)."""
         k = weight.shape[-1]
-        width = 2 * k if geglu else k
+        width = 2 * k if geglu and up is None else k
         if x.shape[-1] != width:
             raise ValueError(f"x has {x.shape[-1]} inputs; the weight takes {width}")
+        if up is not None and (not geglu or up.shape != x.shape):
+            raise ValueError(f"up {tuple(up.shape)} is GeGLU's second input, shaped as x")
         rows = x.reshape(-1, width)
         if rows.shape[0] > GEMV_MAX_ROWS:
             raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        if up is None:
+            up_rows = rows[:, k:] if geglu else rows  # unread without GEGLU
+        else:
+            up_rows = up.reshape(-1, k)
+            up_rows = up_rows if up_rows.stride(-1) == 1 else up_rows.contiguous()
         weight = weight if weight.stride(-1) == 1 else weight.contiguous()
         m, n = rows.shape[0], weight.shape[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -184,8 +203,9 @@ if HAS_TRITON:
             MAX_SPLIT_K * m * n if split_possible else 1, dtype=torch.float32, device=x.device
         )
         counters = _counters(x.device, triton.cdiv(n, 8)) if split_possible else partial
-        args = (rows, weight, out, partial, counters, m, n)
-        args += (rows.stride(0), weight.stride(0), out.stride(0), SQRT_2_OVER_PI)
+        args = (rows, up_rows, weight, out, partial, counters, m, n)
+        args += (rows.stride(0), up_rows.stride(0), weight.stride(0), out.stride(0))
+        args += (SQRT_2_OVER_PI,)
         constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
         constants |= pdl_options(x)
 

@@ -23,6 +23,7 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.affine_matmul import KERNEL_BITS as AFFINE_KERNEL_BITS
 from hearth.kernels.affine_matmul import float_expert_matmul
+from hearth.kernels.gemv import gemv
 from hearth.kernels.grouped_matmul import (
     ExpertPlan,
     grouped_affine_expert_matmul,
@@ -59,6 +60,10 @@ NARROW_GEMV = True
 # the residual for the dense, expert and router inputs; both feed-forward branches' norms with
 # the last add. Bit-identical to the separate kernels. An A/B switch.
 FUSED_MOE_NORMS = True
+# The per-layer input's GeGLU inside its projection's GEMV (float weights), rather than a
+# kernel of its own before it: K is 256, so each program recomputing it costs little. An A/B
+# switch.
+FUSED_PER_LAYER_GEGLU = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
@@ -334,14 +339,23 @@ class Gemma4DecoderLayer(nn.Module):
         last_norm = self.post_feedforward_layernorm
         if per_layer_input is not None:
             x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
-            gated = gelu_tanh_mul(_narrow(self.per_layer_input_gate, x), per_layer_input)
-            ff = _narrow(self.per_layer_projection, gated)
+            ff = self._per_layer_update(x, per_layer_input)
             last_norm = self.post_per_layer_input_norm
         x, normed_next = add_rms_norm(
             x, ff, last_norm.weight, self.eps, next_norm.weight, True, self.layer_scalar
         )
         assert normed_next is not None
         return x, normed_next, view
+
+    def _per_layer_update(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """per_layer_projection(gelu_tanh(per_layer_input_gate(x)) · per_layer_input); with
+        float weights at a decode step the GeGLU runs inside the projection's GEMV."""
+        gate = _narrow(self.per_layer_input_gate, x)
+        projection = self.per_layer_projection
+        float_weight = isinstance(projection, nn.Linear) and projection.bias is None
+        if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
+            return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
+        return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 
     def _moe_feed_forward(
         self, x: torch.Tensor, attended: torch.Tensor, next_norm: RMSNorm
