@@ -14,6 +14,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh folded    # 4-bit A/B and benches after the folded offsets
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe       # fused MoE norms: parity, 26B A/B and bench
 #   OUT=/tmp/out benchmarks/gpu_suite.sh ple       # per-layer GeGLU in its GEMV: parity, E4B A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh bench4    # 4-bit headline benches (12B, E4B)
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -151,6 +152,9 @@ stage 120 tests python -m pytest -q -x tests/test_static_cache.py tests/test_ben
 stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 100 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,ple-geglu-apart --rounds 3 --check --name e4b_ple_geglu
 stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b.md"
+elif [ "$PART" = bench4 ]; then  # 4-bit headline benches with every default of the evening (bf16 x)
+stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 50 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 512 --steps 16 --out "$OUT/bench-e4b-4bit.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
