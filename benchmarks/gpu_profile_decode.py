@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -72,14 +73,24 @@ def profile_prefill(model: torch.nn.Module, name: str, tokens: int) -> None:
     run = _prefill_runner(model, ids)
     run()
     torch.cuda.synchronize()
+    # Wall time apart from the profiler's: beside the GPU time it tells a host-bound prefill.
+    walls = []
+    for _ in range(3):
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - began)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     title = f"Prefill profile: {name}, {tokens} tokens as `hearth bench` runs them"
-    write_table(prof, 1, title, f"gpu_profile_{name}_prefill{tokens}.md", "forward")
+    wall = f"wall time per forward (median of 3, unprofiled): {sorted(walls)[1] * 1e3:.2f} ms"
+    write_table(prof, 1, title, f"gpu_profile_{name}_prefill{tokens}.md", "forward", wall)
 
 
-def write_table(prof: profile, steps: int, title: str, filename: str, unit: str) -> None:
+def write_table(
+    prof: profile, steps: int, title: str, filename: str, unit: str, note: str = ""
+) -> None:
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for event in prof.events():
@@ -92,7 +103,7 @@ def write_table(prof: profile, steps: int, title: str, filename: str, unit: str)
         f"# {title}, {torch.cuda.get_device_name()}",
         "",
         f"kernels per {unit}: {sum(counts.values()) / steps:.0f}; GPU time per {unit}: "
-        f"{total / steps / 1e3:.2f} ms",
+        f"{total / steps / 1e3:.2f} ms" + (f"; {note}" if note else ""),
         "",
         f"| kernel | launches/{unit} | µs/{unit} | share |",
         "|---|---|---|---|",

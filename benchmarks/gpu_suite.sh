@@ -15,6 +15,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe       # fused MoE norms: parity, 26B A/B and bench
 #   OUT=/tmp/out benchmarks/gpu_suite.sh ple       # per-layer GeGLU in its GEMV: parity, E4B A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh bench4    # 4-bit headline benches (12B, E4B)
+#   OUT=/tmp/out benchmarks/gpu_suite.sh e4b4      # where E4B 4-bit prefill's ~75 ms go
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -155,6 +156,11 @@ stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --pref
 elif [ "$PART" = bench4 ]; then  # 4-bit headline benches with every default of the evening (bf16 x)
 stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 50 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 512 --steps 16 --out "$OUT/bench-e4b-4bit.md"
+elif [ "$PART" = e4b4 ]; then  # E4B 4-bit prefills 512 tokens in 81 ms (bf16: ~8): by kernel, beside bf16 and 12B 4-bit
+stage 90 profile-e4b-4bit python benchmarks/gpu_profile_decode.py --model e4b --quant 4bit --prefill 512
+stage 90 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --prefill 512
+stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-gemma3-12b-4bit.md"
+stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
