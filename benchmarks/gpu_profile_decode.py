@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hearth.bench.measure import _prefill_runner
+from hearth.bench.measure import _prefill_runner, timed
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
 
@@ -74,18 +74,13 @@ def profile_prefill(model: torch.nn.Module, name: str, tokens: int) -> None:
     run()
     torch.cuda.synchronize()
     # Wall time apart from the profiler's: beside the GPU time it tells a host-bound prefill.
-    walls = []
-    for _ in range(3):
-        began = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - began)
+    wall = statistics.median(timed(ids.device, run) for _ in range(3))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     title = f"Prefill profile: {name}, {tokens} tokens as `hearth bench` runs them"
-    wall = f"wall time per forward (median of 3, unprofiled): {sorted(walls)[1] * 1e3:.2f} ms"
-    write_table(prof, 1, title, f"gpu_profile_{name}_prefill{tokens}.md", "forward", wall)
+    note = f"wall time per forward (median of 3, unprofiled): {wall * 1e3:.2f} ms"
+    write_table(prof, 1, title, f"gpu_profile_{name}_prefill{tokens}.md", "forward", note)
 
 
 def write_table(
