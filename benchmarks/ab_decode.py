@@ -44,6 +44,7 @@ from hearth.cuda_graph import GraphDecoder
 from hearth.generate import default_prefill_step
 from hearth.kernels import activation, affine_matmul, gemv, grouped_matmul, norm, rope
 from hearth.kernels import decode_attention as attention
+from hearth.kernels import launch as fast_launch
 from hearth.models import gemma, gemma4
 
 Patch = Callable[[], contextlib.AbstractContextManager]
@@ -201,6 +202,7 @@ VARIANTS: dict[str, Patch] = {
     "exact-codes": _set(affine_matmul, "GEMV_FOLDED_OFFSETS", False),  # a FADD per 4-bit code
     "moe-norms-apart": _set(gemma4, "FUSED_MOE_NORMS", False),  # five norm launches, not two
     "ple-geglu-apart": _set(gemma4, "FUSED_PER_LAYER_GEGLU", False),  # its own GeGLU kernel
+    "triton-launch": _set(fast_launch, "FAST_LAUNCH", False),  # every launch through Triton
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 
@@ -243,6 +245,29 @@ def _logit_checks(model, model_name: str, names: list[str], context: int) -> lis
         )
         cells.append(f"{name}: {diff}")
     return [f"| {model_name} | logits vs {names[0]} (8 steps) | {'; '.join(cells)} | | | |"]
+
+
+@torch.inference_mode()
+def _prefill_logits(model, tokens: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (1, tokens), device=model.device)
+    chunk = default_prefill_step(model.device)
+    return GraphDecoder(model, tokens + 1).prefill(ids, chunk).float()
+
+
+def _prefill_logit_checks(model, model_name: str, names: list[str], tokens: int) -> list[str]:
+    """A row: is each variant's last prefill logit row bit-identical to base's?"""
+    with VARIANTS[names[0]]():
+        base = _prefill_logits(model, tokens)
+    cells = []
+    for name in names[1:]:
+        with VARIANTS[name]():
+            other = _prefill_logits(model, tokens)
+        same = torch.equal(other, base)
+        cells.append(
+            f"{name}: " + ("bit-identical" if same else f"max |diff| {_max_diff(other, base)}")
+        )
+    return [f"| {model_name} | prefill logits vs {names[0]} | {'; '.join(cells)} | | | |"]
 
 
 def main() -> None:
@@ -309,6 +334,9 @@ def main() -> None:
         print("\n".join(lines[-len(names) :]), flush=True)
         if args.check and not args.prefill:
             lines += _logit_checks(model, model_name, names, args.context)
+            print(lines[-1], flush=True)
+        if args.check and args.prefill:
+            lines += _prefill_logit_checks(model, model_name, names, args.prefill)
             print(lines[-1], flush=True)
         del model
         torch.cuda.empty_cache()

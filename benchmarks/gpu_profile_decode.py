@@ -12,7 +12,10 @@ and groups the GPU time by kernel name.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 from collections import defaultdict
@@ -80,7 +83,22 @@ def profile_prefill(model: torch.nn.Module, name: str, tokens: int) -> None:
         torch.cuda.synchronize()
     title = f"Prefill profile: {name}, {tokens} tokens as `hearth bench` runs them"
     note = f"wall time per forward (median of 3, unprofiled): {wall * 1e3:.2f} ms"
-    write_table(prof, 1, title, f"gpu_profile_{name}_prefill{tokens}.md", "forward", note)
+    filename = f"gpu_profile_{name}_prefill{tokens}.md"
+    write_table(prof, 1, title, filename, "forward", note)
+    # Where the host's time goes, by Python function: a host-bound prefill shows it here.
+    host = cProfile.Profile()
+    host.enable()
+    run()
+    torch.cuda.synchronize()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(40)
+    report = "\n## Host time by Python function (cProfile, one forward)\n\n```\n"
+    report += text.getvalue() + "```\n"
+    print(report)
+    path = Path(os.environ.get("OUT", "benchmarks/results")) / filename
+    path.write_text(path.read_text() + report)
 
 
 def write_table(

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.kernels.launch import launch
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
 from hearth.quant import mlx as mlx_affine
@@ -649,8 +650,17 @@ if HAS_TRITON:
         blocks = k // (codes * block_words)
         out = torch.empty(m, blocks, codes, block_words, dtype=dtype or x.dtype, device=x.device)
         block = 1024
-        _codes_major_kernel[(triton.cdiv(k, block), m)](
-            x, out, x.stride(0), k, codes, block_words, block, **pdl_options(x)
+        launch(
+            _codes_major_kernel,
+            (triton.cdiv(k, block), m),
+            x,
+            out,
+            x.stride(0),
+            k,
+            codes,
+            block_words,
+            block,
+            **pdl_options(x),
         )
         return out
 
@@ -957,7 +967,9 @@ if HAS_TRITON:
             counters = _counters(x.device, blocks)
         else:
             partial = counters = out  # unread
-        _affine_gemv_kernel[(blocks, config.split_k)](
+        launch(
+            _affine_gemv_kernel,
+            (blocks, config.split_k),
             x,
             packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
             scales,
@@ -1044,11 +1056,16 @@ if HAS_TRITON:
             return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         if config is None and not interpreted:
-            _affine_tile_gemv_tuned[grid](*args, **constants)
+            launch(_affine_tile_gemv_tuned, grid, *args, **constants)
         else:
             chosen = config or DEFAULT_TILE_CONFIG
-            _affine_tile_gemv_kernel[grid(chosen)](
-                *args, **constants, **chosen, num_warps=num_warps
+            launch(
+                _affine_tile_gemv_kernel,
+                grid(chosen),
+                *args,
+                **constants,
+                **chosen,
+                num_warps=num_warps,
             )
 
     def affine_gemv_triton(
@@ -1121,7 +1138,9 @@ if HAS_TRITON:
         out = torch.empty(n, k, dtype=dtype, device=packed.device)
         block_n, block_g = 16, max(1, 128 // group_size)
         grid = (triton.cdiv(n, block_n), triton.cdiv(k // group_size, block_g))
-        _affine_dequantize_kernel[grid](
+        launch(
+            _affine_dequantize_kernel,
+            grid,
             packed.view(torch.int32),
             scales,
             biases,
@@ -1207,8 +1226,8 @@ if HAS_TRITON:
             return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
         if config is None and x.is_cuda:
-            _float_gather_tuned[grid](*args, **pdl_options(x))
+            launch(_float_gather_tuned, grid, *args, **pdl_options(x))
         else:
             chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
-            _float_gather_gemv_kernel[grid(chosen)](*args, **chosen, **pdl_options(x))
+            launch(_float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl_options(x))
         return out.view(*expert_ids.shape, -1)

@@ -23,6 +23,7 @@ import torch
 
 from hearth.kernels import HAS_TRITON
 from hearth.kernels.hadamard import rotate_rows
+from hearth.kernels.launch import launch
 from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec
 from hearth.quant.mlx import SCALE_EPSILON, quantize_affine
 
@@ -206,7 +207,9 @@ def quantize_append_triton(
     batch, kv_heads, tokens, head_dim = keys.shape
     assert batch == 1 and tokens == 1, "one token of batch 1"
     assert all(plane.is_contiguous() for plane in planes)
-    _quantize_append_kernel[(kv_heads, 2)](
+    launch(
+        _quantize_append_kernel,
+        (kv_heads, 2),
         keys.contiguous(),
         values.contiguous(),
         *planes,
@@ -260,7 +263,9 @@ def turbo_append_triton(
     def code(
         rows: torch.Tensor, codes: torch.Tensor, sigma: torch.Tensor, bits: int, last: bool
     ) -> None:
-        _codebook_append_kernel[(kv_heads,)](
+        launch(
+            _codebook_append_kernel,
+            (kv_heads,),
             rotate_rows(rows).contiguous(),
             codes,
             sigma,
@@ -282,7 +287,9 @@ def turbo_append_triton(
     if codec.key_kind == "t":
         code(keys.reshape(kv_heads, head_dim), *key_planes, codec.key_bits, True)
         return
-    _quantize_append_kernel[(kv_heads, 1)](
+    launch(
+        _quantize_append_kernel,
+        (kv_heads, 1),
         keys.contiguous(),
         keys,
         *key_planes,

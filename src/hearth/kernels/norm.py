@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.kernels.launch import launch
 
 if HAS_TRITON:
     import triton
@@ -235,7 +236,9 @@ def _launch(
         # Any pointer serves for arguments a constexpr switch leaves unread.
         return tensor if tensor is not None else x2
 
-    _rms_norm_kernel[(rows,)](
+    launch(
+        _rms_norm_kernel,
+        (rows,),
         x2,
         pointer(residual.contiguous() if residual is not None else None),
         pointer(weight),

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.kernels.launch import launch
 from hearth.kernels.norm import rms_norm_reference
 
 
@@ -210,7 +211,9 @@ def norm_rope_triton(
         position = slot_positions = next_position = q  # unread placeholders
         capacity = 1
     heads = q_heads + (2 * kv_heads if has_kv else 0)
-    _norm_rope_kernel[(tokens, heads)](
+    launch(
+        _norm_rope_kernel,
+        (tokens, heads),
         source,
         q_weight,
         k_weight if k_weight is not None else q_weight,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.kernels.launch import launch
 from hearth.kernels.norm import router_input_reference
 
 
@@ -67,7 +68,7 @@ if HAS_TRITON:
             raise ValueError(f"scale {tuple(scale.shape)} does not match width {columns}")
         source = x.contiguous()
         out = torch.empty_like(source)
-        _router_input_kernel[(source.numel() // columns,)](
+        launch(_router_input_kernel, (source.numel() // columns,),
             source, scale, out, eps, columns**-0.5, N=columns,
             BLOCK=triton.next_power_of_2(columns), num_warps=4 if columns <= 1024 else 8,
             **pdl_options(source),
@@ -122,7 +123,9 @@ if HAS_TRITON:
         source = logits.contiguous()
         weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
         ids = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
-        _route_kernel[(tokens,)](
+        launch(
+            _route_kernel,
+            (tokens,),
             source,
             per_expert_scale,
             weights,

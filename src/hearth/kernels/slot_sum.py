@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.kernels.launch import launch
 
 
 def weighted_slot_sum_reference(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -52,8 +53,16 @@ if HAS_TRITON:
         scales = weights.float().contiguous()
         out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
         grid = (tokens, triton.cdiv(hidden, block))
-        _slot_sum_kernel[grid](
-            rows, scales, out, hidden, SLOTS=slots, BLOCK=block, **pdl_options(rows)
+        launch(
+            _slot_sum_kernel,
+            grid,
+            rows,
+            scales,
+            out,
+            hidden,
+            SLOTS=slots,
+            BLOCK=block,
+            **pdl_options(rows),
         )
         return out
 
