@@ -163,10 +163,10 @@ stage 90 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --prefi
 stage 90 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
 elif [ "$PART" = launch ]; then  # host-bound prefills: Triton's launch path against the fast one
-stage 120 tests python -m pytest -q -x tests/test_launch.py tests/test_static_cache.py tests/test_kernels_fused.py tests/test_kernels_gemv.py tests/test_kernels_decode_attention.py tests/test_gemma4_kernel_path.py tests/test_attention_kernel_path.py
+stage 100 tests python -m pytest -q -x tests/test_launch.py tests/test_static_cache.py tests/test_kernels_fused.py tests/test_kernels_gemv.py tests/test_kernels_decode_attention.py tests/test_gemma4_kernel_path.py tests/test_attention_kernel_path.py
 stage 70 ab-e4b python benchmarks/ab_decode.py --models e4b --prefill 512 --variants base,triton-launch --check --name e4b_prefill512_launch
 stage 70 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --prefill 512 --variants base,triton-launch --check --name e4b_4bit_prefill512_launch
-stage 60 ab-e4b-decode python benchmarks/ab_decode.py --models e4b --steps 32 --rounds 1 --variants base,triton-launch --check --name e4b_decode_launch
+stage 50 ab-e4b-decode python benchmarks/ab_decode.py --models e4b --steps 32 --rounds 1 --variants base,triton-launch --check --name e4b_decode_launch
 stage 90 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,triton-launch --check --name 26b_prefill4096_launch
 stage 70 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --prefill 512 --variants base,triton-launch --check --name 12b_prefill512_launch
 stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"

@@ -78,8 +78,18 @@ def test_launches_across_specializations_match_torch() -> None:
         for block in (128, 256):
             x = source[offset : offset + n]
             y = torch.empty(n + 1, device="cuda")[1:] if offset else torch.empty(n, device="cuda")
-            launch.launch(scaled_add, (triton.cdiv(n, block),), x, y, n, 0.5, BLOCK=block)
+            launch.launch_kernel(scaled_add, (triton.cdiv(n, block),), x, y, n, 0.5, BLOCK=block)
             torch.testing.assert_close(y, x * 0.5 + n, rtol=0, atol=0)
     # The repeated cases launched a kept kernel (the fast path) rather than adding one.
     kept = launch._signatures[id(scaled_add)].compiled
     assert 0 < len(kept) < 2 * len(cases)
+
+
+def test_triton_hooks_idle_by_default() -> None:
+    """Triton 3.6 keeps empty hook chains, not None: the fast path must see them as idle."""
+    from triton import knobs
+
+    assert launch._idle(knobs.runtime.launch_enter_hook)
+    assert launch._idle(knobs.runtime.launch_exit_hook)
+    assert launch._idle(None)
+    assert not launch._idle(SimpleNamespace(calls=[print]))

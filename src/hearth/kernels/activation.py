@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # Elements per program of the GeGLU kernel.
@@ -88,7 +88,7 @@ def gelu_tanh_mul_triton(
     gates, ups = _rows(gate), _rows(up)
     out = torch.empty((*gate.shape[:-1], width), dtype=gate.dtype, device=gate.device)
     grid = (gates.shape[0], triton.cdiv(width, block))
-    launch(_gelu_tanh_mul_kernel, grid,
+    launch_kernel(_gelu_tanh_mul_kernel, grid,
         gates, ups, out, width, gates.stride(0), ups.stride(0), SQRT_2_OVER_PI, BLOCK=block,
         **pdl_options(gates),
     )  # fmt: skip

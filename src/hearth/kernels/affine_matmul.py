@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
 from hearth.quant import mlx as mlx_affine
@@ -650,7 +650,7 @@ if HAS_TRITON:
         blocks = k // (codes * block_words)
         out = torch.empty(m, blocks, codes, block_words, dtype=dtype or x.dtype, device=x.device)
         block = 1024
-        launch(
+        launch_kernel(
             _codes_major_kernel,
             (triton.cdiv(k, block), m),
             x,
@@ -967,7 +967,7 @@ if HAS_TRITON:
             counters = _counters(x.device, blocks)
         else:
             partial = counters = out  # unread
-        launch(
+        launch_kernel(
             _affine_gemv_kernel,
             (blocks, config.split_k),
             x,
@@ -1056,10 +1056,10 @@ if HAS_TRITON:
             return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         if config is None and not interpreted:
-            launch(_affine_tile_gemv_tuned, grid, *args, **constants)
+            launch_kernel(_affine_tile_gemv_tuned, grid, *args, **constants)
         else:
             chosen = config or DEFAULT_TILE_CONFIG
-            launch(
+            launch_kernel(
                 _affine_tile_gemv_kernel,
                 grid(chosen),
                 *args,
@@ -1138,7 +1138,7 @@ if HAS_TRITON:
         out = torch.empty(n, k, dtype=dtype, device=packed.device)
         block_n, block_g = 16, max(1, 128 // group_size)
         grid = (triton.cdiv(n, block_n), triton.cdiv(k // group_size, block_g))
-        launch(
+        launch_kernel(
             _affine_dequantize_kernel,
             grid,
             packed.view(torch.int32),
@@ -1226,8 +1226,10 @@ if HAS_TRITON:
             return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
         if config is None and x.is_cuda:
-            launch(_float_gather_tuned, grid, *args, **pdl_options(x))
+            launch_kernel(_float_gather_tuned, grid, *args, **pdl_options(x))
         else:
             chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
-            launch(_float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl_options(x))
+            launch_kernel(
+                _float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl_options(x)
+            )
         return out.view(*expert_ids.shape, -1)

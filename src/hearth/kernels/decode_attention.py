@@ -35,6 +35,7 @@ import torch
 
 from hearth.kernels import pdl_options
 from hearth.kernels.hadamard import rotate_rows, unrotate_rows
+from hearth.kernels.launch import launch_kernel
 from hearth.kv.cache import EMPTY_POSITION
 from hearth.kv.quantized import AffineCodec
 from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec, decode_rotated
@@ -799,7 +800,7 @@ def decode_attention_rotated(
     v_centroids = _centroids(value_format.bits if value_format.rotated else 1, device)
     # fp32 operands would default to TF32 on the GPU; half types take no precision option.
     precision = "ieee" if q.dtype == torch.float32 else None
-    launch(_split_kernel, (batch * kv_heads, splits),
+    launch_kernel(_split_kernel, (batch * kv_heads, splits),
         q, q.stride(0), q.stride(1),
         _as_words(k0), k1, k2, *k0.stride()[:3], *k1.stride()[:3],
         _as_words(v0), v1, v2, *v0.stride()[:3], *v1.stride()[:3],
@@ -825,7 +826,7 @@ def decode_attention_rotated(
     # give enough programs to merge in one wave.
     block_s = max(16, triton.next_power_of_2(splits))
     block_d = min(head_dim, 64, max(16, 8192 // block_s))
-    launch(_merge_kernel, (batch * query_heads, head_dim // block_d),
+    launch_kernel(_merge_kernel, (batch * query_heads, head_dim // block_d),
         part_acc, part_max, part_sum, out, splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4, **pdl_options(q),
     )  # fmt: skip

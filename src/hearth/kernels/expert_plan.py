@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 # Pairs per program in passes 1 and 3: a [CHUNK, experts] one-hot tile (128 experts: 16K
 # ints over CHUNK_WARPS warps, 64 a thread).
@@ -140,8 +140,8 @@ if HAS_TRITON:
         rows = torch.empty(tiles * block_m, dtype=torch.int32, device=device)
         tile_experts = torch.empty(tiles, dtype=torch.int32, device=device)
         one_hot = {"CHUNK": CHUNK, "EXPERTS_BLOCK": experts_block, "num_warps": CHUNK_WARPS}
-        launch(_count_kernel, (chunks,), ids, counts, pairs, **one_hot)
-        launch(
+        launch_kernel(_count_kernel, (chunks,), ids, counts, pairs, **one_hot)
+        launch_kernel(
             _offsets_kernel,
             (1,),
             counts,
@@ -158,5 +158,5 @@ if HAS_TRITON:
             FILL_BLOCK=FILL_BLOCK,
             TILE_BLOCK=TILE_BLOCK,
         )
-        launch(_place_kernel, (chunks,), ids, starts, rows, pairs, **one_hot)
+        launch_kernel(_place_kernel, (chunks,), ids, starts, rows, pairs, **one_hot)
         return rows, tile_experts

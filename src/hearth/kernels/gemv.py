@@ -24,7 +24,7 @@ from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul, gelu_tanh_mul_reference
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 # Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
 GEMV_MAX_ROWS = 4
@@ -214,8 +214,8 @@ if HAS_TRITON:
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         if config is None and not interpreted:
-            launch(_gemv_tuned, grid, *args, **constants)
+            launch_kernel(_gemv_tuned, grid, *args, **constants)
         else:
             chosen = config or DEFAULT_CONFIG
-            launch(_gemv_kernel, grid(chosen), *args, **constants, **chosen)
+            launch_kernel(_gemv_kernel, grid(chosen), *args, **constants, **chosen)
         return out.view(*x.shape[:-1], n)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, expert_plan, kernel_enabled
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports hearth.kernels.affine_matmul, which imports it back.
 from hearth.quant import mlx as mlx_affine
@@ -458,11 +458,13 @@ if HAS_TRITON:
             return (plan.tiles * triton.cdiv(n, meta["BLOCK_N"]),)
 
         if config is None and x.is_cuda:
-            launch(_grouped_matmul_tuned, grid, *args, **constants)
+            launch_kernel(_grouped_matmul_tuned, grid, *args, **constants)
         else:
             chosen = dict(config or DEFAULT_CONFIG)
             options = {key: chosen.pop(key) for key in ("num_warps", "num_stages") if key in chosen}
-            launch(_grouped_matmul_kernel, grid(chosen), *args, **constants, **chosen, **options)
+            launch_kernel(
+                _grouped_matmul_kernel, grid(chosen), *args, **constants, **chosen, **options
+            )
         return out.view(tokens, top_k, n)
 
     def grouped_expert_matmul_triton(

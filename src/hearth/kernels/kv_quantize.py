@@ -23,7 +23,7 @@ import torch
 
 from hearth.kernels import HAS_TRITON
 from hearth.kernels.hadamard import rotate_rows
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec
 from hearth.quant.mlx import SCALE_EPSILON, quantize_affine
 
@@ -207,7 +207,7 @@ def quantize_append_triton(
     batch, kv_heads, tokens, head_dim = keys.shape
     assert batch == 1 and tokens == 1, "one token of batch 1"
     assert all(plane.is_contiguous() for plane in planes)
-    launch(
+    launch_kernel(
         _quantize_append_kernel,
         (kv_heads, 2),
         keys.contiguous(),
@@ -263,7 +263,7 @@ def turbo_append_triton(
     def code(
         rows: torch.Tensor, codes: torch.Tensor, sigma: torch.Tensor, bits: int, last: bool
     ) -> None:
-        launch(
+        launch_kernel(
             _codebook_append_kernel,
             (kv_heads,),
             rotate_rows(rows).contiguous(),
@@ -287,7 +287,7 @@ def turbo_append_triton(
     if codec.key_kind == "t":
         code(keys.reshape(kv_heads, head_dim), *key_planes, codec.key_bits, True)
         return
-    launch(
+    launch_kernel(
         _quantize_append_kernel,
         (kv_heads, 1),
         keys.contiguous(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import HAS_TRITON, pdl_options
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 if HAS_TRITON:
     import triton
@@ -75,7 +75,7 @@ def append_token_triton(
     batch, kv_heads, capacity, head_dim = key_buffer.shape
     assert batch == 1 and keys.shape[2] == 1, "one token of batch 1"
     assert key_buffer.is_contiguous() and value_buffer.is_contiguous()
-    launch(
+    launch_kernel(
         _append_kernel,
         (kv_heads,),
         position,

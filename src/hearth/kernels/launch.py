@@ -7,7 +7,7 @@ given raw addresses (`benchmarks/gpu_launch_overhead.py`). An eager prefill of a
 is hundreds of such launches, and the GPU waits for them: an E4B prefill of 512 tokens
 spent 53 ms of host time on 7 ms of GPU work (`benchmarks/gpu_host_breakdown.py`).
 
-`launch` keys each compiled kernel by what Triton specializes on, or finer: every tensor's
+`launch_kernel` keys each compiled kernel by what Triton specializes on, or finer: every tensor's
 dtype and 16-byte alignment, every integer's width class and whether it is 1 or a multiple
 of 16, a constexpr's value, the launch options. On a hit it launches the compiled kernel
 directly with raw addresses; on a miss (a new specialization, the first call of an autotuned
@@ -56,7 +56,7 @@ class _Signature:
 _signatures: dict[int, _Signature] = {}
 
 
-def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
+def launch_kernel(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, for a `triton.jit` or `triton.autotune` kernel."""
     if not (FAST_LAUNCH and _fast_path_usable()):
         kernel[grid](*args, **kwargs)
@@ -181,4 +181,12 @@ def _fast_path_usable() -> bool:
     if not _usable[0]:
         return False
     runtime = knobs.runtime
-    return runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
+    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
+
+
+def _idle(hook: Any) -> bool:
+    """No hook: None, or an empty chain (Triton 3.6 holds hooks in a `HookChain`)."""
+    if hook is None:
+        return True
+    calls = getattr(hook, "calls", None)
+    return calls is not None and not calls

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 if HAS_TRITON:
     import triton
@@ -236,7 +236,7 @@ def _launch(
         # Any pointer serves for arguments a constexpr switch leaves unread.
         return tensor if tensor is not None else x2
 
-    launch(
+    launch_kernel(
         _rms_norm_kernel,
         (rows,),
         x2,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.kernels import kernel_enabled
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 from hearth.kv.cache import EMPTY_POSITION
 
 _LOG2E = 1.4426950408889634
@@ -319,7 +319,7 @@ def prefill_attention_triton(
     bounds = key_block_bounds(key_positions, tiles.block_n)
     has_window = window is not None and window < _FAR
     grid = (heads * tiles.value_splits, triton.cdiv(queries, tiles.block_m), batch)
-    launch(_prefill_attention_kernel, grid,
+    launch_kernel(_prefill_attention_kernel, grid,
         q, k, v, out, query_positions, key_positions, bounds,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         queries, keys, bounds.shape[1], heads // k.shape[1],

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import rms_norm_reference
 
 
@@ -211,7 +211,7 @@ def norm_rope_triton(
         position = slot_positions = next_position = q  # unread placeholders
         capacity = 1
     heads = q_heads + (2 * kv_heads if has_kv else 0)
-    launch(
+    launch_kernel(
         _norm_rope_kernel,
         (tokens, heads),
         source,

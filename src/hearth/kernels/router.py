@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import router_input_reference
 
 
@@ -68,7 +68,7 @@ if HAS_TRITON:
             raise ValueError(f"scale {tuple(scale.shape)} does not match width {columns}")
         source = x.contiguous()
         out = torch.empty_like(source)
-        launch(_router_input_kernel, (source.numel() // columns,),
+        launch_kernel(_router_input_kernel, (source.numel() // columns,),
             source, scale, out, eps, columns**-0.5, N=columns,
             BLOCK=triton.next_power_of_2(columns), num_warps=4 if columns <= 1024 else 8,
             **pdl_options(source),
@@ -123,7 +123,7 @@ if HAS_TRITON:
         source = logits.contiguous()
         weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
         ids = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
-        launch(
+        launch_kernel(
             _route_kernel,
             (tokens,),
             source,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
-from hearth.kernels.launch import launch
+from hearth.kernels.launch import launch_kernel
 
 
 def weighted_slot_sum_reference(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -53,7 +53,7 @@ if HAS_TRITON:
         scales = weights.float().contiguous()
         out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
         grid = (tokens, triton.cdiv(hidden, block))
-        launch(
+        launch_kernel(
             _slot_sum_kernel,
             grid,
             rows,
