@@ -81,11 +81,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--loop", type=int, default=0, help="then N plain prefills (to sample)")
     parser.add_argument("--sample", type=int, default=0, help="then N prefills, stacks sampled")
+    parser.add_argument("--ab-launch", action="store_true", help="host ms, fast launch on/off")
     args = parser.parse_args()
     model = build_random_model(PRESETS[args.model], torch.device("cuda"), quant=args.quant)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
     run = _prefill_runner(model, ids)
     run()
+    if args.ab_launch:
+        print(ab_launch(run), flush=True)
     plain = [host_and_wall(run) for _ in range(5)]
     host = statistics.median(p[0] for p in plain)
     wall = statistics.median(p[1] for p in plain)
@@ -122,6 +125,30 @@ def main() -> None:
         report = sample_stacks(run, args.sample)
         print(report)
         (out / f"gpu_host_samples_{slug}_{args.tokens}.md").write_text(report)
+
+
+def ab_launch(run: Callable[[], object], rounds: int = 7) -> str:
+    """Host and wall ms of the prefill with the fast Triton launch on and off, alternating."""
+    from hearth.kernels import launch
+
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for fast in (True, False):
+            launch.FAST_LAUNCH = fast
+            run()
+            times[fast].append(host_and_wall(run))
+    launch.FAST_LAUNCH = True
+    rows = ["| Triton launch | host ms (median) | wall ms (median) | each round's host ms |"]
+    rows.append("|---|---|---|---|")
+    for fast in (True, False):
+        host = [t[0] for t in times[fast]]
+        wall = [t[1] for t in times[fast]]
+        each = ", ".join(f"{h:.1f}" for h in host)
+        name = "fast (hearth.kernels.launch)" if fast else "Triton's own"
+        rows.append(
+            f"| {name} | {statistics.median(host):.2f} | {statistics.median(wall):.2f} | {each} |"
+        )
+    return "\n".join(rows)
 
 
 def sample_stacks(run: Callable[[], object], runs: int) -> str:

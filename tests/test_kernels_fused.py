@@ -317,7 +317,7 @@ def test_pdl_launches_only_small_cuda_kernels_on_hopper(monkeypatch: pytest.Monk
     # the kill switch off. A stand-in object plays the CUDA tensor (is_cuda, device, numel).
     import hearth.kernels as kernels
 
-    assert kernels.pdl_options(torch.zeros(1, 3840)) == {"PDL": False}
+    assert kernels.pdl_options(torch.zeros(1, 3840, device="cpu")) == {"PDL": False}
 
     class FakeCuda:
         is_cuda = True
