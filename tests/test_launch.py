@@ -19,6 +19,7 @@ import torch
 from hearth.kernels import HAS_TRITON, launch
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+tl = pytest.importorskip("triton.language")
 
 
 def _signature(*params: tuple[str, bool, Any]) -> launch._Signature:
@@ -64,7 +65,6 @@ def test_bind_fills_defaults_and_refuses_what_it_cannot_key() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the fast path")
 def test_launches_across_specializations_match_torch() -> None:
     import triton
-    import triton.language as tl
 
     @triton.jit
     def scaled_add(x, y, n, scale, BLOCK: tl.constexpr):
@@ -81,7 +81,7 @@ def test_launches_across_specializations_match_torch() -> None:
             launch.launch_kernel(scaled_add, (triton.cdiv(n, block),), x, y, n, 0.5, BLOCK=block)
             torch.testing.assert_close(y, x * 0.5 + n, rtol=0, atol=0)
     # The repeated cases launched a kept kernel (the fast path) rather than adding one.
-    kept = launch._signatures[id(scaled_add)].compiled
+    kept = launch.signature_of(scaled_add).compiled
     assert 0 < len(kept) < 2 * len(cases)
 
 
@@ -93,3 +93,53 @@ def test_triton_hooks_idle_by_default() -> None:
     assert launch._idle(knobs.runtime.launch_exit_hook)
     assert launch._idle(None)
     assert not launch._idle(SimpleNamespace(calls=[print]))
+
+
+def _body(x, n, BLOCK: tl.constexpr):  # a JIT function's signature, never compiled here
+    pass
+
+
+def test_fast_path_launches_kept_kernels_with_raw_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control flow without a GPU: a miss goes through Triton and keeps its kernel, a hit
+    calls that kernel's launcher with raw addresses on the current stream, a launcher that
+    rejects its arguments hands this and later launches back to Triton."""
+    from triton.runtime.jit import JITFunction
+
+    function = JITFunction(_body)
+    log: list[Any] = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args: Any) -> None:
+            log.append(("fast", *args))
+
+    compiled = Compiled()
+
+    def triton_run(*args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Compiled:
+        log.append(("triton", args, tuple(grid), kwargs))
+        return compiled
+
+    monkeypatch.setattr(function, "run", triton_run)
+    monkeypatch.setattr(launch, "_fast_path_usable", lambda: True)
+    monkeypatch.setattr(launch, "_usable", [True])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    x = torch.zeros(16)
+    launch.launch_kernel(function, (4,), x, 5, BLOCK=32)
+    assert log[-1] == ("triton", (x, 5), (4,), {"BLOCK": 32})
+    launch.launch_kernel(function, (4,), x, 9, BLOCK=32)  # same class of integer: a hit
+    grid_and_stream = (4, 1, 1, 7)
+    assert log[-1] == ("fast", *grid_and_stream, "function", "metadata", None, None, None,
+                       x.data_ptr(), 9, 32)  # fmt: skip
+    launch.launch_kernel(function, lambda meta: (meta["BLOCK"] // 8, 2), x[1:], 9, BLOCK=32)
+    assert log[-1][0] == "triton" and log[-1][2] == (4, 2)  # unaligned: a miss
+
+    def rejects(*args: Any) -> None:
+        raise TypeError("another launcher")
+
+    monkeypatch.setattr(Compiled, "run", rejects)
+    launch.launch_kernel(function, (4,), x, 9, BLOCK=32)
+    assert log[-1][0] == "triton" and launch._usable == [False]

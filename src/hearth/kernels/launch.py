@@ -33,11 +33,15 @@ FAST_LAUNCH = True
 Grid = Sequence[int] | Callable[[dict[str, Any]], Sequence[int]]
 
 if HAS_TRITON:
-    from triton import knobs
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
+
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - Triton before 3.4: its own launch path only
+        knobs = None
 else:  # pragma: no cover - depends on the install
-    Autotuner = JITFunction = None
+    Autotuner = JITFunction = knobs = None
 
 _INT32 = range(-(2**31), 2**31)
 
@@ -53,14 +57,12 @@ class _Signature:
         self.compiled: dict[tuple[Any, ...], Any] = {}
 
 
-_signatures: dict[int, _Signature] = {}
-
-
 def launch_kernel(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, for a `triton.jit` or `triton.autotune` kernel."""
     if not (FAST_LAUNCH and _fast_path_usable()):
         kernel[grid](*args, **kwargs)
         return
+    given_grid, given_kwargs = grid, kwargs  # for Triton's own path, if it must take over
     function = kernel
     if isinstance(kernel, Autotuner):
         config = _tuned_config(kernel, args, kwargs)
@@ -72,9 +74,7 @@ def launch_kernel(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     if not isinstance(function, JITFunction):
         kernel[grid](*args, **kwargs)
         return
-    signature = _signatures.get(id(function))
-    if signature is None:
-        signature = _signatures[id(function)] = _Signature(function)
+    signature = signature_of(function)
     bound = _bind(signature, args, kwargs)
     if bound is None:
         kernel[grid](*args, **kwargs)
@@ -94,18 +94,33 @@ def launch_kernel(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         return
     addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
     size = len(grid)
-    compiled.run(
-        grid[0],
-        grid[1] if size > 1 else 1,
-        grid[2] if size > 2 else 1,
-        torch._C._cuda_getCurrentRawStream(device),
-        compiled.function,
-        compiled.packed_metadata,
-        None,
-        None,
-        None,
-        *addresses,
-    )
+    try:
+        compiled.run(
+            grid[0],
+            grid[1] if size > 1 else 1,
+            grid[2] if size > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device),
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *addresses,
+        )
+    except TypeError:
+        # The compiled launcher parses its arguments before it launches: a Triton whose
+        # launcher takes others is used through its own path from now on.
+        _usable[:] = [False]
+        kernel[given_grid](*args, **given_kwargs)
+
+
+def signature_of(function: Any) -> _Signature:
+    """The function's `_Signature`, kept on the function object itself."""
+    signature = getattr(function, "_hearth_signature", None)
+    if signature is None:
+        signature = _Signature(function)
+        function._hearth_signature = signature
+    return signature
 
 
 def _bind(
@@ -176,6 +191,7 @@ def _fast_path_usable() -> bool:
             HAS_TRITON
             and torch.cuda.is_available()
             and hasattr(torch._C, "_cuda_getCurrentRawStream")
+            and knobs is not None
             and hasattr(knobs, "runtime")
         )
     if not _usable[0]:
