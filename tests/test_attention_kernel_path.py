@@ -101,7 +101,15 @@ def test_kernel_path_matches_torch_path(
 
 @pytest.mark.parametrize(
     ("queries", "keys", "window"),
-    [(12, 12, None), (12, 12, 12), (12, 12, 5), (4, 12, None), (4, 12, 6)],
+    [
+        (12, 12, None),
+        (12, 12, 12),
+        (12, 12, 5),
+        (4, 12, None),
+        (4, 12, 6),
+        (1, 12, None),
+        (1, 12, 5),
+    ],
 )
 def test_gpu_prefill_dispatch_matches_masked_sdpa(
     queries: int, keys: int, window: int | None, monkeypatch: pytest.MonkeyPatch
@@ -153,4 +161,20 @@ def test_kernel_path_with_split_merges(
     got = _decode(model, ids, _caches(model, kind, scheme))
     assert len(fused) >= STEPS
     assert all(not c.any() for c in decode_attention_module._COUNTERS.values())
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_kv_sharing_prefill_last_token_keeps_the_window(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A last-token-only prefill: Gemma 4's KV-sharing layers run one query over their
+    donor's whole first chunk (20 keys, window 8). On the GPU path that query went through
+    the decode kernel with the window dropped; its logits must equal the torch path's."""
+    model, ids = _tiny_model("gemma4", tmp_path)
+    assert model.config.sliding_window < PROMPT
+    with torch.inference_mode():
+        expected = model(ids[:, :PROMPT], _caches(model, kind, "off"), last_only=True)
+        monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
+        got = model(ids[:, :PROMPT], _caches(model, kind, "off"), last_only=True)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

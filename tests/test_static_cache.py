@@ -40,6 +40,61 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
     assert caches[0].offset == 36
 
 
+def _caches(model: Any) -> list[StaticCache]:
+    return [StaticCache(64, spec.window) for spec in layer_specs(model.config)]
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "kv_sharing", "ple_sharing_double_wide"])
+@pytest.mark.parametrize("padded", [13, 16, 20])
+def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_path: Path) -> None:
+    """A 13-token prompt padded to 16 or 20 tokens (the window is 8, so rings wrap and must
+    keep the last real tokens, not the padding): the logits at its last real token, the
+    caches' contents and every decode step after it equal the unpadded prompt's. Positions
+    and counters exactly; values within ATOL (matmuls over more rows may sum in another
+    order)."""
+    model = _model(kind, tmp_path)
+    ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    real = 13
+    chunk = torch.cat([ids[:, :real], torch.zeros(1, padded - real, dtype=ids.dtype)], dim=1)
+    plain, padded_caches = _caches(model), _caches(model)
+    for cache in padded_caches:
+        cache.real_tokens = torch.tensor(real)
+    with torch.inference_mode():
+        expected = model(ids[:, :real], plain, last_only=True)
+        got = model(chunk, padded_caches, last_only=True, last_index=torch.tensor(real - 1))
+        for cache in padded_caches:
+            cache.real_tokens = None
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        for a, b in zip(plain, padded_caches, strict=True):
+            assert a.offset == b.offset == real
+            assert torch.equal(a._positions, b._positions)
+            for plane_a, plane_b in zip(a._planes, b._planes, strict=True):
+                torch.testing.assert_close(plane_b, plane_a, atol=ATOL, rtol=0)
+        for position in range(real, 30):
+            step = ids[:, position : position + 1]
+            start = torch.tensor(position)
+            torch.testing.assert_close(
+                model(step, padded_caches, start=start),
+                model(step, plain, start=start),
+                atol=ATOL,
+                rtol=0,
+            )
+
+
+def test_reset_to_zero_makes_a_cache_fresh(tmp_path: Path) -> None:
+    """A cache reset to 0 (a graph runner reusing its caches for the next request) takes the
+    next prompt as a fresh cache does: attended over its exact K/V, stale slots forgotten."""
+    model = _model("gemma3", tmp_path)
+    ids = torch.randint(4, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    used, fresh = _caches(model), _caches(model)
+    with torch.inference_mode():
+        model(ids[:1], used)
+        for cache in used:
+            cache.reset(0)
+        torch.testing.assert_close(model(ids[1:], used), model(ids[1:], fresh), atol=0, rtol=0)
+    assert all(torch.equal(a._positions, b._positions) for a, b in zip(used, fresh, strict=True))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_decoder_matches_eager_on_gpu(tmp_path: Path) -> None:
     from hearth.cuda_graph import GraphDecoder

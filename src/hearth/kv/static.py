@@ -47,6 +47,12 @@ class StaticCache:
         self._dtype = torch.float32
         self._positions: torch.Tensor | None = None
         self._next: torch.Tensor | None = None
+        # Nothing stored since construction or `reset(0)`: the next chunk is a prompt's first,
+        # attended over its exact K/V.
+        self._fresh = True
+        # Set by a graph runner around a padded first chunk: how many of the chunk's tokens
+        # are real (a device scalar, read at replay); the rest is padding, never stored.
+        self.real_tokens: torch.Tensor | None = None
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         sample = self.codec.encode(keys[:, :, :1], values[:, :, :1])
@@ -67,11 +73,14 @@ class StaticCache:
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
     ) -> KVView:
-        first = not self._planes
-        if first:
+        if not self._planes:
             self._allocate(keys, values)
+        first, self._fresh = self._fresh, False
         assert self._positions is not None and self._next is not None
         count = keys.shape[2]
+        if self.real_tokens is not None and count > 1:
+            assert first, "a padded chunk must be a prompt's first"
+            return self._store_padded_chunk(keys, values, self.real_tokens)
         if count == 1 and positions is not None and self.is_dense and kernel_enabled(keys):
             # One launch instead of ~7: the decode step's hot path.
             key_plane, value_plane = self._planes
@@ -128,6 +137,35 @@ class StaticCache:
         if first or ring_prefill:
             return view
         return self._view(stored=count == 1 and kernel_enabled(keys))
+
+    def _store_padded_chunk(
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor
+    ) -> KVView:
+        """A prompt's first chunk, padded past its `real` tokens, stored as if only those had
+        come: each slot takes the newest real token it would hold (on a ring, the last
+        `window` of them), every other slot zeros at an empty position. Shapes do not depend
+        on `real`, so one CUDA graph serves every prompt length up to the chunk's."""
+        assert self._positions is not None and self._next is not None
+        count = keys.shape[2]
+        # A full cache's slots past the chunk stay empty (fresh, or reset to empty).
+        span = self.capacity if self.window is not None else count
+        assert span <= self.capacity, "the padded chunk is longer than the cache"
+        slots = torch.arange(span, device=keys.device)
+        # Slot s holds positions s, s + capacity, ...: the newest of them below `real`.
+        newest = slots + self.capacity * torch.div(
+            real - 1 - slots, self.capacity, rounding_mode="floor"
+        )
+        kept = newest >= 0
+        source = newest.clamp(0, count - 1)
+        for plane, part in zip(self._planes, self.codec.encode(keys, values), strict=True):
+            gathered = _as_indexable(part).index_select(2, source)
+            mask = kept.view(1, 1, span, *([1] * (part.dim() - 3)))
+            stored = torch.where(mask, gathered, torch.zeros_like(gathered))
+            _as_indexable(plane)[:, :, :span].copy_(stored)
+        empty = torch.full_like(newest, EMPTY_POSITION)
+        self._positions[:span].copy_(torch.where(kept, newest, empty))
+        self._next.copy_(real)
+        return KVView(keys, values, count, None)
 
     def _turbo_kernel_applies(self, keys: torch.Tensor) -> bool:
         if not isinstance(self.codec, TurboCodec) or not kernel_enabled(keys):
@@ -188,6 +226,7 @@ class StaticCache:
         Planes are copied as they are when the codecs agree, re-encoded otherwise.
         """
         source, dtype, positions = contents
+        self._fresh = False
         keys, values = source.codec.decode(source.planes, dtype)
         if not self._planes:
             self._allocate(keys, values)
@@ -207,9 +246,14 @@ class StaticCache:
 
     def reset(self, offset: int = 0) -> None:
         """Forget tokens from `offset` on (a graph's warm-up step wrote one)."""
+        if offset == 0:
+            self._fresh = True
         if self._next is None or self._positions is None:
             return
-        self._positions[self._positions >= offset] = EMPTY_POSITION
+        if offset == 0:
+            self._positions.fill_(EMPTY_POSITION)  # no mask: nothing waits for the device
+        else:
+            self._positions[self._positions >= offset] = EMPTY_POSITION
         self._next.fill_(offset)
 
     def trim(self, tokens: int) -> None:

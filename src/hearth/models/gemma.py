@@ -196,10 +196,10 @@ def _kernel_decode_attention(
         planes, codec = view.real(), DENSE
     key_format, value_format, key_planes = formats_of(codec)
     if view.positions is None:
-        # Every real key is visible to this one query (KVView's contract): number them
-        # 0..length-1 and put the query last.
+        # Keys 0..length-1 in order, the query last. The window still applies: a KV-sharing
+        # layer's one query reads its donor's whole first chunk, which may be longer.
         slots = torch.arange(view.length, device=q.device)
-        query_position, window = slots[-1], None
+        query_position = slots[-1]
     else:
         slots, query_position = view.positions[: view.length], positions.reshape(())
     out = decode_attention_kernel(
@@ -365,6 +365,11 @@ class DecoderLayer(nn.Module):
         return x, normed_next
 
 
+def last_of(x: torch.Tensor, last_index: torch.Tensor | None) -> torch.Tensor:
+    """x[:, last_index] kept as a length-1 dim (the last token when `last_index` is None)."""
+    return x[:, -1:] if last_index is None else x.index_select(1, last_index.reshape(1))
+
+
 class Embedding(nn.Embedding):
     """The token table, which is also the tied output head."""
 
@@ -410,8 +415,13 @@ class Gemma3Model(nn.Module):
         caches: list[LayerCache] | None = None,
         start: int | torch.Tensor = 0,
         last_only: bool = False,
+        last_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`)."""
+        """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
+
+        `last_index` (with `last_only`; a device scalar): the chunk's last real token, when
+        the chunk is padded past it (a CUDA-graph prefill); the last token otherwise.
+        """
         x = self.embed_tokens.embed(input_ids, self.compute_dtype)
         # HF scales by √hidden rounded to the table's dtype (25.25, not 25.298, in bf16).
         x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
@@ -424,7 +434,7 @@ class Gemma3Model(nn.Module):
             following = index + 1 < len(self.layers)
             next_norm = self.layers[index + 1].input_layernorm if following else self.norm
             x, normed = layer(x, normed, ropes[layer.layer_type], positions, cache, next_norm)
-        x = normed[:, -1:] if last_only else normed  # the final norm came with the last layer
+        x = last_of(normed, last_index) if last_only else normed  # normed by the last layer
         tied = self.config.tie_word_embeddings
         logits = self.embed_tokens.head(x) if tied else self.lm_head(x)
         softcap = self.config.final_logit_softcapping

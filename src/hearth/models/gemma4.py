@@ -43,6 +43,7 @@ from hearth.models.gemma import (
     StackedLinear,
     attend,
     decode_write,
+    last_of,
     project,
     store_keys_values,
 )
@@ -449,8 +450,11 @@ class Gemma4Model(nn.Module):
         caches: Sequence[LayerCache] | None = None,
         start: int | torch.Tensor = 0,
         last_only: bool = False,
+        last_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
+
+        `last_index` (with `last_only`): the chunk's last real token, as in `Gemma3Model`.
 
         `caches` holds one cache per layer that computes K/V (`make_caches`); the KV-sharing
         layers that come last read their donor's view from this same call instead.
@@ -468,9 +472,16 @@ class Gemma4Model(nn.Module):
         for index, layer in enumerate(self.layers):
             if index == first_shared and last_only:
                 # Sharing layers write no cache, so only the last position still matters.
-                x, normed, positions = x[:, -1:], normed[:, -1:], positions[-1:]
-                per_layer = _last(per_layer)
-                ropes = {kind: (cos[-1:], sin[-1:]) for kind, (cos, sin) in ropes.items()}
+                x, normed = last_of(x, last_index), last_of(normed, last_index)
+                positions = last_of(positions[None], last_index)[0]
+                per_layer = None if per_layer is None else last_of(per_layer, last_index)
+                ropes = {
+                    kind: (last_of(cos[None], last_index)[0], last_of(sin[None], last_index)[0])
+                    for kind, (cos, sin) in ropes.items()
+                }
+                if last_index is not None:  # a padded chunk: mask its padding by position
+                    donors = {kind: _numbered(view) for kind, view in donors.items()}
+                last_index = None  # the one position left is the last
             owns_kv = index < first_shared
             following = index + 1 < len(self.layers)
             x, normed, view = layer(
@@ -485,7 +496,7 @@ class Gemma4Model(nn.Module):
             )
             if owns_kv:  # the last owner of each type is the donor of the sharers of that type
                 donors[layer.layer_type] = view
-        x = normed[:, -1:] if last_only else normed  # the final norm came with the last layer
+        x = last_of(normed, last_index) if last_only else normed  # normed by the last layer
         tied = self.config.tie_word_embeddings
         logits = self.embed_tokens.head(x) if tied else self.lm_head(x)
         softcap = self.config.final_logit_softcapping
@@ -514,8 +525,13 @@ def _narrow(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return project(linear, x) if NARROW_GEMV else linear(x)
 
 
-def _last(per_layer: torch.Tensor | None) -> torch.Tensor | None:
-    return None if per_layer is None else per_layer[:, -1:]
+def _numbered(view: KVView) -> KVView:
+    """`view` with its keys' positions spelled out (0..length-1 where implicit), so one query
+    that is not the last key masks the keys after it."""
+    if view.positions is not None or view.keys is None:
+        return view
+    numbered = torch.arange(view.length, device=view.keys.device)
+    return KVView(view.keys, view.values, view.length, numbered, view.stored)
 
 
 def _is_norm_weight(name: str) -> bool:
