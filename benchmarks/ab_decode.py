@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import triton
 
 import hearth.kernels
+from hearth import cuda_graph
 from hearth.bench.measure import (
     copy_bandwidth,
     decode_bytes,
@@ -203,6 +204,10 @@ VARIANTS: dict[str, Patch] = {
     "moe-norms-apart": _set(gemma4, "FUSED_MOE_NORMS", False),  # five norm launches, not two
     "ple-geglu-apart": _set(gemma4, "FUSED_PER_LAYER_GEGLU", False),  # its own GeGLU kernel
     "triton-launch": _set(fast_launch, "FAST_LAUNCH", False),  # every launch through Triton
+    # A fresh prompt's one-chunk prefill from a graph per padded length, decoders reused.
+    "prefill-graphs": _stacked(
+        _set(cuda_graph, "PREFILL_GRAPHS", True), _set(cuda_graph, "REUSE_DECODERS", True)
+    ),
 }
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (issue 6)
 

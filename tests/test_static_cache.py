@@ -263,3 +263,75 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
                 logits.append(model(ids[:, p : p + 1], caches, start=torch.tensor(p)))
         outputs.append(torch.cat(logits, dim=1))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=0)
+
+
+def test_decoders_are_reused_only_when_asked_and_when_they_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`acquire` hands back the model's idle decoder (emptied: fresh caches, length 0) when
+    reuse is on, it holds the context and has the same KV policy; a new one otherwise."""
+    from hearth import cuda_graph
+    from hearth.kv import parse_kv_quant
+
+    model = _model("gemma3", tmp_path)
+    GraphDecoder = cuda_graph.GraphDecoder
+    first = GraphDecoder.acquire(model, 100)
+    GraphDecoder.release(first)
+    assert GraphDecoder.acquire(model, 100) is not first  # reuse is off by default
+    monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", True)
+    with torch.inference_mode():
+        first.prefill(torch.randint(4, 256, (1, 12)))
+    assert first.length == 12 and not first.caches[0].is_fresh
+    GraphDecoder.release(first)
+    again = GraphDecoder.acquire(model, 200)
+    assert again is first and again.length == 0
+    assert all(cache.is_fresh and cache.offset == 0 for cache in again.caches)
+    GraphDecoder.release(again)
+    assert GraphDecoder.acquire(model, 1000) is not first  # too short for this request
+    GraphDecoder.release(first)
+    assert GraphDecoder.acquire(model, 100, parse_kv_quant("8", group_size=32)) is not first
+
+
+def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which prompts a graph prefills, and at what padded length: only with graphs on, on a
+    fresh decoder, one chunk long, dense caches, a bucket that fits the caches."""
+    from hearth import cuda_graph
+    from hearth.kv import parse_kv_quant
+
+    model = _model("gemma3", tmp_path)
+    decoder = cuda_graph.GraphDecoder(model, 600)
+    assert decoder._prefill_bucket(100, 512) is None  # off by default
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
+    assert decoder._prefill_bucket(100, 512) == 128
+    assert decoder._prefill_bucket(64, 512) == 64
+    assert decoder._prefill_bucket(600, 1024) is None  # the 1024 bucket exceeds 768 slots
+    assert decoder._prefill_bucket(513, 512) is None  # two chunks
+    decoder.length = 5
+    assert decoder._prefill_bucket(100, 512) is None  # not a fresh decoder
+    quantized = cuda_graph.GraphDecoder(model, 600, policy=parse_kv_quant("8", group_size=32))
+    assert quantized._prefill_bucket(100, 512) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])
+def test_prefill_graphs_match_eager_on_gpu(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of 13, 50 and 64 tokens (buckets 64: padded, and exact; the window is 8) from
+    one reused decoder's prefill graph, then decode steps: logits equal the eager path's."""
+    from hearth import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
+    monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", True)
+    model = _model(kind, tmp_path, "cuda")
+    for tokens in (13, 50, 64, 13):
+        ids = torch.randint(4, 256, (1, tokens + 8), device="cuda")
+        with torch.inference_mode():
+            reference = model(ids)
+        decoder = cuda_graph.GraphDecoder.acquire(model, 256)
+        logits = [decoder.prefill(ids[:, :tokens])]
+        assert 64 in decoder._prefill_graphs
+        logits += [decoder.step(ids[:, p : p + 1]) for p in range(tokens, tokens + 8)]
+        cuda_graph.GraphDecoder.release(decoder)
+        expected = reference[:, tokens - 1 :]
+        torch.testing.assert_close(torch.stack(logits, dim=1), expected, atol=ATOL, rtol=0)

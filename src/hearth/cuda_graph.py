@@ -3,10 +3,20 @@
 An eager decode step launches hundreds of small kernels, and the host's launch time, not the
 GPU, sets the pace (HF transformers reaches 1-10% of the bandwidth roofline). Here the step is
 captured once per key-length bucket over static caches and replayed: one launch per token.
+
+A short prompt's prefill is host-bound the same way (an E4B prefill of 512 tokens: ~55 ms of
+host time for 7-12 ms of GPU work on the H200 machine). With `PREFILL_GRAPHS`, a fresh
+decoder's one-chunk prompt is padded to a bucket and replayed from a graph captured for that
+bucket: the caches store only the real tokens (`StaticCache.real_tokens`) and the logits are
+those of the last real one. Graphs belong to their decoder's caches, so they pay off only
+when decoders are reused across requests (`REUSE_DECODERS`, `acquire`/`release`). Both are
+off until measured on a GPU.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +25,15 @@ from torch import nn
 from hearth.kv.cache import LayerCache, layer_specs
 from hearth.kv.policy import KVPolicy
 from hearth.kv.static import StaticCache
+
+log = logging.getLogger("hearth.cuda_graph")
+
+# A fresh decoder's one-chunk prompt prefills from a CUDA graph per padded length (below).
+PREFILL_GRAPHS = False
+# Padded prompt lengths, one graph each; a prompt longer than the largest prefills eagerly.
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+# A finished request's decoder (caches and graphs) is kept for the next request of its model.
+REUSE_DECODERS = False
 
 
 class TokenReadback:
@@ -61,6 +80,40 @@ class GraphDecoder:
         self._position = torch.zeros((), dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.length = 0
+        self.policy = policy
+        # Prefill graphs by padded length: graph, logits, the padded ids it reads.
+        self._prefill_graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
+        self._real = torch.zeros((), dtype=torch.long, device=device)
+        self._prefill_graphs_failed = False
+
+    @classmethod
+    def acquire(
+        cls, model: nn.Module, max_context: int, policy: KVPolicy | None = None
+    ) -> GraphDecoder:
+        """A decoder for one request: the model's idle one if it is large enough and of this
+        KV policy (reset to empty, its graphs kept), else a new one. Give it back with
+        `release` when the request ends; one never given back is simply not reused."""
+        policy = policy or KVPolicy()
+        idle = _IDLE.pop(model, None) if REUSE_DECODERS else None
+        if idle is not None and idle.max_context >= max_context and idle.policy == policy:
+            idle.reset()
+            return idle
+        del idle  # its caches go before the new ones are made
+        return cls(model, max_context, policy=policy)
+
+    @staticmethod
+    def release(decoder: GraphDecoder) -> None:
+        if REUSE_DECODERS:
+            _IDLE[decoder.model] = decoder
+
+    @torch.inference_mode()  # the caches' tensors were made in inference mode
+    def reset(self) -> None:
+        """Forget every token: the caches are empty and fresh, the graphs stay valid."""
+        for cache in self.caches:
+            cache.reset(0)
+        self.length = 0
 
     def _set_view(self, tokens: int) -> int:
         """Make full-attention caches expose the smallest bucket holding `tokens` keys."""
@@ -74,12 +127,86 @@ class GraphDecoder:
         """Logits [1, vocab] after the prompt `ids` [1, T], run eagerly in chunks."""
         if ids.shape[1] >= self.max_context:
             raise ValueError(f"the prompt ({ids.shape[1]} tokens) fills the context")
+        bucket = self._prefill_bucket(ids.shape[1], chunk)
+        if bucket is not None:
+            logits = self._graph_prefill(ids, bucket)
+            if logits is not None:
+                return logits
         self._set_view(ids.shape[1])
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start : start + chunk]
             logits = self.model(piece, self.caches, start=start, last_only=True)[:, -1]
         self.length = ids.shape[1]
         return logits
+
+    def _prefill_bucket(self, tokens: int, chunk: int) -> int | None:
+        """The padded length a graph prefills this prompt at, or None (eager): graphs on, a
+        fresh decoder, one chunk, a bucket that fits the caches, dense caches only."""
+        if not PREFILL_GRAPHS or self._prefill_graphs_failed or self.length or tokens > chunk:
+            return None
+        if not all(cache.is_dense and cache.is_fresh for cache in self.caches):
+            return None
+        bucket = next((b for b in PREFILL_BUCKETS if b >= tokens), None)
+        return bucket if bucket is not None and bucket <= self.max_context else None
+
+    def _graph_prefill(self, ids: torch.Tensor, bucket: int) -> torch.Tensor | None:
+        tokens = ids.shape[1]
+        entry = self._prefill_graphs.get(bucket) or self._capture_prefill(bucket)
+        if entry is None:
+            return None
+        graph, logits, padded = entry
+        padded.zero_()
+        padded[:, :tokens].copy_(ids)
+        self._real.fill_(tokens)
+        self._set_view(tokens)
+        graph.replay()
+        for cache in self.caches:
+            cache.mark_filled()
+        self.length = tokens
+        return logits.clone()
+
+    def _capture_prefill(
+        self, bucket: int
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None:
+        """Capture the padded prefill at `bucket` tokens (a warm-up run first, as for a
+        decode step); on any capture error prefill stays eager for this decoder."""
+        padded = torch.zeros((1, bucket), dtype=torch.long, device=self._real.device)
+        self._real.fill_(bucket)
+
+        def run() -> torch.Tensor:
+            for cache in self.caches:
+                cache.real_tokens = self._real
+            try:
+                last = self._real - 1
+                return self.model(padded, self.caches, last_only=True, last_index=last)[:, -1]
+            finally:
+                for cache in self.caches:
+                    cache.real_tokens = None
+
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.reset()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._prefill_pool()):
+                logits = run()
+        except RuntimeError:
+            log.exception("prefill graph capture failed; prefilling eagerly")
+            self._prefill_graphs_failed = True
+            self.reset()
+            return None
+        self.reset()
+        self._prefill_graphs[bucket] = (graph, logits, padded)
+        return graph, logits, padded
+
+    def _prefill_pool(self) -> object:
+        """One memory pool for all prefill graphs: they never run at the same time."""
+        if not hasattr(self, "_pool"):
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def readback(self) -> TokenReadback:
         return TokenReadback()
@@ -133,3 +260,7 @@ class GraphDecoder:
     def _rewind(self) -> None:
         for cache in self.caches:
             cache.reset(self.length)
+
+
+# Each model's idle decoder (see `GraphDecoder.acquire`), dropped with the model.
+_IDLE: weakref.WeakKeyDictionary[nn.Module, GraphDecoder] = weakref.WeakKeyDictionary()

@@ -206,44 +206,48 @@ def generate_tokens(
     prefill_step = prefill_step or default_prefill_step(device)
     policy = kv_policy or KVPolicy()
     graph = _graph_decoder(model, len(history) + max_tokens, policy)
-    if graph is not None and caches is None:
-        caches = graph.caches
-        logits = graph.prefill(prompt, prefill_step)
-    else:
-        caches = policy.make_caches(model.config) if caches is None else caches
-        logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
-    if on_prefilled is not None:
-        on_prefilled(caches)
-    if graph is not None and caches is not graph.caches:
-        graph.adopt(caches, len(history))  # given caches (a prompt cache): decode via graphs
-    readback = graph.readback() if graph is not None else None
-    sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
-    for produced in range(max_tokens):
-        more = produced + 1 < max_tokens
-        if more and graph is not None and readback is not None:
-            # Queue the next step before reading this token back: the GPU never waits for
-            # the host, which reads the token while the step runs.
-            readback.start(sampled)
-            logits = graph.step(sampled.reshape(1, 1))
-            token = readback.result()
+    try:
+        if graph is not None and caches is None:
+            caches = graph.caches
+            logits = graph.prefill(prompt, prefill_step)
         else:
-            token = int(sampled)
-        if logprobs is not None and distribution is not None:
-            logprobs.record(distribution.reshape(-1), token)
-        now = time.perf_counter()
-        if produced == 0:
-            stats.prefill_seconds = now - started
-            decode_started = now
-        else:
-            stats.decode_seconds = now - decode_started
-        stats.generated_tokens = produced + 1
-        history.append(token)
-        yield token
-        if more:
-            if graph is None:
-                step = torch.tensor([[token]], dtype=torch.long, device=device)
-                logits = model(step, caches, start=len(history) - 1, last_only=True)[:, -1]
-            sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+            caches = policy.make_caches(model.config) if caches is None else caches
+            logits = prefill(model, prompt, caches, prefill_step, cached_tokens)
+        if on_prefilled is not None:
+            on_prefilled(caches)
+        if graph is not None and caches is not graph.caches:
+            graph.adopt(caches, len(history))  # given caches (a prompt cache): decode via graphs
+        readback = graph.readback() if graph is not None else None
+        sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+        for produced in range(max_tokens):
+            more = produced + 1 < max_tokens
+            if more and graph is not None and readback is not None:
+                # Queue the next step before reading this token back: the GPU never waits for
+                # the host, which reads the token while the step runs.
+                readback.start(sampled)
+                logits = graph.step(sampled.reshape(1, 1))
+                token = readback.result()
+            else:
+                token = int(sampled)
+            if logprobs is not None and distribution is not None:
+                logprobs.record(distribution.reshape(-1), token)
+            now = time.perf_counter()
+            if produced == 0:
+                stats.prefill_seconds = now - started
+                decode_started = now
+            else:
+                stats.decode_seconds = now - decode_started
+            stats.generated_tokens = produced + 1
+            history.append(token)
+            yield token
+            if more:
+                if graph is None:
+                    step = torch.tensor([[token]], dtype=torch.long, device=device)
+                    logits = model(step, caches, start=len(history) - 1, last_only=True)[:, -1]
+                sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+    finally:
+        if graph is not None:  # its caches and graphs serve the next request
+            release_graph_decoder(graph)
 
 
 def _sample(
@@ -270,7 +274,13 @@ def _graph_decoder(model: Model, context: int, policy: KVPolicy) -> Any:
         return None
     from hearth.cuda_graph import GraphDecoder
 
-    return GraphDecoder(model, max_context=context + 1, policy=policy)
+    return GraphDecoder.acquire(model, context + 1, policy)
+
+
+def release_graph_decoder(decoder: Any) -> None:
+    from hearth.cuda_graph import GraphDecoder
+
+    GraphDecoder.release(decoder)
 
 
 def stream_generate(

@@ -251,7 +251,16 @@ def _prefill_runner(model: Model, ids: torch.Tensor) -> Callable[[], torch.Tenso
         from hearth.cuda_graph import GraphDecoder
 
         chunk = default_prefill_step(model.device)
-        return lambda: GraphDecoder(model, ids.shape[1] + 1).prefill(ids, chunk)
+
+        def graph_prefill() -> torch.Tensor:
+            # As generate_tokens gets its decoder: a reused one when REUSE_DECODERS is on.
+            decoder = GraphDecoder.acquire(model, ids.shape[1] + 1)
+            try:
+                return decoder.prefill(ids, chunk)
+            finally:
+                GraphDecoder.release(decoder)
+
+        return graph_prefill
     chunk = default_prefill_step(model.device)
     return lambda: prefill(model, ids, make_caches(model.config), chunk)
 

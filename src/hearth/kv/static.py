@@ -67,6 +67,15 @@ class StaticCache:
         return 0 if self._next is None else int(self._next)
 
     @property
+    def is_fresh(self) -> bool:
+        """Nothing stored since construction or `reset(0)`."""
+        return self._fresh
+
+    def mark_filled(self) -> None:
+        """A replayed graph stored a chunk here (its Python side ran only at capture)."""
+        self._fresh = False
+
+    @property
     def is_dense(self) -> bool:
         return self.codec is DENSE
 
