@@ -16,7 +16,6 @@ off until measured on a GPU.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -96,7 +95,7 @@ class GraphDecoder:
         KV policy (reset to empty, its graphs kept), else a new one. Give it back with
         `release` when the request ends; one never given back is simply not reused."""
         policy = policy or KVPolicy()
-        idle = _IDLE.pop(model, None) if REUSE_DECODERS else None
+        idle = model.__dict__.pop(_IDLE, None) if REUSE_DECODERS else None
         if idle is not None and idle.max_context >= max_context and idle.policy == policy:
             idle.reset()
             return idle
@@ -106,7 +105,9 @@ class GraphDecoder:
     @staticmethod
     def release(decoder: GraphDecoder) -> None:
         if REUSE_DECODERS:
-            _IDLE[decoder.model] = decoder
+            # Kept on the model itself (not a weak map, whose value would keep its key
+            # alive): the two go together.
+            decoder.model.__dict__[_IDLE] = decoder
 
     @torch.inference_mode()  # the caches' tensors were made in inference mode
     def reset(self) -> None:
@@ -262,5 +263,5 @@ class GraphDecoder:
             cache.reset(self.length)
 
 
-# Each model's idle decoder (see `GraphDecoder.acquire`), dropped with the model.
-_IDLE: weakref.WeakKeyDictionary[nn.Module, GraphDecoder] = weakref.WeakKeyDictionary()
+# The attribute holding a model's idle decoder (see `GraphDecoder.acquire`).
+_IDLE = "_hearth_idle_graph_decoder"
