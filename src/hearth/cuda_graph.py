@@ -16,7 +16,7 @@ off until measured on a GPU.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -185,15 +185,7 @@ class GraphDecoder:
                     cache.real_tokens = None
 
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.reset()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._prefill_pool()):
-                logits = run()
+            graph, logits = _warm_up_and_capture(run, self.reset, self._prefill_pool())
         except RuntimeError:
             log.exception("prefill graph capture failed; prefilling eagerly")
             self._prefill_graphs_failed = True
@@ -243,17 +235,8 @@ class GraphDecoder:
         def run() -> torch.Tensor:
             return self.model(self._token, self.caches, start=self._position, last_only=True)[:, -1]
 
-        # Warm up on a side stream (cuBLAS picks kernels), then capture; both runs write one
-        # token into the caches, which `reset` forgets.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self._rewind()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = run()
+        # Both runs write one token into the caches, which `_rewind` forgets.
+        graph, logits = _warm_up_and_capture(run, self._rewind)
         self._rewind()
         self._graphs[view] = (graph, logits)
         return graph, logits
@@ -261,6 +244,23 @@ class GraphDecoder:
     def _rewind(self) -> None:
         for cache in self.caches:
             cache.reset(self.length)
+
+
+def _warm_up_and_capture(
+    run: Callable[[], torch.Tensor], undo: Callable[[], None], pool: object = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run` once on a side stream (cuBLAS and Triton pick their kernels), `undo` what it
+    wrote, then capture it: the graph and its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    undo()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
 
 
 # The attribute holding a model's idle decoder (see `GraphDecoder.acquire`).
