@@ -18,6 +18,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh e4b4      # where E4B prefill's 40 ms (bf16) and 81 ms (4-bit) at 512 go
 #   OUT=/tmp/out benchmarks/gpu_suite.sh launch    # the fast Triton launch: GPU tests, prefill A/B with logits
 #   OUT=/tmp/out benchmarks/gpu_suite.sh graphs    # prefill from CUDA graphs (padded chunks), decoders reused
+#   OUT=/tmp/out benchmarks/gpu_suite.sh graphs-bench  # headline benches with prefill graphs on
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -171,13 +172,21 @@ stage 50 ab-e4b-decode python benchmarks/ab_decode.py --models e4b --steps 32 --
 stage 90 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,triton-launch --check --name 26b_prefill4096_launch
 stage 70 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --prefill 512 --variants base,triton-launch --check --name 12b_prefill512_launch
 stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
-elif [ "$PART" = graphs ]; then  # PREFILL_GRAPHS + REUSE_DECODERS (off by default until this runs)
-stage 100 tests python -m pytest -q -x tests/test_static_cache.py tests/test_launch.py tests/test_bench.py
-stage 70 ab-e4b python benchmarks/ab_decode.py --models e4b --prefill 512 --variants base,prefill-graphs --check --name e4b_prefill512_graphs
-stage 70 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --prefill 512 --variants base,prefill-graphs --check --name e4b_4bit_prefill512_graphs
-stage 80 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,prefill-graphs --check --name e4b_prefill4096_graphs
-stage 70 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --prefill 512 --variants base,prefill-graphs --check --name 12b_prefill512_graphs
-stage 60 ab-e4b-decode python benchmarks/ab_decode.py --models e4b --steps 32 --rounds 1 --variants base,prefill-graphs --check --name e4b_decode_graphs
+elif [ "$PART" = graphs ]; then  # prefill from CUDA graphs, decoders reused (the default) against neither
+stage 100 tests python -m pytest -q tests/test_static_cache.py tests/test_launch.py tests/test_bench.py
+stage 70 ab-e4b python benchmarks/ab_decode.py --models e4b --prefill 512 --variants base,no-prefill-graphs --check --name e4b_prefill512_graphs
+stage 70 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --prefill 512 --variants base,no-prefill-graphs --check --name e4b_4bit_prefill512_graphs
+stage 80 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,no-prefill-graphs --check --name e4b_prefill4096_graphs
+stage 70 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --prefill 512 --variants base,no-prefill-graphs --check --name 12b_prefill512_graphs
+stage 130 ttft python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b
+elif [ "$PART" = graphs-bench ]; then  # headline benches with prefill graphs on, decode A/B
+stage 120 tests python -m pytest -q tests/test_static_cache.py tests/test_launch.py tests/test_bench.py -k "gpu or graph or launch"
+stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b.md"
+stage 90 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
+stage 110 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-gemma3-12b.md"
+stage 110 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
+stage 120 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-31b.md"
+stage 60 ab-e4b-decode python benchmarks/ab_decode.py --models e4b --steps 32 --rounds 1 --variants base,no-prefill-graphs --check --name e4b_decode_graphs
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

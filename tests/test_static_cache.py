@@ -51,7 +51,9 @@ def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_
     keep the last real tokens, not the padding): the logits at its last real token, the
     caches' contents and every decode step after it equal the unpadded prompt's. Positions
     and counters exactly; values within ATOL (matmuls over more rows may sum in another
-    order)."""
+    order). The decode steps then run over the same stored values, so they must agree
+    exactly: that checks the ring's bookkeeping without the prefill's rounding, which the
+    steps would otherwise carry forward (and which differs with the CPU's GEMM kernels)."""
     model = _model(kind, tmp_path)
     ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(1))
     real = 13
@@ -70,13 +72,14 @@ def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_
             assert torch.equal(a._positions, b._positions)
             for plane_a, plane_b in zip(a._planes, b._planes, strict=True):
                 torch.testing.assert_close(plane_b, plane_a, atol=ATOL, rtol=0)
+                plane_a.copy_(plane_b)
         for position in range(real, 30):
             step = ids[:, position : position + 1]
             start = torch.tensor(position)
             torch.testing.assert_close(
                 model(step, padded_caches, start=start),
                 model(step, plain, start=start),
-                atol=ATOL,
+                atol=0,
                 rtol=0,
             )
 
@@ -275,10 +278,13 @@ def test_decoders_are_reused_only_when_asked_and_when_they_fit(
 
     model = _model("gemma3", tmp_path)
     GraphDecoder = cuda_graph.GraphDecoder
+    monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", False)
     first = GraphDecoder.acquire(model, 100)
     GraphDecoder.release(first)
-    assert GraphDecoder.acquire(model, 100) is not first  # reuse is off by default
+    assert GraphDecoder.acquire(model, 100) is not first  # reuse switched off
     monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", True)
+    GraphDecoder.release(first)
+    assert GraphDecoder.acquire(model, 100) is first
     with torch.inference_mode():
         first.prefill(torch.randint(4, 256, (1, 12)))
     assert first.length == 12 and not first.caches[0].is_fresh
@@ -300,7 +306,8 @@ def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
     model = _model("gemma3", tmp_path)
     decoder = cuda_graph.GraphDecoder(model, 600)
-    assert decoder._prefill_bucket(100, 512) is None  # off by default
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", False)
+    assert decoder._prefill_bucket(100, 512) is None  # switched off
     monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
     assert decoder._prefill_bucket(100, 512) == 128
     assert decoder._prefill_bucket(64, 512) == 64
@@ -317,21 +324,92 @@ def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_prefill_graphs_match_eager_on_gpu(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Prompts of 13, 50 and 64 tokens (buckets 64: padded, and exact; the window is 8) from
-    one reused decoder's prefill graph, then decode steps: logits equal the eager path's."""
+    """Prompts of 13, 50 and 64 tokens (bucket 64: padded, and exact; the window is 8) from
+    one reused decoder, then decode steps: logits equal the eager path's. The first prompt
+    prefills eagerly (a bucket's first sighting), the second captures, the rest replay."""
     from hearth import cuda_graph
 
     monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
     monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", True)
     model = _model(kind, tmp_path, "cuda")
-    for tokens in (13, 50, 64, 13):
+    for prompt, tokens in enumerate((13, 50, 64, 13)):
         ids = torch.randint(4, 256, (1, tokens + 8), device="cuda")
         with torch.inference_mode():
             reference = model(ids)
         decoder = cuda_graph.GraphDecoder.acquire(model, 256)
         logits = [decoder.prefill(ids[:, :tokens])]
-        assert 64 in decoder._prefill_graphs
+        assert (64 in decoder._prefill_graphs) == (prompt > 0)
         logits += [decoder.step(ids[:, p : p + 1]) for p in range(tokens, tokens + 8)]
         cuda_graph.GraphDecoder.release(decoder)
         expected = reference[:, tokens - 1 :]
         torch.testing.assert_close(torch.stack(logits, dim=1), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])
+def test_snapshot_of_static_caches_continues_as_dynamic_caches(kind: str, tmp_path: Path) -> None:
+    """The server keeps a prompt's caches for its next turn: a graph decoder's static caches
+    (a 20-token prompt; the window is 8, so the rings have wrapped) become dynamic caches
+    holding the same tokens, and decoding from them matches a full recompute."""
+    from hearth.cuda_graph import GraphDecoder
+    from hearth.kv.cache import make_caches
+    from hearth.server.prompt_cache import snapshot_caches
+
+    model = _model(kind, tmp_path)
+    ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(3))
+    decoder = GraphDecoder(model, 64)
+    with torch.inference_mode():
+        reference = model(ids)
+        decoder.prefill(ids[:, :20])
+        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.config))
+        for static, dynamic in zip(decoder.caches, snapshot, strict=True):
+            assert type(dynamic).__name__ in ("DenseCache", "RotatingCache")
+            assert dynamic.offset == 20
+            kept = static.contents().positions
+            held = dynamic.contents().positions
+            assert sorted(held[held < 2**62].tolist()) == sorted(kept[kept < 2**62].tolist())
+        decoder.reset()  # the snapshot owns its tensors: the decoder's next request may go on
+        steps = [model(ids[:, p : p + 1], snapshot, start=p) for p in range(20, 30)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference[:, 20:], atol=ATOL, rtol=0)
+
+
+def test_dynamic_caches_load_only_what_they_can_hold(tmp_path: Path) -> None:
+    """A dense cache holds positions from 0; a load goes into an empty cache only."""
+    from hearth.kv.cache import DenseCache, RotatingCache
+
+    keys = torch.randn(1, 2, 12, 4)
+    ring = RotatingCache(8)
+    ring.update_and_fetch(keys, keys.clone())
+    with pytest.raises(ValueError, match="from 0, not from 4"):
+        DenseCache().load(ring.contents())  # the ring holds positions 4..11
+    again = RotatingCache(8)
+    again.load(ring.contents())
+    assert again.offset == 12
+    torch.testing.assert_close(again.contents().stored.planes[0], ring.contents().stored.planes[0])
+    with pytest.raises(ValueError, match="empty cache only"):
+        again.load(ring.contents())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])
+def test_prompt_cache_round_trip_through_graph_prefill_on_gpu(kind: str, tmp_path: Path) -> None:
+    """As the server runs a conversation on a GPU: a fresh prompt prefilled by the reused
+    decoder (eagerly, then from a captured graph, then replayed), kept as a dynamic snapshot,
+    and the next turn adopting that snapshot to decode: logits match a full recompute."""
+    from hearth.cuda_graph import GraphDecoder
+    from hearth.kv.cache import make_caches
+    from hearth.server.prompt_cache import snapshot_caches
+
+    model = _model(kind, tmp_path, "cuda")
+    ids = torch.randint(4, 256, (1, 30), device="cuda")
+    with torch.inference_mode():
+        reference = model(ids)
+    for _ in range(3):
+        decoder = GraphDecoder.acquire(model, 64)
+        first = decoder.prefill(ids[:, :20])
+        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.config))
+        GraphDecoder.release(decoder)
+        decoder = GraphDecoder.acquire(model, 64)
+        decoder.adopt(snapshot, 20)
+        logits = [first] + [decoder.step(ids[:, p : p + 1]) for p in range(20, 30)]
+        GraphDecoder.release(decoder)
+        torch.testing.assert_close(torch.stack(logits, 1), reference[:, 19:], atol=ATOL, rtol=0)

@@ -265,6 +265,13 @@ def _prefill_runner(model: Model, ids: torch.Tensor) -> Callable[[], torch.Tenso
     return lambda: prefill(model, ids, make_caches(model.config), chunk)
 
 
+def warm_up(run: Callable[[], torch.Tensor]) -> None:
+    """Run a prefill until it is in its steady state: kernels chosen, the allocator's blocks
+    at this size, and on a GPU its prefill graph captured (a bucket's second prompt does)."""
+    run()
+    run()
+
+
 # A timed prefill repeats until this much time has run (at most PREFILL_REPEATS times) and the
 # median counts: one ~40 ms prefill (E4B at 4k tokens) spread 43-64% of peak run to run.
 PREFILL_TIMING_SECONDS = 1.0
@@ -277,7 +284,7 @@ def time_prefill(model: Model, tokens: int) -> float:
     warm-up), repeated while short; each run builds its caches as a request would."""
     device = model.device
     run = _prefill_runner(model, _random_ids(model, tokens, device))
-    run()  # warm-up: kernel selection and the allocator's blocks at this size
+    warm_up(run)
     runs = [timed(device, run)]
     while len(runs) < PREFILL_REPEATS and sum(runs) < PREFILL_TIMING_SECONDS:
         runs.append(timed(device, run))
@@ -294,7 +301,7 @@ def time_first_token(model: Model, tokens: int) -> float:
     run = _prefill_runner(model, ids)
     sampler = Sampler(SamplingParams(), device=device)
     history = ids[0].tolist()
-    run()  # warm-up
+    warm_up(run)
     synchronize(device)
     begin = time.perf_counter()
     int(sampler.sample(run(), history))

@@ -184,6 +184,10 @@ class LayerCache(Protocol):
         """The slots as stored, with their positions (to continue in a static cache)."""
         ...
 
+    def load(self, contents: CacheContents) -> None:
+        """Hold what another cache's `contents` hold (this one empty)."""
+        ...
+
 
 class DenseCache:
     """Grows in steps of `step` tokens; keys are stored in position order."""
@@ -208,6 +212,15 @@ class DenseCache:
 
     def trim(self, tokens: int) -> None:
         self.offset -= min(tokens, self.offset)
+
+    def load(self, contents: CacheContents) -> None:
+        """Hold what `contents` holds (positions 0..n-1), e.g. a static cache's prompt."""
+        keys, values, first = ordered_tokens(contents)
+        if first != 0:
+            raise ValueError(f"a dense cache holds positions from 0, not from {first}")
+        _check_empty(self.offset)
+        if keys.shape[2]:
+            self.update_and_fetch(keys, values)
 
     def contents(self) -> CacheContents:
         planes = tuple(plane[:, :, : self.offset] for plane in self._store.planes)
@@ -299,6 +312,15 @@ class RotatingCache:
                 start + source, start + source + length, device=self._positions.device
             )
 
+    def load(self, contents: CacheContents) -> None:
+        """Hold what `contents` holds (consecutive positions, the ring's newest `capacity`
+        kept), e.g. a static ring's prompt."""
+        keys, values, first = ordered_tokens(contents)
+        _check_empty(self.offset)
+        if keys.shape[2]:
+            self.offset = first  # the tokens go in at their own positions (slot p % capacity)
+            self.update_and_fetch(keys, values)
+
     def trim(self, tokens: int) -> None:
         """Drop the newest `tokens`; refused when the window needs slots already overwritten."""
         new_offset = self.offset - min(tokens, self.offset)
@@ -323,6 +345,26 @@ class RotatingCache:
 
     def signature(self) -> str:
         return f"rotating:{self._store.signature()}"
+
+
+def ordered_tokens(contents: CacheContents) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The keys and values `contents` holds, decoded, in position order, and the first
+    position; ValueError unless the positions are consecutive (what every cache holds)."""
+    (planes, codec), dtype, positions = contents
+    keys, values = codec.decode(planes, dtype)
+    filled = positions != EMPTY_POSITION
+    held, order = positions[filled].sort()
+    first = int(held[0]) if held.numel() else 0
+    expected = torch.arange(first, first + held.numel(), device=held.device)
+    if not torch.equal(held, expected):
+        raise ValueError("a cache's positions must be consecutive")
+    slots = filled.nonzero().flatten()[order]
+    return keys[:, :, slots], values[:, :, slots], first
+
+
+def _check_empty(offset: int) -> None:
+    if offset:
+        raise ValueError("contents load into an empty cache only")
 
 
 class LayerSpec(NamedTuple):

@@ -229,6 +229,12 @@ class StaticCache:
         planes = tuple(plane[:, :, :length] for plane in self._planes)
         return KVView(None, None, length, positions, StoredKV(planes, self.codec))
 
+    def contents(self) -> CacheContents:
+        assert self._positions is not None, "an empty cache"
+        return CacheContents(
+            StoredKV(tuple(self._planes), self.codec), self._dtype, self._positions
+        )
+
     def load(self, contents: CacheContents) -> None:
         """Hold what a dynamic cache holds (a prompt-cache hit, then decoded through graphs).
 

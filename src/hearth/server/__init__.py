@@ -1,6 +1,23 @@
-"""`hearth serve`: OpenAI- and Anthropic-compatible HTTP endpoints over one Engine."""
+"""`hearth serve`: OpenAI- and Anthropic-compatible HTTP endpoints over one Engine.
 
-from hearth.server.app import ServerLimits, create_app, serve
-from hearth.server.state import ServerDefaults
+The app (FastAPI, uvicorn) loads on first use, so the worker and the prompt cache import
+without the web stack (a GPU host that runs only the engine)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["ServerDefaults", "ServerLimits", "create_app", "serve"]
+_HOMES = {
+    "ServerDefaults": "hearth.server.state",
+    "ServerLimits": "hearth.server.app",
+    "create_app": "hearth.server.app",
+    "serve": "hearth.server.app",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'hearth.server' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

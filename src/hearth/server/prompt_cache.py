@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.kv import LayerCache
+from hearth.kv.static import StaticCache
 
 DEFAULT_MAX_BYTES = 2 * 2**30
 DEFAULT_MAX_ENTRIES = 10
@@ -143,6 +144,20 @@ class PromptCache:
 def copy_caches(caches: list[LayerCache]) -> list[LayerCache]:
     with torch.inference_mode():  # the caches' tensors were made in inference mode
         return copy.deepcopy(caches)
+
+
+def snapshot_caches(
+    caches: list[LayerCache], new_caches: Callable[[], list[LayerCache]]
+) -> list[LayerCache]:
+    """A copy of a request's caches to keep: dynamic ones as they are; static ones (a graph
+    decoder's, sized for the whole context) as `new_caches` holding just their tokens."""
+    if not any(isinstance(cache, StaticCache) for cache in caches):
+        return copy_caches(caches)
+    with torch.inference_mode():
+        snapshot = new_caches()
+        for target, source in zip(snapshot, caches, strict=True):
+            target.load(source.contents())
+    return snapshot
 
 
 def _trim_to(caches: list[LayerCache], tokens: int) -> bool:

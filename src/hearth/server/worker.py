@@ -24,7 +24,7 @@ from hearth.engine import Engine
 from hearth.generate import GenerationChunk, GenerationStats, stream_generate
 from hearth.kv import LayerCache
 from hearth.sampling import SamplingParams
-from hearth.server.prompt_cache import PromptCache, Reuse, copy_caches
+from hearth.server.prompt_cache import PromptCache, Reuse, snapshot_caches
 
 log = logging.getLogger("hearth.server")
 
@@ -188,6 +188,12 @@ class GenerationWorker:
         reuse = self._caches_for(job.prompt_ids)
         boundary: list[list[LayerCache]] = []  # the caches holding exactly the prompt
         keep = self.prompt_cache is not None
+        # A miss with dense K/V: no caches given, so on a GPU the prompt goes straight into
+        # the graph decoder's static caches (from a prefill graph once one is captured), not
+        # into dynamic ones that decode would copy. Quantized K/V keeps dynamic caches: a
+        # snapshot of static ones would be re-encoded.
+        given = reuse.cached_tokens or not self.engine.kv_policy.is_dense
+        new_caches = self.engine.new_caches
         chunks = stream_generate(
             self.engine.model,
             self.engine.tokenizer,
@@ -197,9 +203,13 @@ class GenerationWorker:
             job.stop,
             job.stop_ids,
             cancelled=job.cancelled.is_set,
-            caches=reuse.caches,
+            caches=reuse.caches if given else None,
             cached_tokens=reuse.cached_tokens,
-            on_prefilled=(lambda caches: boundary.append(copy_caches(caches))) if keep else None,
+            on_prefilled=(
+                (lambda caches: boundary.append(snapshot_caches(caches, new_caches)))
+                if keep
+                else None
+            ),
             top_logprobs=job.top_logprobs,
             kv_policy=self.engine.kv_policy,
         )
