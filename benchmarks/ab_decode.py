@@ -328,7 +328,7 @@ def main() -> None:
             for name in names:
                 with VARIANTS[name]():
                     if args.prefill:
-                        rate = args.prefill / time_prefill(model, args.prefill)
+                        rate = args.prefill / time_prefill(model, args.prefill)[0]
                     else:
                         rate = 1.0 / time_decode(model, args.context, args.steps)[0]
                 rates[name].append(rate)

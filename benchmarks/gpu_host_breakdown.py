@@ -30,7 +30,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hearth.bench.measure import _prefill_runner
+from hearth.bench.measure import PrefillRun
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.kv.static import StaticCache
 
@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     model = build_random_model(PRESETS[args.model], torch.device("cuda"), quant=args.quant)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
-    run = _prefill_runner(model, ids)
+    run = PrefillRun(model, ids)
     run()
     if args.ab_launch:
         print(ab_launch(run), flush=True)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hearth.bench.measure import _prefill_runner
+from hearth.bench.measure import PrefillRun
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.kernels import wait_for_producer
 
@@ -132,7 +132,7 @@ def sync_report(device: torch.device) -> str:
     """Ops of one E4B 512-token prefill that wait for the GPU (torch's sync debug mode)."""
     model = build_random_model(PRESETS["e4b"], device)
     ids = torch.randint(0, model.config.vocab_size, (1, 512), device=device)
-    run = _prefill_runner(model, ids)
+    run = PrefillRun(model, ids)
     run()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hearth.bench.measure import _prefill_runner, timed
+from hearth.bench.measure import PrefillRun, timed
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
 
@@ -73,7 +73,7 @@ def main() -> None:
 def profile_prefill(model: torch.nn.Module, name: str, tokens: int) -> None:
     """One prefill as `hearth bench` times it (static caches on a GPU, the engine's chunks)."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
-    run = _prefill_runner(model, ids)
+    run = PrefillRun(model, ids)
     run()
     torch.cuda.synchronize()
     # Wall time apart from the profiler's: beside the GPU time it tells a host-bound prefill.

@@ -249,6 +249,10 @@ def test_bench_on_gpu_decodes_through_cuda_graphs(
     # The path cell names the decode path, then the KV cache's size ("CUDA graph, KV 1 MiB").
     paths = [row["path"].split(",")[0] for row in rows if row["phase"] == "decode"]
     assert paths == ["CUDA graph"] * 2
+    # Each prompt is one chunk: timed from the graph of its bucket (captured in the warm-up),
+    # even where the bucket is longer than the decoder's caches (300 tokens, 301 positions).
+    prefills = [row["path"] for row in rows if row["phase"] == "prefill"]
+    assert prefills == ["CUDA graph, padded to 64", "CUDA graph, padded to 512"]
     assert all(_number(row["tok/s"]) > 0 for row in rows if row["tok/s"])
 
 

@@ -40,15 +40,16 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
     assert caches[0].offset == 36
 
 
-def _caches(model: Any) -> list[StaticCache]:
-    return [StaticCache(64, spec.window) for spec in layer_specs(model.config)]
+def _caches(model: Any, capacity: int = 64) -> list[StaticCache]:
+    return [StaticCache(capacity, spec.window) for spec in layer_specs(model.config)]
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "kv_sharing", "ple_sharing_double_wide"])
-@pytest.mark.parametrize("padded", [13, 16, 20])
+@pytest.mark.parametrize("padded", [13, 16, 20, 40])
 def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_path: Path) -> None:
-    """A 13-token prompt padded to 16 or 20 tokens (the window is 8, so rings wrap and must
-    keep the last real tokens, not the padding): the logits at its last real token, the
+    """A 13-token prompt padded to 16, 20 or 40 tokens (the window is 8, so rings wrap and
+    must keep the last real tokens, not the padding; 40 is past the full caches' 32 slots,
+    which only padding would reach): the logits at its last real token, the
     caches' contents and every decode step after it equal the unpadded prompt's. Positions
     and counters exactly; values within ATOL (matmuls over more rows may sum in another
     order). The decode steps then run over the same stored values, so they must agree
@@ -58,7 +59,7 @@ def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_
     ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(1))
     real = 13
     chunk = torch.cat([ids[:, :real], torch.zeros(1, padded - real, dtype=ids.dtype)], dim=1)
-    plain, padded_caches = _caches(model), _caches(model)
+    plain, padded_caches = _caches(model, 32), _caches(model, 32)
     for cache in padded_caches:
         cache.real_tokens = torch.tensor(real)
     with torch.inference_mode():
@@ -300,7 +301,7 @@ def test_decoders_are_reused_only_when_asked_and_when_they_fit(
 
 def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Which prompts a graph prefills, and at what padded length: only with graphs on, on a
-    fresh decoder, one chunk long, dense caches, a bucket that fits the caches."""
+    fresh decoder, one chunk long, dense caches."""
     from hearth import cuda_graph
     from hearth.kv import parse_kv_quant
 
@@ -311,7 +312,8 @@ def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
     assert decoder._prefill_bucket(100, 512) == 128
     assert decoder._prefill_bucket(64, 512) == 64
-    assert decoder._prefill_bucket(600, 1024) is None  # the 1024 bucket exceeds 768 slots
+    # Longer than the 600 slots: only the real tokens are stored, and they fit.
+    assert decoder._prefill_bucket(599, 1024) == 1024
     assert decoder._prefill_bucket(513, 512) is None  # two chunks
     decoder.length = 5
     assert decoder._prefill_bucket(100, 512) is None  # not a fresh decoder
@@ -343,6 +345,16 @@ def test_prefill_graphs_match_eager_on_gpu(
         cuda_graph.GraphDecoder.release(decoder)
         expected = reference[:, tokens - 1 :]
         torch.testing.assert_close(torch.stack(logits, dim=1), expected, atol=ATOL, rtol=0)
+    small = cuda_graph.GraphDecoder(model, 24)  # bucket 64 is longer than its 24 slots
+    ids = torch.randint(4, 256, (1, 21), device="cuda")
+    with torch.inference_mode():
+        reference = model(ids)
+    for _ in range(3):  # eager, then captured, then replayed
+        small.reset()
+        logits = [small.prefill(ids[:, :13])]
+        logits += [small.step(ids[:, p : p + 1]) for p in range(13, 21)]
+        torch.testing.assert_close(torch.stack(logits, 1), reference[:, 12:], atol=ATOL, rtol=0)
+    assert small.graph_bucket == 64
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])

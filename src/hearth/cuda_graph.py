@@ -89,6 +89,7 @@ class GraphDecoder:
         self._real = torch.zeros((), dtype=torch.long, device=device)
         self._prefill_graphs_failed = False
         self._prefill_buckets_seen: set[int] = set()  # prefilled eagerly once
+        self.graph_bucket: int | None = None  # the last prefill's graph, if it ran from one
 
     @classmethod
     def acquire(
@@ -128,14 +129,16 @@ class GraphDecoder:
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-        """Logits [1, vocab] after the prompt `ids` [1, T], run eagerly in chunks."""
+        """Logits [1, vocab] after the prompt `ids` [1, T]: from a prefill graph where one
+        applies (`graph_bucket` then holds its padded length), else eagerly in chunks."""
         if ids.shape[1] >= self.max_context:
             raise ValueError(f"the prompt ({ids.shape[1]} tokens) fills the context")
-        bucket = self._prefill_bucket(ids.shape[1], chunk)
-        if bucket is not None:
-            logits = self._graph_prefill(ids, bucket)
+        self.graph_bucket = self._prefill_bucket(ids.shape[1], chunk)
+        if self.graph_bucket is not None:
+            logits = self._graph_prefill(ids, self.graph_bucket)
             if logits is not None:
                 return logits
+            self.graph_bucket = None
         self._set_view(ids.shape[1])
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start : start + chunk]
@@ -145,13 +148,13 @@ class GraphDecoder:
 
     def _prefill_bucket(self, tokens: int, chunk: int) -> int | None:
         """The padded length a graph prefills this prompt at, or None (eager): graphs on, a
-        fresh decoder, one chunk, a bucket that fits the caches, dense caches only."""
+        fresh decoder, one chunk, dense caches only. The bucket may be longer than the
+        caches: only real tokens are stored, and the prompt is shorter than the context."""
         if not PREFILL_GRAPHS or self._prefill_graphs_failed or self.length or tokens > chunk:
             return None
         if not all(cache.is_dense and cache.is_fresh for cache in self.caches):
             return None
-        bucket = next((b for b in PREFILL_BUCKETS if b >= tokens), None)
-        return bucket if bucket is not None and bucket <= self.max_context else None
+        return next((b for b in PREFILL_BUCKETS if b >= tokens), None)
 
     def _graph_prefill(self, ids: torch.Tensor, bucket: int) -> torch.Tensor | None:
         tokens = ids.shape[1]

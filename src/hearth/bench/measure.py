@@ -245,27 +245,32 @@ def _time_graph_decode(model: Model, context: int, steps: int, policy: KVPolicy)
     return timed(device, run) / steps
 
 
-def _prefill_runner(model: Model, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A fresh chunked prefill of `ids` as the engine runs it; returns the last logits."""
-    if decodes_with_graphs(model):
+class PrefillRun:
+    """A fresh prefill of `ids` as the engine runs it (a call returns the last logits);
+    `path` says how the last call ran: from a prefill graph or eagerly in chunks."""
+
+    def __init__(self, model: Model, ids: torch.Tensor) -> None:
+        self.model, self.ids = model, ids
+        self.chunk = default_prefill_step(model.device)
+        self.path = "chunked"
+
+    def __call__(self) -> torch.Tensor:
+        if not decodes_with_graphs(self.model):
+            return prefill(self.model, self.ids, make_caches(self.model.config), self.chunk)
         from hearth.cuda_graph import GraphDecoder
 
-        chunk = default_prefill_step(model.device)
-
-        def graph_prefill() -> torch.Tensor:
-            # As generate_tokens gets its decoder: a reused one when REUSE_DECODERS is on.
-            decoder = GraphDecoder.acquire(model, ids.shape[1] + 1)
-            try:
-                return decoder.prefill(ids, chunk)
-            finally:
-                GraphDecoder.release(decoder)
-
-        return graph_prefill
-    chunk = default_prefill_step(model.device)
-    return lambda: prefill(model, ids, make_caches(model.config), chunk)
+        # As generate_tokens gets its decoder: a reused one when REUSE_DECODERS is on.
+        decoder = GraphDecoder.acquire(self.model, self.ids.shape[1] + 1)
+        try:
+            logits = decoder.prefill(self.ids, self.chunk)
+        finally:
+            GraphDecoder.release(decoder)
+        bucket = decoder.graph_bucket
+        self.path = "chunked" if bucket is None else f"CUDA graph, padded to {bucket}"
+        return logits
 
 
-def warm_up(run: Callable[[], torch.Tensor]) -> None:
+def warm_up(run: PrefillRun) -> None:
     """Run a prefill until it is in its steady state: kernels chosen, the allocator's blocks
     at this size, and on a GPU its prefill graph captured (a bucket's second prompt does)."""
     run()
@@ -279,17 +284,17 @@ PREFILL_REPEATS = 9
 
 
 @torch.inference_mode()
-def time_prefill(model: Model, tokens: int) -> float:
-    """Median seconds of a chunked prefill of `tokens` random tokens (after a full-size
-    warm-up), repeated while short; each run builds its caches as a request would."""
+def time_prefill(model: Model, tokens: int) -> tuple[float, str]:
+    """Median seconds of a prefill of `tokens` random tokens (after full-size warm-ups),
+    repeated while short, each run as a request's; and how it ran (graph or chunks)."""
     device = model.device
-    run = _prefill_runner(model, _random_ids(model, tokens, device))
+    run = PrefillRun(model, _random_ids(model, tokens, device))
     warm_up(run)
     runs = [timed(device, run)]
     while len(runs) < PREFILL_REPEATS and sum(runs) < PREFILL_TIMING_SECONDS:
         runs.append(timed(device, run))
     release(device)
-    return statistics.median(runs)
+    return statistics.median(runs), run.path
 
 
 @torch.inference_mode()
@@ -298,7 +303,7 @@ def time_first_token(model: Model, tokens: int) -> float:
     prefill, then greedy sampling as the generate loop does it."""
     device = model.device
     ids = _random_ids(model, tokens, device)
-    run = _prefill_runner(model, ids)
+    run = PrefillRun(model, ids)
     sampler = Sampler(SamplingParams(), device=device)
     history = ids[0].tolist()
     warm_up(run)

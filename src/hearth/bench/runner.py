@@ -194,9 +194,9 @@ def _measure_hearth(
             report.rows.append(row)
             progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")
     for tokens in options.prefill:
-        seconds = time_prefill(model, tokens)
+        seconds, path = time_prefill(model, tokens)
         work = prefill_flops(config, tokens, default_prefill_step(model.device))
-        row = Row(PREFILL, tokens, seconds, "chunked", work, work / options.peak_flops)
+        row = Row(PREFILL, tokens, seconds, path, work, work / options.peak_flops)
         report.rows.append(row)
         progress(f"bench: prefill of {tokens}: {tokens / seconds:,.1f} tok/s")
     first = options.prefill[0]

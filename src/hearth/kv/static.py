@@ -156,9 +156,9 @@ class StaticCache:
         on `real`, so one CUDA graph serves every prompt length up to the chunk's."""
         assert self._positions is not None and self._next is not None
         count = keys.shape[2]
-        # A full cache's slots past the chunk stay empty (fresh, or reset to empty).
-        span = self.capacity if self.window is not None else count
-        assert span <= self.capacity, "the padded chunk is longer than the cache"
+        # A full cache's slots past the chunk stay empty (fresh, or reset to empty); a chunk
+        # longer than the cache reaches past it only with padding (real < capacity).
+        span = self.capacity if self.window is not None else min(count, self.capacity)
         slots = torch.arange(span, device=keys.device)
         # Slot s holds positions s, s + capacity, ...: the newest of them below `real`.
         newest = slots + self.capacity * torch.div(
