@@ -19,6 +19,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh launch    # the fast Triton launch: GPU tests, prefill A/B with logits
 #   OUT=/tmp/out benchmarks/gpu_suite.sh graphs    # prefill from CUDA graphs (padded chunks), decoders reused
 #   OUT=/tmp/out benchmarks/gpu_suite.sh graphs-bench  # headline benches with prefill graphs on
+#   OUT=/tmp/out benchmarks/gpu_suite.sh moe-tall  # MoE prefill tiles of 128 rows: A/B with logits
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -187,6 +188,11 @@ stage 110 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 51
 stage 110 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 stage 120 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-31b.md"
 stage 60 ab-e4b-decode python benchmarks/ab_decode.py --models e4b --steps 32 --rounds 1 --variants base,no-prefill-graphs --check --name e4b_decode_graphs
+elif [ "$PART" = moe-tall ]; then  # MoE prefill tiles of 128 rows at many rows per expert
+stage 90 tests python -m pytest -q tests/test_kernels_grouped.py tests/test_gemma4_kernel_path.py
+stage 110 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,grouped-m64 --check --name 26b_prefill4096_tall_tiles
+stage 100 ab-26b-2k python benchmarks/ab_decode.py --models 26b-a4b --prefill 2048 --variants base,grouped-m64 --check --name 26b_prefill2048_tall_tiles
+stage 150 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,grouped-m64 --check --name 26b_4bit_prefill4096_tall_tiles
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

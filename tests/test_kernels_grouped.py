@@ -146,6 +146,7 @@ def test_plan_experts_takes_the_counting_sort_for_kernel_tensors(monkeypatch) ->
 
 def test_default_block_m_grows_with_rows_per_expert() -> None:
     assert gm.default_block_m(512 * 8, 128) == gm.LARGE_BLOCK_M  # 32 rows per expert
+    assert gm.default_block_m(2048 * 8, 128) == gm.TALL_BLOCK_M  # 128 rows per expert
     assert gm.default_block_m(64 * 8, 128) == gm.SMALL_BLOCK_M
 
 
@@ -169,6 +170,7 @@ FLOAT_CASES = [
     (torch.float16, "ragged", 8, False, False, None, None),
     (torch.float16, "ragged", 8, True, True, None, {"BLOCK_N": 16, "BLOCK_K": 64}),
     (torch.float16, "one", 8, False, True, 64, None),
+    (torch.float16, "ragged", 8, False, True, 128, None),
     (torch.float16, "ragged", 1, False, False, None, None),
     (torch.float32, "ragged", 8, True, True, 64, None),
     (torch.float32, "one", 1, True, False, None, {"BLOCK_N": 64, "BLOCK_K": 16}),

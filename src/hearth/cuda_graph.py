@@ -107,6 +107,12 @@ class GraphDecoder:
         return cls(model, max_context, policy=policy)
 
     @staticmethod
+    def discard_idle(model: nn.Module) -> None:
+        """Drop the model's idle decoder (its caches and graphs): the next request captures
+        anew, e.g. after a switch that changes which kernels a forward launches."""
+        model.__dict__.pop(_IDLE, None)
+
+    @staticmethod
     def release(decoder: GraphDecoder) -> None:
         if REUSE_DECODERS:
             # Kept on the model itself (not a weak map, whose value would keep its key

@@ -40,8 +40,14 @@ WORD_BITS = 32
 # MMA. Each expert's segment wastes half a tile on average.
 SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
-# Mean rows per expert from which LARGE_BLOCK_M tiles pay for their padding.
+# Two warpgroups' MMA: each weight tile is read once for twice the rows. On the H200 at
+# 26B-A4B shapes (`results/gpu_kernels_grouped-2026-12-03.md`, 256 mean rows per expert) it
+# takes gate/up from 690 to 600 µs in bf16 and 1855 to 1266 µs at 4 bits; at 32 mean rows it
+# is slower (padding).
+TALL_BLOCK_M = 128
+# Mean rows per expert from which LARGE_BLOCK_M (TALL_BLOCK_M) tiles pay for their padding.
 LARGE_BLOCK_MIN_ROWS = 32
+TALL_BLOCK_MIN_ROWS = 128
 # The plan from three Triton kernels (`expert_plan`) instead of ~20 torch ops. Not yet timed on
 # the GPU (benchmarks/ab_decode.py --prefill 4096 --variants base,plan-torch will).
 TRITON_PLAN = True
@@ -74,6 +80,8 @@ class ExpertPlan:
 
 def default_block_m(pairs: int, num_experts: int) -> int:
     """Tile height from the mean rows per expert (host ints only: no sync)."""
+    if pairs >= TALL_BLOCK_MIN_ROWS * num_experts:
+        return TALL_BLOCK_M
     return LARGE_BLOCK_M if pairs >= LARGE_BLOCK_MIN_ROWS * num_experts else SMALL_BLOCK_M
 
 
