@@ -184,7 +184,12 @@ VARIANTS: dict[str, Patch] = {
     "down-cublas": _set(gemma, "DOWN_GEMV", False),  # down (after the GeGLU kernel): cuBLAS
     "all-gemv": _stacked(_set(gemma, "WIDE_GEMV", True), _set(gemma, "FUSED_GEGLU", True)),
     # MoE prefill tiles of at most 64 rows (no TALL_BLOCK_M at many rows per expert).
-    "grouped-m64": _set(grouped_matmul, "TALL_BLOCK_MIN_ROWS", 2**62),
+    "grouped-m64": _stacked(
+        _set(grouped_matmul, "TALL_BLOCK_MIN_ROWS", 2**62),
+        _set(grouped_matmul, "TALL_BLOCK_MIN_ROWS_PACKED", 2**62),
+    ),
+    "grouped-m256": _set(grouped_matmul, "TALL_BLOCK_M", 256),  # taller still
+    "grouped-tall-from-64": _set(grouped_matmul, "TALL_BLOCK_MIN_ROWS", 64),  # bf16 too
     "plan-torch": _set(grouped_matmul, "TRITON_PLAN", False),  # MoE plan from torch ops
     "pdl-off": _set(hearth.kernels, "PDL", False),  # no programmatic dependent launch
     "x-input-order": _set(affine_matmul, "GEMV_CODES_MAJOR_X", False),  # affine GEMV's x

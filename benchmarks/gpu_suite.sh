@@ -20,6 +20,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh graphs    # prefill from CUDA graphs (padded chunks), decoders reused
 #   OUT=/tmp/out benchmarks/gpu_suite.sh graphs-bench  # headline benches with prefill graphs on
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe-tall  # MoE prefill tiles of 128 rows: A/B with logits
+#   OUT=/tmp/out benchmarks/gpu_suite.sh moe-tall2 # 256-row tiles; 128-row tiles from 64 mean rows
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -193,6 +194,11 @@ stage 90 tests python -m pytest -q tests/test_kernels_grouped.py tests/test_gemm
 stage 110 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,grouped-m64 --check --name 26b_prefill4096_tall_tiles
 stage 100 ab-26b-2k python benchmarks/ab_decode.py --models 26b-a4b --prefill 2048 --variants base,grouped-m64 --check --name 26b_prefill2048_tall_tiles
 stage 150 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,grouped-m64 --check --name 26b_4bit_prefill4096_tall_tiles
+elif [ "$PART" = moe-tall2 ]; then  # taller MoE tiles, and 128-row tiles from fewer rows
+stage 110 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,grouped-m256 --check --name 26b_prefill4096_m256
+stage 110 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,grouped-m256 --check --name 26b_4bit_prefill4096_m256
+stage 100 ab-26b-1k python benchmarks/ab_decode.py --models 26b-a4b --prefill 1024 --variants base,grouped-tall-from-64 --check --name 26b_prefill1024_tall_from_64
+stage 100 ab-26b-4bit-1k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 1024 --variants base,grouped-tall-from-64 --check --name 26b_4bit_prefill1024_tall_from_64
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

@@ -147,6 +147,8 @@ def test_plan_experts_takes_the_counting_sort_for_kernel_tensors(monkeypatch) ->
 def test_default_block_m_grows_with_rows_per_expert() -> None:
     assert gm.default_block_m(512 * 8, 128) == gm.LARGE_BLOCK_M  # 32 rows per expert
     assert gm.default_block_m(2048 * 8, 128) == gm.TALL_BLOCK_M  # 128 rows per expert
+    assert gm.default_block_m(1024 * 8, 128) == gm.LARGE_BLOCK_M  # 64 rows per expert
+    assert gm.default_block_m(1024 * 8, 128, packed=True) == gm.TALL_BLOCK_M
     assert gm.default_block_m(64 * 8, 128) == gm.SMALL_BLOCK_M
 
 

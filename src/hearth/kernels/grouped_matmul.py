@@ -40,14 +40,15 @@ WORD_BITS = 32
 # MMA. Each expert's segment wastes half a tile on average.
 SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
-# Two warpgroups' MMA: each weight tile is read once for twice the rows. On the H200 at
-# 26B-A4B shapes (`results/gpu_kernels_grouped-2026-12-03.md`, 256 mean rows per expert) it
-# takes gate/up from 690 to 600 µs in bf16 and 1855 to 1266 µs at 4 bits; at 32 mean rows it
-# is slower (padding).
+# Two warpgroups' MMA: each weight tile is read (and, packed, dequantized) once for twice
+# the rows. 26B-A4B prefill on the H200 (`results/ab_26b_*-2026-12-04.md`): +9.1% bf16 and
+# +23.7% 4-bit at 4096 tokens (256 mean rows per expert), +5.1% bf16 at 2048; at 1024 (64
+# rows) +9.9% 4-bit, -0.9% bf16. 256-row tiles were slower (-6% bf16, -40% 4-bit).
 TALL_BLOCK_M = 128
 # Mean rows per expert from which LARGE_BLOCK_M (TALL_BLOCK_M) tiles pay for their padding.
 LARGE_BLOCK_MIN_ROWS = 32
 TALL_BLOCK_MIN_ROWS = 128
+TALL_BLOCK_MIN_ROWS_PACKED = 64
 # The plan from three Triton kernels (`expert_plan`) instead of ~20 torch ops. Not yet timed on
 # the GPU (benchmarks/ab_decode.py --prefill 4096 --variants base,plan-torch will).
 TRITON_PLAN = True
@@ -78,9 +79,11 @@ class ExpertPlan:
         return self.tile_experts.numel()
 
 
-def default_block_m(pairs: int, num_experts: int) -> int:
-    """Tile height from the mean rows per expert (host ints only: no sync)."""
-    if pairs >= TALL_BLOCK_MIN_ROWS * num_experts:
+def default_block_m(pairs: int, num_experts: int, packed: bool = False) -> int:
+    """Tile height from the mean rows per expert (host ints only: no sync); `packed`: MLX
+    affine weights, whose dequantized tiles pay for taller tiles sooner."""
+    tall_from = TALL_BLOCK_MIN_ROWS_PACKED if packed else TALL_BLOCK_MIN_ROWS
+    if pairs >= tall_from * num_experts:
         return TALL_BLOCK_M
     return LARGE_BLOCK_M if pairs >= LARGE_BLOCK_MIN_ROWS * num_experts else SMALL_BLOCK_M
 

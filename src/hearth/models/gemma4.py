@@ -26,6 +26,7 @@ from hearth.kernels.affine_matmul import float_expert_matmul
 from hearth.kernels.gemv import gemv
 from hearth.kernels.grouped_matmul import (
     ExpertPlan,
+    default_block_m,
     grouped_affine_expert_matmul,
     grouped_expert_matmul,
     plan_experts,
@@ -258,7 +259,9 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """Pairs sorted by expert on the device, each expert's rows through tensor-core
         matmuls (prefill). Equals `forward_loop` up to summation order and rounding."""
-        plan = plan_experts(experts, self.num_experts)
+        packed = not isinstance(self.gate_up_proj, torch.Tensor)
+        block_m = default_block_m(experts.numel(), self.num_experts, packed)
+        plan = plan_experts(experts, self.num_experts, block_m)
         gate_up = self._grouped(self.gate_up_proj, x, experts, plan)
         y = self._grouped(self.down_proj, gelu_tanh_mul(gate_up), experts, plan, weights)
         return y.sum(dim=1)
