@@ -43,11 +43,66 @@ def first_token_seconds(model, tokens: int, dynamic: bool, seed: int) -> float:
     return stats.prefill_seconds
 
 
+def hit_seconds(model, cached: int, new: int, seed: int) -> float:
+    """Seconds to the first token of a prompt-cache hit: `cached` tokens already in dynamic
+    caches (prefilled beforehand, as the server's entry holds them), `new` prefilled eagerly,
+    then copied into the graph decoder (`adopt`)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(4, 1000, (cached + new,), generator=generator).tolist()
+    caches = KVPolicy().make_caches(model.config)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt[:cached]], device=model.device)
+        model(ids, caches, last_only=True)
+    torch.cuda.synchronize()
+    stats = GenerationStats()
+    sampler = Sampler(SamplingParams(), device=model.device)
+    tokens = generate_tokens(model, prompt, sampler, 1, stats, caches=caches, cached_tokens=cached)
+    next(iter(tokens))
+    return stats.prefill_seconds
+
+
+def hits_table(models: list[str], pairs: list[tuple[int, int]], quant: str) -> list[str]:
+    """A hit's first token against a fresh prefill of the whole prompt from a graph."""
+    lines = [
+        "",
+        "## Prompt-cache hits against a fresh prefill of the same prompt",
+        "",
+        "*hit*: the cached tokens in dynamic caches, the new ones prefilled eagerly, then copied "
+        "into the graph decoder (the server's hit path); *fresh*: the whole prompt from a "
+        "prefill graph (the miss path).",
+        "",
+        "| model | cached + new tokens | hit (ms) | fresh (ms) | fresh / hit |",
+        "|---|---|---|---|---|",
+    ]
+    seed = 10_000
+    for name in models:
+        model = build_random_model(PRESETS[name], torch.device("cuda"), quant=quant)
+        for cached, new in pairs:
+            hits, fresh = [], []
+            for attempt in range(WARM_UP + TIMED):
+                seed += 1
+                hit = hit_seconds(model, cached, new, seed)
+                whole = first_token_seconds(model, cached + new, False, seed)
+                if attempt >= WARM_UP:
+                    hits.append(hit)
+                    fresh.append(whole)
+            a, b = statistics.median(hits), statistics.median(fresh)
+            cells = f"{a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}"
+            lines.append(f"| {name} | {cached} + {new} | {cells} |")
+            print(lines[-1], flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="e4b,gemma3-12b")
     parser.add_argument("--lengths", default="128,512,2048")
     parser.add_argument("--quant", default="bf16")
+    parser.add_argument(
+        "--hits", default="", help="cached+new pairs (e.g. 1024+128,3968+128): hits vs fresh"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     lines = [
@@ -83,6 +138,9 @@ def main() -> None:
             print(lines[-1], flush=True)
         del model
         torch.cuda.empty_cache()
+    if args.hits:
+        pairs = [tuple(int(n) for n in pair.split("+")) for pair in args.hits.split(",")]
+        lines += hits_table(args.models.split(","), pairs, args.quant)  # type: ignore[arg-type]
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gpu_fresh_prompt_ttft-{date.today()}.md"
