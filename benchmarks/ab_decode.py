@@ -210,6 +210,8 @@ VARIANTS: dict[str, Patch] = {
     "moe-norms-apart": _set(gemma4, "FUSED_MOE_NORMS", False),  # five norm launches, not two
     "ple-geglu-apart": _set(gemma4, "FUSED_PER_LAYER_GEGLU", False),  # its own GeGLU kernel
     "triton-launch": _set(fast_launch, "FAST_LAUNCH", False),  # every launch through Triton
+    # Prefill graphs at powers of two only (up to 2x padding, not 1.5x).
+    "pow2-buckets": _set(cuda_graph, "PREFILL_BUCKETS", (64, 128, 256, 512, 1024, 2048, 4096)),
     # Every prefill eager, a new decoder (caches, graphs) per request.
     "no-prefill-graphs": _stacked(
         _set(cuda_graph, "PREFILL_GRAPHS", False), _set(cuda_graph, "REUSE_DECODERS", False)

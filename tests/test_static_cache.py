@@ -313,7 +313,8 @@ def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert decoder._prefill_bucket(100, 512) == 128
     assert decoder._prefill_bucket(64, 512) == 64
     # Longer than the 600 slots: only the real tokens are stored, and they fit.
-    assert decoder._prefill_bucket(599, 1024) == 1024
+    assert decoder._prefill_bucket(599, 1024) == 768
+    assert decoder._prefill_bucket(2100, 4096) == 3072  # half steps past 512
     assert decoder._prefill_bucket(513, 512) is None  # two chunks
     decoder.length = 5
     assert decoder._prefill_bucket(100, 512) is None  # not a fresh decoder

@@ -32,7 +32,8 @@ log = logging.getLogger("hearth.cuda_graph")
 # A fresh decoder's one-chunk prompt prefills from a CUDA graph per padded length (below).
 PREFILL_GRAPHS = True
 # Padded prompt lengths, one graph each; a prompt longer than the largest prefills eagerly.
-PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+# Half steps past 512 keep the padding under a third of the prompt where it costs GPU time.
+PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # A finished request's decoder (caches and graphs) is kept for the next request of its model.
 REUSE_DECODERS = True
 
