@@ -16,6 +16,7 @@ import statistics
 import sys
 from datetime import date
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import triton
 
+from hearth import cuda_graph
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.generate import GenerationStats, generate_tokens
 from hearth.kv import KVPolicy
@@ -43,10 +45,11 @@ def first_token_seconds(model, tokens: int, dynamic: bool, seed: int) -> float:
     return stats.prefill_seconds
 
 
-def hit_seconds(model, cached: int, new: int, seed: int) -> float:
+def hit_seconds(model, cached: int, new: int, seed: int, continued: bool) -> float:
     """Seconds to the first token of a prompt-cache hit: `cached` tokens already in dynamic
-    caches (prefilled beforehand, as the server's entry holds them), `new` prefilled eagerly,
-    then copied into the graph decoder (`adopt`)."""
+    caches (prefilled beforehand, as the server's entry holds them); then either `new`
+    prefilled eagerly and all copied into the graph decoder (`adopt`), or (`continued`) the
+    hit copied first and `new` prefilled after it from a continuation graph."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, 1000, (cached + new,), generator=generator).tolist()
     caches = KVPolicy().make_caches(model.config)
@@ -56,8 +59,9 @@ def hit_seconds(model, cached: int, new: int, seed: int) -> float:
     torch.cuda.synchronize()
     stats = GenerationStats()
     sampler = Sampler(SamplingParams(), device=model.device)
-    tokens = generate_tokens(model, prompt, sampler, 1, stats, caches=caches, cached_tokens=cached)
-    next(iter(tokens))
+    with mock.patch.object(cuda_graph, "CONTINUATION_GRAPHS", continued):
+        run = generate_tokens(model, prompt, sampler, 1, stats, caches=caches, cached_tokens=cached)
+        next(iter(run))
     return stats.prefill_seconds
 
 
@@ -68,26 +72,29 @@ def hits_table(models: list[str], pairs: list[tuple[int, int]], quant: str) -> l
         "## Prompt-cache hits against a fresh prefill of the same prompt",
         "",
         "*hit*: the cached tokens in dynamic caches, the new ones prefilled eagerly, then copied "
-        "into the graph decoder (the server's hit path); *fresh*: the whole prompt from a "
-        "prefill graph (the miss path).",
+        "into the graph decoder (the server's hit path); *hit, graphs*: the hit copied first, "
+        "the new tokens from a continuation graph (`CONTINUATION_GRAPHS`); *fresh*: the whole "
+        "prompt from a prefill graph (the miss path).",
         "",
-        "| model | cached + new tokens | hit (ms) | fresh (ms) | fresh / hit |",
+        "| model | cached + new tokens | hit (ms) | hit, graphs (ms) | fresh (ms) |",
         "|---|---|---|---|---|",
     ]
     seed = 10_000
     for name in models:
         model = build_random_model(PRESETS[name], torch.device("cuda"), quant=quant)
         for cached, new in pairs:
-            hits, fresh = [], []
+            times: list[list[float]] = [[], [], []]
             for attempt in range(WARM_UP + TIMED):
                 seed += 1
-                hit = hit_seconds(model, cached, new, seed)
-                whole = first_token_seconds(model, cached + new, False, seed)
+                runs = (
+                    hit_seconds(model, cached, new, seed, continued=False),
+                    hit_seconds(model, cached, new, seed, continued=True),
+                    first_token_seconds(model, cached + new, False, seed),
+                )
                 if attempt >= WARM_UP:
-                    hits.append(hit)
-                    fresh.append(whole)
-            a, b = statistics.median(hits), statistics.median(fresh)
-            cells = f"{a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}"
+                    for column, seconds in zip(times, runs, strict=True):
+                        column.append(seconds)
+            cells = " | ".join(f"{statistics.median(column) * 1e3:.1f}" for column in times)
             lines.append(f"| {name} | {cached} + {new} | {cells} |")
             print(lines[-1], flush=True)
         del model

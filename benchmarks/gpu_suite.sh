@@ -21,6 +21,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh graphs-bench  # headline benches with prefill graphs on
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe-tall  # MoE prefill tiles of 128 rows: A/B with logits
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe-tall2 # 256-row tiles; 128-row tiles from 64 mean rows
+#   OUT=/tmp/out benchmarks/gpu_suite.sh continuation  # prompt-cache hits through continuation graphs
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -199,6 +200,9 @@ stage 110 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 40
 stage 110 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,grouped-m256 --check --name 26b_4bit_prefill4096_m256
 stage 100 ab-26b-1k python benchmarks/ab_decode.py --models 26b-a4b --prefill 1024 --variants base,grouped-tall-from-64 --check --name 26b_prefill1024_tall_from_64
 stage 100 ab-26b-4bit-1k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 1024 --variants base,grouped-tall-from-64 --check --name 26b_4bit_prefill1024_tall_from_64
+elif [ "$PART" = continuation ]; then  # prompt-cache hits from continuation graphs (off until this runs)
+stage 150 tests python -m pytest -q tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
+stage 300 ttft-hits python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b,31b --lengths 128 --hits 1024+64,1920+128,3968+128
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

@@ -85,6 +85,51 @@ def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_
             )
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "kv_sharing", "ple_sharing_double_wide"])
+@pytest.mark.parametrize("padded", [9, 12, 20])
+@pytest.mark.parametrize("real", [5, 9])
+def test_padded_continuation_acts_as_its_real_tokens(
+    kind: str, padded: int, real: int, tmp_path: Path
+) -> None:
+    """After 11 stored tokens, a chunk of 5 or 9 real tokens padded to 9, 12 or 20 (the
+    window is 8: 5 new tokens leave 3 old ones in each ring, 9 wrap within the chunk itself)
+    equals the unpadded chunk: logits at its last real token, positions and counters exactly,
+    stored values within ATOL, then decode steps over the same stored values exactly (as for
+    a padded first chunk, above)."""
+    model = _model(kind, tmp_path)
+    ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    cached = 11
+    piece = ids[:, cached : cached + real]
+    chunk = torch.cat([piece, torch.zeros(1, padded - real, dtype=ids.dtype)], dim=1)
+    plain, padded_caches = _caches(model, 40), _caches(model, 40)
+    with torch.inference_mode():
+        for caches in (plain, padded_caches):
+            model(ids[:, :cached], caches)
+        expected = model(piece, plain, start=cached, last_only=True)
+        for cache in padded_caches:
+            cache.real_tokens = torch.tensor(real)
+        start, last = torch.tensor(cached), torch.tensor(real - 1)
+        got = model(chunk, padded_caches, start=start, last_only=True, last_index=last)
+        for cache in padded_caches:
+            cache.real_tokens = None
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        for a, b in zip(plain, padded_caches, strict=True):
+            assert a.offset == b.offset == cached + real
+            assert torch.equal(a._positions, b._positions)
+            for plane_a, plane_b in zip(a._planes, b._planes, strict=True):
+                torch.testing.assert_close(plane_b, plane_a, atol=ATOL, rtol=0)
+                plane_a.copy_(plane_b)
+        for position in range(cached + real, 30):
+            step = ids[:, position : position + 1]
+            start = torch.tensor(position)
+            torch.testing.assert_close(
+                model(step, padded_caches, start=start),
+                model(step, plain, start=start),
+                atol=0,
+                rtol=0,
+            )
+
+
 def test_reset_to_zero_makes_a_cache_fresh(tmp_path: Path) -> None:
     """A cache reset to 0 (a graph runner reusing its caches for the next request) takes the
     next prompt as a fresh cache does: attended over its exact K/V, stale slots forgotten."""
@@ -317,8 +362,16 @@ def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert decoder._prefill_bucket(2100, 4096) == 3072  # half steps past 512
     assert decoder._prefill_bucket(513, 512) is None  # two chunks
     decoder.length = 5
-    assert decoder._prefill_bucket(100, 512) is None  # not a fresh decoder
+    assert decoder._prefill_bucket(100, 512) is None  # not a fresh decoder (see below)
     quantized = cuda_graph.GraphDecoder(model, 600, policy=parse_kv_quant("8", group_size=32))
+    assert quantized._prefill_bucket(100, 512) is None
+    # After held tokens (a prompt-cache hit): only with continuation graphs, and only where
+    # the full caches (768 slots) hold the padded chunk.
+    decoder.length = 500
+    assert decoder._prefill_bucket(100, 512) is None
+    monkeypatch.setattr(cuda_graph, "CONTINUATION_GRAPHS", True)
+    assert decoder._prefill_bucket(100, 512) == 128
+    assert decoder._prefill_bucket(260, 512) is None  # 500 + 512 slots would not fit
     assert quantized._prefill_bucket(100, 512) is None
 
 
@@ -356,6 +409,61 @@ def test_prefill_graphs_match_eager_on_gpu(
         logits += [small.step(ids[:, p : p + 1]) for p in range(13, 21)]
         torch.testing.assert_close(torch.stack(logits, 1), reference[:, 12:], atol=ATOL, rtol=0)
     assert small.graph_bucket == 64
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])
+def test_decoder_prefill_continues_after_adopt(kind: str, tmp_path: Path) -> None:
+    """A prompt-cache hit as generate runs it with continuation graphs: the hit's 20 tokens
+    adopted from dynamic caches, its 13 new ones prefilled by the decoder after them (eagerly
+    here: positions from 20 on), then decode steps: logits match a full recompute."""
+    from hearth.cuda_graph import GraphDecoder
+    from hearth.kv.cache import make_caches
+
+    model = _model(kind, tmp_path)
+    ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    dynamic = make_caches(model.config)
+    decoder = GraphDecoder(model, 64)
+    with torch.inference_mode():
+        reference = model(ids)
+        model(ids[:, :20], dynamic)
+        decoder.adopt(dynamic, 20)
+        logits = [decoder.prefill(ids[:, 20:33], chunk=8)]  # two chunks: 8, then 5
+        assert decoder.length == 33
+        steps = [
+            model(ids[:, p : p + 1], decoder.caches, start=torch.tensor(p)) for p in range(33, 40)
+        ]
+    got = torch.cat([logits[0][:, None], *steps], dim=1)
+    torch.testing.assert_close(got, reference[:, 32:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])
+def test_continuation_graphs_match_eager_on_gpu(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt-cache hits of 20 tokens, then 13 (padded to 64) or 64 new tokens, prefilled by
+    one reused decoder from a continuation graph (eager the first time per bucket, captured
+    the second, replayed after), then decode steps: logits match a full recompute."""
+    from hearth import cuda_graph
+    from hearth.kv.cache import make_caches
+
+    monkeypatch.setattr(cuda_graph, "CONTINUATION_GRAPHS", True)
+    model = _model(kind, tmp_path, "cuda")
+    for attempt, new in enumerate((13, 13, 64, 13)):
+        ids = torch.randint(4, 256, (1, 20 + new + 8), device="cuda")
+        dynamic = make_caches(model.config)
+        with torch.inference_mode():
+            reference = model(ids)
+            model(ids[:, :20], dynamic)
+        decoder = cuda_graph.GraphDecoder.acquire(model, 256)
+        decoder.adopt(dynamic, 20)
+        logits = [decoder.prefill(ids[:, 20 : 20 + new])]
+        assert (64 in decoder._continuation_graphs) == (attempt > 0)
+        end = 20 + new
+        logits += [decoder.step(ids[:, p : p + 1]) for p in range(end, end + 8)]
+        cuda_graph.GraphDecoder.release(decoder)
+        expected = reference[:, end - 1 :]
+        torch.testing.assert_close(torch.stack(logits, dim=1), expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])

@@ -36,6 +36,10 @@ PREFILL_GRAPHS = True
 PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # A finished request's decoder (caches and graphs) is kept for the next request of its model.
 REUSE_DECODERS = True
+# A prompt-cache hit's new tokens (one chunk) prefill from a graph per padded length too,
+# after the hit is copied into the decoder. Off until measured on a GPU
+# (benchmarks/gpu_fresh_prompt_ttft.py --hits).
+CONTINUATION_GRAPHS = False
 
 
 class TokenReadback:
@@ -87,9 +91,15 @@ class GraphDecoder:
         self._prefill_graphs: dict[
             int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
+        # The same after stored tokens (a prompt-cache hit), over the whole view.
+        self._continuation_graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
         self._real = torch.zeros((), dtype=torch.long, device=device)
+        self._start = torch.zeros((), dtype=torch.long, device=device)
         self._prefill_graphs_failed = False
-        self._prefill_buckets_seen: set[int] = set()  # prefilled eagerly once
+        # (bucket, continued) prefilled eagerly once: the next such prompt captures.
+        self._prefill_buckets_seen: set[tuple[int, bool]] = set()
         self.graph_bucket: int | None = None  # the last prefill's graph, if it ran from one
 
     @classmethod
@@ -134,54 +144,72 @@ class GraphDecoder:
             cache.view_length = length
         return length
 
+    @property
+    def continues_hits(self) -> bool:
+        """Whether a prompt-cache hit should be adopted first and its new tokens prefilled
+        here (from a graph where one applies), not into the hit's dynamic caches."""
+        return PREFILL_GRAPHS and CONTINUATION_GRAPHS and self.policy.is_dense
+
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-        """Logits [1, vocab] after the prompt `ids` [1, T]: from a prefill graph where one
-        applies (`graph_bucket` then holds its padded length), else eagerly in chunks."""
-        if ids.shape[1] >= self.max_context:
-            raise ValueError(f"the prompt ({ids.shape[1]} tokens) fills the context")
-        self.graph_bucket = self._prefill_bucket(ids.shape[1], chunk)
+        """Logits [1, vocab] after the tokens `ids` [1, T], which follow the `length` tokens
+        held: from a prefill graph where one applies (`graph_bucket` then holds its padded
+        length), else eagerly in chunks."""
+        held, tokens = self.length, ids.shape[1]
+        if held + tokens >= self.max_context:
+            raise ValueError(f"the prompt ({held + tokens} tokens) fills the context")
+        self.graph_bucket = self._prefill_bucket(tokens, chunk)
         if self.graph_bucket is not None:
             logits = self._graph_prefill(ids, self.graph_bucket)
             if logits is not None:
                 return logits
             self.graph_bucket = None
-        self._set_view(ids.shape[1])
-        for start in range(0, ids.shape[1], chunk):
+        self._set_view(held + tokens)
+        for start in range(0, tokens, chunk):
             piece = ids[:, start : start + chunk]
-            logits = self.model(piece, self.caches, start=start, last_only=True)[:, -1]
-        self.length = ids.shape[1]
+            logits = self.model(piece, self.caches, start=held + start, last_only=True)[:, -1]
+        self.length = held + tokens
         return logits
 
     def _prefill_bucket(self, tokens: int, chunk: int) -> int | None:
-        """The padded length a graph prefills this prompt at, or None (eager): graphs on, a
-        fresh decoder, one chunk, dense caches only. The bucket may be longer than the
-        caches: only real tokens are stored, and the prompt is shorter than the context."""
-        if not PREFILL_GRAPHS or self._prefill_graphs_failed or self.length or tokens > chunk:
+        """The padded length a graph prefills these tokens at, or None (eager): graphs on,
+        one chunk, dense caches only; on a fresh decoder (the bucket may be longer than the
+        caches: only real tokens are stored), or after held tokens with `continues_hits`
+        (the full caches must have room for the padded chunk)."""
+        if not PREFILL_GRAPHS or self._prefill_graphs_failed or tokens > chunk:
             return None
-        if not all(cache.is_dense and cache.is_fresh for cache in self.caches):
+        if not all(cache.is_dense for cache in self.caches):
             return None
-        return next((b for b in PREFILL_BUCKETS if b >= tokens), None)
+        bucket = next((b for b in PREFILL_BUCKETS if b >= tokens), None)
+        if not self.length:
+            return bucket if all(cache.is_fresh for cache in self.caches) else None
+        if not self.continues_hits or bucket is None:
+            return None
+        return bucket if self.length + bucket <= self.max_context else None
 
     def _graph_prefill(self, ids: torch.Tensor, bucket: int) -> torch.Tensor | None:
-        tokens = ids.shape[1]
-        entry = self._prefill_graphs.get(bucket)
+        tokens, held = ids.shape[1], self.length
+        graphs = self._continuation_graphs if held else self._prefill_graphs
+        entry = graphs.get(bucket)
         if entry is None:
-            if bucket not in self._prefill_buckets_seen:  # the first time: eager, no capture
-                self._prefill_buckets_seen.add(bucket)
+            seen = (bucket, bool(held))
+            if seen not in self._prefill_buckets_seen:  # the first time: eager, no capture
+                self._prefill_buckets_seen.add(seen)
                 return None
-            entry = self._capture_prefill(bucket)
+            entry = self._capture_continuation(bucket) if held else self._capture_prefill(bucket)
             if entry is None:
                 return None
         graph, logits, padded = entry
         padded.zero_()
         padded[:, :tokens].copy_(ids)
         self._real.fill_(tokens)
-        self._set_view(tokens)
+        self._start.fill_(held)
+        # A continuation graph attends over the whole view (one graph whatever was held).
+        self._set_view(self.max_context if held else tokens)
         graph.replay()
         for cache in self.caches:
             cache.mark_filled()
-        self.length = tokens
+        self.length = held + tokens
         return logits.clone()
 
     def _capture_prefill(
@@ -211,6 +239,37 @@ class GraphDecoder:
             return None
         self.reset()
         self._prefill_graphs[bucket] = (graph, logits, padded)
+        return graph, logits, padded
+
+    def _capture_continuation(
+        self, bucket: int
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None:
+        """Capture a padded chunk after the held tokens, over the whole view. Its warm-up
+        run has no real tokens, so it stores nothing: the held tokens stay as they are."""
+        padded = torch.zeros((1, bucket), dtype=torch.long, device=self._real.device)
+        self._real.fill_(0)
+        self._start.fill_(self.length)
+        self._set_view(self.max_context)
+
+        def run() -> torch.Tensor:
+            for cache in self.caches:
+                cache.real_tokens = self._real
+            try:
+                last = (self._real - 1).clamp(min=0)
+                return self.model(
+                    padded, self.caches, start=self._start, last_only=True, last_index=last
+                )[:, -1]
+            finally:
+                for cache in self.caches:
+                    cache.real_tokens = None
+
+        try:
+            graph, logits = _warm_up_and_capture(run, lambda: None, self._prefill_pool())
+        except RuntimeError:
+            log.exception("continuation graph capture failed; prefilling eagerly")
+            self._prefill_graphs_failed = True
+            return None
+        self._continuation_graphs[bucket] = (graph, logits, padded)
         return graph, logits, padded
 
     def _prefill_pool(self) -> object:

@@ -210,6 +210,10 @@ def generate_tokens(
         if graph is not None and caches is None:
             caches = graph.caches
             logits = graph.prefill(prompt, prefill_step)
+        elif graph is not None and cached_tokens and graph.continues_hits:
+            graph.adopt(caches, cached_tokens)  # the hit first, then its new tokens
+            caches = graph.caches
+            logits = graph.prefill(prompt, prefill_step)
         else:
             caches = policy.make_caches(model.config) if caches is None else caches
             logits = prefill(model, prompt, caches, prefill_step, cached_tokens)

@@ -88,8 +88,9 @@ class StaticCache:
         assert self._positions is not None and self._next is not None
         count = keys.shape[2]
         if self.real_tokens is not None and count > 1:
-            assert first, "a padded chunk must be a prompt's first"
-            return self._store_padded_chunk(keys, values, self.real_tokens)
+            if first:
+                return self._store_padded_chunk(keys, values, self.real_tokens)
+            return self._store_padded_continuation(keys, values, self.real_tokens)
         if count == 1 and positions is not None and self.is_dense and kernel_enabled(keys):
             # One launch instead of ~7: the decode step's hot path.
             key_plane, value_plane = self._planes
@@ -175,6 +176,52 @@ class StaticCache:
         self._positions[:span].copy_(torch.where(kept, newest, empty))
         self._next.copy_(real)
         return KVView(keys, values, count, None)
+
+    def _store_padded_continuation(
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor
+    ) -> KVView:
+        """A chunk after the stored tokens (a prompt-cache hit's new ones), padded past its
+        `real` tokens: attended as the unpadded chunk would be (the padding comes after
+        every real query, so causal masking hides it), stored as if only the real tokens had
+        come. Dense planes only. A full cache needs room for the whole padded chunk (its
+        padding rows land as zeros at empty positions); a ring's slots each take the newest
+        real position they would hold, or keep their token."""
+        assert self._positions is not None and self._next is not None and self.is_dense
+        count = keys.shape[2]
+        start = self._next.clone()
+        offsets = torch.arange(count, device=keys.device)
+        new_positions = start + offsets
+        if self.window is None:
+            is_real = offsets < real
+            empty = torch.full_like(new_positions, EMPTY_POSITION)
+            for plane, part in zip(self._planes, (keys, values), strict=True):
+                mask = is_real.view(1, 1, count, 1)
+                plane.index_copy_(2, new_positions, torch.where(mask, part, torch.zeros_like(part)))
+            self._positions.index_copy_(
+                0, new_positions, torch.where(is_real, new_positions, empty)
+            )
+            self._next.add_(real)
+            return self._view(stored=False)
+        old_keys, old_values = self._decoded(self.capacity)
+        view = KVView(
+            torch.cat([old_keys, keys], dim=2),
+            torch.cat([old_values, values], dim=2),
+            self.capacity + count,
+            torch.cat([self._positions, new_positions]),
+        )
+        slots = torch.arange(self.capacity, device=keys.device)
+        last = start + real - 1
+        newest = slots + self.capacity * torch.div(
+            last - slots, self.capacity, rounding_mode="floor"
+        )
+        from_chunk = newest >= start
+        source = (newest - start).clamp(0, count - 1)
+        for plane, part in zip(self._planes, (keys, values), strict=True):
+            mask = from_chunk.view(1, 1, self.capacity, 1)
+            plane.copy_(torch.where(mask, part.index_select(2, source), plane))
+        self._positions.copy_(torch.where(from_chunk, newest, self._positions))
+        self._next.add_(real)
+        return view
 
     def _turbo_kernel_applies(self, keys: torch.Tensor) -> bool:
         if not isinstance(self.codec, TurboCodec) or not kernel_enabled(keys):
