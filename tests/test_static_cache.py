@@ -44,6 +44,26 @@ def _caches(model: Any, capacity: int = 64) -> list[StaticCache]:
     return [StaticCache(capacity, spec.window) for spec in layer_specs(model.config)]
 
 
+def _same_caches_then_same_steps(
+    model: Any, plain: list[StaticCache], padded: list[StaticCache], ids: torch.Tensor, held: int
+) -> None:
+    """Both cache lists hold `held` tokens at the same positions, values within ATOL; then,
+    over the same values (the padded ones copied over), decode steps to the end of `ids`
+    agree exactly."""
+    for a, b in zip(plain, padded, strict=True):
+        assert a.offset == b.offset == held
+        assert torch.equal(a._positions, b._positions)
+        for plane_a, plane_b in zip(a._planes, b._planes, strict=True):
+            torch.testing.assert_close(plane_b, plane_a, atol=ATOL, rtol=0)
+            plane_a.copy_(plane_b)
+    for position in range(held, ids.shape[1]):
+        step = ids[:, position : position + 1]
+        start = torch.tensor(position)
+        torch.testing.assert_close(
+            model(step, padded, start=start), model(step, plain, start=start), atol=0, rtol=0
+        )
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "kv_sharing", "ple_sharing_double_wide"])
 @pytest.mark.parametrize("padded", [13, 16, 20, 40])
 def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_path: Path) -> None:
@@ -68,21 +88,7 @@ def test_padded_first_chunk_acts_as_its_real_tokens(kind: str, padded: int, tmp_
         for cache in padded_caches:
             cache.real_tokens = None
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-        for a, b in zip(plain, padded_caches, strict=True):
-            assert a.offset == b.offset == real
-            assert torch.equal(a._positions, b._positions)
-            for plane_a, plane_b in zip(a._planes, b._planes, strict=True):
-                torch.testing.assert_close(plane_b, plane_a, atol=ATOL, rtol=0)
-                plane_a.copy_(plane_b)
-        for position in range(real, 30):
-            step = ids[:, position : position + 1]
-            start = torch.tensor(position)
-            torch.testing.assert_close(
-                model(step, padded_caches, start=start),
-                model(step, plain, start=start),
-                atol=0,
-                rtol=0,
-            )
+        _same_caches_then_same_steps(model, plain, padded_caches, ids, real)
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "kv_sharing", "ple_sharing_double_wide"])
@@ -113,21 +119,7 @@ def test_padded_continuation_acts_as_its_real_tokens(
         for cache in padded_caches:
             cache.real_tokens = None
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-        for a, b in zip(plain, padded_caches, strict=True):
-            assert a.offset == b.offset == cached + real
-            assert torch.equal(a._positions, b._positions)
-            for plane_a, plane_b in zip(a._planes, b._planes, strict=True):
-                torch.testing.assert_close(plane_b, plane_a, atol=ATOL, rtol=0)
-                plane_a.copy_(plane_b)
-        for position in range(cached + real, 30):
-            step = ids[:, position : position + 1]
-            start = torch.tensor(position)
-            torch.testing.assert_close(
-                model(step, padded_caches, start=start),
-                model(step, plain, start=start),
-                atol=0,
-                rtol=0,
-            )
+        _same_caches_then_same_steps(model, plain, padded_caches, ids, cached + real)
 
 
 def test_reset_to_zero_makes_a_cache_fresh(tmp_path: Path) -> None:
