@@ -196,7 +196,7 @@ class GraphDecoder:
             if seen not in self._prefill_buckets_seen:  # the first time: eager, no capture
                 self._prefill_buckets_seen.add(seen)
                 return None
-            entry = self._capture_continuation(bucket) if held else self._capture_prefill(bucket)
+            entry = self._capture_padded(bucket, continued=bool(held))
             if entry is None:
                 return None
         graph, logits, padded = entry
@@ -212,44 +212,20 @@ class GraphDecoder:
         self.length = held + tokens
         return logits.clone()
 
-    def _capture_prefill(
-        self, bucket: int
+    def _capture_padded(
+        self, bucket: int, continued: bool
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None:
-        """Capture the padded prefill at `bucket` tokens (a warm-up run first, as for a
-        decode step); on any capture error prefill stays eager for this decoder."""
+        """Capture the padded prefill at `bucket` tokens: on a fresh decoder (its warm-up run
+        fills the caches, which are emptied after), or (`continued`) after the held tokens,
+        over the whole view, with a warm-up run of no real tokens, which stores nothing. On
+        any capture error prefill stays eager for this decoder."""
         padded = torch.zeros((1, bucket), dtype=torch.long, device=self._real.device)
-        self._real.fill_(bucket)
-
-        def run() -> torch.Tensor:
-            for cache in self.caches:
-                cache.real_tokens = self._real
-            try:
-                last = self._real - 1
-                return self.model(padded, self.caches, last_only=True, last_index=last)[:, -1]
-            finally:
-                for cache in self.caches:
-                    cache.real_tokens = None
-
-        try:
-            graph, logits = _warm_up_and_capture(run, self.reset, self._prefill_pool())
-        except RuntimeError:
-            log.exception("prefill graph capture failed; prefilling eagerly")
-            self._prefill_graphs_failed = True
-            self.reset()
-            return None
-        self.reset()
-        self._prefill_graphs[bucket] = (graph, logits, padded)
-        return graph, logits, padded
-
-    def _capture_continuation(
-        self, bucket: int
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None:
-        """Capture a padded chunk after the held tokens, over the whole view. Its warm-up
-        run has no real tokens, so it stores nothing: the held tokens stay as they are."""
-        padded = torch.zeros((1, bucket), dtype=torch.long, device=self._real.device)
-        self._real.fill_(0)
-        self._start.fill_(self.length)
-        self._set_view(self.max_context)
+        self._real.fill_(0 if continued else bucket)
+        if continued:
+            self._start.fill_(self.length)
+            self._set_view(self.max_context)
+        start = self._start if continued else 0
+        undo = (lambda: None) if continued else self.reset
 
         def run() -> torch.Tensor:
             for cache in self.caches:
@@ -257,19 +233,22 @@ class GraphDecoder:
             try:
                 last = (self._real - 1).clamp(min=0)
                 return self.model(
-                    padded, self.caches, start=self._start, last_only=True, last_index=last
+                    padded, self.caches, start=start, last_only=True, last_index=last
                 )[:, -1]
             finally:
                 for cache in self.caches:
                     cache.real_tokens = None
 
         try:
-            graph, logits = _warm_up_and_capture(run, lambda: None, self._prefill_pool())
+            graph, logits = _warm_up_and_capture(run, undo, self._prefill_pool())
         except RuntimeError:
-            log.exception("continuation graph capture failed; prefilling eagerly")
+            log.exception("prefill graph capture failed; prefilling eagerly")
             self._prefill_graphs_failed = True
+            undo()
             return None
-        self._continuation_graphs[bucket] = (graph, logits, padded)
+        undo()
+        graphs = self._continuation_graphs if continued else self._prefill_graphs
+        graphs[bucket] = (graph, logits, padded)
         return graph, logits, padded
 
     def _prefill_pool(self) -> object:

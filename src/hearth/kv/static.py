@@ -160,11 +160,7 @@ class StaticCache:
         # A full cache's slots past the chunk stay empty (fresh, or reset to empty); a chunk
         # longer than the cache reaches past it only with padding (real < capacity).
         span = self.capacity if self.window is not None else min(count, self.capacity)
-        slots = torch.arange(span, device=keys.device)
-        # Slot s holds positions s, s + capacity, ...: the newest of them below `real`.
-        newest = slots + self.capacity * torch.div(
-            real - 1 - slots, self.capacity, rounding_mode="floor"
-        )
+        newest = self._newest_held(span, real - 1, keys.device)
         kept = newest >= 0
         source = newest.clamp(0, count - 1)
         for plane, part in zip(self._planes, self.codec.encode(keys, values), strict=True):
@@ -209,11 +205,7 @@ class StaticCache:
             self.capacity + count,
             torch.cat([self._positions, new_positions]),
         )
-        slots = torch.arange(self.capacity, device=keys.device)
-        last = start + real - 1
-        newest = slots + self.capacity * torch.div(
-            last - slots, self.capacity, rounding_mode="floor"
-        )
+        newest = self._newest_held(self.capacity, start + real - 1, keys.device)
         from_chunk = newest >= start
         source = (newest - start).clamp(0, count - 1)
         for plane, part in zip(self._planes, (keys, values), strict=True):
@@ -222,6 +214,12 @@ class StaticCache:
         self._positions.copy_(torch.where(from_chunk, newest, self._positions))
         self._next.add_(real)
         return view
+
+    def _newest_held(self, span: int, last: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """For slots 0..span-1, which hold positions s, s + capacity, ...: the newest of them
+        up to `last` (negative where none is)."""
+        slots = torch.arange(span, device=device)
+        return slots + self.capacity * torch.div(last - slots, self.capacity, rounding_mode="floor")
 
     def _turbo_kernel_applies(self, keys: torch.Tensor) -> bool:
         if not isinstance(self.codec, TurboCodec) or not kernel_enabled(keys):
