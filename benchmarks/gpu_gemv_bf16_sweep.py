@@ -15,6 +15,7 @@ fp32 accumulation error).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -38,10 +39,46 @@ SHAPES = [
 ]
 
 
+# (BLOCK_N, BLOCK_K, warps) x SPLIT_K x LOOP_STAGES for --pipelined.
+PIPELINED_TILES = ((8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 8), (4, 1024, 4))
+PIPELINED_SPLITS = (1, 2)
+PIPELINED_STAGES = (1, 2, 3, 4)
+
+
+def sweep_configs(pipelined: bool, k: int) -> list[dict]:
+    """Launch configs (tiles, split, stages, num_warps) that fit this K."""
+    if pipelined:
+        configs = [
+            {"BLOCK_N": n, "BLOCK_K": bk, "SPLIT_K": split, "LOOP_STAGES": stages, "num_warps": w}
+            for n, bk, w in PIPELINED_TILES
+            for split in PIPELINED_SPLITS
+            for stages in PIPELINED_STAGES
+        ]
+    else:
+        configs = [{**c.kwargs, "num_warps": c.num_warps} for c in gemv._CONFIGS]
+    return [
+        c
+        for c in configs
+        if k >= 2 * c["SPLIT_K"] * c["BLOCK_K"] and c["BLOCK_N"] * c["BLOCK_K"] <= 8192
+    ]
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pipelined", action="store_true", help="sweep LOOP_STAGES and tiles")
+    parser.add_argument("--warm", default="", help="I/N: only compile every N-th config")
+    args = parser.parse_args()
+    warm_index, warm_count = map(int, args.warm.split("/")) if args.warm else (0, 0)
     device = torch.device("cuda")
     rows, best = [], []
     for n, k, label in SHAPES:
+        if warm_count:
+            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+            for index, config in enumerate(sweep_configs(args.pipelined, k)):
+                if index % warm_count == warm_index:
+                    gemv.gemv_triton(x, w, False, config)
+            continue
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5]
         moved = weights[0].numel() * 2
         while len(weights) * moved < 4 * L2_BYTES and len(weights) < 64:
@@ -57,18 +94,10 @@ def main() -> None:
         tuned = (
             {**key_config.kwargs, "warps": key_config.num_warps} if key_config is not None else {}
         )
-        configs = [
-            c
-            for c in gemv._CONFIGS
-            if k >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
-            and c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 8192
-        ]
         timed = []
-        for c in configs:
-            name = " ".join(f"{key}={v}" for key, v in c.kwargs.items()) + f" w{c.num_warps}"
-            config = dict(c.kwargs)
-
-            config["num_warps"] = c.num_warps  # a launch option, passed with the tiles
+        for config in sweep_configs(args.pipelined, k):
+            tiles = {key: v for key, v in config.items() if key != "num_warps"}
+            name = " ".join(f"{key}={v}" for key, v in tiles.items()) + f" w{config['num_warps']}"
 
             def launch(w: torch.Tensor, config: dict = config, x=x) -> torch.Tensor:
                 return gemv.gemv_triton(x, w, False, config)
@@ -78,9 +107,12 @@ def main() -> None:
                 rows.append([label, name, "-", "-", f"FAIL ({error:.3g} > {bound:.3g})"])
                 continue
             micros = time_graph([lambda w=w: launch(w) for w in weights])
-            timed.append((micros, name, c))
+            timed.append((micros, name, config))
             share = moved / (micros * 1e-6) / COPY_BANDWIDTH
-            mine = " (autotuned)" if {**c.kwargs, "warps": c.num_warps} == tuned else ""
+            plain = {**tiles, "warps": config["num_warps"]}
+            if plain.get("LOOP_STAGES") == 1:  # the autotuned kernel's default
+                del plain["LOOP_STAGES"]
+            mine = " (autotuned)" if plain == tuned else ""
             rows.append([label, name + mine, f"{micros:.1f}", f"{share:.0%}", "ok"])
             print(label, name + mine, f"{micros:.1f} µs {share:.0%}", flush=True)
         auto = time_graph([lambda w=w, x=x: gemv.gemv_triton(x, w) for w in weights])
@@ -94,8 +126,10 @@ def main() -> None:
                 f"{auto / fastest:.2f}x",
             ]
         )
+    if warm_count:
+        return
     write_report(
-        "gpu_gemv_bf16_sweep.md",
+        "gpu_gemv_bf16_sweep_pipelined.md" if args.pipelined else "gpu_gemv_bf16_sweep.md",
         "bf16 GEMV launch sweep in CUDA graphs",
         "M=1. µs per call: a graph of back-to-back calls on distinct weights (past L2), "
         "replayed; % of 4.2 TB/s over the weight bytes.",

@@ -200,7 +200,7 @@ stage 110 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 40
 stage 110 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,grouped-m256 --check --name 26b_4bit_prefill4096_m256
 stage 100 ab-26b-1k python benchmarks/ab_decode.py --models 26b-a4b --prefill 1024 --variants base,grouped-tall-from-64 --check --name 26b_prefill1024_tall_from_64
 stage 100 ab-26b-4bit-1k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 1024 --variants base,grouped-tall-from-64 --check --name 26b_4bit_prefill1024_tall_from_64
-elif [ "$PART" = continuation ]; then  # prompt-cache hits from continuation graphs (off until this runs)
+elif [ "$PART" = continuation ]; then  # prompt-cache hits from continuation graphs (on since this ran)
 stage 150 tests python -m pytest -q tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
 stage 300 ttft-hits python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b,31b --lengths 128 --hits 1024+64,1920+128,3968+128
 elif [ "$PART" = kernels ]; then

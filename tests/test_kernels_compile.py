@@ -79,8 +79,8 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
     params = inspect.signature(kernel.fn).parameters
     constexpr = {name for name, p in params.items() if "constexpr" in str(p.annotation)}
     signature, constants = {}, {}
-    for name in params:
-        value = arguments[name]
+    for name, param in params.items():
+        value = arguments[name] if name in arguments else param.default  # a defaulted constexpr
         if name in constexpr:
             signature[name], constants[name] = "constexpr", value
         else:
@@ -175,6 +175,15 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2},
             ),
         )
+    yield (
+        "gemv with a pipelined K loop",
+        lambda: gemv.gemv_triton(
+            torch.randn(1, 1024, dtype=bf16),
+            torch.randn(48, 1024, dtype=bf16),
+            False,
+            {"BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 2, "LOOP_STAGES": 3},
+        ),
+    )
     yield (
         "gemv geglu of a separate up",
         lambda: gemv.gemv_triton(

@@ -46,13 +46,15 @@ def _check(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("geglu", [False, True])
 @pytest.mark.parametrize("split", [1, 3])
-def test_gemv_against_fp64(dtype: torch.dtype, geglu: bool, split: int) -> None:
+@pytest.mark.parametrize("stages", [1, 3])
+def test_gemv_against_fp64(dtype: torch.dtype, geglu: bool, split: int, stages: int) -> None:
     # N=40 is not a multiple of BLOCK_N=16; K=200 leaves ragged last steps in every slice.
     generator = torch.Generator().manual_seed(split + 2 * geglu)
     n, k = 40, 200
     weight = (torch.randn(n, k, generator=generator) * 0.1).to(dtype)
     x = torch.randn(3, 2 * k if geglu else k, generator=generator).to(dtype)
-    _check(x, weight, geglu, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split})
+    config = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split, "LOOP_STAGES": stages}
+    _check(x, weight, geglu, config)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -354,6 +354,7 @@ def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert decoder._prefill_bucket(2100, 4096) == 3072  # half steps past 512
     assert decoder._prefill_bucket(513, 512) is None  # two chunks
     decoder.length = 5
+    monkeypatch.setattr(cuda_graph, "CONTINUATION_GRAPHS", False)
     assert decoder._prefill_bucket(100, 512) is None  # not a fresh decoder (see below)
     quantized = cuda_graph.GraphDecoder(model, 600, policy=parse_kv_quant("8", group_size=32))
     assert quantized._prefill_bucket(100, 512) is None

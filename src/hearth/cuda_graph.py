@@ -37,9 +37,9 @@ PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # A finished request's decoder (caches and graphs) is kept for the next request of its model.
 REUSE_DECODERS = True
 # A prompt-cache hit's new tokens (one chunk) prefill from a graph per padded length too,
-# after the hit is copied into the decoder. Off until measured on a GPU
-# (benchmarks/gpu_fresh_prompt_ttft.py --hits).
-CONTINUATION_GRAPHS = False
+# after the hit is copied into the decoder: on the H200 a hit's first token came 2-3x sooner
+# than from the eager continuation (results/gpu_fresh_prompt_ttft_hits-2026-12-04.md).
+CONTINUATION_GRAPHS = True
 
 
 class TokenReadback:

@@ -77,9 +77,11 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,
+        LOOP_STAGES: tl.constexpr = 1,
     ):
         """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). With GEGLU
-        x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up)."""
+        x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). LOOP_STAGES > 1
+        software-pipelines the K loop (loads of later steps in flight during this one's FMAs)."""
         wait_for_producer(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -95,7 +97,7 @@ if HAS_TRITON:
         STEPS: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K
         k_begin = pid_k * (STEPS * BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        for step in range(STEPS):
+        for step in tl.range(STEPS, num_stages=LOOP_STAGES):
             k = k_begin + step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
