@@ -80,7 +80,7 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
     constexpr = {name for name, p in params.items() if "constexpr" in str(p.annotation)}
     signature, constants = {}, {}
     for name, param in params.items():
-        value = arguments[name] if name in arguments else param.default  # a defaulted constexpr
+        value = arguments.get(name, param.default)  # a constexpr left at its default
         if name in constexpr:
             signature[name], constants[name] = "constexpr", value
         else:
