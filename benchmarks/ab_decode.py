@@ -132,6 +132,18 @@ def _gemv_from_json() -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
+def _bf16_gemv_from_json() -> Patch:
+    """bf16 GEMVs pinned per weight shape ("{N}x{K}") from a JSON file ($GEMV_BF16_JSON, by
+    default the fastest of `gpu_gemv_bf16_sweep.py --pipelined` in $OUT)."""
+
+    def launches() -> dict[tuple[int, int], dict[str, int]]:
+        default = Path(os.environ.get("OUT", ".")) / "gpu_gemv_bf16_sweep_pipelined.json"
+        chosen = json.loads(Path(os.environ.get("GEMV_BF16_JSON", default)).read_text())
+        return {tuple(map(int, shape.split("x"))): c for shape, c in chosen.items()}
+
+    return lambda: mock.patch.dict(gemv.GEMV_LAUNCHES, launches())
+
+
 def _codes_major_many_rows() -> Patch:
     """4-bit x codes-major only where the row blocks alone fill the GPU (where it was
     measured), not for weights left unsplit because K is short: the E4B 4-bit profile shows
@@ -201,6 +213,7 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-split-x-codes-major": _gemv4_split(True),
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
     "gemv-json": _gemv_from_json(),
+    "gemv-bf16-json": _bf16_gemv_from_json(),
     "codes-major-many-rows": _codes_major_many_rows(),
     "gemv4-r80": _gemv4_register_cap(80),
     "codes-major-copy": _set(affine_matmul, "CODES_MAJOR_KERNEL", False),  # torch's reorder

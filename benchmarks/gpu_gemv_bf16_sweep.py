@@ -16,6 +16,8 @@ fp32 accumulation error).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +38,14 @@ SHAPES = [
     (2560, 10240, "E4B down"),
     (2816, 4096, "26B-A4B o (sliding)"),
     (2816, 2112, "26B-A4B dense down"),
+]
+# More decode shapes of this GEMV, swept with --pipelined.
+MORE_SHAPES = [
+    (2560, 4096, "E4B o (global)"),
+    (256, 2560, "E4B per-layer gate"),
+    (2816, 8192, "26B-A4B o (global)"),
+    (5376, 8192, "31B o (sliding)"),
+    (5376, 21504, "31B down"),
 ]
 
 
@@ -71,7 +81,8 @@ def main() -> None:
     warm_index, warm_count = map(int, args.warm.split("/")) if args.warm else (0, 0)
     device = torch.device("cuda")
     rows, best = [], []
-    for n, k, label in SHAPES:
+    fastest_configs: dict[str, dict] = {}
+    for n, k, label in SHAPES + (MORE_SHAPES if args.pipelined else []):
         if warm_count:
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
@@ -116,8 +127,11 @@ def main() -> None:
             rows.append([label, name + mine, f"{micros:.1f}", f"{share:.0%}", "ok"])
             print(label, name + mine, f"{micros:.1f} µs {share:.0%}", flush=True)
         auto = time_graph([lambda w=w, x=x: gemv.gemv_triton(x, w) for w in weights])
+        if not timed:
+            continue
         timed.sort(key=lambda t: t[0])
-        fastest, name, _ = timed[0]
+        fastest, name, fastest_config = timed[0]
+        fastest_configs[f"{n}x{k}"] = fastest_config
         best.append(
             [
                 f"{label} {n}x{k}",
@@ -128,8 +142,13 @@ def main() -> None:
         )
     if warm_count:
         return
+    name = "gpu_gemv_bf16_sweep_pipelined" if args.pipelined else "gpu_gemv_bf16_sweep"
+    # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv-bf16-json` variant.
+    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(fastest_configs, indent=1))
     write_report(
-        "gpu_gemv_bf16_sweep_pipelined.md" if args.pipelined else "gpu_gemv_bf16_sweep.md",
+        f"{name}.md",
         "bf16 GEMV launch sweep in CUDA graphs",
         "M=1. µs per call: a graph of back-to-back calls on distinct weights (past L2), "
         "replayed; % of 4.2 TB/s over the weight bytes.",

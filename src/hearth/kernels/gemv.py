@@ -28,6 +28,9 @@ from hearth.kernels.launch import launch_kernel
 
 # Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
 GEMV_MAX_ROWS = 4
+# Launches pinned by weight shape (N, K) for one row: tiles, split, LOOP_STAGES, num_warps.
+# Other shapes are autotuned.
+GEMV_LAUNCHES: dict[tuple[int, int], dict[str, int]] = {}
 
 
 def gemv_reference(
@@ -199,6 +202,8 @@ if HAS_TRITON:
         m, n = rows.shape[0], weight.shape[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         interpreted = not x.is_cuda
+        if config is None and m == 1 and not interpreted:
+            config = GEMV_LAUNCHES.get((n, k))
         split_possible = (config is None and not interpreted) or (config or {}).get(
             "SPLIT_K", 1
         ) > 1
