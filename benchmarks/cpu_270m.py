@@ -117,15 +117,13 @@ def run_hf(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
 
 def run_llama_cpp(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
     import numpy as np
-    from llama_cpp import Llama
 
+    from hearth.bench.llama_peer import open_llama
     from hearth.embedded import embedded_model_path
 
     path = embedded_model_path()
     started = time.perf_counter()
-    llm = Llama(
-        model_path=str(path), n_ctx=1024, n_threads=2, n_batch=512, verbose=False, logits_all=False
-    )
+    llm = open_llama(path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, logits_all=False)
     load = time.perf_counter() - started
     llm.eval(ids[:16])  # warm up
     prefill, decode = float("inf"), float("inf")

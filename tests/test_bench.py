@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hearth.bench.llama_peer import cpu_has_amx, open_llama
 from hearth.bench.measure import kv_bytes, prefill_flops
 from hearth.bench.random_gguf import (
     GGUF_TYPES,
@@ -368,8 +369,8 @@ def test_bench_times_a_gguf_file(
 def test_llama_cpp_reads_the_random_gguf(tiny_gguf_with_tokenizer: Path) -> None:
     """Same tokens, and last-position logits within llama.cpp's own rounding (it computes
     Q8_0 dot products against 8-bit activations: ~1% of the logit scale here)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llama = llama_cpp.Llama(str(tiny_gguf_with_tokenizer), n_ctx=64, logits_all=True, verbose=False)
+    pytest.importorskip("llama_cpp")
+    llama = open_llama(tiny_gguf_with_tokenizer, n_ctx=64, logits_all=True, verbose=False)
     ids = llama.tokenize(b"Hello world")
     assert ids == [2, 9259, 1902]  # "<bos>Hello world" in Gemma 3's vocabulary
     llama.eval(ids)
@@ -378,6 +379,16 @@ def test_llama_cpp_reads_the_random_gguf(tiny_gguf_with_tokenizer: Path) -> None
     with torch.inference_mode():
         ours = model(torch.tensor([ids]))[0, -1].numpy()
     assert np.abs(ours - theirs).max() < 0.05 * np.abs(ours).max()
+
+
+def test_cpu_has_amx_reads_the_flags(tmp_path: Path) -> None:
+    """The flags line of /proc/cpuinfo, as a Sapphire Rapids Xeon and an EPYC print it."""
+    xeon, epyc, missing = tmp_path / "xeon", tmp_path / "epyc", tmp_path / "none"
+    xeon.write_text(
+        "flags\t\t: fpu avx512_vnni avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8\n"
+    )
+    epyc.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert cpu_has_amx(xeon) and not cpu_has_amx(epyc) and not cpu_has_amx(missing)
 
 
 # ---------------------------------------------------------------------------------------------
