@@ -22,6 +22,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe-tall  # MoE prefill tiles of 128 rows: A/B with logits
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe-tall2 # 256-row tiles; 128-row tiles from 64 mean rows
 #   OUT=/tmp/out benchmarks/gpu_suite.sh continuation  # prompt-cache hits through continuation graphs
+#   OUT=/tmp/out benchmarks/gpu_suite.sh gemv-stages   # bf16 GEMV with a pipelined K loop: sweep, A/B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -203,6 +204,12 @@ stage 100 ab-26b-4bit-1k python benchmarks/ab_decode.py --models 26b-a4b --quant
 elif [ "$PART" = continuation ]; then  # prompt-cache hits from continuation graphs (on since this ran)
 stage 150 tests python -m pytest -q tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
 stage 300 ttft-hits python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b,31b --lengths 128 --hits 1024+64,1920+128,3968+128
+elif [ "$PART" = gemv-stages ]; then  # bf16 GEMV: LOOP_STAGES and taller K tiles, then end to end
+# Compile every swept launch in parallel first (16 CPUs there): the timed sweep then finds them cached.
+for i in $(seq 0 13); do timeout 150 python benchmarks/gpu_gemv_bf16_sweep.py --pipelined --warm $i/14 >/dev/null 2>&1 & done
+wait
+stage 200 sweep-bf16 python benchmarks/gpu_gemv_bf16_sweep.py --pipelined
+stage 230 ab-bf16-gemv python benchmarks/ab_decode.py --models gemma3-12b,e4b,26b-a4b --variants base,gemv-bf16-json --rounds 3 --check --name bf16_gemv_pipelined
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
