@@ -400,3 +400,51 @@ def test_every_kernel_compiles_for_hopper() -> None:
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+
+# Compiles the bf16 GEMV for sm_90 as a GPU launch specializes it (pointers and row strides
+# 16-byte aligned) and prints its PTX's cp.async count, once per LOOP_STAGES given.
+GEMV_STAGES_PTX = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hearth.kernels import gemv
+
+kernel = gemv._gemv_kernel
+names = list(kernel.arg_names)
+pointers = {"x_ptr": "*bf16", "up_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "partial_ptr": "*fp32", "counter_ptr": "*i32"}
+integers = ["M", "N", "stride_xm", "stride_um", "stride_wn", "stride_om"]
+aligned = [*pointers, "N", "stride_xm", "stride_um", "stride_wn", "stride_om"]
+attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+for stages in map(int, sys.argv[1:]):
+    constants = {"K": 10240, "GEGLU": False, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512,
+                 "SPLIT_K": 2, "PDL": True, "LOOP_STAGES": stages}
+    signature = {**pointers, **dict.fromkeys(integers, "i32"), "coefficient": "fp32",
+                 **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(kernel, signature, constants, attrs)
+    options = {"num_warps": 4, "launch_pdl": True}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    print(compiled.asm["ptx"].count("cp.async"))
+"""
+
+
+def test_gemv_loop_stages_pipeline_the_k_loop_for_hopper() -> None:
+    """LOOP_STAGES=3 streams the weight tiles into shared memory with cp.async (Triton's
+    pipeliner takes loads that feed no dot only under a loop's num_stages); the default, 1,
+    keeps the plain loop of vector loads. (Without the alignment a launch specializes, the
+    loads are too narrow to pipeline and both compile alike.)"""
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    source_root = str(Path(hearth.__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = os.pathsep.join([source_root, environment.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", GEMV_STAGES_PTX, "1", "3"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    plain, pipelined = map(int, result.stdout.split())
+    assert plain == 0 and pipelined > 0
