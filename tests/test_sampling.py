@@ -68,6 +68,18 @@ def test_greedy_takes_the_argmax_ignores_filters_and_uses_no_randomness() -> Non
     assert torch.equal(sampler._generator.get_state(), state)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_breaks_ties_toward_the_first_token(dtype: torch.dtype) -> None:
+    """Tied maxima (exact in bf16) pick the lowest id, as `argmax` does, in rows long
+    enough for the vectorized scans (a 262144-token vocabulary), wherever the tie sits."""
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    logits = torch.zeros(3, 262144, dtype=dtype)
+    ties = [(7, 200_001), (131_071, 131_072), (5, 262_143)]
+    for row, (first, second) in enumerate(ties):
+        logits[row, [first, second]] = 2.5
+    assert sampler.sample(logits, []).tolist() == [first for first, _ in ties]
+
+
 # --- each filter's kept set ----------------------------------------------------------------
 
 
