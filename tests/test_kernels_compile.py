@@ -381,6 +381,14 @@ class _Dense:
         return "dense"
 
 
+def _compiler_environment() -> dict[str, str]:
+    """This environment without the interpreter, with Hearth's sources importable."""
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    source_root = str(Path(hearth.__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = os.pathsep.join([source_root, environment.get("PYTHONPATH", "")])
+    return environment
+
+
 def test_every_kernel_compiles_for_hopper() -> None:
     specs = []
     for name, launch in _launches():
@@ -388,9 +396,7 @@ def test_every_kernel_compiles_for_hopper() -> None:
         assert launches, f"{name} launched no Triton kernel"
         specs += [_spec(kernel, arguments) for kernel, arguments in launches]
     unique = list({json.dumps(spec, sort_keys=True): spec for spec in specs}.values())
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    source_root = str(Path(hearth.__file__).resolve().parents[1])
-    environment["PYTHONPATH"] = os.pathsep.join([source_root, environment.get("PYTHONPATH", "")])
+    environment = _compiler_environment()
     result = subprocess.run(
         [sys.executable, "-c", COMPILER],
         input=json.dumps(unique),
@@ -435,9 +441,7 @@ def test_gemv_loop_stages_pipeline_the_k_loop_for_hopper() -> None:
     pipeliner takes loads that feed no dot only under a loop's num_stages); the default, 1,
     keeps the plain loop of vector loads. (Without the alignment a launch specializes, the
     loads are too narrow to pipeline and both compile alike.)"""
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    source_root = str(Path(hearth.__file__).resolve().parents[1])
-    environment["PYTHONPATH"] = os.pathsep.join([source_root, environment.get("PYTHONPATH", "")])
+    environment = _compiler_environment()
     result = subprocess.run(
         [sys.executable, "-c", GEMV_STAGES_PTX, "1", "3"],
         capture_output=True,
