@@ -147,6 +147,7 @@ if HAS_TRITON:
     # Used where there is no autotuning: Triton's CPU interpreter (tests).
     DEFAULT_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1}
     MAX_SPLIT_K = 8
+    MIN_BLOCK_N = 4  # the narrowest tile a pinned launch may take (one counter per row block)
 
     def _prune(configs: list, named_args: dict, **kwargs: object) -> list:
         """Drop splits whose slices would be under two steps, and tiles that spill."""
@@ -210,7 +211,7 @@ if HAS_TRITON:
         partial = torch.empty(
             MAX_SPLIT_K * m * n if split_possible else 1, dtype=torch.float32, device=x.device
         )
-        counters = _counters(x.device, triton.cdiv(n, 8)) if split_possible else partial
+        counters = _counters(x.device, triton.cdiv(n, MIN_BLOCK_N)) if split_possible else partial
         args = (rows, up_rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), up_rows.stride(0), weight.stride(0), out.stride(0))
         args += (SQRT_2_OVER_PI,)
