@@ -174,6 +174,17 @@ def _gemv4_register_cap(registers: int) -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
+def _affine_loop_stages(stages: int) -> Patch:
+    """Every affine GEMV launch with its whole steps in a loop Triton software-pipelines
+    (`GemvConfig.loop_stages`; cp.async into shared memory) instead of `prefetch`."""
+    original = affine_matmul.gemv_config
+
+    def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
+        return dataclasses.replace(original(n, k, bits, group, multiprocessors), loop_stages=stages)
+
+    return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
+
+
 VARIANTS: dict[str, Patch] = {
     "base": contextlib.nullcontext,
     "attn-n32": _dense_tiles(32, 4, 3),
@@ -214,6 +225,9 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
     "gemv-json": _gemv_from_json(),
     "gemv-bf16-json": _bf16_gemv_from_json(),
+    "affine-stages2": _affine_loop_stages(2),
+    "affine-stages3": _affine_loop_stages(3),
+    "affine-stages4": _affine_loop_stages(4),
     "codes-major-many-rows": _codes_major_many_rows(),
     "gemv4-r80": _gemv4_register_cap(80),
     "codes-major-copy": _set(affine_matmul, "CODES_MAJOR_KERNEL", False),  # torch's reorder

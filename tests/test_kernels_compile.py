@@ -408,47 +408,79 @@ def test_every_kernel_compiles_for_hopper() -> None:
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 
 
-# Compiles the bf16 GEMV for sm_90 as a GPU launch specializes it (pointers and row strides
-# 16-byte aligned) and prints its PTX's cp.async count, once per LOOP_STAGES given.
-GEMV_STAGES_PTX = """
-import sys
+# Compiles each spec for sm_90 with its `aligned` arguments marked divisible by 16, as a GPU
+# launch specializes 16-byte aligned pointers and multiples of 16, and prints the number of
+# cp.async instructions in each PTX, one per line.
+CP_ASYNC_COUNTER = """
+import json, sys, importlib
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hearth.kernels import gemv
+from triton.runtime.jit import JITFunction
 
-kernel = gemv._gemv_kernel
-names = list(kernel.arg_names)
-pointers = {"x_ptr": "*bf16", "up_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-            "partial_ptr": "*fp32", "counter_ptr": "*i32"}
-integers = ["M", "N", "stride_xm", "stride_um", "stride_wn", "stride_om"]
-aligned = [*pointers, "N", "stride_xm", "stride_um", "stride_wn", "stride_om"]
-attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-for stages in map(int, sys.argv[1:]):
-    constants = {"K": 10240, "GEGLU": False, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512,
-                 "SPLIT_K": 2, "PDL": True, "LOOP_STAGES": stages}
-    signature = {**pointers, **dict.fromkeys(integers, "i32"), "coefficient": "fp32",
-                 **dict.fromkeys(constants, "constexpr")}
-    source = ASTSource(kernel, signature, constants, attrs)
-    options = {"num_warps": 4, "launch_pdl": True}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+for spec in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(spec["module"]), spec["name"])
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    names = list(kernel.arg_names)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in spec["aligned"]}
+    source = ASTSource(kernel, spec["signature"], spec["constants"], attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     print(compiled.asm["ptx"].count("cp.async"))
 """
 
 
-def test_gemv_loop_stages_pipeline_the_k_loop_for_hopper() -> None:
-    """LOOP_STAGES=3 streams the weight tiles into shared memory with cp.async (Triton's
-    pipeliner takes loads that feed no dot only under a loop's num_stages); the default, 1,
-    keeps the plain loop of vector loads. (Without the alignment a launch specializes, the
-    loads are too narrow to pipeline and both compile alike.)"""
-    environment = _compiler_environment()
+def _aligned_spec(kernel: InterpretedFunction, arguments: dict) -> dict:
+    """`_spec`, plus the arguments a GPU launch would specialize as multiples of 16."""
+    spec = _spec(kernel, arguments)
+    spec["aligned"] = [
+        name
+        for name, kind in spec["signature"].items()
+        if kind != "constexpr"
+        and (
+            (isinstance(arguments[name], torch.Tensor) and arguments[name].data_ptr() % 16 == 0)
+            or (type(arguments[name]) is int and arguments[name] % 16 == 0)
+        )
+    ]
+    return spec
+
+
+def _cp_async_counts(launches: list[Callable[[], object]]) -> list[int]:
+    """cp.async instructions in the sm_90 PTX of the one kernel each call launches."""
+    specs = []
+    for launch in launches:
+        ((kernel, arguments),) = _recorded_launches(launch)
+        specs.append(_aligned_spec(kernel, arguments))
     result = subprocess.run(
-        [sys.executable, "-c", GEMV_STAGES_PTX, "1", "3"],
+        [sys.executable, "-c", CP_ASYNC_COUNTER],
+        input=json.dumps(specs),
         capture_output=True,
         text=True,
-        env=environment,
+        env=_compiler_environment(),
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    plain, pipelined = map(int, result.stdout.split())
-    assert plain == 0 and pipelined > 0
+    return [int(count) for count in result.stdout.split()]
+
+
+def test_loop_stages_pipeline_the_gemv_loops_for_hopper() -> None:
+    """With loop stages the weight tiles of the bf16 GEMV's K loop and of the 4-bit affine
+    GEMV's whole steps stream into shared memory by cp.async (Triton's pipeliner takes loads
+    that feed no dot only under a loop's num_stages); the defaults keep plain vector loads.
+    (Without the alignment a launch specializes, the loads are too narrow to pipeline.)"""
+    bf16 = torch.bfloat16
+    x, weight = torch.randn(1, 4096, dtype=bf16), torch.randn(64, 4096, dtype=bf16)
+    tiles = {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 2}
+    packed, scales, biases = quantize_affine(torch.randn(64, 4096), 4, 64)
+    affine = affine_matmul.GemvConfig(32, 16, split_k=2, prefetch=True)
+    counts = _cp_async_counts(
+        [
+            lambda: gemv.gemv_triton(x, weight, False, tiles),
+            lambda: gemv.gemv_triton(x, weight, False, {**tiles, "LOOP_STAGES": 3}),
+            lambda: affine_matmul.affine_gemv_triton(x, packed, scales, biases, 4, 64, affine),
+            lambda: affine_matmul.affine_gemv_triton(
+                x, packed, scales, biases, 4, 64, dataclasses.replace(affine, loop_stages=3)
+            ),
+        ]
+    )
+    assert counts[0] == counts[2] == 0 and counts[1] > 0 and counts[3] > 0, counts
