@@ -9,6 +9,10 @@ a weight with many row blocks (results/gpu_gemv_affine_sweep-2026-12-03.md).
 
     python benchmarks/inspect_gemv_sass.py                       # the 12B launches
     python benchmarks/inspect_gemv_sass.py --launch 64,4,1,32 --maxnreg 80
+    python benchmarks/inspect_gemv_sass.py --stages 3 --steps 3  # the pipelined loop
+
+With `--stages`, shared memory (the pipelined loop's buffers) also bounds the programs an SM
+holds (227 KiB a block on sm_90, 228 KiB an SM).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from triton.compiler import ASTSource
 from hearth.kernels import affine_matmul as am
 
 GROUP, THREADS = 64, 4 * 32
+SHARED_PER_SM = 228 * 1024
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHOWN = ("FFMA", "FADD", "LOP3", "SHF", "IMAD", "LDG", "LDS", "STS", "BAR", "SHFL")
 # (BLOCK_N, BLOCK_G, SPLIT_K, X_BLOCK): what gemv_config launches on Gemma 3 12B, 4-bit g64.
@@ -66,7 +71,14 @@ def sass_stats(cubin: bytes) -> dict:
 
 
 def compile_gemv(
-    block_n: int, block_g: int, split: int, x_block: int, maxnreg: int = 0, fold: bool = True
+    block_n: int,
+    block_g: int,
+    split: int,
+    x_block: int,
+    maxnreg: int = 0,
+    fold: bool = True,
+    stages: int = 1,
+    steps: int = 0,
 ):
     names = list(am._affine_gemv_kernel.arg_names)
     pointers = {
@@ -81,6 +93,7 @@ def compile_gemv(
     constants = dict(
         M=1, BITS=4, GROUP=GROUP, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=split,
         PREFETCH=True, X_BLOCK=x_block, FOLD=fold, PDL=True,
+        STAGED_STEPS=steps if stages > 1 else 0, LOOP_STAGES=stages,
     )  # fmt: skip
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32") for name in names
@@ -105,21 +118,28 @@ def main() -> None:
     parser.add_argument(
         "--exact-codes", action="store_true", help="codes minus their offset (no FOLD)"
     )
+    parser.add_argument("--stages", type=int, default=1, help="GemvConfig.loop_stages")
+    parser.add_argument("--steps", type=int, default=3, help="whole steps of the staged loop")
     args = parser.parse_args()
     launches = [tuple(map(int, text.split(","))) for text in args.launch or []] or LAUNCHES
     for block_n, block_g, split, x_block in launches:
-        stats = sass_stats(
-            compile_gemv(block_n, block_g, split, x_block, args.maxnreg, not args.exact_codes).asm[
-                "cubin"
-            ]
-        )
+        compiled = compile_gemv(
+            block_n, block_g, split, x_block, args.maxnreg, not args.exact_codes,
+            args.stages, args.steps,
+        )  # fmt: skip
+        stats = sass_stats(compiled.asm["cubin"])
+        shared = compiled.metadata.shared
         codes = block_n * block_g * GROUP // THREADS  # codes per thread per step
         loop = stats["loop"]
         per_code = sum(loop.values()) / codes
         programs = 65536 // (stats["registers"] * THREADS)
+        if shared:
+            programs = min(programs, SHARED_PER_SM // shared)
         print(
-            f"N{block_n} G{block_g} split{split} x{'codes-major' if x_block else 'input'}: "
-            f"regs {stats['registers']} ({programs} programs/SM) stack {stats['stack']}; "
+            f"N{block_n} G{block_g} split{split} x{'codes-major' if x_block else 'input'}"
+            f"{f' stages{args.stages}' if args.stages > 1 else ''}: "
+            f"regs {stats['registers']} shared {shared} B ({programs} programs/SM) "
+            f"stack {stats['stack']}; "
             f"loop {sum(loop.values())} instr, {per_code:.2f} a code: "
             + " ".join(f"{op} {loop[op]}" for op in SHOWN if loop[op])
         )
