@@ -213,7 +213,7 @@ stage 200 sweep-bf16 python benchmarks/gpu_gemv_bf16_sweep.py --pipelined
 stage 230 ab-bf16-gemv python benchmarks/ab_decode.py --models gemma3-12b,e4b,26b-a4b --variants base,gemv-bf16-json --rounds 3 --check --name bf16_gemv_pipelined
 elif [ "$PART" = affine-stages ]; then  # the affine GEMV's whole steps in a pipelined loop (bit-identical on CPU)
 stage 100 affine python benchmarks/gpu_kernels_affine.py
-stage 250 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,affine-stages2,affine-stages3,affine-stages4 --rounds 2 --check --name affine_stages_4bit
+stage 300 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,affine-stages2,affine-stages3 --rounds 2 --check --name affine_stages_4bit
 stage 120 ab-8bit python benchmarks/ab_decode.py --models gemma3-12b --quant 8bit --variants base,affine-stages3 --rounds 2 --check --name affine_stages_8bit
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
