@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from hearth.bench.llama_peer import cpu_has_amx
+
 PROMPT_TOKENS = 400
 DECODE_TOKENS = 64
 # This VM's speed drifts by up to 25% from minute to minute: each engine is timed this many
@@ -168,6 +172,17 @@ def memory_bandwidth_gbs() -> float:
     return 2 * source.nbytes * 10 / (time.perf_counter() - begin) / 1e9
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -189,8 +204,11 @@ def main() -> None:
             continue
         r = json.loads(result.stdout.strip().splitlines()[-1])
         roofline = bandwidth * 1e9 / r["weight_bytes"]
+        shown = name
+        if ENGINES[name][0] == "llama_cpp" and cpu_has_amx():
+            shown += " (plain buffers, see hearth.bench.llama_peer)"
         rows.append(
-            f"| {name} | {r['load_s']:.1f} | {r['prefill']:.0f} | {r['decode']:.1f} | "
+            f"| {shown} | {r['load_s']:.1f} | {r['prefill']:.0f} | {r['decode']:.1f} | "
             f"{r['decode'] / roofline:.0%} of {roofline:.0f} | {r['peak_rss_mib']:.0f} |"
         )
         print(rows[-1], flush=True)
@@ -199,7 +217,7 @@ def main() -> None:
     header = [
         f"# CPU, Gemma 3 270M Q4_K_M GGUF — {datetime.date.today().isoformat()}",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        f"Machine: {cpu_model()}, {torch.get_num_threads()} "
         f"threads, torch {torch.__version__}, Python {platform.python_version()}; "
         f"copy bandwidth {bandwidth:.1f} GB/s. Prompt {PROMPT_TOKENS} tokens, "
         f"{DECODE_TOKENS} greedy decode tokens; best of {REPEATS} runs per engine.",
