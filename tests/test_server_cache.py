@@ -17,6 +17,7 @@ import pytest
 
 from hearth.server.prompt_cache import PromptCache
 from test_server import _free_port, _wait_until_healthy
+from test_server_tools import engine  # noqa: F401  (a fixture: the scripted Gemma 4)
 
 BUDGET_GB = 0.5  # the 270M model's weights (~0.27 GB) plus about 12k tokens of KV
 slow = pytest.mark.slow
@@ -196,3 +197,26 @@ def test_memory_budget_refuses_what_cannot_fit_and_accepts_what_can(cached: str)
     assert (error["code"], error["param"]) == ("context_over_budget", "max_tokens")
     accepted = httpx.post(f"{cached}/v1/completions", json=body | {"max_tokens": 2}, timeout=120)
     assert accepted.status_code == 200, accepted.text
+
+
+def test_memory_budget_caps_a_gpu_decoders_slots(
+    engine: Any,  # noqa: F811  (test_server_tools' scripted Gemma 4)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the budget leaves beside the weights, in tokens of dense K/V (hand-derived), is
+    the slot limit the app gives the model's graph decoders (on a GPU: the check is patched)."""
+    from hearth import generate
+    from hearth.cuda_graph import _SLOT_LIMIT
+    from hearth.server import create_app
+    from hearth.server.admission import MemoryBudget
+    from hearth.server.app import ServerLimits
+
+    assert MemoryBudget(10 * 10**9, 4 * 10**9, 10**6).kv_token_capacity() == 6000
+    assert MemoryBudget(10**9, 2 * 10**9, 10**6).kv_token_capacity() == 0  # weights alone over
+    monkeypatch.setattr(generate, "decodes_with_graphs", lambda model: True)
+    limits = ServerLimits(prompt_cache_bytes=0, memory_budget_gb=1.0)
+    create_app(engine, limits=limits)
+    budget = MemoryBudget.for_engine(engine, 1.0)
+    assert engine.model.__dict__[_SLOT_LIMIT] == budget.kv_token_capacity() > 0
+    create_app(engine, limits=ServerLimits(prompt_cache_bytes=0))
+    assert engine.model.__dict__[_SLOT_LIMIT] is None

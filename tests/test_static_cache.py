@@ -336,6 +336,39 @@ def test_decoders_are_reused_only_when_asked_and_when_they_fit(
     assert GraphDecoder.acquire(model, 100, parse_kv_quant("8", group_size=32)) is not first
 
 
+def test_a_decoder_that_replaces_a_smaller_one_grows(tmp_path: Path) -> None:
+    """A conversation's growing requests: a decoder replacing an idle one too small for its
+    request takes twice the idle one's slots, in whole 256-slot buckets, within the model's
+    positions (4096 here) and the slot limit; a new KV policy starts at its own size."""
+    from hearth import cuda_graph
+    from hearth.kv import parse_kv_quant
+
+    hf = tiny_gemma3_model(seed=8, max_position_embeddings=4096)
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
+    GraphDecoder = cuda_graph.GraphDecoder
+
+    def turn(needed: int, policy: Any = None) -> Any:
+        decoder = GraphDecoder.acquire(model, needed, policy)
+        GraphDecoder.release(decoder)
+        return decoder
+
+    first = turn(100)
+    assert first.max_context == 256  # the request's own size, rounded up to a bucket
+    second = turn(300)
+    assert second is not first and second.max_context == 512  # 2 x 256
+    assert turn(500) is second  # the next turn fits
+    assert turn(600).max_context == 1024
+    GraphDecoder.limit_slots(model, 1800)
+    grown = turn(1100)
+    assert grown.max_context == 1792  # not 2 x 1024: whole buckets under the limit of 1800
+    assert turn(1600) is grown
+    GraphDecoder.limit_slots(model, 1000)
+    assert turn(2200).max_context == 2304  # a limit never cuts the request's own size
+    GraphDecoder.limit_slots(model, None)
+    assert turn(2400).max_context == 4096  # not 2 x 2304: the model's 4096 positions
+    assert turn(100, parse_kv_quant("8", group_size=32)).max_context == 256
+
+
 def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Which prompts a graph prefills, and at what padded length: only with graphs on, on a
     fresh decoder, one chunk long, dense caches."""

@@ -34,8 +34,14 @@ PREFILL_GRAPHS = True
 # Padded prompt lengths, one graph each; a prompt longer than the largest prefills eagerly.
 # Half steps past 512 keep the padding under a third of the prompt where it costs GPU time.
 PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# Full-attention caches expose their keys in views of whole buckets (one decode graph each).
+VIEW_BUCKET = 256
 # A finished request's decoder (caches and graphs) is kept for the next request of its model.
 REUSE_DECODERS = True
+# A decoder that replaces an idle one too small for its request takes this many times the
+# idle one's slots (if more than the request needs): a growing conversation then replaces its
+# decoder (caches, graphs captured anew) a logarithmic number of times, not every turn.
+DECODER_GROWTH = 2
 # A prompt-cache hit's new tokens (one chunk) prefill from a graph per padded length too,
 # after the hit is copied into the decoder: on the H200 a hit's first token came 2-3x sooner
 # than from the eager continuation (results/gpu_fresh_prompt_ttft_hits-2026-12-04.md).
@@ -69,7 +75,7 @@ class GraphDecoder:
         self,
         model: nn.Module,
         max_context: int,
-        bucket: int = 256,
+        bucket: int = VIEW_BUCKET,
         policy: KVPolicy | None = None,
     ) -> None:
         self.model = model
@@ -107,15 +113,25 @@ class GraphDecoder:
         cls, model: nn.Module, max_context: int, policy: KVPolicy | None = None
     ) -> GraphDecoder:
         """A decoder for one request: the model's idle one if it is large enough and of this
-        KV policy (reset to empty, its graphs kept), else a new one. Give it back with
-        `release` when the request ends; one never given back is simply not reused."""
+        KV policy (reset to empty, its graphs kept), else a new one, which takes
+        DECODER_GROWTH times the slots of an idle one it replaces where that is more. Give it
+        back with `release` when the request ends; one never given back is simply not reused."""
         policy = policy or KVPolicy()
         idle = model.__dict__.pop(_IDLE, None) if REUSE_DECODERS else None
         if idle is not None and idle.max_context >= max_context and idle.policy == policy:
             idle.reset()
             return idle
+        slots = max_context
+        if idle is not None and idle.policy == policy:
+            slots = max(max_context, _grown_slots(model, DECODER_GROWTH * idle.max_context))
         del idle  # its caches go before the new ones are made
-        return cls(model, max_context, policy=policy)
+        return cls(model, slots, policy=policy)
+
+    @staticmethod
+    def limit_slots(model: nn.Module, slots: int | None) -> None:
+        """The most K/V slots a decoder of `model` may take beyond what its request needs
+        (e.g. what a memory budget leaves beside the weights); None: the model's positions."""
+        model.__dict__[_SLOT_LIMIT] = slots
 
     @staticmethod
     def discard_idle(model: nn.Module) -> None:
@@ -319,5 +335,15 @@ def _warm_up_and_capture(
     return graph, output
 
 
-# The attribute holding a model's idle decoder (see `GraphDecoder.acquire`).
+def _grown_slots(model: nn.Module, slots: int, bucket: int = VIEW_BUCKET) -> int:
+    """`slots`, within the model's positions and its slot limit (`GraphDecoder.limit_slots`),
+    in whole buckets so that rounding up never passes the limit."""
+    limit = model.config.max_position_embeddings + 1
+    if model.__dict__.get(_SLOT_LIMIT) is not None:
+        limit = min(limit, model.__dict__[_SLOT_LIMIT])
+    return min(slots, limit) // bucket * bucket
+
+
+# The attributes holding a model's idle decoder and its slot limit (see `GraphDecoder.acquire`).
 _IDLE = "_hearth_idle_graph_decoder"
+_SLOT_LIMIT = "_hearth_decoder_slot_limit"

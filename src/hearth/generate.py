@@ -287,6 +287,15 @@ def release_graph_decoder(decoder: Any) -> None:
     GraphDecoder.release(decoder)
 
 
+def limit_decoder_slots(model: Model, slots: int | None) -> None:
+    """At most `slots` K/V slots in the model's graph decoders beyond what a request needs
+    (`GraphDecoder.limit_slots`): the server sets what its memory budget leaves for K/V."""
+    if decodes_with_graphs(model):
+        from hearth.cuda_graph import GraphDecoder
+
+        GraphDecoder.limit_slots(model, slots)
+
+
 def stream_generate(
     model: Model,
     tokenizer: Tokenizer,

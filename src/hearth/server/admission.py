@@ -31,6 +31,10 @@ class MemoryBudget:
     def needed_bytes(self, tokens: int) -> int:
         return self.weight_bytes + tokens * self.kv_bytes_per_token
 
+    def kv_token_capacity(self) -> int:
+        """Tokens of dense K/V the budget holds beside the weights."""
+        return max(0, self.budget_bytes - self.weight_bytes) // self.kv_bytes_per_token
+
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise a 400 if the prompt plus `max_tokens` of reply cannot fit the budget."""
         needed = self.needed_bytes(prompt_tokens + max_tokens)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from hearth.engine import Engine
+from hearth.generate import limit_decoder_slots
 from hearth.server import anthropic, monitoring, openai, responses
 from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError, error_response
@@ -75,12 +76,11 @@ def create_app(
     app = FastAPI(
         title="Hearth", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
     )
+    budget = limits.memory_budget(engine)
+    # A GPU decoder grown for a conversation stays within what the budget leaves for K/V.
+    limit_decoder_slots(engine.model, budget.kv_token_capacity() if budget else None)
     app.state.hearth = ServerState(
-        engine,
-        worker,
-        defaults or ServerDefaults(),
-        model_id_of(engine),
-        limits.memory_budget(engine),
+        engine, worker, defaults or ServerDefaults(), model_id_of(engine), budget
     )
     app.include_router(openai.router)
     app.include_router(monitoring.router)
