@@ -489,6 +489,23 @@ if HAS_TRITON:
         return acc0, acc1, acc2, acc3
 
     @triton.jit
+    def _load_and_add_step(
+        acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows,
+        x_ptr, g0, g_end, stride_xm, two23, M: tl.constexpr, BITS: tl.constexpr,
+        CODES: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr, X_BLOCK: tl.constexpr, FOLD: tl.constexpr,
+    ):  # fmt: skip
+        """`_load_step` of groups ``[g0, g0 + BLOCK_G)``, then `_gemv_step` of them."""
+        words, scale, bias = _load_step(
+            packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
+            WPG, BLOCK_G, MASKED,
+        )  # fmt: skip
+        return _gemv_step(
+            acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+            two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+        )  # fmt: skip
+
+    @triton.jit
     def _store_row(out_ptr, acc, n, n_ok):
         tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -551,14 +568,10 @@ if HAS_TRITON:
         whole = (g_end - g0) // BLOCK_G  # steps without masks
         if LOOP_STAGES > 1:
             for step in tl.range(STAGED_STEPS, num_stages=LOOP_STAGES):
-                g = g0 + step * BLOCK_G
-                words, scale, bias = _load_step(
-                    packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g, g_end,
-                    WPG, BLOCK_G, False,
-                )  # fmt: skip
-                acc0, acc1, acc2, acc3 = _gemv_step(
-                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g, g_end, stride_xm,
-                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+                acc0, acc1, acc2, acc3 = _load_and_add_step(
+                    acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
+                    group_rows, x_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M, BITS,
+                    CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
                 )  # fmt: skip
             g0 += STAGED_STEPS * BLOCK_G
         elif PREFETCH and whole > 0:
@@ -587,23 +600,17 @@ if HAS_TRITON:
             )  # fmt: skip
             g0 += BLOCK_G
         while g0 + BLOCK_G <= g_end:  # without PREFETCH
-            words, scale, bias = _load_step(
-                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
-                WPG, BLOCK_G, False,
-            )  # fmt: skip
-            acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+            acc0, acc1, acc2, acc3 = _load_and_add_step(
+                acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
+                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N,
+                BLOCK_G, False, X_BLOCK, FOLD,
             )  # fmt: skip
             g0 += BLOCK_G
         if g0 < g_end:
-            words, scale, bias = _load_step(
-                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
-                WPG, BLOCK_G, True,
-            )  # fmt: skip
-            acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, True, X_BLOCK, FOLD,
+            acc0, acc1, acc2, acc3 = _load_and_add_step(
+                acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
+                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N,
+                BLOCK_G, True, X_BLOCK, FOLD,
             )  # fmt: skip
 
         if SPLIT_K == 1:
