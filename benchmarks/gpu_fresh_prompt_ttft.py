@@ -6,6 +6,9 @@ static caches, from a prefill graph once its bucket has been seen twice. Each re
 new random prompt (no prompt-cache effects); a few warm-up requests per length come first.
 
     OUT=/tmp/out python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b
+
+`--hits` times prompt-cache hits against fresh prompts; `--chat N` times each turn of an
+N-turn conversation with graph decoders replaced at their request's size (as before) or grown.
 """
 
 from __future__ import annotations
@@ -45,24 +48,77 @@ def first_token_seconds(model, tokens: int, dynamic: bool, seed: int) -> float:
     return stats.prefill_seconds
 
 
-def hit_seconds(model, cached: int, new: int, seed: int, continued: bool) -> float:
+def hit_seconds(
+    model, cached: int, new: int, seed: int, continued: bool, max_tokens: int = 1
+) -> float:
     """Seconds to the first token of a prompt-cache hit: `cached` tokens already in dynamic
     caches (prefilled beforehand, as the server's entry holds them); then either `new`
     prefilled eagerly and all copied into the graph decoder (`adopt`), or (`continued`) the
-    hit copied first and `new` prefilled after it from a continuation graph."""
+    hit copied first and `new` prefilled after it from a continuation graph. No `cached`
+    tokens: a fresh prompt (the miss path). `max_tokens` sizes the request (the decoder it
+    needs), though only the first token is made."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, 1000, (cached + new,), generator=generator).tolist()
-    caches = KVPolicy().make_caches(model.config)
-    with torch.inference_mode():
-        ids = torch.tensor([prompt[:cached]], device=model.device)
-        model(ids, caches, last_only=True)
-    torch.cuda.synchronize()
+    caches = None
+    if cached:
+        caches = KVPolicy().make_caches(model.config)
+        with torch.inference_mode():
+            model(torch.tensor([prompt[:cached]], device=model.device), caches, last_only=True)
+        torch.cuda.synchronize()
     stats = GenerationStats()
     sampler = Sampler(SamplingParams(), device=model.device)
     with mock.patch.object(cuda_graph, "CONTINUATION_GRAPHS", continued):
-        run = generate_tokens(model, prompt, sampler, 1, stats, caches=caches, cached_tokens=cached)
-        next(iter(run))
+        run = generate_tokens(
+            model, prompt, sampler, max_tokens, stats, caches=caches, cached_tokens=cached
+        )
+        next(run)
+        run.close()  # gives the decoder back, as a finished request does
     return stats.prefill_seconds
+
+
+# A conversation's turns: the first prompt, then each turn's reply and next user message.
+CHAT_FIRST, CHAT_REPLY, CHAT_MESSAGE, CHAT_MAX_TOKENS = 200, 300, 60, 512
+
+
+def chat_seconds(model, turns: int) -> list[float]:
+    """First-token seconds of each turn of one conversation, as the server runs it: each turn
+    after the first a hit of the previous prompt plus a reply and a message (one seed: the
+    tokens do not change the timing), each request sized by the default max_tokens."""
+    times, held = [], 0
+    for turn in range(turns):
+        new = CHAT_FIRST if turn == 0 else CHAT_REPLY + CHAT_MESSAGE
+        times.append(hit_seconds(model, held, new, 20_000, True, CHAT_MAX_TOKENS))
+        held += new
+    return times
+
+
+def chat_table(models: list[str], turns: int, quant: str) -> list[str]:
+    """Each turn's first token with decoders replaced at their request's size (growth 1, as
+    before) or grown (`DECODER_GROWTH` 2), after a warm-up conversation."""
+    lines = [
+        "",
+        f"## A {turns}-turn conversation",
+        "",
+        f"First prompt {CHAT_FIRST} tokens; each later turn a prompt-cache hit of the previous "
+        f"prompt plus {CHAT_REPLY} + {CHAT_MESSAGE} new tokens; max_tokens {CHAT_MAX_TOKENS} "
+        "(the server's default). First token in ms per turn; a warm-up conversation first.",
+        "",
+        "| model | growth | " + " | ".join(f"turn {t + 1}" for t in range(turns)) + " | sum |",
+        "|---|---|" + "---|" * (turns + 1),
+    ]
+    for name in models:
+        model = build_random_model(PRESETS[name], torch.device("cuda"), quant=quant)
+        for timed, growth in ((False, 2), (True, 1), (True, 2)):
+            cuda_graph.GraphDecoder.discard_idle(model)
+            with mock.patch.object(cuda_graph, "DECODER_GROWTH", growth):
+                times = chat_seconds(model, turns)
+            if timed:
+                cells = " | ".join(f"{t * 1e3:.1f}" for t in times)
+                lines.append(f"| {name} | {growth} | {cells} | {sum(times) * 1e3:.1f} |")
+                print(lines[-1], flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return lines
 
 
 def hits_table(models: list[str], pairs: list[tuple[int, int]], quant: str) -> list[str]:
@@ -110,6 +166,7 @@ def main() -> None:
     parser.add_argument(
         "--hits", default="", help="cached+new pairs (e.g. 1024+128,3968+128): hits vs fresh"
     )
+    parser.add_argument("--chat", type=int, default=0, help="turns of a growing conversation")
     args = parser.parse_args()
     device = torch.device("cuda")
     lines = [
@@ -127,7 +184,7 @@ def main() -> None:
     seed = 0
     for name in args.models.split(","):
         model = build_random_model(PRESETS[name], device, quant=args.quant)
-        for tokens in (int(t) for t in args.lengths.split(",")):
+        for tokens in (int(t) for t in args.lengths.split(",") if t):
             medians = []
             for dynamic in (True, False):
                 times = []
@@ -148,6 +205,8 @@ def main() -> None:
     if args.hits:
         pairs = [tuple(int(n) for n in pair.split("+")) for pair in args.hits.split(",")]
         lines += hits_table(args.models.split(","), pairs, args.quant)  # type: ignore[arg-type]
+    if args.chat:
+        lines += chat_table(args.models.split(","), args.chat, args.quant)
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gpu_fresh_prompt_ttft-{date.today()}.md"

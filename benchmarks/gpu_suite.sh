@@ -24,6 +24,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh continuation  # prompt-cache hits through continuation graphs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh gemv-stages   # bf16 GEMV with a pipelined K loop: sweep, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh affine-stages # 4/8-bit GEMV whole steps pipelined: A/B, logits
+#   OUT=/tmp/out benchmarks/gpu_suite.sh chat          # a growing conversation: decoders grown or not
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -215,6 +216,9 @@ elif [ "$PART" = affine-stages ]; then  # the affine GEMV's whole steps in a pip
 stage 100 affine python benchmarks/gpu_kernels_affine.py
 stage 300 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,affine-stages2,affine-stages3 --rounds 2 --check --name affine_stages_4bit
 stage 120 ab-8bit python benchmarks/ab_decode.py --models gemma3-12b --quant 8bit --variants base,affine-stages3 --rounds 2 --check --name affine_stages_8bit
+elif [ "$PART" = chat ]; then  # each turn's first token, decoders replaced at their size or grown
+stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
+stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
