@@ -336,10 +336,13 @@ def test_decoders_are_reused_only_when_asked_and_when_they_fit(
     assert GraphDecoder.acquire(model, 100, parse_kv_quant("8", group_size=32)) is not first
 
 
-def test_a_decoder_that_replaces_a_smaller_one_grows(tmp_path: Path) -> None:
+def test_a_decoder_that_replaces_a_smaller_one_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A conversation's growing requests: a decoder replacing an idle one too small for its
     request takes twice the idle one's slots, in whole 256-slot buckets, within the model's
-    positions (4096 here) and the slot limit; a new KV policy starts at its own size."""
+    positions (4096 here), the slot limit and half the device's free memory beyond what the
+    request needs; a new KV policy starts at its own size."""
     from hearth import cuda_graph
     from hearth.kv import parse_kv_quant
 
@@ -367,6 +370,12 @@ def test_a_decoder_that_replaces_a_smaller_one_grows(tmp_path: Path) -> None:
     GraphDecoder.limit_slots(model, None)
     assert turn(2400).max_context == 4096  # not 2 x 2304: the model's 4096 positions
     assert turn(100, parse_kv_quant("8", group_size=32)).max_context == 256
+    config = model.config  # fp32 K and V of every layer: the bytes of one slot
+    slot = 2 * config.num_key_value_heads * config.head_dim * 4 * config.num_hidden_layers
+    monkeypatch.setattr(cuda_graph, "device_free_bytes", lambda device: 2 * 100 * slot)
+    GraphDecoder.discard_idle(model)
+    assert turn(300).max_context == 512
+    assert turn(600).max_context == 768  # not 2 x 512: 600 + 100 slots, the request rounded
 
 
 def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

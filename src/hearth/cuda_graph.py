@@ -123,7 +123,8 @@ class GraphDecoder:
             return idle
         slots = max_context
         if idle is not None and idle.policy == policy:
-            slots = max(max_context, _grown_slots(model, DECODER_GROWTH * idle.max_context))
+            grown = _grown_slots(model, max_context, DECODER_GROWTH * idle.max_context)
+            slots = max(max_context, grown)
         del idle  # its caches go before the new ones are made
         return cls(model, slots, policy=policy)
 
@@ -335,13 +336,23 @@ def _warm_up_and_capture(
     return graph, output
 
 
-def _grown_slots(model: nn.Module, slots: int, bucket: int = VIEW_BUCKET) -> int:
-    """`slots`, within the model's positions and its slot limit (`GraphDecoder.limit_slots`),
-    in whole buckets so that rounding up never passes the limit."""
+def _grown_slots(model: nn.Module, needed: int, slots: int, bucket: int = VIEW_BUCKET) -> int:
+    """`slots`, within the model's positions, its slot limit (`GraphDecoder.limit_slots`) and,
+    beyond the `needed` ones, half the device's free memory in dense K/V; in whole buckets so
+    that rounding up never passes a limit."""
     limit = model.config.max_position_embeddings + 1
     if model.__dict__.get(_SLOT_LIMIT) is not None:
         limit = min(limit, model.__dict__[_SLOT_LIMIT])
+    free = device_free_bytes(model.device)
+    if free is not None:
+        per_slot = model.config.kv_bytes_per_token(model.compute_dtype.itemsize)
+        limit = min(limit, needed + free // 2 // per_slot)
     return min(slots, limit) // bucket * bucket
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device (None elsewhere)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 # The attributes holding a model's idle decoder and its slot limit (see `GraphDecoder.acquire`).
