@@ -14,11 +14,14 @@ N-turn conversation with graph decoders replaced at their request's size (as bef
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -76,6 +79,59 @@ def hit_seconds(
     return stats.prefill_seconds
 
 
+def per_model(names: list[str], quant: str, rows_of: Callable[[str, Any], list[str]]) -> list[str]:
+    """`rows_of(name, model)` for each preset's random model, one on the GPU at a time."""
+    rows = []
+    for name in names:
+        model = build_random_model(PRESETS[name], torch.device("cuda"), quant=quant)
+        rows += rows_of(name, model)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def shown(row: str) -> str:
+    print(row, flush=True)
+    return row
+
+
+def fresh_table(models: list[str], lengths: list[int], quant: str) -> list[str]:
+    """A fresh prompt's first token, prefilled into dynamic caches (the server before) or
+    from a prefill graph into the reused decoder's static caches."""
+    lines = [
+        "",
+        "*dynamic*: prefill into new dynamic caches, then copied into the graph decoder's (the "
+        "server before); *graphs*: straight into the reused decoder's static caches, from a "
+        "prefill graph.",
+        "",
+        "| model | prompt tokens | dynamic (ms) | graphs (ms) | speed-up |",
+        "|---|---|---|---|---|",
+    ]
+    seeds = itertools.count(1)
+
+    def rows(name: str, model) -> list[str]:
+        found = []
+        for tokens in lengths:
+            medians = []
+            for dynamic in (True, False):
+                times = []
+                for attempt in range(WARM_UP + TIMED):
+                    seconds = first_token_seconds(model, tokens, dynamic, next(seeds))
+                    if attempt >= WARM_UP:
+                        times.append(seconds)
+                medians.append(statistics.median(times))
+            before, after = medians
+            found.append(
+                shown(
+                    f"| {name} | {tokens} | {before * 1e3:.1f} | {after * 1e3:.1f} | "
+                    f"{before / after:.2f}x |"
+                )
+            )
+        return found
+
+    return lines + per_model(models, quant, rows)
+
+
 # A conversation's turns: the first prompt, then each turn's reply and next user message.
 CHAT_FIRST, CHAT_REPLY, CHAT_MESSAGE, CHAT_MAX_TOKENS = 200, 300, 60, 512
 
@@ -106,19 +162,19 @@ def chat_table(models: list[str], turns: int, quant: str) -> list[str]:
         "| model | growth | " + " | ".join(f"turn {t + 1}" for t in range(turns)) + " | sum |",
         "|---|---|" + "---|" * (turns + 1),
     ]
-    for name in models:
-        model = build_random_model(PRESETS[name], torch.device("cuda"), quant=quant)
+
+    def rows(name: str, model) -> list[str]:
+        found = []
         for timed, growth in ((False, 2), (True, 1), (True, 2)):
             cuda_graph.GraphDecoder.discard_idle(model)
             with mock.patch.object(cuda_graph, "DECODER_GROWTH", growth):
                 times = chat_seconds(model, turns)
             if timed:
                 cells = " | ".join(f"{t * 1e3:.1f}" for t in times)
-                lines.append(f"| {name} | {growth} | {cells} | {sum(times) * 1e3:.1f} |")
-                print(lines[-1], flush=True)
-        del model
-        torch.cuda.empty_cache()
-    return lines
+                found.append(shown(f"| {name} | {growth} | {cells} | {sum(times) * 1e3:.1f} |"))
+        return found
+
+    return lines + per_model(models, quant, rows)
 
 
 def hits_table(models: list[str], pairs: list[tuple[int, int]], quant: str) -> list[str]:
@@ -135,13 +191,14 @@ def hits_table(models: list[str], pairs: list[tuple[int, int]], quant: str) -> l
         "| model | cached + new tokens | hit (ms) | hit, graphs (ms) | fresh (ms) |",
         "|---|---|---|---|---|",
     ]
-    seed = 10_000
-    for name in models:
-        model = build_random_model(PRESETS[name], torch.device("cuda"), quant=quant)
+    seeds = itertools.count(10_000)
+
+    def rows(name: str, model) -> list[str]:
+        found = []
         for cached, new in pairs:
             times: list[list[float]] = [[], [], []]
             for attempt in range(WARM_UP + TIMED):
-                seed += 1
+                seed = next(seeds)
                 runs = (
                     hit_seconds(model, cached, new, seed, continued=False),
                     hit_seconds(model, cached, new, seed, continued=True),
@@ -151,11 +208,10 @@ def hits_table(models: list[str], pairs: list[tuple[int, int]], quant: str) -> l
                     for column, seconds in zip(times, runs, strict=True):
                         column.append(seconds)
             cells = " | ".join(f"{statistics.median(column) * 1e3:.1f}" for column in times)
-            lines.append(f"| {name} | {cached} + {new} | {cells} |")
-            print(lines[-1], flush=True)
-        del model
-        torch.cuda.empty_cache()
-    return lines
+            found.append(shown(f"| {name} | {cached} + {new} | {cells} |"))
+        return found
+
+    return lines + per_model(models, quant, rows)
 
 
 def main() -> None:
@@ -168,45 +224,22 @@ def main() -> None:
     )
     parser.add_argument("--chat", type=int, default=0, help="turns of a growing conversation")
     args = parser.parse_args()
-    device = torch.device("cuda")
     lines = [
         f"# Fresh-prompt time to first token, server path ({date.today()}, "
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__})",
         "",
-        f"Random weights at real shapes, {args.quant}; median of {TIMED} requests after "
-        f"{WARM_UP} warm-ups, each a new random prompt. *dynamic*: prefill into new dynamic "
-        "caches, then copied into the graph decoder's (the server before); *graphs*: straight "
-        "into the reused decoder's static caches, from a prefill graph.",
-        "",
-        "| model | prompt tokens | dynamic (ms) | graphs (ms) | speed-up |",
-        "|---|---|---|---|---|",
+        f"Random weights at real shapes, {args.quant}; medians of {TIMED} requests after "
+        f"{WARM_UP} warm-ups, each a new random prompt, unless a table says otherwise.",
     ]
-    seed = 0
-    for name in args.models.split(","):
-        model = build_random_model(PRESETS[name], device, quant=args.quant)
-        for tokens in (int(t) for t in args.lengths.split(",") if t):
-            medians = []
-            for dynamic in (True, False):
-                times = []
-                for attempt in range(WARM_UP + TIMED):
-                    seed += 1
-                    seconds = first_token_seconds(model, tokens, dynamic, seed)
-                    if attempt >= WARM_UP:
-                        times.append(seconds)
-                medians.append(statistics.median(times))
-            before, after = medians
-            lines.append(
-                f"| {name} | {tokens} | {before * 1e3:.1f} | {after * 1e3:.1f} | "
-                f"{before / after:.2f}x |"
-            )
-            print(lines[-1], flush=True)
-        del model
-        torch.cuda.empty_cache()
+    models = args.models.split(",")
+    lengths = [int(t) for t in args.lengths.split(",") if t]
+    if lengths:
+        lines += fresh_table(models, lengths, args.quant)
     if args.hits:
         pairs = [tuple(int(n) for n in pair.split("+")) for pair in args.hits.split(",")]
-        lines += hits_table(args.models.split(","), pairs, args.quant)  # type: ignore[arg-type]
+        lines += hits_table(models, pairs, args.quant)  # type: ignore[arg-type]
     if args.chat:
-        lines += chat_table(args.models.split(","), args.chat, args.quant)
+        lines += chat_table(models, args.chat, args.quant)
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gpu_fresh_prompt_ttft-{date.today()}.md"

@@ -341,8 +341,9 @@ def _grown_slots(model: nn.Module, needed: int, slots: int, bucket: int = VIEW_B
     beyond the `needed` ones, half the device's free memory in dense K/V; in whole buckets so
     that rounding up never passes a limit."""
     limit = model.config.max_position_embeddings + 1
-    if model.__dict__.get(_SLOT_LIMIT) is not None:
-        limit = min(limit, model.__dict__[_SLOT_LIMIT])
+    slot_limit = model.__dict__.get(_SLOT_LIMIT)
+    if slot_limit is not None:
+        limit = min(limit, slot_limit)
     free = device_free_bytes(model.device)
     if free is not None:
         per_slot = model.config.kv_bytes_per_token(model.compute_dtype.itemsize)
