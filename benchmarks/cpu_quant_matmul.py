@@ -1,7 +1,13 @@
 """Decode-shaped matmul x[1, in] @ Wᵀ on CPU: fp32, bf16, int8 and int4 (group 32) weights.
 
 Decode reads every weight once per token, so "GB/s effective" (weight bytes / time) shows how
-close each format gets to memory bandwidth. Run: python benchmarks/cpu_quant_matmul.py
+close each format gets to memory bandwidth. int8 is timed twice: torch's weight-only kernel
+(aten._weight_int8pack_mm) and Hearth's native one (hearth/quant/native_kernels.c), which
+Int8Linear uses for one row where it builds. The 168 MB head streams from memory on every
+call; the layer shapes are small enough to stay in cache when called back to back, so they
+show compute and call overhead rather than bandwidth.
+
+    python benchmarks/cpu_quant_matmul.py
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hearth.quant import Int4Linear, Int8Linear
+from hearth.quant import Int4Linear, Int8Linear, native
 
 # (out, in): the tied Gemma 3 270M head, then MLP up/gate, MLP down, q_proj.
 SHAPES = [(262144, 640), (2048, 640), (640, 2048), (1024, 640)]
@@ -42,12 +48,27 @@ def formats(weight: torch.Tensor) -> list[tuple[str, int, Callable[[], torch.Ten
     w16 = weight.to(torch.bfloat16)
     int8 = Int8Linear.from_float(weight)
     int4 = Int4Linear.from_float(weight, group_size=32)
-    return [
+
+    rows = [
         ("fp32", weight.nbytes, lambda: F.linear(x32, weight)),
         ("bf16", w16.nbytes, lambda: F.linear(x16, w16)),
-        ("int8", int8.nbytes, lambda: int8(x16)),
-        ("int4 g32", int4.nbytes, lambda: int4(x16)),
+        (
+            "int8, torch kernel",
+            int8.nbytes,
+            lambda: torch.ops.aten._weight_int8pack_mm(x16, int8.qweight, int8.scales),
+        ),
     ]
+    kernels = native.kernels()
+    if kernels is not None:
+        rows.append(
+            (
+                "int8, native kernel",
+                int8.nbytes,
+                lambda: kernels.int8_rows_matmul(x16, int8.qweight, int8.scales),
+            )
+        )
+    rows.append(("int4 g32", int4.nbytes, lambda: int4(x16)))
+    return rows
 
 
 def main() -> None:

@@ -3,7 +3,9 @@
 Decode on CPU is memory-bandwidth bound, so shrinking the weights that every token reads is the
 whole win: int8 halves the bytes of a bf16 weight, int4 quarters them. The fast paths call
 ``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``; where a torch build lacks
-them (or a shape does not fit them) the modules fall back to ``reference_forward``.
+them (or a shape does not fit them) the modules fall back to ``reference_forward``. A single int8
+row (batch-1 decode) takes Hearth's native kernel where it builds (``native.py``): it streams
+the weights at up to twice the speed of torch's.
 
 Schemes (W is [out, in]; every dequantized value below is computed exactly as the kernels do):
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hearth.quant import native
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_MAX = 127
@@ -51,6 +55,8 @@ def _has_aten_op(name: str) -> bool:
 
 # Modules read these when built, so tests can patch them to exercise the fallback paths.
 HAS_INT8_KERNEL = _has_aten_op("_weight_int8pack_mm")
+# Int8Linear uses native.kernels() when this is set and the library builds on this machine.
+USE_NATIVE_INT8 = True
 HAS_INT4_KERNEL = _has_aten_op("_weight_int4pack_mm_for_cpu") and _has_aten_op(
     "_convert_weight_to_int4pack_for_cpu"
 )
@@ -236,7 +242,9 @@ class Int8Linear(_QuantizedLinear):
     def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         out_features, in_features = qweight.shape
-        uses_kernel = HAS_INT8_KERNEL and in_features % INT8_KERNEL_IN_MULTIPLE == 0
+        self.uses_torch_kernel = HAS_INT8_KERNEL and in_features % INT8_KERNEL_IN_MULTIPLE == 0
+        self.uses_native = USE_NATIVE_INT8 and native.kernels() is not None
+        uses_kernel = self.uses_native or self.uses_torch_kernel
         self._init_common(in_features, out_features, bias, uses_kernel)
         self.register_buffer("qweight", _aligned(qweight.contiguous()))
         self.register_buffer("scales", scales.contiguous())
@@ -249,6 +257,11 @@ class Int8Linear(_QuantizedLinear):
         return dequantize_int8_rows(self.qweight, self.scales)
 
     def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
+        # The native kernel wins on one row; from two rows on, torch's does (see native.py).
+        if self.uses_native and (x2d_bf16.shape[0] == 1 or not self.uses_torch_kernel):
+            kernels = native.kernels()
+            assert kernels is not None  # uses_native was set from it
+            return kernels.int8_rows_matmul(x2d_bf16, self.qweight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(_aligned(x2d_bf16), self.qweight, self.scales)
 
 
