@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -40,6 +41,11 @@ ENGINES = {
     "hearth fp32": ("hearth", {"dtype": "float32", "quantize": "none"}),
     "hearth bf16": ("hearth", {"dtype": "bfloat16", "quantize": "none"}),
     "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
+    # The default with Hearth's native CPU kernels turned off (hearth.native): torch ops only.
+    "hearth bf16 + int8 weights, torch kernels only": (
+        "hearth",
+        {"dtype": "bfloat16", "quantize": "int8", "native": False},
+    ),
     "hearth bf16 + int4 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int4"}),
     "HF transformers fp32": ("hf", {"dtype": "float32"}),
     "HF transformers bf16": ("hf", {"dtype": "bfloat16"}),
@@ -60,6 +66,8 @@ def peak_rss_mib() -> float:
 
 
 def run_hearth(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
+    if not options.get("native", True):
+        os.environ["HEARTH_NATIVE"] = "0"  # read when the kernels are first asked for
     import hearth
     from hearth.generate import GenerationStats, generate_tokens
     from hearth.sampling import Sampler, SamplingParams

@@ -2,7 +2,7 @@
 
 Decode reads every weight once per token, so "GB/s effective" (weight bytes / time) shows how
 close each format gets to memory bandwidth. int8 is timed twice: torch's weight-only kernel
-(aten._weight_int8pack_mm) and Hearth's native one (hearth/quant/native_kernels.c), which
+(aten._weight_int8pack_mm) and Hearth's native one (hearth/native/kernels.c), which
 Int8Linear uses for one row where it builds. The 168 MB head streams from memory on every
 call; the layer shapes are small enough to stay in cache when called back to back, so they
 show compute and call overhead rather than bandwidth.
@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hearth.quant import Int4Linear, Int8Linear, native
+from hearth import native
+from hearth.quant import Int4Linear, Int8Linear
 
 # (out, in): the tied Gemma 3 270M head, then MLP up/gate, MLP down, q_proj.
 SHAPES = [(262144, 640), (2048, 640), (640, 2048), (1024, 640)]

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hearth import native
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.launch import launch_kernel
 
@@ -308,6 +309,18 @@ def add_rms_norm(
     """`(residual + norm(x)·w)·scale` and, with `normalize_next`, its norm by `next_weight`."""
     if kernel_enabled(x):
         return add_rms_norm_triton(residual, x, weight, eps, next_weight, normalize_next, scale)
+    if (
+        scale is None
+        and weight is not None
+        and (next_weight is not None or not normalize_next)
+        and residual.shape == x.shape
+        and (kernels := native.for_cpu_bf16(residual, x)) is not None
+    ):
+        # A CPU bf16 step: one native call with the reference's roundings.
+        return kernels.add_rms_norm(
+            residual.contiguous(), x.contiguous(), weight, eps,
+            next_weight if normalize_next else None,
+        )  # fmt: skip
     return add_rms_norm_reference(residual, x, weight, eps, next_weight, normalize_next, scale)
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from hearth import native
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import rms_norm_reference
@@ -258,7 +259,23 @@ def norm_rope(
 
     With `cache_write`, K and V are written into a dense static cache instead (one token).
     """
-    run = norm_rope_triton if kernel_enabled(qkv) else norm_rope_reference
+    if kernel_enabled(qkv):
+        run = norm_rope_triton
+    elif (
+        value_mode == ValueMode.RAW
+        and k_weight is not None
+        and cache_write is None
+        and qkv.dim() == 2
+        and qkv.shape[1] == (q_heads + 2 * kv_heads) * head_dim
+        and (kernels := native.for_cpu_bf16(qkv, cos, sin)) is not None
+    ):
+        # A CPU bf16 step: one native call with the reference's roundings.
+        return kernels.norm_rope(
+            qkv.contiguous(), q_heads, kv_heads, head_dim, q_weight, k_weight,
+            cos.contiguous(), sin.contiguous(), eps,
+        )  # fmt: skip
+    else:
+        run = norm_rope_reference
     return run(
         qkv, q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, eps, value_mode,
         cache_write,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth import native
 from hearth.config import SLIDING_ATTENTION, Gemma3Config, RopeConfig
 from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
@@ -128,6 +129,9 @@ def decode_attention(
     matmul of these shapes ([4, 256] @ [256, 512]) takes ~35 µs against ~10 in fp32, more than
     the conversion saves, and batched (3-D/4-D) ones take a slower path still.
     """
+    kernels = native.for_cpu_bf16(q, k, v)
+    if kernels is not None and native.attention_layout(k, v):
+        return kernels.decode_attention(q.contiguous(), k, v, scale, length)
     batch, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(batch * kv_heads, heads // kv_heads, dim).float()

@@ -4,7 +4,7 @@ Decode on CPU is memory-bandwidth bound, so shrinking the weights that every tok
 whole win: int8 halves the bytes of a bf16 weight, int4 quarters them. The fast paths call
 ``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``; where a torch build lacks
 them (or a shape does not fit them) the modules fall back to ``reference_forward``. A single int8
-row (batch-1 decode) takes Hearth's native kernel where it builds (``native.py``): it streams
+row (batch-1 decode) takes Hearth's native kernel where it builds (``hearth.native``): it streams
 the weights at up to twice the speed of torch's.
 
 Schemes (W is [out, in]; every dequantized value below is computed exactly as the kernels do):
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hearth.quant import native
+from hearth import native
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_MAX = 127
@@ -257,7 +257,7 @@ class Int8Linear(_QuantizedLinear):
         return dequantize_int8_rows(self.qweight, self.scales)
 
     def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
-        # The native kernel wins on one row; from two rows on, torch's does (see native.py).
+        # The native kernel wins on one row; from two rows on, torch's does (see hearth.native).
         if self.uses_native and (x2d_bf16.shape[0] == 1 or not self.uses_torch_kernel):
             kernels = native.kernels()
             assert kernels is not None  # uses_native was set from it

@@ -1,0 +1,290 @@
+"""Hearth's native CPU kernels (``kernels.c``): built on first use, loaded with ctypes.
+
+CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. Two things
+here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05.md):
+
+* the int8 weight-only matrix-vector product, where torch's ``aten._weight_int8pack_mm``
+  streams short weight rows at about half the memory bandwidth (no software prefetch);
+* the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
+  one call each instead of a dozen dispatched torch ops, with the same roundings.
+
+They need a C compiler with OpenMP and an AVX-512 CPU; without either, ``kernels()`` is None
+and every caller keeps its torch path. ``HEARTH_NATIVE=0`` turns them off.
+
+The library is compiled once per source, compiler and CPU into ``$HEARTH_CACHE/native`` (default
+``~/.cache/hearth/native``), written to a temporary name and renamed, so concurrent processes
+never load a half-written file. torch is imported first: its libgomp is then the one the library
+binds to, and both share one OpenMP thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("hearth.native")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBRARIES = ("-lm",)
+# Input rows the int8 kernel takes (MAX_INPUT_ROWS in the source).
+MAX_INPUT_ROWS = 16
+DISABLE_VARIABLE = "HEARTH_NATIVE"
+COMPILE_TIMEOUT_S = 120
+
+_POINTER, _INT64, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# Entry points and their C argument types (pointers are data_ptr()s, None for NULL).
+_SIGNATURES = {
+    "hearth_int8_rows_matmul": [
+        _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT,
+    ],
+    "hearth_add_rms_norm": [
+        _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _FLOAT, _POINTER, _POINTER,
+    ],
+    "hearth_norm_rope": [
+        _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER,
+        _FLOAT, _POINTER, _POINTER, _POINTER,
+    ],
+    "hearth_decode_attention": [
+        _POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _FLOAT, _POINTER,
+        _INT,
+    ],
+}  # fmt: skip
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(f"native kernel: {what}")
+
+
+def _dense(tensor: Tensor, dtype: torch.dtype) -> bool:
+    return tensor.dtype == dtype and tensor.is_contiguous() and tensor.device.type == "cpu"
+
+
+def attention_layout(keys: Tensor, values: Tensor) -> bool:
+    """Whether K/V [B, Hk, slots, D] share strides that step whole rows of D: what
+    ``decode_attention`` reads (a cache buffer, or its first slots)."""
+    batch_stride, head_stride, slot_stride, element_stride = keys.stride()
+    return (
+        keys.stride() == values.stride()
+        and element_stride == 1
+        and slot_stride == keys.shape[3]
+        and batch_stride == keys.shape[1] * head_stride
+    )
+
+
+class NativeKernels:
+    """The loaded library, with typed entry points that check what they are given."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = ctypes.c_int, argtypes
+            self._functions[name] = function
+
+    def _call(self, name: str, *args: object) -> None:
+        if self._functions[name](*args) != 0:
+            raise MemoryError(f"{name} could not allocate its buffers")
+
+    def int8_rows_matmul(self, x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+        """``x [m, k] @ (qweight [n, k] * scales [n])ᵀ`` in bf16, for 1 <= m <= 16."""
+        rows, in_features = x.shape
+        out_features = qweight.shape[0]
+        _require(
+            _dense(x, torch.bfloat16)
+            and _dense(qweight, torch.int8)
+            and _dense(scales, torch.bfloat16)
+            and qweight.shape[1] == in_features
+            and scales.shape == (out_features,)
+            and 1 <= rows <= MAX_INPUT_ROWS,
+            "int8_rows_matmul takes bf16 x [1..16, k], int8 q [n, k], bf16 scales [n]",
+        )
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        self._call(
+            "hearth_int8_rows_matmul", x.data_ptr(), rows, in_features, qweight.data_ptr(),
+            scales.data_ptr(), out_features, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+    def add_rms_norm(
+        self,
+        residual: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        next_weight: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``residual + norm(x)·w`` and, given ``next_weight``, its norm by that (all bf16)."""
+        width = x.shape[-1]
+        _require(
+            _dense(residual, torch.bfloat16)
+            and _dense(x, torch.bfloat16)
+            and residual.shape == x.shape
+            and _dense(weight, torch.float32)
+            and weight.shape == (width,)
+            and (next_weight is None or (_dense(next_weight, torch.float32)
+                                         and next_weight.shape == (width,))),
+            "add_rms_norm takes bf16 residual and x of one shape, fp32 weights [width]",
+        )  # fmt: skip
+        summed = torch.empty_like(x)
+        normed = None if next_weight is None else torch.empty_like(x)
+        self._call(
+            "hearth_add_rms_norm", residual.data_ptr(), x.data_ptr(), x.numel() // width, width,
+            weight.data_ptr(), None if next_weight is None else next_weight.data_ptr(), eps,
+            summed.data_ptr(), None if normed is None else normed.data_ptr(),
+        )  # fmt: skip
+        return summed, normed
+
+    def norm_rope(
+        self,
+        qkv: Tensor,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        q_weight: Tensor,
+        k_weight: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k RMSNorm + RoPE and the v split of ``qkv [T, (Hq + 2·Hk)·D]`` (bf16, cos/sin
+        [T, D]): ``(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D])``."""
+        tokens, width = qkv.shape
+        _require(
+            _dense(qkv, torch.bfloat16)
+            and width == (q_heads + 2 * kv_heads) * head_dim
+            and head_dim % 2 == 0
+            and _dense(q_weight, torch.float32)
+            and _dense(k_weight, torch.float32)
+            and q_weight.shape == k_weight.shape == (head_dim,)
+            and _dense(cos, torch.bfloat16)
+            and _dense(sin, torch.bfloat16)
+            and cos.shape == sin.shape == (tokens, head_dim),
+            "norm_rope takes bf16 qkv [T, (Hq + 2 Hk) D], fp32 norm weights, bf16 cos/sin [T, D]",
+        )
+        q = torch.empty(tokens, q_heads, head_dim, dtype=torch.bfloat16)
+        k = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+        v = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+        self._call(
+            "hearth_norm_rope", qkv.data_ptr(), tokens, width, q_heads, kv_heads, head_dim,
+            q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        )  # fmt: skip
+        return q, k, v
+
+    def decode_attention(
+        self, q: Tensor, keys: Tensor, values: Tensor, scale: float, length: int
+    ) -> Tensor:
+        """One query per head, ``q [B, H, 1, D]``, over the first ``length`` keys of
+        ``keys``/``values [B, Hk, slots, D]`` (bf16): ``[B, H, 1, D]``, softmax in fp32."""
+        batch, heads, queries, dim = q.shape
+        kv_heads, slots = keys.shape[1], keys.shape[2]
+        group_stride = keys.stride(1)
+        _require(
+            _dense(q, torch.bfloat16)
+            and queries == 1
+            and keys.dtype == values.dtype == torch.bfloat16
+            and keys.shape == values.shape
+            and keys.shape[0] == batch
+            and keys.shape[3] == dim
+            and heads % kv_heads == 0
+            and attention_layout(keys, values)
+            and 1 <= length <= slots,
+            "decode_attention takes bf16 q [B, H, 1, D] and K/V [B, Hk, slots, D] with rows of D",
+        )
+        out = torch.empty_like(q)
+        self._call(
+            "hearth_decode_attention", q.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            batch * kv_heads, heads // kv_heads, dim, length, group_stride, scale, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def library_path(cache_dir: Path, compiler: str) -> Path:
+    """Where the library for this source, compiler and CPU lives (built or not)."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
+    ).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBRARIES).encode(), version.encode()):
+        key.update(part)
+    key.update(f"{platform.machine()}\n{_cpu_identity()}".encode())
+    return cache_dir / f"kernels-{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path, compiler: str) -> Path:
+    """Compile the library into ``cache_dir`` unless it is there; raises on a compiler error."""
+    target = library_path(cache_dir, compiler)
+    if target.is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+        partial = Path(scratch) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        os.replace(partial, target)
+    return target
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("HEARTH_CACHE") or Path.home() / ".cache" / "hearth") / "native"
+
+
+@functools.cache
+def kernels() -> NativeKernels | None:
+    """The native kernels, built on first call; None where they cannot run here."""
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C compiler: CPU decode keeps torch's kernels")
+        return None
+    try:
+        path = build(default_cache_dir(), compiler)
+        return NativeKernels(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as error:
+        # CalledProcessError carries the compiler's message (e.g. no AVX-512 on this CPU).
+        detail = getattr(error, "stderr", "") or error
+        log.info("native kernels unavailable, CPU decode keeps torch's kernels: %s", detail)
+        return None
+
+
+def for_cpu_bf16(*tensors: Tensor) -> NativeKernels | None:
+    """The kernels when every tensor is a bf16 CPU tensor and they run here, else None."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors):
+        return None
+    return kernels()

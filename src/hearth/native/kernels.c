@@ -1,0 +1,319 @@
+/* Hearth's native CPU kernels for batch-1 decode (AVX-512, OpenMP); see hearth/native.
+ *
+ * 1. Weight-only int8 matrix-vector product: y[m, n] = bf16(s[n] * sum_k x[m, k] * q[n, k])
+ *    with x in bf16, q in int8, one bf16 scale per weight row, fp32 products and sums. Decode
+ *    reads every weight once per token, so it exists to run at memory bandwidth: each thread
+ *    walks one contiguous range of rows, four at a time, and each 16 weights are widened to
+ *    fp32 once for all input rows. torch's aten._weight_int8pack_mm streams short rows (the
+ *    262144 x 640 head of Gemma 3 270M) at half the bandwidth: the hardware prefetcher does not
+ *    keep up, and the software prefetch below doubles the speed.
+ * 2. The bf16 glue of a decode step (below the int8 kernel), with torch's roundings.
+ *
+ * Built on first use by hearth/native/__init__.py (-O3 -march=native -fopenmp). OpenMP is then
+ * served by the libgomp that torch has loaded already, so both share one thread pool.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef __AVX512F__
+#error "hearth's native kernels need AVX-512; torch's own kernels serve other CPUs"
+#endif
+
+/* Weight rows per step: they share each load of x. */
+#define ROWS 4
+/* Input rows per step: 4 x 4 accumulators plus 4 widened weights fit the 32 registers. */
+#define INPUT_ROWS 4
+/* More input rows than this is a prefill, which runs as a dense GEMM instead. */
+#define MAX_INPUT_ROWS 16
+/* How far ahead of the loads the weight stream is prefetched, in bytes (measured best of
+ * 4 KiB .. 32 KiB on the head; the exact value matters little past ~8 KiB). */
+#define PREFETCH_BYTES 16384
+
+static inline float bf16_to_float(uint16_t value) {
+    uint32_t bits = (uint32_t)value << 16;
+    float result;
+    memcpy(&result, &bits, sizeof result);
+    return result;
+}
+
+/* Round to nearest even, as torch's float -> bf16 conversion does; NaN stays a quiet NaN. */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (uint16_t)((bits >> 16) | 0x0040u);
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* 16 int8 weights from q[j], widened to fp32 (exact); masked for the tail of a row. */
+static inline __m512 load_weights(const int8_t *q, int64_t j, __mmask16 mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + j)));
+}
+
+/* out[i][r] = x[i] . q[r] for input rows i < m (1..INPUT_ROWS) and the ROWS weight rows
+ * q[r] = q + r * k. The block's ROWS * k bytes are consumed 64 bytes per step of j, so one
+ * prefetch per step covers the stream PREFETCH_BYTES ahead (prefetches never fault). */
+static void dot_rows(const float *x, int64_t m, const int8_t *q, int64_t k,
+                     float out[INPUT_ROWS][ROWS]) {
+    __m512 acc[INPUT_ROWS][ROWS];
+    for (int i = 0; i < INPUT_ROWS; ++i) {
+        for (int r = 0; r < ROWS; ++r) {
+            acc[i][r] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t j = 0; j < k; j += 16) {
+        _mm_prefetch((const char *)(q + PREFETCH_BYTES + j * ROWS), _MM_HINT_T0);
+        const __mmask16 mask = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
+        const __m512 w0 = load_weights(q, j, mask);
+        const __m512 w1 = load_weights(q + k, j, mask);
+        const __m512 w2 = load_weights(q + 2 * k, j, mask);
+        const __m512 w3 = load_weights(q + 3 * k, j, mask);
+        if (m == 1) { /* decode: a branch the compiler keeps all accumulators in registers for */
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + j);
+            acc[0][0] = _mm512_fmadd_ps(xv, w0, acc[0][0]);
+            acc[0][1] = _mm512_fmadd_ps(xv, w1, acc[0][1]);
+            acc[0][2] = _mm512_fmadd_ps(xv, w2, acc[0][2]);
+            acc[0][3] = _mm512_fmadd_ps(xv, w3, acc[0][3]);
+            continue;
+        }
+        for (int64_t i = 0; i < m; ++i) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * k + j);
+            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
+            acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
+        }
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        for (int r = 0; r < ROWS; ++r) {
+            out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+        }
+    }
+}
+
+/* y [m, n] = x [m, k] @ (q [n, k] * scales [n])^T on `threads` OpenMP threads.
+ * Returns 0, or -1 when m is outside 1..MAX_INPUT_ROWS or memory runs out. */
+int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *q,
+                            const uint16_t *scales, int64_t n, uint16_t *y, int threads) {
+    if (m < 1 || m > MAX_INPUT_ROWS || k < 1 || n < 1) {
+        return -1;
+    }
+    /* x once in fp32; the last block's missing weight rows read a zeroed copy. */
+    float *xf = malloc(sizeof(float) * (size_t)(m * k));
+    int8_t *last = calloc((size_t)(ROWS * k), 1);
+    if (xf == NULL || last == NULL) {
+        free(xf);
+        free(last);
+        return -1;
+    }
+    for (int64_t i = 0; i < m * k; ++i) {
+        xf[i] = bf16_to_float(x[i]);
+    }
+    const int64_t blocks = (n + ROWS - 1) / ROWS;
+    const int64_t tail_rows = n - (blocks - 1) * ROWS;
+    memcpy(last, q + (blocks - 1) * ROWS * k, (size_t)(tail_rows * k));
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t first = block * ROWS;
+        const int64_t rows = block == blocks - 1 ? tail_rows : ROWS;
+        const int8_t *weights = block == blocks - 1 ? last : q + first * k;
+        float sums[INPUT_ROWS][ROWS];
+        for (int64_t i0 = 0; i0 < m; i0 += INPUT_ROWS) {
+            const int64_t chunk = m - i0 < INPUT_ROWS ? m - i0 : INPUT_ROWS;
+            dot_rows(xf + i0 * k, chunk, weights, k, sums);
+            for (int64_t i = 0; i < chunk; ++i) {
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float scale = bf16_to_float(scales[first + r]);
+                    y[(i0 + i) * n + first + r] = float_to_bf16(sums[i][r] * scale);
+                }
+            }
+        }
+    }
+    free(xf);
+    free(last);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Decode glue in bf16, with the roundings of Hearth's torch references (hearth/kernels/norm.py,
+ * rope.py): every op that torch runs in bf16 is an fp32 op rounded to bf16 here, in the same
+ * order, so results differ from torch's only through the order of a sum (a last-bit effect).
+ * One call replaces the dozen small torch ops of each step, whose dispatch dominated them.
+ */
+
+static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+
+/* 1 / sqrt(mean(x^2) + eps) over h fp32 values, as torch's composite RMSNorm forms it. */
+static float inverse_rms(const float *x, int64_t h, float eps) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t j = 0; j < h; ++j) {
+        squares += x[j] * x[j];
+    }
+    return 1.0f / sqrtf(squares / (float)h + eps);
+}
+
+/* out = bf16((x * inverse_rms(x)) * w) for one row of h fp32 values (w NULL: no weight). */
+static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
+    const float scale = inverse_rms(x, h, eps);
+    for (int64_t j = 0; j < h; ++j) {
+        const float normed = x[j] * scale;
+        out[j] = round_bf16(w == NULL ? normed : normed * w[j]);
+    }
+}
+
+static void widen_bf16(const uint16_t *x, int64_t count, float *out) {
+    for (int64_t j = 0; j < count; ++j) {
+        out[j] = bf16_to_float(x[j]);
+    }
+}
+
+static void narrow_bf16(const float *x, int64_t count, uint16_t *out) {
+    for (int64_t j = 0; j < count; ++j) {
+        out[j] = float_to_bf16(x[j]);
+    }
+}
+
+/* summed = residual + norm(x) * w; normed = norm(summed) * w_next (skipped when normed is NULL).
+ * All of [rows, h] bf16, contiguous; w, w_next fp32 [h]. Returns -1 when memory runs out. */
+int hearth_add_rms_norm(const uint16_t *residual, const uint16_t *x, int64_t rows, int64_t h,
+                        const float *w, const float *w_next, float eps, uint16_t *summed,
+                        uint16_t *normed) {
+    float *row = malloc(sizeof(float) * (size_t)(2 * h));
+    if (row == NULL) {
+        return -1;
+    }
+    float *work = row + h;
+    for (int64_t i = 0; i < rows; ++i) {
+        widen_bf16(x + i * h, h, row);
+        rms_norm_row(row, w, h, eps, work);
+        for (int64_t j = 0; j < h; ++j) {
+            work[j] = round_bf16(bf16_to_float(residual[i * h + j]) + work[j]);
+        }
+        narrow_bf16(work, h, summed + i * h);
+        if (normed != NULL) {
+            rms_norm_row(work, w_next, h, eps, row);
+            narrow_bf16(row, h, normed + i * h);
+        }
+    }
+    free(row);
+    return 0;
+}
+
+/* Rotate-half RoPE on one normed head (fp32 values of bf16 numbers), with bf16 cos/sin [d]:
+ * out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1). */
+static void rope_row(const float *x, const uint16_t *cos, const uint16_t *sin, int64_t d,
+                     uint16_t *out) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < d; ++j) {
+        const float rotated = j < half ? -x[j + half] : x[j - half];
+        const float straight = round_bf16(x[j] * bf16_to_float(cos[j]));
+        const float turned = round_bf16(rotated * bf16_to_float(sin[j]));
+        out[j] = float_to_bf16(straight + turned);
+    }
+}
+
+/* For each of `tokens` rows of qkv [tokens, width] (bf16, row stride `width`): q heads and k
+ * heads get RMSNorm (q_w / k_w, fp32 [d]) then RoPE with that token's cos/sin [tokens, d];
+ * v heads are copied. q [tokens, q_heads, d], k and v [tokens, kv_heads, d], contiguous. */
+int hearth_norm_rope(const uint16_t *qkv, int64_t tokens, int64_t width, int64_t q_heads,
+                     int64_t kv_heads, int64_t d, const float *q_w, const float *k_w,
+                     const uint16_t *cos, const uint16_t *sin, float eps, uint16_t *q, uint16_t *k,
+                     uint16_t *v) {
+    float *row = malloc(sizeof(float) * (size_t)(2 * d));
+    if (row == NULL) {
+        return -1;
+    }
+    float *normed = row + d;
+    for (int64_t t = 0; t < tokens; ++t) {
+        const uint16_t *source = qkv + t * width;
+        for (int64_t head = 0; head < q_heads + kv_heads; ++head) {
+            const int is_q = head < q_heads;
+            widen_bf16(source + head * d, d, row);
+            rms_norm_row(row, is_q ? q_w : k_w, d, eps, normed);
+            uint16_t *target = is_q ? q + (t * q_heads + head) * d
+                                    : k + (t * kv_heads + head - q_heads) * d;
+            rope_row(normed, cos + t * d, sin + t * d, d, target);
+        }
+        memcpy(v + t * kv_heads * d, source + (q_heads + kv_heads) * d,
+               sizeof(uint16_t) * (size_t)(kv_heads * d));
+    }
+    free(row);
+    return 0;
+}
+
+/* 16 bf16 numbers from p, widened to fp32 (exact: bf16 is fp32's upper half). */
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* x . y over d values, x fp32 and y bf16, summed in fp32 in 16 lanes. */
+static inline float dot_bf16(const float *x, const uint16_t *y, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) {
+        const __mmask16 mask = tail_mask(d - j);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + j), load_bf16(y + j, mask), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* acc += weight * y over d values, y bf16. */
+static inline void add_scaled_bf16(float *acc, float weight, const uint16_t *y, int64_t d) {
+    const __m512 w = _mm512_set1_ps(weight);
+    for (int64_t j = 0; j < d; j += 16) {
+        const __mmask16 mask = tail_mask(d - j);
+        const __m512 sum = _mm512_fmadd_ps(w, load_bf16(y + j, mask),
+                                           _mm512_maskz_loadu_ps(mask, acc + j));
+        _mm512_mask_storeu_ps(acc + j, mask, sum);
+    }
+}
+
+/* One query per head over `length` keys: out = softmax(scale * q . K^T) @ V, all in fp32 from
+ * bf16 inputs, rounded to bf16 once at the end (as Hearth's CPU reference does).
+ * q, out: [groups, per_group, d] contiguous (a group = the query heads of one KV head);
+ * k, v: group g's key t at k + g * group_stride + t * d. Threads split the query heads. */
+int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                            int64_t groups, int64_t per_group, int64_t d, int64_t length,
+                            int64_t group_stride, float scale, uint16_t *out, int threads) {
+    const int64_t heads = groups * per_group;
+    float *work = malloc(sizeof(float) * (size_t)(heads * (length + 2 * d)));
+    if (work == NULL) {
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t head = 0; head < heads; ++head) {
+        const uint16_t *keys = k + (head / per_group) * group_stride;
+        const uint16_t *values = v + (head / per_group) * group_stride;
+        float *scores = work + head * (length + 2 * d);
+        float *query = scores + length;
+        float *acc = query + d;
+        widen_bf16(q + head * d, d, query);
+        float top = -INFINITY;
+        for (int64_t t = 0; t < length; ++t) {
+            scores[t] = dot_bf16(query, keys + t * d, d) * scale;
+            top = scores[t] > top ? scores[t] : top;
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < length; ++t) {
+            scores[t] = expf(scores[t] - top);
+            total += scores[t];
+        }
+        memset(acc, 0, sizeof(float) * (size_t)d);
+        for (int64_t t = 0; t < length; ++t) {
+            add_scaled_bf16(acc, scores[t] / total, values + t * d, d);
+        }
+        narrow_bf16(acc, d, out + head * d);
+    }
+    free(work);
+    return 0;
+}

@@ -1,0 +1,305 @@
+"""The native int8 CPU kernel (hearth/native/kernels.c) against an fp64 oracle, its build
+cache, and how Int8Linear dispatches to it.
+
+u = 2^-24 is the fp32 unit roundoff. The kernel forms each product x·q exactly in fp32 (8 + 8
+significant bits), sums K of them in fp32 (error <= K·u·Σ|x·q|), multiplies by the scale (one
+more u) and rounds to bf16 (8 significant bits: within 2^-8 of |y|). With |y| <= Σ|x|·|w|,
+everything is within (2^-8 + (K + 1)·u)·(|x| @ |W|ᵀ) of the exact product, the bound below.
+"""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth import native
+from hearth.quant import cpu
+from hearth.quant.cpu import Int8Linear
+
+KERNELS = native.kernels()
+needs_native = pytest.mark.skipif(
+    KERNELS is None, reason="no C compiler with OpenMP or no AVX-512 CPU here"
+)
+
+
+def random_int8(rows: int, in_features: int, out_features: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+    scales = (torch.rand(out_features, generator=generator) * 0.01 + 1e-4).to(torch.bfloat16)
+    return x, q.to(torch.int8), scales
+
+
+def exact_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.double() @ (q.double() * scales.double()[:, None]).T
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    # Row tails (n % 4), K tails (k % 16), one 16-wide step, and the 270M's decode shapes.
+    [(1, 16), (5, 24), (37, 70), (262, 640), (1030, 2048), (640, 2048)],
+)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+def test_native_int8_kernel_matches_reference(rows: int, out_features: int, in_features: int):
+    assert KERNELS is not None
+    x, q, scales = random_int8(rows, in_features, out_features, seed=out_features + rows)
+    y = KERNELS.int8_rows_matmul(x, q, scales)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+    magnitude = x.double().abs() @ (q.double().abs() * scales.double()[:, None]).T
+    bound = (2.0**-8 + (in_features + 1) * 2.0**-24) * magnitude
+    excess = ((y.double() - exact_product(x, q, scales)).abs() - bound).max().item()
+    assert excess <= 0.0, f"exceeds the bound by {excess}"
+
+
+@needs_native
+def test_native_int8_kernel_hand_example():
+    # Small integers: every product and sum is exact, so is the bf16 result.
+    assert KERNELS is not None
+    x = torch.tensor([[1.0, 2.0, 3.0, -1.0, 0.5] * 4], dtype=torch.bfloat16)  # k = 20: a tail
+    q = torch.tensor([[1] * 20, [-2] * 20, list(range(20))], dtype=torch.int8)
+    scales = torch.tensor([1.0, 0.5, 0.25], dtype=torch.bfloat16)
+    # Row 0: 4 * (1 + 2 + 3 - 1 + 0.5) = 22; row 1: -2 * 22 * 0.5 = -22;
+    # row 2: block b of 5 (j = 5b + i) adds 5b * 5.5 + (0 + 2 + 6 - 3 + 2), so
+    # sum_j x_j * j = 27.5 * (0 + 1 + 2 + 3) + 4 * 7 = 193, times 0.25 = 48.25 (8 bits, exact).
+    expected = torch.tensor([[22.0, -22.0, 48.25]], dtype=torch.bfloat16)
+    assert torch.equal(KERNELS.int8_rows_matmul(x, q, scales), expected)
+
+
+@needs_native
+def test_native_int8_kernel_result_does_not_depend_on_threads():
+    # Each output is one thread's dot product, so the thread count changes nothing, bit for bit.
+    assert KERNELS is not None
+    x, q, scales = random_int8(2, 640, 1030, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = KERNELS.int8_rows_matmul(x, q, scales)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, KERNELS.int8_rows_matmul(x, q, scales))
+
+
+@needs_native
+def test_native_int8_kernel_refuses_what_it_cannot_take():
+    assert KERNELS is not None
+    x, q, scales = random_int8(17, 64, 8, seed=1)
+    with pytest.raises(ValueError, match="int8_rows_matmul"):
+        KERNELS.int8_rows_matmul(x, q, scales)  # 17 rows: a prefill, not a decode step
+    with pytest.raises(ValueError, match="int8_rows_matmul"):
+        KERNELS.int8_rows_matmul(x[:1].float(), q, scales)
+    with pytest.raises(ValueError, match="int8_rows_matmul"):
+        KERNELS.int8_rows_matmul(x[:1, :32], q, scales)
+
+
+@needs_native
+def test_int8_linear_uses_the_native_kernel_for_one_row():
+    generator = torch.Generator().manual_seed(3)
+    layer = Int8Linear.from_float(torch.randn(96, 40, generator=generator))  # K = 40: a tail
+    assert layer.uses_native and layer.uses_kernel
+    x = torch.randn(1, 40, generator=generator).to(torch.bfloat16)
+    assert KERNELS is not None
+    direct = KERNELS.int8_rows_matmul(x, layer.qweight, layer.scales)
+    assert torch.equal(layer(x), direct)
+
+
+def test_native_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch):
+    native.kernels.cache_clear()
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    try:
+        assert native.kernels() is None
+        assert not Int8Linear.from_float(torch.randn(8, 32)).uses_native
+    finally:
+        native.kernels.cache_clear()
+
+
+def _compiler() -> str:
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    return compiler
+
+
+@needs_native
+def test_build_compiles_once_into_the_cache(tmp_path: Path):
+    compiler = _compiler()
+    built = native.build(tmp_path, compiler)
+    assert built.is_file() and built.parent == tmp_path
+    first_mtime = built.stat().st_mtime_ns
+    assert native.build(tmp_path, compiler) == built
+    assert built.stat().st_mtime_ns == first_mtime  # found, not rebuilt
+    assert [path.name for path in tmp_path.iterdir()] == [built.name]  # no scratch left
+
+
+def test_a_failing_compiler_leaves_nothing_behind(tmp_path: Path):
+    fake = tmp_path / "fake-cc"
+    fake.write_text("#!/bin/sh\necho 'fake-cc 1.0'\n[ \"$1\" = --version ] && exit 0\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    cache = tmp_path / "cache"
+    with pytest.raises(subprocess.CalledProcessError):
+        native.build(cache, str(fake))
+    assert list(cache.iterdir()) == []
+
+
+def test_int8_layers_keep_torch_kernel_without_native(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(cpu, "USE_NATIVE_INT8", False)
+    layer = Int8Linear.from_float(torch.randn(64, 32))
+    assert not layer.uses_native
+    assert layer.uses_kernel == cpu.HAS_INT8_KERNEL
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode glue: the same fp32 ops and bf16 roundings as the torch references, so the only
+# difference is the order of a sum (of squares, of a dot product). Where that sum is exact in
+# any order (small integers), results must be bit-identical; on random data each difference is
+# bounded from that one source, as derived next to each check.
+
+BF16_STEP = 2.0**-7  # adjacent bf16 numbers differ by at most 2^-7 of the larger's magnitude
+
+
+def integer_bf16(shape: tuple[int, ...], seed: int, high: int = 64) -> torch.Tensor:
+    """Integers in [-high, high]: exact in bf16, and their squares sum exactly in fp32."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-high, high + 1, shape, generator=generator).to(torch.bfloat16)
+
+
+def random_bf16(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def norm_weight(width: int, seed: int) -> torch.Tensor:
+    return torch.rand(width, generator=torch.Generator().manual_seed(seed)) + 0.5
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 1, 640), (3, 5, 64)])
+def test_add_rms_norm_is_the_reference_where_sums_are_exact(shape: tuple[int, ...]):
+    from hearth.kernels.norm import add_rms_norm_reference
+
+    assert KERNELS is not None
+    residual, x = integer_bf16(shape, seed=1), integer_bf16(shape, seed=2)
+    weight = norm_weight(shape[-1], seed=3)
+    summed, normed = KERNELS.add_rms_norm(residual, x, weight, 1e-6, None)
+    expected, _ = add_rms_norm_reference(residual, x, weight, 1e-6)
+    assert normed is None and torch.equal(summed, expected)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 1, 640), (3, 5, 64)])
+def test_add_rms_norm_matches_the_reference(shape: tuple[int, ...]):
+    from hearth.kernels.norm import add_rms_norm_reference, rms_norm_reference
+
+    assert KERNELS is not None
+    residual, x = random_bf16(shape, seed=4) * 4, random_bf16(shape, seed=5)
+    weight, next_weight = norm_weight(shape[-1], seed=6), norm_weight(shape[-1], seed=7)
+    summed, normed = KERNELS.add_rms_norm(residual, x, weight, 1e-6, next_weight)
+    expected_summed, expected_normed = add_rms_norm_reference(
+        residual, x, weight, 1e-6, next_weight, normalize_next=True
+    )
+    assert normed is not None and expected_normed is not None
+    # norm(x)·w: fp32 values within (H + 3)·u of each other, so at most one bf16 step apart;
+    # the add rounds again: |Δsummed| <= step·(|norm(x)·w| + |summed|).
+    first = rms_norm_reference(x, weight, 1e-6).float().abs()
+    summed_bound = BF16_STEP * (first + expected_summed.float().abs())
+    assert ((summed.float() - expected_summed.float()).abs() <= summed_bound).all()
+    # The second norm scales each summed value by r·w_next (r = 1/rms): Δsummed carries over
+    # scaled, and r itself moves by at most one step (each element moves by <= 2 steps of
+    # itself, so Σx² by <= 4 of its 2^7): with the output's two roundings, 3 steps of |normed|.
+    rms = expected_summed.float().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+    normed_bound = summed_bound * rms * next_weight + 3 * BF16_STEP * expected_normed.float().abs()
+    assert ((normed.float() - expected_normed.float()).abs() <= normed_bound).all()
+
+
+@needs_native
+def test_add_rms_norm_dispatches_to_native_for_cpu_bf16():
+    from hearth.kernels.norm import add_rms_norm
+
+    assert KERNELS is not None
+    residual, x = random_bf16((1, 1, 64), seed=8), random_bf16((1, 1, 64), seed=9)
+    weight, next_weight = norm_weight(64, seed=10), norm_weight(64, seed=11)
+    got = add_rms_norm(residual, x, weight, 1e-6, next_weight, normalize_next=True)
+    direct = KERNELS.add_rms_norm(residual, x, weight, 1e-6, next_weight)
+    assert all(torch.equal(a, b) for a, b in zip(got, direct, strict=True))
+
+
+def _rope_tables(tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(100, 100 + tokens, dtype=torch.float32)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = positions[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("tokens", "q_heads", "kv_heads", "head_dim"), [(1, 4, 1, 256), (3, 4, 2, 64)]
+)
+def test_norm_rope_matches_the_reference(tokens: int, q_heads: int, kv_heads: int, head_dim: int):
+    from hearth.kernels.norm import rms_norm_reference
+    from hearth.kernels.rope import ValueMode, norm_rope, norm_rope_reference
+
+    assert KERNELS is not None
+    cos, sin = _rope_tables(tokens, head_dim)
+    q_weight, k_weight = norm_weight(head_dim, seed=12), norm_weight(head_dim, seed=13)
+    width = (q_heads + 2 * kv_heads) * head_dim
+    args = (q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, 1e-6)
+    # Small integers: every sum is exact, so every result is bit for bit the reference's.
+    exact = integer_bf16((tokens, width), seed=14)
+    got = KERNELS.norm_rope(exact, *args)
+    expected = norm_rope_reference(exact, *args, ValueMode.RAW)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # Random data: the normed head x̂ may be one bf16 step off (see add_rms_norm above); the
+    # rotation rounds x̂·cos, x̂'·sin and their sum, so with the step in x̂ each output is within
+    # 4 steps of |x̂·cos| + |x̂'·sin| of the reference's.
+    qkv = random_bf16((tokens, width), seed=15)
+    got = KERNELS.norm_rope(qkv, *args)
+    expected = norm_rope_reference(qkv, *args, ValueMode.RAW)
+    for index, (heads, weight) in enumerate([(q_heads, q_weight), (kv_heads, k_weight)]):
+        start = 0 if index == 0 else q_heads * head_dim
+        raw = qkv[:, start : start + heads * head_dim].view(tokens, heads, head_dim)
+        normed = rms_norm_reference(raw, weight, 1e-6).float().abs()
+        rotated = torch.cat([normed[..., head_dim // 2 :], normed[..., : head_dim // 2]], -1)
+        magnitude = normed * cos.float()[:, None].abs() + rotated * sin.float()[:, None].abs()
+        error = (got[index].float() - expected[index].float()).abs()
+        assert (error <= 4 * BF16_STEP * magnitude).all()
+    assert torch.equal(got[2], expected[2])  # v is a copy
+    assert all(
+        torch.equal(a, b) for a, b in zip(norm_rope(qkv, *args, ValueMode.RAW), got, strict=True)
+    )
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "length", "slots"), [(4, 1, 430, 512), (8, 2, 7, 16)]
+)
+def test_decode_attention_matches_fp64(heads: int, kv_heads: int, length: int, slots: int):
+    from hearth.models.gemma import decode_attention
+
+    assert KERNELS is not None
+    dim, scale = 64, 64**-0.5
+    q = random_bf16((1, heads, 1, dim), seed=16) * 3
+    keys, values = (
+        random_bf16((1, kv_heads, slots, dim), seed=17),
+        random_bf16((1, kv_heads, slots, dim), seed=18),
+    )
+    got = KERNELS.decode_attention(q, keys, values, scale, length)
+    assert torch.equal(decode_attention(q, keys, values, scale, length), got)  # the CPU path
+    group = heads // kv_heads
+    k64 = keys[:, :, :length].double().repeat_interleave(group, dim=1)
+    v64 = values[:, :, :length].double().repeat_interleave(group, dim=1)
+    scores = (q.double() @ k64.transpose(-1, -2)) * scale
+    probabilities = scores.softmax(-1)
+    exact = probabilities @ v64
+    # Each fp32 score is within dim·u·scale·Σ|q·k| (δ) of exact; exp and the division add a few
+    # u, so each probability is within (2δ + 8u) of its own size; the weighted sum of `length`
+    # terms adds length·u of Σp|v|; the output rounds to bf16 (2^-8).
+    delta = (dim * 2.0**-24 * scale * (q.double().abs() @ k64.abs().transpose(-1, -2))).amax(
+        -1, keepdim=True
+    )
+    weighted = probabilities @ v64.abs()
+    bound = 2.0**-8 * exact.abs() + (2 * delta + (length + 8) * 2.0**-24) * weighted
+    assert ((got.double() - exact).abs() <= bound).all()
