@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef __AVX512F__
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
 #error "hearth's native kernels need AVX-512; torch's own kernels serve other CPUs"
 #endif
 
@@ -31,6 +31,8 @@
 /* How far ahead of the loads the weight stream is prefetched, in bytes (measured best of
  * 4 KiB .. 32 KiB on the head; the exact value matters little past ~8 KiB). */
 #define PREFETCH_BYTES 16384
+/* Inputs up to this many fp32 values (64 KiB) are widened on the stack rather than the heap. */
+#define STACK_FLOATS 16384
 
 static inline float bf16_to_float(uint16_t value) {
     uint32_t bits = (uint32_t)value << 16;
@@ -103,25 +105,34 @@ int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_
     if (m < 1 || m > MAX_INPUT_ROWS || k < 1 || n < 1) {
         return -1;
     }
-    /* x once in fp32; the last block's missing weight rows read a zeroed copy. */
-    float *xf = malloc(sizeof(float) * (size_t)(m * k));
-    int8_t *last = calloc((size_t)(ROWS * k), 1);
-    if (xf == NULL || last == NULL) {
-        free(xf);
+    /* x once in fp32 (on the stack when small: most calls); a last block short of ROWS
+     * weight rows reads a zero-padded copy of them. */
+    float stack_x[STACK_FLOATS];
+    float *xf = m * k <= STACK_FLOATS ? stack_x : malloc(sizeof(float) * (size_t)(m * k));
+    const int64_t blocks = (n + ROWS - 1) / ROWS;
+    const int64_t tail_rows = n - (blocks - 1) * ROWS;
+    int8_t *last = NULL;
+    if (tail_rows < ROWS) {
+        last = calloc((size_t)(ROWS * k), 1);
+    }
+    if (xf == NULL || (tail_rows < ROWS && last == NULL)) {
+        if (xf != stack_x) {
+            free(xf);
+        }
         free(last);
         return -1;
     }
     for (int64_t i = 0; i < m * k; ++i) {
         xf[i] = bf16_to_float(x[i]);
     }
-    const int64_t blocks = (n + ROWS - 1) / ROWS;
-    const int64_t tail_rows = n - (blocks - 1) * ROWS;
-    memcpy(last, q + (blocks - 1) * ROWS * k, (size_t)(tail_rows * k));
+    if (last != NULL) {
+        memcpy(last, q + (blocks - 1) * ROWS * k, (size_t)(tail_rows * k));
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t block = 0; block < blocks; ++block) {
         const int64_t first = block * ROWS;
         const int64_t rows = block == blocks - 1 ? tail_rows : ROWS;
-        const int8_t *weights = block == blocks - 1 ? last : q + first * k;
+        const int8_t *weights = block == blocks - 1 && last != NULL ? last : q + first * k;
         float sums[INPUT_ROWS][ROWS];
         for (int64_t i0 = 0; i0 < m; i0 += INPUT_ROWS) {
             const int64_t chunk = m - i0 < INPUT_ROWS ? m - i0 : INPUT_ROWS;
@@ -134,7 +145,9 @@ int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_
             }
         }
     }
-    free(xf);
+    if (xf != stack_x) {
+        free(xf);
+    }
     free(last);
     return 0;
 }
