@@ -1,11 +1,12 @@
 """Decode-shaped matmul x[1, in] @ Wᵀ on CPU: fp32, bf16, int8 and int4 (group 32) weights.
 
 Decode reads every weight once per token, so "GB/s effective" (weight bytes / time) shows how
-close each format gets to memory bandwidth. int8 is timed twice: torch's weight-only kernel
-(aten._weight_int8pack_mm) and Hearth's native one (hearth/native/kernels.c), which
-Int8Linear uses for one row where it builds. The 168 MB head streams from memory on every
-call; the layer shapes are small enough to stay in cache when called back to back, so they
-show compute and call overhead rather than bandwidth.
+close each format gets to memory bandwidth. int8 is timed three ways: torch's weight-only kernel
+(aten._weight_int8pack_mm), Hearth's native one (hearth/native/kernels.c, which Int8Linear uses
+for one row where it builds), and the native one on weights in transparent huge pages, as
+Hearth's loader holds them. The 168 MB head streams from memory on every call; the layer shapes
+are small enough to stay in cache when called back to back, so they show compute and call
+overhead rather than bandwidth.
 
     python benchmarks/cpu_quant_matmul.py
 """
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth import native
+from hearth.native.huge_pages import move_into_huge_pages
 from hearth.quant import Int4Linear, Int8Linear
 
 # (out, in): the tied Gemma 3 270M head, then MLP up/gate, MLP down, q_proj.
@@ -68,6 +70,16 @@ def formats(weight: torch.Tensor) -> list[tuple[str, int, Callable[[], torch.Ten
                 lambda: kernels.int8_rows_matmul(x16, int8.qweight, int8.scales),
             )
         )
+        # As Hearth's loader holds them: the int8 weights in transparent huge pages.
+        paged = Int8Linear(int8.qweight.clone(), int8.scales)
+        if move_into_huge_pages([(paged, "qweight")]):
+            rows.append(
+                (
+                    "int8, native kernel, huge pages",
+                    paged.nbytes,
+                    lambda: kernels.int8_rows_matmul(x16, paged.qweight, paged.scales),
+                )
+            )
     rows.append(("int4 g32", int4.nbytes, lambda: int4(x16)))
     return rows
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from hearth import native
+from hearth.native import huge_pages
 from hearth.quant import cpu
 from hearth.quant.cpu import Int8Linear
 
@@ -303,3 +305,56 @@ def test_decode_attention_matches_fp64(heads: int, kv_heads: int, length: int, s
     weighted = probabilities @ v64.abs()
     bound = 2.0**-8 * exact.abs() + (2 * delta + (length + 8) * 2.0**-24) * weighted
     assert ((got.double() - exact).abs() <= bound).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights in transparent huge pages
+
+
+def _thp_policy() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _huge_kib_backing(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1])
+    return 0
+
+
+@pytest.mark.skipif(_thp_policy() not in ("always", "madvise"), reason="no THP on this kernel")
+def test_huge_page_buffer_is_backed_by_huge_pages():
+    buffer = huge_pages.huge_page_buffer(3 * huge_pages.HUGE_PAGE_BYTES - 5)
+    assert buffer is not None
+    assert buffer.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert buffer.numel() == 3 * huge_pages.HUGE_PAGE_BYTES  # rounded up to whole huge pages
+    buffer.fill_(1)  # first touch: the kernel backs the advised range now
+    assert _huge_kib_backing(buffer.data_ptr()) >= 2048
+
+
+def test_move_into_huge_pages_keeps_every_value():
+    layers = nn.ModuleList([Int8Linear.from_float(torch.randn(out, 40)) for out in (3, 70, 5)])
+    before = [layer.qweight.clone() for layer in layers]
+    x = torch.randn(1, 40).to(torch.bfloat16)
+    outputs = [layer(x) for layer in layers]
+    moved = huge_pages.move_into_huge_pages([(layer, "qweight") for layer in layers])
+    if huge_pages.huge_page_buffer(1) is None:
+        assert not moved  # not Linux: nothing to move into, nothing moved
+        return
+    assert moved
+    storage = layers[0].qweight.untyped_storage().data_ptr()
+    for layer, original in zip(layers, before, strict=True):
+        assert torch.equal(layer.qweight, original) and layer.qweight.is_contiguous()
+        assert layer.qweight.untyped_storage().data_ptr() == storage  # one buffer for all
+        assert layer.qweight.data_ptr() % huge_pages.TENSOR_ALIGNMENT == 0
+    assert all(torch.equal(layer(x), y) for layer, y in zip(layers, outputs, strict=True))

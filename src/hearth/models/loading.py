@@ -15,6 +15,7 @@ from hearth.errors import CheckpointError
 from hearth.models import Model
 from hearth.models.gemma import Gemma3Model, StackedLinear
 from hearth.models.gemma4 import Experts, Gemma4Model
+from hearth.native.huge_pages import move_into_huge_pages
 from hearth.quant.mlx import (
     PACKED_TENSORS,
     AffineSpec,
@@ -264,3 +265,19 @@ def quantize_weights(model: Model, mode: str) -> None:
     quantize_model(model, mode)
     if model.config.tie_word_embeddings:
         model.embed_tokens = QuantizedEmbeddingHead.from_float(model.embed_tokens.weight)
+    if model.device.type == "cpu":
+        # Every decode step streams these: huge pages spare the TLB misses (hearth.native).
+        move_into_huge_pages(
+            [(module, name) for module in model.modules() for name in _packed_names(module)]
+        )
+
+
+def _packed_names(module: nn.Module) -> tuple[str, ...]:
+    """The packed weight buffers of a CPU-quantized layer (none for other modules)."""
+    from hearth.quant import Int4Linear, Int8Linear
+
+    if isinstance(module, Int8Linear):
+        return ("qweight",)
+    if isinstance(module, Int4Linear):
+        return ("packed",)
+    return ()
