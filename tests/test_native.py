@@ -358,3 +358,54 @@ def test_move_into_huge_pages_keeps_every_value():
         assert layer.qweight.untyped_storage().data_ptr() == storage  # one buffer for all
         assert layer.qweight.data_ptr() % huge_pages.TENSOR_ALIGNMENT == 0
     assert all(torch.equal(layer(x), y) for layer, y in zip(layers, outputs, strict=True))
+
+
+def test_move_into_huge_pages_moves_parameters_and_keeps_ties():
+    first, second = nn.Linear(40, 70, bias=False), nn.Linear(40, 70, bias=False)
+    second.weight = first.weight  # tied: one tensor held by two modules
+    other = nn.Linear(8, 3, bias=False)
+    before = first.weight.detach().clone()
+    slots = [(first, "weight"), (second, "weight"), (other, "weight")]
+    if not huge_pages.move_into_huge_pages(slots):
+        assert huge_pages.huge_page_buffer(1) is None  # only where none can be had
+        return
+    assert isinstance(first.weight, nn.Parameter) and first.weight.requires_grad
+    assert second.weight is first.weight  # still tied, moved once
+    assert torch.equal(first.weight.detach(), before)
+    assert first.weight.untyped_storage().data_ptr() == other.weight.untyped_storage().data_ptr()
+
+
+@needs_native
+@pytest.mark.parametrize(("out_features", "in_features"), [(5, 24), (262, 640), (640, 2048)])
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_native_bf16_kernel_matches_fp64(rows: int, out_features: int, in_features: int):
+    # Products of two bf16 numbers are exact in fp32; K of them summed in fp32 stay within
+    # K·u of Σ|x·w|, and the bf16 output rounds within 2^-8 of |y| <= Σ|x·w|.
+    assert KERNELS is not None
+    x = random_bf16((rows, in_features), seed=rows)
+    weight = random_bf16((out_features, in_features), seed=out_features)
+    y = KERNELS.bf16_rows_matmul(x, weight)
+    exact = x.double() @ weight.double().T
+    bound = (2.0**-8 + in_features * 2.0**-24) * (x.double().abs() @ weight.double().abs().T)
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+@needs_native
+def test_bf16_decode_steps_take_the_native_kernel():
+    from hearth.models.gemma import Embedding, project
+
+    assert KERNELS is not None
+    linear = nn.Linear(48, 20, bias=False).to(torch.bfloat16)
+    one_row = random_bf16((1, 1, 48), seed=19)
+    table = Embedding(20, 48).to(torch.bfloat16)
+    with torch.inference_mode():  # as generation runs
+        direct = KERNELS.bf16_rows_matmul(one_row.reshape(1, 48), linear.weight)
+        assert torch.equal(project(linear, one_row), direct.reshape(1, 1, 20))
+        direct = KERNELS.bf16_rows_matmul(one_row.reshape(1, 48), table.weight)
+        assert torch.equal(table.head(one_row), direct.reshape(1, 1, 20))
+    # Several rows (a prefill), fp32, and tensors autograd tracks keep torch's matmul.
+    assert native.row_matmul(random_bf16((1, 3, 48), seed=20), linear.weight) is None
+    assert native.row_matmul(one_row.float(), linear.weight.float()) is None
+    assert linear.weight.requires_grad and native.row_matmul(one_row, linear.weight) is None
+    with torch.no_grad():
+        assert native.row_matmul(one_row, linear.weight) is not None

@@ -53,6 +53,8 @@ def project(
     if geglu and not (FUSED_GEGLU and float_weight):
         x, geglu = gelu_tanh_mul(x), False
         prefer_cublas = not DOWN_GEMV  # down, after the GeGLU kernel
+    if float_weight and not geglu and (y := native.row_matmul(x, linear.weight)) is not None:
+        return y  # a CPU bf16 decode step
     if float_weight and (WIDE_GEMV or not prefer_cublas):
         return gemv(x, linear.weight, geglu)
     return linear(x)
@@ -381,7 +383,8 @@ class Embedding(nn.Embedding):
         return F.embedding(ids, self.weight)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        y = native.row_matmul(x, self.weight)  # a CPU bf16 decode step
+        return F.linear(x, self.weight) if y is None else y
 
 
 class Gemma3Model(nn.Module):

@@ -13,7 +13,7 @@ from hearth.checkpoint import Checkpoint
 from hearth.config import Gemma3Config, ModelConfig, parse_config
 from hearth.errors import CheckpointError
 from hearth.models import Model
-from hearth.models.gemma import Gemma3Model, StackedLinear
+from hearth.models.gemma import Embedding, Gemma3Model, StackedLinear
 from hearth.models.gemma4 import Experts, Gemma4Model
 from hearth.native.huge_pages import move_into_huge_pages
 from hearth.quant.mlx import (
@@ -87,6 +87,11 @@ def build_model(
     model = model.to(device).eval()
     if quantize is not None:
         quantize_weights(model, quantize)
+    if model.device.type == "cpu":
+        # Every decode step streams these: huge pages spare the TLB misses (hearth.native).
+        move_into_huge_pages(
+            [(module, name) for module in model.modules() for name in _streamed_weights(module)]
+        )
     return model
 
 
@@ -265,19 +270,16 @@ def quantize_weights(model: Model, mode: str) -> None:
     quantize_model(model, mode)
     if model.config.tie_word_embeddings:
         model.embed_tokens = QuantizedEmbeddingHead.from_float(model.embed_tokens.weight)
-    if model.device.type == "cpu":
-        # Every decode step streams these: huge pages spare the TLB misses (hearth.native).
-        move_into_huge_pages(
-            [(module, name) for module in model.modules() for name in _packed_names(module)]
-        )
 
 
-def _packed_names(module: nn.Module) -> tuple[str, ...]:
-    """The packed weight buffers of a CPU-quantized layer (none for other modules)."""
+def _streamed_weights(module: nn.Module) -> tuple[str, ...]:
+    """The weights of `module` that every CPU decode step reads whole (none for most)."""
     from hearth.quant import Int4Linear, Int8Linear
 
     if isinstance(module, Int8Linear):
         return ("qweight",)
     if isinstance(module, Int4Linear):
         return ("packed",)
+    if isinstance(module, nn.Linear | Embedding):  # Embedding: the tied output head
+        return ("weight",)
     return ()

@@ -3,8 +3,8 @@
 CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. Two things
 here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05.md):
 
-* the int8 weight-only matrix-vector product, where torch's ``aten._weight_int8pack_mm``
-  streams short weight rows at about half the memory bandwidth (no software prefetch);
+* the int8 and bf16 matrix-vector products, where torch's kernels (``aten._weight_int8pack_mm``,
+  the bf16 GEMM) stream short weight rows at about half the memory bandwidth;
 * the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
   one call each instead of a dozen dispatched torch ops, with the same roundings.
 
@@ -49,6 +49,7 @@ _SIGNATURES = {
     "hearth_int8_rows_matmul": [
         _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT,
     ],
+    "hearth_bf16_rows_matmul": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT],
     "hearth_add_rms_norm": [
         _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _FLOAT, _POINTER, _POINTER,
     ],
@@ -115,6 +116,24 @@ class NativeKernels:
         self._call(
             "hearth_int8_rows_matmul", x.data_ptr(), rows, in_features, qweight.data_ptr(),
             scales.data_ptr(), out_features, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+    def bf16_rows_matmul(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``x [m, k] @ weight [n, k]ᵀ`` in bf16 (fp32 sums), for 1 <= m <= 16."""
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        _require(
+            _dense(x, torch.bfloat16)
+            and _dense(weight, torch.bfloat16)
+            and weight.shape[1] == in_features
+            and 1 <= rows <= MAX_INPUT_ROWS,
+            "bf16_rows_matmul takes bf16 x [1..16, k] and bf16 weight [n, k]",
+        )
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        self._call(
+            "hearth_bf16_rows_matmul", x.data_ptr(), rows, in_features, weight.data_ptr(),
+            out_features, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return y
 
@@ -283,8 +302,23 @@ def kernels() -> NativeKernels | None:
         return None
 
 
+def row_matmul(x: Tensor, weight: Tensor) -> Tensor | None:
+    """``x @ weightᵀ`` through the native bf16 kernel when ``x`` is one CPU bf16 row (a decode
+    step) and the kernels run here; None otherwise (the caller's torch path then)."""
+    if x.numel() != x.shape[-1] or not weight.is_contiguous():
+        return None
+    kernels = for_cpu_bf16(x, weight)
+    if kernels is None:
+        return None
+    y = kernels.bf16_rows_matmul(x.reshape(1, -1).contiguous(), weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def for_cpu_bf16(*tensors: Tensor) -> NativeKernels | None:
-    """The kernels when every tensor is a bf16 CPU tensor and they run here, else None."""
+    """The kernels when every tensor is a bf16 CPU tensor and they run here, else None; also
+    None when autograd would track any of them (the kernels have no backward)."""
     if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
     return kernels()

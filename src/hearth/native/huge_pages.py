@@ -50,20 +50,30 @@ def huge_page_buffer(nbytes: int) -> Tensor | None:
 
 
 def move_into_huge_pages(slots: list[tuple[nn.Module, str]]) -> bool:
-    """Move each buffer ``module.name`` of ``slots`` (contiguous, CPU) into one huge-page
-    buffer, end to end, as a view of the same shape and dtype. One at a time: an old tensor is
-    freed as soon as its copy replaces it, so memory never holds the weights twice. False
-    (nothing moved) where no such buffer can be had."""
-    offsets, total = [], 0
+    """Move each tensor ``module.name`` of ``slots`` (contiguous, CPU; a buffer or parameter)
+    into one huge-page buffer, end to end, as a view of the same shape and dtype. One at a
+    time: an old tensor is freed as soon as its copy replaces it, so memory never holds the
+    weights twice; a tensor held by several slots moves once. False (nothing moved) where no
+    such buffer can be had."""
+    offsets: dict[int, int] = {}
+    total = 0
     for module, name in slots:
-        offsets.append(total)
-        total = _round_up(total + getattr(module, name).nbytes, TENSOR_ALIGNMENT)
+        tensor = getattr(module, name)
+        if tensor.data_ptr() not in offsets:
+            offsets[tensor.data_ptr()] = total
+            total = _round_up(total + tensor.nbytes, TENSOR_ALIGNMENT)
     buffer = huge_page_buffer(total)
     if buffer is None:
         return False
-    for (module, name), offset in zip(slots, offsets, strict=True):
+    moved: dict[int, Tensor] = {}
+    for module, name in slots:
         tensor = getattr(module, name)
-        view = buffer[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
-        setattr(module, name, view)
+        if tensor.data_ptr() not in moved:
+            offset = offsets[tensor.data_ptr()]
+            view = buffer[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            if isinstance(tensor, nn.Parameter):
+                view = nn.Parameter(view, requires_grad=tensor.requires_grad)
+            moved[tensor.data_ptr()] = view
+        setattr(module, name, moved[tensor.data_ptr()])
     return True

@@ -52,16 +52,36 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
-/* 16 int8 weights from q[j], widened to fp32 (exact); masked for the tail of a row. */
-static inline __m512 load_weights(const int8_t *q, int64_t j, __mmask16 mask) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + j)));
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-/* out[i][r] = x[i] . q[r] for input rows i < m (1..INPUT_ROWS) and the ROWS weight rows
- * q[r] = q + r * k. The block's ROWS * k bytes are consumed 64 bytes per step of j, so one
- * prefetch per step covers the stream PREFETCH_BYTES ahead (prefetches never fault). */
-static void dot_rows(const float *x, int64_t m, const int8_t *q, int64_t k,
-                     float out[INPUT_ROWS][ROWS]) {
+/* 16 bf16 numbers from p, widened to fp32 (exact: bf16 is fp32's upper half). */
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 weights of row `row` from column j, widened to fp32 (exact), int8 or bf16. */
+static inline __m512 load_weights(const void *w, int bf16, int64_t row, int64_t j,
+                                  __mmask16 mask) {
+    if (bf16) {
+        return load_bf16((const uint16_t *)w + row + j, mask);
+    }
+    const int8_t *q = (const int8_t *)w + row + j;
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q)));
+}
+
+/* out[i][r] = x[i] . w[r] for input rows i < m (1..INPUT_ROWS) and the ROWS weight rows
+ * w[r] = w + r * k (int8, or bf16 when `bf16`: a constant in each caller, so the compiler
+ * builds one loop per weight type). The block's bytes are consumed in order, 64 bytes per
+ * step of j per weight byte, so one prefetch per 64 bytes covers the stream PREFETCH_BYTES
+ * ahead (prefetches never fault). */
+static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t m,
+                                                           const void *w, int bf16, int64_t k,
+                                                           float out[INPUT_ROWS][ROWS]) {
+    const int64_t weight_bytes = bf16 ? 2 : 1;
+    const char *stream = (const char *)w + PREFETCH_BYTES;
     __m512 acc[INPUT_ROWS][ROWS];
     for (int i = 0; i < INPUT_ROWS; ++i) {
         for (int r = 0; r < ROWS; ++r) {
@@ -69,12 +89,14 @@ static void dot_rows(const float *x, int64_t m, const int8_t *q, int64_t k,
         }
     }
     for (int64_t j = 0; j < k; j += 16) {
-        _mm_prefetch((const char *)(q + PREFETCH_BYTES + j * ROWS), _MM_HINT_T0);
-        const __mmask16 mask = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
-        const __m512 w0 = load_weights(q, j, mask);
-        const __m512 w1 = load_weights(q + k, j, mask);
-        const __m512 w2 = load_weights(q + 2 * k, j, mask);
-        const __m512 w3 = load_weights(q + 3 * k, j, mask);
+        for (int64_t line = 0; line < weight_bytes; ++line) {
+            _mm_prefetch(stream + (j * weight_bytes + line * 16) * ROWS, _MM_HINT_T0);
+        }
+        const __mmask16 mask = tail_mask(k - j);
+        const __m512 w0 = load_weights(w, bf16, 0, j, mask);
+        const __m512 w1 = load_weights(w, bf16, k, j, mask);
+        const __m512 w2 = load_weights(w, bf16, 2 * k, j, mask);
+        const __m512 w3 = load_weights(w, bf16, 3 * k, j, mask);
         if (m == 1) { /* decode: a branch the compiler keeps all accumulators in registers for */
             const __m512 xv = _mm512_maskz_loadu_ps(mask, x + j);
             acc[0][0] = _mm512_fmadd_ps(xv, w0, acc[0][0]);
@@ -98,10 +120,24 @@ static void dot_rows(const float *x, int64_t m, const int8_t *q, int64_t k,
     }
 }
 
-/* y [m, n] = x [m, k] @ (q [n, k] * scales [n])^T on `threads` OpenMP threads.
- * Returns 0, or -1 when m is outside 1..MAX_INPUT_ROWS or memory runs out. */
-int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *q,
-                            const uint16_t *scales, int64_t n, uint16_t *y, int threads) {
+static void dot_rows_int8(const float *x, int64_t m, const void *w, int64_t k,
+                          float out[INPUT_ROWS][ROWS]) {
+    dot_rows(x, m, w, 0, k, out);
+}
+
+static void dot_rows_bf16(const float *x, int64_t m, const void *w, int64_t k,
+                          float out[INPUT_ROWS][ROWS]) {
+    dot_rows(x, m, w, 1, k, out);
+}
+
+/* y [m, n] = x [m, k] @ (w [n, k] * scales [n])^T on `threads` OpenMP threads, w of
+ * `weight_bytes` per value read by `dot`; scales NULL: none. Returns 0, or -1 when m is
+ * outside 1..MAX_INPUT_ROWS or memory runs out. */
+static int rows_matmul(const uint16_t *x, int64_t m, int64_t k, const void *w,
+                       int64_t weight_bytes,
+                       void (*dot)(const float *, int64_t, const void *, int64_t,
+                                   float[INPUT_ROWS][ROWS]),
+                       const uint16_t *scales, int64_t n, uint16_t *y, int threads) {
     if (m < 1 || m > MAX_INPUT_ROWS || k < 1 || n < 1) {
         return -1;
     }
@@ -109,11 +145,12 @@ int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_
      * weight rows reads a zero-padded copy of them. */
     float stack_x[STACK_FLOATS];
     float *xf = m * k <= STACK_FLOATS ? stack_x : malloc(sizeof(float) * (size_t)(m * k));
+    const int64_t row_bytes = k * weight_bytes;
     const int64_t blocks = (n + ROWS - 1) / ROWS;
     const int64_t tail_rows = n - (blocks - 1) * ROWS;
-    int8_t *last = NULL;
+    char *last = NULL;
     if (tail_rows < ROWS) {
-        last = calloc((size_t)(ROWS * k), 1);
+        last = calloc((size_t)(ROWS * row_bytes), 1);
     }
     if (xf == NULL || (tail_rows < ROWS && last == NULL)) {
         if (xf != stack_x) {
@@ -126,21 +163,25 @@ int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_
         xf[i] = bf16_to_float(x[i]);
     }
     if (last != NULL) {
-        memcpy(last, q + (blocks - 1) * ROWS * k, (size_t)(tail_rows * k));
+        memcpy(last, (const char *)w + (blocks - 1) * ROWS * row_bytes,
+               (size_t)(tail_rows * row_bytes));
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t block = 0; block < blocks; ++block) {
         const int64_t first = block * ROWS;
         const int64_t rows = block == blocks - 1 ? tail_rows : ROWS;
-        const int8_t *weights = block == blocks - 1 && last != NULL ? last : q + first * k;
+        const void *weights = block == blocks - 1 && last != NULL
+                                  ? (const void *)last
+                                  : (const void *)((const char *)w + first * row_bytes);
         float sums[INPUT_ROWS][ROWS];
         for (int64_t i0 = 0; i0 < m; i0 += INPUT_ROWS) {
             const int64_t chunk = m - i0 < INPUT_ROWS ? m - i0 : INPUT_ROWS;
-            dot_rows(xf + i0 * k, chunk, weights, k, sums);
+            dot(xf + i0 * k, chunk, weights, k, sums);
             for (int64_t i = 0; i < chunk; ++i) {
                 for (int64_t r = 0; r < rows; ++r) {
-                    const float scale = bf16_to_float(scales[first + r]);
-                    y[(i0 + i) * n + first + r] = float_to_bf16(sums[i][r] * scale);
+                    const float sum = sums[i][r];
+                    const float scaled = scales == NULL ? sum : sum * bf16_to_float(scales[first + r]);
+                    y[(i0 + i) * n + first + r] = float_to_bf16(scaled);
                 }
             }
         }
@@ -150,6 +191,18 @@ int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_
     }
     free(last);
     return 0;
+}
+
+/* y [m, n] = x [m, k] @ (q [n, k] * scales [n])^T, q int8 and one bf16 scale per row. */
+int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *q,
+                            const uint16_t *scales, int64_t n, uint16_t *y, int threads) {
+    return rows_matmul(x, m, k, q, 1, dot_rows_int8, scales, n, y, threads);
+}
+
+/* y [m, n] = x [m, k] @ w [n, k]^T, w bf16. */
+int hearth_bf16_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w,
+                            int64_t n, uint16_t *y, int threads) {
+    return rows_matmul(x, m, k, w, 2, dot_rows_bf16, NULL, n, y, threads);
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -258,16 +311,6 @@ int hearth_norm_rope(const uint16_t *qkv, int64_t tokens, int64_t width, int64_t
     }
     free(row);
     return 0;
-}
-
-/* 16 bf16 numbers from p, widened to fp32 (exact: bf16 is fp32's upper half). */
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
 /* x . y over d values, x fp32 and y bf16, summed in fp32 in 16 lanes. */
