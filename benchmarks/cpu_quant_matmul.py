@@ -1,9 +1,10 @@
 """Decode-shaped matmul x[1, in] @ Wᵀ on CPU: fp32, bf16, int8 and int4 (group 32) weights.
 
 Decode reads every weight once per token, so "GB/s effective" (weight bytes / time) shows how
-close each format gets to memory bandwidth. int8 is timed three ways: torch's weight-only kernel
-(aten._weight_int8pack_mm), Hearth's native one (hearth/native/kernels.c, which Int8Linear uses
-for one row where it builds), and the native one on weights in transparent huge pages, as
+close each format gets to memory bandwidth. bf16 is timed on torch's matmul and on Hearth's
+native kernel (hearth/native/kernels.c); int8 three ways: torch's weight-only kernel
+(aten._weight_int8pack_mm), the native one (which Int8Linear uses for one row where it
+builds), and the native one on weights in transparent huge pages, as
 Hearth's loader holds them. The 168 MB head streams from memory on every call; the layer shapes
 are small enough to stay in cache when called back to back, so they show compute and call
 overhead rather than bandwidth.
@@ -63,6 +64,7 @@ def formats(weight: torch.Tensor) -> list[tuple[str, int, Callable[[], torch.Ten
     ]
     kernels = native.kernels()
     if kernels is not None:
+        rows.append(("bf16, native kernel", w16.nbytes, lambda: kernels.bf16_rows_matmul(x16, w16)))
         rows.append(
             (
                 "int8, native kernel",

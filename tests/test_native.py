@@ -409,3 +409,23 @@ def test_bf16_decode_steps_take_the_native_kernel():
     assert linear.weight.requires_grad and native.row_matmul(one_row, linear.weight) is None
     with torch.no_grad():
         assert native.row_matmul(one_row, linear.weight) is not None
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_loading_moves_streamed_weights_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool
+):
+    from hearth.checkpoint import open_checkpoint
+    from hearth.models.loading import build_model
+    from tiny import save_hf, tiny_gemma3_model
+
+    if enabled:
+        monkeypatch.setenv(huge_pages.ENABLE_VARIABLE, "1")
+    else:
+        monkeypatch.delenv(huge_pages.ENABLE_VARIABLE, raising=False)
+    checkpoint = open_checkpoint(save_hf(tiny_gemma3_model(), tmp_path))
+    model = build_model(checkpoint, torch.bfloat16, "cpu", False, quantize="int8")
+    layers = [module for module in model.modules() if isinstance(module, Int8Linear)]
+    storages = {layer.qweight.untyped_storage().data_ptr() for layer in layers}
+    moved = enabled and huge_pages.huge_page_buffer(1) is not None
+    assert len(storages) == (1 if moved else len(layers))

@@ -15,7 +15,7 @@ from hearth.errors import CheckpointError
 from hearth.models import Model
 from hearth.models.gemma import Embedding, Gemma3Model, StackedLinear
 from hearth.models.gemma4 import Experts, Gemma4Model
-from hearth.native.huge_pages import move_into_huge_pages
+from hearth.native import huge_pages
 from hearth.quant.mlx import (
     PACKED_TENSORS,
     AffineSpec,
@@ -84,12 +84,13 @@ def build_model(
         parts = _packed_parts(packed, packed_modules, expected, quantization, checkpoint.path)
         _install_packed(model, parts, loaded, dtype, checkpoint.path)
     model.load_state_dict(_state_dict(model, loaded), assign=True, strict=True)
+    loaded.clear()  # the model holds the tensors now: each can be freed once replaced below
     model = model.to(device).eval()
     if quantize is not None:
         quantize_weights(model, quantize)
-    if model.device.type == "cpu":
-        # Every decode step streams these: huge pages spare the TLB misses (hearth.native).
-        move_into_huge_pages(
+    if model.device.type == "cpu" and huge_pages.enabled():
+        # Every decode step streams these: huge pages spare the TLB misses (opt-in, see there).
+        huge_pages.move_into_huge_pages(
             [(module, name) for module in model.modules() for name in _streamed_weights(module)]
         )
     return model

@@ -1,18 +1,23 @@
-"""CPU weights in transparent huge pages.
+"""CPU weights in transparent huge pages (opt-in: ``HEARTH_HUGE_PAGES=1``).
 
 A CPU decode step streams every weight once. With 4 KiB pages that is a TLB miss every 4 KiB
 of weights; with 2 MiB pages the native int8 kernel read the 168 MB head of Gemma 3 270M at
-27–29 GB/s instead of 20–22 on our Xeon VM (`benchmarks/results/cpu_int8_gemv-2026-12-05.md`).
-Linux backs a region with huge pages when it is asked to (``madvise(MADV_HUGEPAGE)``, the
-default policy of most distributions) before the memory is first touched, so weights are
-copied, end to end, into one fresh region advised that way: one region, so that the alignment
-to 2 MiB costs at most 2 MiB for the whole model.
+27–29 GB/s instead of 20–22 on our Xeon VM, ~6% of a decode step
+(`benchmarks/results/cpu_int8_gemv-2026-12-05.md`). The price is paid at load: on that VM the
+first touch of a huge page costs ~7 ms per MB (1.8 s for 268 MB, against 0.05 s with small
+pages), so a model loads seconds slower, more the larger it is. Hence off by default: worth it
+for a long-running server, not for a one-shot generation.
+
+Linux backs a region with huge pages when asked (``madvise(MADV_HUGEPAGE)``) before the memory
+is first touched, so weights are copied, end to end, into one fresh region advised that way: one
+region, so that the alignment to 2 MiB costs at most 2 MiB for the whole model.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 
 import torch
 from torch import Tensor, nn
@@ -20,8 +25,14 @@ from torch import Tensor, nn
 log = logging.getLogger("hearth.native")
 
 HUGE_PAGE_BYTES = 2 << 20
+ENABLE_VARIABLE = "HEARTH_HUGE_PAGES"
 # Each tensor starts on a cache line boundary (the int8 kernel's loads stay in their lines).
 TENSOR_ALIGNMENT = 64
+
+
+def enabled() -> bool:
+    """Whether CPU models load their streamed weights into huge pages (``HEARTH_HUGE_PAGES=1``)."""
+    return os.environ.get(ENABLE_VARIABLE) == "1"
 
 
 def _round_up(value: int, multiple: int) -> int:
