@@ -1,7 +1,7 @@
 """Hearth's native CPU kernels (``kernels.c``): built on first use, loaded with ctypes.
 
 CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. Two things
-here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05.md):
+here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05c.md):
 
 * the int8 and bf16 matrix-vector products, where torch's kernels (``aten._weight_int8pack_mm``,
   the bf16 GEMM) stream short weight rows at about half the memory bandwidth;

@@ -1,13 +1,13 @@
 /* Hearth's native CPU kernels for batch-1 decode (AVX-512, OpenMP); see hearth/native.
  *
- * 1. Weight-only int8 matrix-vector product: y[m, n] = bf16(s[n] * sum_k x[m, k] * q[n, k])
- *    with x in bf16, q in int8, one bf16 scale per weight row, fp32 products and sums. Decode
- *    reads every weight once per token, so it exists to run at memory bandwidth: each thread
- *    walks one contiguous range of rows, four at a time, and each 16 weights are widened to
- *    fp32 once for all input rows. torch's aten._weight_int8pack_mm streams short rows (the
- *    262144 x 640 head of Gemma 3 270M) at half the bandwidth: the hardware prefetcher does not
- *    keep up, and the software prefetch below doubles the speed.
- * 2. The bf16 glue of a decode step (below the int8 kernel), with torch's roundings.
+ * 1. Matrix-vector products with int8 or bf16 weights: y[m, n] = bf16(s[n] * sum_k x[m, k] *
+ *    w[n, k]) with x in bf16, one bf16 scale per int8 weight row (none for bf16), fp32
+ *    products and sums. Decode reads every weight once per token, so they exist to run at
+ *    memory bandwidth: each thread walks one contiguous range of rows, four at a time, and each
+ *    16 weights are widened to fp32 once for all input rows. torch's kernels stream short rows
+ *    (the 262144 x 640 head of Gemma 3 270M) at about half the bandwidth: the hardware
+ *    prefetcher does not keep up, and the software prefetch below doubles the speed.
+ * 2. The bf16 glue of a decode step (below the matrix-vector products), with torch's roundings.
  *
  * Built on first use by hearth/native/__init__.py (-O3 -march=native -fopenmp). OpenMP is then
  * served by the libgomp that torch has loaded already, so both share one thread pool.
@@ -120,24 +120,15 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
     }
 }
 
-static void dot_rows_int8(const float *x, int64_t m, const void *w, int64_t k,
-                          float out[INPUT_ROWS][ROWS]) {
-    dot_rows(x, m, w, 0, k, out);
-}
-
-static void dot_rows_bf16(const float *x, int64_t m, const void *w, int64_t k,
-                          float out[INPUT_ROWS][ROWS]) {
-    dot_rows(x, m, w, 1, k, out);
-}
-
-/* y [m, n] = x [m, k] @ (w [n, k] * scales [n])^T on `threads` OpenMP threads, w of
- * `weight_bytes` per value read by `dot`; scales NULL: none. Returns 0, or -1 when m is
- * outside 1..MAX_INPUT_ROWS or memory runs out. */
-static int rows_matmul(const uint16_t *x, int64_t m, int64_t k, const void *w,
-                       int64_t weight_bytes,
-                       void (*dot)(const float *, int64_t, const void *, int64_t,
-                                   float[INPUT_ROWS][ROWS]),
-                       const uint16_t *scales, int64_t n, uint16_t *y, int threads) {
+/* y [m, n] = x [m, k] @ (w [n, k] * scales [n])^T on `threads` OpenMP threads, w int8 or bf16
+ * (`bf16`, a constant in each caller: one specialised copy per weight type, no indirect call
+ * per block); scales NULL: none. Returns 0, or -1 when m is outside 1..MAX_INPUT_ROWS or
+ * memory runs out. */
+static inline __attribute__((always_inline)) int rows_matmul(const uint16_t *x, int64_t m,
+                                                             int64_t k, const void *w, int bf16,
+                                                             const uint16_t *scales, int64_t n,
+                                                             uint16_t *y, int threads) {
+    const int64_t weight_bytes = bf16 ? 2 : 1;
     if (m < 1 || m > MAX_INPUT_ROWS || k < 1 || n < 1) {
         return -1;
     }
@@ -176,7 +167,7 @@ static int rows_matmul(const uint16_t *x, int64_t m, int64_t k, const void *w,
         float sums[INPUT_ROWS][ROWS];
         for (int64_t i0 = 0; i0 < m; i0 += INPUT_ROWS) {
             const int64_t chunk = m - i0 < INPUT_ROWS ? m - i0 : INPUT_ROWS;
-            dot(xf + i0 * k, chunk, weights, k, sums);
+            dot_rows(xf + i0 * k, chunk, weights, bf16, k, sums);
             for (int64_t i = 0; i < chunk; ++i) {
                 for (int64_t r = 0; r < rows; ++r) {
                     const float sum = sums[i][r];
@@ -196,13 +187,13 @@ static int rows_matmul(const uint16_t *x, int64_t m, int64_t k, const void *w,
 /* y [m, n] = x [m, k] @ (q [n, k] * scales [n])^T, q int8 and one bf16 scale per row. */
 int hearth_int8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *q,
                             const uint16_t *scales, int64_t n, uint16_t *y, int threads) {
-    return rows_matmul(x, m, k, q, 1, dot_rows_int8, scales, n, y, threads);
+    return rows_matmul(x, m, k, q, 0, scales, n, y, threads);
 }
 
 /* y [m, n] = x [m, k] @ w [n, k]^T, w bf16. */
 int hearth_bf16_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w,
                             int64_t n, uint16_t *y, int threads) {
-    return rows_matmul(x, m, k, w, 2, dot_rows_bf16, NULL, n, y, threads);
+    return rows_matmul(x, m, k, w, 1, NULL, n, y, threads);
 }
 
 /* ------------------------------------------------------------------------------------------
