@@ -28,9 +28,36 @@ from hearth.kernels.launch import launch_kernel
 
 # Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
 GEMV_MAX_ROWS = 4
-# Launches pinned by weight shape (N, K) for one row: tiles, split, LOOP_STAGES, num_warps.
-# Other shapes are autotuned.
-GEMV_LAUNCHES: dict[tuple[int, int], dict[str, int]] = {}
+
+
+def _unsplit_launch(block_n: int, block_k: int, loop_stages: int) -> dict[str, int]:
+    """An unsplit launch whose K loop keeps `loop_stages` tiles in flight, four warps."""
+    return {
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "SPLIT_K": 1,
+        "LOOP_STAGES": loop_stages,
+        "num_warps": 4,
+    }
+
+
+# Launches pinned by weight shape (N, K) for one row: the fastest of the pipelined sweep on the
+# H200 (results/gpu_gemv_bf16_sweep_pipelined-2026-12-05.md: 1.14-1.88x the autotuned launch);
+# decode +3.0% on 12B (146.0 tok/s, logits bit-identical), +5.0% on E4B, +1.1% on 26B-A4B
+# (results/ab_bf16_gemv_pipelined-2026-12-05.md). Other shapes are autotuned.
+GEMV_LAUNCHES: dict[tuple[int, int], dict[str, int]] = {
+    (3840, 4096): _unsplit_launch(8, 512, 4),  # 12B o
+    (3840, 15360): _unsplit_launch(8, 512, 3),  # 12B down
+    (2560, 2048): _unsplit_launch(8, 512, 3),  # E4B o (sliding)
+    (2560, 10240): _unsplit_launch(8, 512, 4),  # E4B down
+    (2816, 4096): _unsplit_launch(8, 512, 4),  # 26B-A4B o (sliding)
+    (2816, 2112): _unsplit_launch(8, 512, 3),  # 26B-A4B dense down
+    (2560, 4096): _unsplit_launch(8, 512, 4),  # E4B o (global)
+    (256, 2560): _unsplit_launch(4, 1024, 4),  # E4B per-layer gate
+    (2816, 8192): _unsplit_launch(8, 512, 4),  # 26B-A4B o (global)
+    (5376, 8192): _unsplit_launch(8, 512, 1),  # 31B o (sliding)
+    (5376, 21504): _unsplit_launch(8, 512, 3),  # 31B down
+}
 
 
 def gemv_reference(
