@@ -132,12 +132,14 @@ def _gemv_from_json() -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
-def _bf16_gemv_from_json() -> Patch:
+def _bf16_gemv_from_json(sweep: str = "gpu_gemv_bf16_sweep_pipelined") -> Patch:
     """bf16 GEMVs pinned per weight shape ("{N}x{K}") from a JSON file ($GEMV_BF16_JSON, by
-    default the fastest of `gpu_gemv_bf16_sweep.py --pipelined` in $OUT)."""
+    default the `sweep`'s in $OUT: the fastest of `gpu_gemv_bf16_sweep.py --pipelined`, or
+    with `gpu_gemv_bf16_sweep_wide` the wide shapes where the GEMV beat cuBLAS, which the
+    pin routes to the GEMV)."""
 
     def launches() -> dict[tuple[int, int], dict[str, int]]:
-        default = Path(os.environ.get("OUT", ".")) / "gpu_gemv_bf16_sweep_pipelined.json"
+        default = Path(os.environ.get("OUT", ".")) / f"{sweep}.json"
         chosen = json.loads(Path(os.environ.get("GEMV_BF16_JSON", default)).read_text())
         return {tuple(map(int, shape.split("x"))): c for shape, c in chosen.items()}
 
@@ -225,6 +227,7 @@ VARIANTS: dict[str, Patch] = {
     "gemv4-unsplit-short-k": _gemv4_split(False, unsplit_below_k=8192),
     "gemv-json": _gemv_from_json(),
     "gemv-bf16-json": _bf16_gemv_from_json(),
+    "wide-gemv-json": _bf16_gemv_from_json("gpu_gemv_bf16_sweep_wide"),
     "affine-stages2": _affine_loop_stages(2),
     "affine-stages3": _affine_loop_stages(3),
     "affine-stages4": _affine_loop_stages(4),

@@ -24,6 +24,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh continuation  # prompt-cache hits through continuation graphs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh gemv-stages   # bf16 GEMV with a pipelined K loop: sweep, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh affine-stages # 4/8-bit GEMV whole steps pipelined: A/B, logits
+#   OUT=/tmp/out benchmarks/gpu_suite.sh wide          # qkv, gate/up: GEMV vs cuBLAS sweep, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh chat          # a growing conversation: decoders grown or not
 set -u
 PART=${1:-kernels}
@@ -216,6 +217,12 @@ elif [ "$PART" = affine-stages ]; then  # the affine GEMV's whole steps in a pip
 stage 100 affine python benchmarks/gpu_kernels_affine.py
 stage 300 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,affine-stages2,affine-stages3 --rounds 2 --check --name affine_stages_4bit
 stage 120 ab-8bit python benchmarks/ab_decode.py --models gemma3-12b --quant 8bit --variants base,affine-stages3 --rounds 2 --check --name affine_stages_8bit
+elif [ "$PART" = wide ]; then  # qkv, gate/up: pinned GEMV launches against cuBLAS, then end to end
+for i in $(seq 0 13); do timeout 150 python benchmarks/gpu_gemv_bf16_sweep.py --wide --warm $i/14 >/dev/null 2>&1 & done
+wait
+stage 150 sweep-wide python benchmarks/gpu_gemv_bf16_sweep.py --wide
+stage 230 ab-wide python benchmarks/ab_decode.py --models gemma3-12b,e4b,26b-a4b --variants base,wide-gemv-json --rounds 3 --check --name wide_gemv
+stage 150 ab-wide-31b python benchmarks/ab_decode.py --models 31b --variants base,wide-gemv-json --rounds 2 --check --name wide_gemv_31b
 elif [ "$PART" = chat ]; then  # each turn's first token, decoders replaced at their size or grown
 stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8

@@ -70,6 +70,13 @@ def gemv_reference(
     return F.linear(x, weight)
 
 
+def has_pinned_launch(x: Tensor, weight: Tensor) -> bool:
+    """Whether `gemv` takes one row of x against `weight` with a launch pinned for its shape:
+    a projection that cuBLAS reads well (qkv, gate/up) takes the GEMV only there, where the
+    pinned launch measured faster than cuBLAS."""
+    return x.numel() == x.shape[-1] and tuple(weight.shape) in GEMV_LAUNCHES
+
+
 def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None) -> Tensor:
     """`gemv_reference`, one Triton kernel for few rows on CUDA (cuBLAS for many)."""
     rows = x.numel() // x.shape[-1]

@@ -18,7 +18,7 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
-from hearth.kernels.gemv import gemv
+from hearth.kernels.gemv import gemv, has_pinned_launch
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
@@ -48,14 +48,15 @@ def project(
     """`linear(x)` (after GeGLU of a stacked gate/up x if asked); float weights go through
     `gemv`, which at a GPU decode step is one kernel with no split-K reduce launches.
     `prefer_cublas`: a projection with many outputs (qkv, gate/up), which cuBLAS reads near
-    copy bandwidth; the switches below pick the measured-faster path for each."""
+    copy bandwidth: it takes the GEMV only at a shape with a pinned launch (measured faster
+    than cuBLAS there) or under WIDE_GEMV; the switches below pick the measured-faster path."""
     float_weight = isinstance(linear, nn.Linear) and linear.bias is None
     if geglu and not (FUSED_GEGLU and float_weight):
         x, geglu = gelu_tanh_mul(x), False
         prefer_cublas = not DOWN_GEMV  # down, after the GeGLU kernel
     if float_weight and not geglu and (y := native.row_matmul(x, linear.weight)) is not None:
         return y  # a CPU bf16 decode step
-    if float_weight and (WIDE_GEMV or not prefer_cublas):
+    if float_weight and (WIDE_GEMV or not prefer_cublas or has_pinned_launch(x, linear.weight)):
         return gemv(x, linear.weight, geglu)
     return linear(x)
 

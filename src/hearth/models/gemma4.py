@@ -131,7 +131,7 @@ class Gemma4Attention(nn.Module):
         # q/k norms, RoPE and the V norm (of raw K on k_eq_v layers) in one kernel on the GPU,
         # which at a GPU decode step also stores K/V in the cache.
         q, k, v = norm_rope(
-            self.qkv_proj.proj(x).flatten(0, 1),
+            project(self.qkv_proj.proj, x, prefer_cublas=True).flatten(0, 1),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
@@ -518,7 +518,8 @@ class Gemma4Model(nn.Module):
         shape = (self.config.num_hidden_layers, width)
         rows = self.embed_tokens_per_layer.embed(input_ids, self.compute_dtype)
         tokens = rows * torch.tensor(math.sqrt(width), dtype=rows.dtype)
-        context = self.per_layer_model_projection(embedded) * self.config.hidden_size**-0.5
+        context = project(self.per_layer_model_projection, embedded, prefer_cublas=True)
+        context = context * self.config.hidden_size**-0.5
         context = self.per_layer_projection_norm(context.unflatten(-1, shape))
         return (context + tokens.unflatten(-1, shape)) * 2**-0.5
 
