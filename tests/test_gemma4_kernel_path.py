@@ -102,3 +102,36 @@ def _counted(function, launched: list[str], name: str):
         return function(*args, **kwargs)
 
     return wrapper
+
+
+def test_wide_projections_take_the_gemv_only_at_a_pinned_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qkv and gate/up (cuBLAS's by default) take the GEMV at a decode step exactly where a
+    launch is pinned for their shape, and the logits stay those of the torch path."""
+    hf = tiny_gemma4_model(seed=5, **CONFIGS["ple"])
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
+    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(4))
+    expected = _decode(model, ids)
+    attention = model.layers[0].self_attn
+    qkv = tuple(attention.qkv_proj.proj.weight.shape)
+    gate_up = tuple(model.layers[0].mlp.gate_up_proj.proj.weight.shape)
+    assert qkv != gate_up
+    rows: dict[tuple[int, int], list[int]] = {}
+    original_gemv = gemv.gemv_triton
+
+    def recorded(x, weight, geglu=False, config=None, up=None):
+        rows.setdefault(tuple(weight.shape), []).append(x.numel() // x.shape[-1])
+        return original_gemv(x, weight, geglu, config, up=up)
+
+    monkeypatch.setattr(gemv, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(gemv, "gemv_triton", recorded)
+    monkeypatch.setitem(gemv.GEMV_LAUNCHES, qkv, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1})
+    got = _decode(model, ids)
+    # Every layer with that qkv shape, once per decode step; never the prompt's rows.
+    same_shape = sum(
+        tuple(layer.self_attn.qkv_proj.proj.weight.shape) == qkv for layer in model.layers
+    )
+    assert rows[qkv] == [1] * (STEPS * same_shape)
+    assert gate_up not in rows
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
