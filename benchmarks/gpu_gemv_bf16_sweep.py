@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,6 +110,67 @@ def sweep_configs(pipelined: bool, k: int, wide: bool = False) -> list[dict]:
     ]
 
 
+@dataclass
+class Case:
+    """One shape's timing inputs: distinct weights past L2, one x, cuBLAS's output and the
+    bound a launch's output must keep to (bf16: 2 ulps of |y| plus fp32 accumulation)."""
+
+    weights: list[torch.Tensor]
+    x: torch.Tensor
+    want: torch.Tensor
+    bound: float
+
+    @classmethod
+    def of(cls, n: int, k: int) -> Case:
+        device = torch.device("cuda")
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5]
+        while len(weights) * weights[0].numel() * 2 < 4 * L2_BYTES and len(weights) < 64:
+            weights.append(torch.randn_like(weights[0]))
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        want = F.linear(x, weights[0]).float()
+        bound = 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item() + 1e-3
+        return cls(weights, x, want, bound)
+
+    def share(self, micros: float) -> str:
+        """The weight bytes per call over `micros`, as a share of copy bandwidth."""
+        moved = self.weights[0].numel() * 2
+        return f"{moved / (micros * 1e-6) / COPY_BANDWIDTH:.0%}"
+
+    def time(self, call) -> float:
+        """µs of `call(x, w)` over the distinct weights in a CUDA graph."""
+        return time_graph([lambda w=w: call(self.x, w) for w in self.weights])
+
+    def time_launch(self, config: dict) -> float | str:
+        """µs of the GEMV at `config`, or why its output failed the check."""
+
+        def launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return gemv.gemv_triton(x, w, False, config)
+
+        error = (launch(self.x, self.weights[0]).float() - self.want).abs().max().item()
+        if error > self.bound:
+            return f"FAIL ({error:.3g} > {self.bound:.3g})"
+        return self.time(launch)
+
+
+def config_name(config: dict) -> str:
+    tiles = " ".join(f"{key}={v}" for key, v in config.items() if key != "num_warps")
+    return f"{tiles} w{config['num_warps']}"
+
+
+def compile_share(shapes: list, configs_of, warm: str, autotuned: bool = False) -> None:
+    """--warm I/N: compile every N-th launch of the sweep (parallel processes fill the cache)."""
+    warm_index, warm_count = map(int, warm.split("/"))
+    device = torch.device("cuda")
+    for shape, (n, k, _) in enumerate(shapes):
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        for index, config in enumerate(configs_of(k)):
+            if index % warm_count == warm_index:
+                gemv.gemv_triton(x, w, False, config)
+        if autotuned and shape % warm_count == warm_index:
+            gemv.gemv_triton(x, w)  # the autotuner compiles its own configs too
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pipelined", action="store_true", help="sweep LOOP_STAGES and tiles")
@@ -115,30 +178,21 @@ def main() -> None:
     parser.add_argument("--warm", default="", help="I/N: only compile every N-th config")
     args = parser.parse_args()
     if args.wide:
-        sweep_wide(args.warm)
+        configs_of = partial(sweep_configs, True, wide=True)
+        if args.warm:
+            compile_share(WIDE_SHAPES, configs_of, args.warm)
+        else:
+            sweep_wide(configs_of)
         return
-    warm_index, warm_count = map(int, args.warm.split("/")) if args.warm else (0, 0)
-    device = torch.device("cuda")
+    shapes = SHAPES + (MORE_SHAPES if args.pipelined else [])
+    if args.warm:
+        compile_share(shapes, partial(sweep_configs, args.pipelined), args.warm, autotuned=True)
+        return
     rows, best = [], []
     fastest_configs: dict[str, dict] = {}
-    for shape, (n, k, label) in enumerate(SHAPES + (MORE_SHAPES if args.pipelined else [])):
-        if warm_count:
-            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-            w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-            for index, config in enumerate(sweep_configs(args.pipelined, k)):
-                if index % warm_count == warm_index:
-                    gemv.gemv_triton(x, w, False, config)
-            if shape % warm_count == warm_index:
-                gemv.gemv_triton(x, w)  # the autotuner compiles its own configs too
-            continue
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5]
-        moved = weights[0].numel() * 2
-        while len(weights) * moved < 4 * L2_BYTES and len(weights) < 64:
-            weights.append(torch.randn_like(weights[0]))
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-        want = F.linear(x, weights[0]).float()
-        bound = 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item() + 1e-3
-        gemv.gemv_triton(x, weights[0])  # the autotuner picks its config for this shape
+    for n, k, label in shapes:
+        case = Case.of(n, k)
+        gemv.gemv_triton(case.x, case.weights[0])  # the autotuner picks its config for this shape
         key_config = next(
             (c for key, c in gemv._gemv_tuned.cache.items() if key[0] == n and key[1] == k),
             None,
@@ -148,46 +202,35 @@ def main() -> None:
         )
         timed = []
         for config in sweep_configs(args.pipelined, k):
-            tiles = {key: v for key, v in config.items() if key != "num_warps"}
-            name = " ".join(f"{key}={v}" for key, v in tiles.items()) + f" w{config['num_warps']}"
-
-            def launch(w: torch.Tensor, config: dict = config, x=x) -> torch.Tensor:
-                return gemv.gemv_triton(x, w, False, config)
-
-            error = (launch(weights[0]).float() - want).abs().max().item()
-            if error > bound:
-                rows.append([label, name, "-", "-", f"FAIL ({error:.3g} > {bound:.3g})"])
+            name = config_name(config)
+            micros = case.time_launch(config)
+            if isinstance(micros, str):
+                rows.append([label, name, "-", "-", micros])
                 continue
-            micros = time_graph([lambda w=w: launch(w) for w in weights])
             timed.append((micros, name, config))
-            share = moved / (micros * 1e-6) / COPY_BANDWIDTH
-            plain = {**tiles, "warps": config["num_warps"]}
+            plain = {**config, "warps": config["num_warps"]}
+            del plain["num_warps"]
             if plain.get("LOOP_STAGES") == 1:  # the autotuned kernel's default
                 del plain["LOOP_STAGES"]
             mine = " (autotuned)" if plain == tuned else ""
-            rows.append([label, name + mine, f"{micros:.1f}", f"{share:.0%}", "ok"])
-            print(label, name + mine, f"{micros:.1f} µs {share:.0%}", flush=True)
-        auto = time_graph([lambda w=w, x=x: gemv.gemv_triton(x, w) for w in weights])
+            rows.append([label, name + mine, f"{micros:.1f}", case.share(micros), "ok"])
+            print(label, name + mine, f"{micros:.1f} µs {case.share(micros)}", flush=True)
+        auto = case.time(gemv.gemv_triton)
         if not timed:
             continue
-        timed.sort(key=lambda t: t[0])
-        fastest, name, fastest_config = timed[0]
+        fastest, name, fastest_config = min(timed, key=lambda t: t[0])
         fastest_configs[f"{n}x{k}"] = fastest_config
         best.append(
             [
                 f"{label} {n}x{k}",
-                f"{auto:.1f} ({moved / (auto * 1e-6) / COPY_BANDWIDTH:.0%})",
-                f"{name}: {fastest:.1f} ({moved / (fastest * 1e-6) / COPY_BANDWIDTH:.0%})",
+                f"{auto:.1f} ({case.share(auto)})",
+                f"{name}: {fastest:.1f} ({case.share(fastest)})",
                 f"{auto / fastest:.2f}x",
             ]
         )
-    if warm_count:
-        return
     name = "gpu_gemv_bf16_sweep_pipelined" if args.pipelined else "gpu_gemv_bf16_sweep"
     # The fastest launch per shape, for benchmarks/ab_decode.py's `gemv-bf16-json` variant.
-    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(fastest_configs, indent=1))
+    write_json(f"{name}.json", fastest_configs)
     write_report(
         f"{name}.md",
         "bf16 GEMV launch sweep in CUDA graphs",
@@ -198,49 +241,29 @@ def main() -> None:
     )
 
 
-def sweep_wide(warm: str) -> None:
-    """--wide: every WIDE_SHAPES launch and cuBLAS in the same graph harness."""
-    warm_index, warm_count = map(int, warm.split("/")) if warm else (0, 0)
-    device = torch.device("cuda")
+def write_json(name: str, launches: dict[str, dict]) -> None:
+    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(launches, indent=1))
+
+
+def sweep_wide(configs_of) -> None:
+    """--wide: every launch of WIDE_SHAPES and cuBLAS in the same graph harness."""
     rows, best, pinned = [], [], {}
     for n, k, label in WIDE_SHAPES:
-        configs = sweep_configs(True, k, wide=True)
-        if warm_count:  # compile only: this process's share of the launches
-            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-            w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-            for index, config in enumerate(configs):
-                if index % warm_count == warm_index:
-                    gemv.gemv_triton(x, w, False, config)
-            continue
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5]
-        moved = weights[0].numel() * 2
-        while len(weights) * moved < 4 * L2_BYTES and len(weights) < 64:
-            weights.append(torch.randn_like(weights[0]))
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-        want = F.linear(x, weights[0]).float()
-        bound = 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item() + 1e-3
-
-        def share(micros: float, moved: int = moved) -> str:
-            return f"{moved / (micros * 1e-6) / COPY_BANDWIDTH:.0%}"
-
-        cublas = time_graph([lambda w=w, x=x: F.linear(x, w) for w in weights])
-        rows.append([label, "cuBLAS (F.linear)", f"{cublas:.1f}", share(cublas), "-"])
+        case = Case.of(n, k)
+        cublas = case.time(F.linear)
+        rows.append([label, "cuBLAS (F.linear)", f"{cublas:.1f}", case.share(cublas), "-"])
         timed = []
-        for config in configs:
-            tiles = {key: v for key, v in config.items() if key != "num_warps"}
-            name = " ".join(f"{key}={v}" for key, v in tiles.items()) + f" w{config['num_warps']}"
-
-            def launch(w: torch.Tensor, config: dict = config, x: torch.Tensor = x) -> torch.Tensor:
-                return gemv.gemv_triton(x, w, False, config)
-
-            error = (launch(weights[0]).float() - want).abs().max().item()
-            if error > bound:
-                rows.append([label, name, "-", "-", f"FAIL ({error:.3g} > {bound:.3g})"])
+        for config in configs_of(k):
+            name = config_name(config)
+            micros = case.time_launch(config)
+            if isinstance(micros, str):
+                rows.append([label, name, "-", "-", micros])
                 continue
-            micros = time_graph([lambda w=w: launch(w) for w in weights])
             timed.append((micros, name, config))
-            rows.append([label, name, f"{micros:.1f}", share(micros), "ok"])
-            print(label, name, f"{micros:.1f} µs {share(micros)}", flush=True)
+            rows.append([label, name, f"{micros:.1f}", case.share(micros), "ok"])
+            print(label, name, f"{micros:.1f} µs {case.share(micros)}", flush=True)
         if not timed:
             continue
         fastest, name, config = min(timed, key=lambda t: t[0])
@@ -250,22 +273,18 @@ def sweep_wide(warm: str) -> None:
         best.append(
             [
                 f"{label} {n}x{k}",
-                f"{cublas:.1f} ({share(cublas)})",
-                f"{name}: {fastest:.1f} ({share(fastest)})",
+                f"{cublas:.1f} ({case.share(cublas)})",
+                f"{name}: {fastest:.1f} ({case.share(fastest)})",
                 f"{cublas / fastest:.2f}x",
                 "GEMV" if wins else "cuBLAS",
             ]
         )
-    if warm_count:
-        return
-    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_gemv_bf16_sweep_wide.json").write_text(json.dumps(pinned, indent=1))
+    write_json("gpu_gemv_bf16_sweep_wide.json", pinned)
     write_report(
         "gpu_gemv_bf16_sweep_wide.md",
         "bf16 GEMV against cuBLAS on the wide decode projections, in CUDA graphs",
         "M=1. µs per call: a graph of back-to-back calls on distinct weights (past L2), "
-        f"replayed; % of 4.2 TB/s over the weight bytes. Pinned: the GEMV beats cuBLAS by more "
+        "replayed; % of 4.2 TB/s over the weight bytes. Pinned: the GEMV beats cuBLAS by more "
         f"than {WIDE_MARGIN:.0%}.",
         (["shape", "cuBLAS: µs (%)", "fastest GEMV: µs (%)", "cuBLAS / GEMV", "pinned"], best),
         rows,
