@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from gpu_gemv_affine_sweep import L2_BYTES, time_graph, write_report
 from gpu_kernels_affine import COPY_BANDWIDTH
@@ -175,8 +177,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pipelined", action="store_true", help="sweep LOOP_STAGES and tiles")
     parser.add_argument("--wide", action="store_true", help="qkv and gate/up against cuBLAS")
+    parser.add_argument(
+        "--wide-check", action="store_true", help="pinned wide launches' error vs cuBLAS's"
+    )
     parser.add_argument("--warm", default="", help="I/N: only compile every N-th config")
     args = parser.parse_args()
+    if args.wide_check:
+        check_wide()
+        return
     if args.wide:
         configs_of = partial(sweep_configs, True, wide=True)
         if args.warm:
@@ -245,6 +253,52 @@ def write_json(name: str, launches: dict[str, dict]) -> None:
     out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(launches, indent=1))
+
+
+def check_wide(draws: int = 4) -> None:
+    """--wide-check: at each wide shape with a pinned launch, the largest error against an
+    fp64 product of the GEMV (as decode dispatches it) and of cuBLAS, on fresh random draws."""
+    device = torch.device("cuda")
+    rows = []
+    for n, k, label in WIDE_SHAPES:
+        if (n, k) not in gemv.GEMV_LAUNCHES:
+            continue
+        worst = {"GEMV": 0.0, "cuBLAS": 0.0}
+        largest = 0.0
+        for draw in range(draws):
+            generator = torch.Generator(device=device).manual_seed(draw)
+            w = torch.randn(n, k, device=device, generator=generator) * k**-0.5
+            w = w.to(torch.bfloat16)
+            x = torch.randn(1, k, device=device, generator=generator).to(torch.bfloat16)
+            exact = x.double() @ w.double().T
+            largest = max(largest, exact.abs().max().item())
+            for name, y in (("GEMV", gemv.gemv(x, w)), ("cuBLAS", F.linear(x, w))):
+                worst[name] = max(worst[name], (y.double() - exact).abs().max().item())
+        rows.append(
+            [
+                f"{label} {n}x{k}",
+                config_name(gemv.GEMV_LAUNCHES[(n, k)]),
+                f"{worst['GEMV']:.4f}",
+                f"{worst['cuBLAS']:.4f}",
+                f"{largest:.2f}",
+            ]
+        )
+        print(*rows[-1], flush=True)
+    header = "# Pinned wide GEMV launches: error against fp64, beside cuBLAS's"
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    lines = [
+        f"{header} ({time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, {versions})",
+        "",
+        f"M=1, bf16 x and W (W ~ N(0, 1/K)), {draws} draws a shape; largest |y - y_fp64|. "
+        "Both round the output to bf16 once (half an ulp: 2^-9 |y|).",
+        "",
+        "| shape | launch | GEMV max error | cuBLAS max error | max |y| |",
+        "|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_gemv_bf16_wide_check.md").write_text("\n".join(lines) + "\n")
 
 
 def sweep_wide(configs_of) -> None:

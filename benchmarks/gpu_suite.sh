@@ -25,6 +25,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh gemv-stages   # bf16 GEMV with a pipelined K loop: sweep, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh affine-stages # 4/8-bit GEMV whole steps pipelined: A/B, logits
 #   OUT=/tmp/out benchmarks/gpu_suite.sh wide          # qkv, gate/up: GEMV vs cuBLAS sweep, A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh wide-check    # pinned wide launches vs fp64, parity, chat
 #   OUT=/tmp/out benchmarks/gpu_suite.sh chat          # a growing conversation: decoders grown or not
 set -u
 PART=${1:-kernels}
@@ -223,6 +224,11 @@ wait
 stage 150 sweep-wide python benchmarks/gpu_gemv_bf16_sweep.py --wide
 stage 230 ab-wide python benchmarks/ab_decode.py --models gemma3-12b,e4b,26b-a4b --variants base,wide-gemv-json --rounds 3 --check --name wide_gemv
 stage 150 ab-wide-31b python benchmarks/ab_decode.py --models 31b --variants base,wide-gemv-json --rounds 2 --check --name wide_gemv_31b
+elif [ "$PART" = wide-check ]; then  # the pinned wide launches' error vs cuBLAS's; parity; then chat
+stage 60 wide-check python benchmarks/gpu_gemv_bf16_sweep.py --wide-check
+stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+stage 100 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
+stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
 elif [ "$PART" = chat ]; then  # each turn's first token, decoders replaced at their size or grown
 stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8

@@ -57,6 +57,20 @@ GEMV_LAUNCHES: dict[tuple[int, int], dict[str, int]] = {
     (2816, 8192): _unsplit_launch(8, 512, 4),  # 26B-A4B o (global)
     (5376, 8192): _unsplit_launch(8, 512, 1),  # 31B o (sliding)
     (5376, 21504): _unsplit_launch(8, 512, 3),  # 31B down
+    # Wide projections, which a pin moves from cuBLAS to this GEMV (`has_pinned_launch`): the
+    # shapes where the fastest launch beat cuBLAS by over 3% in CUDA graphs
+    # (results/gpu_gemv_bf16_sweep_wide-2026-12-05.md: 1.08-1.48x on E4B, 1.03-1.27x on
+    # 26B-A4B). Decode: E4B 273.7 -> 290.3 tok/s, 26B-A4B 313.2 -> 327.6
+    # (results/ab_wide_gemv-2026-12-05.md). 12B's and 31B's stay on cuBLAS (within 3%, or
+    # +0.1% end to end for 31B's global qkv).
+    (3072, 2560): _unsplit_launch(8, 512, 3),  # E4B qkv (sliding)
+    (6144, 2560): _unsplit_launch(16, 256, 4),  # E4B qkv (global)
+    (2048, 2560): _unsplit_launch(8, 512, 4),  # E4B q (KV-sharing, sliding)
+    (4096, 2560): _unsplit_launch(8, 512, 3),  # E4B q (KV-sharing, global)
+    (20480, 2560): _unsplit_launch(8, 1024, 4),  # E4B gate/up
+    (8192, 2816): _unsplit_launch(8, 1024, 4),  # 26B-A4B qkv (sliding)
+    (9216, 2816): _unsplit_launch(8, 1024, 4),  # 26B-A4B qkv (global)
+    (4224, 2816): _unsplit_launch(8, 1024, 1),  # 26B-A4B dense gate/up
 }
 
 
