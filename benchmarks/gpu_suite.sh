@@ -226,9 +226,9 @@ stage 230 ab-wide python benchmarks/ab_decode.py --models gemma3-12b,e4b,26b-a4b
 stage 150 ab-wide-31b python benchmarks/ab_decode.py --models 31b --variants base,wide-gemv-json --rounds 2 --check --name wide_gemv_31b
 elif [ "$PART" = wide-check ]; then  # the pinned wide launches' error vs cuBLAS's; parity; then chat
 stage 60 wide-check python benchmarks/gpu_gemv_bf16_sweep.py --wide-check
-stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 100 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
+stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 elif [ "$PART" = chat ]; then  # each turn's first token, decoders replaced at their size or grown
 stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
