@@ -159,6 +159,25 @@ def config_name(config: dict) -> str:
     return f"{tiles} w{config['num_warps']}"
 
 
+def time_configs(
+    case: Case, label: str, configs: list[dict], rows: list[list[str]], tuned: dict | None = None
+) -> list[tuple[float, str, dict]]:
+    """(µs, name, config) of each launch that passes its check; a report row for every one
+    (the `tuned` config marked as the autotuner's pick)."""
+    timed = []
+    for config in configs:
+        autotuned = {"LOOP_STAGES": 1, **config} == tuned  # 1: the kernel's default
+        name = config_name(config) + (" (autotuned)" if autotuned else "")
+        micros = case.time_launch(config)
+        if isinstance(micros, str):
+            rows.append([label, name, "-", "-", micros])
+            continue
+        timed.append((micros, name, config))
+        rows.append([label, name, f"{micros:.1f}", case.share(micros), "ok"])
+        print(label, name, f"{micros:.1f} µs {case.share(micros)}", flush=True)
+    return timed
+
+
 def compile_share(shapes: list, configs_of, warm: str, autotuned: bool = False) -> None:
     """--warm I/N: compile every N-th launch of the sweep (parallel processes fill the cache)."""
     warm_index, warm_count = map(int, warm.split("/"))
@@ -205,24 +224,13 @@ def main() -> None:
             (c for key, c in gemv._gemv_tuned.cache.items() if key[0] == n and key[1] == k),
             None,
         )
+        # The autotuner's pick as a swept config.
         tuned = (
-            {**key_config.kwargs, "warps": key_config.num_warps} if key_config is not None else {}
+            {"LOOP_STAGES": 1, **key_config.kwargs, "num_warps": key_config.num_warps}
+            if key_config is not None
+            else None
         )
-        timed = []
-        for config in sweep_configs(args.pipelined, k):
-            name = config_name(config)
-            micros = case.time_launch(config)
-            if isinstance(micros, str):
-                rows.append([label, name, "-", "-", micros])
-                continue
-            timed.append((micros, name, config))
-            plain = {**config, "warps": config["num_warps"]}
-            del plain["num_warps"]
-            if plain.get("LOOP_STAGES") == 1:  # the autotuned kernel's default
-                del plain["LOOP_STAGES"]
-            mine = " (autotuned)" if plain == tuned else ""
-            rows.append([label, name + mine, f"{micros:.1f}", case.share(micros), "ok"])
-            print(label, name + mine, f"{micros:.1f} µs {case.share(micros)}", flush=True)
+        timed = time_configs(case, label, sweep_configs(args.pipelined, k), rows, tuned)
         auto = case.time(gemv.gemv_triton)
         if not timed:
             continue
@@ -249,10 +257,14 @@ def main() -> None:
     )
 
 
-def write_json(name: str, launches: dict[str, dict]) -> None:
+def out_dir() -> Path:
     out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / name).write_text(json.dumps(launches, indent=1))
+    return out
+
+
+def write_json(name: str, launches: dict[str, dict]) -> None:
+    (out_dir() / name).write_text(json.dumps(launches, indent=1))
 
 
 def check_wide(draws: int = 4) -> None:
@@ -296,9 +308,7 @@ def check_wide(draws: int = 4) -> None:
         "|---|---|---|---|---|",
         *("| " + " | ".join(r) + " |" for r in rows),
     ]
-    out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_gemv_bf16_wide_check.md").write_text("\n".join(lines) + "\n")
+    (out_dir() / "gpu_gemv_bf16_wide_check.md").write_text("\n".join(lines) + "\n")
 
 
 def sweep_wide(configs_of) -> None:
@@ -308,16 +318,7 @@ def sweep_wide(configs_of) -> None:
         case = Case.of(n, k)
         cublas = case.time(F.linear)
         rows.append([label, "cuBLAS (F.linear)", f"{cublas:.1f}", case.share(cublas), "-"])
-        timed = []
-        for config in configs_of(k):
-            name = config_name(config)
-            micros = case.time_launch(config)
-            if isinstance(micros, str):
-                rows.append([label, name, "-", "-", micros])
-                continue
-            timed.append((micros, name, config))
-            rows.append([label, name, f"{micros:.1f}", case.share(micros), "ok"])
-            print(label, name, f"{micros:.1f} µs {case.share(micros)}", flush=True)
+        timed = time_configs(case, label, configs_of(k), rows)
         if not timed:
             continue
         fastest, name, config = min(timed, key=lambda t: t[0])

@@ -84,11 +84,16 @@ def gemv_reference(
     return F.linear(x, weight)
 
 
+def pinned_launch(rows: int, n: int, k: int) -> dict[str, int] | None:
+    """The launch pinned for an [n, k] weight, which applies to one row only."""
+    return GEMV_LAUNCHES.get((n, k)) if rows == 1 else None
+
+
 def has_pinned_launch(x: Tensor, weight: Tensor) -> bool:
-    """Whether `gemv` takes one row of x against `weight` with a launch pinned for its shape:
-    a projection that cuBLAS reads well (qkv, gate/up) takes the GEMV only there, where the
+    """Whether `gemv` takes x against `weight` with a launch pinned for its shape: a
+    projection that cuBLAS reads well (qkv, gate/up) takes the GEMV only there, where the
     pinned launch measured faster than cuBLAS."""
-    return x.numel() == x.shape[-1] and tuple(weight.shape) in GEMV_LAUNCHES
+    return pinned_launch(x.numel() // x.shape[-1], *weight.shape) is not None
 
 
 def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None) -> Tensor:
@@ -251,8 +256,8 @@ if HAS_TRITON:
         m, n = rows.shape[0], weight.shape[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         interpreted = not x.is_cuda
-        if config is None and m == 1 and not interpreted:
-            config = GEMV_LAUNCHES.get((n, k))
+        if config is None and not interpreted:
+            config = pinned_launch(m, n, k)
         split_possible = (config is None and not interpreted) or (config or {}).get(
             "SPLIT_K", 1
         ) > 1
