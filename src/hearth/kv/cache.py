@@ -61,6 +61,17 @@ class KVView(NamedTuple):
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
 
+class DecodeSlot(NamedTuple):
+    """Where one decode token's K/V go when a kernel writes them itself: slot `slot` of the
+    dense planes `keys`/`values` [batch, kv_heads, slots, head_dim]; attention then reads
+    slots 0..length-1 (every one visible to the token)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slot: int
+    length: int
+
+
 class KVCodec(Protocol):
     """How tokens are stored: K/V [batch, kv_heads, tokens, head_dim] <-> planes.
 
@@ -154,6 +165,11 @@ class TokenPlanes:
     def bytes_per_slot(self) -> int:
         return sum(plane[:, :, :1].nbytes for plane in self.planes)
 
+    @property
+    def stays_dense(self) -> bool:
+        """Whether tokens are stored as they come, now and later (the planes are K/V)."""
+        return self.codec is DENSE and self.target is DENSE
+
     def signature(self) -> str:
         return self.codec.signature()
 
@@ -210,6 +226,18 @@ class DenseCache:
         self._store.settle(end)
         return view
 
+    def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
+        """Room for one more token, for a kernel to write (`sample`: K or V shaped like that
+        token); None when tokens are not stored dense. The token counts as stored."""
+        if not self._store.stays_dense:
+            return None
+        end = self.offset + 1
+        if end > self._store.capacity:
+            self._store.reserve(sample, sample, -(-end // self.step) * self.step, self.offset)
+        keys, values = self._store.planes
+        slot, self.offset = self.offset, end
+        return DecodeSlot(keys, values, slot, end)
+
     def trim(self, tokens: int) -> None:
         self.offset -= min(tokens, self.offset)
 
@@ -262,15 +290,19 @@ class RotatingCache:
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
     ) -> KVView:
+        self._allocate(keys, values)
+        one = keys.shape[2] == 1
+        view = self._decode_step(keys, values) if one else self._prefill(keys, values)
+        self._store.settle(self.offset)
+        return view
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The ring's slots and positions, made on first use (shaped like `keys`/`values`)."""
         if self._positions is None:
             self._store.reserve(keys, values, self.capacity, keep=0)
             self._positions = torch.full(
                 (self.capacity,), EMPTY_POSITION, dtype=torch.long, device=keys.device
             )
-        one = keys.shape[2] == 1
-        view = self._decode_step(keys, values) if one else self._prefill(keys, values)
-        self._store.settle(self.offset)
-        return view
 
     def _decode_step(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
         assert self._positions is not None
@@ -283,6 +315,20 @@ class RotatingCache:
             # Slots fill in order from 0, so the filled ones are the first `filled`.
             return KVView(ring_keys, ring_values, filled, None)
         return KVView(ring_keys, ring_values, self.capacity, self._positions)
+
+    def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
+        """Room for one more token, for a kernel to write (`sample`: K or V shaped like that
+        token); None unless stored dense in a ring of exactly the window (where every filled
+        slot is visible, as in `_decode_step`). The token counts as stored."""
+        if self.capacity != self.window or not self._store.stays_dense:
+            return None
+        self._allocate(sample, sample)
+        assert self._positions is not None
+        slot = self.offset % self.capacity
+        self._positions[slot] = self.offset
+        self.offset += 1
+        keys, values = self._store.planes
+        return DecodeSlot(keys, values, slot, min(self.offset, self.capacity))
 
     def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
         assert self._positions is not None

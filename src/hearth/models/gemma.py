@@ -24,6 +24,7 @@ from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
 from hearth.kv.cache import DENSE, KVView, LayerCache
 from hearth.kv.static import StaticCache
+from hearth.models import gemma_native
 
 
 class StackedLinear(nn.Module):
@@ -437,11 +438,15 @@ class Gemma3Model(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device) + start
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         normed = self.layers[0].input_layernorm(x)
+        natively = gemma_native.applies(x, caches)  # a CPU bf16 decode step
         for index, layer in enumerate(self.layers):
             cache = caches[index] if caches is not None else None
             following = index + 1 < len(self.layers)
             next_norm = self.layers[index + 1].input_layernorm if following else self.norm
-            x, normed = layer(x, normed, ropes[layer.layer_type], positions, cache, next_norm)
+            rope = ropes[layer.layer_type]
+            if natively and gemma_native.decode_layer(layer, x, normed, rope, cache, next_norm):
+                continue
+            x, normed = layer(x, normed, rope, positions, cache, next_norm)
         x = last_of(normed, last_index) if last_only else normed  # normed by the last layer
         tied = self.config.tie_word_embeddings
         logits = self.embed_tokens.head(x) if tied else self.lm_head(x)

@@ -61,7 +61,29 @@ _SIGNATURES = {
         _POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _FLOAT, _POINTER,
         _INT,
     ],
+    "hearth_gemma3_decode_layer": [
+        _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
+        _INT64, _POINTER, _INT,
+    ],
 }  # fmt: skip
+
+
+class DecodeLayerOperands(ctypes.Structure):
+    """A Gemma 3 layer's fixed operands for ``gemma3_decode_layer`` (``hearth_decode_layer`` in
+    the source): sizes, weight pointers (int8 with bf16 row scales, or bf16 where the scales
+    are NULL), fp32 norm weights, eps and the attention scale."""
+
+    _fields_ = [
+        *((name, _INT64) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate")),
+        *((name, _POINTER) for name in ("qkv", "o", "gate_up", "down")),
+        *((f"{name}_scales", _POINTER) for name in ("qkv", "o", "gate_up", "down")),
+        *(
+            (f"{name}_norm", _POINTER)
+            for name in ("q", "k", "post_attention", "pre_feedforward", "post_feedforward", "next")
+        ),
+        ("eps", _FLOAT),
+        ("scale", _FLOAT),
+    ]
 
 
 def _require(condition: bool, what: str) -> None:
@@ -230,6 +252,53 @@ class NativeKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def gemma3_decode_layer(
+        self,
+        operands: DecodeLayerOperands,
+        x: Tensor,
+        normed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        slot: int,
+        length: int,
+    ) -> None:
+        """One Gemma 3 layer at one token, in place: ``x`` (the residual stream, bf16 [hidden])
+        becomes the layer's output and ``normed`` (its input norm) that output's next norm.
+        The new K/V go into ``slot`` of ``keys``/``values`` [1, Hk, slots, D] (bf16), and
+        attention reads slots ``0..length-1``. ``operands`` must point at live tensors."""
+        dim = operands.head_dim
+        _require(
+            _dense(x, torch.bfloat16)
+            and _dense(normed, torch.bfloat16)
+            and x.numel() == normed.numel() == operands.hidden
+            and _dense(cos, torch.bfloat16)
+            and _dense(sin, torch.bfloat16)
+            and cos.numel() == sin.numel() == dim
+            and keys.dtype == values.dtype == torch.bfloat16
+            and keys.shape == values.shape
+            and keys.shape[:2] == (1, operands.kv_heads)
+            and keys.shape[3] == dim
+            and attention_layout(keys, values)
+            and 0 <= slot < length <= keys.shape[2],
+            "gemma3_decode_layer takes bf16 x, normed [hidden], cos/sin [D], K/V [1, Hk, slots, D]",
+        )
+        self._call(
+            "hearth_gemma3_decode_layer", ctypes.byref(operands), x.data_ptr(), normed.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1),
+            slot, length, gelu_tanh_table().data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+
+@functools.cache
+def gelu_tanh_table() -> Tensor:
+    """bf16 gelu_tanh of every bf16 number, indexed by its 16-bit pattern: made by torch's own
+    ``F.gelu``, so a native GeGLU looking it up rounds exactly as torch does."""
+    patterns = torch.cat([torch.arange(0, 1 << 15), torch.arange(-(1 << 15), 0)])
+    numbers = patterns.to(torch.int16).view(torch.bfloat16)
+    return torch.nn.functional.gelu(numbers, approximate="tanh").contiguous()
 
 
 def _compiler() -> str | None:

@@ -364,3 +364,85 @@ int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t
     free(work);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * One Gemma 3 decoder layer at one decode token, in a single call: the ops above in the order
+ * of hearth/models/gemma.py, with the same roundings, so the result equals the module path's
+ * bit for bit. It replaces ~30 dispatched torch ops and ctypes calls a layer (~0.3 ms of a
+ * ~20 ms step on the 270M) with one call.
+ */
+
+/* A layer's fixed operands (read-only). Each weight [n, k] is int8 with one bf16 scale per row,
+ * or bf16 when its scales are NULL. Norm weights are fp32 [width], already 1 + w. */
+typedef struct {
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate;
+    const void *qkv, *o, *gate_up, *down;
+    const uint16_t *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    const float *q_norm, *k_norm, *post_attention_norm, *pre_feedforward_norm;
+    const float *post_feedforward_norm, *next_norm;
+    float eps, scale;
+} hearth_decode_layer;
+
+static int project_row(const uint16_t *x, int64_t k, const void *w, const uint16_t *scales,
+                       int64_t n, uint16_t *y, int threads) {
+    if (scales == NULL) {
+        return rows_matmul(x, 1, k, w, 1, NULL, n, y, threads);
+    }
+    return rows_matmul(x, 1, k, w, 0, scales, n, y, threads);
+}
+
+/* x [hidden] (the residual stream) and normed [hidden] (its input norm) are updated in place:
+ * x becomes the layer's output, normed its norm by next_norm. cos, sin: bf16 [head_dim] of this
+ * position. The new K and V go into slot `slot` of the cache planes `keys`, `values`
+ * (head h's slot t at h * head_stride + t * head_dim, bf16); attention then reads slots
+ * 0..length-1. gelu_table: bf16 gelu_tanh of every bf16 bit pattern (made by torch's own
+ * F.gelu, so GeGLU rounds as torch does by construction). Returns -1 when memory runs out. */
+int hearth_gemma3_decode_layer(const hearth_decode_layer *layer, uint16_t *x, uint16_t *normed,
+                               const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
+                               uint16_t *values, int64_t head_stride, int64_t slot,
+                               int64_t length, const uint16_t *gelu_table, int threads) {
+    const int64_t d = layer->head_dim, h = layer->hidden, inner = layer->intermediate;
+    const int64_t q_width = layer->q_heads * d, kv_width = layer->kv_heads * d;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    uint16_t *work = malloc(sizeof(uint16_t) *
+                            (size_t)(qkv_width + 2 * q_width + 2 * kv_width + h + 3 * inner));
+    if (work == NULL) {
+        return -1;
+    }
+    uint16_t *qkv = work, *q = qkv + qkv_width, *k = q + q_width, *v = k + kv_width;
+    uint16_t *attended = v + kv_width, *projected = attended + q_width;
+    uint16_t *gate_up = projected + h, *activated = gate_up + 2 * inner;
+    int status = project_row(normed, h, layer->qkv, layer->qkv_scales, qkv_width, qkv, threads);
+    status = status ? status
+                    : hearth_norm_rope(qkv, 1, qkv_width, layer->q_heads, layer->kv_heads, d,
+                                       layer->q_norm, layer->k_norm, cos, sin, layer->eps, q, k, v);
+    for (int64_t head = 0; status == 0 && head < layer->kv_heads; ++head) {
+        memcpy(keys + head * head_stride + slot * d, k + head * d, sizeof(uint16_t) * (size_t)d);
+        memcpy(values + head * head_stride + slot * d, v + head * d, sizeof(uint16_t) * (size_t)d);
+    }
+    status = status ? status
+                    : hearth_decode_attention(q, keys, values, layer->kv_heads,
+                                              layer->q_heads / layer->kv_heads, d, length,
+                                              head_stride, layer->scale, attended, threads);
+    status = status ? status
+                    : project_row(attended, q_width, layer->o, layer->o_scales, h, projected,
+                                  threads);
+    status = status ? status
+                    : hearth_add_rms_norm(x, projected, 1, h, layer->post_attention_norm,
+                                          layer->pre_feedforward_norm, layer->eps, x, normed);
+    status = status ? status
+                    : project_row(normed, h, layer->gate_up, layer->gate_up_scales, 2 * inner,
+                                  gate_up, threads);
+    for (int64_t j = 0; status == 0 && j < inner; ++j) {
+        const float gelu = bf16_to_float(gelu_table[gate_up[j]]);
+        activated[j] = float_to_bf16(gelu * bf16_to_float(gate_up[inner + j]));
+    }
+    status = status ? status
+                    : project_row(activated, inner, layer->down, layer->down_scales, h, projected,
+                                  threads);
+    status = status ? status
+                    : hearth_add_rms_norm(x, projected, 1, h, layer->post_feedforward_norm,
+                                          layer->next_norm, layer->eps, x, normed);
+    free(work);
+    return status;
+}

@@ -1,0 +1,147 @@
+"""A Gemma 3 decode step on the CPU as one native call per layer (`hearth.native`).
+
+At batch 1 on the CPU, a decode step of a small model is a stream of weights plus hundreds of
+tiny ops; dispatching those ops from Python cost ~30% of the 270M's step. Where every operand
+fits the native layer (bf16 activations, int8 or bf16 weights, a cache storing K/V dense),
+`decode_layer` runs a whole `DecoderLayer` in one call, with the module path's roundings: the
+logits are the same bit for bit. Anything else (a quantized KV cache, int4 weights, several
+tokens) keeps the module path, layer by layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from hearth import native
+from hearth.kv.cache import LayerCache
+from hearth.quant.cpu import Int8Linear
+
+
+def _weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """(weight, row scales) as the native layer reads them: int8 with bf16 scales, or a
+    contiguous bf16 weight with no scales; None for any other projection."""
+    if isinstance(module, Int8Linear) and module.uses_native and module.bias is None:
+        return module.qweight, module.scales
+    if (
+        isinstance(module, nn.Linear)
+        and module.bias is None
+        and module.weight.dtype == torch.bfloat16
+        and module.weight.is_contiguous()
+    ):
+        return module.weight, None
+    return None
+
+
+def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules whose tensors a layer's operands point into, in a fixed order."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (
+        attention.qkv_proj.proj,
+        attention.o_proj,
+        mlp.gate_up_proj.proj,
+        mlp.down_proj,
+        attention.q_norm,
+        attention.k_norm,
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm,
+        next_norm,
+    )
+
+
+def _tensors(sources: tuple[nn.Module, ...]) -> list[Tensor]:
+    """Every tensor of `sources` (replacing any of them makes new operands)."""
+    # The modules' own tables, read directly: `parameters()` costs ~20x more, every step.
+    return [
+        tensor
+        for module in sources
+        for table in (module._parameters, module._buffers)
+        for tensor in table.values()
+    ]
+
+
+def _same(first: list[Tensor], second: list[Tensor]) -> bool:
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))
+
+
+class NativeLayer(NamedTuple):
+    """A layer's operands for the native call (pointers into the layer's tensors, which the
+    layer keeps alive; `decode_layer` rebuilds them when any tensor is replaced)."""
+
+    operands: native.DecodeLayerOperands
+    sample: Tensor  # zeros shaped like one token's K: sizes a cache's first slots
+
+
+def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
+    attention, mlp = layer.self_attn, layer.mlp
+    sources = _sources(layer, next_norm)
+    weights = [_weight(module) for module in sources[:4]]
+    norms = [module.weight for module in sources[4:]]
+    if any(w is None for w in weights) or not all(
+        n.dtype == torch.float32 and n.is_contiguous() for n in norms
+    ):
+        return None
+    eps = {module.eps for module in sources[4:]}
+    if len(eps) != 1:
+        return None
+    operands = native.DecodeLayerOperands(
+        layer.post_attention_layernorm.weight.numel(),
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        mlp.down_proj.in_features,
+        *(w[0].data_ptr() for w in weights if w is not None),
+        *(None if w is None or w[1] is None else w[1].data_ptr() for w in weights),
+        *(n.data_ptr() for n in norms),
+        eps.pop(),
+        attention.scale,
+    )
+    sample = torch.zeros(1, attention.num_kv_heads, 1, attention.head_dim, dtype=torch.bfloat16)
+    return NativeLayer(operands, sample)
+
+
+def applies(x: Tensor, caches: list[LayerCache] | None) -> bool:
+    """Whether a forward over `x` (embedded tokens) may run its layers natively: one CPU bf16
+    token of one sequence, with caches, outside autograd, and the kernels built here."""
+    return (
+        caches is not None
+        and x.shape[:2] == (1, 1)
+        and native.for_cpu_bf16(x) is not None
+        and not torch.is_grad_enabled()
+    )
+
+
+def decode_layer(
+    layer: nn.Module,
+    x: Tensor,
+    normed: Tensor,
+    rope: tuple[Tensor, Tensor],
+    cache: LayerCache,
+    next_norm: nn.Module,
+) -> bool:
+    """Run `layer` at one token natively, updating `x` and `normed` in place (the module
+    path's `(x, normed)` results); False, with nothing changed, where it cannot."""
+    kernels = native.kernels()
+    decode_slot = getattr(cache, "decode_slot", None)
+    if kernels is None or decode_slot is None:
+        return False
+    tensors = _tensors(_sources(layer, next_norm))
+    cached: tuple[list[Tensor], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
+    if cached is None or not _same(cached[0], tensors):
+        cached = (tensors, _build(layer, next_norm))  # also remembers a layer that cannot
+        layer._native_layer = cached
+    built = cached[1]
+    if built is None:
+        return False
+    slot = decode_slot(built.sample)
+    if slot is None:
+        return False
+    cos, sin = rope
+    kernels.gemma3_decode_layer(
+        built.operands, x, normed, cos.reshape(-1), sin.reshape(-1), slot.keys, slot.values,
+        slot.slot, slot.length,
+    )  # fmt: skip
+    return True

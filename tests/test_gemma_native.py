@@ -1,0 +1,160 @@
+"""Gemma 3 decode layers as one native call each (hearth/models/gemma_native.py) against the
+module path they replace: the module path is the oracle here (itself checked against HF
+transformers in test_gemma3_tiny.py), and the native layer does the same operations with the
+same roundings, so logits and caches must be equal bit for bit (tolerance 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth import native
+from hearth.checkpoint import open_checkpoint
+from hearth.generate import prefill
+from hearth.kv import make_caches
+from hearth.kv.policy import KVPolicy
+from hearth.kv.quantized import AffineCodec
+from hearth.models import gemma_native
+from hearth.models.loading import build_model
+from hearth.quant.cpu import quantize_model
+from tiny import TINY_VOCAB, save_hf, tiny_gemma3_model
+
+pytestmark = pytest.mark.skipif(
+    native.kernels() is None, reason="no C compiler with OpenMP or no AVX-512 CPU here"
+)
+
+DECODE_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf(tiny_gemma3_model(seed=3), tmp_path_factory.mktemp("gemma3"))
+
+
+def bf16_model(path: Path, weights: str) -> torch.nn.Module:
+    model = build_model(open_checkpoint(path), torch.bfloat16, progress=False)
+    if weights == "int8":
+        quantize_model(model, "int8")
+    return model
+
+
+def decode(
+    model: torch.nn.Module,
+    prompt_length: int,
+    natively: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: KVPolicy | None = None,
+) -> tuple[list[torch.Tensor], list]:
+    """Greedy decode after a prompt: every step's logits, and the caches at the end."""
+    with monkeypatch.context() as patch:
+        if not natively:
+            patch.setattr(gemma_native, "applies", lambda x, caches: False)
+        generator = torch.Generator().manual_seed(prompt_length)
+        ids = torch.randint(4, len(TINY_VOCAB), (1, prompt_length), generator=generator)
+        caches = (policy or KVPolicy()).make_caches(model.config)
+        with torch.inference_mode():
+            logits = [prefill(model, ids, caches, step=64)]
+            for step in range(DECODE_STEPS):
+                token = logits[-1].argmax(dim=-1).reshape(1, 1)
+                start = prompt_length + step
+                logits.append(model(token, caches, start=start, last_only=True)[:, -1])
+    return logits, caches
+
+
+def assert_same_caches(first: list, second: list) -> None:
+    for a, b in zip(first, second, strict=True):
+        assert a.offset == b.offset
+        planes = zip(a.contents().stored.planes, b.contents().stored.planes, strict=True)
+        assert all(torch.equal(plane_a, plane_b) for plane_a, plane_b in planes)
+
+
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
+@pytest.mark.parametrize(
+    "prompt_length",
+    # Within the window of 8; wrapping the sliding layers' ring during decode; and crossing a
+    # dense cache's growth step (256 slots) during decode.
+    [3, 5, 250],
+)
+def test_native_layers_equal_the_module_path(
+    checkpoint: Path, weights: str, prompt_length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = bf16_model(checkpoint, weights)
+    calls: list[int] = []
+    kernels = native.kernels()
+    assert kernels is not None
+    real = kernels.gemma3_decode_layer
+    monkeypatch.setattr(kernels, "gemma3_decode_layer", lambda *a: calls.append(1) or real(*a))
+    expected, expected_caches = decode(model, prompt_length, False, monkeypatch)
+    assert not calls
+    got, got_caches = decode(model, prompt_length, True, monkeypatch)
+    assert len(calls) == DECODE_STEPS * len(model.layers)  # every decode layer, no prefill
+    for step, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"step {step}"
+    assert_same_caches(expected_caches, got_caches)
+
+
+def test_a_quantized_kv_layer_keeps_the_module_path(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Layer 1 stores K/V as 8-bit codes, which the native layer cannot write: that layer runs
+    # through the modules and the others natively, with the all-module path's results.
+    policy = KVPolicy(per_layer={1: AffineCodec(8, 32)})
+    model = bf16_model(checkpoint, "int8")
+    layer_calls: list[int] = []
+    real = gemma_native.decode_layer
+
+    def counting(layer, *args):
+        done = real(layer, *args)
+        layer_calls.append(int(done))
+        return done
+
+    monkeypatch.setattr(gemma_native, "decode_layer", counting)
+    expected, _ = decode(model, 10, False, monkeypatch, policy)
+    got, _ = decode(model, 10, True, monkeypatch, policy)
+    assert layer_calls == [1, 0, 1, 1] * DECODE_STEPS
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_replaced_weights_rebuild_the_operands(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = bf16_model(checkpoint, "bf16")
+    decode(model, 4, True, monkeypatch)  # builds every layer's operands
+    with torch.no_grad():
+        layer = model.layers[2]
+        layer.mlp.down_proj.weight = torch.nn.Parameter(-layer.mlp.down_proj.weight.clone())
+        layer.pre_feedforward_layernorm.weight = torch.nn.Parameter(
+            layer.pre_feedforward_layernorm.weight * 2
+        )
+    expected, _ = decode(model, 4, False, monkeypatch)
+    got, _ = decode(model, 4, True, monkeypatch)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp32_and_prefill_keep_the_module_path(checkpoint: Path) -> None:
+    model = build_model(open_checkpoint(checkpoint), torch.float32, progress=False)
+    caches = make_caches(model.config)
+    one = torch.zeros(1, 1, 64)
+    assert not gemma_native.applies(one, caches)  # fp32
+    assert not gemma_native.applies(torch.zeros(1, 3, 64, dtype=torch.bfloat16), caches)
+    assert not gemma_native.applies(one.to(torch.bfloat16), None)
+    with torch.inference_mode():
+        assert gemma_native.applies(one.to(torch.bfloat16), caches)
+
+
+def test_gelu_table_is_torchs_gelu_of_every_bf16_number() -> None:
+    table = native.gelu_tanh_table()
+    assert table.dtype == torch.bfloat16 and table.shape == (1 << 16,)
+    # By bit pattern: 0x3f80 is 1.0, 0xbf80 is -1.0, 0x0000 is 0, 0x7f80 is +inf.
+    numbers = torch.tensor([1.0, -1.0, 0.0, float("inf"), 3.0], dtype=torch.bfloat16)
+    patterns = [0x3F80, 0xBF80, 0x0000, 0x7F80, 0x4040]
+    expected = torch.nn.functional.gelu(numbers, approximate="tanh")
+    assert torch.equal(table[patterns], expected)
+    # gelu_tanh(1) = 0.5 (1 + tanh(0.79788 * 1.044715)) = 0.84119..., which bf16 (steps of
+    # 2^-8 in [0.5, 1)) rounds to 215/256 = 0.83984375.
+    assert table[0x3F80].item() == 215 / 256
