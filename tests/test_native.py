@@ -276,13 +276,18 @@ def test_norm_rope_matches_the_reference(tokens: int, q_heads: int, kv_heads: in
 
 @needs_native
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "length", "slots"), [(4, 1, 430, 512), (8, 2, 7, 16)]
+    ("heads", "kv_heads", "length", "slots", "dim"),
+    # Chunks of 128 keys: a partial last chunk, less than one key block (8), exactly two
+    # chunks at Gemma's head_dim 256 with a group of 8 (E2B), one key past a chunk at 512.
+    [(4, 1, 430, 512, 64), (8, 2, 7, 16, 64), (8, 1, 256, 300, 256), (2, 1, 129, 160, 512)],
 )
-def test_decode_attention_matches_fp64(heads: int, kv_heads: int, length: int, slots: int):
+def test_decode_attention_matches_fp64(
+    heads: int, kv_heads: int, length: int, slots: int, dim: int
+):
     from hearth.models.gemma import decode_attention
 
     assert KERNELS is not None
-    dim, scale = 64, 64**-0.5
+    scale = dim**-0.5
     q = random_bf16((1, heads, 1, dim), seed=16) * 3
     keys, values = (
         random_bf16((1, kv_heads, slots, dim), seed=17),
@@ -305,6 +310,13 @@ def test_decode_attention_matches_fp64(heads: int, kv_heads: int, length: int, s
     weighted = probabilities @ v64.abs()
     bound = 2.0**-8 * exact.abs() + (2 * delta + (length + 8) * 2.0**-24) * weighted
     assert ((got.double() - exact).abs() <= bound).all()
+    # Work is cut by the length, not the threads, and merged in order: one thread, same bits.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(KERNELS.decode_attention(q, keys, values, scale, length), got)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------

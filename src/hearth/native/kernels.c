@@ -304,62 +304,130 @@ int hearth_norm_rope(const uint16_t *qkv, int64_t tokens, int64_t width, int64_t
     return 0;
 }
 
-/* x . y over d values, x fp32 and y bf16, summed in fp32 in 16 lanes. */
-static inline float dot_bf16(const float *x, const uint16_t *y, int64_t d) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < d; j += 16) {
-        const __mmask16 mask = tail_mask(d - j);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + j), load_bf16(y + j, mask), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
+/* Keys per unit of attention work. Units are fixed by the length, not the thread count, and
+ * merged in order, so the result does not depend on the threads. */
+#define CHUNK_KEYS 128
+/* Keys scored together, and 16-value slices of the output summed together: independent
+ * accumulators in registers, so the FMAs' latency overlaps (one chain of 16 dependent FMAs per
+ * score ran at a quarter of the FMA rate). */
+#define KEY_BLOCK 8
+#define VALUE_BLOCK 8
 
-/* acc += weight * y over d values, y bf16. */
-static inline void add_scaled_bf16(float *acc, float weight, const uint16_t *y, int64_t d) {
-    const __m512 w = _mm512_set1_ps(weight);
-    for (int64_t j = 0; j < d; j += 16) {
-        const __mmask16 mask = tail_mask(d - j);
-        const __m512 sum = _mm512_fmadd_ps(w, load_bf16(y + j, mask),
-                                           _mm512_maskz_loadu_ps(mask, acc + j));
-        _mm512_mask_storeu_ps(acc + j, mask, sum);
+/* One unit: each of the `per_group` query heads (fp32 `queries` [per_group, d]) of one KV head
+ * over keys [first, first + count). scores: [per_group, CHUNK_KEYS] room. Writes, per head,
+ * the chunk's largest score `top`, the sum of exp(score - top) `total`, and `acc` [d] = the
+ * exp-weighted sum of the value rows. */
+static void attend_chunk(const float *queries, int64_t per_group, const uint16_t *keys,
+                         const uint16_t *values, int64_t d, int64_t first, int64_t count,
+                         float scale, float *scores, float *top, float *total, float *acc) {
+    for (int64_t g = 0; g < per_group; ++g) {
+        const float *query = queries + g * d;
+        float *row = scores + g * CHUNK_KEYS;
+        for (int64_t t0 = 0; t0 < count; t0 += KEY_BLOCK) {
+            /* A block past the last key rereads that key; its scores are dropped. */
+            const uint16_t *key[KEY_BLOCK];
+            __m512 dots[KEY_BLOCK];
+            for (int u = 0; u < KEY_BLOCK; ++u) {
+                const int64_t t = t0 + u < count ? t0 + u : count - 1;
+                key[u] = keys + (first + t) * d;
+                dots[u] = _mm512_setzero_ps();
+            }
+            for (int64_t j = 0; j < d; j += 16) {
+                const __mmask16 mask = tail_mask(d - j);
+                const __m512 qv = _mm512_maskz_loadu_ps(mask, query + j);
+                for (int u = 0; u < KEY_BLOCK; ++u) {
+                    dots[u] = _mm512_fmadd_ps(qv, load_bf16(key[u] + j, mask), dots[u]);
+                }
+            }
+            for (int u = 0; u < KEY_BLOCK && t0 + u < count; ++u) {
+                row[t0 + u] = _mm512_reduce_add_ps(dots[u]) * scale;
+            }
+        }
+        float best = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < count; ++t) {
+            best = row[t] > best ? row[t] : best;
+        }
+        for (int64_t t = 0; t < count; ++t) {
+            row[t] = expf(row[t] - best);
+            sum += row[t];
+        }
+        top[g] = best;
+        total[g] = sum;
+        for (int64_t j0 = 0; j0 < d; j0 += 16 * VALUE_BLOCK) {
+            __m512 sums[VALUE_BLOCK];
+            __mmask16 masks[VALUE_BLOCK];
+            for (int u = 0; u < VALUE_BLOCK; ++u) {
+                const int64_t left = d - j0 - 16 * u;
+                masks[u] = left > 0 ? tail_mask(left) : 0;
+                sums[u] = _mm512_setzero_ps();
+            }
+            for (int64_t t = 0; t < count; ++t) {
+                const __m512 weight = _mm512_set1_ps(row[t]);
+                const uint16_t *value = values + (first + t) * d + j0;
+                for (int u = 0; u < VALUE_BLOCK; ++u) {
+                    sums[u] = _mm512_fmadd_ps(weight, load_bf16(value + 16 * u, masks[u]), sums[u]);
+                }
+            }
+            for (int u = 0; u < VALUE_BLOCK; ++u) {
+                _mm512_mask_storeu_ps(acc + g * d + j0 + 16 * u, masks[u], sums[u]);
+            }
+        }
     }
 }
 
 /* One query per head over `length` keys: out = softmax(scale * q . K^T) @ V, all in fp32 from
- * bf16 inputs, rounded to bf16 once at the end (as Hearth's CPU reference does).
+ * bf16 inputs, rounded to bf16 once at the end. The keys are cut into chunks of CHUNK_KEYS;
+ * threads share the (KV head, chunk) units, and each head's chunks are merged in order by the
+ * usual rescaling to the largest score (as flash attention does).
  * q, out: [groups, per_group, d] contiguous (a group = the query heads of one KV head);
- * k, v: group g's key t at k + g * group_stride + t * d. Threads split the query heads. */
+ * k, v: group g's key t at k + g * group_stride + t * d. Returns -1 when memory runs out. */
 int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             int64_t groups, int64_t per_group, int64_t d, int64_t length,
                             int64_t group_stride, float scale, uint16_t *out, int threads) {
-    const int64_t heads = groups * per_group;
-    float *work = malloc(sizeof(float) * (size_t)(heads * (length + 2 * d)));
+    const int64_t heads = groups * per_group, chunks = (length + CHUNK_KEYS - 1) / CHUNK_KEYS;
+    const int64_t units = groups * chunks;
+    /* Per unit: scores, then per head (top, total) and acc [d]; the queries in fp32 first. */
+    const int64_t unit_floats = per_group * (CHUNK_KEYS + 2 + d);
+    float *work = malloc(sizeof(float) * (size_t)(heads * d + units * unit_floats));
     if (work == NULL) {
         return -1;
     }
+    float *queries = work, *partials = work + heads * d;
+    widen_bf16(q, heads * d, queries);
 #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t group = unit / chunks, chunk = unit % chunks;
+        const int64_t first = chunk * CHUNK_KEYS;
+        const int64_t count = length - first < CHUNK_KEYS ? length - first : CHUNK_KEYS;
+        float *scores = partials + unit * unit_floats;
+        float *top = scores + per_group * CHUNK_KEYS, *total = top + per_group;
+        attend_chunk(queries + group * per_group * d, per_group, k + group * group_stride,
+                     v + group * group_stride, d, first, count, scale, scores, top, total,
+                     total + per_group);
+    }
     for (int64_t head = 0; head < heads; ++head) {
-        const uint16_t *keys = k + (head / per_group) * group_stride;
-        const uint16_t *values = v + (head / per_group) * group_stride;
-        float *scores = work + head * (length + 2 * d);
-        float *query = scores + length;
-        float *acc = query + d;
-        widen_bf16(q + head * d, d, query);
-        float top = -INFINITY;
-        for (int64_t t = 0; t < length; ++t) {
-            scores[t] = dot_bf16(query, keys + t * d, d) * scale;
-            top = scores[t] > top ? scores[t] : top;
+        const int64_t group = head / per_group, g = head % per_group;
+        float best = -INFINITY, sum = 0.0f;
+        for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+            const float *top = partials + (group * chunks + chunk) * unit_floats +
+                               per_group * CHUNK_KEYS;
+            best = top[g] > best ? top[g] : best;
         }
-        float total = 0.0f;
-        for (int64_t t = 0; t < length; ++t) {
-            scores[t] = expf(scores[t] - top);
-            total += scores[t];
+        float *result = queries + head * d; /* this head's query is no longer needed */
+        memset(result, 0, sizeof(float) * (size_t)d);
+        for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+            const float *top = partials + (group * chunks + chunk) * unit_floats +
+                               per_group * CHUNK_KEYS;
+            const float *total = top + per_group, *acc = total + per_group + g * d;
+            const float weight = expf(top[g] - best);
+            sum += weight * total[g];
+            for (int64_t j = 0; j < d; ++j) {
+                result[j] += weight * acc[j];
+            }
         }
-        memset(acc, 0, sizeof(float) * (size_t)d);
-        for (int64_t t = 0; t < length; ++t) {
-            add_scaled_bf16(acc, scores[t] / total, values + t * d, d);
+        for (int64_t j = 0; j < d; ++j) {
+            out[head * d + j] = float_to_bf16(result[j] / sum);
         }
-        narrow_bf16(acc, d, out + head * d);
     }
     free(work);
     return 0;
