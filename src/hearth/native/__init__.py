@@ -1,12 +1,14 @@
 """Hearth's native CPU kernels (``kernels.c``): built on first use, loaded with ctypes.
 
-CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. Two things
-here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05c.md):
+CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. Three things
+here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05c.md, -05e):
 
 * the int8 and bf16 matrix-vector products, where torch's kernels (``aten._weight_int8pack_mm``,
   the bf16 GEMM) stream short weight rows at about half the memory bandwidth;
 * the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
-  one call each instead of a dozen dispatched torch ops, with the same roundings.
+  one call each instead of a dozen dispatched torch ops, with the same roundings;
+* a whole Gemma 3 decoder layer at one token, made of the two above (``gemma3_decode_layer``,
+  used by ``hearth.models.gemma_native``): no Python between a layer's ops.
 
 They need a C compiler with OpenMP and an AVX-512 CPU; without either, ``kernels()`` is None
 and every caller keeps its torch path. ``HEARTH_NATIVE=0`` turns them off.

@@ -8,6 +8,7 @@
  *    (the 262144 x 640 head of Gemma 3 270M) at about half the bandwidth: the hardware
  *    prefetcher does not keep up, and the software prefetch below doubles the speed.
  * 2. The bf16 glue of a decode step (below the matrix-vector products), with torch's roundings.
+ * 3. A whole Gemma 3 decoder layer at one token (last), composed of 1 and 2.
  *
  * Built on first use by hearth/native/__init__.py (-O3 -march=native -fopenmp). OpenMP is then
  * served by the libgomp that torch has loaded already, so both share one thread pool.
@@ -459,6 +460,17 @@ static int project_row(const uint16_t *x, int64_t k, const void *w, const uint16
     return rows_matmul(x, 1, k, w, 0, scales, n, y, threads);
 }
 
+/* The end of an attention or MLP block, in place: x += norm(W · input) · w, then normed =
+ * norm(x) · w_next. projected: [h] room. */
+static int residual_branch(uint16_t *x, uint16_t *normed, const uint16_t *input, int64_t k,
+                           const void *weight, const uint16_t *scales, int64_t h, const float *w,
+                           const float *w_next, float eps, uint16_t *projected, int threads) {
+    if (project_row(input, k, weight, scales, h, projected, threads) != 0) {
+        return -1;
+    }
+    return hearth_add_rms_norm(x, projected, 1, h, w, w_next, eps, x, normed);
+}
+
 /* x [hidden] (the residual stream) and normed [hidden] (its input norm) are updated in place:
  * x becomes the layer's output, normed its norm by next_norm. cos, sin: bf16 [head_dim] of this
  * position. The new K and V go into slot `slot` of the cache planes `keys`, `values`
@@ -480,37 +492,33 @@ int hearth_gemma3_decode_layer(const hearth_decode_layer *layer, uint16_t *x, ui
     uint16_t *qkv = work, *q = qkv + qkv_width, *k = q + q_width, *v = k + kv_width;
     uint16_t *attended = v + kv_width, *projected = attended + q_width;
     uint16_t *gate_up = projected + h, *activated = gate_up + 2 * inner;
-    int status = project_row(normed, h, layer->qkv, layer->qkv_scales, qkv_width, qkv, threads);
-    status = status ? status
-                    : hearth_norm_rope(qkv, 1, qkv_width, layer->q_heads, layer->kv_heads, d,
-                                       layer->q_norm, layer->k_norm, cos, sin, layer->eps, q, k, v);
-    for (int64_t head = 0; status == 0 && head < layer->kv_heads; ++head) {
+    int status = -1;
+    if (project_row(normed, h, layer->qkv, layer->qkv_scales, qkv_width, qkv, threads) != 0 ||
+        hearth_norm_rope(qkv, 1, qkv_width, layer->q_heads, layer->kv_heads, d, layer->q_norm,
+                         layer->k_norm, cos, sin, layer->eps, q, k, v) != 0) {
+        goto done;
+    }
+    for (int64_t head = 0; head < layer->kv_heads; ++head) {
         memcpy(keys + head * head_stride + slot * d, k + head * d, sizeof(uint16_t) * (size_t)d);
         memcpy(values + head * head_stride + slot * d, v + head * d, sizeof(uint16_t) * (size_t)d);
     }
-    status = status ? status
-                    : hearth_decode_attention(q, keys, values, layer->kv_heads,
-                                              layer->q_heads / layer->kv_heads, d, length,
-                                              head_stride, layer->scale, attended, threads);
-    status = status ? status
-                    : project_row(attended, q_width, layer->o, layer->o_scales, h, projected,
-                                  threads);
-    status = status ? status
-                    : hearth_add_rms_norm(x, projected, 1, h, layer->post_attention_norm,
-                                          layer->pre_feedforward_norm, layer->eps, x, normed);
-    status = status ? status
-                    : project_row(normed, h, layer->gate_up, layer->gate_up_scales, 2 * inner,
-                                  gate_up, threads);
-    for (int64_t j = 0; status == 0 && j < inner; ++j) {
+    if (hearth_decode_attention(q, keys, values, layer->kv_heads, layer->q_heads / layer->kv_heads,
+                                d, length, head_stride, layer->scale, attended, threads) != 0 ||
+        residual_branch(x, normed, attended, q_width, layer->o, layer->o_scales, h,
+                        layer->post_attention_norm, layer->pre_feedforward_norm, layer->eps,
+                        projected, threads) != 0 ||
+        project_row(normed, h, layer->gate_up, layer->gate_up_scales, 2 * inner, gate_up,
+                    threads) != 0) {
+        goto done;
+    }
+    for (int64_t j = 0; j < inner; ++j) {
         const float gelu = bf16_to_float(gelu_table[gate_up[j]]);
         activated[j] = float_to_bf16(gelu * bf16_to_float(gate_up[inner + j]));
     }
-    status = status ? status
-                    : project_row(activated, inner, layer->down, layer->down_scales, h, projected,
-                                  threads);
-    status = status ? status
-                    : hearth_add_rms_norm(x, projected, 1, h, layer->post_feedforward_norm,
-                                          layer->next_norm, layer->eps, x, normed);
+    status = residual_branch(x, normed, activated, inner, layer->down, layer->down_scales, h,
+                             layer->post_feedforward_norm, layer->next_norm, layer->eps,
+                             projected, threads);
+done:
     free(work);
     return status;
 }
