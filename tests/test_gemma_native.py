@@ -119,7 +119,7 @@ def test_a_quantized_kv_layer_keeps_the_module_path(
         assert torch.equal(a, b)
 
 
-def test_replaced_weights_rebuild_the_operands(
+def test_moved_weights_rebuild_the_operands(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = bf16_model(checkpoint, "bf16")
@@ -130,6 +130,15 @@ def test_replaced_weights_rebuild_the_operands(
         layer.pre_feedforward_layernorm.weight = torch.nn.Parameter(
             layer.pre_feedforward_layernorm.weight * 2
         )
+    expected, _ = decode(model, 4, False, monkeypatch)
+    got, _ = decode(model, 4, True, monkeypatch)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    # A round trip through fp32 keeps the Parameter object but swaps its storage.
+    o_proj = model.layers[0].self_attn.o_proj
+    weight, address = o_proj.weight, o_proj.weight.data_ptr()
+    o_proj.float().to(torch.bfloat16)
+    assert o_proj.weight is weight and weight.data_ptr() != address
     expected, _ = decode(model, 4, False, monkeypatch)
     got, _ = decode(model, 4, True, monkeypatch)
     for a, b in zip(expected, got, strict=True):

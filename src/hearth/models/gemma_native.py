@@ -52,24 +52,22 @@ def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module, ...]:
     )
 
 
-def _tensors(sources: tuple[nn.Module, ...]) -> list[Tensor]:
-    """Every tensor of `sources` (replacing any of them makes new operands)."""
+def _addresses(sources: tuple[nn.Module, ...]) -> list[int]:
+    """Where every tensor of `sources` lives now. Operands are rebuilt when any moves: a
+    replaced tensor, or one whose storage `module.to()` swapped under the same Parameter."""
     # The modules' own tables, read directly: `parameters()` costs ~20x more, every step.
     return [
-        tensor
+        tensor.data_ptr()
         for module in sources
         for table in (module._parameters, module._buffers)
         for tensor in table.values()
+        if tensor is not None
     ]
 
 
-def _same(first: list[Tensor], second: list[Tensor]) -> bool:
-    return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))
-
-
 class NativeLayer(NamedTuple):
-    """A layer's operands for the native call (pointers into the layer's tensors, which the
-    layer keeps alive; `decode_layer` rebuilds them when any tensor is replaced)."""
+    """A layer's operands for the native call: pointers into the layer's tensors, which the
+    layer keeps alive (`decode_layer` rebuilds them when any tensor moves)."""
 
     operands: native.DecodeLayerOperands
     sample: Tensor  # zeros shaped like one token's K: sizes a cache's first slots
@@ -128,10 +126,10 @@ def decode_layer(
     decode_slot = getattr(cache, "decode_slot", None)
     if kernels is None or decode_slot is None:
         return False
-    tensors = _tensors(_sources(layer, next_norm))
-    cached: tuple[list[Tensor], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
-    if cached is None or not _same(cached[0], tensors):
-        cached = (tensors, _build(layer, next_norm))  # also remembers a layer that cannot
+    addresses = _addresses(_sources(layer, next_norm))
+    cached: tuple[list[int], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
+    if cached is None or cached[0] != addresses:
+        cached = (addresses, _build(layer, next_norm))  # also remembers a layer that cannot
         layer._native_layer = cached
     built = cached[1]
     if built is None:
