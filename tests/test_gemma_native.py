@@ -134,11 +134,14 @@ def test_moved_weights_rebuild_the_operands(
     got, _ = decode(model, 4, True, monkeypatch)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
-    # A round trip through fp32 keeps the Parameter object but swaps its storage.
+    # A round trip through fp32 keeps the Parameter object but swaps its storage (the old
+    # storage is held, so the new one cannot reuse its address).
     o_proj = model.layers[0].self_attn.o_proj
-    weight, address = o_proj.weight, o_proj.weight.data_ptr()
+    weight, old_storage = o_proj.weight, o_proj.weight.detach()
     o_proj.float().to(torch.bfloat16)
-    assert o_proj.weight is weight and weight.data_ptr() != address
+    assert o_proj.weight is weight and weight.data_ptr() != old_storage.data_ptr()
+    with torch.no_grad():
+        weight.neg_()  # operands left on the old storage would now give other logits
     expected, _ = decode(model, 4, False, monkeypatch)
     got, _ = decode(model, 4, True, monkeypatch)
     for a, b in zip(expected, got, strict=True):
