@@ -217,9 +217,7 @@ class DenseCache:
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
     ) -> KVView:
         end = self.offset + keys.shape[2]
-        if end > self._store.capacity:
-            capacity = -(-end // self.step) * self.step
-            self._store.reserve(keys, values, capacity, keep=self.offset)
+        self._grow_to(end, keys, values)
         self._store.write(self.offset, keys, values)
         self.offset = end
         view = KVView(*self._store.read(), end, None)
@@ -232,11 +230,16 @@ class DenseCache:
         if not self._store.stays_dense:
             return None
         end = self.offset + 1
-        if end > self._store.capacity:
-            self._store.reserve(sample, sample, -(-end // self.step) * self.step, self.offset)
+        self._grow_to(end, sample, sample)
         keys, values = self._store.planes
         slot, self.offset = self.offset, end
         return DecodeSlot(keys, values, slot, end)
+
+    def _grow_to(self, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Room for slots 0..end-1, grown in whole steps (shaped like `keys`/`values`)."""
+        if end > self._store.capacity:
+            capacity = -(-end // self.step) * self.step
+            self._store.reserve(keys, values, capacity, keep=self.offset)
 
     def trim(self, tokens: int) -> None:
         self.offset -= min(tokens, self.offset)

@@ -76,9 +76,10 @@ class NativeLayer(NamedTuple):
 def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
     attention, mlp = layer.self_attn, layer.mlp
     sources = _sources(layer, next_norm)
-    weights = [_weight(module) for module in sources[:4]]
+    found = [_weight(module) for module in sources[:4]]
+    weights = [w for w in found if w is not None]
     norms = [module.weight for module in sources[4:]]
-    if any(w is None for w in weights) or not all(
+    if len(weights) < len(found) or not all(
         n.dtype == torch.float32 and n.is_contiguous() for n in norms
     ):
         return None
@@ -91,8 +92,8 @@ def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
         attention.num_kv_heads,
         attention.head_dim,
         mlp.down_proj.in_features,
-        *(w[0].data_ptr() for w in weights if w is not None),
-        *(None if w is None or w[1] is None else w[1].data_ptr() for w in weights),
+        *(weight.data_ptr() for weight, _ in weights),
+        *(None if scales is None else scales.data_ptr() for _, scales in weights),
         *(n.data_ptr() for n in norms),
         eps.pop(),
         attention.scale,
