@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hearth.checkpoint import open_checkpoint
-from hearth.checkpoint.gguf_writer import write_gemma3_gguf
+from hearth.checkpoint.gguf_writer import write_gguf
 from hearth.errors import CheckpointError
 from hearth.kv import make_caches
 from hearth.models.loading import build_model
@@ -116,7 +116,7 @@ def _gguf_from(hf: object, path: Path, matrix_type: str) -> Path:
         for name, t in hf.state_dict().items()  # type: ignore[attr-defined]
         if name != "lm_head.weight"
     }
-    return write_gemma3_gguf(path, hf.config.to_dict(), tensors, TINY_VOCAB, matrix_type)  # type: ignore[attr-defined]
+    return write_gguf(path, hf.config.to_dict(), tensors, TINY_VOCAB, matrix_type)  # type: ignore[attr-defined]
 
 
 # GGUF stores no layer pattern and no attention scale: llama.cpp uses 5 sliding : 1 full layers

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.checkpoint.gguf import canonical_name, dequantize_q8_0
+from hearth.checkpoint.gguf import dequantize_q8_0
 from hearth.checkpoint.gguf_file import GGUFFile
+from hearth.checkpoint.gguf_names import canonical_name
 from hearth.errors import CheckpointError
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hearth.checkpoint.gguf_writer import GGUFTensor, stream_gemma3_gguf, tokenizer_metadata
+from hearth.checkpoint.gguf_writer import GGUFTensor, stream_gguf, tokenizer_metadata
 from hearth.config import FULL_ATTENTION, Gemma3Config, parse_config
 
 GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0")
@@ -181,7 +181,7 @@ def write_random_gemma3_gguf(
         raise ValueError(f"only Gemma 3 configs can be written as GGUF, not {parsed.model_type}")
     check_gguf_layout(parsed)
     tensors = [t.as_gguf() for t in random_gemma3_tensors(parsed, ggml_type, seed, device)]
-    return stream_gemma3_gguf(path, config, tensors, tokenizer), config
+    return stream_gguf(path, config, tensors, tokenizer), config
 
 
 def embedded_tokenizer() -> dict[str, Any]:

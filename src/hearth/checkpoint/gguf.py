@@ -1,4 +1,7 @@
-"""GGUF reader: llama.cpp metadata and tensors, dequantized by the `gguf` package."""
+"""GGUF reader: llama.cpp metadata and tensors, dequantized by the `gguf` package.
+
+Gemma 3 and Gemma 4 files as llama.cpp's converter writes them (names: `gguf_names`).
+"""
 
 from __future__ import annotations
 
@@ -11,42 +14,21 @@ import numpy as np
 import torch
 
 from hearth.checkpoint.gguf_file import GGUFFile, TensorInfo
+from hearth.checkpoint.gguf_names import ARCHITECTURES, ROPE_FREQS, canonical_name
+from hearth.checkpoint.safetensors import expert_parts, is_layer_kv, split_expert_parts
+from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION
 from hearth.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from hearth.tokenizer import Tokenizer
 
-# llama.cpp tensor names -> canonical (HF) names; `{}` is the block index.
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-_SUPPORTED_ARCHITECTURES = ("gemma3",)
 # llama.cpp fixes these for Gemma 3 rather than storing them (llama-model.cpp).
 _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10_000.0
-
-
-def canonical_name(gguf_name: str) -> str:
-    """The canonical name of a llama.cpp tensor name, e.g. blk.0.attn_q.weight."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
-        return f"layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
-    raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name!r}")
+# HF's Gemma 4 sliding-layer RoPE base, where a file does not store its own.
+_GEMMA4_LOCAL_ROPE_BASE = 10_000.0
+# llama.cpp's converter marks Gemma 4's unrotated frequency pairs with this factor.
+_UNROTATED_FACTOR = 1e30
 
 
 def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
@@ -61,7 +43,7 @@ def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
 
 
 class GGUFCheckpoint:
-    """A GGUF file. Tensors are dequantized to float32 on read."""
+    """A GGUF file of a Gemma 3 or Gemma 4 text model; tensors are dequantized to fp32 on read."""
 
     format = "gguf"
 
@@ -69,51 +51,68 @@ class GGUFCheckpoint:
         self.path = path
         self._file = GGUFFile(path)
         architecture = self.metadata.get("general.architecture")
-        if architecture not in _SUPPORTED_ARCHITECTURES:
+        if architecture not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{path}: GGUF architecture {architecture!r} is not supported "
-                f"(supported: {', '.join(_SUPPORTED_ARCHITECTURES)})"
+                f"(supported: {', '.join(ARCHITECTURES)})"
             )
+        self.architecture: str = architecture
 
     @property
     def metadata(self) -> dict[str, Any]:
         """Every metadata field as a plain Python value."""
         return self._file.metadata
 
+    def _field(self, key: str, default: Any = None) -> Any:
+        """The architecture's metadata field `key`; an error without it and without `default`."""
+        value = self.metadata.get(f"{self.architecture}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{self.path}: GGUF metadata lacks {self.architecture}.{key}")
+        return value
+
     @cached_property
     def config(self) -> dict[str, Any]:
-        """An HF-style `gemma3_text` config built from the metadata."""
+        """An HF-style text config (`gemma3_text` or `gemma4_text`) built from the metadata."""
+        if self.architecture == "gemma4":
+            return self._gemma4_config()
+        return self._gemma3_config()
+
+    def _common_config(self) -> dict[str, Any]:
         meta = self.metadata
-        prefix = meta["general.architecture"]
+        return {
+            "vocab_size": int(self._tensor_info("token_embd.weight").shape[0]),
+            "hidden_size": int(self._field("embedding_length")),
+            "num_hidden_layers": int(self._field("block_count")),
+            "num_attention_heads": int(self._field("attention.head_count")),
+            "rms_norm_eps": float(self._field("attention.layer_norm_rms_epsilon")),
+            "sliding_window": int(self._field("attention.sliding_window")),
+            "final_logit_softcapping": meta.get(f"{self.architecture}.final_logit_softcapping"),
+            "max_position_embeddings": int(self._field("context_length", 32768)),
+            "tie_word_embeddings": "output.weight" not in self._tensor_infos,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        }
 
-        def field(key: str, default: Any = None) -> Any:
-            value = meta.get(f"{prefix}.{key}", default)
-            if value is None:
-                raise CheckpointError(f"{self.path}: GGUF metadata lacks {prefix}.{key}")
-            return value
-
-        hidden = int(field("embedding_length"))
-        heads = int(field("attention.head_count"))
-        head_dim = int(field("attention.key_length", hidden // heads))
-        layers = int(field("block_count"))
-        embedding = self._tensor_info("token_embd.weight")
+    def _gemma3_config(self) -> dict[str, Any]:
+        common = self._common_config()
+        hidden, heads = common["hidden_size"], common["num_attention_heads"]
+        head_dim = int(self._field("attention.key_length", hidden // heads))
+        layers = common["num_hidden_layers"]
         # llama.cpp scales Gemma 3 27B by 1/sqrt(hidden/heads), the others by 1/sqrt(head_dim).
         pre_attn_scalar = hidden // heads if hidden == 5376 else head_dim
-        scaling_factor = meta.get(f"{prefix}.rope.scaling.factor")
-        full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": field("rope.freq_base")}
+        full_rope: dict[str, Any] = {
+            "rope_type": "default",
+            "rope_theta": self._field("rope.freq_base"),
+        }
+        scaling_factor = self.metadata.get("gemma3.rope.scaling.factor")
         if scaling_factor not in (None, 1.0):
             full_rope = {**full_rope, "rope_type": "linear", "factor": float(scaling_factor)}
         return {
+            **common,
             "model_type": "gemma3_text",
-            "vocab_size": int(embedding.shape[0]),
-            "hidden_size": hidden,
-            "intermediate_size": int(field("feed_forward_length")),
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(field("attention.head_count_kv", heads)),
+            "intermediate_size": int(self._field("feed_forward_length")),
+            "num_key_value_heads": int(self._field("attention.head_count_kv", heads)),
             "head_dim": head_dim,
-            "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
-            "sliding_window": int(field("attention.sliding_window")),
             "layer_types": [
                 "full_attention" if (i + 1) % _GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
                 for i in range(layers)
@@ -126,12 +125,115 @@ class GGUFCheckpoint:
                 },
             },
             "query_pre_attn_scalar": pre_attn_scalar,
-            "final_logit_softcapping": meta.get(f"{prefix}.final_logit_softcapping"),
-            "max_position_embeddings": int(field("context_length", 32768)),
-            "tie_word_embeddings": "output.weight" not in self._tensor_infos,
             "hidden_activation": "gelu_pytorch_tanh",
-            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        }
+
+    def _gemma4_config(self) -> dict[str, Any]:
+        """The fields llama.cpp's converter writes for Gemma 4, back in HF's terms: per-layer
+        arrays (sliding pattern, KV heads, MLP width) and the widths of each layer type."""
+        common = self._common_config()
+        layers = common["num_hidden_layers"]
+        sliding = self._per_layer("attention.sliding_window_pattern", layers, bool)
+        layer_types = [SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding]
+        full_head_dim = int(self._field("attention.key_length"))
+        sliding_head_dim = int(self._field("attention.key_length_swa", full_head_dim))
+        kv_heads = self._per_layer("attention.head_count_kv", layers, int)
+        shared = int(self._field("attention.shared_kv_layers", 0))
+        widths = self._per_layer("feed_forward_length", layers, int)
+        first_shared = layers - shared
+        full_layers = [i for i, kind in enumerate(layer_types) if kind == FULL_ATTENTION]
+        sliding_layers = [i for i, kind in enumerate(layer_types) if kind == SLIDING_ATTENTION]
+        per_type_kv = {kv_heads[i] for i in full_layers}, {kv_heads[i] for i in sliding_layers}
+        if any(len(counts) > 1 for counts in per_type_kv):
+            raise UnsupportedModelError(
+                f"{self.path}: KV head counts differ within a layer type: {kv_heads}"
+            )
+        config: dict[str, Any] = {
+            **common,
+            "model_type": "gemma4_text",
+            "layer_types": layer_types,
+            "head_dim": sliding_head_dim,
+            "num_key_value_heads": kv_heads[sliding_layers[0] if sliding_layers else 0],
+            # HF 5's dialect: the full-attention widths as overrides of those layers.
+            "per_layer_config": {
+                str(i): {"head_dim": full_head_dim, "num_key_value_heads": kv_heads[i]}
+                for i in full_layers
+            },
+            "attention_k_eq_v": any(
+                f"blk.{i}.attn_v.weight" not in self._tensor_infos
+                for i in full_layers
+                if i < first_shared
+            ),
+            "num_kv_shared_layers": shared,
+            "intermediate_size": widths[0],
+            "use_double_wide_mlp": self._double_wide(widths, first_shared),
+            "hidden_size_per_layer_input": int(self._field("embedding_length_per_layer_input", 0)),
+            "rope_parameters": self._gemma4_rope(full_head_dim, sliding_head_dim),
+        }
+        per_layer_table = self._tensor_infos.get("per_layer_token_embd.weight")
+        if per_layer_table is not None:
+            config["vocab_size_per_layer_input"] = int(per_layer_table.shape[0])
+        experts = self.metadata.get("gemma4.expert_count")
+        if experts:
+            config |= {
+                "enable_moe_block": True,
+                "num_experts": int(experts),
+                "top_k_experts": int(self._field("expert_used_count")),
+                "moe_intermediate_size": int(self._field("expert_feed_forward_length")),
+            }
+        return config
+
+    def _per_layer(self, key: str, layers: int, kind: type) -> list[Any]:
+        """A field llama.cpp stores as one value or as one value per layer, as a list."""
+        value = self._field(key)
+        values = value if isinstance(value, list) else [value] * layers
+        if len(values) != layers:
+            raise CheckpointError(
+                f"{self.path}: {self.architecture}.{key} has {len(values)} entries "
+                f"for {layers} layers"
+            )
+        return [kind(v) for v in values]
+
+    def _double_wide(self, widths: list[int], first_shared: int) -> bool:
+        """Gemma 4 E2B doubles the MLP of its KV-sharing layers; any other pattern is refused."""
+        base = widths[0]
+        if all(width == base for width in widths):
+            return False
+        if widths == [base if i < first_shared else 2 * base for i in range(len(widths))]:
+            return True
+        raise UnsupportedModelError(f"{self.path}: unsupported per-layer MLP widths {widths}")
+
+    def _gemma4_rope(self, full_head_dim: int, sliding_head_dim: int) -> dict[str, Any]:
+        """HF's `rope_parameters`. The full layers' rotated share comes from `rope_freqs`:
+        llama.cpp rotates the whole head (neox) with factor 1e30 on the pairs HF leaves still,
+        which is HF's "proportional" RoPE with partial_rotary_factor = rotated pairs / half."""
+        rotated = int(self._field("rope.dimension_count", full_head_dim))
+        sliding_rotated = int(self._field("rope.dimension_count_swa", sliding_head_dim))
+        if rotated != full_head_dim or sliding_rotated != sliding_head_dim:
+            raise UnsupportedModelError(
+                f"{self.path}: RoPE over {rotated}/{full_head_dim} (full) and "
+                f"{sliding_rotated}/{sliding_head_dim} (sliding) dims is not supported"
+            )
+        factors = np.ones(full_head_dim // 2, np.float32)
+        if ROPE_FREQS in self._tensor_infos:
+            factors = self._dequantize(self._tensor_info(ROPE_FREQS)).numpy().reshape(-1)
+        still = factors >= _UNROTATED_FACTOR
+        if len(factors) != full_head_dim // 2 or not np.all(still | (factors == 1.0)):
+            raise UnsupportedModelError(
+                f"{self.path}: rope_freqs holds factors other than 1 and 1e30: not supported"
+            )
+        full = {
+            "rope_type": "proportional",
+            "rope_theta": float(self._field("rope.freq_base")),
+            "partial_rotary_factor": float((~still).sum() / len(factors)),
+        }
+        scaling_factor = self.metadata.get("gemma4.rope.scaling.factor")
+        if scaling_factor not in (None, 1.0):
+            full["factor"] = float(scaling_factor)
+        local_base = self._field("rope.freq_base_swa", _GEMMA4_LOCAL_ROPE_BASE)
+        return {
+            FULL_ATTENTION: full,
+            SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": float(local_base)},
         }
 
     @property
@@ -146,25 +248,37 @@ class GGUFCheckpoint:
 
     stored_dtype = None  # quantized blocks: the engine picks (see engine.resolve_precision)
 
+    @cached_property
+    def _first_kv_shared_layer(self) -> int:
+        return int(self._field("block_count")) - int(self._field("attention.shared_kv_layers", 0))
+
+    def _weights(self) -> Iterator[tuple[str, TensorInfo]]:
+        """(canonical name, tensor) of each weight the model reads. Not `rope_freqs` (config),
+        nor the K/V of KV-sharing layers, which Google's releases keep and nothing reads."""
+        for name, info in self._tensor_infos.items():
+            if name == ROPE_FREQS and self.architecture == "gemma4":
+                continue
+            canonical = canonical_name(name, self.architecture)
+            kv = is_layer_kv(canonical)
+            if kv is not None and kv >= self._first_kv_shared_layer:
+                continue
+            yield canonical, info
+
     def tensor_storage(self) -> dict[str, tuple[tuple[int, ...], int, str]]:
-        """Each tensor's (shape, bytes, GGML type name)."""
+        """Each tensor's (shape, bytes, GGML type name); stacked experts count as one."""
         import gguf
 
         return {
-            canonical_name(name): (
-                info.shape,
-                info.nbytes,
-                gguf.GGMLQuantizationType(info.type_id).name,
-            )
-            for name, info in self._tensor_infos.items()
+            canonical: (info.shape, info.nbytes, gguf.GGMLQuantizationType(info.type_id).name)
+            for canonical, info in self._weights()
         }
 
     def tensor_names(self) -> list[str]:
-        return [canonical_name(name) for name in self._tensor_infos]
+        return [part for name, _ in self._weights() for part in expert_parts(name)]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, info in self._tensor_infos.items():
-            yield canonical_name(name), self._dequantize(info)
+        for name, info in self._weights():
+            yield from split_expert_parts(name, self._dequantize(info))
 
     def _dequantize(self, info: TensorInfo) -> torch.Tensor:
         import gguf
@@ -183,8 +297,8 @@ class GGUFCheckpoint:
                 ) from None
             tensor = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
             tensor = tensor.reshape(info.shape)
-        # llama.cpp stores Gemma norm weights as 1 + w; the canonical value is w.
-        if info.name.endswith("norm.weight"):
+        # llama.cpp stores Gemma 3's norm weights as 1 + w (Gemma 4's as w); canonical is w.
+        if self.architecture == "gemma3" and info.name.endswith("norm.weight"):
             tensor = tensor - 1
         return tensor
 

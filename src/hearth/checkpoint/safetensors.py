@@ -75,7 +75,13 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def _expert_parts(name: str) -> tuple[str, ...]:
+def is_layer_kv(canonical: str) -> int | None:
+    """The layer index of a K/V projection or K norm tensor, else None."""
+    kv = _LAYER_KV.match(canonical)
+    return int(kv[1]) if kv else None
+
+
+def expert_parts(name: str) -> tuple[str, ...]:
     """The canonical tensors that tensor `name` holds: itself, or HF's experts' parts.
 
     Canonical checkpoints hold each expert projection apart, as MLX does
@@ -88,8 +94,9 @@ def _expert_parts(name: str) -> tuple[str, ...]:
     return tuple(f"{stacked[1]}.{part}.weight" for part in _HF_EXPERT_PARTS[stacked[2]])
 
 
-def _split_parts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    parts = _expert_parts(name)
+def split_expert_parts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) of each part that tensor `name` holds (see `expert_parts`)."""
+    parts = expert_parts(name)
     pieces = tensor.chunk(len(parts), dim=-2) if len(parts) > 1 else (tensor,)
     yield from zip(parts, pieces, strict=True)
 
@@ -191,12 +198,14 @@ class SafetensorsCheckpoint:
     def _canonical(self, name: str) -> str | None:
         """`canonical_name`, also None for the unused K/V of Gemma 4 KV-sharing layers."""
         canonical = canonical_name(name)
-        kv = _LAYER_KV.match(canonical or "")
-        return None if kv and int(kv[1]) >= self._first_kv_shared_layer else canonical
+        if canonical is None:
+            return None
+        kv = is_layer_kv(canonical)
+        return None if kv is not None and kv >= self._first_kv_shared_layer else canonical
 
     def tensor_names(self) -> list[str]:
         names = (n for n in map(self._canonical, self._files) if n is not None)
-        return [part for name in names for part in _expert_parts(name)]
+        return [part for name in names for part in expert_parts(name)]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
@@ -214,7 +223,7 @@ class SafetensorsCheckpoint:
                         raise CheckpointError(
                             f"{file}: tensor {name} is corrupt: {error}"
                         ) from None
-                    yield from _split_parts(canonical, tensor)
+                    yield from split_expert_parts(canonical, tensor)
 
     @cached_property
     def quantized_dtype(self) -> torch.dtype | None:
