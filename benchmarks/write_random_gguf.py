@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hearth.bench.random_gguf import GGUF_TYPES, embedded_tokenizer, write_random_gemma3_gguf
+from hearth.bench.random_gguf import GGUF_TYPES, embedded_tokenizer, write_random_gguf
 from hearth.bench.random_model import resolve_config
 from hearth.errors import HearthError
 
@@ -40,7 +40,7 @@ def main() -> int:
     begin = time.perf_counter()
     try:
         config = resolve_config(args.config)
-        path, written = write_random_gemma3_gguf(
+        path, written = write_random_gguf(
             args.out, config, embedded_tokenizer(), args.type, args.seed, args.device
         )
     except (HearthError, ValueError) as error:

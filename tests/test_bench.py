@@ -18,12 +18,13 @@ from hearth.bench.measure import kv_bytes, prefill_flops
 from hearth.bench.random_gguf import (
     GGUF_TYPES,
     embedded_tokenizer,
-    random_gemma3_tensors,
-    write_random_gemma3_gguf,
+    random_tensors,
+    write_random_gguf,
 )
 from hearth.bench.report import COLUMNS
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_writer import minimal_tokenizer, tokenizer_metadata
+from hearth.checkpoint.safetensors import split_expert_parts
 from hearth.cli import main
 from hearth.config import parse_config
 from hearth.kv import parse_kv_quant
@@ -309,16 +310,48 @@ class MemoryCheckpoint:
         yield from self._tensors.items()
 
 
+# Every Gemma 4 feature at once: per-layer inputs, KV sharing in llama.cpp's donor order
+# (sliding, then full, before the sharers), k_eq_v full layers and 3-D experts in whole blocks.
+GEMMA4_GGUF_SHAPES = {
+    "hidden_size_per_layer_input": 8,
+    "num_hidden_layers": 6,
+    "num_kv_shared_layers": 2,
+    "layer_types": [
+        *["sliding_attention"] * 3,
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+    "attention_k_eq_v": True,
+    "num_global_key_value_heads": 1,
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+    "rms_norm_eps": 2**-20,
+}
+RANDOM_CONFIGS = {
+    "gemma3": lambda: tiny_gemma3_config(**GGUF_SHAPES).to_dict(),
+    "gemma4": lambda: tiny_gemma4_config(**GEMMA4_GGUF_SHAPES).to_dict(),
+}
+
+
+@pytest.mark.parametrize("family", list(RANDOM_CONFIGS))
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES)
-def test_random_gguf_round_trips_through_the_loader(ggml_type: str, tmp_path: Path) -> None:
+def test_random_gguf_round_trips_through_the_loader(
+    ggml_type: str, family: str, tmp_path: Path
+) -> None:
     """The file's logits equal those of the same random tensors given from memory, exactly:
     both are fp32 models of the same values (the file's dequantized by the reader)."""
-    config = tiny_gemma3_config(**GGUF_SHAPES).to_dict()
-    path, written = write_random_gemma3_gguf(
+    config = RANDOM_CONFIGS[family]()
+    path, written = write_random_gguf(
         tmp_path / "tiny.gguf", config, minimal_tokenizer(TINY_VOCAB), ggml_type, seed=3
     )
     parsed = parse_config(written)
-    tensors = {t.name: t.values() for t in random_gemma3_tensors(parsed, ggml_type, seed=3)}
+    stacked = {t.name: t.values() for t in random_tensors(parsed, ggml_type, seed=3)}
+    tensors = dict(
+        part for name, tensor in stacked.items() for part in split_expert_parts(name, tensor)
+    )
     from_file = build_model(open_checkpoint(path), torch.float32, progress=False)
     from_memory = build_model(MemoryCheckpoint(written, tensors), torch.float32, progress=False)  # type: ignore[arg-type]
     assert from_file.config == from_memory.config
@@ -339,7 +372,7 @@ def tiny_gguf_with_tokenizer(
     """Tiny widths, Gemma 3's real tokenizer (262144 tokens: a 17 MB Q8_0 file)."""
     config = tiny_gemma3_config(**GGUF_SHAPES).to_dict()
     path = tmp_path_factory.mktemp("gguf") / "tiny-real-vocab.gguf"
-    return write_random_gemma3_gguf(path, config, gemma3_tokenizer, "Q8_0")[0]
+    return write_random_gguf(path, config, gemma3_tokenizer, "Q8_0")[0]
 
 
 def test_random_gguf_carries_the_tokenizer(

@@ -1,4 +1,4 @@
-"""Random-weight Gemma 3 GGUF files at real shapes, for Hearth and llama.cpp on one file.
+"""Random-weight Gemma 3 and Gemma 4 GGUF files at real shapes: Hearth and llama.cpp, one file.
 
 Each tensor is drawn when the writer reaches it, from its own seed, already in the stored
 type: F16/BF16 values from a normal draw, Q8_0/Q4_0 blocks from random codes and random
@@ -18,7 +18,14 @@ import numpy as np
 import torch
 
 from hearth.checkpoint.gguf_writer import GGUFTensor, stream_gguf, tokenizer_metadata
-from hearth.config import FULL_ATTENTION, Gemma3Config, parse_config
+from hearth.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    Gemma3Config,
+    Gemma4Config,
+    ModelConfig,
+    parse_config,
+)
 
 GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0")
 BLOCK = 32  # values per Q8_0 / Q4_0 block
@@ -31,13 +38,18 @@ GGUF_SLIDING_PATTERN = 6
 
 @dataclass(frozen=True)
 class RandomTensor:
-    """One random tensor: canonical name, torch-order shape, stored GGML type, seed."""
+    """One random tensor: canonical name, torch-order shape, stored GGML type, seed.
+
+    F32 tensors (norms, scales) are drawn in [0.5, 1.5) as stored; `stored_shift` is what the
+    file adds to the canonical value (1 for Gemma 3's norms, else 0).
+    """
 
     name: str
     shape: tuple[int, ...]
     ggml_type: str
     seed: int
     device: str = "cpu"
+    stored_shift: float = 0.0
 
     def _generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.seed)
@@ -45,14 +57,14 @@ class RandomTensor:
     def _draw(self) -> dict[str, torch.Tensor]:
         """The random parts of the stored form, on the device."""
         gen, device = self._generator(), self.device
-        if self.ggml_type == "F32":  # norm weights, stored as 1 + w
+        if self.ggml_type == "F32":
             return {"stored": torch.rand(self.shape, generator=gen, device=device) + 0.5}
         if self.ggml_type in ("F16", "BF16"):
             normal = torch.randn(self.shape, generator=gen, device=device) * WEIGHT_STD
             dtype = torch.float16 if self.ggml_type == "F16" else torch.bfloat16
             return {"stored": normal.to(dtype)}
-        rows, columns = self.shape
-        blocks = (rows, columns // BLOCK)
+        *rows, columns = self.shape
+        blocks = (*rows, columns // BLOCK)
         scale = WEIGHT_STD / _CODE_STD[self.ggml_type]
         scales = ((torch.rand(blocks, generator=gen, device=device) + 0.5) * scale).half()
         # Drawn as bytes: a 262144 x 3840 table would take 8 GB as int64.
@@ -76,14 +88,14 @@ class RandomTensor:
         else:  # byte j holds value j in its low nibble and value j + 16 in its high one
             nibbles = codes.to(torch.uint8)
             payload = nibbles[..., :16] | (nibbles[..., 16:] << 4)
-        return torch.cat([scales, payload], dim=-1).reshape(self.shape[0], -1).cpu().numpy()
+        rows = torch.cat([scales, payload], dim=-1).flatten(-2)  # [..., bytes per row]
+        return rows.reshape(-1, rows.shape[-1]).cpu().numpy()
 
     def values(self) -> torch.Tensor:
-        """The canonical float32 tensor these bytes mean (norms: w, not 1 + w), on the CPU."""
+        """The canonical float32 tensor these bytes mean (Gemma 3's norms: w, not 1 + w)."""
         parts = self._draw()
         if "stored" in parts:
-            stored = parts["stored"].float()
-            return (stored - 1 if self.ggml_type == "F32" else stored).cpu()
+            return (parts["stored"].float() - self.stored_shift).cpu()
         codes = parts["codes"].float()
         if self.ggml_type == "Q4_0":
             codes = codes - 8
@@ -123,20 +135,59 @@ def gemma3_tensor_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_gemma3_tensors(
-    config: Gemma3Config, ggml_type: str, seed: int = 0, device: str = "cpu"
+def gemma4_tensor_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of a Gemma 4 text model with its shape, experts stacked as
+    llama.cpp stores them (`experts.gate_up_proj` [E, 2·I, H], `experts.down_proj`)."""
+    from hearth.models.loading import checkpoint_shapes
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in checkpoint_shapes(config).items():
+        prefix, _, part = name.rpartition(".experts.")
+        if part == "gate_proj.weight":
+            experts, rows, columns = shape
+            shapes[f"{prefix}.experts.gate_up_proj"] = (experts, 2 * rows, columns)
+        elif part == "down_proj.weight":
+            shapes[f"{prefix}.experts.down_proj"] = shape
+        elif part != "up_proj.weight":
+            shapes[name] = shape
+    return shapes
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    if isinstance(config, Gemma4Config):
+        return gemma4_tensor_shapes(config)
+    return gemma3_tensor_shapes(config)
+
+
+def random_tensors(
+    config: ModelConfig, ggml_type: str, seed: int = 0, device: str = "cpu"
 ) -> list[RandomTensor]:
-    """The tensors of a random model: norms F32, matrices in `ggml_type` (F16 for a matrix
-    whose rows do not split into 32-value blocks, as llama.cpp's converter falls back)."""
+    """The tensors of a random model: 1-D tensors F32, the rest in `ggml_type` (F16 for rows
+    that do not split into 32-value blocks, as llama.cpp's converter falls back)."""
     if ggml_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {ggml_type!r} (choose from {', '.join(GGUF_TYPES)})")
+    norm_shift = 1.0 if isinstance(config, Gemma3Config) else 0.0
     tensors = []
-    for index, (name, shape) in enumerate(gemma3_tensor_shapes(config).items()):
+    for index, (name, shape) in enumerate(tensor_shapes(config).items()):
         kind = "F32" if len(shape) == 1 else ggml_type
         if kind in ("Q8_0", "Q4_0") and shape[-1] % BLOCK:
             kind = "F16"
-        tensors.append(RandomTensor(name, shape, kind, seed * 1_000_003 + index, device))
+        shift = norm_shift if name.endswith("norm.weight") else 0.0
+        tensors.append(RandomTensor(name, shape, kind, seed * 1_000_003 + index, device, shift))
     return tensors
+
+
+def check_gemma4_sharing(config: Gemma4Config) -> None:
+    """Raise ValueError unless llama.cpp's KV-sharing rule gives the donors HF's does: llama.cpp
+    lends a sharing layer the last owner's cache (full) or the one before's (sliding)."""
+    if not config.num_kv_shared_layers:
+        return
+    owners = config.cache_layer_types
+    if owners[-2:] != (SLIDING_ATTENTION, FULL_ATTENTION):
+        raise ValueError(
+            "llama.cpp needs the last two layers before the KV-sharing ones to be sliding, "
+            f"then full; this config has {owners[-2:]}"
+        )
 
 
 def check_gguf_layout(config: Gemma3Config) -> None:
@@ -158,7 +209,7 @@ def check_gguf_layout(config: Gemma3Config) -> None:
         )
 
 
-def write_random_gemma3_gguf(
+def write_random_gguf(
     path: Path,
     config: Mapping[str, Any],
     tokenizer: Mapping[str, Any],
@@ -166,7 +217,7 @@ def write_random_gemma3_gguf(
     seed: int = 0,
     device: str = "cpu",
 ) -> tuple[Path, dict[str, Any]]:
-    """Write a random Gemma 3 GGUF of `config` with `tokenizer` metadata (`tokenizer.*`).
+    """Write a random Gemma 3 or Gemma 4 GGUF of `config` with `tokenizer` metadata.
 
     The vocabulary size becomes the tokenizer's token count (llama.cpp requires the two to
     agree; HF configs pad it, e.g. 262208 for 262144 tokens). Returns the path and the config
@@ -177,10 +228,11 @@ def write_random_gemma3_gguf(
         raise ValueError("the tokenizer metadata has no tokenizer.ggml.tokens")
     config = {**dict(config), "vocab_size": len(tokens)}
     parsed = parse_config(config)
-    if not isinstance(parsed, Gemma3Config):
-        raise ValueError(f"only Gemma 3 configs can be written as GGUF, not {parsed.model_type}")
-    check_gguf_layout(parsed)
-    tensors = [t.as_gguf() for t in random_gemma3_tensors(parsed, ggml_type, seed, device)]
+    if isinstance(parsed, Gemma3Config):
+        check_gguf_layout(parsed)
+    else:
+        check_gemma4_sharing(parsed)
+    tensors = [t.as_gguf() for t in random_tensors(parsed, ggml_type, seed, device)]
     return stream_gguf(path, config, tensors, tokenizer), config
 
 

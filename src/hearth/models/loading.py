@@ -96,6 +96,12 @@ def build_model(
     return model
 
 
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor a checkpoint of `config` holds, with its shape (no memory used)."""
+    with torch.device("meta"):
+        return _expected_shapes(_model_class(config)(config))
+
+
 def _model_class(config: ModelConfig) -> type[Model]:
     return Gemma3Model if isinstance(config, Gemma3Config) else Gemma4Model
 
