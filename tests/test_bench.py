@@ -306,7 +306,7 @@ class MemoryCheckpoint:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._tensors.items()
 
 

@@ -8,6 +8,7 @@ it, not tuned.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,3 +352,35 @@ def test_nbytes_match_the_layout() -> None:
         assert int4.nbytes == out_features * in_features // 2 + groups * out_features * 2 * 2
     table = QuantizedEmbeddingHead.from_float(torch.randn(100, 64))
     assert table.nbytes == 100 * 64 + 2 * 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing while loading
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_load_quantizes_as_the_loaded_model_would_be(
+    family: str, mode: str, tmp_path: Path
+) -> None:
+    """`build_model(quantize=...)` quantizes each layer as the file streams in; it must build
+    the very model that quantizing the whole bf16 model afterwards builds (every tensor equal),
+    stacked projections, per-layer inputs and the tied table included."""
+    from hearth.checkpoint import open_checkpoint
+    from hearth.models.loading import build_model
+    from tiny import save_hf, tiny_gemma3_model, tiny_gemma4_model
+
+    if family == "gemma3":
+        hf = tiny_gemma3_model()
+    else:
+        hf = tiny_gemma4_model(hidden_size_per_layer_input=32)  # int4: whole groups of 32
+    checkpoint = open_checkpoint(save_hf(hf, tmp_path))
+    streamed = build_model(checkpoint, torch.bfloat16, progress=False, quantize=mode)
+    afterwards = build_model(checkpoint, torch.bfloat16, progress=False)
+    quantize_model(afterwards, mode)
+    afterwards.embed_tokens = QuantizedEmbeddingHead.from_float(afterwards.embed_tokens.weight)
+    ours, expected = streamed.state_dict(), afterwards.state_dict()
+    assert ours.keys() == expected.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert [type(m) for m in streamed.modules()] == [type(m) for m in afterwards.modules()]

@@ -5,6 +5,7 @@ Gemma 3 and Gemma 4 files as llama.cpp's converter writes them (names: `gguf_nam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -22,6 +23,8 @@ from hearth.errors import CheckpointError, UnsupportedModelError
 if TYPE_CHECKING:
     from hearth.tokenizer import Tokenizer
 
+# Dequantize this many stored bytes at a time: bounds the fp32 copy of a large table.
+_CHUNK_BYTES = 64 << 20
 # llama.cpp fixes these for Gemma 3 rather than storing them (llama-model.cpp).
 _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10_000.0
@@ -276,31 +279,41 @@ class GGUFCheckpoint:
     def tensor_names(self) -> list[str]:
         return [part for name, _ in self._weights() for part in expert_parts(name)]
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each canonical tensor, dequantized in fp32 and, with `dtype`, rounded to it a few
+        rows at a time: a 262144 x 8960 table never exists as a whole in fp32."""
         for name, info in self._weights():
-            yield from split_expert_parts(name, self._dequantize(info))
+            yield from split_expert_parts(name, self._dequantize(info, dtype or torch.float32))
 
-    def _dequantize(self, info: TensorInfo) -> torch.Tensor:
+    def _dequantize(self, info: TensorInfo, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raw = self._file.raw(info)  # [rows, bytes per row], memory-mapped
+        rows_per_chunk = max(1, _CHUNK_BYTES // raw.shape[1])
+        out = torch.empty(raw.shape[0], math.prod(info.shape) // raw.shape[0], dtype=dtype)
+        for start in range(0, raw.shape[0], rows_per_chunk):
+            chunk = raw[start : start + rows_per_chunk]
+            out[start : start + len(chunk)] = self._dequantize_rows(info, chunk)
+        return out.reshape(info.shape)
+
+    def _dequantize_rows(self, info: TensorInfo, raw: np.ndarray) -> torch.Tensor:
+        """Rows of stored bytes as fp32 values."""
         import gguf
 
         quant_type = gguf.GGMLQuantizationType(info.type_id)
-        raw = self._file.raw(info)
         if quant_type == gguf.GGMLQuantizationType.Q8_0:
-            tensor = dequantize_q8_0(torch.from_numpy(np.array(raw))).reshape(info.shape)
+            values = dequantize_q8_0(torch.from_numpy(np.array(raw)))
         else:
             try:
-                values = gguf.quants.dequantize(raw, quant_type)
+                decoded = gguf.quants.dequantize(raw, quant_type)
             except NotImplementedError:
                 raise UnsupportedModelError(
                     f"{self.path}: tensor {info.name} uses {quant_type.name}, "
                     "which Hearth cannot dequantize"
                 ) from None
-            tensor = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
-            tensor = tensor.reshape(info.shape)
+            values = torch.from_numpy(np.require(decoded, np.float32, ["C", "W"]))
         # llama.cpp stores Gemma 3's norm weights as 1 + w (Gemma 4's as w); canonical is w.
         if self.architecture == "gemma3" and info.name.endswith("norm.weight"):
-            tensor = tensor - 1
-        return tensor
+            values = values - 1
+        return values.reshape(len(raw), -1)
 
     def tokenizer(self) -> Tokenizer:
         from hearth.tokenizer import Tokenizer

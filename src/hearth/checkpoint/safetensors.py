@@ -207,7 +207,8 @@ class SafetensorsCheckpoint:
         names = (n for n in map(self._canonical, self._files) if n is not None)
         return [part for name in names for part in expert_parts(name)]
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        del dtype  # stored as they are: the loader casts float tensors, packed ones stay packed
         by_file: dict[Path, list[str]] = {}
         for name, file in self._files.items():
             by_file.setdefault(file, []).append(name)

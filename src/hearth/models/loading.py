@@ -16,6 +16,13 @@ from hearth.models import Model
 from hearth.models.gemma import Embedding, Gemma3Model, StackedLinear
 from hearth.models.gemma4 import Experts, Gemma4Model
 from hearth.native import huge_pages
+from hearth.quant.cpu import (
+    QUANT_MODES,
+    Int4Linear,
+    Int8Linear,
+    QuantizedEmbeddingHead,
+    quantized_linear,
+)
 from hearth.quant.mlx import (
     PACKED_TENSORS,
     AffineSpec,
@@ -50,10 +57,11 @@ def build_model(
     expected = _expected_shapes(model)
     names = [name for name in checkpoint.tensor_names() if not _is_tied_head(name, config)]
     packed_modules = quantization.quantized_modules(names) if quantization else set()
+    streamed = _StreamedQuantization(model, quantize) if quantize is not None else None
     loaded: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
     tensors = tqdm(
-        checkpoint.tensors(),
+        checkpoint.tensors(dtype),
         total=len(names),
         desc="Loading",
         unit="tensor",
@@ -76,18 +84,21 @@ def build_model(
                 f"the config implies {target}"
             )
         loaded[name] = model.module_tensor(name, tensor.to(device))
+        if streamed is not None:
+            streamed.take(name, loaded)
     packed_weights = {f"{module}.weight" for module in packed_modules}
-    missing = sorted(set(expected) - set(loaded) - packed_weights)
+    consumed = streamed.consumed if streamed is not None else set()
+    missing = sorted(set(expected) - set(loaded) - packed_weights - consumed)
     if missing:
         raise CheckpointError(f"{checkpoint.path}: missing tensor {missing[0]!r}")
     if quantization is not None:
         parts = _packed_parts(packed, packed_modules, expected, quantization, checkpoint.path)
         _install_packed(model, parts, loaded, dtype, checkpoint.path)
+    if streamed is not None:
+        streamed.install(model)
     model.load_state_dict(_state_dict(model, loaded), assign=True, strict=True)
     loaded.clear()  # the model holds the tensors now: each can be freed once replaced below
     model = model.to(device).eval()
-    if quantize is not None:
-        quantize_weights(model, quantize)
     if model.device.type == "cpu" and huge_pages.enabled():
         # Every decode step streams these: huge pages spare the TLB misses (opt-in, see there).
         huge_pages.move_into_huge_pages(
@@ -100,6 +111,16 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor a checkpoint of `config` holds, with its shape (no memory used)."""
     with torch.device("meta"):
         return _expected_shapes(_model_class(config)(config))
+
+
+# Modules that the loader builds whole; their tensors join the state dict as they are.
+_INSTALLED_MODULES = (
+    MLXQuantizedLinear,
+    MLXQuantizedEmbedding,
+    MLXQuantizedExperts,
+    Int8Linear,
+    Int4Linear,
+)
 
 
 def _model_class(config: ModelConfig) -> type[Model]:
@@ -162,7 +183,7 @@ def _state_dict(model: nn.Module, loaded: dict[str, torch.Tensor]) -> dict[str, 
         # A stack of one (the experts' down_proj) is used as it is, not copied by cat.
         state[stack.parameter] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     for name, module in model.named_modules():
-        if isinstance(module, MLXQuantizedLinear | MLXQuantizedEmbedding | MLXQuantizedExperts):
+        if isinstance(module, _INSTALLED_MODULES):
             state.update({f"{name}.{key}": t for key, t in module.state_dict().items()})
     return state
 
@@ -263,26 +284,56 @@ def _stack_packed(
     return kind(weight, scales, biases, spec.bits, spec.group_size)
 
 
-def quantize_weights(model: Model, mode: str) -> None:
-    """Keep weights int8/int4 in memory (CPU weight-only kernels); the tied table becomes int8."""
-    from hearth.quant import QuantizedEmbeddingHead, quantize_model
-    from hearth.quant.cpu import QUANT_MODES
+class _StreamedQuantization:
+    """Weight-only int8/int4 for CPU decode, applied while the checkpoint streams in: each
+    linear layer (and the tied table, as int8) is quantized once the file has given all of
+    its parts, and its bf16 parts are dropped, so a load never holds the whole model in bf16.
+    """
 
-    if mode not in QUANT_MODES:
-        raise ValueError(
-            f"unknown weight quantization {mode!r} (choose from {', '.join(QUANT_MODES)})"
-        )
-    if model.compute_dtype != torch.bfloat16:
-        raise ValueError("weight quantization computes in bfloat16: use --dtype bfloat16")
-    quantize_model(model, mode)
-    if model.config.tie_word_embeddings:
-        model.embed_tokens = QuantizedEmbeddingHead.from_float(model.embed_tokens.weight)
+    def __init__(self, model: Model, mode: str) -> None:
+        if mode not in QUANT_MODES:
+            raise ValueError(
+                f"unknown weight quantization {mode!r} (choose from {', '.join(QUANT_MODES)})"
+            )
+        if model.compute_dtype != torch.bfloat16:
+            raise ValueError("weight quantization computes in bfloat16: use --dtype bfloat16")
+        self.mode = mode
+        # Module path -> the checkpoint weights it is made of, stacked in this order.
+        self._parts: dict[str, list[str]] = {}
+        stacked = {s.target: s for s in _stacks(model) if s.packed_kind is MLXQuantizedLinear}
+        for path, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                stack = stacked.get(path)
+                parts = [f"{p}.weight" for p in stack.parts] if stack else [f"{path}.weight"]
+                self._parts[path] = parts
+        self._tied_table = "embed_tokens" if model.config.tie_word_embeddings else None
+        if self._tied_table:
+            self._parts[self._tied_table] = [f"{self._tied_table}.weight"]
+        self._module_of = {part: path for path, parts in self._parts.items() for part in parts}
+        self.modules: dict[str, nn.Module] = {}
+        self.consumed: set[str] = set()
+
+    def take(self, name: str, loaded: dict[str, torch.Tensor]) -> None:
+        """Quantize the module `name` completes, moving its parts out of `loaded`."""
+        path = self._module_of.get(name)
+        if path is None or any(part not in loaded for part in self._parts[path]):
+            return
+        parts = [loaded.pop(part) for part in self._parts[path]]
+        self.consumed.update(self._parts[path])
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        with torch.no_grad():
+            if path == self._tied_table:
+                self.modules[path] = QuantizedEmbeddingHead.from_float(weight)
+            else:
+                self.modules[path] = quantized_linear(weight, self.mode)
+
+    def install(self, model: nn.Module) -> None:
+        for path, module in self.modules.items():
+            model.set_submodule(path, module)
 
 
 def _streamed_weights(module: nn.Module) -> tuple[str, ...]:
     """The weights of `module` that every CPU decode step reads whole (none for most)."""
-    from hearth.quant import Int4Linear, Int8Linear
-
     if isinstance(module, Int8Linear):
         return ("qweight",)
     if isinstance(module, Int4Linear):

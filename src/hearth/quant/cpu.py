@@ -357,10 +357,13 @@ class QuantizedEmbeddingHead(nn.Module):
 QUANT_MODES = ("int8", "int4")
 
 
-def _quantized_linear(linear: nn.Linear, mode: str, group_size: int) -> _QuantizedLinear:
+def quantized_linear(
+    weight: Tensor, mode: str, group_size: int = 32, bias: Tensor | None = None
+) -> _QuantizedLinear:
+    """The int8 / int4 weight-only linear layer of a float `weight` [out, in]."""
     if mode == "int8":
-        return Int8Linear.from_float(linear.weight, linear.bias)
-    return Int4Linear.from_float(linear.weight, group_size, linear.bias)
+        return Int8Linear.from_float(weight, bias)
+    return Int4Linear.from_float(weight, group_size, bias)
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> None:
@@ -382,4 +385,4 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> None:
     ]
     with torch.no_grad():
         for parent, name, linear in targets:
-            setattr(parent, name, _quantized_linear(linear, mode, group_size))
+            setattr(parent, name, quantized_linear(linear.weight, mode, group_size, linear.bias))
