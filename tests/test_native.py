@@ -441,3 +441,56 @@ def test_loading_moves_streamed_weights_only_when_asked(
     storages = {layer.qweight.untyped_storage().data_ptr() for layer in layers}
     moved = enabled and huge_pages.huge_page_buffer(1) is not None
     assert len(storages) == (1 if moved else len(layers))
+
+
+# ---------------------------------------------------------------------------------------------
+# Load-time conversions: bit for bit what the torch code computes
+
+
+def _q8_0_blocks(n_blocks: int, seed: int) -> torch.Tensor:
+    """Random Q8_0 blocks whose fp16 scales span normal, subnormal, zero, huge, inf and NaN,
+    with every code from -128 to 127 (llama.cpp writes -127..127; a file may hold -128)."""
+    generator = torch.Generator().manual_seed(seed)
+    scales = torch.randn(n_blocks, generator=generator).half() * 0.01
+    special = torch.tensor([0.0, 6e-8, -3e-5, 65504.0, float("inf"), float("nan")]).half()
+    scales[: len(special)] = special[:n_blocks]
+    codes = torch.randint(-128, 128, (n_blocks, 32), generator=generator, dtype=torch.int8)
+    codes[0, :] = torch.arange(-128, 128, 8, dtype=torch.int8)
+    blocks = torch.cat([scales[:, None].view(torch.uint8), codes.view(torch.uint8)], dim=1)
+    return blocks.contiguous()
+
+
+@needs_native
+@pytest.mark.parametrize("n_blocks", [1, 7, 4096])
+def test_native_q8_0_to_bf16_is_the_torch_dequantization(n_blocks: int) -> None:
+    from hearth.checkpoint.gguf import dequantize_q8_0
+
+    assert KERNELS is not None
+    blocks = _q8_0_blocks(n_blocks, seed=n_blocks)
+    expected = dequantize_q8_0(blocks.reshape(1, -1)).reshape(-1).to(torch.bfloat16)
+    ours = torch.empty(n_blocks * 32, dtype=torch.bfloat16)
+    KERNELS.q8_0_to_bf16(blocks.numpy(), ours)
+    # NaN stays NaN (from a NaN scale, or inf x 0); its payload is torch's own choice.
+    nan = expected.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize(("rows", "cols"), [(1, 16), (5, 37), (64, 640), (3, 2048)])
+def test_native_int8_row_quantization_is_the_torch_one(
+    rows: int, cols: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Codes and scales equal, with rows of zeros, of exact halves (round half to even) and
+    of magnitudes whose scale lands between two bf16 numbers (rounded up)."""
+    generator = torch.Generator().manual_seed(rows * cols)
+    weight = (torch.randn(rows, cols, generator=generator) * 0.05).to(torch.bfloat16)
+    weight[0, : min(cols, 4)] = torch.tensor([127.0, 0.5, 1.5, -2.5])[: min(cols, 4)]
+    if rows > 1:
+        weight[1] = 0.0
+    if rows > 2:
+        weight[2] = torch.linspace(-3.0, 3.0, cols).to(torch.bfloat16)
+    ours = cpu.quantize_int8_rows(weight)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    expected = cpu.quantize_int8_rows(weight)
+    assert torch.equal(ours[0], expected[0]) and torch.equal(ours[1], expected[1])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hearth import native
 from hearth.checkpoint.gguf_file import GGUFFile, TensorInfo
 from hearth.checkpoint.gguf_names import ARCHITECTURES, ROPE_FREQS, canonical_name
 from hearth.checkpoint.safetensors import expert_parts, is_layer_kv, split_expert_parts
@@ -23,6 +24,7 @@ from hearth.errors import CheckpointError, UnsupportedModelError
 if TYPE_CHECKING:
     from hearth.tokenizer import Tokenizer
 
+_Q8_0 = 8  # GGML's type id
 # Dequantize this many stored bytes at a time: bounds the fp32 copy of a large table.
 _CHUNK_BYTES = 64 << 20
 # llama.cpp fixes these for Gemma 3 rather than storing them (llama-model.cpp).
@@ -287,6 +289,11 @@ class GGUFCheckpoint:
 
     def _dequantize(self, info: TensorInfo, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raw = self._file.raw(info)  # [rows, bytes per row], memory-mapped
+        kernels = native.kernels()
+        if kernels is not None and dtype == torch.bfloat16 and info.type_id == _Q8_0:
+            out = torch.empty(info.shape, dtype=dtype)
+            kernels.q8_0_to_bf16(np.asarray(raw).reshape(-1), out)  # as below, ~10x sooner
+            return out
         rows_per_chunk = max(1, _CHUNK_BYTES // raw.shape[1])
         out = torch.empty(raw.shape[0], math.prod(info.shape) // raw.shape[0], dtype=dtype)
         for start in range(0, raw.shape[0], rows_per_chunk):

@@ -8,7 +8,8 @@ here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-
 * the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
   one call each instead of a dozen dispatched torch ops, with the same roundings;
 * a whole Gemma 3 decoder layer at one token, made of the two above (``gemma3_decode_layer``,
-  used by ``hearth.models.gemma_native``): no Python between a layer's ops.
+  used by ``hearth.models.gemma_native``): no Python between a layer's ops;
+* at load, GGUF Q8_0 -> bf16 and bf16 -> int8 rows, which torch ran at ~0.3 GB/s.
 
 They need a C compiler with OpenMP and an AVX-512 CPU; without either, ``kernels()`` is None
 and every caller keeps its torch path. ``HEARTH_NATIVE=0`` turns them off.
@@ -32,6 +33,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,7 +69,11 @@ _SIGNATURES = {
         _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
         _INT64, _POINTER, _INT,
     ],
+    "hearth_q8_0_to_bf16": [_POINTER, _INT64, _POINTER, _INT],
+    "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
 }  # fmt: skip
+# GGUF's Q8_0: an fp16 scale and 32 int8 codes per block.
+Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34
 
 
 class DecodeLayerOperands(ctypes.Structure):
@@ -142,6 +148,39 @@ class NativeKernels:
             scales.data_ptr(), out_features, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return y
+
+    def q8_0_to_bf16(self, blocks: np.ndarray, out: Tensor) -> None:
+        """GGUF Q8_0 ``blocks`` (uint8, C-contiguous, whole blocks) -> ``out`` (bf16, one value
+        per code): each fp16 scale times its codes in fp32, rounded to bf16 once."""
+        n_blocks = blocks.size // Q8_0_BLOCK_BYTES
+        _require(
+            blocks.dtype == np.uint8
+            and blocks.flags.c_contiguous
+            and blocks.size == n_blocks * Q8_0_BLOCK_BYTES
+            and _dense(out, torch.bfloat16)
+            and out.numel() == n_blocks * Q8_0_BLOCK,
+            "q8_0_to_bf16 takes whole uint8 Q8_0 blocks and a bf16 output of their size",
+        )
+        self._call(
+            "hearth_q8_0_to_bf16", blocks.ctypes.data, n_blocks, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def quantize_int8_rows(self, weight: Tensor, scale_floor: float) -> tuple[Tensor, Tensor]:
+        """Symmetric int8 per row of a finite bf16 ``weight`` [rows, cols]: (codes int8, bf16
+        scales), as ``hearth.quant.cpu.quantize_int8_rows`` computes them."""
+        _require(
+            _dense(weight, torch.bfloat16) and weight.dim() == 2,
+            "quantize_int8_rows takes a contiguous bf16 matrix",
+        )
+        rows, cols = weight.shape
+        codes = torch.empty(rows, cols, dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.bfloat16)
+        self._call(
+            "hearth_quantize_int8_rows", weight.data_ptr(), rows, cols, scale_floor,
+            codes.data_ptr(), scales.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return codes, scales
 
     def bf16_rows_matmul(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x [m, k] @ weight [n, k]ᵀ`` in bf16 (fp32 sums), for 1 <= m <= 16."""

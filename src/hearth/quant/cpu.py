@@ -86,6 +86,9 @@ def quantize_int8_rows(weight: Tensor, chunk_rows: int = 16384) -> tuple[Tensor,
     Rows are independent, so they are quantized `chunk_rows` at a time: the fp32 temporaries
     of a 262144-row embedding would otherwise need 2 GB on top of the weight.
     """
+    kernels = native.for_cpu_bf16(weight)
+    if kernels is not None and weight.is_contiguous() and weight.dim() == 2:
+        return kernels.quantize_int8_rows(weight, SCALE_FLOOR)  # the same numbers, ~10x sooner
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scales = torch.empty(weight.shape[0], dtype=torch.bfloat16, device=weight.device)
     for start in range(0, weight.shape[0], chunk_rows):
