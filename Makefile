@@ -30,7 +30,7 @@ lint: setup-dev
 	$(BIN)/ruff format --check src tests benchmarks
 
 bench: setup-dev
-	$(BIN)/python benchmarks/cpu_270m.py
+	$(BIN)/python benchmarks/cpu_decode.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

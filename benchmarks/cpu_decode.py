@@ -1,11 +1,15 @@
-"""CPU speed on the embedded Gemma 3 270M: Hearth against HF transformers (and llama.cpp).
+"""CPU speed on a GGUF model: Hearth against llama.cpp (and HF transformers) on the same file.
 
-Each engine runs in its own subprocess (so peak RSS is its own) on the same 400-token prompt:
-load time, prefill tok/s (time to first token), decode tok/s over 64 greedy tokens, peak RSS.
-The roofline column is the measured memory bandwidth divided by the weight bytes one decode
-step must read in that engine's format.
+The model is the embedded Gemma 3 270M unless `--model` names a GGUF file, e.g. a random
+Gemma 4 E2B at real shapes (benchmarks/write_random_gguf.py --config e2b --type Q8_0).
+Each engine runs in its own subprocess (so peak RSS is its own) on the same prompt: load time,
+prefill tok/s (time to first token), decode tok/s over greedy tokens, peak RSS. The roofline
+column is the measured memory bandwidth divided by the weight bytes one decode step must read
+in that engine's format (not the rows only looked up, nor idle experts).
 
-    python benchmarks/cpu_270m.py [--out benchmarks/results/cpu_270m-DATE.md]
+    python benchmarks/cpu_decode.py [--out benchmarks/results/cpu_270m-DATE.md]
+    python benchmarks/cpu_decode.py --model e2b-q8_0.gguf --prompt-tokens 128 --decode-tokens 32 \
+        --engines "hearth bf16 + int8 weights" "llama.cpp (llama-cpp-python)"
 """
 
 from __future__ import annotations
@@ -58,30 +62,56 @@ ENGINES = {
 }
 
 
-def prompt_ids() -> list[int]:
-    from hearth.checkpoint import open_checkpoint
+def model_path(given: str | None) -> Path:
     from hearth.embedded import embedded_model_path
 
-    ids = open_checkpoint(embedded_model_path()).tokenizer().encode(TEXT)
-    return ids[:PROMPT_TOKENS]
+    return Path(given) if given else embedded_model_path()
+
+
+def prompt_ids(path: Path, tokens: int) -> list[int]:
+    from hearth.checkpoint import open_checkpoint
+
+    ids = open_checkpoint(path).tokenizer().encode(TEXT)
+    return ids[:tokens]
+
+
+def gguf_decode_bytes(path: Path) -> int:
+    """Bytes of a GGUF file one decode step reads, as `hearth.bench.measure.decode_bytes`
+    counts a model's: not the per-layer table (rows looked up) nor idle experts."""
+    from hearth.checkpoint.gguf import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(path)
+    config = checkpoint.config
+    share = config.get("top_k_experts", 1) / config.get("num_experts", 1)
+    total = 0.0
+    for name, (_, nbytes, _) in checkpoint.tensor_storage().items():
+        if "embed_tokens_per_layer" in name:
+            continue
+        if name == "embed_tokens.weight" and not config["tie_word_embeddings"]:
+            continue
+        total += nbytes * (share if ".experts." in name else 1.0)
+    return int(total)
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_hearth(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
+def run_hearth(
+    options: dict[str, Any], path: Path, ids: list[int], decode: int
+) -> dict[str, float]:
     if not options.get("native", True):
         os.environ["HEARTH_NATIVE"] = "0"  # read when the kernels are first asked for
     if options.get("huge_pages", False):
         os.environ["HEARTH_HUGE_PAGES"] = "1"  # read when the model loads
     import hearth
+    from hearth.bench.measure import decode_bytes
     from hearth.generate import GenerationStats, generate_tokens
     from hearth.sampling import Sampler, SamplingParams
 
     started = time.perf_counter()
     engine = hearth.load(
-        dtype=options["dtype"], device="cpu", progress=False, quantize=options["quantize"]
+        path, dtype=options["dtype"], device="cpu", progress=False, quantize=options["quantize"]
     )
     load = time.perf_counter() - started
     sampler = Sampler(SamplingParams())
@@ -89,23 +119,20 @@ def run_hearth(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
     runs = []
     for _ in range(REPEATS):
         stats = GenerationStats()
-        list(generate_tokens(engine.model, ids, sampler, DECODE_TOKENS + 1, stats))
+        list(generate_tokens(engine.model, ids, sampler, decode + 1, stats))
         runs.append((stats.prefill_tokens_per_second, stats.decode_tokens_per_second))
     return {
         "load_s": load,
         "prefill": max(r[0] for r in runs),
         "decode": max(r[1] for r in runs),
-        "weight_bytes": engine.weight_bytes_per_token(),
+        "weight_bytes": decode_bytes(engine.model),
     }
 
 
-def run_hf(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
+def run_hf(options: dict[str, Any], path: Path, ids: list[int], decode: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hearth.embedded import embedded_model_path
-
-    path = embedded_model_path()
     dtype = getattr(torch, options["dtype"])
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
@@ -124,28 +151,28 @@ def run_hf(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
 
     timed(2)  # warm up
     first = min(timed(1) for _ in range(REPEATS))
-    total = min(timed(DECODE_TOKENS + 1) for _ in range(REPEATS))
+    total = min(timed(decode + 1) for _ in range(REPEATS))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "load_s": load,
         "prefill": len(ids) / first,
-        "decode": DECODE_TOKENS / (total - first),
+        "decode": decode / (total - first),
         "weight_bytes": weight_bytes,
     }
 
 
-def run_llama_cpp(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
+def run_llama_cpp(
+    options: dict[str, Any], path: Path, ids: list[int], decode: int
+) -> dict[str, float]:
     import numpy as np
 
     from hearth.bench.llama_peer import open_llama
-    from hearth.embedded import embedded_model_path
 
-    path = embedded_model_path()
     started = time.perf_counter()
     llm = open_llama(path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, logits_all=False)
     load = time.perf_counter() - started
     llm.eval(ids[:16])  # warm up
-    prefill, decode = float("inf"), float("inf")
+    prefill, seconds = float("inf"), float("inf")
     for _ in range(REPEATS):
         llm.reset()
         begin = time.perf_counter()
@@ -153,23 +180,23 @@ def run_llama_cpp(options: dict[str, Any], ids: list[int]) -> dict[str, float]:
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         prefill = min(prefill, time.perf_counter() - begin)
         begin = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
+        for _ in range(decode):
             llm.eval([token])
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        decode = min(decode, time.perf_counter() - begin)
+        seconds = min(seconds, time.perf_counter() - begin)
     return {
         "load_s": load,
         "prefill": len(ids) / prefill,
-        "decode": DECODE_TOKENS / decode,
-        "weight_bytes": path.stat().st_size,
+        "decode": decode / seconds,
+        "weight_bytes": gguf_decode_bytes(path),
     }
 
 
-def one(name: str) -> None:
+def one(name: str, path: Path, prompt_tokens: int, decode: int) -> None:
     kind, options = ENGINES[name]
-    ids = prompt_ids()
+    ids = prompt_ids(path, prompt_tokens)
     runner = {"hearth": run_hearth, "hf": run_hf, "llama_cpp": run_llama_cpp}[kind]
-    result = runner(options, ids)
+    result = runner(options, path, ids, decode)
     result["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(result))
 
@@ -203,15 +230,22 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     parser.add_argument("--engines", nargs="*", default=list(ENGINES))
+    parser.add_argument("--model", help="a GGUF file (default: the embedded Gemma 3 270M)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
     args = parser.parse_args()
+    path = model_path(args.model)
     if args.one:
-        one(args.one)
+        one(args.one, path, args.prompt_tokens, args.decode_tokens)
         return
+    sizes = ["--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens)]
     bandwidth = memory_bandwidth_gbs()
     rows = []
     for name in args.engines:
         result = subprocess.run(
-            [sys.executable, __file__, "--one", name], capture_output=True, text=True
+            [sys.executable, __file__, "--one", name, "--model", str(path), *sizes],
+            capture_output=True,
+            text=True,
         )
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["failed"])[-1]
@@ -230,12 +264,12 @@ def main() -> None:
     import torch
 
     header = [
-        f"# CPU, Gemma 3 270M Q4_K_M GGUF — {datetime.date.today().isoformat()}",
+        f"# CPU, {path.name} — {datetime.date.today().isoformat()}",
         "",
         f"Machine: {cpu_model()}, {torch.get_num_threads()} "
         f"threads, torch {torch.__version__}, Python {platform.python_version()}; "
-        f"copy bandwidth {bandwidth:.1f} GB/s. Prompt {PROMPT_TOKENS} tokens, "
-        f"{DECODE_TOKENS} greedy decode tokens; best of {REPEATS} runs per engine.",
+        f"copy bandwidth {bandwidth:.1f} GB/s. Prompt {args.prompt_tokens} tokens, "
+        f"{args.decode_tokens} greedy decode tokens; best of {REPEATS} runs per engine.",
         "",
         "| engine | load s | prefill tok/s | decode tok/s | decode vs bandwidth roofline "
         "| peak RSS MiB |",
