@@ -19,6 +19,7 @@ from hearth.quant import cpu
 from hearth.quant.cpu import (
     Int4Linear,
     Int8Linear,
+    QuantizedEmbedding,
     QuantizedEmbeddingHead,
     dequantize_int4_groups,
     quantize_int4_groups,
@@ -365,7 +366,7 @@ def test_load_quantizes_as_the_loaded_model_would_be(
 ) -> None:
     """`build_model(quantize=...)` quantizes each layer as the file streams in; it must build
     the very model that quantizing the whole bf16 model afterwards builds (every tensor equal),
-    stacked projections, per-layer inputs and the tied table included."""
+    stacked projections, per-layer inputs, the tied table and the per-layer table included."""
     from hearth.checkpoint import open_checkpoint
     from hearth.models.loading import build_model
     from tiny import save_hf, tiny_gemma3_model, tiny_gemma4_model
@@ -379,8 +380,30 @@ def test_load_quantizes_as_the_loaded_model_would_be(
     afterwards = build_model(checkpoint, torch.bfloat16, progress=False)
     quantize_model(afterwards, mode)
     afterwards.embed_tokens = QuantizedEmbeddingHead.from_float(afterwards.embed_tokens.weight)
+    if family == "gemma4":
+        table = afterwards.embed_tokens_per_layer.weight
+        afterwards.embed_tokens_per_layer = QuantizedEmbedding.from_float(table)
     ours, expected = streamed.state_dict(), afterwards.state_dict()
     assert ours.keys() == expected.keys()
     for name, tensor in ours.items():
         assert torch.equal(tensor, expected[name]), name
     assert [type(m) for m in streamed.modules()] == [type(m) for m in afterwards.modules()]
+
+
+def test_quantized_embedding_groups() -> None:
+    """Each group of 32 is an int8 row: |w - q·s| <= s/2 with s >= amax/127 the group's own,
+    so a group of small values keeps its precision beside a group of large ones."""
+    torch.manual_seed(8)
+    weight = torch.randn(10, 96).to(torch.bfloat16)
+    weight[:, 32:64] *= 1e-3  # a quiet layer's inputs beside loud ones
+    table = QuantizedEmbedding.from_float(weight)
+    assert table.codes.dtype == torch.int8 and table.scales.shape == (10, 3)
+    dequantized = table.dequantize()
+    groups = weight.float().unflatten(-1, (3, 32))
+    scales = table.scales.float()[..., None]
+    assert (scales >= groups.abs().amax(dim=-1, keepdim=True) / 127).all()
+    assert ((dequantized.unflatten(-1, (3, 32)) - groups).abs() <= scales / 2).all()
+    ids = torch.tensor([[3, 0, 9]])
+    rows = table.embed(ids, torch.bfloat16)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows[0], dequantized[[3, 0, 9]].bfloat16())
+    assert table.nbytes == 10 * 96 + 10 * 3 * 2

@@ -20,6 +20,7 @@ from hearth.quant.cpu import (
     QUANT_MODES,
     Int4Linear,
     Int8Linear,
+    QuantizedEmbedding,
     QuantizedEmbeddingHead,
     quantized_linear,
 )
@@ -120,6 +121,7 @@ _INSTALLED_MODULES = (
     MLXQuantizedExperts,
     Int8Linear,
     Int4Linear,
+    QuantizedEmbedding,
 )
 
 
@@ -286,8 +288,9 @@ def _stack_packed(
 
 class _StreamedQuantization:
     """Weight-only int8/int4 for CPU decode, applied while the checkpoint streams in: each
-    linear layer (and the tied table, as int8) is quantized once the file has given all of
-    its parts, and its bf16 parts are dropped, so a load never holds the whole model in bf16.
+    linear layer (and the tied table and Gemma 4's per-layer table, as int8) is quantized once
+    the file has given all of its parts, and its bf16 parts are dropped, so a load never holds
+    the whole model in bf16.
     """
 
     def __init__(self, model: Model, mode: str) -> None:
@@ -309,6 +312,10 @@ class _StreamedQuantization:
         self._tied_table = "embed_tokens" if model.config.tie_word_embeddings else None
         if self._tied_table:
             self._parts[self._tied_table] = [f"{self._tied_table}.weight"]
+        # Gemma 4's per-layer table: the largest tensor of E2B/E4B, whose rows a step looks up.
+        self._lookup_table = "embed_tokens_per_layer"
+        if hasattr(model, self._lookup_table):
+            self._parts[self._lookup_table] = [f"{self._lookup_table}.weight"]
         self._module_of = {part: path for path, parts in self._parts.items() for part in parts}
         self.modules: dict[str, nn.Module] = {}
         self.consumed: set[str] = set()
@@ -324,6 +331,8 @@ class _StreamedQuantization:
         with torch.no_grad():
             if path == self._tied_table:
                 self.modules[path] = QuantizedEmbeddingHead.from_float(weight)
+            elif path == self._lookup_table:
+                self.modules[path] = QuantizedEmbedding.from_float(weight)
             else:
                 self.modules[path] = quantized_linear(weight, self.mode)
 

@@ -354,6 +354,42 @@ class QuantizedEmbeddingHead(nn.Module):
         return self.table.nbytes
 
 
+class QuantizedEmbedding(nn.Module):
+    """A lookup-only table (Gemma 4's per-layer inputs) as int8 with a bf16 scale per group of
+    ``GROUP`` values: each group is quantized as an int8 row is (``quantize_int8_rows``).
+
+    A decode step reads only a token's row, so the table costs memory, not speed: groups keep
+    the error of a row that concatenates many layers' inputs local to each layer's part.
+    """
+
+    GROUP = 32
+    codes: Tensor
+    scales: Tensor
+
+    def __init__(self, codes: Tensor, scales: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_float(cls, weight: Tensor) -> QuantizedEmbedding:
+        rows, width = weight.shape
+        _check_group_size(width, cls.GROUP)
+        codes, scales = quantize_int8_rows(weight.reshape(-1, cls.GROUP).contiguous())
+        return cls(codes.reshape(rows, width), scales.reshape(rows, width // cls.GROUP))
+
+    def embed(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        codes = self.codes[ids].float().unflatten(-1, (-1, self.GROUP))
+        return (codes * self.scales[ids].float()[..., None]).flatten(-2).to(dtype)
+
+    def dequantize(self) -> Tensor:
+        return self.embed(torch.arange(self.codes.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole-model conversion
 
