@@ -285,7 +285,9 @@ class GGUFCheckpoint:
         """Each canonical tensor, dequantized in fp32 and, with `dtype`, rounded to it a few
         rows at a time: a 262144 x 8960 table never exists as a whole in fp32."""
         for name, info in self._weights():
-            yield from split_expert_parts(name, self._dequantize(info, dtype or torch.float32))
+            tensor = self._dequantize(info, dtype or torch.float32)
+            self._file.release(info)
+            yield from split_expert_parts(name, tensor)
 
     def _dequantize(self, info: TensorInfo, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raw = self._file.raw(info)  # [rows, bytes per row], memory-mapped

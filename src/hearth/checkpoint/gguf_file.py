@@ -8,6 +8,7 @@ quantization formats (block sizes, dequantization) to the `gguf` package.
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,8 @@ class GGUFFile:
         self.path = path
         try:
             self._map = np.memmap(path, dtype=np.uint8, mode="r")
+            # numpy's memmap keeps its mmap object here: `release` advises it.
+            self._mmap: mmap.mmap | None = getattr(self._map, "_mmap", None)
         except (OSError, ValueError) as error:
             raise CheckpointError(f"cannot read {path}: {error}") from None
         cursor = _Cursor(memoryview(self._map), path)
@@ -152,3 +155,14 @@ class GGUFFile:
         """The tensor's bytes, shaped [rows, bytes per row] as `gguf.quants.dequantize` wants."""
         row_bytes = info.nbytes // max(1, math.prod(info.shape[:-1]))
         return self._map[info.start : info.start + info.nbytes].reshape(-1, row_bytes)
+
+    def release(self, info: TensorInfo) -> None:
+        """Drop the tensor's pages from this process's resident memory once it has been read
+        (they stay in the page cache): a load then holds the model, not the model plus the
+        file. Pages shared with a neighbouring tensor are dropped too and read again if used."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.start - info.start % mmap.PAGESIZE
+        end = min(info.start + info.nbytes, len(self._map))
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
