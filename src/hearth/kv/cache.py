@@ -224,10 +224,14 @@ class DenseCache:
         self._store.settle(end)
         return view
 
+    def takes_decode_slots(self) -> bool:
+        """Whether `decode_slot` gives room (tokens stored dense)."""
+        return self._store.stays_dense
+
     def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
         """Room for one more token, for a kernel to write (`sample`: K or V shaped like that
         token); None when tokens are not stored dense. The token counts as stored."""
-        if not self._store.stays_dense:
+        if not self.takes_decode_slots():
             return None
         end = self.offset + 1
         self._grow_to(end, sample, sample)
@@ -319,11 +323,15 @@ class RotatingCache:
             return KVView(ring_keys, ring_values, filled, None)
         return KVView(ring_keys, ring_values, self.capacity, self._positions)
 
+    def takes_decode_slots(self) -> bool:
+        """Whether `decode_slot` gives room: stored dense in a ring of exactly the window
+        (where every filled slot is visible, as in `_decode_step`)."""
+        return self.capacity == self.window and self._store.stays_dense
+
     def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
         """Room for one more token, for a kernel to write (`sample`: K or V shaped like that
-        token); None unless stored dense in a ring of exactly the window (where every filled
-        slot is visible, as in `_decode_step`). The token counts as stored."""
-        if self.capacity != self.window or not self._store.stays_dense:
+        token); None unless `takes_decode_slots`. The token counts as stored."""
+        if not self.takes_decode_slots():
             return None
         self._allocate(sample, sample)
         assert self._positions is not None

@@ -36,6 +36,7 @@ from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kernels.router import route, router_input
 from hearth.kernels.slot_sum import weighted_slot_sum
 from hearth.kv.cache import KVView, LayerCache
+from hearth.models import gemma4_native
 from hearth.models.gemma import (
     MLP,
     Embedding,
@@ -472,7 +473,10 @@ class Gemma4Model(nn.Module):
         donors: dict[str, KVView] = {}
         first_shared = self.config.first_kv_shared_layer
         normed = self.layers[0].input_layernorm(x)
-        for index, layer in enumerate(self.layers):
+        natively = gemma4_native.applies(x, caches) and gemma4_native.decode_step(
+            self, x, normed, ropes, caches, per_layer
+        )  # a CPU bf16 decode step, all layers or none
+        for index, layer in enumerate(() if natively else self.layers):
             if index == first_shared and last_only:
                 # Sharing layers write no cache, so only the last position still matters.
                 x, normed = last_of(x, last_index), last_of(normed, last_index)

@@ -20,7 +20,7 @@ from hearth.kv.cache import LayerCache
 from hearth.quant.cpu import Int8Linear
 
 
-def _weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+def native_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """(weight, row scales) as the native layer reads them: int8 with bf16 scales, or a
     contiguous bf16 weight with no scales; None for any other projection."""
     if isinstance(module, Int8Linear) and module.uses_native and module.bias is None:
@@ -52,7 +52,7 @@ def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module, ...]:
     )
 
 
-def _addresses(sources: tuple[nn.Module, ...]) -> list[int]:
+def tensor_addresses(sources: tuple[nn.Module, ...]) -> list[int]:
     """Where every tensor of `sources` lives now. Operands are rebuilt when any moves: a
     replaced tensor, or one whose storage `module.to()` swapped under the same Parameter."""
     # The modules' own tables, read directly: `parameters()` costs ~20x more, every step.
@@ -76,7 +76,7 @@ class NativeLayer(NamedTuple):
 def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
     attention, mlp = layer.self_attn, layer.mlp
     sources = _sources(layer, next_norm)
-    found = [_weight(module) for module in sources[:4]]
+    found = [native_weight(module) for module in sources[:4]]
     weights = [w for w in found if w is not None]
     norms = [module.weight for module in sources[4:]]
     if len(weights) < len(found) or not all(
@@ -127,7 +127,7 @@ def decode_layer(
     decode_slot = getattr(cache, "decode_slot", None)
     if kernels is None or decode_slot is None:
         return False
-    addresses = _addresses(_sources(layer, next_norm))
+    addresses = tensor_addresses(_sources(layer, next_norm))
     cached: tuple[list[int], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
     if cached is None or cached[0] != addresses:
         cached = (addresses, _build(layer, next_norm))  # also remembers a layer that cannot

@@ -7,8 +7,9 @@ here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-
   the bf16 GEMM) stream short weight rows at about half the memory bandwidth;
 * the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
   one call each instead of a dozen dispatched torch ops, with the same roundings;
-* a whole Gemma 3 decoder layer at one token, made of the two above (``gemma3_decode_layer``,
-  used by ``hearth.models.gemma_native``): no Python between a layer's ops;
+* a whole Gemma 3 or Gemma 4 (dense) decoder layer at one token, made of the two above
+  (``gemma3_decode_layer``, ``gemma4_decode_layer``, used by ``hearth.models.gemma_native`` and
+  ``gemma4_native``): no Python between a layer's ops;
 * at load, GGUF Q8_0 -> bf16 and bf16 -> int8 rows, which torch ran at ~0.3 GB/s.
 
 They need a C compiler with OpenMP and an AVX-512 CPU; without either, ``kernels()`` is None
@@ -69,6 +70,10 @@ _SIGNATURES = {
         _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
         _INT64, _POINTER, _INT,
     ],
+    "hearth_gemma4_decode_layer": [
+        _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
+        _INT64, _POINTER, _POINTER, _INT,
+    ],
     "hearth_q8_0_to_bf16": [_POINTER, _INT64, _POINTER, _INT],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
 }  # fmt: skip
@@ -92,6 +97,41 @@ class DecodeLayerOperands(ctypes.Structure):
         ("eps", _FLOAT),
         ("scale", _FLOAT),
     ]
+
+
+class Gemma4LayerOperands(ctypes.Structure):
+    """A Gemma 4 dense layer's fixed operands for ``gemma4_decode_layer`` (``hearth_gemma4_layer``
+    in the source): as ``DecodeLayerOperands``, plus how V is made (a ``ValueMode``: 0 for a
+    KV-sharing layer), the per-layer input's gate and projection (``per_layer`` 0: none) with
+    the norm after them, and the bf16 layer scalar. Norm weights are fp32 w."""
+
+    _fields_ = [
+        *(
+            (name, _INT64)
+            for name in (
+                "hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "per_layer",
+                "value_mode",
+            )
+        ),
+        *(
+            (name, _POINTER)
+            for name in (
+                "qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_projection",
+                "qkv_scales", "o_scales", "gate_up_scales", "down_scales",
+                "per_layer_gate_scales", "per_layer_projection_scales",
+            )
+        ),
+        *(
+            (f"{name}_norm", _POINTER)
+            for name in (
+                "q", "k", "post_attention", "pre_feedforward", "post_feedforward",
+                "post_per_layer", "next",
+            )
+        ),
+        ("layer_scalar", _POINTER),
+        ("eps", _FLOAT),
+        ("scale", _FLOAT),
+    ]  # fmt: skip
 
 
 def _require(condition: bool, what: str) -> None:
@@ -330,6 +370,53 @@ class NativeKernels:
             "hearth_gemma3_decode_layer", ctypes.byref(operands), x.data_ptr(), normed.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1),
             slot, length, gelu_tanh_table().data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+    def gemma4_decode_layer(
+        self,
+        operands: Gemma4LayerOperands,
+        x: Tensor,
+        normed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        slot: int | None,
+        length: int,
+        per_layer_input: Tensor | None,
+    ) -> None:
+        """One Gemma 4 dense layer at one token, in place, as ``gemma3_decode_layer``. A layer
+        that owns K/V writes them into ``slot``; a KV-sharing one (``slot`` None) attends over
+        its donor's ``keys``/``values``. ``per_layer_input``: bf16 [per_layer] or None."""
+        dim = operands.head_dim
+        shares = operands.value_mode == 0
+        _require(
+            _dense(x, torch.bfloat16)
+            and _dense(normed, torch.bfloat16)
+            and x.numel() == normed.numel() == operands.hidden
+            and _dense(cos, torch.bfloat16)
+            and _dense(sin, torch.bfloat16)
+            and cos.numel() == sin.numel() == dim
+            and keys.dtype == values.dtype == torch.bfloat16
+            and keys.shape == values.shape
+            and keys.shape[:2] == (1, operands.kv_heads)
+            and keys.shape[3] == dim
+            and attention_layout(keys, values)
+            and 0 < length <= keys.shape[2]
+            and (slot is None) == shares
+            and (shares or 0 <= slot < length)
+            and (per_layer_input is None) == (operands.per_layer == 0)
+            and (per_layer_input is None or (_dense(per_layer_input, torch.bfloat16)
+                                             and per_layer_input.numel() == operands.per_layer)),
+            "gemma4_decode_layer takes bf16 x, normed [hidden], cos/sin [D], K/V "
+            "[1, Hk, slots, D], a slot unless the layer shares K/V, its per-layer input",
+        )  # fmt: skip
+        self._call(
+            "hearth_gemma4_decode_layer", ctypes.byref(operands), x.data_ptr(),
+            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+            values.data_ptr(), keys.stride(1), -1 if slot is None else slot, length,
+            None if per_layer_input is None else per_layer_input.data_ptr(),
+            gelu_tanh_table().data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
 
 

@@ -237,11 +237,11 @@ static void narrow_bf16(const float *x, int64_t count, uint16_t *out) {
     }
 }
 
-/* summed = residual + norm(x) * w; normed = norm(summed) * w_next (skipped when normed is NULL).
- * All of [rows, h] bf16, contiguous; w, w_next fp32 [h]. Returns -1 when memory runs out. */
-int hearth_add_rms_norm(const uint16_t *residual, const uint16_t *x, int64_t rows, int64_t h,
-                        const float *w, const float *w_next, float eps, uint16_t *summed,
-                        uint16_t *normed) {
+/* summed = (residual + norm(x) * w) * scale, the product rounded again (scale: one bf16
+ * number, NULL for none); normed = norm(summed) * w_next (skipped when normed is NULL). */
+static int add_rms_norm_scaled(const uint16_t *residual, const uint16_t *x, int64_t rows,
+                               int64_t h, const float *w, const float *w_next, float eps,
+                               const uint16_t *scale, uint16_t *summed, uint16_t *normed) {
     float *row = malloc(sizeof(float) * (size_t)(2 * h));
     if (row == NULL) {
         return -1;
@@ -252,6 +252,9 @@ int hearth_add_rms_norm(const uint16_t *residual, const uint16_t *x, int64_t row
         rms_norm_row(row, w, h, eps, work);
         for (int64_t j = 0; j < h; ++j) {
             work[j] = round_bf16(bf16_to_float(residual[i * h + j]) + work[j]);
+            if (scale != NULL) {
+                work[j] = round_bf16(work[j] * bf16_to_float(*scale));
+            }
         }
         narrow_bf16(work, h, summed + i * h);
         if (normed != NULL) {
@@ -261,6 +264,14 @@ int hearth_add_rms_norm(const uint16_t *residual, const uint16_t *x, int64_t row
     }
     free(row);
     return 0;
+}
+
+/* summed = residual + norm(x) * w; normed = norm(summed) * w_next (skipped when normed is NULL).
+ * All of [rows, h] bf16, contiguous; w, w_next fp32 [h]. Returns -1 when memory runs out. */
+int hearth_add_rms_norm(const uint16_t *residual, const uint16_t *x, int64_t rows, int64_t h,
+                        const float *w, const float *w_next, float eps, uint16_t *summed,
+                        uint16_t *normed) {
+    return add_rms_norm_scaled(residual, x, rows, h, w, w_next, eps, NULL, summed, normed);
 }
 
 /* Rotate-half RoPE on one normed head (fp32 values of bf16 numbers), with bf16 cos/sin [d]:
@@ -471,6 +482,25 @@ static int residual_branch(uint16_t *x, uint16_t *normed, const uint16_t *input,
     return hearth_add_rms_norm(x, projected, 1, h, w, w_next, eps, x, normed);
 }
 
+/* residual_branch, then the sum times a bf16 `scale` (rounded again) before its next norm. */
+static int scaled_residual_branch(uint16_t *x, uint16_t *normed, const uint16_t *input,
+                                  int64_t k, const void *weight, const uint16_t *scales,
+                                  int64_t h, const float *w, const float *w_next, float eps,
+                                  const uint16_t *scale, uint16_t *projected, int threads) {
+    if (project_row(input, k, weight, scales, h, projected, threads) != 0) {
+        return -1;
+    }
+    return add_rms_norm_scaled(x, projected, 1, h, w, w_next, eps, scale, x, normed);
+}
+
+/* out[j] = bf16(gelu_tanh(gate[j]) * up[j]), GELU looked up in torch's own table. */
+static void geglu_row(const uint16_t *gate, const uint16_t *up, int64_t n,
+                      const uint16_t *gelu_table, uint16_t *out) {
+    for (int64_t j = 0; j < n; ++j) {
+        out[j] = float_to_bf16(bf16_to_float(gelu_table[gate[j]]) * bf16_to_float(up[j]));
+    }
+}
+
 /* x [hidden] (the residual stream) and normed [hidden] (its input norm) are updated in place:
  * x becomes the layer's output, normed its norm by next_norm. cos, sin: bf16 [head_dim] of this
  * position. The new K and V go into slot `slot` of the cache planes `keys`, `values`
@@ -511,13 +541,120 @@ int hearth_gemma3_decode_layer(const hearth_decode_layer *layer, uint16_t *x, ui
                     threads) != 0) {
         goto done;
     }
-    for (int64_t j = 0; j < inner; ++j) {
-        const float gelu = bf16_to_float(gelu_table[gate_up[j]]);
-        activated[j] = float_to_bf16(gelu * bf16_to_float(gate_up[inner + j]));
-    }
+    geglu_row(gate_up, gate_up + inner, inner, gelu_table, activated);
     status = residual_branch(x, normed, activated, inner, layer->down, layer->down_scales, h,
                              layer->post_feedforward_norm, layer->next_norm, layer->eps,
                              projected, threads);
+done:
+    free(work);
+    return status;
+}
+
+/* A Gemma 4 dense layer's fixed operands (read-only), as hearth_decode_layer's plus: how V is
+ * made (value_mode: 0 none, a KV-sharing layer that reads its donor's cache; 2 the V projection
+ * RMS-normalised without weight; 3 the raw K projection so normalised, on k_eq_v layers), the
+ * per-layer input's gate [ple, hidden] and projection [hidden, ple] with the norm after it
+ * (ple = 0: none), and the bf16 layer scalar. Norm weights are fp32 w (Gemma 4 has no 1 + w). */
+typedef struct {
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate, per_layer, value_mode;
+    const void *qkv, *o, *gate_up, *down, *per_layer_gate, *per_layer_projection;
+    const uint16_t *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    const uint16_t *per_layer_gate_scales, *per_layer_projection_scales;
+    const float *q_norm, *k_norm, *post_attention_norm, *pre_feedforward_norm;
+    const float *post_feedforward_norm, *post_per_layer_norm, *next_norm;
+    const uint16_t *layer_scalar;
+    float eps, scale;
+} hearth_gemma4_layer;
+
+/* q heads: RMSNorm by q_w, then RoPE, into q [q_heads, d]. With a value_mode, k heads: RMSNorm
+ * by k_w and RoPE, and V made as value_mode says, written into slot `slot` of the cache planes
+ * (hearth.kernels.rope.norm_rope_reference, one token). */
+static int gemma4_norm_rope(const hearth_gemma4_layer *layer, const uint16_t *qkv,
+                            const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *keys,
+                            uint16_t *values, int64_t head_stride, int64_t slot) {
+    const int64_t d = layer->head_dim, kv_start = layer->q_heads * d;
+    float *row = malloc(sizeof(float) * (size_t)(2 * d));
+    if (row == NULL) {
+        return -1;
+    }
+    float *normed = row + d;
+    for (int64_t head = 0; head < layer->q_heads; ++head) {
+        widen_bf16(qkv + head * d, d, row);
+        rms_norm_row(row, layer->q_norm, d, layer->eps, normed);
+        rope_row(normed, cos, sin, d, q + head * d);
+    }
+    for (int64_t head = 0; layer->value_mode != 0 && head < layer->kv_heads; ++head) {
+        uint16_t *key = keys + head * head_stride + slot * d;
+        uint16_t *value = values + head * head_stride + slot * d;
+        widen_bf16(qkv + kv_start + head * d, d, row);
+        rms_norm_row(row, layer->k_norm, d, layer->eps, normed);
+        rope_row(normed, cos, sin, d, key);
+        if (layer->value_mode == 2) { /* else 3: V from the raw K still in `row` */
+            widen_bf16(qkv + kv_start + (layer->kv_heads + head) * d, d, row);
+        }
+        rms_norm_row(row, NULL, d, layer->eps, normed);
+        narrow_bf16(normed, d, value);
+    }
+    free(row);
+    return 0;
+}
+
+/* One Gemma 4 dense layer at one token, in place, as hearth_gemma3_decode_layer: x becomes the
+ * layer's output, normed its norm by next_norm. A layer that owns K/V writes them into slot
+ * `slot` of keys/values; a KV-sharing one (value_mode 0, slot ignored) reads its donor's
+ * planes. Attention reads slots 0..length-1. per_layer_input: bf16 [per_layer] (NULL without).
+ * The order and roundings are hearth.models.gemma4's: attention, add + norm, GeGLU MLP, then
+ * either add + scale + next norm, or add, the per-layer input's GeGLU update, add + scale +
+ * next norm. Returns -1 when memory runs out. */
+int hearth_gemma4_decode_layer(const hearth_gemma4_layer *layer, uint16_t *x, uint16_t *normed,
+                               const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
+                               uint16_t *values, int64_t head_stride, int64_t slot,
+                               int64_t length, const uint16_t *per_layer_input,
+                               const uint16_t *gelu_table, int threads) {
+    const int64_t d = layer->head_dim, h = layer->hidden, inner = layer->intermediate;
+    const int64_t ple = layer->per_layer, q_width = layer->q_heads * d;
+    const int64_t kv_parts = layer->value_mode == 0 ? 0 : layer->value_mode == 3 ? 1 : 2;
+    const int64_t qkv_width = q_width + kv_parts * layer->kv_heads * d;
+    uint16_t *work = malloc(sizeof(uint16_t) *
+                            (size_t)(qkv_width + 2 * q_width + h + 3 * inner + 2 * ple));
+    if (work == NULL) {
+        return -1;
+    }
+    uint16_t *qkv = work, *q = qkv + qkv_width, *attended = q + q_width;
+    uint16_t *projected = attended + q_width, *gate_up = projected + h;
+    uint16_t *activated = gate_up + 2 * inner, *ple_gate = activated + inner;
+    uint16_t *ple_activated = ple_gate + ple;
+    int status = -1;
+    if (project_row(normed, h, layer->qkv, layer->qkv_scales, qkv_width, qkv, threads) != 0 ||
+        gemma4_norm_rope(layer, qkv, cos, sin, q, keys, values, head_stride, slot) != 0 ||
+        hearth_decode_attention(q, keys, values, layer->kv_heads, layer->q_heads / layer->kv_heads,
+                                d, length, head_stride, layer->scale, attended, threads) != 0 ||
+        residual_branch(x, normed, attended, q_width, layer->o, layer->o_scales, h,
+                        layer->post_attention_norm, layer->pre_feedforward_norm, layer->eps,
+                        projected, threads) != 0 ||
+        project_row(normed, h, layer->gate_up, layer->gate_up_scales, 2 * inner, gate_up,
+                    threads) != 0) {
+        goto done;
+    }
+    geglu_row(gate_up, gate_up + inner, inner, gelu_table, activated);
+    if (ple == 0) {
+        status = scaled_residual_branch(x, normed, activated, inner, layer->down,
+                                        layer->down_scales, h, layer->post_feedforward_norm,
+                                        layer->next_norm, layer->eps, layer->layer_scalar,
+                                        projected, threads);
+        goto done;
+    }
+    if (residual_branch(x, NULL, activated, inner, layer->down, layer->down_scales, h,
+                        layer->post_feedforward_norm, NULL, layer->eps, projected, threads) != 0 ||
+        project_row(x, h, layer->per_layer_gate, layer->per_layer_gate_scales, ple, ple_gate,
+                    threads) != 0) {
+        goto done;
+    }
+    geglu_row(ple_gate, per_layer_input, ple, gelu_table, ple_activated);
+    status = scaled_residual_branch(x, normed, ple_activated, ple, layer->per_layer_projection,
+                                    layer->per_layer_projection_scales, h,
+                                    layer->post_per_layer_norm, layer->next_norm, layer->eps,
+                                    layer->layer_scalar, projected, threads);
 done:
     free(work);
     return status;

@@ -1,0 +1,157 @@
+"""A Gemma 4 decode step on the CPU as one native call per layer (`hearth.native`).
+
+As `gemma_native` for Gemma 3: at one CPU bf16 token, where every layer fits the native call
+(dense MLP, int8 or bf16 weights, caches storing K/V dense), `decode_step` runs each layer
+in one call with the module path's roundings, so the logits are the same bit for bit. The
+KV-sharing layers attend over their donor's planes, written earlier in the same step. A step
+where any layer does not fit (an expert block, a quantized KV cache, int4 weights) runs every
+layer through the modules: the donors' views must come from one path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from hearth import native
+from hearth.kv.cache import DecodeSlot, LayerCache
+from hearth.models.gemma_native import native_weight, tensor_addresses
+
+if TYPE_CHECKING:
+    from hearth.models.gemma4 import Gemma4Model
+
+
+class NativeLayer(NamedTuple):
+    """A layer's operands for the native call: pointers into the layer's tensors, which the
+    layer keeps alive (rebuilt when any tensor moves)."""
+
+    operands: native.Gemma4LayerOperands
+    sample: Tensor  # zeros shaped like one token's K: sizes a cache's first slots
+
+
+def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module | None, ...]:
+    """The modules whose tensors a layer's operands point into, in the operands' order: six
+    projections, then seven norms (None where the layer has no such module)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    per_layer = hasattr(layer, "per_layer_input_gate")
+    return (
+        attention.qkv_proj.proj,
+        attention.o_proj,
+        mlp.gate_up_proj.proj,
+        mlp.down_proj,
+        layer.per_layer_input_gate if per_layer else None,
+        layer.per_layer_projection if per_layer else None,
+        attention.q_norm,
+        getattr(attention, "k_norm", None),
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm,
+        layer.post_per_layer_input_norm if per_layer else None,
+        next_norm,
+    )
+
+
+def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
+    if layer.has_moe:
+        return None
+    attention, mlp = layer.self_attn, layer.mlp
+    sources = _sources(layer, next_norm)
+    projections, norms = sources[:6], sources[6:]
+    weights = [None if module is None else native_weight(module) for module in projections]
+    if any(w is None for w, module in zip(weights, projections, strict=True) if module):
+        return None
+    norm_weights = [None if module is None else module.weight for module in norms]
+    if not all(w is None or (w.dtype == torch.float32 and w.is_contiguous()) for w in norm_weights):
+        return None
+    scalar = layer.layer_scalar
+    if scalar.dtype != torch.bfloat16 or scalar.numel() != 1 or not scalar.is_contiguous():
+        return None
+    if len({module.eps for module in norms if module is not None}) != 1:
+        return None
+    per_layer = projections[4].out_features if projections[4] is not None else 0
+    operands = native.Gemma4LayerOperands(
+        layer.post_attention_layernorm.weight.numel(),
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        mlp.down_proj.in_features,
+        per_layer,
+        int(attention.value_mode),
+        *(None if w is None else w[0].data_ptr() for w in weights),
+        *(None if w is None or w[1] is None else w[1].data_ptr() for w in weights),
+        *(None if w is None else w.data_ptr() for w in norm_weights),
+        scalar.data_ptr(),
+        attention.eps,
+        1.0,  # Gemma 4's attention scale: q and k are normed instead
+    )
+    sample = torch.zeros(1, attention.num_kv_heads, 1, attention.head_dim, dtype=torch.bfloat16)
+    return NativeLayer(operands, sample)
+
+
+def _built(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
+    """The layer's operands, cached on it while its tensors stay where they are."""
+    sources = tuple(module for module in _sources(layer, next_norm) if module is not None)
+    addresses = tensor_addresses(sources)
+    cached: tuple[list[int], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
+    if cached is None or cached[0] != addresses:
+        cached = (addresses, _build(layer, next_norm))  # also remembers a layer that cannot
+        layer._native_layer = cached
+    return cached[1]
+
+
+def applies(x: Tensor, caches: list[LayerCache] | None) -> bool:
+    """Whether a forward over `x` (embedded tokens) may run natively: one CPU bf16 token of one
+    sequence, with caches, outside autograd, and the kernels built here."""
+    return (
+        caches is not None
+        and x.shape[:2] == (1, 1)
+        and native.for_cpu_bf16(x) is not None
+        and not torch.is_grad_enabled()
+    )
+
+
+def decode_step(
+    model: Gemma4Model,
+    x: Tensor,
+    normed: Tensor,
+    ropes: dict[str, tuple[Tensor, Tensor]],
+    caches: list[LayerCache],
+    per_layer: Tensor | None,
+) -> bool:
+    """Run every layer at one token natively, updating `x` and `normed` in place (`normed`
+    ends as the final norm's output); False, with nothing changed, where any layer cannot."""
+    kernels = native.kernels()
+    if kernels is None:
+        return False
+    layers, first_shared = model.layers, model.config.first_kv_shared_layer
+    built = []
+    for index, layer in enumerate(layers):
+        next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else model.norm
+        operands = _built(layer, next_norm)
+        owns_kv = index < first_shared
+        if operands is None or (owns_kv and not _takes_decode_slots(caches[index])):
+            return False
+        built.append(operands)
+    donors: dict[str, DecodeSlot] = {}
+    for index, (layer, operands) in enumerate(zip(layers, built, strict=True)):
+        if index < first_shared:
+            slot = caches[index].decode_slot(operands.sample)
+            assert slot is not None  # _takes_decode_slots said so
+            donors[layer.layer_type] = slot
+            written: int | None = slot.slot
+        else:
+            slot, written = donors[layer.layer_type], None
+        cos, sin = ropes[layer.layer_type]
+        own_input = None if per_layer is None else per_layer[0, 0, index]
+        kernels.gemma4_decode_layer(
+            operands.operands, x, normed, cos.reshape(-1), sin.reshape(-1), slot.keys,
+            slot.values, written, slot.length, own_input,
+        )  # fmt: skip
+    return True
+
+
+def _takes_decode_slots(cache: LayerCache) -> bool:
+    takes = getattr(cache, "takes_decode_slots", None)
+    return takes is not None and takes()

@@ -1,0 +1,170 @@
+"""Gemma 4 decode steps as one native call per layer (hearth/models/gemma4_native.py) against
+the module path they replace: the module path is the oracle here (itself checked against HF
+transformers in test_gemma4.py), and the native layers do the same operations with the same
+roundings, so logits and caches must be equal bit for bit (tolerance 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hearth import native
+from hearth.checkpoint import open_checkpoint
+from hearth.generate import prefill
+from hearth.kv.policy import KVPolicy
+from hearth.kv.quantized import AffineCodec
+from hearth.models import gemma4_native
+from hearth.models.loading import build_model
+from hearth.quant.cpu import QuantizedEmbedding, QuantizedEmbeddingHead, quantize_model
+from tiny import FULL, SLIDING, TINY_VOCAB, save_hf, tiny_gemma4_model
+
+pytestmark = pytest.mark.skipif(
+    native.kernels() is None, reason="no C compiler with OpenMP or no AVX-512 CPU here"
+)
+
+DECODE_STEPS = 12
+# Widths the int8 path takes whole (head_dims 32/64 as the KV tests use; PLE 32).
+WIDE = {"head_dim": 32, "global_head_dim": 64}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "windows": WIDE,  # sliding and full layers, window 8
+    # E2B's features: per-layer inputs, KV sharing (owners 0-3; sharers 4, 5), double width.
+    "ple_sharing_double_wide": {
+        **WIDE,
+        "hidden_size_per_layer_input": 32,
+        "num_hidden_layers": 6,
+        "num_kv_shared_layers": 2,
+        "use_double_wide_mlp": True,
+        "layer_types": [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
+    },
+    # 31B's: V is the normed raw K on full layers, which have one KV head.
+    "k_eq_v": {**WIDE, "attention_k_eq_v": True, "num_global_key_value_heads": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        name: save_hf(tiny_gemma4_model(seed=index, **config), tmp_path_factory.mktemp(name))
+        for index, (name, config) in enumerate(CONFIGS.items())
+    }
+
+
+def bf16_model(path: Path, weights: str) -> Any:
+    """The model as `--quantize int8` builds it (int8 layers and tables), or in plain bf16."""
+    model = build_model(open_checkpoint(path), torch.bfloat16, progress=False)
+    if weights == "int8":
+        quantize_model(model, "int8")
+        model.embed_tokens = QuantizedEmbeddingHead.from_float(model.embed_tokens.weight)
+        if hasattr(model, "embed_tokens_per_layer"):
+            table = model.embed_tokens_per_layer.weight
+            model.embed_tokens_per_layer = QuantizedEmbedding.from_float(table)
+    return model
+
+
+def decode(
+    model: Any,
+    prompt_length: int,
+    natively: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: KVPolicy | None = None,
+) -> tuple[list[torch.Tensor], list]:
+    """Greedy decode after a prompt: every step's logits, and the caches at the end."""
+    with monkeypatch.context() as patch:
+        if not natively:
+            patch.setattr(gemma4_native, "applies", lambda x, caches: False)
+        generator = torch.Generator().manual_seed(prompt_length)
+        ids = torch.randint(4, len(TINY_VOCAB), (1, prompt_length), generator=generator)
+        caches = (policy or KVPolicy()).make_caches(model.config)
+        with torch.inference_mode():
+            logits = [prefill(model, ids, caches, step=64)]
+            for step in range(DECODE_STEPS):
+                token = logits[-1].argmax(dim=-1).reshape(1, 1)
+                start = prompt_length + step
+                logits.append(model(token, caches, start=start, last_only=True)[:, -1])
+    return logits, caches
+
+
+def assert_same_caches(first: list, second: list) -> None:
+    for a, b in zip(first, second, strict=True):
+        assert a.offset == b.offset
+        planes = zip(a.contents().stored.planes, b.contents().stored.planes, strict=True)
+        assert all(torch.equal(plane_a, plane_b) for plane_a, plane_b in planes)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    kernels = native.kernels()
+    assert kernels is not None
+    real = kernels.gemma4_decode_layer
+    monkeypatch.setattr(kernels, "gemma4_decode_layer", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
+@pytest.mark.parametrize(
+    "prompt_length",
+    # Within the window of 8; wrapping the sliding layers' ring during decode; and crossing a
+    # dense cache's growth step (256 slots) during decode.
+    [3, 5, 250],
+)
+def test_native_layers_equal_the_module_path(
+    checkpoints: dict[str, Path],
+    name: str,
+    weights: str,
+    prompt_length: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = bf16_model(checkpoints[name], weights)
+    calls = count_calls(monkeypatch)
+    expected, expected_caches = decode(model, prompt_length, False, monkeypatch)
+    assert not calls
+    got, got_caches = decode(model, prompt_length, True, monkeypatch)
+    assert len(calls) == DECODE_STEPS * len(model.layers)  # every decode layer, no prefill
+    for step, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"step {step}"
+    assert_same_caches(expected_caches, got_caches)
+
+
+def test_a_step_any_layer_cannot_take_runs_on_the_modules(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layer 1 stores K/V as 8-bit codes, which the native layer cannot write: the whole step
+    takes the module path (the sharers' donors must come from one path), with its results."""
+    policy = KVPolicy(per_layer={1: AffineCodec(8, 32)})
+    model = bf16_model(checkpoints["ple_sharing_double_wide"], "int8")
+    calls = count_calls(monkeypatch)
+    expected, _ = decode(model, 10, False, monkeypatch, policy)
+    got, _ = decode(model, 10, True, monkeypatch, policy)
+    assert not calls
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_expert_layers_run_on_the_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}
+    path = save_hf(tiny_gemma4_model(seed=9, moe_intermediate_size=32, **WIDE, **moe), tmp_path)
+    model = bf16_model(path, "bf16")
+    calls = count_calls(monkeypatch)
+    decode(model, 4, True, monkeypatch)
+    assert not calls
+
+
+def test_moved_weights_rebuild_the_operands(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = bf16_model(checkpoints["ple_sharing_double_wide"], "bf16")
+    decode(model, 4, True, monkeypatch)  # builds every layer's operands
+    with torch.no_grad():
+        layer = model.layers[4]  # a sharer with a per-layer input
+        projection = layer.per_layer_projection
+        projection.weight = torch.nn.Parameter(-projection.weight.clone())
+        layer.layer_scalar = torch.nn.Parameter(layer.layer_scalar * 2)
+    expected, _ = decode(model, 4, False, monkeypatch)
+    got, _ = decode(model, 4, True, monkeypatch)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
