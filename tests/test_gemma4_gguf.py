@@ -196,3 +196,27 @@ def test_quantized_tensors_dequantize_as_the_gguf_package(
     assert ours.keys() == expected.keys()
     for name, tensor in ours.items():
         assert torch.equal(tensor, expected[name].reshape(tensor.shape)), name
+
+
+def test_sharers_kv_weights_in_the_file_are_skipped(files: Files, tmp_path: Path) -> None:
+    """Google's releases keep k_proj/v_proj/k_norm on the KV-sharing layers, and llama.cpp's
+    converter writes them; nothing reads them, so Hearth skips them (HF's save drops them)."""
+    hf, directory, _ = files("kv_sharing")
+    checkpoint = open_checkpoint(directory)
+    tensors = dict(checkpoint.tensors())
+    generator = torch.Generator().manual_seed(0)
+    for layer in (4, 5):  # the sharers
+        for name, like in (("k_proj", 2), ("v_proj", 2), ("k_norm", 3)):
+            shape = tensors[f"layers.{like}.self_attn.{name}.weight"].shape
+            tensors[f"layers.{layer}.self_attn.{name}.weight"] = torch.randn(
+                shape, generator=generator
+            )
+    path = write_gguf(tmp_path / "with-sharer-kv.gguf", checkpoint.config, tensors, TINY_VOCAB)
+    assert any(t.name == "blk.4.attn_k.weight" for t in gguf.GGUFReader(path).tensors)
+    ours = open_checkpoint(path)
+    assert sorted(ours.tensor_names()) == sorted(checkpoint.tensor_names())
+    model = build_model(ours, torch.float32, progress=False)
+    ids = _ids()
+    with torch.inference_mode():
+        logits = model(ids)[0]
+    assert (logits - _hf_logits(hf, ids)).abs().max() <= ATOL
