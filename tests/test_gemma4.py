@@ -32,6 +32,9 @@ from hearth.models.loading import build_model
 from hearth.sampling import Sampler, SamplingParams
 from tiny import (
     FULL,
+    K_EQ_V,
+    MOE,
+    PLE,
     SLIDING,
     TINY_VOCAB,
     randomise_gemma4,
@@ -49,7 +52,6 @@ ATOL = 5e-5
 MULTIMODAL_ATOL = 1.2e-4
 PROMPT, TOTAL = 30, 50  # prompt longer than the sliding window of 8, then 20 decode steps
 
-PLE = {"hidden_size_per_layer_input": 8}
 # HF needs PLE on for KV sharing. Owners: 0-3 (sliding donor 3, full donor 2); sharers 4, 5.
 SHARING = {
     **PLE,
@@ -64,8 +66,6 @@ DOUBLE_WIDE = {
     "use_double_wide_mlp": True,
     "layer_types": [SLIDING, FULL, SLIDING, SLIDING, FULL, FULL],
 }
-K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 1}
-MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24}
 CONFIGS: dict[str, dict[str, Any]] = {
     "windows": {},  # mixed sliding/full layers, window 8 < prompt
     "ple": PLE,

@@ -27,12 +27,11 @@ from hearth.config import parse_config
 from hearth.generate import GenerationStats, generate_tokens
 from hearth.models.loading import build_model
 from hearth.sampling import Sampler, SamplingParams
-from tiny import FULL, SLIDING, TINY_VOCAB, save_hf, tiny_gemma4_model
+from tiny import FULL, K_EQ_V, MOE, PLE, SLIDING, TINY_VOCAB, save_hf, tiny_gemma4_model
 
 # llama.cpp gives a KV-sharing layer the cache of the last owner (full) or the one before it
 # (sliding), as in the released E2B/E4B; HF looks up the last owner of the sharer's type. The
 # sharing configs below keep both rules on the same donor.
-PLE = {"hidden_size_per_layer_input": 8}
 SHARING = {
     **PLE,
     "num_hidden_layers": 6,
@@ -45,17 +44,16 @@ DOUBLE_WIDE = {
     "use_double_wide_mlp": True,
     "layer_types": [SLIDING, SLIDING, FULL, SLIDING, FULL, FULL],
 }
-K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 1}
 # Expert width 32: whole Q8_0 blocks, so the quantized test stores the experts quantized too.
-MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+MOE_32 = {**MOE, "moe_intermediate_size": 32}
 CONFIGS: dict[str, dict[str, Any]] = {
     "windows": {},
     "ple": PLE,
     "kv_sharing": SHARING,
     "ple_sharing_double_wide": DOUBLE_WIDE,
     "k_eq_v": K_EQ_V,
-    "moe": MOE,
-    "k_eq_v_moe": {**K_EQ_V, **MOE},
+    "moe": MOE_32,
+    "k_eq_v_moe": {**K_EQ_V, **MOE_32},
 }
 TOKENS = 20
 # Hearth against HF in fp32, as tests/test_gemma4.py: op order differs, a dozen ulps of the

@@ -6,21 +6,22 @@ same roundings, so logits and caches must be equal bit for bit (tolerance 0).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import torch
 
+from decoding import assert_same_caches, native_or_module_decode
 from hearth import native
 from hearth.checkpoint import open_checkpoint
-from hearth.generate import prefill
 from hearth.kv import make_caches
 from hearth.kv.policy import KVPolicy
 from hearth.kv.quantized import AffineCodec
 from hearth.models import gemma_native
 from hearth.models.loading import build_model
 from hearth.quant.cpu import quantize_model
-from tiny import TINY_VOCAB, save_hf, tiny_gemma3_model
+from tiny import save_hf, tiny_gemma3_model
 
 pytestmark = pytest.mark.skipif(
     native.kernels() is None, reason="no C compiler with OpenMP or no AVX-512 CPU here"
@@ -41,34 +42,8 @@ def bf16_model(path: Path, weights: str) -> torch.nn.Module:
     return model
 
 
-def decode(
-    model: torch.nn.Module,
-    prompt_length: int,
-    natively: bool,
-    monkeypatch: pytest.MonkeyPatch,
-    policy: KVPolicy | None = None,
-) -> tuple[list[torch.Tensor], list]:
-    """Greedy decode after a prompt: every step's logits, and the caches at the end."""
-    with monkeypatch.context() as patch:
-        if not natively:
-            patch.setattr(gemma_native, "applies", lambda x, caches: False)
-        generator = torch.Generator().manual_seed(prompt_length)
-        ids = torch.randint(4, len(TINY_VOCAB), (1, prompt_length), generator=generator)
-        caches = (policy or KVPolicy()).make_caches(model.config)
-        with torch.inference_mode():
-            logits = [prefill(model, ids, caches, step=64)]
-            for step in range(DECODE_STEPS):
-                token = logits[-1].argmax(dim=-1).reshape(1, 1)
-                start = prompt_length + step
-                logits.append(model(token, caches, start=start, last_only=True)[:, -1])
-    return logits, caches
-
-
-def assert_same_caches(first: list, second: list) -> None:
-    for a, b in zip(first, second, strict=True):
-        assert a.offset == b.offset
-        planes = zip(a.contents().stored.planes, b.contents().stored.planes, strict=True)
-        assert all(torch.equal(plane_a, plane_b) for plane_a, plane_b in planes)
+# Greedy decode after a prompt, on the native layers or (not `natively`) the modules.
+decode = functools.partial(native_or_module_decode, gemma_native, steps=DECODE_STEPS)
 
 
 @pytest.mark.parametrize("weights", ["int8", "bf16"])

@@ -111,6 +111,11 @@ def save_hf(model: Any, directory: Path, max_shard_size: str | None = None) -> P
     return directory
 
 
+# Gemma 4 features, to combine into tiny configs.
+PLE = {"hidden_size_per_layer_input": 8}
+K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 1}
+MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24}
+
 # A tiny Gemma 4 whose head_dims (32 sliding, 64 full) every KV layout can store, with PLE
 # and KV sharing: the KV-cache tests run each cache kind on it.
 GEMMA4_SHARING = {

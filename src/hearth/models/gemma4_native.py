@@ -10,25 +10,24 @@ layer through the modules: the donors' views must come from one path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from hearth import native
 from hearth.kv.cache import DecodeSlot, LayerCache
-from hearth.models.gemma_native import native_weight, tensor_addresses
+from hearth.models.gemma_native import (
+    NativeLayer,
+    cached_layer,
+    fitting_norms,
+    key_sample,
+    layer_operands,
+    native_weight,
+)
 
 if TYPE_CHECKING:
     from hearth.models.gemma4 import Gemma4Model
-
-
-class NativeLayer(NamedTuple):
-    """A layer's operands for the native call: pointers into the layer's tensors, which the
-    layer keeps alive (rebuilt when any tensor moves)."""
-
-    operands: native.Gemma4LayerOperands
-    sample: Tensor  # zeros shaped like one token's K: sizes a cache's first slots
 
 
 def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module | None, ...]:
@@ -56,49 +55,33 @@ def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module | None, 
 def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
     if layer.has_moe:
         return None
-    attention, mlp = layer.self_attn, layer.mlp
     sources = _sources(layer, next_norm)
-    projections, norms = sources[:6], sources[6:]
-    weights = [None if module is None else native_weight(module) for module in projections]
-    if any(w is None for w, module in zip(weights, projections, strict=True) if module):
-        return None
-    norm_weights = [None if module is None else module.weight for module in norms]
-    if not all(w is None or (w.dtype == torch.float32 and w.is_contiguous()) for w in norm_weights):
-        return None
+    # Gemma 3's operands (Gemma 4's attention scale is 1: q and k are normed instead), then
+    # the per-layer input's gate, projection and norm, and the layer scalar.
+    base = layer_operands(layer, sources[:4] + sources[6:11] + sources[12:], 1.0)
+    gate, projection, norm = sources[4], sources[5], sources[11]
+    per_layer = [native_weight(module) for module in (gate, projection) if module is not None]
+    norms = fitting_norms([norm, sources[12]])
     scalar = layer.layer_scalar
-    if scalar.dtype != torch.bfloat16 or scalar.numel() != 1 or not scalar.is_contiguous():
+    if (
+        base is None
+        or any(w is None for w in per_layer)
+        or norms is None
+        or not (scalar.dtype == torch.bfloat16 and scalar.numel() == 1 and scalar.is_contiguous())
+    ):
         return None
-    if len({module.eps for module in norms if module is not None}) != 1:
-        return None
-    per_layer = projections[4].out_features if projections[4] is not None else 0
+    weights = [w for w, _ in per_layer] or [None, None]
+    scales = [s for _, s in per_layer] or [None, None]
     operands = native.Gemma4LayerOperands(
-        layer.post_attention_layernorm.weight.numel(),
-        attention.num_heads,
-        attention.num_kv_heads,
-        attention.head_dim,
-        mlp.down_proj.in_features,
-        per_layer,
-        int(attention.value_mode),
-        *(None if w is None else w[0].data_ptr() for w in weights),
-        *(None if w is None or w[1] is None else w[1].data_ptr() for w in weights),
-        *(None if w is None else w.data_ptr() for w in norm_weights),
+        base,
+        0 if gate is None else gate.out_features,
+        int(layer.self_attn.value_mode),
+        *(None if w is None else w.data_ptr() for w in weights),
+        *(None if s is None else s.data_ptr() for s in scales),
+        None if norms[0] is None else norms[0].data_ptr(),
         scalar.data_ptr(),
-        attention.eps,
-        1.0,  # Gemma 4's attention scale: q and k are normed instead
     )
-    sample = torch.zeros(1, attention.num_kv_heads, 1, attention.head_dim, dtype=torch.bfloat16)
-    return NativeLayer(operands, sample)
-
-
-def _built(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
-    """The layer's operands, cached on it while its tensors stay where they are."""
-    sources = tuple(module for module in _sources(layer, next_norm) if module is not None)
-    addresses = tensor_addresses(sources)
-    cached: tuple[list[int], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
-    if cached is None or cached[0] != addresses:
-        cached = (addresses, _build(layer, next_norm))  # also remembers a layer that cannot
-        layer._native_layer = cached
-    return cached[1]
+    return NativeLayer(operands, key_sample(layer))
 
 
 def applies(x: Tensor, caches: list[LayerCache] | None) -> bool:
@@ -129,7 +112,8 @@ def decode_step(
     built = []
     for index, layer in enumerate(layers):
         next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else model.norm
-        operands = _built(layer, next_norm)
+        sources = _sources(layer, next_norm)
+        operands = cached_layer(layer, sources, lambda: _build(layer, next_norm))  # noqa: B023
         owns_kv = index < first_shared
         if operands is None or (owns_kv and not _takes_decode_slots(caches[index])):
             return False

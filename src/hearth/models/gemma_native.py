@@ -10,6 +10,7 @@ tokens) keeps the module path, layer by layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -52,7 +53,7 @@ def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module, ...]:
     )
 
 
-def tensor_addresses(sources: tuple[nn.Module, ...]) -> list[int]:
+def tensor_addresses(sources: Sequence[nn.Module]) -> list[int]:
     """Where every tensor of `sources` lives now. Operands are rebuilt when any moves: a
     replaced tensor, or one whose storage `module.to()` swapped under the same Parameter."""
     # The modules' own tables, read directly: `parameters()` costs ~20x more, every step.
@@ -67,26 +68,35 @@ def tensor_addresses(sources: tuple[nn.Module, ...]) -> list[int]:
 
 class NativeLayer(NamedTuple):
     """A layer's operands for the native call: pointers into the layer's tensors, which the
-    layer keeps alive (`decode_layer` rebuilds them when any tensor moves)."""
+    layer keeps alive (rebuilt when any tensor moves)."""
 
-    operands: native.DecodeLayerOperands
+    operands: native.DecodeLayerOperands | native.Gemma4LayerOperands
     sample: Tensor  # zeros shaped like one token's K: sizes a cache's first slots
 
 
-def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
+def fitting_norms(norms: Sequence[nn.Module | None]) -> list[Tensor | None] | None:
+    """The norms' fp32 weights (None for an absent norm), or None unless all fit and share
+    one eps."""
+    weights = [None if module is None else module.weight for module in norms]
+    if not all(w is None or (w.dtype == torch.float32 and w.is_contiguous()) for w in weights):
+        return None
+    if len({module.eps for module in norms if module is not None}) != 1:
+        return None
+    return weights
+
+
+def layer_operands(
+    layer: nn.Module, sources: Sequence[nn.Module | None], scale: float
+) -> native.DecodeLayerOperands | None:
+    """The operands of Gemma 3's layer, which Gemma 4's extend: `sources` are the qkv, o,
+    gate/up and down projections, then the q, k (None: a KV-sharing layer), post-attention,
+    pre- and post-feed-forward and next norms. None where any does not fit."""
     attention, mlp = layer.self_attn, layer.mlp
-    sources = _sources(layer, next_norm)
-    found = [native_weight(module) for module in sources[:4]]
-    weights = [w for w in found if w is not None]
-    norms = [module.weight for module in sources[4:]]
-    if len(weights) < len(found) or not all(
-        n.dtype == torch.float32 and n.is_contiguous() for n in norms
-    ):
+    weights = [native_weight(module) for module in sources[:4]]
+    norms = fitting_norms(sources[4:])
+    if any(w is None for w in weights) or norms is None:
         return None
-    eps = {module.eps for module in sources[4:]}
-    if len(eps) != 1:
-        return None
-    operands = native.DecodeLayerOperands(
+    return native.DecodeLayerOperands(
         layer.post_attention_layernorm.weight.numel(),
         attention.num_heads,
         attention.num_kv_heads,
@@ -94,12 +104,36 @@ def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
         mlp.down_proj.in_features,
         *(weight.data_ptr() for weight, _ in weights),
         *(None if scales is None else scales.data_ptr() for _, scales in weights),
-        *(n.data_ptr() for n in norms),
-        eps.pop(),
-        attention.scale,
+        *(None if n is None else n.data_ptr() for n in norms),
+        next(module.eps for module in sources[4:] if module is not None),
+        scale,
     )
-    sample = torch.zeros(1, attention.num_kv_heads, 1, attention.head_dim, dtype=torch.bfloat16)
-    return NativeLayer(operands, sample)
+
+
+def key_sample(layer: nn.Module) -> Tensor:
+    """Zeros shaped like one token's K of `layer`: sizes a cache's first slots."""
+    attention = layer.self_attn
+    return torch.zeros(1, attention.num_kv_heads, 1, attention.head_dim, dtype=torch.bfloat16)
+
+
+def cached_layer(
+    layer: nn.Module,
+    sources: Sequence[nn.Module | None],
+    build: Callable[[], NativeLayer | None],
+) -> NativeLayer | None:
+    """The layer's operands, kept on it while the tensors of `sources` stay where they are
+    (a layer that cannot run natively is remembered too)."""
+    addresses = tensor_addresses([module for module in sources if module is not None])
+    cached: tuple[list[int], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
+    if cached is None or cached[0] != addresses:
+        cached = (addresses, build())
+        layer._native_layer = cached
+    return cached[1]
+
+
+def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
+    operands = layer_operands(layer, _sources(layer, next_norm), layer.self_attn.scale)
+    return None if operands is None else NativeLayer(operands, key_sample(layer))
 
 
 def applies(x: Tensor, caches: list[LayerCache] | None) -> bool:
@@ -127,12 +161,8 @@ def decode_layer(
     decode_slot = getattr(cache, "decode_slot", None)
     if kernels is None or decode_slot is None:
         return False
-    addresses = tensor_addresses(_sources(layer, next_norm))
-    cached: tuple[list[int], NativeLayer | None] | None = getattr(layer, "_native_layer", None)
-    if cached is None or cached[0] != addresses:
-        cached = (addresses, _build(layer, next_norm))  # also remembers a layer that cannot
-        layer._native_layer = cached
-    built = cached[1]
+    sources = _sources(layer, next_norm)
+    built = cached_layer(layer, sources, lambda: _build(layer, next_norm))
     if built is None:
         return False
     slot = decode_slot(built.sample)

@@ -101,36 +101,22 @@ class DecodeLayerOperands(ctypes.Structure):
 
 class Gemma4LayerOperands(ctypes.Structure):
     """A Gemma 4 dense layer's fixed operands for ``gemma4_decode_layer`` (``hearth_gemma4_layer``
-    in the source): as ``DecodeLayerOperands``, plus how V is made (a ``ValueMode``: 0 for a
-    KV-sharing layer), the per-layer input's gate and projection (``per_layer`` 0: none) with
-    the norm after them, and the bf16 layer scalar. Norm weights are fp32 w."""
+    in the source): ``base`` as for Gemma 3 (norm weights w; no k norm on a KV-sharing layer),
+    plus how V is made (a ``ValueMode``: 0 for a KV-sharing layer), the per-layer input's gate
+    and projection (``per_layer`` 0: none) with the norm after them, and the bf16 layer
+    scalar."""
 
     _fields_ = [
-        *(
-            (name, _INT64)
-            for name in (
-                "hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "per_layer",
-                "value_mode",
-            )
-        ),
+        ("base", DecodeLayerOperands),
+        ("per_layer", _INT64),
+        ("value_mode", _INT64),
         *(
             (name, _POINTER)
             for name in (
-                "qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_projection",
-                "qkv_scales", "o_scales", "gate_up_scales", "down_scales",
-                "per_layer_gate_scales", "per_layer_projection_scales",
+                "per_layer_gate", "per_layer_projection", "per_layer_gate_scales",
+                "per_layer_projection_scales", "post_per_layer_norm", "layer_scalar",
             )
         ),
-        *(
-            (f"{name}_norm", _POINTER)
-            for name in (
-                "q", "k", "post_attention", "pre_feedforward", "post_feedforward",
-                "post_per_layer", "next",
-            )
-        ),
-        ("layer_scalar", _POINTER),
-        ("eps", _FLOAT),
-        ("scale", _FLOAT),
     ]  # fmt: skip
 
 
@@ -141,6 +127,35 @@ def _require(condition: bool, what: str) -> None:
 
 def _dense(tensor: Tensor, dtype: torch.dtype) -> bool:
     return tensor.dtype == dtype and tensor.is_contiguous() and tensor.device.type == "cpu"
+
+
+def _layer_inputs_fit(
+    operands: DecodeLayerOperands,
+    x: Tensor,
+    normed: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    length: int,
+) -> bool:
+    """What a native decoder layer reads: bf16 x and normed [hidden], cos/sin [D], and K/V
+    planes [1, Hk, slots, D] holding at least `length` slots."""
+    dim = operands.head_dim
+    return (
+        _dense(x, torch.bfloat16)
+        and _dense(normed, torch.bfloat16)
+        and x.numel() == normed.numel() == operands.hidden
+        and _dense(cos, torch.bfloat16)
+        and _dense(sin, torch.bfloat16)
+        and cos.numel() == sin.numel() == dim
+        and keys.dtype == values.dtype == torch.bfloat16
+        and keys.shape == values.shape
+        and keys.shape[:2] == (1, operands.kv_heads)
+        and keys.shape[3] == dim
+        and attention_layout(keys, values)
+        and 0 < length <= keys.shape[2]
+    )
 
 
 def attention_layout(keys: Tensor, values: Tensor) -> bool:
@@ -350,20 +365,9 @@ class NativeKernels:
         becomes the layer's output and ``normed`` (its input norm) that output's next norm.
         The new K/V go into ``slot`` of ``keys``/``values`` [1, Hk, slots, D] (bf16), and
         attention reads slots ``0..length-1``. ``operands`` must point at live tensors."""
-        dim = operands.head_dim
         _require(
-            _dense(x, torch.bfloat16)
-            and _dense(normed, torch.bfloat16)
-            and x.numel() == normed.numel() == operands.hidden
-            and _dense(cos, torch.bfloat16)
-            and _dense(sin, torch.bfloat16)
-            and cos.numel() == sin.numel() == dim
-            and keys.dtype == values.dtype == torch.bfloat16
-            and keys.shape == values.shape
-            and keys.shape[:2] == (1, operands.kv_heads)
-            and keys.shape[3] == dim
-            and attention_layout(keys, values)
-            and 0 <= slot < length <= keys.shape[2],
+            _layer_inputs_fit(operands, x, normed, cos, sin, keys, values, length)
+            and 0 <= slot < length,
             "gemma3_decode_layer takes bf16 x, normed [hidden], cos/sin [D], K/V [1, Hk, slots, D]",
         )
         self._call(
@@ -388,21 +392,9 @@ class NativeKernels:
         """One Gemma 4 dense layer at one token, in place, as ``gemma3_decode_layer``. A layer
         that owns K/V writes them into ``slot``; a KV-sharing one (``slot`` None) attends over
         its donor's ``keys``/``values``. ``per_layer_input``: bf16 [per_layer] or None."""
-        dim = operands.head_dim
         shares = operands.value_mode == 0
         _require(
-            _dense(x, torch.bfloat16)
-            and _dense(normed, torch.bfloat16)
-            and x.numel() == normed.numel() == operands.hidden
-            and _dense(cos, torch.bfloat16)
-            and _dense(sin, torch.bfloat16)
-            and cos.numel() == sin.numel() == dim
-            and keys.dtype == values.dtype == torch.bfloat16
-            and keys.shape == values.shape
-            and keys.shape[:2] == (1, operands.kv_heads)
-            and keys.shape[3] == dim
-            and attention_layout(keys, values)
-            and 0 < length <= keys.shape[2]
+            _layer_inputs_fit(operands.base, x, normed, cos, sin, keys, values, length)
             and (slot is None) == shares
             and (shares or 0 <= slot < length)
             and (per_layer_input is None) == (operands.per_layer == 0)

@@ -501,6 +501,30 @@ static void geglu_row(const uint16_t *gate, const uint16_t *up, int64_t n,
     }
 }
 
+/* A layer's middle, shared by Gemma 3 and 4: attention of the normed, rotated q [q_heads, d]
+ * over cache slots 0..length-1, o projection, x += norm(.) * w and normed = its pre-MLP norm,
+ * then the MLP's gate/up and GeGLU into activated [intermediate]. projected: [hidden] room;
+ * gate_up: [2 * intermediate] room. */
+static int attention_to_activation(const hearth_decode_layer *layer, const uint16_t *q,
+                                   const uint16_t *keys, const uint16_t *values,
+                                   int64_t head_stride, int64_t length, uint16_t *x,
+                                   uint16_t *normed, uint16_t *attended, uint16_t *projected,
+                                   uint16_t *gate_up, uint16_t *activated,
+                                   const uint16_t *gelu_table, int threads) {
+    const int64_t d = layer->head_dim, h = layer->hidden, inner = layer->intermediate;
+    if (hearth_decode_attention(q, keys, values, layer->kv_heads, layer->q_heads / layer->kv_heads,
+                                d, length, head_stride, layer->scale, attended, threads) != 0 ||
+        residual_branch(x, normed, attended, layer->q_heads * d, layer->o, layer->o_scales, h,
+                        layer->post_attention_norm, layer->pre_feedforward_norm, layer->eps,
+                        projected, threads) != 0 ||
+        project_row(normed, h, layer->gate_up, layer->gate_up_scales, 2 * inner, gate_up,
+                    threads) != 0) {
+        return -1;
+    }
+    geglu_row(gate_up, gate_up + inner, inner, gelu_table, activated);
+    return 0;
+}
+
 /* x [hidden] (the residual stream) and normed [hidden] (its input norm) are updated in place:
  * x becomes the layer's output, normed its norm by next_norm. cos, sin: bf16 [head_dim] of this
  * position. The new K and V go into slot `slot` of the cache planes `keys`, `values`
@@ -532,16 +556,11 @@ int hearth_gemma3_decode_layer(const hearth_decode_layer *layer, uint16_t *x, ui
         memcpy(keys + head * head_stride + slot * d, k + head * d, sizeof(uint16_t) * (size_t)d);
         memcpy(values + head * head_stride + slot * d, v + head * d, sizeof(uint16_t) * (size_t)d);
     }
-    if (hearth_decode_attention(q, keys, values, layer->kv_heads, layer->q_heads / layer->kv_heads,
-                                d, length, head_stride, layer->scale, attended, threads) != 0 ||
-        residual_branch(x, normed, attended, q_width, layer->o, layer->o_scales, h,
-                        layer->post_attention_norm, layer->pre_feedforward_norm, layer->eps,
-                        projected, threads) != 0 ||
-        project_row(normed, h, layer->gate_up, layer->gate_up_scales, 2 * inner, gate_up,
-                    threads) != 0) {
+    if (attention_to_activation(layer, q, keys, values, head_stride, length, x, normed,
+                                attended, projected, gate_up, activated, gelu_table,
+                                threads) != 0) {
         goto done;
     }
-    geglu_row(gate_up, gate_up + inner, inner, gelu_table, activated);
     status = residual_branch(x, normed, activated, inner, layer->down, layer->down_scales, h,
                              layer->post_feedforward_norm, layer->next_norm, layer->eps,
                              projected, threads);
@@ -550,28 +569,27 @@ done:
     return status;
 }
 
-/* A Gemma 4 dense layer's fixed operands (read-only), as hearth_decode_layer's plus: how V is
+/* A Gemma 4 dense layer's fixed operands (read-only): hearth_decode_layer's, plus how V is
  * made (value_mode: 0 none, a KV-sharing layer that reads its donor's cache; 2 the V projection
  * RMS-normalised without weight; 3 the raw K projection so normalised, on k_eq_v layers), the
  * per-layer input's gate [ple, hidden] and projection [hidden, ple] with the norm after it
  * (ple = 0: none), and the bf16 layer scalar. Norm weights are fp32 w (Gemma 4 has no 1 + w). */
 typedef struct {
-    int64_t hidden, q_heads, kv_heads, head_dim, intermediate, per_layer, value_mode;
-    const void *qkv, *o, *gate_up, *down, *per_layer_gate, *per_layer_projection;
-    const uint16_t *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    hearth_decode_layer base; /* k_norm NULL on a KV-sharing layer */
+    int64_t per_layer, value_mode;
+    const void *per_layer_gate, *per_layer_projection;
     const uint16_t *per_layer_gate_scales, *per_layer_projection_scales;
-    const float *q_norm, *k_norm, *post_attention_norm, *pre_feedforward_norm;
-    const float *post_feedforward_norm, *post_per_layer_norm, *next_norm;
+    const float *post_per_layer_norm;
     const uint16_t *layer_scalar;
-    float eps, scale;
 } hearth_gemma4_layer;
 
 /* q heads: RMSNorm by q_w, then RoPE, into q [q_heads, d]. With a value_mode, k heads: RMSNorm
  * by k_w and RoPE, and V made as value_mode says, written into slot `slot` of the cache planes
  * (hearth.kernels.rope.norm_rope_reference, one token). */
-static int gemma4_norm_rope(const hearth_gemma4_layer *layer, const uint16_t *qkv,
+static int gemma4_norm_rope(const hearth_gemma4_layer *gemma4, const uint16_t *qkv,
                             const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *keys,
                             uint16_t *values, int64_t head_stride, int64_t slot) {
+    const hearth_decode_layer *layer = &gemma4->base;
     const int64_t d = layer->head_dim, kv_start = layer->q_heads * d;
     float *row = malloc(sizeof(float) * (size_t)(2 * d));
     if (row == NULL) {
@@ -583,13 +601,13 @@ static int gemma4_norm_rope(const hearth_gemma4_layer *layer, const uint16_t *qk
         rms_norm_row(row, layer->q_norm, d, layer->eps, normed);
         rope_row(normed, cos, sin, d, q + head * d);
     }
-    for (int64_t head = 0; layer->value_mode != 0 && head < layer->kv_heads; ++head) {
+    for (int64_t head = 0; gemma4->value_mode != 0 && head < layer->kv_heads; ++head) {
         uint16_t *key = keys + head * head_stride + slot * d;
         uint16_t *value = values + head * head_stride + slot * d;
         widen_bf16(qkv + kv_start + head * d, d, row);
         rms_norm_row(row, layer->k_norm, d, layer->eps, normed);
         rope_row(normed, cos, sin, d, key);
-        if (layer->value_mode == 2) { /* else 3: V from the raw K still in `row` */
+        if (gemma4->value_mode == 2) { /* else 3: V from the raw K still in `row` */
             widen_bf16(qkv + kv_start + (layer->kv_heads + head) * d, d, row);
         }
         rms_norm_row(row, NULL, d, layer->eps, normed);
@@ -606,14 +624,15 @@ static int gemma4_norm_rope(const hearth_gemma4_layer *layer, const uint16_t *qk
  * The order and roundings are hearth.models.gemma4's: attention, add + norm, GeGLU MLP, then
  * either add + scale + next norm, or add, the per-layer input's GeGLU update, add + scale +
  * next norm. Returns -1 when memory runs out. */
-int hearth_gemma4_decode_layer(const hearth_gemma4_layer *layer, uint16_t *x, uint16_t *normed,
+int hearth_gemma4_decode_layer(const hearth_gemma4_layer *gemma4, uint16_t *x, uint16_t *normed,
                                const uint16_t *cos, const uint16_t *sin, uint16_t *keys,
                                uint16_t *values, int64_t head_stride, int64_t slot,
                                int64_t length, const uint16_t *per_layer_input,
                                const uint16_t *gelu_table, int threads) {
+    const hearth_decode_layer *layer = &gemma4->base;
     const int64_t d = layer->head_dim, h = layer->hidden, inner = layer->intermediate;
-    const int64_t ple = layer->per_layer, q_width = layer->q_heads * d;
-    const int64_t kv_parts = layer->value_mode == 0 ? 0 : layer->value_mode == 3 ? 1 : 2;
+    const int64_t ple = gemma4->per_layer, q_width = layer->q_heads * d;
+    const int64_t kv_parts = gemma4->value_mode == 0 ? 0 : gemma4->value_mode == 3 ? 1 : 2;
     const int64_t qkv_width = q_width + kv_parts * layer->kv_heads * d;
     uint16_t *work = malloc(sizeof(uint16_t) *
                             (size_t)(qkv_width + 2 * q_width + h + 3 * inner + 2 * ple));
@@ -626,35 +645,30 @@ int hearth_gemma4_decode_layer(const hearth_gemma4_layer *layer, uint16_t *x, ui
     uint16_t *ple_activated = ple_gate + ple;
     int status = -1;
     if (project_row(normed, h, layer->qkv, layer->qkv_scales, qkv_width, qkv, threads) != 0 ||
-        gemma4_norm_rope(layer, qkv, cos, sin, q, keys, values, head_stride, slot) != 0 ||
-        hearth_decode_attention(q, keys, values, layer->kv_heads, layer->q_heads / layer->kv_heads,
-                                d, length, head_stride, layer->scale, attended, threads) != 0 ||
-        residual_branch(x, normed, attended, q_width, layer->o, layer->o_scales, h,
-                        layer->post_attention_norm, layer->pre_feedforward_norm, layer->eps,
-                        projected, threads) != 0 ||
-        project_row(normed, h, layer->gate_up, layer->gate_up_scales, 2 * inner, gate_up,
-                    threads) != 0) {
+        gemma4_norm_rope(gemma4, qkv, cos, sin, q, keys, values, head_stride, slot) != 0 ||
+        attention_to_activation(layer, q, keys, values, head_stride, length, x, normed,
+                                attended, projected, gate_up, activated, gelu_table,
+                                threads) != 0) {
         goto done;
     }
-    geglu_row(gate_up, gate_up + inner, inner, gelu_table, activated);
     if (ple == 0) {
         status = scaled_residual_branch(x, normed, activated, inner, layer->down,
                                         layer->down_scales, h, layer->post_feedforward_norm,
-                                        layer->next_norm, layer->eps, layer->layer_scalar,
+                                        layer->next_norm, layer->eps, gemma4->layer_scalar,
                                         projected, threads);
         goto done;
     }
     if (residual_branch(x, NULL, activated, inner, layer->down, layer->down_scales, h,
                         layer->post_feedforward_norm, NULL, layer->eps, projected, threads) != 0 ||
-        project_row(x, h, layer->per_layer_gate, layer->per_layer_gate_scales, ple, ple_gate,
+        project_row(x, h, gemma4->per_layer_gate, gemma4->per_layer_gate_scales, ple, ple_gate,
                     threads) != 0) {
         goto done;
     }
     geglu_row(ple_gate, per_layer_input, ple, gelu_table, ple_activated);
-    status = scaled_residual_branch(x, normed, ple_activated, ple, layer->per_layer_projection,
-                                    layer->per_layer_projection_scales, h,
-                                    layer->post_per_layer_norm, layer->next_norm, layer->eps,
-                                    layer->layer_scalar, projected, threads);
+    status = scaled_residual_branch(x, normed, ple_activated, ple, gemma4->per_layer_projection,
+                                    gemma4->per_layer_projection_scales, h,
+                                    gemma4->post_per_layer_norm, layer->next_norm, layer->eps,
+                                    gemma4->layer_scalar, projected, threads);
 done:
     free(work);
     return status;
