@@ -494,3 +494,18 @@ def test_native_int8_row_quantization_is_the_torch_one(
     monkeypatch.setattr(native, "kernels", lambda: None)
     expected = cpu.quantize_int8_rows(weight)
     assert torch.equal(ours[0], expected[0]) and torch.equal(ours[1], expected[1])
+
+
+@needs_native
+@pytest.mark.parametrize(("rows", "cols"), [(1, 16), (5, 37), (300, 640)])
+def test_native_int8_to_bf16_is_the_torch_dequantization(rows: int, cols: int) -> None:
+    """What a prefill's GEMM reads: bit for bit (q.float() * s.float()).bfloat16(), over all
+    codes, tiny and huge scales and a tail of columns."""
+    assert KERNELS is not None
+    generator = torch.Generator().manual_seed(rows + cols)
+    codes = torch.randint(-128, 128, (rows, cols), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(rows, generator=generator) * 1e-2).to(torch.bfloat16)
+    scales[0] = 3e38 if rows > 1 else scales[0]  # products that round to inf in bf16
+    expected = (codes.float() * scales.float()[:, None]).to(torch.bfloat16)
+    ours = KERNELS.int8_rows_to_bf16(codes, scales)
+    assert torch.equal(ours.view(torch.int16), expected.view(torch.int16))

@@ -76,6 +76,7 @@ _SIGNATURES = {
     ],
     "hearth_q8_0_to_bf16": [_POINTER, _INT64, _POINTER, _INT],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
+    "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
 }  # fmt: skip
 # GGUF's Q8_0: an fp16 scale and 32 int8 codes per block.
 Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34
@@ -236,6 +237,21 @@ class NativeKernels:
             codes.data_ptr(), scales.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return codes, scales
+
+    def int8_rows_to_bf16(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """``bf16(codes [rows, cols] * scales [rows])``, as ``(codes.float() * scales.float()
+        [:, None]).bfloat16()`` computes it (the fp32 product is exact)."""
+        rows, cols = codes.shape
+        _require(
+            _dense(codes, torch.int8) and _dense(scales, torch.bfloat16) and scales.numel() == rows,
+            "int8_rows_to_bf16 takes int8 codes [rows, cols] and bf16 scales [rows]",
+        )
+        out = torch.empty(rows, cols, dtype=torch.bfloat16)
+        self._call(
+            "hearth_int8_rows_to_bf16", codes.data_ptr(), scales.data_ptr(), rows, cols,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
 
     def bf16_rows_matmul(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x [m, k] @ weight [n, k]ᵀ`` in bf16 (fp32 sums), for 1 <= m <= 16."""

@@ -675,9 +675,10 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------
- * 4. Load-time conversions, each bit for bit as the torch code it replaces computes it
- *    (hearth.checkpoint.gguf.dequantize_q8_0 then a cast; hearth.quant.cpu.quantize_int8_rows).
- *    Loading a GGUF file streams every weight through both: torch's version ran at ~0.3 GB/s.
+ * 4. Conversions, each bit for bit as the torch code it replaces computes it: at load
+ *    (hearth.checkpoint.gguf.dequantize_q8_0 then a cast; hearth.quant.cpu.quantize_int8_rows),
+ *    which streams every weight through both, and int8 -> bf16 for a prefill's GEMM. torch's
+ *    versions ran at ~0.3 GB/s and made a prefill spend most of its time unpacking weights.
  */
 
 /* 16 fp32 lanes to bf16, rounded to nearest even (float_to_bf16, lane by lane). */
@@ -740,6 +741,23 @@ int hearth_quantize_int8_rows(const uint16_t *weight, int64_t rows, int64_t cols
             v = _mm512_min_ps(_mm512_max_ps(v, low), high);
             const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
             _mm_mask_storeu_epi8(codes + r * cols + j, mask, bytes);
+        }
+    }
+    return 0;
+}
+
+/* bf16(q * s) of an int8 matrix [rows, cols] with one bf16 scale per row: the fp32 product is
+ * exact (8 + 8 significant bits), then rounded once; a prefill's dense GEMM reads the result. */
+int hearth_int8_rows_to_bf16(const int8_t *codes, const uint16_t *scales, int64_t rows,
+                             int64_t cols, uint16_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m512 scale = _mm512_set1_ps(bf16_to_float(scales[r]));
+        for (int64_t j = 0; j < cols; j += 16) {
+            const __mmask16 mask = tail_mask(cols - j);
+            const __m128i q = _mm_maskz_loadu_epi8(mask, codes + r * cols + j);
+            const __m512 values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale);
+            _mm256_mask_storeu_epi16(out + r * cols + j, mask, float_to_bf16_x16(values));
         }
     }
     return 0;

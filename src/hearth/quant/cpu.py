@@ -207,9 +207,13 @@ class _QuantizedLinear(nn.Module):
     def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def dequantize_as(self, dtype: torch.dtype) -> Tensor:
+        """The weight in `dtype`: the fp32 `dequantize()` rounded to it."""
+        return self.dequantize().to(dtype)
+
     def reference_forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize().to(x.dtype), bias)
+        return F.linear(x, self.dequantize_as(x.dtype), bias)
 
     def forward(self, x: Tensor) -> Tensor:
         # Many rows (a prefill) are compute-bound: a bf16 GEMM on the unpacked weight beats
@@ -258,6 +262,12 @@ class Int8Linear(_QuantizedLinear):
 
     def dequantize(self) -> Tensor:
         return dequantize_int8_rows(self.qweight, self.scales)
+
+    def dequantize_as(self, dtype: torch.dtype) -> Tensor:
+        kernels = native.kernels() if dtype == torch.bfloat16 and self.uses_native else None
+        if kernels is None or self.qweight.device.type != "cpu":
+            return super().dequantize_as(dtype)
+        return kernels.int8_rows_to_bf16(self.qweight, self.scales)  # the same bits, ~10x sooner
 
     def _kernel_matmul(self, x2d_bf16: Tensor) -> Tensor:
         # The native kernel wins on one row; from two rows on, torch's does (see hearth.native).
