@@ -10,6 +10,8 @@ were checked against) must then recover the same config and the same tensors.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -65,6 +67,7 @@ ATOL = 5e-5
 # layers alone moves them by 1.7% (test_llama_cpp_sees_a_wrong_rope).
 LLAMA_RTOL = 5e-3
 GGML_F32 = 0  # llama.cpp's type id for an f32 KV cache
+HEARTH_GENERATE = [sys.executable, "-m", "hearth.cli", "generate"]
 
 Files = Callable[[str], tuple[Any, Path, Path]]
 
@@ -218,3 +221,18 @@ def test_sharers_kv_weights_in_the_file_are_skipped(files: Files, tmp_path: Path
     with torch.inference_mode():
         logits = model(ids)[0]
     assert (logits - _hf_logits(hf, ids)).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("name", ["ple_sharing_double_wide", "k_eq_v_moe"])
+def test_cli_generates_from_a_gemma4_gguf(files: Files, name: str) -> None:
+    """The default CPU path for a GGUF (int8 weights, bf16 compute) end to end. This per-layer
+    table's rows (6 layers x 8) are not whole int8 groups, so it stays in bf16."""
+    _, _, path = files(name)
+    result = subprocess.run(
+        [*HEARTH_GENERATE, str(path), "t5 t6 t7", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "generation: 4 tokens" in result.stderr

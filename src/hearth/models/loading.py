@@ -312,9 +312,11 @@ class _StreamedQuantization:
         self._tied_table = "embed_tokens" if model.config.tie_word_embeddings else None
         if self._tied_table:
             self._parts[self._tied_table] = [f"{self._tied_table}.weight"]
-        # Gemma 4's per-layer table: the largest tensor of E2B/E4B, whose rows a step looks up.
+        # Gemma 4's per-layer table: the largest tensor of E2B/E4B, whose rows a step looks up
+        # (kept in bf16 if its rows are not whole groups).
         self._lookup_table = "embed_tokens_per_layer"
-        if hasattr(model, self._lookup_table):
+        table = getattr(model, self._lookup_table, None)
+        if table is not None and table.embedding_dim % QuantizedEmbedding.GROUP == 0:
             self._parts[self._lookup_table] = [f"{self._lookup_table}.weight"]
         self._module_of = {part: path for path, parts in self._parts.items() for part in parts}
         self.modules: dict[str, nn.Module] = {}
