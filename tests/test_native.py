@@ -13,6 +13,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -447,33 +449,37 @@ def test_loading_moves_streamed_weights_only_when_asked(
 # Load-time conversions: bit for bit what the torch code computes
 
 
-def _q8_0_blocks(n_blocks: int, seed: int) -> torch.Tensor:
-    """Random Q8_0 blocks whose fp16 scales span normal, subnormal, zero, huge, inf and NaN,
-    with every code from -128 to 127 (llama.cpp writes -127..127; a file may hold -128)."""
-    generator = torch.Generator().manual_seed(seed)
-    scales = torch.randn(n_blocks, generator=generator).half() * 0.01
-    special = torch.tensor([0.0, 6e-8, -3e-5, 65504.0, float("inf"), float("nan")]).half()
-    scales[: len(special)] = special[:n_blocks]
-    codes = torch.randint(-128, 128, (n_blocks, 32), generator=generator, dtype=torch.int8)
-    codes[0, :] = torch.arange(-128, 128, 8, dtype=torch.int8)
-    blocks = torch.cat([scales[:, None].view(torch.uint8), codes.view(torch.uint8)], dim=1)
-    return blocks.contiguous()
+def _random_blocks(type_id: int, n_blocks: int, seed: int) -> np.ndarray:
+    """Blocks of random bytes: every code, and fp16 scales of every kind (normal, subnormal,
+    zero, inf, NaN) where the bytes fall so."""
+    nbytes = native.BLOCK_TYPES[type_id][1]
+    generator = np.random.default_rng(seed)
+    return generator.integers(0, 256, n_blocks * nbytes, dtype=np.uint8)
 
 
-@needs_native
-@pytest.mark.parametrize("n_blocks", [1, 7, 4096])
-def test_native_q8_0_to_bf16_is_the_torch_dequantization(n_blocks: int) -> None:
-    from hearth.checkpoint.gguf import dequantize_q8_0
-
-    assert KERNELS is not None
-    blocks = _q8_0_blocks(n_blocks, seed=n_blocks)
-    expected = dequantize_q8_0(blocks.reshape(1, -1)).reshape(-1).to(torch.bfloat16)
-    ours = torch.empty(n_blocks * 32, dtype=torch.bfloat16)
-    KERNELS.q8_0_to_bf16(blocks.numpy(), ours)
-    # NaN stays NaN (from a NaN scale, or inf x 0); its payload is torch's own choice.
+def assert_same_bf16(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bits, but NaN only as NaN: its payload is each library's own choice."""
     nan = expected.isnan()
     assert torch.equal(ours.isnan(), nan)
     assert torch.equal(ours[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize("type_id", sorted(native.BLOCK_TYPES))
+@pytest.mark.parametrize("n_blocks", [1, 7, 2048])
+def test_native_blocks_to_bf16_are_the_gguf_package_values(type_id: int, n_blocks: int) -> None:
+    """Each GGML block type as the `gguf` package dequantizes it (numpy, fp32), then rounded
+    to bf16 as torch rounds: bit for bit."""
+    assert KERNELS is not None
+    blocks = _random_blocks(type_id, n_blocks, seed=type_id * 1000 + n_blocks)
+    with np.errstate(invalid="ignore", over="ignore"):
+        reference = gguf.quants.dequantize(
+            blocks.reshape(1, -1), gguf.GGMLQuantizationType(type_id)
+        )
+    expected = torch.from_numpy(np.ascontiguousarray(reference)).reshape(-1).to(torch.bfloat16)
+    ours = torch.empty(expected.numel(), dtype=torch.bfloat16)
+    KERNELS.blocks_to_bf16(type_id, blocks, ours)
+    assert_same_bf16(ours, expected)
 
 
 @needs_native

@@ -10,7 +10,8 @@ here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-
 * a whole Gemma 3 or Gemma 4 (dense) decoder layer at one token, made of the two above
   (``gemma3_decode_layer``, ``gemma4_decode_layer``, used by ``hearth.models.gemma_native`` and
   ``gemma4_native``): no Python between a layer's ops;
-* at load, GGUF Q8_0 -> bf16 and bf16 -> int8 rows, which torch ran at ~0.3 GB/s.
+* at load, GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) -> bf16 and bf16 -> int8 rows, which
+  torch and numpy ran at 0.04-0.3 GB/s; for a CPU prefill, int8 -> bf16.
 
 They need a C compiler with OpenMP and an AVX-512 CPU; without either, ``kernels()`` is None
 and every caller keeps its torch path. ``HEARTH_NATIVE=0`` turns them off.
@@ -74,12 +75,12 @@ _SIGNATURES = {
         _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
         _INT64, _POINTER, _POINTER, _INT,
     ],
-    "hearth_q8_0_to_bf16": [_POINTER, _INT64, _POINTER, _INT],
+    "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
     "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
 }  # fmt: skip
-# GGUF's Q8_0: an fp16 scale and 32 int8 codes per block.
-Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34
+# GGML block types ``blocks_to_bf16`` decodes: type id -> (values, bytes) per block.
+BLOCK_TYPES = {8: (32, 34), 2: (32, 18), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
 
 
 class DecodeLayerOperands(ctypes.Structure):
@@ -205,20 +206,22 @@ class NativeKernels:
         )  # fmt: skip
         return y
 
-    def q8_0_to_bf16(self, blocks: np.ndarray, out: Tensor) -> None:
-        """GGUF Q8_0 ``blocks`` (uint8, C-contiguous, whole blocks) -> ``out`` (bf16, one value
-        per code): each fp16 scale times its codes in fp32, rounded to bf16 once."""
-        n_blocks = blocks.size // Q8_0_BLOCK_BYTES
+    def blocks_to_bf16(self, type_id: int, blocks: np.ndarray, out: Tensor) -> None:
+        """GGML blocks of a type in ``BLOCK_TYPES`` (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K; uint8,
+        C-contiguous, whole blocks) -> ``out`` (bf16, one value per code): each value as the
+        `gguf` package computes it in fp32, rounded to bf16 once."""
+        values, nbytes = BLOCK_TYPES[type_id]
+        n_blocks = blocks.size // nbytes
         _require(
             blocks.dtype == np.uint8
             and blocks.flags.c_contiguous
-            and blocks.size == n_blocks * Q8_0_BLOCK_BYTES
+            and blocks.size == n_blocks * nbytes
             and _dense(out, torch.bfloat16)
-            and out.numel() == n_blocks * Q8_0_BLOCK,
-            "q8_0_to_bf16 takes whole uint8 Q8_0 blocks and a bf16 output of their size",
+            and out.numel() == n_blocks * values,
+            "blocks_to_bf16 takes whole uint8 blocks and a bf16 output of their size",
         )
         self._call(
-            "hearth_q8_0_to_bf16", blocks.ctypes.data, n_blocks, out.data_ptr(),
+            "hearth_blocks_to_bf16", type_id, blocks.ctypes.data, n_blocks, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
 

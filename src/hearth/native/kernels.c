@@ -694,21 +694,117 @@ static inline __m256i float_to_bf16_x16(__m512 values) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
-/* Q8_0 blocks (an fp16 scale d, then 32 int8 codes q) -> bf16(d * q), the fp32 product
- * rounded once. */
-int hearth_q8_0_to_bf16(const uint8_t *blocks, int64_t n_blocks, uint16_t *out, int threads) {
+/* GGML block formats -> bf16, as the `gguf` package's numpy dequantization computes each value
+ * in fp32 (products and differences rounded one at a time: no fused multiply-add, hence the
+ * attribute), then rounded to bf16 once. Block layouts are llama.cpp's (ggml-common.h). */
+enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14 };
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t half;
+    memcpy(&half, p, sizeof half);
+    return _cvtsh_ss(half);
+}
+
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+
+/* Q8_0 (34 bytes, 32 values): fp16 d, int8 q[32]: d * q. */
+NO_FMA static void q8_0_block(const uint8_t *block, uint16_t *out) {
+    const __m512 scale = _mm512_set1_ps(half_at(block));
+    for (int part = 0; part < 2; ++part) {
+        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 2 + 16 * part));
+        const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+        _mm256_storeu_si256((__m256i *)(out + 16 * part),
+                            float_to_bf16_x16(_mm512_mul_ps(wide, scale)));
+    }
+}
+
+/* Q4_0 (18 bytes, 32 values): fp16 d, nibbles (low: values 0-15, high: 16-31): d * (q - 8). */
+NO_FMA static void q4_0_block(const uint8_t *block, uint16_t *out) {
+    const float d = half_at(block);
+    const uint8_t *qs = block + 2;
+    for (int i = 0; i < 16; ++i) {
+        out[i] = float_to_bf16(d * (float)((int)(qs[i] & 0x0f) - 8));
+        out[i + 16] = float_to_bf16(d * (float)((int)(qs[i] >> 4) - 8));
+    }
+}
+
+/* Q5_0 (22 bytes, 32 values): fp16 d, 32 high bits (little-endian), nibbles as Q4_0:
+ * d * ((nibble | high bit << 4) - 16). */
+NO_FMA static void q5_0_block(const uint8_t *block, uint16_t *out) {
+    const float d = half_at(block);
+    uint32_t high;
+    memcpy(&high, block + 2, sizeof high);
+    const uint8_t *qs = block + 6;
+    for (int i = 0; i < 16; ++i) {
+        const int low = (int)(qs[i] & 0x0f) | (int)(((high >> i) & 1u) << 4);
+        const int upper = (int)(qs[i] >> 4) | (int)(((high >> (i + 16)) & 1u) << 4);
+        out[i] = float_to_bf16(d * (float)(low - 16));
+        out[i + 16] = float_to_bf16(d * (float)(upper - 16));
+    }
+}
+
+/* Q4_K (144 bytes, 256 values): fp16 d and dmin, 12 bytes of 6-bit scales and mins for eight
+ * sub-blocks of 32, then 128 bytes of nibbles (each 32 bytes: low nibbles one sub-block, high
+ * the next): (d * scale) * q - dmin * min. */
+NO_FMA static void q4_k_block(const uint8_t *block, uint16_t *out) {
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const uint8_t *packed = block + 4, *qs = block + 16;
+    for (int j = 0; j < 8; ++j) {
+        int scale, min;
+        if (j < 4) {
+            scale = packed[j] & 0x3f;
+            min = packed[j + 4] & 0x3f;
+        } else {
+            scale = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 2) & 0x30);
+            min = (packed[j + 4] >> 4) | ((packed[j] >> 2) & 0x30);
+        }
+        const float step = d * (float)scale, offset = dmin * (float)min;
+        const uint8_t *bytes = qs + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < 32; ++i) {
+            const float product = step * (float)((bytes[i] >> shift) & 0x0f);
+            out[32 * j + i] = float_to_bf16(product - offset);
+        }
+    }
+}
+
+/* Q6_K (210 bytes, 256 values): 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales
+ * (one per 16 values), fp16 d: (d * scale) * (q - 32), in llama.cpp's interleaving. */
+NO_FMA static void q6_k_block(const uint8_t *block, uint16_t *out) {
+    const uint8_t *ql = block, *qh = block + 128;
+    const int8_t *scales = (const int8_t *)(block + 192);
+    const float d = half_at(block + 208);
+    for (int half = 0; half < 2; ++half) {
+        for (int group = 0; group < 4; ++group) { /* 32 values each */
+            const uint8_t *low = ql + 64 * half + 32 * (group % 2);
+            const int low_shift = 4 * (group / 2), high_shift = 2 * group;
+            for (int i = 0; i < 32; ++i) {
+                const int index = 128 * half + 32 * group + i;
+                const int q = (((low[i] >> low_shift) & 0x0f) |
+                               (((qh[32 * half + i] >> high_shift) & 0x03) << 4)) - 32;
+                out[index] = float_to_bf16((d * (float)scales[index / 16]) * (float)q);
+            }
+        }
+    }
+}
+
+/* n_blocks blocks of GGML type `type` -> bf16 values in order. Returns -1 for a type not
+ * handled here (the caller keeps the `gguf` package's dequantization). */
+int hearth_blocks_to_bf16(int type, const uint8_t *blocks, int64_t n_blocks, uint16_t *out,
+                          int threads) {
+    void (*decode)(const uint8_t *, uint16_t *);
+    int64_t bytes, values;
+    switch (type) {
+    case GGML_Q8_0: decode = q8_0_block, bytes = 34, values = 32; break;
+    case GGML_Q4_0: decode = q4_0_block, bytes = 18, values = 32; break;
+    case GGML_Q5_0: decode = q5_0_block, bytes = 22, values = 32; break;
+    case GGML_Q4_K: decode = q4_k_block, bytes = 144, values = 256; break;
+    case GGML_Q6_K: decode = q6_k_block, bytes = 210, values = 256; break;
+    default: return -1;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < n_blocks; ++b) {
-        const uint8_t *block = blocks + b * 34;
-        uint16_t half;
-        memcpy(&half, block, sizeof half);
-        const __m512 scale = _mm512_set1_ps(_cvtsh_ss(half));
-        for (int part = 0; part < 2; ++part) {
-            const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 2 + 16 * part));
-            const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
-            _mm256_storeu_si256((__m256i *)(out + b * 32 + 16 * part),
-                                float_to_bf16_x16(_mm512_mul_ps(wide, scale)));
-        }
+        decode(blocks + b * bytes, out + b * values);
     }
     return 0;
 }
