@@ -313,6 +313,7 @@ class MemoryCheckpoint:
 # Every Gemma 4 feature at once: per-layer inputs, KV sharing in llama.cpp's donor order
 # (sliding, then full, before the sharers), k_eq_v full layers and 3-D experts in whole blocks.
 GEMMA4_GGUF_SHAPES = {
+    "hidden_size": 256,  # rows of whole Q4_K blocks
     "hidden_size_per_layer_input": 8,
     "num_hidden_layers": 6,
     "num_kv_shared_layers": 2,

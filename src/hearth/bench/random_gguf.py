@@ -1,7 +1,7 @@
 """Random-weight Gemma 3 and Gemma 4 GGUF files at real shapes: Hearth and llama.cpp, one file.
 
 Each tensor is drawn when the writer reaches it, from its own seed, already in the stored
-type: F16/BF16 values from a normal draw, Q8_0/Q4_0 blocks from random codes and random
+type: F16/BF16 values from a normal draw, Q8_0/Q4_0/Q4_K blocks from random codes and random
 scales (nothing is quantized, so a 12B file costs only the draws and the disk). `values()`
 gives the float32 tensor a reader must get back from those bytes, for round-trip checks.
 The vocabulary and tokenizer come from another GGUF file (the embedded model's by default).
@@ -27,8 +27,10 @@ from hearth.config import (
     parse_config,
 )
 
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0")
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K")
 BLOCK = 32  # values per Q8_0 / Q4_0 block
+# Q4_K: 256 values in 144 bytes (fp16 d and dmin, 12 bytes of 6-bit scales and mins, nibbles).
+K_BLOCK, Q4_K_BYTES = 256, 144
 WEIGHT_STD = 0.02
 # Standard deviation of a uniform code: int8 over [-127, 127], a nibble over [0, 15].
 _CODE_STD = {"Q8_0": (255**2 - 1) ** 0.5 / 12**0.5, "Q4_0": (16**2 - 1) ** 0.5 / 12**0.5}
@@ -64,6 +66,8 @@ class RandomTensor:
             dtype = torch.float16 if self.ggml_type == "F16" else torch.bfloat16
             return {"stored": normal.to(dtype)}
         *rows, columns = self.shape
+        if self.ggml_type == "Q4_K":
+            return {"blocks": self._q4_k_blocks(gen)}
         blocks = (*rows, columns // BLOCK)
         scale = WEIGHT_STD / _CODE_STD[self.ggml_type]
         scales = ((torch.rand(blocks, generator=gen, device=device) + 0.5) * scale).half()
@@ -73,9 +77,24 @@ class RandomTensor:
         codes = torch.randint(low, high, shape, generator=gen, device=device, dtype=torch.int8)
         return {"scales": scales, "codes": codes}
 
+    def _q4_k_blocks(self, gen: torch.Generator) -> torch.Tensor:
+        """Random Q4_K blocks [rows, blocks, 144]: random nibbles, 6-bit scales and mins, with
+        d and dmin set so that values spread about WEIGHT_STD around zero."""
+        *rows, columns = self.shape
+        shape = (*rows, columns // K_BLOCK, Q4_K_BYTES)
+        blocks = torch.randint(0, 256, shape, generator=gen, device=self.device, dtype=torch.uint8)
+        # value = d·scale·q - dmin·min with scale, min ~ 32 and q ~ 7.5 on average.
+        d = torch.full(shape[:-1], WEIGHT_STD / 32 / 4.6, dtype=torch.float16, device=self.device)
+        blocks[..., 0:2] = d[..., None].view(torch.uint8)
+        blocks[..., 2:4] = (d * 7.5)[..., None].view(torch.uint8)
+        return blocks
+
     def encode(self) -> np.ndarray:
         """The bytes the file stores."""
         parts = self._draw()
+        if "blocks" in parts:
+            rows = parts["blocks"].flatten(-2)
+            return rows.reshape(-1, rows.shape[-1]).cpu().numpy()
         if "stored" in parts:
             stored = parts["stored"]
             if stored.dtype == torch.bfloat16:
@@ -96,6 +115,12 @@ class RandomTensor:
         parts = self._draw()
         if "stored" in parts:
             return (parts["stored"].float() - self.stored_shift).cpu()
+        if "blocks" in parts:  # decoded by the `gguf` package, the reference
+            import gguf
+
+            stored = self.encode()
+            values = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType.Q4_K)
+            return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
         codes = parts["codes"].float()
         if self.ggml_type == "Q4_0":
             codes = codes - 8
@@ -172,6 +197,8 @@ def random_tensors(
         kind = "F32" if len(shape) == 1 else ggml_type
         if kind in ("Q8_0", "Q4_0") and shape[-1] % BLOCK:
             kind = "F16"
+        if kind == "Q4_K" and shape[-1] % K_BLOCK:
+            kind = "Q8_0" if shape[-1] % BLOCK == 0 else "F16"  # as llama.cpp falls back
         shift = norm_shift if name.endswith("norm.weight") else 0.0
         tensors.append(RandomTensor(name, shape, kind, seed * 1_000_003 + index, device, shift))
     return tensors
