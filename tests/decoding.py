@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from hearth import native
 from hearth.generate import prefill
 from hearth.kv.policy import KVPolicy
 from tiny import TINY_VOCAB
@@ -52,3 +53,28 @@ def assert_same_caches(first: list, second: list) -> None:
         assert a.offset == b.offset
         planes = zip(a.contents().stored.planes, b.contents().stored.planes, strict=True)
         assert all(torch.equal(plane_a, plane_b) for plane_a, plane_b in planes)
+
+
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """A list that grows by one at each call of the native kernel `name`."""
+    calls: list[int] = []
+    kernels = native.kernels()
+    assert kernels is not None
+    real = getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def assert_native_layers_are_the_modules(
+    decode: Any, model: Any, prompt_length: int, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """Logits at every step and the caches after equal bit for bit, natively and on the
+    modules, with every decode layer (and no prefill) taking the native `kernel`."""
+    calls = count_kernel_calls(monkeypatch, kernel)
+    expected, expected_caches = decode(model, prompt_length, False, monkeypatch)
+    assert not calls
+    got, got_caches = decode(model, prompt_length, True, monkeypatch)
+    assert len(calls) == (len(got) - 1) * len(model.layers)
+    for step, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"step {step}"
+    assert_same_caches(expected_caches, got_caches)

@@ -13,7 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from decoding import assert_same_caches, native_or_module_decode
+from decoding import (
+    assert_native_layers_are_the_modules,
+    count_kernel_calls,
+    native_or_module_decode,
+)
 from hearth import native
 from hearth.checkpoint import open_checkpoint
 from hearth.kv.policy import KVPolicy
@@ -70,15 +74,6 @@ def bf16_model(path: Path, weights: str) -> Any:
 decode = functools.partial(native_or_module_decode, gemma4_native, steps=DECODE_STEPS)
 
 
-def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    kernels = native.kernels()
-    assert kernels is not None
-    real = kernels.gemma4_decode_layer
-    monkeypatch.setattr(kernels, "gemma4_decode_layer", lambda *a: calls.append(1) or real(*a))
-    return calls
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("weights", ["int8", "bf16"])
 @pytest.mark.parametrize(
@@ -95,14 +90,9 @@ def test_native_layers_equal_the_module_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = bf16_model(checkpoints[name], weights)
-    calls = count_calls(monkeypatch)
-    expected, expected_caches = decode(model, prompt_length, False, monkeypatch)
-    assert not calls
-    got, got_caches = decode(model, prompt_length, True, monkeypatch)
-    assert len(calls) == DECODE_STEPS * len(model.layers)  # every decode layer, no prefill
-    for step, (a, b) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(a, b), f"step {step}"
-    assert_same_caches(expected_caches, got_caches)
+    assert_native_layers_are_the_modules(
+        decode, model, prompt_length, monkeypatch, "gemma4_decode_layer"
+    )
 
 
 def test_a_step_any_layer_cannot_take_runs_on_the_modules(
@@ -112,7 +102,7 @@ def test_a_step_any_layer_cannot_take_runs_on_the_modules(
     takes the module path (the sharers' donors must come from one path), with its results."""
     policy = KVPolicy(per_layer={1: AffineCodec(8, 32)})
     model = bf16_model(checkpoints["ple_sharing_double_wide"], "int8")
-    calls = count_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, "gemma4_decode_layer")
     expected, _ = decode(model, 10, False, monkeypatch, policy)
     got, _ = decode(model, 10, True, monkeypatch, policy)
     assert not calls
@@ -124,7 +114,7 @@ def test_expert_layers_run_on_the_modules(tmp_path: Path, monkeypatch: pytest.Mo
     moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}
     path = save_hf(tiny_gemma4_model(seed=9, moe_intermediate_size=32, **WIDE, **moe), tmp_path)
     model = bf16_model(path, "bf16")
-    calls = count_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch, "gemma4_decode_layer")
     decode(model, 4, True, monkeypatch)
     assert not calls
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding import assert_same_caches, native_or_module_decode
+from decoding import assert_native_layers_are_the_modules, native_or_module_decode
 from hearth import native
 from hearth.checkpoint import open_checkpoint
 from hearth.kv import make_caches
@@ -57,18 +57,9 @@ def test_native_layers_equal_the_module_path(
     checkpoint: Path, weights: str, prompt_length: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = bf16_model(checkpoint, weights)
-    calls: list[int] = []
-    kernels = native.kernels()
-    assert kernels is not None
-    real = kernels.gemma3_decode_layer
-    monkeypatch.setattr(kernels, "gemma3_decode_layer", lambda *a: calls.append(1) or real(*a))
-    expected, expected_caches = decode(model, prompt_length, False, monkeypatch)
-    assert not calls
-    got, got_caches = decode(model, prompt_length, True, monkeypatch)
-    assert len(calls) == DECODE_STEPS * len(model.layers)  # every decode layer, no prefill
-    for step, (a, b) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(a, b), f"step {step}"
-    assert_same_caches(expected_caches, got_caches)
+    assert_native_layers_are_the_modules(
+        decode, model, prompt_length, monkeypatch, "gemma3_decode_layer"
+    )
 
 
 def test_a_quantized_kv_layer_keeps_the_module_path(

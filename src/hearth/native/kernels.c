@@ -705,6 +705,8 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss(half);
 }
 
+/* GCC fuses a * b - c into one FMA unless told not to, per function; clang reads the pragma. */
+#pragma STDC FP_CONTRACT OFF
 #define NO_FMA __attribute__((optimize("fp-contract=off")))
 
 /* Q8_0 (34 bytes, 32 values): fp16 d, int8 q[32]: d * q. */
