@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -306,8 +306,10 @@ class MemoryCheckpoint:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self._tensors.items()
+    def tensors(
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((name, t) for name, t in self._tensors.items() if name not in skip)
 
 
 # Every Gemma 4 feature at once: per-layer inputs, KV sharing in llama.cpp's donor order

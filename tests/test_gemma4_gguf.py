@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 import torch
 
+from hearth import native
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_names import canonical_name
 from hearth.checkpoint.gguf_writer import write_gguf
+from hearth.checkpoint.mapped_table import MappedBlockTable
 from hearth.config import parse_config
 from hearth.generate import GenerationStats, generate_tokens
 from hearth.models.loading import build_model
@@ -236,3 +238,30 @@ def test_cli_generates_from_a_gemma4_gguf(files: Files, name: str) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "generation: 4 tokens" in result.stderr
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler with OpenMP or no AVX-512")
+def test_int8_load_leaves_the_per_layer_table_in_the_file(files: Files, tmp_path: Path) -> None:
+    """With int8 weights (the CPU default for GGUF), a per-layer table stored in blocks the
+    native kernels decode stays in the file: each looked-up row is the file's value rounded to
+    bf16, as the gguf package dequantizes it; the model generates from it."""
+    _, directory, _ = files("ple")  # 4 layers x 8: rows of one Q8_0 block
+    path = _write(directory, tmp_path / "q8_0.gguf", "Q8_0")
+    model = build_model(open_checkpoint(path), torch.bfloat16, progress=False, quantize="int8")
+    table = model.embed_tokens_per_layer
+    assert isinstance(table, MappedBlockTable)
+    assert "embed_tokens_per_layer.weight" not in model.state_dict()
+    reader = gguf.GGUFReader(path)
+    stored = next(t for t in reader.tensors if t.name == "per_layer_token_embd.weight")
+    assert stored.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    values = gguf.quants.dequantize(stored.data, stored.tensor_type)
+    expected = torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16)
+    ids = torch.tensor([[0, 7, 255, 7], [3, 1, 2, 200]])
+    assert torch.equal(table.embed(ids, torch.bfloat16), expected[ids])
+    result = subprocess.run(
+        [*HEARTH_GENERATE, str(path), "t5 t6 t7", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr

@@ -6,7 +6,7 @@ Gemma 3 and Gemma 4 files as llama.cpp's converter writes them (names: `gguf_nam
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,8 @@ import torch
 
 from hearth import native
 from hearth.checkpoint.gguf_file import GGUFFile, TensorInfo
-from hearth.checkpoint.gguf_names import ARCHITECTURES, ROPE_FREQS, canonical_name
+from hearth.checkpoint.gguf_names import ARCHITECTURES, ROPE_FREQS, canonical_name, gguf_name
+from hearth.checkpoint.mapped_table import MappedBlockTable
 from hearth.checkpoint.safetensors import expert_parts, is_layer_kv, split_expert_parts
 from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION
 from hearth.errors import CheckpointError, UnsupportedModelError
@@ -280,13 +281,25 @@ class GGUFCheckpoint:
     def tensor_names(self) -> list[str]:
         return [part for name, _ in self._weights() for part in expert_parts(name)]
 
-    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each canonical tensor, dequantized in fp32 and, with `dtype`, rounded to it a few
-        rows at a time: a 262144 x 8960 table never exists as a whole in fp32."""
+    def tensors(
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each canonical tensor but those in `skip`, dequantized in fp32 and, with `dtype`,
+        rounded to it a few rows at a time: a 262144 x 8960 table never exists in fp32."""
         for name, info in self._weights():
+            if name in skip:
+                continue
             tensor = self._dequantize(info, dtype or torch.float32)
             self._file.release(info)
             yield from split_expert_parts(name, tensor)
+
+    def mapped_table(self, name: str) -> MappedBlockTable | None:
+        """The lookup table `name` read in place from the file, where its blocks are of a type
+        the native kernels decode; None otherwise."""
+        info = self._tensor_infos.get(gguf_name(name, self.architecture))
+        if info is None or info.type_id not in native.BLOCK_TYPES or native.kernels() is None:
+            return None
+        return MappedBlockTable(self._file.raw(info), info.type_id, info.shape[-1])
 
     def _dequantize(self, info: TensorInfo, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raw = self._file.raw(info)  # [rows, bytes per row], memory-mapped

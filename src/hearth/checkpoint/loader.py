@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,9 +36,12 @@ class Checkpoint(Protocol):
         """Each tensor's (shape, stored bytes, storage type name), without reading data."""
         ...
 
-    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Canonical tensors. `dtype` is the model's: a reader that widens stored blocks to
-        floats (GGUF) returns them rounded to it; a stored float or packed tensor comes as is."""
+    def tensors(
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Canonical tensors, but not those named in `skip`. `dtype` is the model's: a reader
+        that widens stored blocks to floats (GGUF) returns them rounded to it; a stored float
+        or packed tensor comes as is."""
         ...
 
     def tokenizer(self) -> Tokenizer: ...

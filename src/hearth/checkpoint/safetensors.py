@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -207,7 +207,9 @@ class SafetensorsCheckpoint:
         names = (n for n in map(self._canonical, self._files) if n is not None)
         return [part for name in names for part in expert_parts(name)]
 
-    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         del dtype  # stored as they are: the loader casts float tensors, packed ones stay packed
         by_file: dict[Path, list[str]] = {}
         for name, file in self._files.items():
@@ -216,7 +218,7 @@ class SafetensorsCheckpoint:
             with self._open(file) as handle:
                 for name in names:
                     canonical = self._canonical(name)
-                    if canonical is None:
+                    if canonical is None or canonical in skip:
                         continue
                     try:
                         tensor = handle.get_tensor(name)

@@ -58,12 +58,12 @@ def build_model(
     expected = _expected_shapes(model)
     names = [name for name in checkpoint.tensor_names() if not _is_tied_head(name, config)]
     packed_modules = quantization.quantized_modules(names) if quantization else set()
-    streamed = _StreamedQuantization(model, quantize) if quantize is not None else None
+    streamed = _StreamedQuantization(model, quantize, checkpoint) if quantize is not None else None
     loaded: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
     tensors = tqdm(
-        checkpoint.tensors(dtype),
-        total=len(names),
+        checkpoint.tensors(dtype, skip=streamed.consumed if streamed is not None else ()),
+        total=len(names) - (len(streamed.consumed) if streamed is not None else 0),
         desc="Loading",
         unit="tensor",
         disable=None if progress else True,  # None: only on a terminal
@@ -293,7 +293,7 @@ class _StreamedQuantization:
     the whole model in bf16.
     """
 
-    def __init__(self, model: Model, mode: str) -> None:
+    def __init__(self, model: Model, mode: str, checkpoint: Checkpoint) -> None:
         if mode not in QUANT_MODES:
             raise ValueError(
                 f"unknown weight quantization {mode!r} (choose from {', '.join(QUANT_MODES)})"
@@ -312,15 +312,23 @@ class _StreamedQuantization:
         self._tied_table = "embed_tokens" if model.config.tie_word_embeddings else None
         if self._tied_table:
             self._parts[self._tied_table] = [f"{self._tied_table}.weight"]
-        # Gemma 4's per-layer table: the largest tensor of E2B/E4B, whose rows a step looks up
-        # (kept in bf16 if its rows are not whole groups).
+        self.modules: dict[str, nn.Module] = {}
+        # Checkpoint tensors taken care of: the loader does not read these again.
+        self.consumed: set[str] = set()
+        # Gemma 4's per-layer table: the largest tensor of E2B/E4B, whose rows a step looks up.
+        # Left in a GGUF file where its blocks allow (no load, no resident memory), else int8
+        # groups (kept in bf16 if its rows are not whole groups).
         self._lookup_table = "embed_tokens_per_layer"
         table = getattr(model, self._lookup_table, None)
-        if table is not None and table.embedding_dim % QuantizedEmbedding.GROUP == 0:
-            self._parts[self._lookup_table] = [f"{self._lookup_table}.weight"]
+        weight = f"{self._lookup_table}.weight"
+        mapped = getattr(checkpoint, "mapped_table", None)
+        in_place = None if table is None or mapped is None else mapped(weight)
+        if in_place is not None:
+            self.modules[self._lookup_table] = in_place
+            self.consumed.add(weight)
+        elif table is not None and table.embedding_dim % QuantizedEmbedding.GROUP == 0:
+            self._parts[self._lookup_table] = [weight]
         self._module_of = {part: path for path, parts in self._parts.items() for part in parts}
-        self.modules: dict[str, nn.Module] = {}
-        self.consumed: set[str] = set()
 
     def take(self, name: str, loaded: dict[str, torch.Tensor]) -> None:
         """Quantize the module `name` completes, moving its parts out of `loaded`."""
