@@ -95,6 +95,12 @@ def _write(directory: Path, path: Path, matrix_type: str = "F32", **config: Any)
     return write_gguf(path, {**checkpoint.config, **config}, tensors, TINY_VOCAB, matrix_type)
 
 
+def _generate(path: Path) -> subprocess.CompletedProcess[str]:
+    """`hearth generate` on the file: four tokens, on the CPU defaults."""
+    command = [*HEARTH_GENERATE, str(path), "t5 t6 t7", "--max-tokens", "4"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=180)
+
+
 def _ids() -> torch.Tensor:
     generator = torch.Generator().manual_seed(5)
     return torch.randint(4, len(TINY_VOCAB), (1, TOKENS), generator=generator)
@@ -230,12 +236,7 @@ def test_cli_generates_from_a_gemma4_gguf(files: Files, name: str) -> None:
     """The default CPU path for a GGUF (int8 weights, bf16 compute) end to end. This per-layer
     table's rows (6 layers x 8) are not whole int8 groups, so it stays in bf16."""
     _, _, path = files(name)
-    result = subprocess.run(
-        [*HEARTH_GENERATE, str(path), "t5 t6 t7", "--max-tokens", "4"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    result = _generate(path)
     assert result.returncode == 0, result.stderr
     assert "generation: 4 tokens" in result.stderr
 
@@ -258,10 +259,5 @@ def test_int8_load_leaves_the_per_layer_table_in_the_file(files: Files, tmp_path
     expected = torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16)
     ids = torch.tensor([[0, 7, 255, 7], [3, 1, 2, 200]])
     assert torch.equal(table.embed(ids, torch.bfloat16), expected[ids])
-    result = subprocess.run(
-        [*HEARTH_GENERATE, str(path), "t5 t6 t7", "--max-tokens", "4"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    result = _generate(path)
     assert result.returncode == 0, result.stderr
