@@ -143,9 +143,8 @@ class GGUFCheckpoint:
         full_head_dim = int(self._field("attention.key_length"))
         sliding_head_dim = int(self._field("attention.key_length_swa", full_head_dim))
         kv_heads = self._per_layer("attention.head_count_kv", layers, int)
-        shared = int(self._field("attention.shared_kv_layers", 0))
         widths = self._per_layer("feed_forward_length", layers, int)
-        first_shared = layers - shared
+        first_shared = self._first_kv_shared_layer
         full_layers = [i for i, kind in enumerate(layer_types) if kind == FULL_ATTENTION]
         sliding_layers = [i for i, kind in enumerate(layer_types) if kind == SLIDING_ATTENTION]
         per_type_kv = {kv_heads[i] for i in full_layers}, {kv_heads[i] for i in sliding_layers}
@@ -169,7 +168,7 @@ class GGUFCheckpoint:
                 for i in full_layers
                 if i < first_shared
             ),
-            "num_kv_shared_layers": shared,
+            "num_kv_shared_layers": layers - first_shared,
             "intermediate_size": widths[0],
             "use_double_wide_mlp": self._double_wide(widths, first_shared),
             "hidden_size_per_layer_input": int(self._field("embedding_length_per_layer_input", 0)),

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from hearth import native
 from hearth.kv.cache import DecodeSlot, LayerCache
+from hearth.models import gemma_native
 from hearth.models.gemma_native import (
     NativeLayer,
     cached_layer,
@@ -84,15 +85,8 @@ def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:
     return NativeLayer(operands, key_sample(layer))
 
 
-def applies(x: Tensor, caches: list[LayerCache] | None) -> bool:
-    """Whether a forward over `x` (embedded tokens) may run natively: one CPU bf16 token of one
-    sequence, with caches, outside autograd, and the kernels built here."""
-    return (
-        caches is not None
-        and x.shape[:2] == (1, 1)
-        and native.for_cpu_bf16(x) is not None
-        and not torch.is_grad_enabled()
-    )
+# One CPU bf16 token of one sequence, with caches, outside autograd: as for Gemma 3.
+applies = gemma_native.applies
 
 
 def decode_step(

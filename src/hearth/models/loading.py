@@ -59,11 +59,12 @@ def build_model(
     names = [name for name in checkpoint.tensor_names() if not _is_tied_head(name, config)]
     packed_modules = quantization.quantized_modules(names) if quantization else set()
     streamed = _StreamedQuantization(model, quantize, checkpoint) if quantize is not None else None
+    in_file = streamed.in_file if streamed is not None else frozenset()
     loaded: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
     tensors = tqdm(
-        checkpoint.tensors(dtype, skip=streamed.consumed if streamed is not None else ()),
-        total=len(names) - (len(streamed.consumed) if streamed is not None else 0),
+        checkpoint.tensors(dtype, skip=in_file),
+        total=len(names) - len(in_file),
         desc="Loading",
         unit="tensor",
         disable=None if progress else True,  # None: only on a terminal
@@ -313,7 +314,7 @@ class _StreamedQuantization:
         if self._tied_table:
             self._parts[self._tied_table] = [f"{self._tied_table}.weight"]
         self.modules: dict[str, nn.Module] = {}
-        # Checkpoint tensors taken care of: the loader does not read these again.
+        # Checkpoint tensors taken care of here: the loader expects no other module to hold them.
         self.consumed: set[str] = set()
         # Gemma 4's per-layer table: the largest tensor of E2B/E4B, whose rows a step looks up.
         # Left in a GGUF file where its blocks allow (no load, no resident memory), else int8
@@ -328,6 +329,8 @@ class _StreamedQuantization:
             self.consumed.add(weight)
         elif table is not None and table.embedding_dim % QuantizedEmbedding.GROUP == 0:
             self._parts[self._lookup_table] = [weight]
+        # Tensors left in the file: the loader does not read them at all.
+        self.in_file = frozenset(self.consumed)
         self._module_of = {part: path for path, parts in self._parts.items() for part in parts}
 
     def take(self, name: str, loaded: dict[str, torch.Tensor]) -> None:
