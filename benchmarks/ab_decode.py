@@ -240,6 +240,17 @@ VARIANTS: dict[str, Patch] = {
     "moe-norms-apart": _set(gemma4, "FUSED_MOE_NORMS", False),  # five norm launches, not two
     "ple-geglu-apart": _set(gemma4, "FUSED_PER_LAYER_GEGLU", False),  # its own GeGLU kernel
     "triton-launch": _set(fast_launch, "FAST_LAUNCH", False),  # every launch through Triton
+    # L2 prefetch before the PDL wait: weights (GEMVs, lines per row) and K/V (decode attention)
+    "prefetch-off": _stacked(
+        _set(hearth.kernels, "PREFETCH_LINES", 0), _set(attention, "PREFETCH_SLOTS", 0)
+    ),
+    "gemv-prefetch-off": _set(hearth.kernels, "PREFETCH_LINES", 0),
+    "attn-prefetch-off": _set(attention, "PREFETCH_SLOTS", 0),
+    "prefetch-lines-8": _set(hearth.kernels, "PREFETCH_LINES", 8),
+    "prefetch-lines-32": _set(hearth.kernels, "PREFETCH_LINES", 32),
+    "prefetch-lines-64": _set(hearth.kernels, "PREFETCH_LINES", 64),
+    "attn-prefetch-16": _set(attention, "PREFETCH_SLOTS", 16),
+    "attn-prefetch-256": _set(attention, "PREFETCH_SLOTS", 256),
     # Prefill graphs at powers of two only (up to 2x padding, not 1.5x).
     "pow2-buckets": _set(cuda_graph, "PREFILL_BUCKETS", (64, 128, 256, 512, 1024, 2048, 4096)),
     # Every prefill eager, a new decoder (caches, graphs) per request.

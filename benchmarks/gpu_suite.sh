@@ -27,6 +27,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh wide          # qkv, gate/up: GEMV vs cuBLAS sweep, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh wide-check    # pinned wide launches vs fp64, parity, chat
 #   OUT=/tmp/out benchmarks/gpu_suite.sh chat          # a growing conversation: decoders grown or not
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch      # L2 prefetch before the PDL wait: tests, Gemma 4 A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch2     # the same on 12B bf16 and 4-bit, E4B 4-bit
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -232,6 +234,12 @@ stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 elif [ "$PART" = chat ]; then  # each turn's first token, decoders replaced at their size or grown
 stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
+elif [ "$PART" = prefetch ]; then  # L2 prefetch before the PDL wait: kernel tests on CUDA, Gemma 4 A/B
+stage 200 tests python -m pytest -q -x tests/test_kernels_gemv.py tests/test_kernels_decode_attention.py tests/test_kernels_affine.py
+stage 340 ab-gemma4-prefetch python benchmarks/ab_decode.py --models e4b,26b-a4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32 --rounds 3 --check --name gemma4_prefetch
+elif [ "$PART" = prefetch2 ]; then  # the same A/B on Gemma 3 12B bf16 and 4-bit, E4B 4-bit
+stage 150 ab-12b-prefetch python benchmarks/ab_decode.py --models gemma3-12b --variants prefetch-off,base,prefetch-lines-8,prefetch-lines-32 --rounds 3 --check --name 12b_prefetch
+stage 300 ab-4bit-prefetch python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants prefetch-off,base,prefetch-lines-32,prefetch-lines-64 --rounds 3 --check --name 4bit_prefetch
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

@@ -88,6 +88,12 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
     options = {key: arguments[key] for key in LAUNCH_OPTIONS if key in arguments}
     if "PDL" in constants:  # compiled as Hopper launches it: with programmatic dependent launch
         constants["PDL"] = options["launch_pdl"] = True
+        if "PREFETCH_LINES" in constants:  # and so with the weight prefetch before the wait
+            constants["PREFETCH_LINES"] = hearth.kernels.PREFETCH_LINES
+        if "PREFETCH_SLOTS" in constants:  # the K/V prefetch (dense planes)
+            slots = min(decode_attention.PREFETCH_SLOTS, constants["CHUNK"])
+            dense = constants["K_FORMAT"] == constants["V_FORMAT"] == 0
+            constants["PREFETCH_SLOTS"] = slots if dense else 0
     return {
         "module": kernel.fn.__module__,
         "name": kernel.fn.__name__,
@@ -114,8 +120,13 @@ for spec in json.load(sys.stdin):
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
         assert compiled.asm["cubin"]
+        ptx = compiled.asm["ptx"]
         if spec["constants"].get("PDL"):  # waits for the previous kernel before anything else
-            assert "griddepcontrol.wait" in compiled.asm["ptx"], "no PDL wait in the PTX"
+            assert "griddepcontrol.wait" in ptx, "no PDL wait in the PTX"
+        constants = spec["constants"]
+        if constants.get("PREFETCH_LINES") or constants.get("PREFETCH_SLOTS"):  # hints first
+            hint = ptx.find("prefetch.global.L2")
+            assert 0 <= hint < ptx.index("griddepcontrol.wait"), "no L2 prefetch before the wait"
     except Exception as error:
         failures.append(f"{spec['name']}: {type(error).__name__}: {str(error)[-600:]}")
 print("\\n".join(failures))

@@ -35,6 +35,11 @@ PDL = True
 # Largest activation tensor (elements) whose kernels launch with PDL: a decode step's (31B's
 # stacked gate/up output is 43k) and prefill chunks of a few tokens, not long prefills.
 PDL_MAX_ELEMENTS = 1 << 17
+# With PDL a kernel's programs may be resident while the kernel before it still runs, and a
+# weight never depends on that kernel: a GEMV asks L2 for the first this-many 128-byte lines
+# of each of its weight rows before it waits (`prefetch_to_l2`), so the DRAM latency and the
+# first bytes overlap the previous kernel's tail and launch gap. 0: no prefetch (A/B switch).
+PREFETCH_LINES = 16
 
 
 @functools.cache
@@ -56,6 +61,12 @@ def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 
+def prefetch_lines(pdl: dict[str, bool]) -> int:
+    """Lines per weight row a kernel launched with `pdl` (`pdl_options`) prefetches before its
+    wait: none without PDL, where nothing runs before the kernel's own loads."""
+    return PREFETCH_LINES if pdl["PDL"] else 0
+
+
 if HAS_TRITON:
     import triton.language as tl
 
@@ -66,3 +77,17 @@ if HAS_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_to_l2(pointers):
+        """A hint: bring the 128-byte lines holding `pointers` into L2, writing no register the
+        kernel reads. Safe before `wait_for_producer` for data the previous kernel does not
+        write (L2 is coherent; the hint never changes a value). GPU only (inline PTX)."""
+        tl.inline_asm_elementwise(
+            "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];",
+            "=r,l",
+            [pointers],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

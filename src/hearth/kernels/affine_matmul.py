@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
 from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
@@ -314,7 +314,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from hearth.kernels import wait_for_producer
+    from hearth.kernels import prefetch_to_l2, wait_for_producer
 
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
@@ -537,6 +537,7 @@ if HAS_TRITON:
         PDL: tl.constexpr,
         STAGED_STEPS: tl.constexpr = 0,
         LOOP_STAGES: tl.constexpr = 1,
+        PREFETCH_LINES: tl.constexpr = 0,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
 
@@ -546,8 +547,9 @@ if HAS_TRITON:
         The loops are `while` loops: Triton's interpreter cannot run `range` to a run-time
         bound. With LOOP_STAGES > 1 the first STAGED_STEPS whole steps (no split has fewer)
         run in a `for` loop of constant trip count instead, which Triton software-pipelines;
-        the steps and their arithmetic are the same, in the same order. two23: see TWO23_BITS."""
-        wait_for_producer(PDL)
+        the steps and their arithmetic are the same, in the same order. two23: see TWO23_BITS.
+        PREFETCH_LINES > 0 asks L2 for that many lines of each row's words, and the line of its
+        first scales and biases, before the wait for the previous kernel."""
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WPG: tl.constexpr = GROUP // CODES  # words per group
         pid_n = tl.program_id(0)
@@ -560,6 +562,12 @@ if HAS_TRITON:
         word_rows = n_read * row_words
         group_rows = n_read * groups
         g0 = pid_k * split_groups
+        if PREFETCH_LINES > 0:  # 32 int32 words a line
+            line_words = tl.minimum(g0 * WPG + tl.arange(0, PREFETCH_LINES) * 32, row_words - 1)
+            prefetch_to_l2(packed_ptr + word_rows[:, None] + line_words[None, :])
+            prefetch_to_l2(scales_ptr + group_rows + g0)
+            prefetch_to_l2(biases_ptr + group_rows + g0)
+        wait_for_producer(PDL)
         g_end = tl.minimum(g0 + split_groups, groups)
         acc0 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc1 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
@@ -995,6 +1003,7 @@ if HAS_TRITON:
         staged_steps = max(0, min(split_groups, last_split)) // config.block_g
         staged_steps = staged_steps if config.loop_stages > 1 else 0
         blocks = triton.cdiv(n, config.block_n)
+        pdl = pdl_options(x)
         if config.split_k > 1:
             partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
             counters = _counters(x.device, blocks)
@@ -1030,7 +1039,8 @@ if HAS_TRITON:
             LOOP_STAGES=config.loop_stages,
             num_warps=config.warps,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
-            **pdl_options(x),
+            **pdl,
+            PREFETCH_LINES=prefetch_lines(pdl),
         )
 
     def _launch_tile_gemv(

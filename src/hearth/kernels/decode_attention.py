@@ -50,6 +50,10 @@ _NO_SCORE = -1.0e30
 # How a split program finishes: one split normalises and writes the output; else it writes
 # its partials, and either the last split of its KV head merges them or a merge launch does.
 _WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
+# Slots of K and of V a split asks L2 for before it waits for the kernel before it (PDL),
+# so that its first blocks' DRAM latency overlaps that kernel (`hearth.kernels.PREFETCH_LINES`
+# for the weights). 0: no prefetch (A/B switch).
+PREFETCH_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ try:
     import triton
     import triton.language as tl
 
-    from hearth.kernels import wait_for_producer
+    from hearth.kernels import prefetch_to_l2, wait_for_producer
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -414,14 +418,26 @@ if triton is not None:
         MERGE_CHUNKS: tl.constexpr,
         MERGE_D: tl.constexpr,
         PDL: tl.constexpr,
+        PREFETCH_SLOTS: tl.constexpr = 0,
     ):
         """(max, sum, acc) of one split of one KV head's slots for its query heads; see
-        FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`)."""
-        wait_for_producer(PDL)
+        FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`).
+        PREFETCH_SLOTS > 0 (dense K/V of 16-bit floats) asks L2 for the split's first slots
+        of K and V before the wait for the previous kernel, which writes one slot at most."""
         batch_head = tl.program_id(0)
         split = tl.program_id(1)
         batch = batch_head // KV_HEADS
         kv_head = batch_head % KV_HEADS
+        if PREFETCH_SLOTS > 0:
+            LINE: tl.constexpr = 1024 // k0.dtype.element_ty.primitive_bitwidth
+            LINES: tl.constexpr = max(1, HEAD_DIM // 64)  # 128-byte lines of a 16-bit slot
+            slot = tl.minimum(split * CHUNK + tl.arange(0, PREFETCH_SLOTS), slots - 1)
+            line = tl.arange(0, LINES) * LINE
+            k_lines = k0 + batch * stride_k0b + kv_head * stride_k0h
+            v_lines = v0 + batch * stride_v0b + kv_head * stride_v0h
+            prefetch_to_l2(k_lines + slot[:, None] * stride_k0s + line[None, :])
+            prefetch_to_l2(v_lines + slot[:, None] * stride_v0s + line[None, :])
+        wait_for_producer(PDL)
 
         group = tl.arange(0, BLOCK_G)
         group_mask = group < GROUPS
@@ -747,6 +763,19 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
+def _prefetch_slots(
+    pdl: dict[str, bool],
+    chunk: int,
+    key_format: PlaneFormat,
+    value_format: PlaneFormat,
+    dtype: torch.dtype,
+) -> int:
+    """Slots of K and V a split prefetches to L2 before its wait: with PDL, for dense 16-bit
+    planes only (the quantized planes' layouts differ), at most its own."""
+    dense = key_format.kind == value_format.kind == "dense" and dtype.itemsize == 2
+    return min(PREFETCH_SLOTS, chunk) if pdl["PDL"] and dense else 0
+
+
 def decode_attention_rotated(
     q: torch.Tensor,
     key_planes: Sequence[torch.Tensor],
@@ -800,6 +829,7 @@ def decode_attention_rotated(
     v_centroids = _centroids(value_format.bits if value_format.rotated else 1, device)
     # fp32 operands would default to TF32 on the GPU; half types take no precision option.
     precision = "ieee" if q.dtype == torch.float32 else None
+    pdl = pdl_options(q)
     launch_kernel(_split_kernel, (batch * kv_heads, splits),
         q, q.stride(0), q.stride(1),
         _as_words(k0), k1, k2, *k0.stride()[:3], *k1.stride()[:3],
@@ -818,7 +848,7 @@ def decode_attention_rotated(
         SKIP_MASKED=launch.skip_masked_blocks, PRECISION=precision, FINISH=finish,
         MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, MERGE_CHUNKS=merge_chunks,
         MERGE_D=merge_d, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **pdl_options(q),
+        **pdl, PREFETCH_SLOTS=_prefetch_slots(pdl, chunk, key_format, value_format, k0.dtype),
     )  # fmt: skip
     if finish != _WRITE_PARTIALS:
         return out

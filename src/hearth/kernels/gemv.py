@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
 from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul, gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 
@@ -108,7 +108,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from hearth.kernels import wait_for_producer
+    from hearth.kernels import prefetch_to_l2, wait_for_producer
     from hearth.kernels.activation import gelu_tanh
 
     @triton.jit
@@ -134,24 +134,32 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,
         LOOP_STAGES: tl.constexpr = 1,
+        PREFETCH_LINES: tl.constexpr = 0,
     ):
         """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). With GEGLU
         x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). LOOP_STAGES > 1
-        software-pipelines the K loop (loads of later steps in flight during this one's FMAs)."""
-        wait_for_producer(PDL)
+        software-pipelines the K loop (loads of later steps in flight during this one's FMAs).
+        PREFETCH_LINES > 0 asks L2 for that many lines of each weight row's slice before the
+        wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < M
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
-        up_rows = up_ptr + m.to(tl.int64)[:, None] * stride_um
         # Whole BLOCK_K steps per slice; the trip count is a constexpr (K is one) because
         # Triton's interpreter cannot loop to runtime bounds.
         STEPS: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K
         k_begin = pid_k * (STEPS * BLOCK_K)
+        if PREFETCH_LINES > 0:
+            LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+            line_k = tl.minimum(k_begin + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+            rows_read = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+            prefetch_to_l2(rows_read + line_k[None, :])
+        wait_for_producer(PDL)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        up_rows = up_ptr + m.to(tl.int64)[:, None] * stride_um
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for step in tl.range(STEPS, num_stages=LOOP_STAGES):
             k = k_begin + step * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -268,8 +276,9 @@ if HAS_TRITON:
         args = (rows, up_rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), up_rows.stride(0), weight.stride(0), out.stride(0))
         args += (SQRT_2_OVER_PI,)
+        pdl = pdl_options(x)
         constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
-        constants |= pdl_options(x)
+        constants |= pdl | {"PREFETCH_LINES": prefetch_lines(pdl)}
 
         def grid(meta: dict) -> tuple[int, int]:
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
