@@ -239,6 +239,7 @@ VARIANTS: dict[str, Patch] = {
     "exact-codes": _set(affine_matmul, "GEMV_FOLDED_OFFSETS", False),  # a FADD per 4-bit code
     "moe-norms-apart": _set(gemma4, "FUSED_MOE_NORMS", False),  # five norm launches, not two
     "ple-geglu-apart": _set(gemma4, "FUSED_PER_LAYER_GEGLU", False),  # its own GeGLU kernel
+    "ple-norm-apart": _set(gemma4, "FUSED_PER_LAYER_NORM", False),  # add_rms_norm, then gate
     "triton-launch": _set(fast_launch, "FAST_LAUNCH", False),  # every launch through Triton
     # L2 prefetch before the PDL wait: weights (GEMVs, lines per row) and K/V (decode attention)
     "prefetch-off": _stacked(

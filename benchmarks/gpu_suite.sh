@@ -235,8 +235,11 @@ elif [ "$PART" = chat ]; then  # each turn's first token, decoders replaced at t
 stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
 elif [ "$PART" = prefetch ]; then  # L2 prefetch before the PDL wait: kernel tests on CUDA, Gemma 4 A/B
-stage 200 tests python -m pytest -q -x tests/test_kernels_gemv.py tests/test_kernels_decode_attention.py tests/test_kernels_affine.py
-stage 340 ab-gemma4-prefetch python benchmarks/ab_decode.py --models e4b,26b-a4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32 --rounds 3 --check --name gemma4_prefetch
+stage 120 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k 'gpu or graph'
+stage 60 add-norm env PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/gpu_gemv_add_norm.py
+stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32,ple-norm-apart --rounds 3 --check --name e4b_prefetch
+stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32 --rounds 3 --check --name 26b_prefetch
 elif [ "$PART" = prefetch2 ]; then  # the same A/B on Gemma 3 12B bf16 and 4-bit, E4B 4-bit
 stage 150 ab-12b-prefetch python benchmarks/ab_decode.py --models gemma3-12b --variants prefetch-off,base,prefetch-lines-8,prefetch-lines-32 --rounds 3 --check --name 12b_prefetch
 stage 300 ab-4bit-prefetch python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants prefetch-off,base,prefetch-lines-32,prefetch-lines-64 --rounds 3 --check --name 4bit_prefetch

@@ -3,8 +3,9 @@
 On a GPU the model calls the Triton kernels for CUDA tensors; here their dispatchers are told
 to take the kernel path for CPU tensors too, so the interpreter runs them inside a real
 forward: each layer's last add + layer scalar + next input norm, the per-layer input gate's
-GeGLU, the router's input and routing, the gathered experts (GeGLU, weighted slot sum), and
-a MoE layer's norms fused into two kernels (or, with FUSED_MOE_NORMS off, apart).
+GeGLU and the add-norm before that gate, the router's input and routing, the gathered
+experts (GeGLU, weighted slot sum), and a MoE layer's norms fused into two kernels (or, with
+FUSED_MOE_NORMS off, apart).
 The reference is the same model on the torch path. (Attention has its own such test,
 tests/test_attention_kernel_path.py; each kernel has its own in tests/test_kernels_fused.py.)
 """
@@ -52,10 +53,11 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_fused_kernels_in_the_model_match_the_torch_path(
     config: str, fused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`fused`: the MoE layer's norms in two kernels and the per-layer input's GeGLU inside
-    its projection's GEMV (else each apart)."""
+    """`fused`: the MoE layer's norms in two kernels, the per-layer input's GeGLU inside its
+    projection's GEMV and the add-norm before it inside its gate's GEMV (else each apart)."""
     monkeypatch.setattr(gemma4, "FUSED_MOE_NORMS", fused)
     monkeypatch.setattr(gemma4, "FUSED_PER_LAYER_GEGLU", fused)
+    monkeypatch.setattr(gemma4, "FUSED_PER_LAYER_NORM", fused)
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
@@ -76,15 +78,16 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     )
     original_gemv = gemv.gemv_triton
 
-    def counted_gemv(x, weight, geglu=False, config=None, up=None):
-        launched.append("gemv geglu of a separate up" if up is not None else "gemv")
-        return original_gemv(x, weight, geglu, config, up=up)
+    def counted_gemv(x, weight, geglu=False, config=None, up=None, add_norm=None):
+        separate = "gemv geglu of a separate up" if up is not None else "gemv"
+        launched.append("gemv add-norm" if add_norm is not None else separate)
+        return original_gemv(x, weight, geglu, config, up=up, add_norm=add_norm)
 
     monkeypatch.setattr(gemv, "gemv_triton", counted_gemv)
     got = _decode(model, ids)
     ple = "gemv geglu of a separate up"
     if config.startswith("ple"):
-        assert (ple in launched) == fused, launched
+        assert (ple in launched) == ("gemv add-norm" in launched) == fused, launched
     if config == "moe" and fused:
         fused = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
         assert fused | {"route_triton", "slot_sum"} <= set(launched)

@@ -205,6 +205,17 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             up=torch.randn(1, 4, 256, dtype=bf16)[:, 1],
         ),
     )
+    yield (
+        "gemv of an add-norm input (E4B's per-layer input gate launch)",
+        lambda: gemv.gemv_triton(
+            torch.randn(1, 2560, dtype=bf16),
+            torch.randn(256, 2560, dtype=bf16),
+            config={"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "LOOP_STAGES": 4},
+            add_norm=gemv.AddNorm(
+                torch.randn(1, 2560, dtype=bf16), torch.rand(2560), 1e-6, torch.empty(1, 2560)
+            ),
+        ),
+    )
     qkv = torch.randn(1, (4 + 2 * 2) * 64, dtype=bf16)
     cos = sin = torch.ones(1, 64, dtype=bf16)
     for mode in rope.ValueMode:

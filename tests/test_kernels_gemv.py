@@ -74,6 +74,45 @@ def test_gemv_geglu_of_a_separate_up(dtype: torch.dtype, split: int) -> None:
     assert torch.equal(separate, gemv_module.gemv_triton(stacked, weight, True, config))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_of_an_add_norm_input(dtype: torch.dtype, split: int) -> None:
+    """With an add-norm input the GEMV reads h = residual + round(rms_norm(x) · w), and its
+    first row block stores h. h matches `add_rms_norm_reference` up to the RMS's fp32 sum
+    order; the product is checked against the fp64 oracle of the h the kernel stored."""
+    generator = torch.Generator().manual_seed(11 + split)
+    n, k = 40, 200  # three row blocks: only the first stores h
+    weight = (torch.randn(n, k, generator=generator) * 0.1).to(dtype)
+    x = (torch.randn(3, k, generator=generator) * 3).to(dtype)
+    residual = torch.randn(3, k, generator=generator).to(dtype)
+    norm_weight = torch.rand(k, generator=generator) + 0.5
+    outputs = []
+    for config in (None, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split}):
+        add_norm = gemv_module.AddNorm(residual, norm_weight, 1e-6, torch.empty_like(x))
+        outputs.append(
+            (gemv_module.gemv_triton(x, weight, config=config, add_norm=add_norm), add_norm.out)
+        )
+    (got, summed), (again, summed_again) = outputs
+    assert torch.equal(summed_again, summed)  # the same h whatever the tiles
+    _, expected = gemv_module.gemv_add_norm_reference(x, weight, residual, norm_weight, 1e-6)
+    normed = expected.double() - residual.double()
+    ulp = torch.finfo(dtype).eps
+    # The RMS's fp32 sums differ in order (~sqrt(K) eps32, +3 for rsqrt and the products),
+    # then normed may round the other way (an ulp of it) and so may h (an ulp of h).
+    ordering = (math.sqrt(k) + 3) * EPS32 * normed.abs()
+    tolerance = ulp * (expected.double().abs() + normed.abs()) + ordering
+    assert ((summed.double() - expected.double()).abs() <= tolerance).all()
+    for out in (got, again):
+        oracle = summed.double() @ weight.double().T
+        magnitude = summed.double().abs() @ weight.double().abs().T
+        bound = ulp * oracle.abs() + 4 * math.sqrt(k) * EPS32 * magnitude
+        assert ((out.double() - oracle).abs() <= bound).all()
+    # Off the GPU the public entry point is the reference itself.
+    assert torch.equal(
+        gemv_module.gemv_add_norm(x, weight, residual, norm_weight, 1e-6)[1], expected
+    )
+
+
 def test_gemv_keeps_leading_dims_and_runs_again_after_a_split() -> None:
     # The split-K counters must be back at zero after a launch, or the next one sums early.
     generator = torch.Generator().manual_seed(5)
@@ -91,3 +130,7 @@ def test_gemv_rejects_a_wrong_width_and_too_many_rows() -> None:
         gemv_module.gemv_triton(torch.randn(5, 32), weight)
     with pytest.raises(ValueError, match="second input"):
         gemv_module.gemv_triton(torch.randn(1, 32), weight, True, up=torch.randn(1, 16))
+    x = torch.randn(1, 32)
+    add_norm = gemv_module.AddNorm(torch.randn(1, 16), torch.ones(32), 1e-6, torch.empty(1, 32))
+    with pytest.raises(ValueError, match="residual"):
+        gemv_module.gemv_triton(x, weight, add_norm=add_norm)

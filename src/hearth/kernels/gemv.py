@@ -11,12 +11,18 @@ models run the GeGLU kernel first: folding it in, below, measured slower):
   order (deterministic: no float atomics);
 * with `geglu`, the input is `gelu_tanh(gate) * up` computed on the fly from the stacked
   gate/up output (or from a gate and a separate `up`, as Gemma 4's per-layer input gate
-  has them), rounded exactly as `activation.gelu_tanh_mul` rounds.
+  has them), rounded exactly as `activation.gelu_tanh_mul` rounds;
+* with an add-norm input (`gemv_add_norm`), the input is the residual sum that
+  `norm.add_rms_norm` would have stored, formed by every program from the sublayer output
+  and the residual (for narrow weights, where few programs repeat the row's RMS): the
+  launch before the GEMV goes.
 
 Accumulation is fp32; the output is rounded once to the activations' dtype.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,7 @@ from torch import Tensor
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
 from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul, gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
+from hearth.kernels.norm import add_rms_norm, add_rms_norm_reference
 
 # Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
 GEMV_MAX_ROWS = 4
@@ -96,6 +103,39 @@ def has_pinned_launch(x: Tensor, weight: Tensor) -> bool:
     return pinned_launch(x.numel() // x.shape[-1], *weight.shape) is not None
 
 
+class AddNorm(NamedTuple):
+    """A GEMV input formed as `add_rms_norm` forms its residual: ``residual + round(norm(x)
+    · weight)``, stored in `out` by the launch that reads it."""
+
+    residual: Tensor
+    weight: Tensor
+    eps: float
+    out: Tensor
+
+
+def gemv_add_norm_reference(
+    x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """(h @ weight.T, h) for h = residual + round(rms_norm(x) · norm_weight)."""
+    summed = add_rms_norm_reference(residual, x, norm_weight, eps)[0]
+    return F.linear(summed, weight), summed
+
+
+def gemv_add_norm(
+    x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """`gemv_add_norm_reference` in one launch on CUDA: the GEMV's programs form the residual
+    sum themselves (each takes x's RMS over the whole row, cheap for a narrow weight) in place
+    of an `add_rms_norm` launch before the GEMV."""
+    rows = x.numel() // x.shape[-1]
+    if not (kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype):
+        summed = add_rms_norm(residual, x, norm_weight, eps)[0]
+        return F.linear(summed, weight), summed
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    add_norm = AddNorm(residual, norm_weight, eps, summed.view(rows, -1))
+    return gemv_triton(x, weight, add_norm=add_norm), summed
+
+
 def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None) -> Tensor:
     """`gemv_reference`, one Triton kernel for few rows on CUDA (cuBLAS for many)."""
     rows = x.numel() // x.shape[-1]
@@ -126,6 +166,9 @@ if HAS_TRITON:
         stride_wn,
         stride_om,
         coefficient,
+        norm_w_ptr,
+        summed_ptr,
+        eps,
         K: tl.constexpr,
         GEGLU: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -135,9 +178,14 @@ if HAS_TRITON:
         PDL: tl.constexpr,
         LOOP_STAGES: tl.constexpr = 1,
         PREFETCH_LINES: tl.constexpr = 0,
+        ADD_NORM: tl.constexpr = False,
+        ROW_BLOCK: tl.constexpr = 16,
     ):
         """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). With GEGLU
-        x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). LOOP_STAGES > 1
+        x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). With ADD_NORM x'
+        is ``up + round(rms_norm(x) · norm_w)`` (up_ptr: the residual), as `add_rms_norm`
+        rounds it: every program takes x's RMS over its whole row (ROW_BLOCK >= K), and the
+        first row block stores x' at summed_ptr. LOOP_STAGES > 1
         software-pipelines the K loop (loads of later steps in flight during this one's FMAs).
         PREFETCH_LINES > 0 asks L2 for that many lines of each weight row's slice before the
         wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`)."""
@@ -160,6 +208,14 @@ if HAS_TRITON:
         m_ok = m < M
         x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
         up_rows = up_ptr + m.to(tl.int64)[:, None] * stride_um
+        if ADD_NORM:
+            columns = tl.arange(0, ROW_BLOCK)
+            row_ok = m_ok[:, None] & (columns < K)[None, :]
+            whole = tl.load(x_rows + columns[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            inverse_rms = tl.rsqrt(tl.sum(whole * whole, axis=1) / K + eps)
+        else:
+            inverse_rms = tl.zeros([BLOCK_M], tl.float32)  # unread
+        summed_rows = summed_ptr + m.to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for step in tl.range(STEPS, num_stages=LOOP_STAGES):
             k = k_begin + step * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -171,6 +227,16 @@ if HAS_TRITON:
                 up = tl.load(up_rows + k[None, :], mask=x_ok, other=0.0)
                 gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(gate.dtype)
                 xk = (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            elif ADD_NORM:
+                sub = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
+                residual = tl.load(up_rows + k[None, :], mask=x_ok, other=0.0)
+                norm_w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                normed = sub.to(tl.float32) * inverse_rms[:, None] * norm_w[None, :]
+                summed = (residual.to(tl.float32) + normed.to(sub.dtype).to(tl.float32)).to(
+                    sub.dtype
+                )
+                tl.store(summed_rows + k[None, :], summed, mask=x_ok & (pid_n == 0))
+                xk = summed.to(tl.float32)
             else:
                 xk = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32)[None, :, :] * xk[:, None, :]
@@ -243,14 +309,23 @@ if HAS_TRITON:
         geglu: bool = False,
         config: dict | None = None,
         up: Tensor | None = None,
+        add_norm: AddNorm | None = None,
     ) -> Tensor:
-        """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter)."""
+        """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter).
+        With `add_norm` x is first `add_norm.summed(x)` (see `gemv_add_norm`), which this
+        launch also stores in `add_norm.out`."""
         k = weight.shape[-1]
         width = 2 * k if geglu and up is None else k
         if x.shape[-1] != width:
             raise ValueError(f"x has {x.shape[-1]} inputs; the weight takes {width}")
         if up is not None and (not geglu or up.shape != x.shape):
             raise ValueError(f"up {tuple(up.shape)} is GeGLU's second input, shaped as x")
+        if add_norm is not None:
+            if geglu or up is not None:
+                raise ValueError("a GEMV takes GeGLU or an add-norm input, not both")
+            up = add_norm.residual
+            if up.shape != x.shape or add_norm.weight.shape != (k,):
+                raise ValueError(f"the add-norm residual and weight must match x {x.shape}")
         rows = x.reshape(-1, width)
         if rows.shape[0] > GEMV_MAX_ROWS:
             raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
@@ -276,9 +351,18 @@ if HAS_TRITON:
         args = (rows, up_rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), up_rows.stride(0), weight.stride(0), out.stride(0))
         args += (SQRT_2_OVER_PI,)
+        if add_norm is not None:
+            summed = add_norm.out
+            if summed.shape != (m, k) or not summed.is_contiguous():
+                raise ValueError(f"the add-norm output must be a contiguous [{m}, {k}]")
+            args += (add_norm.weight, summed, add_norm.eps)
+        else:
+            args += (weight, out, 0.0)  # unread
         pdl = pdl_options(x)
         constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
         constants |= pdl | {"PREFETCH_LINES": prefetch_lines(pdl)}
+        if add_norm is not None:
+            constants |= {"ADD_NORM": True, "ROW_BLOCK": triton.next_power_of_2(k)}
 
         def grid(meta: dict) -> tuple[int, int]:
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])

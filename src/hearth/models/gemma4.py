@@ -23,7 +23,7 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.affine_matmul import KERNEL_BITS as AFFINE_KERNEL_BITS
 from hearth.kernels.affine_matmul import float_expert_matmul
-from hearth.kernels.gemv import gemv
+from hearth.kernels.gemv import gemv, gemv_add_norm
 from hearth.kernels.grouped_matmul import (
     ExpertPlan,
     default_block_m,
@@ -67,6 +67,10 @@ FUSED_MOE_NORMS = True
 # kernel of its own before it: K is 256, so each program recomputing it costs little. An A/B
 # switch.
 FUSED_PER_LAYER_GEGLU = True
+# The residual add and norm after the feed-forward inside the per-layer input gate's GEMV
+# (`gemv_add_norm`), rather than an `add_rms_norm` launch before it: the gate has 256 rows,
+# so the few programs that each take the row's RMS cost less than a launch. An A/B switch.
+FUSED_PER_LAYER_NORM = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
@@ -343,8 +347,13 @@ class Gemma4DecoderLayer(nn.Module):
         ff = self._feed_forward(x, normed)
         last_norm = self.post_feedforward_layernorm
         if per_layer_input is not None:
-            x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
-            ff = self._per_layer_update(x, per_layer_input)
+            if self._fused_per_layer_norm(ff):
+                gate_weight = self.per_layer_input_gate.weight
+                gate, x = gemv_add_norm(ff, gate_weight, x, last_norm.weight, self.eps)
+            else:
+                x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
+                gate = _narrow(self.per_layer_input_gate, x)
+            ff = self._per_layer_update(gate, per_layer_input)
             last_norm = self.post_per_layer_input_norm
         x, normed_next = add_rms_norm(
             x, ff, last_norm.weight, self.eps, next_norm.weight, True, self.layer_scalar
@@ -352,10 +361,20 @@ class Gemma4DecoderLayer(nn.Module):
         assert normed_next is not None
         return x, normed_next, view
 
-    def _per_layer_update(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
-        """per_layer_projection(gelu_tanh(per_layer_input_gate(x)) · per_layer_input); with
-        float weights at a decode step the GeGLU runs inside the projection's GEMV."""
-        gate = _narrow(self.per_layer_input_gate, x)
+    def _fused_per_layer_norm(self, ff: torch.Tensor) -> bool:
+        """Whether the add-norm before the per-layer input gate runs in the gate's GEMV: on
+        the GPU, at a decode step, with float weights (FUSED_PER_LAYER_NORM)."""
+        gate = self.per_layer_input_gate
+        float_weight = isinstance(gate, nn.Linear) and gate.bias is None
+        float_weight = float_weight and gate.weight.dtype == ff.dtype
+        one_row = ff.numel() == ff.shape[-1]
+        switched_on = FUSED_PER_LAYER_NORM and NARROW_GEMV
+        return switched_on and float_weight and one_row and kernel_enabled(ff)
+
+    def _per_layer_update(self, gate: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """per_layer_projection(gelu_tanh(gate) · per_layer_input), `gate` the per-layer input
+        gate's output; with float weights at a decode step the GeGLU runs inside the
+        projection's GEMV."""
         projection = self.per_layer_projection
         float_weight = isinstance(projection, nn.Linear) and projection.bias is None
         if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
