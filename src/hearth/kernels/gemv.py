@@ -185,8 +185,8 @@ if HAS_TRITON:
         x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). With ADD_NORM x'
         is ``up + round(rms_norm(x) · norm_w)`` (up_ptr: the residual), as `add_rms_norm`
         rounds it: every program takes x's RMS over its whole row (ROW_BLOCK >= K), and the
-        first row block stores x' at summed_ptr. LOOP_STAGES > 1
-        software-pipelines the K loop (loads of later steps in flight during this one's FMAs).
+        first row block stores x' at summed_ptr. LOOP_STAGES > 1 software-pipelines the K
+        loop (loads of later steps in flight during this one's FMAs).
         PREFETCH_LINES > 0 asks L2 for that many lines of each weight row's slice before the
         wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`)."""
         pid_n = tl.program_id(0)
