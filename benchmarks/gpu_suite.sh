@@ -239,6 +239,12 @@ stage 60 add-norm env PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/gpu_
 stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32,ple-norm-apart --rounds 3 --check --name e4b_prefetch
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32 --rounds 3 --check --name 26b_prefetch
+elif [ "$PART" = prefetch-e4b ]; then  # the shortest call: the add-norm GEMV's check, E4B's A/B
+stage 60 add-norm env PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/gpu_gemv_add_norm.py
+stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,ple-norm-apart --rounds 3 --check --name e4b_prefetch
+elif [ "$PART" = prefetch-26b ]; then  # then 26B-A4B's A/B and the tiny models' parity
+stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off --rounds 3 --check --name 26b_prefetch
+stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 elif [ "$PART" = prefetch2 ]; then  # the same A/B on Gemma 3 12B bf16 and 4-bit, E4B 4-bit; E4B's step
 stage 130 ab-12b-prefetch python benchmarks/ab_decode.py --models gemma3-12b --variants prefetch-off,base,prefetch-lines-32 --rounds 3 --check --name 12b_prefetch
 stage 250 ab-4bit-prefetch python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants prefetch-off,base,prefetch-lines-32 --rounds 3 --check --name 4bit_prefetch
