@@ -187,6 +187,13 @@ def _affine_loop_stages(stages: int) -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
+def _prefetch(lines: int, slots: int) -> Patch:
+    """Weight lines per row (GEMVs) and K/V slots (decode attention) prefetched to L2."""
+    return _stacked(
+        _set(hearth.kernels, "PREFETCH_LINES", lines), _set(attention, "PREFETCH_SLOTS", slots)
+    )
+
+
 VARIANTS: dict[str, Patch] = {
     "base": contextlib.nullcontext,
     "attn-n32": _dense_tiles(32, 4, 3),
@@ -240,18 +247,19 @@ VARIANTS: dict[str, Patch] = {
     "moe-norms-apart": _set(gemma4, "FUSED_MOE_NORMS", False),  # five norm launches, not two
     "ple-geglu-apart": _set(gemma4, "FUSED_PER_LAYER_GEGLU", False),  # its own GeGLU kernel
     "ple-norm-apart": _set(gemma4, "FUSED_PER_LAYER_NORM", False),  # add_rms_norm, then gate
+    "ple-norm-fused": _set(gemma4, "FUSED_PER_LAYER_NORM", True),  # in the gate's GEMV
     "triton-launch": _set(fast_launch, "FAST_LAUNCH", False),  # every launch through Triton
-    # L2 prefetch before the PDL wait: weights (GEMVs, lines per row) and K/V (decode attention)
-    "prefetch-off": _stacked(
-        _set(hearth.kernels, "PREFETCH_LINES", 0), _set(attention, "PREFETCH_SLOTS", 0)
-    ),
-    "gemv-prefetch-off": _set(hearth.kernels, "PREFETCH_LINES", 0),
-    "attn-prefetch-off": _set(attention, "PREFETCH_SLOTS", 0),
-    "prefetch-lines-8": _set(hearth.kernels, "PREFETCH_LINES", 8),
-    "prefetch-lines-32": _set(hearth.kernels, "PREFETCH_LINES", 32),
-    "prefetch-lines-64": _set(hearth.kernels, "PREFETCH_LINES", 64),
-    "attn-prefetch-16": _set(attention, "PREFETCH_SLOTS", 16),
-    "attn-prefetch-256": _set(attention, "PREFETCH_SLOTS", 256),
+    # L2 prefetch before the PDL wait: weights (GEMVs, lines per row) and K/V (decode attention),
+    # each variant explicit so that the A/B does not depend on the defaults
+    "prefetch-off": _prefetch(0, 0),
+    "prefetch-on": _prefetch(16, 64),
+    "gemv-prefetch": _prefetch(16, 0),
+    "attn-prefetch": _prefetch(0, 64),
+    "prefetch-lines-8": _prefetch(8, 64),
+    "prefetch-lines-32": _prefetch(32, 64),
+    "prefetch-lines-64": _prefetch(64, 64),
+    "attn-prefetch-16": _prefetch(16, 16),
+    "attn-prefetch-256": _prefetch(16, 256),
     # Prefill graphs at powers of two only (up to 2x padding, not 1.5x).
     "pow2-buckets": _set(cuda_graph, "PREFILL_BUCKETS", (64, 128, 256, 512, 1024, 2048, 4096)),
     # Every prefill eager, a new decoder (caches, graphs) per request.

@@ -236,18 +236,18 @@ stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph 
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
 elif [ "$PART" = prefetch ]; then  # L2 prefetch before the PDL wait: kernel tests on CUDA, Gemma 4 A/B
 stage 60 add-norm env PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/gpu_gemv_add_norm.py
-stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32,ple-norm-apart --rounds 3 --check --name e4b_prefetch
+stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,prefetch-on,gemv-prefetch,attn-prefetch,prefetch-lines-32,ple-norm-apart,ple-norm-fused --rounds 3 --check --name e4b_prefetch
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
-stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,prefetch-lines-32 --rounds 3 --check --name 26b_prefetch
+stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,prefetch-on,gemv-prefetch,attn-prefetch,prefetch-lines-32 --rounds 3 --check --name 26b_prefetch
 elif [ "$PART" = prefetch-e4b ]; then  # the shortest call: the add-norm GEMV's check, E4B's A/B
 stage 60 add-norm env PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/gpu_gemv_add_norm.py
-stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off,ple-norm-apart --rounds 3 --check --name e4b_prefetch
+stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,prefetch-on,gemv-prefetch,attn-prefetch,ple-norm-apart,ple-norm-fused --rounds 3 --check --name e4b_prefetch
 elif [ "$PART" = prefetch-26b ]; then  # then 26B-A4B's A/B and the tiny models' parity
-stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,gemv-prefetch-off,attn-prefetch-off --rounds 3 --check --name 26b_prefetch
+stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,prefetch-on,gemv-prefetch,attn-prefetch --rounds 3 --check --name 26b_prefetch
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 elif [ "$PART" = prefetch2 ]; then  # the same A/B on Gemma 3 12B bf16 and 4-bit, E4B 4-bit; E4B's step
-stage 130 ab-12b-prefetch python benchmarks/ab_decode.py --models gemma3-12b --variants prefetch-off,base,prefetch-lines-32 --rounds 3 --check --name 12b_prefetch
-stage 250 ab-4bit-prefetch python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants prefetch-off,base,prefetch-lines-32 --rounds 3 --check --name 4bit_prefetch
+stage 130 ab-12b-prefetch python benchmarks/ab_decode.py --models gemma3-12b --variants prefetch-off,prefetch-on,prefetch-lines-32 --rounds 3 --check --name 12b_prefetch
+stage 250 ab-4bit-prefetch python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants prefetch-off,prefetch-on,prefetch-lines-32 --rounds 3 --check --name 4bit_prefetch
 stage 70 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --context 512
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
