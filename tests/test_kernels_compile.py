@@ -88,10 +88,11 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
     options = {key: arguments[key] for key in LAUNCH_OPTIONS if key in arguments}
     if "PDL" in constants:  # compiled as Hopper launches it: with programmatic dependent launch
         constants["PDL"] = options["launch_pdl"] = True
-        if "PREFETCH_LINES" in constants:  # and so with the weight prefetch before the wait
-            constants["PREFETCH_LINES"] = hearth.kernels.PREFETCH_LINES
-        if "PREFETCH_SLOTS" in constants:  # the K/V prefetch (dense planes)
-            slots = min(decode_attention.PREFETCH_SLOTS, constants["CHUNK"])
+        # and with the L2 prefetch before the wait, whatever its defaults
+        if "PREFETCH_LINES" in constants:  # weight lines per row
+            constants["PREFETCH_LINES"] = 16
+        if "PREFETCH_SLOTS" in constants:  # K/V slots (dense planes)
+            slots = min(64, constants["CHUNK"])
             dense = constants["K_FORMAT"] == constants["V_FORMAT"] == 0
             constants["PREFETCH_SLOTS"] = slots if dense else 0
     return {

@@ -36,10 +36,12 @@ PDL = True
 # stacked gate/up output is 43k) and prefill chunks of a few tokens, not long prefills.
 PDL_MAX_ELEMENTS = 1 << 17
 # With PDL a kernel's programs may be resident while the kernel before it still runs, and a
-# weight never depends on that kernel: a GEMV asks L2 for the first this-many 128-byte lines
-# of each of its weight rows before it waits (`prefetch_to_l2`), so the DRAM latency and the
-# first bytes overlap the previous kernel's tail and launch gap. 0: no prefetch (A/B switch).
-PREFETCH_LINES = 16
+# weight never depends on that kernel: a GEMV may ask L2 for the first this-many 128-byte
+# lines of each of its weight rows before it waits (`prefetch_to_l2`), so that the DRAM
+# latency and the first bytes overlap the previous kernel's tail and the launch gap. 0 (no
+# prefetch) until an H200 A/B says otherwise: none could be run when it was written
+# (`benchmarks/gpu_suite.sh prefetch`, `ab_decode.py` variants prefetch-on, gemv-prefetch).
+PREFETCH_LINES = 0
 
 
 @functools.cache

@@ -50,10 +50,10 @@ _NO_SCORE = -1.0e30
 # How a split program finishes: one split normalises and writes the output; else it writes
 # its partials, and either the last split of its KV head merges them or a merge launch does.
 _WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
-# Slots of K and of V a split asks L2 for before it waits for the kernel before it (PDL),
+# Slots of K and of V a split may ask L2 for before it waits for the kernel before it (PDL),
 # so that its first blocks' DRAM latency overlaps that kernel (`hearth.kernels.PREFETCH_LINES`
-# for the weights). 0: no prefetch (A/B switch).
-PREFETCH_SLOTS = 64
+# for the weights). 0 (no prefetch) until an H200 A/B says otherwise (variant attn-prefetch).
+PREFETCH_SLOTS = 0
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,10 @@ FUSED_MOE_NORMS = True
 FUSED_PER_LAYER_GEGLU = True
 # The residual add and norm after the feed-forward inside the per-layer input gate's GEMV
 # (`gemv_add_norm`), rather than an `add_rms_norm` launch before it: the gate has 256 rows,
-# so the few programs that each take the row's RMS cost less than a launch. An A/B switch.
-FUSED_PER_LAYER_NORM = True
+# so only a few programs each take the row's RMS, one launch fewer a layer. Off until an
+# H200 A/B says otherwise (none could be run when it was written: `ab_decode.py` variants
+# ple-norm-fused, ple-norm-apart).
+FUSED_PER_LAYER_NORM = False
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
