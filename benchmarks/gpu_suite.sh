@@ -242,6 +242,8 @@ stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants pref
 elif [ "$PART" = prefetch-e4b ]; then  # the shortest call: the add-norm GEMV's check, E4B's A/B
 stage 60 add-norm env PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/gpu_gemv_add_norm.py
 stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,prefetch-on,gemv-prefetch,attn-prefetch,ple-norm-apart,ple-norm-fused --rounds 3 --check --name e4b_prefetch
+elif [ "$PART" = prefetch-min ]; then  # the least that says whether the defaults should change
+stage 150 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,prefetch-on,ple-norm-fused --rounds 3 --check --name e4b_prefetch
 elif [ "$PART" = prefetch-26b ]; then  # then 26B-A4B's A/B and the tiny models' parity
 stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,prefetch-on,gemv-prefetch,attn-prefetch --rounds 3 --check --name 26b_prefetch
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
