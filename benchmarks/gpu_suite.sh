@@ -27,8 +27,11 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh wide          # qkv, gate/up: GEMV vs cuBLAS sweep, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh wide-check    # pinned wide launches vs fp64, parity, chat
 #   OUT=/tmp/out benchmarks/gpu_suite.sh chat          # a growing conversation: decoders grown or not
-#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch      # L2 prefetch before the PDL wait: tests, Gemma 4 A/B
-#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch2     # the same on 12B bf16 and 4-bit, E4B 4-bit
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch      # L2 prefetch, add-norm GEMV: checks, E4B and 26B A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch-min  # the same, E4B only, in one short call
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch-e4b  # (or in two:) add-norm check, E4B A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch-26b  # 26B-A4B A/B, parity
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch2     # the prefetch on 12B bf16 and 4-bit, E4B 4-bit
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -234,7 +237,7 @@ stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 elif [ "$PART" = chat ]; then  # each turn's first token, decoders replaced at their size or grown
 stage 120 tests python -m pytest -q tests/test_static_cache.py -k "gpu or graph or grows"
 stage 300 chat python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths "" --chat 8
-elif [ "$PART" = prefetch ]; then  # L2 prefetch before the PDL wait: kernel tests on CUDA, Gemma 4 A/B
+elif [ "$PART" = prefetch ]; then  # L2 prefetch before the PDL wait, add-norm GEMV: checks, Gemma 4 A/B
 stage 60 add-norm env PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/gpu_gemv_add_norm.py
 stage 170 ab-e4b python benchmarks/ab_decode.py --models e4b --variants prefetch-off,prefetch-on,gemv-prefetch,attn-prefetch,prefetch-lines-32,ple-norm-apart,ple-norm-fused --rounds 3 --check --name e4b_prefetch
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
