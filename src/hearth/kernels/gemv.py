@@ -213,9 +213,7 @@ if HAS_TRITON:
             row_ok = m_ok[:, None] & (columns < K)[None, :]
             whole = tl.load(x_rows + columns[None, :], mask=row_ok, other=0.0).to(tl.float32)
             inverse_rms = tl.rsqrt(tl.sum(whole * whole, axis=1) / K + eps)
-        else:
-            inverse_rms = tl.zeros([BLOCK_M], tl.float32)  # unread
-        summed_rows = summed_ptr + m.to(tl.int64)[:, None] * K
+            summed_rows = summed_ptr + m.to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for step in tl.range(STEPS, num_stages=LOOP_STAGES):
             k = k_begin + step * BLOCK_K + tl.arange(0, BLOCK_K)

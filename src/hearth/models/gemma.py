@@ -43,6 +43,11 @@ class StackedLinear(nn.Module):
         return self.proj(x).split(list(self.parts.values()), dim=-1)
 
 
+def is_float_linear(module: nn.Module) -> bool:
+    """A plain float projection without bias: what the GEMV kernels take in its place."""
+    return isinstance(module, nn.Linear) and module.bias is None
+
+
 def project(
     linear: nn.Module, x: torch.Tensor, geglu: bool = False, prefer_cublas: bool = False
 ) -> torch.Tensor:
@@ -51,7 +56,7 @@ def project(
     `prefer_cublas`: a projection with many outputs (qkv, gate/up), which cuBLAS reads near
     copy bandwidth: it takes the GEMV only at a shape with a pinned launch (measured faster
     than cuBLAS there) or under WIDE_GEMV; the switches below pick the measured-faster path."""
-    float_weight = isinstance(linear, nn.Linear) and linear.bias is None
+    float_weight = is_float_linear(linear)
     if geglu and not (FUSED_GEGLU and float_weight):
         x, geglu = gelu_tanh_mul(x), False
         prefer_cublas = not DOWN_GEMV  # down, after the GeGLU kernel

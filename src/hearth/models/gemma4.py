@@ -45,6 +45,7 @@ from hearth.models.gemma import (
     StackedLinear,
     attend,
     decode_write,
+    is_float_linear,
     last_of,
     project,
     store_keys_values,
@@ -366,19 +367,18 @@ class Gemma4DecoderLayer(nn.Module):
     def _fused_per_layer_norm(self, ff: torch.Tensor) -> bool:
         """Whether the add-norm before the per-layer input gate runs in the gate's GEMV: on
         the GPU, at a decode step, with float weights (FUSED_PER_LAYER_NORM)."""
+        if not (FUSED_PER_LAYER_NORM and NARROW_GEMV and kernel_enabled(ff)):
+            return False
         gate = self.per_layer_input_gate
-        float_weight = isinstance(gate, nn.Linear) and gate.bias is None
-        float_weight = float_weight and gate.weight.dtype == ff.dtype
         one_row = ff.numel() == ff.shape[-1]
-        switched_on = FUSED_PER_LAYER_NORM and NARROW_GEMV
-        return switched_on and float_weight and one_row and kernel_enabled(ff)
+        return is_float_linear(gate) and gate.weight.dtype == ff.dtype and one_row
 
     def _per_layer_update(self, gate: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
         """per_layer_projection(gelu_tanh(gate) · per_layer_input), `gate` the per-layer input
         gate's output; with float weights at a decode step the GeGLU runs inside the
         projection's GEMV."""
         projection = self.per_layer_projection
-        float_weight = isinstance(projection, nn.Linear) and projection.bias is None
+        float_weight = is_float_linear(projection)
         if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
             return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
         return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
