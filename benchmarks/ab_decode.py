@@ -187,10 +187,15 @@ def _affine_loop_stages(stages: int) -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
-def _prefetch(lines: int, slots: int) -> Patch:
-    """Weight lines per row (GEMVs) and K/V slots (decode attention) prefetched to L2."""
+def _prefetch(lines: int, slots: int, affine_lines: int | None = None) -> Patch:
+    """Weight lines per row (bf16 GEMVs; the affine ones too unless `affine_lines` says
+    otherwise) and K/V slots (decode attention) prefetched to L2."""
     return _stacked(
-        _set(hearth.kernels, "PREFETCH_LINES", lines), _set(attention, "PREFETCH_SLOTS", slots)
+        _set(hearth.kernels, "PREFETCH_LINES", lines),
+        _set(
+            hearth.kernels, "AFFINE_PREFETCH_LINES", lines if affine_lines is None else affine_lines
+        ),
+        _set(attention, "PREFETCH_SLOTS", slots),
     )
 
 
@@ -254,6 +259,9 @@ VARIANTS: dict[str, Patch] = {
     "prefetch-off": _prefetch(0, 0),
     "prefetch-on": _prefetch(16, 64),
     "gemv-prefetch": _prefetch(16, 0),
+    "gemv-prefetch-8": _prefetch(8, 0),
+    "gemv-prefetch-32": _prefetch(32, 0),
+    "bf16-gemv-prefetch": _prefetch(16, 0, affine_lines=0),
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

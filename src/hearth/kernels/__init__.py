@@ -38,10 +38,15 @@ PDL_MAX_ELEMENTS = 1 << 17
 # With PDL a kernel's programs may be resident while the kernel before it still runs, and a
 # weight never depends on that kernel: a GEMV may ask L2 for the first this-many 128-byte
 # lines of each of its weight rows before it waits (`prefetch_to_l2`), so that the DRAM
-# latency and the first bytes overlap the previous kernel's tail and the launch gap. 0 (no
-# prefetch) until an H200 A/B says otherwise: none could be run when it was written
-# (`benchmarks/gpu_suite.sh prefetch`, `ab_decode.py` variants prefetch-on, gemv-prefetch).
-PREFETCH_LINES = 0
+# latency and the first bytes overlap the previous kernel's tail and the launch gap.
+# 2026-12-05 A/B (H100, bf16 decode, logits bit-identical): E4B +1.9%, 26B-A4B +2.1%, 12B
+# +0.3% at 8 lines; 16 lines gave +1.6-1.8%, 32 lines +0-1.1%
+# (`benchmarks/results/ab_*prefetch*-2026-12-05.md`).
+PREFETCH_LINES = 8
+# The same for the 4/8-bit affine GEMV (its words, first scales and biases): off, since it
+# cost 12B 13% and E4B 8% at 4 bits in the same A/B (the affine GEMV is issue-bound, and
+# the hints take issue slots and L2 bandwidth from its own loads).
+AFFINE_PREFETCH_LINES = 0
 
 
 @functools.cache
@@ -63,10 +68,13 @@ def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 
-def prefetch_lines(pdl: dict[str, bool]) -> int:
+def prefetch_lines(pdl: dict[str, bool], affine: bool = False) -> int:
     """Lines per weight row a kernel launched with `pdl` (`pdl_options`) prefetches before its
-    wait: none without PDL, where nothing runs before the kernel's own loads."""
-    return PREFETCH_LINES if pdl["PDL"] else 0
+    wait (the affine GEMV's own setting when `affine`): none without PDL, where nothing runs
+    before the kernel's own loads."""
+    if not pdl["PDL"]:
+        return 0
+    return AFFINE_PREFETCH_LINES if affine else PREFETCH_LINES
 
 
 if HAS_TRITON:

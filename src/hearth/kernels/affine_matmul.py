@@ -1040,7 +1040,7 @@ if HAS_TRITON:
             num_warps=config.warps,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl,
-            PREFETCH_LINES=prefetch_lines(pdl),
+            PREFETCH_LINES=prefetch_lines(pdl, affine=True),
         )
 
     def _launch_tile_gemv(
