@@ -188,10 +188,11 @@ def _affine_loop_stages(stages: int) -> Patch:
 
 
 def _prefetch(lines: int, slots: int, affine_lines: int | None = None) -> Patch:
-    """Weight lines per row (bf16 GEMVs; the affine ones too unless `affine_lines` says
-    otherwise) and K/V slots (decode attention) prefetched to L2."""
+    """Weight lines per row (bf16 GEMVs and float experts; the affine GEMVs too unless
+    `affine_lines` says otherwise) and K/V slots (decode attention) prefetched to L2."""
     return _stacked(
         _set(hearth.kernels, "PREFETCH_LINES", lines),
+        _set(hearth.kernels, "EXPERT_PREFETCH_LINES", lines),
         _set(
             hearth.kernels, "AFFINE_PREFETCH_LINES", lines if affine_lines is None else affine_lines
         ),
@@ -262,6 +263,8 @@ VARIANTS: dict[str, Patch] = {
     "gemv-prefetch-8": _prefetch(8, 0),
     "gemv-prefetch-32": _prefetch(32, 0),
     "bf16-gemv-prefetch": _prefetch(16, 0, affine_lines=0),
+    "expert-prefetch-8": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 8),
+    "expert-prefetch-16": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 16),
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

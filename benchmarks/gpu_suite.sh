@@ -32,6 +32,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch-e4b  # (or in two:) add-norm check, E4B A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch-26b  # 26B-A4B A/B, parity
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch2     # the prefetch on 12B bf16 and 4-bit, E4B 4-bit
+#   OUT=/tmp/out benchmarks/gpu_suite.sh expert-prefetch  # 26B-A4B's experts prefetched: A/B, parity
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -254,6 +255,9 @@ elif [ "$PART" = prefetch2 ]; then  # the same A/B on Gemma 3 12B bf16 and 4-bit
 stage 130 ab-12b-prefetch python benchmarks/ab_decode.py --models gemma3-12b --variants prefetch-off,prefetch-on,prefetch-lines-32 --rounds 3 --check --name 12b_prefetch
 stage 250 ab-4bit-prefetch python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants prefetch-off,prefetch-on,prefetch-lines-32 --rounds 3 --check --name 4bit_prefetch
 stage 70 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --context 512
+elif [ "$PART" = expert-prefetch ]; then  # the gathered float-expert GEMV's prefetch at the router's ids
+stage 200 ab-26b-experts python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,expert-prefetch-8,expert-prefetch-16 --rounds 3 --check --name 26b_expert_prefetch
+stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

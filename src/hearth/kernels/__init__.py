@@ -47,6 +47,11 @@ PREFETCH_LINES = 8
 # cost 12B 13% and E4B 8% at 4 bits in the same A/B (the affine GEMV is issue-bound, and
 # the hints take issue slots and L2 bandwidth from its own loads).
 AFFINE_PREFETCH_LINES = 0
+# The same for the gathered GEMV over float experts, at the rows of the experts the router
+# picked: their ids were written two or more launches back (the router runs before the
+# dense MLP), and a launch that has started under PDL follows the end of the launch two
+# before it. Off until an A/B says otherwise (`ab_decode.py` variants expert-prefetch-8, -16).
+EXPERT_PREFETCH_LINES = 0
 
 
 @functools.cache
@@ -68,13 +73,17 @@ def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 
-def prefetch_lines(pdl: dict[str, bool], affine: bool = False) -> int:
+def prefetch_lines(pdl: dict[str, bool], weights: str = "bf16") -> int:
     """Lines per weight row a kernel launched with `pdl` (`pdl_options`) prefetches before its
-    wait (the affine GEMV's own setting when `affine`): none without PDL, where nothing runs
-    before the kernel's own loads."""
+    wait, by the kind of `weights` it reads ("bf16", "affine" or "experts"): none without
+    PDL, where nothing runs before the kernel's own loads."""
     if not pdl["PDL"]:
         return 0
-    return AFFINE_PREFETCH_LINES if affine else PREFETCH_LINES
+    return {
+        "bf16": PREFETCH_LINES,
+        "affine": AFFINE_PREFETCH_LINES,
+        "experts": EXPERT_PREFETCH_LINES,
+    }[weights]
 
 
 if HAS_TRITON:

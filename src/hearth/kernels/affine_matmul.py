@@ -871,17 +871,30 @@ if HAS_TRITON:
         stride_xm,
         stride_om,
         X_ROWS_PER_ID,
+        EXPERTS,
         K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr = 0,
     ):
-        """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N)."""
-        wait_for_producer(PDL)
+        """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
+        PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
+        the wait (`hearth.kernels.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
+        final when the router ran two launches back, else a guess that can only cost time
+        (clamped to the experts, and the ids are read again after the wait)."""
         pid_r = tl.program_id(0)
-        expert = tl.load(ids_ptr + pid_r).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
+        if PREFETCH_LINES > 0:
+            guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
+            guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)
+            LINE: tl.constexpr = 1024 // weight_ptr.dtype.element_ty.primitive_bitwidth
+            line_k = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+            rows_read = weight_ptr + guess * N * K + tl.minimum(n, N - 1).to(tl.int64)[:, None] * K
+            prefetch_to_l2(rows_read + line_k[None, :])
+        wait_for_producer(PDL)
+        expert = tl.load(ids_ptr + pid_r).to(tl.int64)
         rows = weight_ptr + expert * N * K + n.to(tl.int64)[:, None] * K
         x_row = x_ptr + (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -1040,7 +1053,7 @@ if HAS_TRITON:
             num_warps=config.warps,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl,
-            PREFETCH_LINES=prefetch_lines(pdl, affine=True),
+            PREFETCH_LINES=prefetch_lines(pdl, "affine"),
         )
 
     def _launch_tile_gemv(
@@ -1264,17 +1277,20 @@ if HAS_TRITON:
             rows.stride(0),
             out.stride(0),
             top_k if x.dim() == 2 else 1,
+            weight.shape[0],
             k,
         )
 
         def grid(meta: dict) -> tuple[int, int]:
             return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
+        pdl = pdl_options(x)
+        prefetch = {"PREFETCH_LINES": prefetch_lines(pdl, "experts")}
         if config is None and x.is_cuda:
-            launch_kernel(_float_gather_tuned, grid, *args, **pdl_options(x))
+            launch_kernel(_float_gather_tuned, grid, *args, **pdl, **prefetch)
         else:
             chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
             launch_kernel(
-                _float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl_options(x)
+                _float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl, **prefetch
             )
         return out.view(*expert_ids.shape, -1)

@@ -396,9 +396,12 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2.weight,
             self.router.scale,
         )
-        dense = self.mlp(inputs.dense)
         hidden = x.shape[-1]
+        # The router before the dense MLP (the two are independent): its expert ids are then
+        # final when the gathered GEMV's programs start, which prefetch those experts' rows
+        # before their PDL wait (`hearth.kernels.EXPERT_PREFETCH_LINES`).
         weights, experts = self.router.route(inputs.router.reshape(-1, hidden))
+        dense = self.mlp(inputs.dense)
         sparse = self.experts(inputs.experts.reshape(-1, hidden), weights, experts)
         return moe_combine_add_rms_norm(
             inputs.residual,
