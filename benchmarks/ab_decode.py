@@ -263,6 +263,8 @@ VARIANTS: dict[str, Patch] = {
     "gemv-prefetch-8": _prefetch(8, 0),
     "gemv-prefetch-32": _prefetch(32, 0),
     "bf16-gemv-prefetch": _prefetch(16, 0, affine_lines=0),
+    "affine-prefetch-1": _prefetch(8, 0, affine_lines=1),
+    "affine-prefetch-2": _prefetch(8, 0, affine_lines=2),
     "expert-prefetch-8": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 8),
     "expert-prefetch-16": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 16),
     "attn-prefetch": _prefetch(0, 64),

@@ -41,7 +41,7 @@ PDL_MAX_ELEMENTS = 1 << 17
 # latency and the first bytes overlap the previous kernel's tail and the launch gap.
 # 2026-12-05 A/B (H100, bf16 decode, logits bit-identical): E4B +1.9%, 26B-A4B +2.1%, 12B
 # +0.3% at 8 lines; 16 lines gave +1.6-1.8%, 32 lines +0-1.1%
-# (`benchmarks/results/ab_*prefetch*-2026-12-05.md`).
+# (`benchmarks/results/ab_*prefetch*_h100-2026-12-05.md`).
 PREFETCH_LINES = 8
 # The same for the 4/8-bit affine GEMV (its words, first scales and biases): off, since it
 # cost 12B 13% and E4B 8% at 4 bits in the same A/B (the affine GEMV is issue-bound, and

@@ -53,8 +53,7 @@ _WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
 # Slots of K and of V a split may ask L2 for before it waits for the kernel before it (PDL),
 # so that its first blocks' DRAM latency overlaps that kernel (`hearth.kernels.PREFETCH_LINES`
 # for the weights). Off: 64 slots gave E4B +0.5% but 26B-A4B -0.8% and 12B about -0.8%
-# (2026-12-05 A/B on an H100, variant attn-prefetch): the attention's own splits already
-# spread its reads over every SM.
+# (2026-12-05 A/B on an H100, variant attn-prefetch).
 PREFETCH_SLOTS = 0
 
 

@@ -71,7 +71,7 @@ FUSED_PER_LAYER_GEGLU = True
 # The residual add and norm after the feed-forward inside the per-layer input gate's GEMV
 # (`gemv_add_norm`), rather than an `add_rms_norm` launch before it: the gate has 256 rows,
 # so only a few programs each take the row's RMS, one launch fewer a layer. E4B +0.6%,
-# logits bit-identical (2026-12-05 A/B on an H100, `ab_e4b_prefetch-2026-12-05.md`).
+# logits bit-identical (2026-12-05 A/B on an H100, `ab_e4b_prefetch_h100-2026-12-05.md`).
 FUSED_PER_LAYER_NORM = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
