@@ -229,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
-    parser.add_argument("--engines", nargs="*", default=list(ENGINES))
+    parser.add_argument("--engines", nargs="*", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--model", help="a GGUF file (default: the embedded Gemma 3 270M)")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)

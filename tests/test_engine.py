@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +77,18 @@ def test_default_engine_stays_close_to_fp32(default_engine: Any, hearth_270m: An
     assert default_engine.generate(
         "The capital of France is Paris. The capital of Germany is", max_tokens=3
     ).startswith(" Berlin")
+
+
+def test_loading_a_model_leaves_torch_dynamo_unimported() -> None:
+    """A model is built on the meta device before its checkpoint fills it; nn.Embedding's
+    normal_ init there imports torch._dynamo, a second of a CPU load (the embedded model's
+    load 2.65 -> 1.6 s with the string-array reader, `cpu_270m_load-2026-12-05.md`). The
+    import is what the test observes."""
+    code = (
+        "import sys, hearth; from hearth.embedded import embedded_model_path; "
+        "hearth.load(str(embedded_model_path())); print('torch._dynamo' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip() == "False", result.stderr[-2000:]

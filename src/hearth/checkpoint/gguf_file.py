@@ -48,6 +48,7 @@ _NUMPY = {
     12: np.float64,
 }
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,25 @@ class _Cursor:
         self.position += length
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row: `string` inlined, as a vocabulary holds 262k of them
+        (0.8 s of a load one call at a time, ~0.1 s so)."""
+        buffer, position, end = self.buffer, self.position, len(self.buffer)
+        items = []
+        for _ in range(count):
+            if position + 8 > end:
+                self.position = position
+                self._need(8)
+            (length,) = _LENGTH.unpack_from(buffer, position)
+            position += 8
+            if position + length > end:
+                self.position = position
+                self._need(length)
+            items.append(str(buffer[position : position + length], "utf-8", "replace"))
+            position += length
+        self.position = position
+        return items
+
     def value(self, type_id: int) -> Any:
         if type_id in _SCALARS:
             return self.scalar(_SCALARS[type_id])
@@ -90,6 +110,8 @@ class _Cursor:
                 items = np.frombuffer(self.buffer, dtype, count, self.position)
                 self.position += count * dtype.itemsize
                 return items.tolist()
+            if item_type == _STRING:
+                return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         raise CheckpointError(f"{self.path}: unknown GGUF value type {type_id} (corrupt file?)")
 

@@ -386,6 +386,13 @@ def last_of(x: torch.Tensor, last_index: torch.Tensor | None) -> torch.Tensor:
 class Embedding(nn.Embedding):
     """The token table, which is also the tied output head."""
 
+    def reset_parameters(self) -> None:
+        """nn.Embedding's random init, except on the meta device (where a model is built before
+        its checkpoint fills it): there normal_ would import torch._dynamo, a second of a CPU
+        load, and nothing else needs it."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
