@@ -21,7 +21,9 @@ from transformers import AutoTokenizer
 from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 from transformers.integrations.gguf.reader import read_gguf_metadata
 
-from hearth.tokenizer import Tokenizer, TokenizerError
+from hearth.checkpoint.gguf import GGUFCheckpoint
+from hearth.embedded import embedded_model_path
+from hearth.tokenizer import Tokenizer, TokenizerError, gguf_tokenizer_key
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It wasn't me!",
@@ -327,3 +329,36 @@ def test_gguf_tokenizer_is_cached_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_p
     rebuilt = Tokenizer.from_gguf_metadata(synthetic_metadata("gemma3", "llama"), "model-123")
     assert rebuilt.encode("abc ab") == built.encode("abc ab")
     assert tokenizers.Tokenizer.from_file(str(cached_file)).get_vocab_size() == built.vocab_size
+
+
+def test_gguf_tokenizer_key_is_the_vocabulary_content() -> None:
+    """Files sharing a vocabulary share one cache entry (the key is a digest of what building
+    the tokenizer reads); any change to that content, however small, moves the key."""
+    metadata = synthetic_metadata("gemma3", "llama")
+    key = gguf_tokenizer_key(metadata)
+    same_vocabulary = {**synthetic_metadata("gemma3", "llama"), "general.name": "another"}
+    assert gguf_tokenizer_key(same_vocabulary) == key
+    tokens = metadata["tokenizer.ggml.tokens"]
+    changes: list[tuple[str, Any]] = [
+        ("general.architecture", "gemma4"),
+        ("tokenizer.ggml.model", "gemma4"),
+        ("tokenizer.ggml.tokens", [*tokens[:-2], tokens[-2] + tokens[-1][0], tokens[-1][1:]]),
+        ("tokenizer.ggml.scores", [*metadata["tokenizer.ggml.scores"][:-1], -0.5]),
+        ("tokenizer.ggml.token_type", [*metadata["tokenizer.ggml.token_type"][:-1], 4]),
+        ("tokenizer.ggml.add_bos_token", True),
+    ]
+    for name, value in changes:
+        assert gguf_tokenizer_key({**metadata, name: value}) != key, name
+
+
+def test_gguf_files_with_one_vocabulary_share_a_cached_tokenizer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two copies of the embedded model under other names and times: one cache entry."""
+    monkeypatch.setenv("HEARTH_CACHE", str(tmp_path / "cache"))
+    source = embedded_model_path()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).symlink_to(source)
+        tokenizer = GGUFCheckpoint(tmp_path / name).tokenizer()
+        assert tokenizer.encode("The capital of France is")[-1] > 0
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1

@@ -7,10 +7,12 @@ Face directory we load its `tokenizer.json` as is.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import tempfile
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -257,6 +259,27 @@ def _gguf_bos_eos_to_add(
         specials.get("bos") if add_bos else None,
         specials.get("eos") if add_eos else None,
     )
+
+
+def gguf_tokenizer_key(metadata: Mapping[str, Any]) -> str:
+    """A cache key for the tokenizer GGUF metadata describes: a digest of what building it
+    reads (the architecture and the `tokenizer.ggml.*` values), so files that share a
+    vocabulary share one cached tokenizer, and a changed file never meets a stale one."""
+    digest = hashlib.sha256()
+    keys = sorted(k for k in metadata if k.startswith("tokenizer.ggml."))
+    for key in [*keys, "general.architecture"]:
+        value = metadata.get(key)
+        digest.update(key.encode() + b"\0")
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            # 262k tokens: their lengths, then all joined (json.dumps of them takes ~60 ms)
+            digest.update(b"s" + array("q", map(len, value)).tobytes())
+            digest.update("".join(value).encode("utf-8", "surrogatepass"))
+        elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
+            digest.update(b"n" + array("d", value).tobytes())
+        else:
+            digest.update(b"j" + json.dumps(value).encode())
+        digest.update(b"\0")
+    return f"gguf-{digest.hexdigest()[:32]}"
 
 
 def _cache_path(cache_key: str) -> Path:

@@ -337,8 +337,7 @@ class GGUFCheckpoint:
         return values.reshape(len(raw), -1)
 
     def tokenizer(self) -> Tokenizer:
-        from hearth.tokenizer import Tokenizer
+        from hearth.tokenizer import Tokenizer, gguf_tokenizer_key
 
-        stat = self.path.stat()
-        cache_key = f"{self.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-        return Tokenizer.from_gguf_metadata(self.metadata, cache_key=cache_key)
+        key = gguf_tokenizer_key(self.metadata)
+        return Tokenizer.from_gguf_metadata(self.metadata, cache_key=key)
