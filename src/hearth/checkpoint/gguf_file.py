@@ -80,7 +80,7 @@ class _Cursor:
 
     def strings(self, count: int) -> list[str]:
         """`count` strings in a row: `string` inlined, as a vocabulary holds 262k of them
-        (0.8 s of a load one call at a time, ~0.1 s so)."""
+        (0.8 s of a load one call at a time, ~0.2 s so)."""
         buffer, position, end = self.buffer, self.position, len(self.buffer)
         items = []
         for _ in range(count):
