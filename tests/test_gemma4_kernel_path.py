@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter path; the GPU runs the kernels itself"
 )
 
+import hearth.kernels  # noqa: E402
 from hearth.checkpoint import open_checkpoint  # noqa: E402
 from hearth.kernels import activation, gemv, norm, router, slot_sum  # noqa: E402
 from hearth.models import gemma4  # noqa: E402
@@ -137,4 +138,33 @@ def test_wide_projections_take_the_gemv_only_at_a_pinned_shape(
     )
     assert rows[qkv] == [1] * (STEPS * same_shape)
     assert gate_up not in rows
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("prefetch_lines", [0, 8])
+def test_moe_layer_routes_before_its_dense_mlp_when_experts_are_prefetched(
+    prefetch_lines: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the experts' L2 prefetch on (`hearth.kernels.EXPERT_PREFETCH_LINES`), a MoE
+    layer runs its router before its dense MLP, so that the ids are final two launches
+    before the gathered GEMV; either order computes the same logits (the two are
+    independent), which the torch path checks."""
+    hf = tiny_gemma4_model(seed=11, **CONFIGS["moe"])
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
+    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
+    expected = _decode(model, ids)
+
+    monkeypatch.setattr(hearth.kernels, "EXPERT_PREFETCH_LINES", prefetch_lines)
+    for module in FUSED_MODULES:
+        monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(gemma4, "kernel_enabled", lambda tensor: True)
+    order: list[str] = []
+    monkeypatch.setattr(router, "route_triton", _counted(router.route_triton, order, "route"))
+    for layer in model.layers:
+        layer.mlp.register_forward_pre_hook(lambda module, args: order.append("dense mlp"))
+    got = _decode(model, ids)
+    pairs = [order[i : i + 2] for i in range(0, len(order), 2)]
+    first = ["route", "dense mlp"] if prefetch_lines else ["dense mlp", "route"]
+    assert len(order) == 2 * len(model.layers) * (1 + STEPS)
+    assert all(pair == first for pair in pairs), order
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

@@ -48,9 +48,10 @@ PREFETCH_LINES = 8
 # the hints take issue slots and L2 bandwidth from its own loads).
 AFFINE_PREFETCH_LINES = 0
 # The same for the gathered GEMV over float experts, at the rows of the experts the router
-# picked: their ids were written two or more launches back (the router runs before the
-# dense MLP), and a launch that has started under PDL follows the end of the launch two
-# before it. Off until an A/B says otherwise (`ab_decode.py` variants expert-prefetch-8, -16).
+# picked: their ids were written two or more launches back (with this on, a MoE layer runs
+# its router before its dense MLP), and a launch that has started under PDL follows the end
+# of the launch two before it. Off until an A/B says otherwise (`ab_decode.py` variants
+# expert-prefetch-8, -16: no GPU could be started again the day it was written).
 EXPERT_PREFETCH_LINES = 0
 
 

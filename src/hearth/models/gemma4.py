@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth import kernels
 from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config, RopeConfig
 from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
@@ -397,11 +398,16 @@ class Gemma4DecoderLayer(nn.Module):
             self.router.scale,
         )
         hidden = x.shape[-1]
-        # The router before the dense MLP (the two are independent): its expert ids are then
-        # final when the gathered GEMV's programs start, which prefetch those experts' rows
-        # before their PDL wait (`hearth.kernels.EXPERT_PREFETCH_LINES`).
-        weights, experts = self.router.route(inputs.router.reshape(-1, hidden))
-        dense = self.mlp(inputs.dense)
+        router_input = inputs.router.reshape(-1, hidden)
+        if kernels.EXPERT_PREFETCH_LINES:
+            # The router before the dense MLP (the two are independent), so that its expert
+            # ids are final when the gathered GEMV's programs start and prefetch those
+            # experts' rows before their PDL wait.
+            weights, experts = self.router.route(router_input)
+            dense = self.mlp(inputs.dense)
+        else:
+            dense = self.mlp(inputs.dense)
+            weights, experts = self.router.route(router_input)
         sparse = self.experts(inputs.experts.reshape(-1, hidden), weights, experts)
         return moe_combine_add_rms_norm(
             inputs.residual,
