@@ -33,6 +33,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch-26b  # 26B-A4B A/B, parity
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefetch2     # the prefetch on 12B bf16 and 4-bit, E4B 4-bit
 #   OUT=/tmp/out benchmarks/gpu_suite.sh expert-prefetch  # 26B-A4B's experts prefetched: A/B, parity
+#   OUT=/tmp/out benchmarks/gpu_suite.sh refresh       # what 2026-12-05 left: the A/Bs above, 1-2 line
+#                                                      # affine prefetch, E4B and 26B-A4B headline decode
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -258,6 +260,11 @@ stage 70 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --conte
 elif [ "$PART" = expert-prefetch ]; then  # the gathered float-expert GEMV's prefetch at the router's ids
 stage 200 ab-26b-experts python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,expert-prefetch-8,expert-prefetch-16 --rounds 3 --check --name 26b_expert_prefetch
 stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+elif [ "$PART" = refresh ]; then  # expert and 1-2 line affine prefetch A/Bs; headline decode with the new defaults
+stage 150 ab-26b-experts python benchmarks/ab_decode.py --models 26b-a4b --variants prefetch-off,base,expert-prefetch-8,expert-prefetch-16 --rounds 3 --check --name 26b_expert_prefetch
+stage 100 ab-4bit-affine python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,affine-prefetch-1,affine-prefetch-2 --rounds 3 --check --name 12b_4bit_affine_prefetch
+stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512 --out "$OUT/bench-e4b.md"
+stage 90 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
