@@ -270,7 +270,8 @@ def gguf_tokenizer_key(metadata: Mapping[str, Any]) -> str:
     for key in [*keys, "general.architecture"]:
         value = metadata.get(key)
         digest.update(key.encode() + b"\0")
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        # GGUF arrays hold one type, so the first item tells it.
+        if isinstance(value, list) and value and isinstance(value[0], str):
             # 262k tokens: their lengths, then all joined (json.dumps of them takes ~60 ms)
             digest.update(b"s" + array("q", map(len, value)).tobytes())
             digest.update("".join(value).encode("utf-8", "surrogatepass"))
