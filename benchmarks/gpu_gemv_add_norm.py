@@ -12,15 +12,11 @@ graphs of 20 calls on distinct weights, median of 20 replays.
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
-from pathlib import Path
 
 import torch
-import triton
 
-from gpu_gemv_bf16 import CALLS, replay_micros
+from gpu_gemv_bf16 import CALLS, replay_micros, write_table
 from hearth.kernels.gemv import gemv_add_norm, gemv_triton
 from hearth.kernels.norm import add_rms_norm
 
@@ -73,12 +69,10 @@ def main() -> None:
             f"{'ok' if within else 'FAILED'} | {before:.2f} | {after:.2f} | {before / after:.2f}x |"
         )
         print(rows[-1], flush=True)
-    table = "\n".join(
+    write_table(
+        "gpu_gemv_add_norm.md",
+        "GEMV with the add-norm folded in",
         [
-            f"# GEMV with the add-norm folded in — {datetime.date.today()}, "
-            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-            f"triton {triton.__version__}",
-            "",
             f"{DRAWS} fresh draws per shape: h elements that differ from `add_rms_norm`'s; the "
             "product vs an fp64 oracle of the stored h. µs per call: CUDA-graph replay of "
             f"{CALLS} calls on distinct weights (add_rms_norm + GEMV, or the fused GEMV).",
@@ -86,12 +80,8 @@ def main() -> None:
             "| shape | h vs add_rms_norm | product vs fp64 | apart µs | fused µs | speedup |",
             "|---|---|---|---|---|---|",
             *rows,
-        ]
+        ],
     )
-    print(table)
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_gemv_add_norm.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

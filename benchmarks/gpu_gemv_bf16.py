@@ -54,6 +54,22 @@ def replay_micros(step: Callable[[int], object]) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def write_table(file_name: str, title: str, lines: list[str]) -> None:
+    """Print a table titled with the date, GPU, torch and triton, and write it to $OUT."""
+    table = "\n".join(
+        [
+            f"# {title} — {datetime.date.today()}, {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}, triton {triton.__version__}",
+            "",
+            *lines,
+        ]
+    )
+    print(table)
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / file_name).write_text(table + "\n")
+
+
 def main() -> None:
     rows = []
     for name, (n, k, geglu) in SHAPES.items():
@@ -79,11 +95,10 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
         del weights
-    table = "\n".join(
+    write_table(
+        "gpu_gemv_bf16.md",
+        "bf16 GEMV, batch 1",
         [
-            f"# bf16 GEMV, batch 1 — {datetime.date.today()}, {torch.cuda.get_device_name()}, "
-            f"torch {torch.__version__}, triton {triton.__version__}",
-            "",
             f"µs per call (CUDA-graph replay of {CALLS} calls on distinct weights, median of 20)"
             " and share of the 4.2 TB/s floor (weight bytes); rel. error = relative L2 vs the"
             " torch reference (bf16 output rounding is ~2e-3).",
@@ -91,12 +106,8 @@ def main() -> None:
             "| projection | shape | cuBLAS µs | Triton µs | speedup | rel. error |",
             "|---|---|---|---|---|---|",
             *rows,
-        ]
+        ],
     )
-    print(table)
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_gemv_bf16.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":
