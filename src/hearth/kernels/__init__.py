@@ -111,3 +111,11 @@ if HAS_TRITON:
             is_pure=False,
             pack=1,
         )
+
+    @triton.jit
+    def prefetch_row_lines(rows, k_begin, row_length, LINES: tl.constexpr):
+        """`prefetch_to_l2` of LINES 128-byte lines of each row from column k_begin on
+        (`rows`: [R, 1] pointers to the rows' starts; columns clamped to row_length)."""
+        LINE: tl.constexpr = 1024 // rows.dtype.element_ty.primitive_bitwidth
+        k = tl.minimum(k_begin + tl.arange(0, LINES) * LINE, row_length - 1)
+        prefetch_to_l2(rows + k[None, :])

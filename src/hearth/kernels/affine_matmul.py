@@ -314,7 +314,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from hearth.kernels import prefetch_to_l2, wait_for_producer
+    from hearth.kernels import prefetch_row_lines, prefetch_to_l2, wait_for_producer
 
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
@@ -562,9 +562,8 @@ if HAS_TRITON:
         word_rows = n_read * row_words
         group_rows = n_read * groups
         g0 = pid_k * split_groups
-        if PREFETCH_LINES > 0:  # 32 int32 words a line
-            line_words = tl.minimum(g0 * WPG + tl.arange(0, PREFETCH_LINES) * 32, row_words - 1)
-            prefetch_to_l2(packed_ptr + word_rows[:, None] + line_words[None, :])
+        if PREFETCH_LINES > 0:
+            prefetch_row_lines(packed_ptr + word_rows[:, None], g0 * WPG, row_words, PREFETCH_LINES)
             prefetch_to_l2(scales_ptr + group_rows + g0)
             prefetch_to_l2(biases_ptr + group_rows + g0)
         wait_for_producer(PDL)
@@ -889,10 +888,8 @@ if HAS_TRITON:
         if PREFETCH_LINES > 0:
             guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
             guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)
-            LINE: tl.constexpr = 1024 // weight_ptr.dtype.element_ty.primitive_bitwidth
-            line_k = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
             rows_read = weight_ptr + guess * N * K + tl.minimum(n, N - 1).to(tl.int64)[:, None] * K
-            prefetch_to_l2(rows_read + line_k[None, :])
+            prefetch_row_lines(rows_read, 0, K, PREFETCH_LINES)
         wait_for_producer(PDL)
         expert = tl.load(ids_ptr + pid_r).to(tl.int64)
         rows = weight_ptr + expert * N * K + n.to(tl.int64)[:, None] * K

@@ -148,7 +148,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from hearth.kernels import prefetch_to_l2, wait_for_producer
+    from hearth.kernels import prefetch_row_lines, wait_for_producer
     from hearth.kernels.activation import gelu_tanh
 
     @triton.jit
@@ -199,10 +199,8 @@ if HAS_TRITON:
         STEPS: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K
         k_begin = pid_k * (STEPS * BLOCK_K)
         if PREFETCH_LINES > 0:
-            LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-            line_k = tl.minimum(k_begin + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
             rows_read = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
-            prefetch_to_l2(rows_read + line_k[None, :])
+            prefetch_row_lines(rows_read, k_begin, K, PREFETCH_LINES)
         wait_for_producer(PDL)
         m = tl.arange(0, BLOCK_M)
         m_ok = m < M
