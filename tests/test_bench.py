@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hearth.bench import measure
 from hearth.bench.llama_peer import cpu_has_amx, open_llama
 from hearth.bench.measure import kv_bytes, prefill_flops
 from hearth.bench.random_gguf import (
@@ -210,6 +211,54 @@ def test_bench_decodes_over_a_quantized_cache(
     ) == pytest.approx(full_bytes / 2**20, rel=5e-3)
     code, _, stderr = _bench(capsys, "--random", str(config), "--kv-quant", "k9")
     assert code == 2 and "unknown --kv-quant 'k9'" in stderr
+
+
+def test_roofline_probes_count_their_bytes_and_flops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probes' arithmetic by hand, with the clock replaced: a copy of N bytes moves 2N
+    (read and write), a square matmul of size n does 2 n^3 FLOPs."""
+    calls: list[int] = []
+
+    def fake_timed(device: torch.device, work: Any) -> float:
+        calls.append(len(work()))  # how many copies or matmuls one timing ran
+        return 0.5
+
+    monkeypatch.setattr(measure, "timed", fake_timed)
+    cpu = torch.device("cpu")
+    assert measure.copy_bandwidth(cpu, repeats=3) == 2 * 2**28 * 3 / 0.5
+    assert measure.matmul_peak(cpu, torch.bfloat16, repeats=2) == 2 * 1024**3 * 2 / 0.5
+    assert calls == [3, 2, 2, 2]  # one copy timing; the matmul's best of three
+
+
+def test_bench_measures_its_rooflines_unless_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --bandwidth and --peak-flops the percentages are of this machine's own copy
+    and matmul speed, and the table says so; a given one is used as given."""
+    config = _config_file(tmp_path, tiny_gemma3_config())
+    args = ("--random", str(config), "--device", "cpu", "--contexts", "16", "--prefill", "8")
+    code, stdout, stderr = _bench(capsys, *args, "--steps", "2")
+    assert code == 0, stderr
+    match = re.search(
+        r"rooflines at ([\d.e+]+) TB/s \(measured copy\) and ([\d.e+]+) TFLOP/s "
+        r"\(measured bfloat16 matmul\)",
+        stdout,
+    )
+    assert match, stdout
+    bandwidth, peak = float(match[1]) * 1e12, float(match[2]) * 1e12
+    assert "bench: copy bandwidth" in stderr and "matmul peak" in stderr
+    decode, prefill = _table(stdout)[:2]
+    # The note prints 3 (bandwidth) and 4 (peak) significant digits, so the columns agree
+    # with it to half a unit of the last digit: 5e-3 and 5e-4 relative.
+    assert _number(decode["roofline tok/s"]) == pytest.approx(
+        bandwidth / hand_decode_bytes(16), rel=5e-3
+    )
+    assert _number(prefill["roofline tok/s"]) == pytest.approx(
+        8 * peak / hand_prefill_flops(8), rel=5e-4
+    )
+    code, stdout, stderr = _bench(capsys, *args, "--steps", "2", "--bandwidth", str(BANDWIDTH))
+    assert code == 0, stderr
+    assert "rooflines at 0.001 TB/s (given) and " in stdout
+    assert "(measured bfloat16 matmul)" in stdout and "copy bandwidth" not in stderr
 
 
 @pytest.mark.parametrize("context", [5, 20])  # within and past the sliding window of 8

@@ -263,16 +263,16 @@ def _add_bench_parser(commands: Any) -> None:
     bench.add_argument(
         "--bandwidth",
         type=positive_float,
-        default=4.2e12,
         metavar="B/S",
-        help="memory bandwidth of the decode roofline (default 4.2e12, an H200's copy speed)",
+        help="memory bandwidth of the decode roofline (default: a copy's, measured on the "
+        "device; the issue's H200 figure is 4.2e12)",
     )
     bench.add_argument(
         "--peak-flops",
         type=positive_float,
-        default=790e12,
         metavar="FLOP/S",
-        help="compute peak of the prefill roofline (default 790e12, H200 dense bf16)",
+        help="compute peak of the prefill roofline (default: a large matmul's in the model's "
+        "dtype, measured on the device; the issue's H200 figure is 790e12)",
     )
     bench.add_argument(
         "--kv-quant",

@@ -315,15 +315,31 @@ def time_first_token(model: Model, tokens: int) -> float:
     return seconds
 
 
-def copy_bandwidth(device: torch.device) -> float:
+# Sizes of the roofline probes: the copy well past any cache (a GPU's L2 is 50-60 MB, a CPU's
+# last level tens of MB), the matmul large enough that its tiles fill every SM or core.
+_COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}
+_MATMUL_SIZE = {"cuda": 8192, "cpu": 1024}
+
+
+def copy_bandwidth(device: torch.device, repeats: int = 20) -> float:
     """Bytes/s of a device-to-device copy (read + write), the decode roofline's bandwidth."""
-    source = torch.empty(2**30, dtype=torch.uint8, device=device)
+    source = torch.empty(_COPY_BYTES[device.type], dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     for _ in range(3):
         target.copy_(source)
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(20):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    return 2 * source.numel() * 20 / (time.perf_counter() - begin)
+    seconds = timed(device, lambda: [target.copy_(source) for _ in range(repeats)])
+    return 2 * source.numel() * repeats / seconds
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> float:
+    """FLOP/s of a large square matmul in `dtype`, the best of three timings: the prefill
+    roofline's peak as this device reaches it in practice, not its data-sheet number."""
+    size = _MATMUL_SIZE[device.type]
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    torch.mm(a, b, out=out)
+    seconds = min(
+        timed(device, lambda: [torch.mm(a, b, out=out) for _ in range(repeats)]) for _ in range(3)
+    )
+    return 2 * size**3 * repeats / seconds

@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from hearth.bench.measure import (
+    copy_bandwidth,
     decode_bytes,
     kv_bytes,
+    matmul_peak,
     prefill_flops,
     release,
     time_decode,
@@ -37,9 +39,6 @@ from hearth.generate import default_prefill_step
 from hearth.kv import parse_kv_quant
 from hearth.models import Model
 
-DEFAULT_BANDWIDTH = 4.2e12  # B/s: measured device-to-device copy on an H200
-DEFAULT_PEAK_FLOPS = 790e12  # FLOP/s: dense bf16 that an H200 reaches in practice
-
 
 @dataclass(frozen=True)
 class BenchOptions:
@@ -51,8 +50,11 @@ class BenchOptions:
     steps: int = 32
     hf: bool = False
     device: str | None = None
-    bandwidth: float = DEFAULT_BANDWIDTH
-    peak_flops: float = DEFAULT_PEAK_FLOPS
+    # The rooflines' memory bandwidth (B/s) and matmul peak (FLOP/s); None: measured on the
+    # device before the run (`copy_bandwidth`, `matmul_peak`), so a percentage is of the
+    # machine that ran it. The issue's H200 figures are 4.2e12 and 790e12.
+    bandwidth: float | None = None
+    peak_flops: float | None = None
     kv_quant: Sequence[str] = ("off",)  # KV cache layouts decode runs over (`--kv-quant`)
 
 
@@ -136,7 +138,48 @@ def _precision(model: Model) -> str:
     kinds = {type(m).__name__ for m in model.modules()}
     packed = [k for k in ("MLXQuantizedLinear", "Int8Linear", "Int4Linear") if k in kinds]
     weights = f", {packed[0]} weights" if packed else ""
-    return f"computes in {str(model.compute_dtype).removeprefix('torch.')}{weights}"
+    return f"computes in {_dtype_name(model.compute_dtype)}{weights}"
+
+
+@dataclass(frozen=True)
+class Rooflines:
+    """The bandwidth (B/s) and matmul peak (FLOP/s) a run's percentages are of, and whether
+    each was measured on the device or given by the user."""
+
+    bandwidth: float
+    peak_flops: float
+    bandwidth_measured: bool
+    peak_measured: bool
+
+    def note(self, dtype: torch.dtype) -> str:
+        copy = "measured copy" if self.bandwidth_measured else "given"
+        peak = "measured" if self.peak_measured else "given"
+        return (
+            f"rooflines at {self.bandwidth / 1e12:.3g} TB/s ({copy}) and "
+            f"{self.peak_flops / 1e12:.4g} TFLOP/s ({peak} {_dtype_name(dtype)} matmul)"
+        )
+
+
+def _rooflines(
+    options: BenchOptions,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[str], None],
+) -> Rooflines:
+    """The rooflines `options` gives, the rest measured on `device`."""
+    bandwidth, peak = options.bandwidth, options.peak_flops
+    if bandwidth is None:
+        bandwidth = copy_bandwidth(device)
+        progress(f"bench: copy bandwidth {bandwidth / 1e12:.3g} TB/s")
+    if peak is None:
+        peak = matmul_peak(device, dtype)
+        progress(f"bench: {_dtype_name(dtype)} matmul peak {peak / 1e12:.4g} TFLOP/s")
+    release(device)
+    return Rooflines(bandwidth, peak, options.bandwidth is None, options.peak_flops is None)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchReport:
@@ -149,6 +192,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
     _check_lengths(config, options)
     progress(f"bench: building {subject.name} on {device}")
     model = subject.build()
+    rooflines = _rooflines(options, device, model.compute_dtype, progress)
     report = BenchReport(
         model=f"{subject.name}, {_precision(model)}",
         date=datetime.date.today().isoformat(),
@@ -157,11 +201,10 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
         settings=(
             f"batch 1, {options.steps} decode steps per context, KV cache "
             f"{', '.join(options.kv_quant)}, prefill in chunks of {default_prefill_step(device)}; "
-            f"rooflines at {options.bandwidth / 1e12:.3g} TB/s and "
-            f"{options.peak_flops / 1e12:.4g} TFLOP/s"
+            f"{rooflines.note(model.compute_dtype)}"
         ),
     )
-    _measure_hearth(model, config, options, report, progress)
+    _measure_hearth(model, config, options, rooflines, report, progress)
     del model
     release(device)
     if options.hf:
@@ -173,6 +216,7 @@ def _measure_hearth(
     model: Model,
     config: ModelConfig,
     options: BenchOptions,
+    rooflines: Rooflines,
     report: BenchReport,
     progress: Callable[[str], None],
 ) -> None:
@@ -190,13 +234,13 @@ def _measure_hearth(
                 f", {layout_name}{mib:.0f} MiB" if mib >= 100 else f", {layout_name}{mib:.3g} MiB"
             )
             work = weights + kv
-            row = Row(DECODE, context, seconds, path, work, work / options.bandwidth)
+            row = Row(DECODE, context, seconds, path, work, work / rooflines.bandwidth)
             report.rows.append(row)
             progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")
     for tokens in options.prefill:
         seconds, path = time_prefill(model, tokens)
         work = prefill_flops(config, tokens, default_prefill_step(model.device))
-        row = Row(PREFILL, tokens, seconds, path, work, work / options.peak_flops)
+        row = Row(PREFILL, tokens, seconds, path, work, work / rooflines.peak_flops)
         report.rows.append(row)
         progress(f"bench: prefill of {tokens}: {tokens / seconds:,.1f} tok/s")
     first = options.prefill[0]
