@@ -45,13 +45,14 @@ PDL_MAX_ELEMENTS = 1 << 17
 PREFETCH_LINES = 8
 # The same for the 4/8-bit affine GEMV (its words, first scales and biases): off, since it
 # cost 12B 13% and E4B 8% at 4 bits in the same A/B (the affine GEMV is issue-bound, and
-# the hints take issue slots and L2 bandwidth from its own loads).
+# the hints take issue slots and L2 bandwidth from its own loads); 1 and 2 lines were within
+# noise on 12B 4-bit (-0.2%, -0.1%: `ab_12b_4bit_affine_prefetch_h100-2026-12-05.md`).
 AFFINE_PREFETCH_LINES = 0
 # The same for the gathered GEMV over float experts, at the rows of the experts the router
 # picked: their ids were written two or more launches back (with this on, a MoE layer runs
 # its router before its dense MLP), and a launch that has started under PDL follows the end
-# of the launch two before it. Off until an A/B says otherwise (`ab_decode.py` variants
-# expert-prefetch-8, -16: no GPU could be started again the day it was written).
+# of the launch two before it. Off: 26B-A4B decode lost 1.5% at 8 lines and 1.3% at
+# 16 against the default (2026-12-05 A/B on an H100, `ab_26b_expert_prefetch_h100-…`).
 EXPERT_PREFETCH_LINES = 0
 
 
