@@ -267,6 +267,11 @@ VARIANTS: dict[str, Patch] = {
     "affine-prefetch-2": _prefetch(8, 0, affine_lines=2),
     "expert-prefetch-8": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 8),
     "expert-prefetch-16": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 16),
+    "expert-geglu": _set(gemma4, "FUSED_EXPERT_GEGLU", True),  # GeGLU in the down GEMV
+    "slot-sum-combine": _set(gemma4, "FUSED_SLOT_SUM", True),  # slot sum in the last norm
+    "moe-fusions": _stacked(
+        _set(gemma4, "FUSED_EXPERT_GEGLU", True), _set(gemma4, "FUSED_SLOT_SUM", True)
+    ),
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

@@ -35,6 +35,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh expert-prefetch  # 26B-A4B's experts prefetched: A/B, parity
 #   OUT=/tmp/out benchmarks/gpu_suite.sh refresh       # what 2026-12-05 left: the A/Bs above, 1-2 line
 #                                                      # affine prefetch, E4B and 26B-A4B headline decode
+#   OUT=/tmp/out benchmarks/gpu_suite.sh moe-fusions   # MoE decode: expert GeGLU and slot sum fused; A/Bs
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -265,6 +266,12 @@ stage 150 ab-26b-experts python benchmarks/ab_decode.py --models 26b-a4b --varia
 stage 100 ab-4bit-affine python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,affine-prefetch-1,affine-prefetch-2 --rounds 3 --check --name 12b_4bit_affine_prefetch
 stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512 --out "$OUT/bench-e4b.md"
 stage 90 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = moe-fusions ]; then  # experts' GeGLU in the down GEMV, slot sum in the last norm
+stage 60 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_kernels_affine.py -k "moe_combine or gathered_float or slot_sum"
+stage 170 ab-26b-moe python benchmarks/ab_decode.py --models 26b-a4b --variants base,expert-geglu,slot-sum-combine,moe-fusions,fused-geglu-down --rounds 3 --check --name 26b_moe_fusions
+stage 110 ab-e4b-geglu python benchmarks/ab_decode.py --models e4b --variants base,fused-geglu-down,attn-n16 --rounds 3 --check --name e4b_geglu_down
+stage 110 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,slot-sum-combine --rounds 3 --check --name 26b_4bit_slot_sum
+stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --out "$OUT/bench-e4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

@@ -54,11 +54,18 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_fused_kernels_in_the_model_match_the_torch_path(
     config: str, fused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`fused`: the MoE layer's norms in two kernels, the per-layer input's GeGLU inside its
-    projection's GEMV and the add-norm before it inside its gate's GEMV (else each apart)."""
-    monkeypatch.setattr(gemma4, "FUSED_MOE_NORMS", fused)
-    monkeypatch.setattr(gemma4, "FUSED_PER_LAYER_GEGLU", fused)
-    monkeypatch.setattr(gemma4, "FUSED_PER_LAYER_NORM", fused)
+    """`fused`: the MoE layer's norms in two kernels, the second also summing the experts'
+    weighted slots, the experts' GeGLU inside their down GEMV, the per-layer input's GeGLU
+    inside its projection's GEMV and the add-norm before it inside its gate's GEMV (else each
+    apart)."""
+    for switch in (
+        "FUSED_MOE_NORMS",
+        "FUSED_PER_LAYER_GEGLU",
+        "FUSED_PER_LAYER_NORM",
+        "FUSED_EXPERT_GEGLU",
+        "FUSED_SLOT_SUM",
+    ):
+        monkeypatch.setattr(gemma4, switch, fused)
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
@@ -77,6 +84,16 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     monkeypatch.setattr(
         gemma4, "weighted_slot_sum", _counted(gemma4.weighted_slot_sum, launched, "slot_sum")
     )
+    monkeypatch.setattr(
+        gemma4, "gelu_tanh_mul", _counted(gemma4.gelu_tanh_mul, launched, "gelu_tanh_mul")
+    )
+    original_experts = gemma4.float_expert_matmul
+
+    def counted_experts(x, weight, expert_ids, geglu=False):
+        launched.append("experts of a geglu" if geglu else "experts")
+        return original_experts(x, weight, expert_ids, geglu)
+
+    monkeypatch.setattr(gemma4, "float_expert_matmul", counted_experts)
     original_gemv = gemv.gemv_triton
 
     def counted_gemv(x, weight, geglu=False, config=None, up=None, add_norm=None):
@@ -90,12 +107,12 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     if config.startswith("ple"):
         assert (ple in launched) == ("gemv add-norm" in launched) == fused, launched
     if config == "moe" and fused:
-        fused = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
-        assert fused | {"route_triton", "slot_sum"} <= set(launched)
-        assert "router_input_triton" not in launched
+        fused_norms = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
+        assert fused_norms | {"route_triton", "experts of a geglu"} <= set(launched)
+        assert not {"router_input_triton", "slot_sum", "gelu_tanh_mul"} & set(launched)
     elif config == "moe":
-        assert ple not in launched
-        assert {"route_triton", "router_input_triton", "slot_sum"} <= set(launched)
+        assert ple not in launched and "experts of a geglu" not in launched
+        assert {"route_triton", "router_input_triton", "slot_sum", "gelu_tanh_mul"} <= set(launched)
         assert not {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"} & set(launched)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 

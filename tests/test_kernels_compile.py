@@ -156,6 +156,21 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             x, x, x, weight, weight, weight, 1e-6, weight, scalar
         ),
     )
+    yield (
+        "moe_combine_add_rms_norm of weighted slots",
+        lambda: norm.moe_combine_add_rms_norm_triton(
+            x,
+            x,
+            torch.randn(1, 8, 256, dtype=bf16),
+            weight,
+            weight,
+            weight,
+            1e-6,
+            weight,
+            scalar,
+            torch.rand(1, 8),
+        ),
+    )
     yield "gelu_tanh_mul", lambda: activation.gelu_tanh_mul_triton(torch.randn(1, 512, dtype=bf16))
     yield (
         "gelu_tanh_mul of two",
@@ -293,6 +308,15 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         "float experts",
         lambda: affine_matmul.float_expert_matmul_triton(
             x, torch.randn(4, 48, 256, dtype=bf16), ids
+        ),
+    )
+    yield (
+        "float experts of a geglu",
+        lambda: affine_matmul.float_expert_matmul_triton(
+            torch.randn(1, 2, 512, dtype=bf16),
+            torch.randn(4, 48, 256, dtype=bf16),
+            ids,
+            geglu=True,
         ),
     )
     expert_ids = torch.tensor([[0, 3], [1, 3], [3, 2]])

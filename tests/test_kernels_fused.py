@@ -273,6 +273,39 @@ def test_moe_combine_add_rms_norm(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_combine_reads_the_weighted_expert_slots(dtype: torch.dtype) -> None:
+    """The combine with the experts' per-slot outputs and router weights in place of their
+    sum: bit for bit `weighted_slot_sum` then the combine (the same roundings in the same
+    order), and the reference likewise."""
+    width, slots = 200, 8
+    residual = torch.randn(3, width).to(dtype)
+    dense = torch.randn(3, width).mul(7).to(dtype)
+    per_slot = torch.randn(3, slots, width).mul(3).to(dtype)
+    slot_weights = torch.rand(3, slots)
+    dense_w, experts_w, weight, next_w = (torch.rand(width) + 0.5 for _ in range(4))
+    scalar = torch.tensor([0.37]).to(dtype)
+
+    def combine(function, experts, **kwargs):
+        args = (residual, dense, experts, dense_w, experts_w, weight, EPS, next_w, scalar)
+        return function(*args, **kwargs)
+
+    summed = weighted_slot_sum_triton(per_slot, slot_weights)
+    fused = combine(moe_combine_add_rms_norm_triton, per_slot, slot_weights=slot_weights)
+    for got, want in zip(fused, combine(moe_combine_add_rms_norm_triton, summed), strict=True):
+        assert torch.equal(got, want)
+    reference = combine(moe_combine_add_rms_norm_reference, per_slot, slot_weights=slot_weights)
+    want_reference = combine(
+        moe_combine_add_rms_norm_reference, weighted_slot_sum_reference(per_slot, slot_weights)
+    )
+    for got, want in zip(reference, want_reference, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(fused, reference, strict=True):
+        close(got, want, dtype)
+    with pytest.raises(ValueError, match="slot weights"):
+        combine(moe_combine_add_rms_norm_triton, per_slot, slot_weights=slot_weights[:, :4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weighted_slot_sum(dtype: torch.dtype) -> None:
     y = torch.randn(3, 8, 1500).to(dtype)  # 1500: two blocks, one partial
     weights = torch.rand(3, 8)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
+from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
@@ -158,9 +159,15 @@ def affine_expert_matmul_reference(
     return out.view(*expert_ids.shape, -1)
 
 
-def float_expert_matmul_reference(x: Tensor, weight: Tensor, expert_ids: Tensor) -> Tensor:
-    """``[T, top_k, N]`` of float experts ``weight [E, N, K]``, as the quantized one above."""
+def float_expert_matmul_reference(
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False
+) -> Tensor:
+    """``[T, top_k, N]`` of float experts ``weight [E, N, K]``, as the quantized one above.
+    With `geglu` x holds each pair's stacked gate/up ``[T, top_k, 2K]`` and the input is
+    ``gelu_tanh_mul(x)``, rounded as that kernel rounds."""
     _check_expert_shapes(x, expert_ids)
+    if geglu:
+        x = gelu_tanh_mul_reference(x)
     rows = _slot_rows(x, expert_ids)
     chosen = weight[expert_ids.reshape(-1)].to(x.dtype)
     return torch.bmm(chosen, rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
@@ -194,11 +201,15 @@ def affine_expert_matmul(
     return affine_expert_matmul_reference(x, packed, scales, biases, expert_ids, bits, group_size)
 
 
-def float_expert_matmul(x: Tensor, weight: Tensor, expert_ids: Tensor) -> Tensor:
-    """``[T, top_k, N]`` of float experts ``[E, N, K]``, without a host sync on CUDA."""
+def float_expert_matmul(
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False
+) -> Tensor:
+    """``[T, top_k, N]`` of float experts ``[E, N, K]``, without a host sync on CUDA; with
+    `geglu`, of ``gelu_tanh_mul(x)`` for x the stacked gate/up ``[T, top_k, 2K]``, formed
+    inside the kernel (one launch fewer)."""
     if kernel_enabled(x):
-        return float_expert_matmul_triton(x, weight, expert_ids)
-    return float_expert_matmul_reference(x, weight, expert_ids)
+        return float_expert_matmul_triton(x, weight, expert_ids, geglu=geglu)
+    return float_expert_matmul_reference(x, weight, expert_ids, geglu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +326,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from hearth.kernels import prefetch_row_lines, prefetch_to_l2, wait_for_producer
+    from hearth.kernels.activation import gelu_tanh
 
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
@@ -871,13 +883,18 @@ if HAS_TRITON:
         stride_om,
         X_ROWS_PER_ID,
         EXPERTS,
+        coefficient,
         K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr = 0,
+        GEGLU: tl.constexpr = False,
     ):
         """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
+        With GEGLU x's row holds a gate then an up of K each, and the input is
+        gelu_tanh(gate) * up, rounded as `activation.gelu_tanh_mul` rounds (coefficient:
+        sqrt(2/pi)); each program recomputes it for its pair, K values.
         PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
         the wait (`hearth.kernels.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
         final when the router ran two launches back, else a guess that can only cost time
@@ -899,7 +916,13 @@ if HAS_TRITON:
             k = step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
             w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
+            if GEGLU:
+                gate = tl.load(x_row + k, mask=k_ok, other=0)
+                up = tl.load(x_row + K + k, mask=k_ok, other=0)
+                gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(gate.dtype)
+                xk = (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            else:
+                xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
             acc += w.to(tl.float32) * xk[None, :]
         out = tl.sum(acc, axis=1)
         tl.store(
@@ -960,7 +983,7 @@ if HAS_TRITON:
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
             for n, k, warps in ((8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8))
         ],
-        key=["N", "K"],
+        key=["N", "K", "GEGLU"],
     )(_float_gather_gemv_kernel)
     DEFAULT_FLOAT_GATHER_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 64}
 
@@ -1255,13 +1278,20 @@ if HAS_TRITON:
         return out.view(*expert_ids.shape, -1)
 
     def float_expert_matmul_triton(
-        x: Tensor, weight: Tensor, expert_ids: Tensor, config: dict | None = None
+        x: Tensor,
+        weight: Tensor,
+        expert_ids: Tensor,
+        config: dict | None = None,
+        geglu: bool = False,
     ) -> Tensor:
-        """Gathered GEMV over float experts ``[E, N, K]``: ``[T, top_k, N]``."""
+        """Gathered GEMV over float experts ``[E, N, K]``: ``[T, top_k, N]``; with `geglu`,
+        of gelu_tanh_mul(x) for x ``[T, top_k, 2K]`` (see `float_expert_matmul`)."""
         _check_expert_shapes(x, expert_ids)
         pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
         n, k = weight.shape[-2:]
-        rows = x.reshape(-1, k)
+        if geglu and (x.dim() != 3 or x.shape[-1] != 2 * k):
+            raise ValueError(f"geglu input {tuple(x.shape)} must be [tokens, top_k, 2 * {k}]")
+        rows = x.reshape(-1, 2 * k if geglu else k)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
         out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
@@ -1275,6 +1305,7 @@ if HAS_TRITON:
             out.stride(0),
             top_k if x.dim() == 2 else 1,
             weight.shape[0],
+            SQRT_2_OVER_PI,
             k,
         )
 
@@ -1282,12 +1313,12 @@ if HAS_TRITON:
             return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
         pdl = pdl_options(x)
-        prefetch = {"PREFETCH_LINES": prefetch_lines(pdl, "experts")}
+        switches = {"PREFETCH_LINES": prefetch_lines(pdl, "experts"), "GEGLU": geglu}
         if config is None and x.is_cuda:
-            launch_kernel(_float_gather_tuned, grid, *args, **pdl, **prefetch)
+            launch_kernel(_float_gather_tuned, grid, *args, **pdl, **switches)
         else:
             chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
             launch_kernel(
-                _float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl, **prefetch
+                _float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl, **switches
             )
         return out.view(*expert_ids.shape, -1)

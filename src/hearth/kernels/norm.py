@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from hearth import native
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.launch import launch_kernel
+from hearth.kernels.slot_sum import weighted_slot_sum_reference
 
 if HAS_TRITON:
     import triton
@@ -60,6 +61,7 @@ if HAS_TRITON:
         normed2_ptr,
         router_w_ptr,
         router_ptr,
+        slot_w_ptr,
         router_factor,
         eps,
         N: tl.constexpr,
@@ -73,6 +75,7 @@ if HAS_TRITON:
         HAS_NEXT2: tl.constexpr,
         HAS_ROUTER: tl.constexpr,
         PDL: tl.constexpr,
+        SLOTS: tl.constexpr = 0,
     ):
         wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -81,7 +84,16 @@ if HAS_TRITON:
         dtype = out_ptr.dtype.element_ty
         # Every load is issued before the first reduction: at batch-1 decode this kernel is
         # one program per row, so its time is load latency, not bandwidth.
-        x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
+        if SLOTS > 0:  # x is a MoE token's expert outputs [SLOTS, N], weighted and summed
+            x = tl.zeros([BLOCK], tl.float32)
+            for slot in tl.static_range(SLOTS):
+                pair = row * SLOTS + slot
+                y = tl.load(x_ptr + pair * N + columns, mask=mask, other=0.0)
+                weighted = y.to(tl.float32) * tl.load(slot_w_ptr + pair)
+                x += weighted.to(dtype).to(tl.float32)  # `weighted_slot_sum`'s roundings
+            x = x.to(dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + columns, mask=mask & HAS_WEIGHT, other=0.0)
         if HAS_RESIDUAL:
             residual = tl.load(residual_ptr + row * N + columns, mask=mask, other=0.0)
@@ -186,9 +198,14 @@ def moe_combine_add_rms_norm_reference(
     eps: float,
     next_weight: torch.Tensor,
     scale: torch.Tensor | None = None,
+    slot_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The end of a Gemma 4 MoE layer: ff = norm(dense)·w1 + norm(experts)·w2, then
-    `add_rms_norm_reference(residual, ff, weight, eps, next_weight, True, scale)`."""
+    `add_rms_norm_reference(residual, ff, weight, eps, next_weight, True, scale)`. With
+    `slot_weights` [T, top_k], experts is each slot's output [T, top_k, H], summed first by
+    `weighted_slot_sum_reference`."""
+    if slot_weights is not None:
+        experts = weighted_slot_sum_reference(experts, slot_weights)
     ff = add_rms_norm_reference(
         rms_norm_reference(dense, dense_weight, eps), experts, experts_weight, eps
     )[0]
@@ -213,24 +230,37 @@ def _launch(
     combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     next_weight_2: torch.Tensor | None = None,
     router_scale: torch.Tensor | None = None,
+    slot_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(out, normed or None, normed_2 if next_weight_2, router input if router_scale).
     `combine` is (dense, dense_weight, x_weight): x is first replaced by
-    ``round(norm(dense) · dense_weight) + round(norm(x) · x_weight)``."""
+    ``round(norm(dense) · dense_weight) + round(norm(x) · x_weight)``. With `slot_weights`
+    [..., top_k], x is [..., top_k, N] and stands for `weighted_slot_sum(x, slot_weights)`."""
     columns = x.shape[-1]
+    shape = x.shape
+    if slot_weights is not None:
+        if slot_weights.shape != x.shape[:-1]:
+            raise ValueError(
+                f"slot weights {tuple(slot_weights.shape)} do not match x {tuple(x.shape)}"
+            )
+        shape = torch.Size((*x.shape[:-2], columns))
     if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype):
         raise ValueError(f"scale must be one {x.dtype} value, got {scale.dtype} {scale.shape}")
     for name, vector in (("router scale", router_scale), ("next weight 2", next_weight_2)):
         if vector is not None and vector.shape != (columns,):
             raise ValueError(f"{name} {tuple(vector.shape)} does not match width {columns}")
-    rows = x.numel() // columns
+    rows = shape.numel() // columns
     x2 = x.contiguous()
-    out = torch.empty_like(x2)
-    normed = torch.empty_like(x2) if normalize_next else None
-    normed_2 = torch.empty_like(x2) if next_weight_2 is not None else None
-    routed = torch.empty_like(x2) if router_scale is not None else None
+
+    def like_out() -> torch.Tensor:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    out = like_out()
+    normed = like_out() if normalize_next else None
+    normed_2 = like_out() if next_weight_2 is not None else None
+    routed = like_out() if router_scale is not None else None
     dense, dense_weight, x_weight = combine if combine is not None else (None, None, None)
-    if dense is not None and dense.shape != x.shape:
+    if dense is not None and dense.shape != shape:
         raise ValueError(f"dense {tuple(dense.shape)} does not match x {tuple(x.shape)}")
 
     def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
@@ -254,6 +284,7 @@ def _launch(
         pointer(normed_2),
         pointer(router_scale),
         pointer(routed),
+        pointer(slot_weights.float().contiguous() if slot_weights is not None else None),
         columns**-0.5,
         eps,
         N=columns,
@@ -266,6 +297,7 @@ def _launch(
         COMBINE=combine is not None,
         HAS_NEXT2=next_weight_2 is not None,
         HAS_ROUTER=router_scale is not None,
+        SLOTS=x.shape[-2] if slot_weights is not None else 0,
         num_warps=_warps(columns),
         **pdl_options(x),
     )
@@ -356,9 +388,20 @@ def moe_combine_add_rms_norm_triton(
     eps: float,
     next_weight: torch.Tensor,
     scale: torch.Tensor | None = None,
+    slot_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     combine = (dense, dense_weight, experts_weight)
-    out = _launch(experts, residual, weight, next_weight, True, eps, scale, combine=combine)
+    out = _launch(
+        experts,
+        residual,
+        weight,
+        next_weight,
+        True,
+        eps,
+        scale,
+        combine=combine,
+        slot_weights=slot_weights,
+    )
     return out[0], out[1]
 
 
@@ -389,10 +432,11 @@ def moe_combine_add_rms_norm(
     eps: float,
     next_weight: torch.Tensor,
     scale: torch.Tensor | None = None,
+    slot_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_combine_add_rms_norm_reference`: the layer's last three norms in one Triton kernel
-    on CUDA."""
+    """`moe_combine_add_rms_norm_reference`: the layer's last three norms (and, with
+    `slot_weights`, the experts' weighted slot sum) in one Triton kernel on CUDA."""
     args = (residual, dense, experts, dense_weight, experts_weight, weight, eps, next_weight)
     if kernel_enabled(experts):
-        return moe_combine_add_rms_norm_triton(*args, scale)
-    return moe_combine_add_rms_norm_reference(*args, scale)
+        return moe_combine_add_rms_norm_triton(*args, scale, slot_weights)
+    return moe_combine_add_rms_norm_reference(*args, scale, slot_weights)

@@ -74,6 +74,14 @@ FUSED_PER_LAYER_GEGLU = True
 # so only a few programs each take the row's RMS, one launch fewer a layer. E4B +0.6%,
 # logits bit-identical (2026-12-05 A/B on an H100, `ab_e4b_prefetch_h100-2026-12-05.md`).
 FUSED_PER_LAYER_NORM = True
+# At a decode step with float experts, the experts' GeGLU inside their down projection's
+# gathered GEMV (each program recomputes its pair's K = moe_intermediate_size products) rather
+# than a kernel of its own between the two GEMVs. An A/B switch.
+FUSED_EXPERT_GEGLU = False
+# At a decode step, the router-weighted sum of the experts' slot outputs inside the MoE
+# layer's last norm kernel (`moe_combine_add_rms_norm`), not a `weighted_slot_sum` launch
+# before it; bit-identical. Needs FUSED_MOE_NORMS. An A/B switch.
+FUSED_SLOT_SUM = False
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
@@ -217,6 +225,10 @@ class Experts(nn.Module):
             return self.forward_gathered(x, weights, experts)
         return self.forward_loop(x, weights, experts)
 
+    def gathers(self, x: torch.Tensor) -> bool:
+        """Whether `forward` of these tokens takes `forward_gathered` (a decode step on CUDA)."""
+        return self._has_gathered_kernels(x) and x.shape[0] < GROUPED_EXPERTS_MIN_TOKENS
+
     def _has_gathered_kernels(self, x: torch.Tensor) -> bool:
         """On CUDA, when every weight is float or packed in widths the kernels cover."""
         return kernel_enabled(x) and self.kernels_cover_weights
@@ -239,13 +251,21 @@ class Experts(nn.Module):
         return weight.gathered_matmul(x, experts)
 
     def forward_gathered(
-        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        summed: bool = True,
     ) -> torch.Tensor:
         """Every (token, slot) pair through its expert, ids kept on the device: no host sync,
-        so CUDA graphs can capture it. Equals `forward_loop` up to summation order."""
+        so CUDA graphs can capture it. Equals `forward_loop` up to summation order. With
+        `summed` False, the slots' outputs [tokens, top_k, H] before their weighted sum."""
         gate_up = self._per_slot(self.gate_up_proj, x, experts)
-        y = self._per_slot(self.down_proj, gelu_tanh_mul(gate_up), experts)
-        return weighted_slot_sum(y, weights)
+        if FUSED_EXPERT_GEGLU and isinstance(self.down_proj, torch.Tensor):
+            y = float_expert_matmul(gate_up, self.down_proj, experts, geglu=True)
+        else:
+            y = self._per_slot(self.down_proj, gelu_tanh_mul(gate_up), experts)
+        return weighted_slot_sum(y, weights) if summed else y
 
     @staticmethod
     def _grouped(
@@ -408,17 +428,26 @@ class Gemma4DecoderLayer(nn.Module):
         else:
             dense = self.mlp(inputs.dense)
             weights, experts = self.router.route(router_input)
-        sparse = self.experts(inputs.experts.reshape(-1, hidden), weights, experts)
+        expert_input = inputs.experts.reshape(-1, hidden)
+        slot_weights = None
+        if FUSED_SLOT_SUM and self.experts.gathers(expert_input):
+            # The slots' outputs go to the combine kernel, which weights and sums them.
+            per_slot = self.experts.forward_gathered(expert_input, weights, experts, summed=False)
+            sparse = per_slot.view(*x.shape[:-1], *per_slot.shape[-2:])
+            slot_weights = weights.view(*x.shape[:-1], weights.shape[-1])
+        else:
+            sparse = self.experts(expert_input, weights, experts).view_as(x)
         return moe_combine_add_rms_norm(
             inputs.residual,
             dense,
-            sparse.view_as(x),
+            sparse,
             self.post_feedforward_layernorm_1.weight,
             self.post_feedforward_layernorm_2.weight,
             self.post_feedforward_layernorm.weight,
             self.eps,
             next_norm.weight,
             self.layer_scalar,
+            slot_weights,
         )
 
     def _feed_forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
