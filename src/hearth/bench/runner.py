@@ -155,9 +155,15 @@ class Rooflines:
         copy = "measured copy" if self.bandwidth_measured else "given"
         peak = "measured" if self.peak_measured else "given"
         return (
-            f"rooflines at {self.bandwidth / 1e12:.3g} TB/s ({copy}) and "
-            f"{self.peak_flops / 1e12:.4g} TFLOP/s ({peak} {_dtype_name(dtype)} matmul)"
+            f"rooflines at {_rate(self.bandwidth, 'B/s', 3)} ({copy}) and "
+            f"{_rate(self.peak_flops, 'FLOP/s', 4)} ({peak} {_dtype_name(dtype)} matmul)"
         )
+
+
+def _rate(value: float, unit: str, digits: int) -> str:
+    """`value` with a T or G prefix (a GPU's rates read in T, a CPU's in G)."""
+    scale, prefix = (1e12, "T") if value >= 1e12 else (1e9, "G")
+    return f"{value / scale:.{digits}g} {prefix}{unit}"
 
 
 def _rooflines(
@@ -170,10 +176,10 @@ def _rooflines(
     bandwidth, peak = options.bandwidth, options.peak_flops
     if bandwidth is None:
         bandwidth = copy_bandwidth(device)
-        progress(f"bench: copy bandwidth {bandwidth / 1e12:.3g} TB/s")
+        progress(f"bench: copy bandwidth {_rate(bandwidth, 'B/s', 3)}")
     if peak is None:
         peak = matmul_peak(device, dtype)
-        progress(f"bench: {_dtype_name(dtype)} matmul peak {peak / 1e12:.4g} TFLOP/s")
+        progress(f"bench: {_dtype_name(dtype)} matmul peak {_rate(peak, 'FLOP/s', 4)}")
     release(device)
     return Rooflines(bandwidth, peak, options.bandwidth is None, options.peak_flops is None)
 
