@@ -272,6 +272,11 @@ VARIANTS: dict[str, Patch] = {
     "moe-fusions": _stacked(
         _set(gemma4, "FUSED_EXPERT_GEGLU", True), _set(gemma4, "FUSED_SLOT_SUM", True)
     ),
+    "gate-up-geglu": _set(gemma, "FUSED_GATE_UP_GEGLU", True),  # a pinned gate/up stores GeGLU
+    "expert-gate-geglu": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", True),  # experts' gate/up too
+    "geglu-outputs": _stacked(
+        _set(gemma, "FUSED_GATE_UP_GEGLU", True), _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", True)
+    ),
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

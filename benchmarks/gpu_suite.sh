@@ -36,7 +36,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh refresh       # what 2026-12-05 left: the A/Bs above, 1-2 line
 #                                                      # affine prefetch, E4B and 26B-A4B headline decode
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe-fusions   # MoE decode: expert GeGLU and slot sum fused; A/Bs
-#   OUT=/tmp/out benchmarks/gpu_suite.sh attn-n16      # expert GeGLU checked on the GPU; 16-slot attention A/Bs
+#   OUT=/tmp/out benchmarks/gpu_suite.sh geglu-out     # GeGLU stored by gate/up GEMVs (dense, experts); 16-slot attention
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -273,12 +273,12 @@ stage 170 ab-26b-moe python benchmarks/ab_decode.py --models 26b-a4b --variants 
 stage 110 ab-e4b-geglu python benchmarks/ab_decode.py --models e4b --variants base,fused-geglu-down,attn-n16 --rounds 3 --check --name e4b_geglu_down
 stage 110 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,slot-sum-combine --rounds 3 --check --name 26b_4bit_slot_sum
 stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --out "$OUT/bench-e4b.md"
-elif [ "$PART" = attn-n16 ]; then  # the expert GeGLU on the GPU; 16-slot attention blocks elsewhere
-stage 60 expert-geglu python benchmarks/gpu_expert_geglu.py
-stage 110 ab-12b-attn python benchmarks/ab_decode.py --models gemma3-12b --variants base,attn-n16 --rounds 3 --check --name 12b_attn_n16
-stage 110 ab-26b-attn python benchmarks/ab_decode.py --models 26b-a4b --variants base,attn-n16,expert-geglu --rounds 3 --check --name 26b_attn_n16
-stage 110 ab-e4b-8k-attn python benchmarks/ab_decode.py --models e4b --context 8192 --variants base,attn-n16 --rounds 3 --check --name e4b_8k_attn_n16
-stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = geglu-out ]; then  # GeGLU stored by gate/up GEMVs; 16-slot attention blocks
+stage 50 expert-geglu python benchmarks/gpu_expert_geglu.py
+stage 100 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,gate-up-geglu,attn-n16 --rounds 3 --check --name e4b_geglu_out
+stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,gate-up-geglu,expert-gate-geglu,geglu-outputs,expert-geglu,attn-n16 --rounds 3 --check --name 26b_geglu_out
+stage 100 ab-12b-attn python benchmarks/ab_decode.py --models gemma3-12b --variants base,attn-n16 --rounds 3 --check --name 12b_attn_n16
+stage 100 ab-e4b-8k-attn python benchmarks/ab_decode.py --models e4b --context 8192 --variants base,attn-n16 --rounds 3 --check --name e4b_8k_attn_n16
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

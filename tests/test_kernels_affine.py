@@ -408,6 +408,29 @@ def test_gathered_float_experts_of_a_geglu(dtype) -> None:
         am.float_expert_matmul_triton(gate_up[..., :96], weights, ids, geglu=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_gathered_float_experts_with_a_geglu_output(dtype, per_slot) -> None:
+    """Stacked gate/up experts [E, 2N, K] whose gathered GEMV stores gelu_tanh(gate) * up:
+    bit for bit the plain gathered GEMV at the same tiles, then the GeGLU kernel (a program's
+    rows pair gate c with up c; each dot summed as before). N = 20 leaves a ragged block."""
+    torch.manual_seed(8)
+    weights = torch.randn(4, 40, 96).to(dtype)
+    ids = torch.tensor(EXPERT_IDS["repeated"])
+    x = (torch.randn(3, 2, 96) if per_slot else torch.randn(3, 96)).to(dtype)
+    config = {"BLOCK_N": 8, "BLOCK_K": 64}
+    got = am.float_expert_matmul_triton(x, weights, ids, config=config, geglu_out=True)
+    assert got.shape == (3, 2, 20)
+    apart = gelu_tanh_mul_triton(am.float_expert_matmul_triton(x, weights, ids, config=config))
+    assert torch.equal(got, apart)
+    assert torch.equal(
+        am.float_expert_matmul(x, weights, ids, geglu_out=True),  # off the GPU: the reference
+        gelu_tanh_mul_reference(am.float_expert_matmul_reference(x, weights, ids)),
+    )
+    with pytest.raises(ValueError, match="stacked gate/up"):
+        am.float_expert_matmul_triton(x, weights[:, 1:], ids, geglu_out=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch and the modules that use it
 

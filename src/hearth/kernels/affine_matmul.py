@@ -160,17 +160,19 @@ def affine_expert_matmul_reference(
 
 
 def float_expert_matmul_reference(
-    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False, geglu_out: bool = False
 ) -> Tensor:
     """``[T, top_k, N]`` of float experts ``weight [E, N, K]``, as the quantized one above.
     With `geglu` x holds each pair's stacked gate/up ``[T, top_k, 2K]`` and the input is
-    ``gelu_tanh_mul(x)``, rounded as that kernel rounds."""
+    ``gelu_tanh_mul(x)``; with `geglu_out` the experts are a stacked gate/up and the output
+    ``gelu_tanh_mul`` of the product, ``[T, top_k, N / 2]``."""
     _check_expert_shapes(x, expert_ids)
     if geglu:
         x = gelu_tanh_mul_reference(x)
     rows = _slot_rows(x, expert_ids)
     chosen = weight[expert_ids.reshape(-1)].to(x.dtype)
-    return torch.bmm(chosen, rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
+    out = torch.bmm(chosen, rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
+    return gelu_tanh_mul_reference(out) if geglu_out else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,14 +204,15 @@ def affine_expert_matmul(
 
 
 def float_expert_matmul(
-    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False, geglu_out: bool = False
 ) -> Tensor:
     """``[T, top_k, N]`` of float experts ``[E, N, K]``, without a host sync on CUDA; with
     `geglu`, of ``gelu_tanh_mul(x)`` for x the stacked gate/up ``[T, top_k, 2K]``, formed
-    inside the kernel (one launch fewer)."""
+    inside the kernel; with `geglu_out`, ``gelu_tanh_mul`` of the product of stacked gate/up
+    experts ``[E, 2N, K]``, stored by the kernel. Either saves the GeGLU launch."""
     if kernel_enabled(x):
-        return float_expert_matmul_triton(x, weight, expert_ids, geglu=geglu)
-    return float_expert_matmul_reference(x, weight, expert_ids, geglu)
+        return float_expert_matmul_triton(x, weight, expert_ids, geglu=geglu, geglu_out=geglu_out)
+    return float_expert_matmul_reference(x, weight, expert_ids, geglu, geglu_out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -890,26 +893,37 @@ if HAS_TRITON:
         PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr = 0,
         GEGLU: tl.constexpr = False,
+        GEGLU_OUT: tl.constexpr = False,
     ):
         """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
         With GEGLU x's row holds a gate then an up of K each, and the input is
         gelu_tanh(gate) * up, rounded as `activation.gelu_tanh_mul` rounds (coefficient:
-        sqrt(2/pi)); each program recomputes it for its pair, K values.
+        sqrt(2/pi)); each program recomputes it for its pair, K values. With GEGLU_OUT the
+        experts are stacked gate/up [E, 2N, K] and out[r] is gelu_tanh(gate) * up [N]: a
+        program's rows alternate gate row c and up row c (as `gemv._gemv_kernel` pairs them).
         PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
         the wait (`hearth.kernels.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
         final when the router ran two launches back, else a guess that can only cost time
         (clamped to the experts, and the ids are read again after the wait)."""
         pid_r = tl.program_id(0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+        if GEGLU_OUT:
+            lane = tl.arange(0, BLOCK_N)
+            column = tl.program_id(1) * (BLOCK_N // 2) + lane // 2
+            n = column + (lane % 2) * N  # gate row, up row, gate row, ...
+            n_ok = column < N
+            ROWS = 2 * N
+        else:
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < N
+            ROWS = N
         if PREFETCH_LINES > 0:
             guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
             guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)
-            rows_read = weight_ptr + guess * N * K + tl.minimum(n, N - 1).to(tl.int64)[:, None] * K
-            prefetch_row_lines(rows_read, 0, K, PREFETCH_LINES)
+            first_rows = tl.minimum(n, ROWS - 1).to(tl.int64)[:, None] * K
+            prefetch_row_lines(weight_ptr + guess * ROWS * K + first_rows, 0, K, PREFETCH_LINES)
         wait_for_producer(PDL)
         expert = tl.load(ids_ptr + pid_r).to(tl.int64)
-        rows = weight_ptr + expert * N * K + n.to(tl.int64)[:, None] * K
+        rows = weight_ptr + expert * ROWS * K + n.to(tl.int64)[:, None] * K
         x_row = x_ptr + (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for step in range((K + BLOCK_K - 1) // BLOCK_K):
@@ -924,12 +938,15 @@ if HAS_TRITON:
             else:
                 xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
             acc += w.to(tl.float32) * xk[None, :]
-        out = tl.sum(acc, axis=1)
-        tl.store(
-            out_ptr + pid_r.to(tl.int64) * stride_om + n,
-            out.to(out_ptr.dtype.element_ty),
-            mask=n_ok,
-        )
+        out = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
+        if GEGLU_OUT:
+            gate, up = tl.split(tl.reshape(out, [BLOCK_N // 2, 2]))
+            gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(out.dtype)
+            product = (gelu.to(tl.float32) * up.to(tl.float32)).to(out.dtype)
+            c = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + pid_r.to(tl.int64) * stride_om + c, product, mask=c < N)
+        else:
+            tl.store(out_ptr + pid_r.to(tl.int64) * stride_om + n, out, mask=n_ok)
 
     # -----------------------------------------------------------------------------------------
     # Tile GEMV configurations (autotuned)
@@ -983,7 +1000,7 @@ if HAS_TRITON:
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
             for n, k, warps in ((8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8))
         ],
-        key=["N", "K", "GEGLU"],
+        key=["N", "K", "GEGLU", "GEGLU_OUT"],
     )(_float_gather_gemv_kernel)
     DEFAULT_FLOAT_GATHER_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 64}
 
@@ -1283,24 +1300,29 @@ if HAS_TRITON:
         expert_ids: Tensor,
         config: dict | None = None,
         geglu: bool = False,
+        geglu_out: bool = False,
     ) -> Tensor:
         """Gathered GEMV over float experts ``[E, N, K]``: ``[T, top_k, N]``; with `geglu`,
-        of gelu_tanh_mul(x) for x ``[T, top_k, 2K]`` (see `float_expert_matmul`)."""
+        of gelu_tanh_mul(x) for x ``[T, top_k, 2K]`` (see `float_expert_matmul`); with
+        `geglu_out`, gelu_tanh_mul of the product of stacked gate/up experts, ``[.., N / 2]``."""
         _check_expert_shapes(x, expert_ids)
         pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
         n, k = weight.shape[-2:]
+        if geglu_out and (geglu or n % 2):
+            raise ValueError("a GeGLU output needs stacked gate/up experts and a plain input")
         if geglu and (x.dim() != 3 or x.shape[-1] != 2 * k):
             raise ValueError(f"geglu input {tuple(x.shape)} must be [tokens, top_k, 2 * {k}]")
         rows = x.reshape(-1, 2 * k if geglu else k)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
-        out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+        width_out = n // 2 if geglu_out else n
+        out = torch.empty(pairs, width_out, dtype=x.dtype, device=x.device)
         args = (
             rows,
             weight,
             expert_ids.reshape(-1).contiguous(),
             out,
-            n,
+            width_out,
             rows.stride(0),
             out.stride(0),
             top_k if x.dim() == 2 else 1,
@@ -1313,7 +1335,11 @@ if HAS_TRITON:
             return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
         pdl = pdl_options(x)
-        switches = {"PREFETCH_LINES": prefetch_lines(pdl, "experts"), "GEGLU": geglu}
+        switches = {
+            "PREFETCH_LINES": prefetch_lines(pdl, "experts"),
+            "GEGLU": geglu,
+            "GEGLU_OUT": geglu_out,
+        }
         if config is None and x.is_cuda:
             launch_kernel(_float_gather_tuned, grid, *args, **pdl, **switches)
         else:

@@ -78,6 +78,10 @@ FUSED_PER_LAYER_NORM = True
 # gathered GEMV (each program recomputes its pair's K = moe_intermediate_size products) rather
 # than a kernel of its own between the two GEMVs. An A/B switch.
 FUSED_EXPERT_GEGLU = False
+# At a decode step with float experts, the experts' gate/up gathered GEMV stores the GeGLU of
+# its dots (programs pair gate and up rows), so the GeGLU kernel goes; bit-identical. An A/B
+# switch (the alternative to FUSED_EXPERT_GEGLU).
+FUSED_EXPERT_GATE_GEGLU = False
 # At a decode step, the router-weighted sum of the experts' slot outputs inside the MoE
 # layer's last norm kernel (`moe_combine_add_rms_norm`), not a `weighted_slot_sum` launch
 # before it. Needs FUSED_MOE_NORMS. 26B-A4B decode +0.4% in bf16, +0.8% at 4 bits, logits
@@ -262,6 +266,10 @@ class Experts(nn.Module):
         """Every (token, slot) pair through its expert, ids kept on the device: no host sync,
         so CUDA graphs can capture it. Equals `forward_loop` up to summation order. With
         `summed` False, the slots' outputs [tokens, top_k, H] before their weighted sum."""
+        if FUSED_EXPERT_GATE_GEGLU and isinstance(self.gate_up_proj, torch.Tensor):
+            hidden = float_expert_matmul(x, self.gate_up_proj, experts, geglu_out=True)
+            y = self._per_slot(self.down_proj, hidden, experts)
+            return weighted_slot_sum(y, weights) if summed else y
         gate_up = self._per_slot(self.gate_up_proj, x, experts)
         if FUSED_EXPERT_GEGLU and isinstance(self.down_proj, torch.Tensor):
             y = float_expert_matmul(gate_up, self.down_proj, experts, geglu=True)
