@@ -57,10 +57,10 @@ def _dense_tiles(
     """Dense decode attention at fixed tiles (quantized formats keep their defaults)."""
     original = attention._default_tiles
 
-    def tiles(head_dim: int, key_format, value_format):
+    def tiles(head_dim: int, key_format, value_format, kv_rows: int = 0):
         if key_format.kind == value_format.kind == "dense":
             return attention._Launch(block_n, warps, stages, False)
-        return original(head_dim, key_format, value_format)
+        return original(head_dim, key_format, value_format, kv_rows)
 
     return lambda: mock.patch.object(attention, "_default_tiles", tiles)
 
@@ -209,6 +209,7 @@ VARIANTS: dict[str, Patch] = {
     "attn-fused-merge": FUSED_MERGE,
     "attn-n32-fused-merge": _stacked(_dense_tiles(32, 4, 3), FUSED_MERGE),
     "attn-pps4": _set(attention, "PROGRAMS_PER_SM", 4),
+    "attn-few-heads-off": _set(attention, "FEW_KV_ROWS", 0),  # every model's usual tiles
     "attn-pps1": _set(attention, "PROGRAMS_PER_SM", 1),
     "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
@@ -274,6 +275,7 @@ VARIANTS: dict[str, Patch] = {
     ),
     "gate-up-geglu": _set(gemma, "FUSED_GATE_UP_GEGLU", True),  # a pinned gate/up stores GeGLU
     "expert-gate-geglu": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", True),  # experts' gate/up too
+    "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),
     "geglu-outputs": _stacked(
         _set(gemma, "FUSED_GATE_UP_GEGLU", True), _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", True)
     ),

@@ -37,6 +37,7 @@
 #                                                      # affine prefetch, E4B and 26B-A4B headline decode
 #   OUT=/tmp/out benchmarks/gpu_suite.sh moe-fusions   # MoE decode: expert GeGLU and slot sum fused; A/Bs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh geglu-out     # GeGLU stored by gate/up GEMVs (dense, experts); 16-slot attention
+#   OUT=/tmp/out benchmarks/gpu_suite.sh final-h100    # parity and benches with those defaults; their A/Bs
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -279,6 +280,12 @@ stage 100 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,gat
 stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,gate-up-geglu,expert-gate-geglu,geglu-outputs,expert-geglu,attn-n16 --rounds 3 --check --name 26b_geglu_out
 stage 100 ab-12b-attn python benchmarks/ab_decode.py --models gemma3-12b --variants base,attn-n16 --rounds 3 --check --name 12b_attn_n16
 stage 100 ab-e4b-8k-attn python benchmarks/ab_decode.py --models e4b --context 8192 --variants base,attn-n16 --rounds 3 --check --name e4b_8k_attn_n16
+elif [ "$PART" = final-h100 ]; then  # after the evening's defaults: parity, attention tiles A/B, benches
+stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
+stage 90 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,attn-few-heads-off --rounds 3 --check --name e4b_few_heads
+stage 110 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,attn-few-heads-off,expert-gate-geglu-off --rounds 3 --check --name 26b_evening_defaults
+stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --out "$OUT/bench-e4b.md"
+stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

@@ -316,6 +316,12 @@ def test_default_tiles_follow_the_h200_sweep() -> None:
     # Dense: 3 stages and no branch over masked blocks, at both measured head sizes.
     assert _default_tiles(256, DENSE, DENSE) == _Launch(64, 8, 3, False)
     assert _default_tiles(512, DENSE, DENSE) == _Launch(32, 4, 3, False)
+    # Few (batch, KV head) rows (E4B's 2 KV heads): small blocks, so a short context splits
+    # over more programs; from 3 rows on, the sweep's tiles.
+    for head_dim in (256, 512):
+        assert _default_tiles(head_dim, DENSE, DENSE, kv_rows=2) == _Launch(16, 4, 3, False)
+    assert _default_tiles(256, DENSE, DENSE, kv_rows=8) == _Launch(64, 8, 3, False)
+    assert _default_tiles(256, affine4, affine4, kv_rows=2) == _Launch(64, 4, 2, True)
     # Affine 4/8-bit: 64 slots x 4 warps up to D=256; D=512 keeps 32 (64 spilled there).
     assert _default_tiles(256, affine4, affine4) == _Launch(64, 4, 2, True)
     assert _default_tiles(256, affine8, affine8) == _Launch(64, 4, 2, True)
@@ -324,6 +330,29 @@ def test_default_tiles_follow_the_h200_sweep() -> None:
     # Explicit fields win over the defaults.
     config = LaunchConfig(block_n=16, num_stages=2, skip_masked_blocks=True)
     assert _resolve(config, 256, DENSE, DENSE) == _Launch(16, 8, 2, True)
+
+
+@pytest.mark.parametrize(("kv_heads", "block_n"), [(2, 16), (4, 64)])
+def test_a_launch_takes_the_tiles_of_its_kv_head_count(
+    kv_heads: int, block_n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch itself passes its (batch x KV head) rows to the tile defaults: 2 KV heads
+    (E4B) take 16-slot blocks, 4 the sweep's 64 at D=64 (16384 / 64 capped at 64)."""
+    launched: list[int] = []
+    original = decode_attention_module.launch_kernel
+
+    def recorded(kernel, grid, *args, **kwargs):
+        if "BLOCK_N" in kwargs:
+            launched.append(kwargs["BLOCK_N"])
+        return original(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(decode_attention_module, "launch_kernel", recorded)
+    q, keys, values = random_qkv(1, 2 * kv_heads, kv_heads, 64, 64, torch.float32)
+    qpos = torch.tensor(40)
+    args = (q, [keys], [values], DENSE, DENSE, torch.arange(64), qpos, None, 0.125)
+    got = decode_attention(*args)
+    assert launched == [block_n]
+    torch.testing.assert_close(got, decode_attention_reference(*args), atol=2e-5, rtol=0)
 
 
 def test_merge_policy() -> None:

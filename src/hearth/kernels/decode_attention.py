@@ -693,8 +693,19 @@ class _Launch:
     skip_masked_blocks: bool
 
 
-def _default_tiles(head_dim: int, key_format: PlaneFormat, value_format: PlaneFormat) -> _Launch:
-    """Tile sizes, warps, stages and block skipping for a head size and formats."""
+# Dense K/V read by at most this many (batch, KV head) rows of programs take 16-slot blocks
+# and 4 warps: with so few rows, smaller blocks let a short context split over more programs.
+# E4B (2 KV heads) decode +1.3% at context 512, +0.9% at 8192; taken by every model, the same
+# tiles cost 12B (8 KV heads) 0.3% and left 26B-A4B level (2026-12-05 A/Bs on an H100,
+# `ab_e4b_geglu_out_h100-…`, `ab_e4b_8k_attn_n16_h100-…`, `ab_12b_attn_n16_h100-…`).
+FEW_KV_ROWS = 2
+
+
+def _default_tiles(
+    head_dim: int, key_format: PlaneFormat, value_format: PlaneFormat, kv_rows: int = 0
+) -> _Launch:
+    """Tile sizes, warps, stages and block skipping for a head size and formats, and for
+    `kv_rows` (batch x KV heads) rows of programs (0: unknown)."""
     kinds = (key_format.kind, value_format.kind)
     if kinds == ("affine", "affine") and key_format.bits in (4, 8) and head_dim <= 256:
         # 2026-12-03 sweep, S=32768, D=256: N=64 w4 172 µs vs 190 (N=32); D=512 spilled (2062).
@@ -703,6 +714,8 @@ def _default_tiles(head_dim: int, key_format: PlaneFormat, value_format: PlaneFo
         # Decoded tiles live in registers: 32 slots x 4 warps never spilled in the sweep
         # (64 slots spilled badly for t4v3 and at D=512), and was within ~6% of the best.
         return _Launch(32, 4, 2, True)
+    if 0 < kv_rows <= FEW_KV_ROWS:
+        return _Launch(16, 4, 3, False)
     # Dense: 32..64 slots per block; 8 warps at D=256, 4 at D=512 (fewer, fuller warps won).
     block_n = max(16, min(64, 16384 // head_dim))
     warps = 8 if head_dim == 256 else 4
@@ -712,10 +725,14 @@ def _default_tiles(head_dim: int, key_format: PlaneFormat, value_format: PlaneFo
 
 
 def _resolve(
-    config: LaunchConfig, head_dim: int, key_format: PlaneFormat, value_format: PlaneFormat
+    config: LaunchConfig,
+    head_dim: int,
+    key_format: PlaneFormat,
+    value_format: PlaneFormat,
+    kv_rows: int = 0,
 ) -> _Launch:
     """The config's fields, the defaults where they are None."""
-    default = _default_tiles(head_dim, key_format, value_format)
+    default = _default_tiles(head_dim, key_format, value_format, kv_rows)
     return _Launch(
         config.block_n or default.block_n,
         config.num_warps or default.num_warps,
@@ -807,7 +824,7 @@ def decode_attention_rotated(
     if q.stride(-1) != 1:
         q = q.contiguous()
     groups = query_heads // kv_heads
-    launch = _resolve(config, head_dim, key_format, value_format)
+    launch = _resolve(config, head_dim, key_format, value_format, batch * kv_heads)
     chunk, splits = _split_plan(slots, batch * kv_heads, launch.block_n, q.device, config)
     finish = _finish_mode(config, splits, groups, head_dim)
     # Fixed when unused, so they add no compiled variants to the other paths.

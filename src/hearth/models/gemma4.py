@@ -79,9 +79,11 @@ FUSED_PER_LAYER_NORM = True
 # than a kernel of its own between the two GEMVs. An A/B switch.
 FUSED_EXPERT_GEGLU = False
 # At a decode step with float experts, the experts' gate/up gathered GEMV stores the GeGLU of
-# its dots (programs pair gate and up rows), so the GeGLU kernel goes; bit-identical. An A/B
-# switch (the alternative to FUSED_EXPERT_GEGLU).
-FUSED_EXPERT_GATE_GEGLU = False
+# its dots (programs pair gate and up rows), so the GeGLU kernel goes. 26B-A4B decode +0.8%,
+# logits bit-identical; on the GPU 0 differing elements against the two launches at each of
+# the autotuner's launches (2026-12-05, H100: `ab_26b_geglu_out_h100-…`,
+# `gpu_expert_geglu_h100-…`). An A/B switch.
+FUSED_EXPERT_GATE_GEGLU = True
 # At a decode step, the router-weighted sum of the experts' slot outputs inside the MoE
 # layer's last norm kernel (`moe_combine_add_rms_norm`), not a `weighted_slot_sum` launch
 # before it. Needs FUSED_MOE_NORMS. 26B-A4B decode +0.4% in bf16, +0.8% at 4 bits, logits
