@@ -268,17 +268,8 @@ VARIANTS: dict[str, Patch] = {
     "affine-prefetch-2": _prefetch(8, 0, affine_lines=2),
     "expert-prefetch-8": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 8),
     "expert-prefetch-16": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 16),
-    "expert-geglu": _set(gemma4, "FUSED_EXPERT_GEGLU", True),  # GeGLU in the down GEMV
-    "slot-sum-combine": _set(gemma4, "FUSED_SLOT_SUM", True),  # slot sum in the last norm
-    "moe-fusions": _stacked(
-        _set(gemma4, "FUSED_EXPERT_GEGLU", True), _set(gemma4, "FUSED_SLOT_SUM", True)
-    ),
-    "gate-up-geglu": _set(gemma, "FUSED_GATE_UP_GEGLU", True),  # a pinned gate/up stores GeGLU
-    "expert-gate-geglu": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", True),  # experts' gate/up too
-    "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),
-    "geglu-outputs": _stacked(
-        _set(gemma, "FUSED_GATE_UP_GEGLU", True), _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", True)
-    ),
+    "slot-sum-apart": _set(gemma4, "FUSED_SLOT_SUM", False),  # its own launch before the norm
+    "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),  # GeGLU launch
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

@@ -35,9 +35,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh expert-prefetch  # 26B-A4B's experts prefetched: A/B, parity
 #   OUT=/tmp/out benchmarks/gpu_suite.sh refresh       # what 2026-12-05 left: the A/Bs above, 1-2 line
 #                                                      # affine prefetch, E4B and 26B-A4B headline decode
-#   OUT=/tmp/out benchmarks/gpu_suite.sh moe-fusions   # MoE decode: expert GeGLU and slot sum fused; A/Bs
-#   OUT=/tmp/out benchmarks/gpu_suite.sh geglu-out     # GeGLU stored by gate/up GEMVs (dense, experts); 16-slot attention
-#   OUT=/tmp/out benchmarks/gpu_suite.sh final-h100    # parity and benches with those defaults; their A/Bs
+#   OUT=/tmp/out benchmarks/gpu_suite.sh final-h100    # MoE decode fusions, few-KV-head attention tiles: GeGLU
+#                                                      # check, parity, A/Bs, benches (2026-12-05 evening)
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -268,22 +267,11 @@ stage 150 ab-26b-experts python benchmarks/ab_decode.py --models 26b-a4b --varia
 stage 100 ab-4bit-affine python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,affine-prefetch-1,affine-prefetch-2 --rounds 3 --check --name 12b_4bit_affine_prefetch
 stage 90 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 512 --out "$OUT/bench-e4b.md"
 stage 90 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512 --out "$OUT/bench-26b-a4b.md"
-elif [ "$PART" = moe-fusions ]; then  # experts' GeGLU in the down GEMV, slot sum in the last norm
-stage 60 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_kernels_affine.py -k "moe_combine or gathered_float or slot_sum"
-stage 170 ab-26b-moe python benchmarks/ab_decode.py --models 26b-a4b --variants base,expert-geglu,slot-sum-combine,moe-fusions,fused-geglu-down --rounds 3 --check --name 26b_moe_fusions
-stage 110 ab-e4b-geglu python benchmarks/ab_decode.py --models e4b --variants base,fused-geglu-down,attn-n16 --rounds 3 --check --name e4b_geglu_down
-stage 110 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,slot-sum-combine --rounds 3 --check --name 26b_4bit_slot_sum
-stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --out "$OUT/bench-e4b.md"
-elif [ "$PART" = geglu-out ]; then  # GeGLU stored by gate/up GEMVs; 16-slot attention blocks
+elif [ "$PART" = final-h100 ]; then  # the evening's defaults: expert GeGLU check, parity, A/Bs, benches
 stage 50 expert-geglu python benchmarks/gpu_expert_geglu.py
-stage 100 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,gate-up-geglu,attn-n16 --rounds 3 --check --name e4b_geglu_out
-stage 170 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,gate-up-geglu,expert-gate-geglu,geglu-outputs,expert-geglu,attn-n16 --rounds 3 --check --name 26b_geglu_out
-stage 100 ab-12b-attn python benchmarks/ab_decode.py --models gemma3-12b --variants base,attn-n16 --rounds 3 --check --name 12b_attn_n16
-stage 100 ab-e4b-8k-attn python benchmarks/ab_decode.py --models e4b --context 8192 --variants base,attn-n16 --rounds 3 --check --name e4b_8k_attn_n16
-elif [ "$PART" = final-h100 ]; then  # after the evening's defaults: parity, attention tiles A/B, benches
 stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 90 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,attn-few-heads-off --rounds 3 --check --name e4b_few_heads
-stage 110 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,attn-few-heads-off,expert-gate-geglu-off --rounds 3 --check --name 26b_evening_defaults
+stage 110 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,attn-few-heads-off,expert-gate-geglu-off,slot-sum-apart --rounds 3 --check --name 26b_evening_defaults
 stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --out "$OUT/bench-e4b.md"
 stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = kernels ]; then

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 import hearth.kernels  # noqa: E402
 from hearth.checkpoint import open_checkpoint  # noqa: E402
 from hearth.kernels import activation, gemv, norm, router, slot_sum  # noqa: E402
-from hearth.models import gemma, gemma4  # noqa: E402
+from hearth.models import gemma4  # noqa: E402
 from hearth.models.loading import build_model  # noqa: E402
 from test_gemma4 import CONFIGS  # noqa: E402
 from tiny import save_hf, tiny_gemma4_model  # noqa: E402
@@ -48,35 +48,24 @@ def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("config", "fused", "expert_geglu"),
-    [
-        ("moe", True, "gate"),
-        ("moe", True, "down"),
-        ("moe", False, None),
-        ("ple_sharing_double_wide", True, None),
-        ("ple", False, None),
-    ],
+    ("config", "fused"),
+    [("moe", True), ("moe", False), ("ple_sharing_double_wide", True), ("ple", False)],
 )
 def test_fused_kernels_in_the_model_match_the_torch_path(
-    config: str,
-    fused: bool,
-    expert_geglu: str | None,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    config: str, fused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`fused`: the MoE layer's norms in two kernels, the second also summing the experts'
-    weighted slots, the experts' GeGLU stored by their gate/up GEMV or formed inside their
-    down GEMV (`expert_geglu`), the per-layer input's GeGLU inside its projection's GEMV and
-    the add-norm before it inside its gate's GEMV (else each apart)."""
+    weighted slots, the experts' GeGLU stored by their gate/up GEMV, the per-layer input's
+    GeGLU inside its projection's GEMV and the add-norm before it inside its gate's GEMV
+    (else each apart)."""
     for switch in (
         "FUSED_MOE_NORMS",
         "FUSED_PER_LAYER_GEGLU",
         "FUSED_PER_LAYER_NORM",
         "FUSED_SLOT_SUM",
+        "FUSED_EXPERT_GATE_GEGLU",
     ):
         monkeypatch.setattr(gemma4, switch, fused)
-    monkeypatch.setattr(gemma4, "FUSED_EXPERT_GATE_GEGLU", expert_geglu == "gate")
-    monkeypatch.setattr(gemma4, "FUSED_EXPERT_GEGLU", expert_geglu == "down")
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
@@ -100,10 +89,9 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     )
     original_experts = gemma4.float_expert_matmul
 
-    def counted_experts(x, weight, expert_ids, geglu=False, geglu_out=False):
-        kind = "of a geglu" if geglu else "with a geglu output" if geglu_out else ""
-        launched.append(f"experts {kind}".strip())
-        return original_experts(x, weight, expert_ids, geglu, geglu_out)
+    def counted_experts(x, weight, expert_ids, geglu_out=False):
+        launched.append("experts with a geglu output" if geglu_out else "experts")
+        return original_experts(x, weight, expert_ids, geglu_out)
 
     monkeypatch.setattr(gemma4, "float_expert_matmul", counted_experts)
     original_gemv = gemv.gemv_triton
@@ -120,11 +108,10 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
         assert (ple in launched) == ("gemv add-norm" in launched) == fused, launched
     if config == "moe" and fused:
         fused_norms = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
-        geglu = {"gate": "experts with a geglu output", "down": "experts of a geglu"}
-        assert fused_norms | {"route_triton", geglu[expert_geglu]} <= set(launched)
+        assert fused_norms | {"route_triton", "experts with a geglu output"} <= set(launched)
         assert not {"router_input_triton", "slot_sum", "gelu_tanh_mul"} & set(launched)
     elif config == "moe":
-        assert ple not in launched and "experts of a geglu" not in launched
+        assert ple not in launched and "experts with a geglu output" not in launched
         assert {"route_triton", "router_input_triton", "slot_sum", "gelu_tanh_mul"} <= set(launched)
         assert not {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"} & set(launched)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
@@ -143,9 +130,7 @@ def test_wide_projections_take_the_gemv_only_at_a_pinned_shape(
     pinned: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """qkv and gate/up (cuBLAS's by default) take the GEMV at a decode step exactly where a
-    launch is pinned for their shape, and the logits stay those of the torch path. A pinned
-    gate/up stores its GeGLU itself (`gemma.FUSED_GATE_UP_GEGLU`), so no GeGLU launch runs
-    at those steps."""
+    launch is pinned for their shape, and the logits stay those of the torch path."""
     hf = tiny_gemma4_model(seed=5, **CONFIGS["ple"])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(4))
@@ -155,22 +140,14 @@ def test_wide_projections_take_the_gemv_only_at_a_pinned_shape(
     gate_up = tuple(model.layers[0].mlp.gate_up_proj.proj.weight.shape)
     assert qkv != gate_up
     rows: dict[tuple[int, int], list[int]] = {}
-    geglu_outputs: list[tuple[int, int]] = []
     original_gemv = gemv.gemv_triton
 
-    def recorded(x, weight, geglu=False, config=None, up=None, geglu_out=False):
+    def recorded(x, weight, geglu=False, config=None, up=None):
         rows.setdefault(tuple(weight.shape), []).append(x.numel() // x.shape[-1])
-        if geglu_out:
-            geglu_outputs.append(tuple(weight.shape))
-        return original_gemv(x, weight, geglu, config, up=up, geglu_out=geglu_out)
+        return original_gemv(x, weight, geglu, config, up=up)
 
-    geglu_launches: list[str] = []
     monkeypatch.setattr(gemv, "kernel_enabled", lambda tensor: True)
     monkeypatch.setattr(gemv, "gemv_triton", recorded)
-    monkeypatch.setattr(gemma, "FUSED_GATE_UP_GEGLU", True)
-    monkeypatch.setattr(
-        gemma, "gelu_tanh_mul", _counted(gemma.gelu_tanh_mul, geglu_launches, "geglu")
-    )
     shape = {"qkv": qkv, "gate_up": gate_up}[pinned]
     monkeypatch.setitem(gemv.GEMV_LAUNCHES, shape, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1})
     got = _decode(model, ids)
@@ -182,12 +159,6 @@ def test_wide_projections_take_the_gemv_only_at_a_pinned_shape(
     same_shape = shapes.count(shape)
     assert rows[shape] == [1] * (STEPS * same_shape)
     assert ({qkv, gate_up} - {shape}).isdisjoint(rows)
-    layers, prompt_and_steps = len(model.layers), 1 + STEPS
-    if pinned == "gate_up":
-        assert geglu_outputs == [gate_up] * (STEPS * same_shape)
-        assert len(geglu_launches) == layers * prompt_and_steps - STEPS * same_shape
-    else:
-        assert not geglu_outputs and len(geglu_launches) == layers * prompt_and_steps
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 

@@ -385,30 +385,6 @@ def test_gathered_float_experts(dtype, per_slot) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gathered_float_experts_of_a_geglu(dtype) -> None:
-    """The experts' down projection reading gelu_tanh(gate) * up straight from each pair's
-    stacked gate/up row: bit for bit the GeGLU kernel's rounded product, then the plain
-    gathered GEMV (the same fp32 math in the same order), and within the GEMV's tolerance of
-    the fp64 oracle of that product. (torch's GELU may differ from the kernels' in the last
-    bit, so the reference path is checked against itself.)"""
-    torch.manual_seed(7)
-    weights = torch.randn(4, 40, 96).to(dtype)  # K = 96: not a multiple of the K block
-    ids = torch.tensor(EXPERT_IDS["repeated"])
-    gate_up = torch.randn(3, 2, 192).mul(2).to(dtype)
-    product = gelu_tanh_mul_triton(gate_up)  # what the separate GeGLU launch stores
-    got = am.float_expert_matmul_triton(gate_up, weights, ids, geglu=True)
-    assert torch.equal(got, am.float_expert_matmul_triton(product, weights, ids))
-    assert torch.equal(
-        am.float_expert_matmul_reference(gate_up, weights, ids, geglu=True),
-        am.float_expert_matmul_reference(gelu_tanh_mul_reference(gate_up), weights, ids),
-    )
-    oracle, magnitude = _pair_oracle(product.reshape(-1, 96), weights.double(), ids)
-    _assert_close(got, oracle, magnitude, 96)
-    with pytest.raises(ValueError, match="geglu input"):
-        am.float_expert_matmul_triton(gate_up[..., :96], weights, ids, geglu=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_gathered_float_experts_with_a_geglu_output(dtype, per_slot) -> None:
     """Stacked gate/up experts [E, 2N, K] whose gathered GEMV stores gelu_tanh(gate) * up:

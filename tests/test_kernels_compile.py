@@ -203,15 +203,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             ),
         )
     yield (
-        "gemv with a GeGLU output (E4B's gate/up launch)",
-        lambda: gemv.gemv_triton(
-            torch.randn(1, 2560, dtype=bf16),
-            torch.randn(64, 2560, dtype=bf16),
-            config={"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "LOOP_STAGES": 4},
-            geglu_out=True,
-        ),
-    )
-    yield (
         "gemv with a pipelined K loop",
         lambda: gemv.gemv_triton(
             torch.randn(1, 1024, dtype=bf16),
@@ -323,15 +314,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         "float experts with a geglu output",
         lambda: affine_matmul.float_expert_matmul_triton(
             x, torch.randn(4, 48, 256, dtype=bf16), ids, geglu_out=True
-        ),
-    )
-    yield (
-        "float experts of a geglu",
-        lambda: affine_matmul.float_expert_matmul_triton(
-            torch.randn(1, 2, 512, dtype=bf16),
-            torch.randn(4, 48, 256, dtype=bf16),
-            ids,
-            geglu=True,
         ),
     )
     expert_ids = torch.tensor([[0, 3], [1, 3], [3, 2]])

@@ -113,34 +113,6 @@ def test_gemv_of_an_add_norm_input(dtype: torch.dtype, split: int) -> None:
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("stages", [1, 3])
-def test_gemv_with_a_geglu_output(dtype: torch.dtype, stages: int) -> None:
-    """A stacked gate/up weight [2N, K] whose launch stores gelu_tanh(gate) * up [.., N]:
-    bit for bit the plain GEMV at the same tiles (each row's dot summed in the same order)
-    then the GeGLU kernel, since a program's rows pair gate c with up c; N = 20 leaves a
-    ragged last block of outputs. (Each of those two is checked against its oracle on its
-    own: the GEMV above, the GeGLU kernel in test_kernels_fused.py.)"""
-    from hearth.kernels.activation import gelu_tanh_mul_triton
-
-    generator = torch.Generator().manual_seed(13 + stages)
-    n, k = 20, 200
-    weight = (torch.randn(2 * n, k, generator=generator) * 0.1).to(dtype)
-    x = torch.randn(3, k, generator=generator).to(dtype)
-    config = {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 1, "LOOP_STAGES": stages}
-    got = gemv_module.gemv_triton(x, weight, config=config, geglu_out=True)
-    assert got.shape == (3, n) and got.dtype == dtype
-    apart = gelu_tanh_mul_triton(gemv_module.gemv_triton(x, weight, config=config))
-    assert torch.equal(got, apart)
-    # Off the GPU the public entry point is the reference: the torch matmul, then GeGLU.
-    reference = gemv_module.gate_up_geglu(x, weight)
-    assert torch.equal(reference, gemv_module.gate_up_geglu_reference(x, weight))
-    with pytest.raises(ValueError, match="unsplit"):
-        gemv_module.gemv_triton(x, weight, config={**config, "SPLIT_K": 2}, geglu_out=True)
-    with pytest.raises(ValueError, match="stacked gate/up"):
-        gemv_module.gemv_triton(x, weight[1:], config=config, geglu_out=True)
-
-
 def test_gemv_keeps_leading_dims_and_runs_again_after_a_split() -> None:
     # The split-K counters must be back at zero after a launch, or the next one sums early.
     generator = torch.Generator().manual_seed(5)

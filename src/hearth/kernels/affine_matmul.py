@@ -160,15 +160,12 @@ def affine_expert_matmul_reference(
 
 
 def float_expert_matmul_reference(
-    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False, geglu_out: bool = False
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu_out: bool = False
 ) -> Tensor:
     """``[T, top_k, N]`` of float experts ``weight [E, N, K]``, as the quantized one above.
-    With `geglu` x holds each pair's stacked gate/up ``[T, top_k, 2K]`` and the input is
-    ``gelu_tanh_mul(x)``; with `geglu_out` the experts are a stacked gate/up and the output
-    ``gelu_tanh_mul`` of the product, ``[T, top_k, N / 2]``."""
+    With `geglu_out` the experts are a stacked gate/up and the output ``gelu_tanh_mul`` of
+    the product, ``[T, top_k, N / 2]``."""
     _check_expert_shapes(x, expert_ids)
-    if geglu:
-        x = gelu_tanh_mul_reference(x)
     rows = _slot_rows(x, expert_ids)
     chosen = weight[expert_ids.reshape(-1)].to(x.dtype)
     out = torch.bmm(chosen, rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
@@ -204,15 +201,14 @@ def affine_expert_matmul(
 
 
 def float_expert_matmul(
-    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu: bool = False, geglu_out: bool = False
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu_out: bool = False
 ) -> Tensor:
     """``[T, top_k, N]`` of float experts ``[E, N, K]``, without a host sync on CUDA; with
-    `geglu`, of ``gelu_tanh_mul(x)`` for x the stacked gate/up ``[T, top_k, 2K]``, formed
-    inside the kernel; with `geglu_out`, ``gelu_tanh_mul`` of the product of stacked gate/up
-    experts ``[E, 2N, K]``, stored by the kernel. Either saves the GeGLU launch."""
+    `geglu_out`, ``gelu_tanh_mul`` of the product of stacked gate/up experts ``[E, 2N, K]``,
+    stored by the kernel (the GeGLU launch goes)."""
     if kernel_enabled(x):
-        return float_expert_matmul_triton(x, weight, expert_ids, geglu=geglu, geglu_out=geglu_out)
-    return float_expert_matmul_reference(x, weight, expert_ids, geglu, geglu_out)
+        return float_expert_matmul_triton(x, weight, expert_ids, geglu_out=geglu_out)
+    return float_expert_matmul_reference(x, weight, expert_ids, geglu_out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -892,15 +888,13 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr = 0,
-        GEGLU: tl.constexpr = False,
         GEGLU_OUT: tl.constexpr = False,
     ):
         """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
-        With GEGLU x's row holds a gate then an up of K each, and the input is
-        gelu_tanh(gate) * up, rounded as `activation.gelu_tanh_mul` rounds (coefficient:
-        sqrt(2/pi)); each program recomputes it for its pair, K values. With GEGLU_OUT the
-        experts are stacked gate/up [E, 2N, K] and out[r] is gelu_tanh(gate) * up [N]: a
-        program's rows alternate gate row c and up row c (as `gemv._gemv_kernel` pairs them).
+        With GEGLU_OUT the experts are stacked gate/up [E, 2N, K] and out[r] is
+        gelu_tanh(gate) * up [N] (coefficient: sqrt(2/pi)): a program's rows alternate gate
+        row c and up row c, each dot rounded as stored, then as `activation.gelu_tanh_mul`
+        rounds, so the output equals the plain GEMV's then the GeGLU kernel's bit for bit.
         PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
         the wait (`hearth.kernels.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
         final when the router ran two launches back, else a guess that can only cost time
@@ -930,13 +924,7 @@ if HAS_TRITON:
             k = step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
             w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            if GEGLU:
-                gate = tl.load(x_row + k, mask=k_ok, other=0)
-                up = tl.load(x_row + K + k, mask=k_ok, other=0)
-                gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(gate.dtype)
-                xk = (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-            else:
-                xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
+            xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
             acc += w.to(tl.float32) * xk[None, :]
         out = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
         if GEGLU_OUT:
@@ -1000,7 +988,7 @@ if HAS_TRITON:
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
             for n, k, warps in ((8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8))
         ],
-        key=["N", "K", "GEGLU", "GEGLU_OUT"],
+        key=["N", "K", "GEGLU_OUT"],
     )(_float_gather_gemv_kernel)
     DEFAULT_FLOAT_GATHER_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 64}
 
@@ -1299,20 +1287,16 @@ if HAS_TRITON:
         weight: Tensor,
         expert_ids: Tensor,
         config: dict | None = None,
-        geglu: bool = False,
         geglu_out: bool = False,
     ) -> Tensor:
-        """Gathered GEMV over float experts ``[E, N, K]``: ``[T, top_k, N]``; with `geglu`,
-        of gelu_tanh_mul(x) for x ``[T, top_k, 2K]`` (see `float_expert_matmul`); with
+        """Gathered GEMV over float experts ``[E, N, K]``: ``[T, top_k, N]``; with
         `geglu_out`, gelu_tanh_mul of the product of stacked gate/up experts, ``[.., N / 2]``."""
         _check_expert_shapes(x, expert_ids)
         pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
         n, k = weight.shape[-2:]
-        if geglu_out and (geglu or n % 2):
-            raise ValueError("a GeGLU output needs stacked gate/up experts and a plain input")
-        if geglu and (x.dim() != 3 or x.shape[-1] != 2 * k):
-            raise ValueError(f"geglu input {tuple(x.shape)} must be [tokens, top_k, 2 * {k}]")
-        rows = x.reshape(-1, 2 * k if geglu else k)
+        if geglu_out and n % 2:
+            raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
+        rows = x.reshape(-1, k)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         weight = weight if weight.is_contiguous() else weight.contiguous()
         width_out = n // 2 if geglu_out else n
@@ -1337,7 +1321,6 @@ if HAS_TRITON:
         pdl = pdl_options(x)
         switches = {
             "PREFETCH_LINES": prefetch_lines(pdl, "experts"),
-            "GEGLU": geglu,
             "GEGLU_OUT": geglu_out,
         }
         if config is None and x.is_cuda:

@@ -136,31 +136,12 @@ def gemv_add_norm(
     return gemv_triton(x, weight, add_norm=add_norm), summed
 
 
-def runs_kernel(x: Tensor, weight: Tensor) -> bool:
-    """Whether `gemv` of x against `weight` is the Triton kernel (few rows on CUDA)."""
-    rows = x.numel() // x.shape[-1]
-    return kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype
-
-
 def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None) -> Tensor:
     """`gemv_reference`, one Triton kernel for few rows on CUDA (cuBLAS for many)."""
-    if runs_kernel(x, weight):
+    rows = x.numel() // x.shape[-1]
+    if kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype:
         return gemv_triton(x, weight, geglu, up=up)
     return F.linear(gelu_tanh_mul(x, up) if geglu else x, weight)
-
-
-def gate_up_geglu_reference(x: Tensor, weight: Tensor) -> Tensor:
-    """``gelu_tanh_mul(x @ weight.T)`` of a stacked gate/up weight [2N, K]: [.., N]."""
-    return gelu_tanh_mul_reference(F.linear(x, weight))
-
-
-def gate_up_geglu(x: Tensor, weight: Tensor) -> Tensor:
-    """`gate_up_geglu_reference`: on CUDA one GEMV launch whose programs each take gate and
-    up rows in pairs and store the GeGLU of their dots, rounded as the GEMV then the GeGLU
-    kernel round them (the GeGLU launch goes, and half the output writes)."""
-    if runs_kernel(x, weight):
-        return gemv_triton(x, weight, geglu_out=True)
-    return gelu_tanh_mul(F.linear(x, weight))
 
 
 if HAS_TRITON:
@@ -199,7 +180,6 @@ if HAS_TRITON:
         PREFETCH_LINES: tl.constexpr = 0,
         ADD_NORM: tl.constexpr = False,
         ROW_BLOCK: tl.constexpr = 16,
-        GEGLU_OUT: tl.constexpr = False,
     ):
         """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). With GEGLU
         x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). With ADD_NORM x'
@@ -208,30 +188,18 @@ if HAS_TRITON:
         first row block stores x' at summed_ptr. LOOP_STAGES > 1 software-pipelines the K
         loop (loads of later steps in flight during this one's FMAs).
         PREFETCH_LINES > 0 asks L2 for that many lines of each weight row's slice before the
-        wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`).
-        With GEGLU_OUT the weight is a stacked gate/up of 2N rows and the output
-        gelu_tanh(gate) * up [M, N]: a program's BLOCK_N rows alternate gate row c and up row
-        c for BLOCK_N / 2 outputs c, each dot rounded as stored, then as the GeGLU kernel
-        rounds (unsplit launches only)."""
+        wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if GEGLU_OUT:
-            tl.static_assert(SPLIT_K == 1, "a GeGLU output needs an unsplit launch")
-            lane = tl.arange(0, BLOCK_N)
-            n = pid_n * (BLOCK_N // 2) + lane // 2 + (lane % 2) * N  # gate, up, gate, ...
-            n_ok = pid_n * (BLOCK_N // 2) + lane // 2 < N
-            weight_rows = 2 * N
-        else:
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < N
-            weight_rows = N
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         # Whole BLOCK_K steps per slice; the trip count is a constexpr (K is one) because
         # Triton's interpreter cannot loop to runtime bounds.
         STEPS: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K
         k_begin = pid_k * (STEPS * BLOCK_K)
         if PREFETCH_LINES > 0:
-            rows_read = w_ptr + tl.minimum(n, weight_rows - 1).to(tl.int64)[:, None] * stride_wn
+            rows_read = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
             prefetch_row_lines(rows_read, k_begin, K, PREFETCH_LINES)
         wait_for_producer(PDL)
         m = tl.arange(0, BLOCK_M)
@@ -272,15 +240,7 @@ if HAS_TRITON:
 
         out_at = m[:, None] * stride_om + n[None, :]
         out_ok = m_ok[:, None] & n_ok[None, :]
-        if GEGLU_OUT:
-            dtype = out_ptr.dtype.element_ty
-            gate, up = tl.split(tl.reshape(result.to(dtype), [BLOCK_M, BLOCK_N // 2, 2]))
-            gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(dtype)
-            product = (gelu.to(tl.float32) * up.to(tl.float32)).to(dtype)
-            c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            c_ok = m_ok[:, None] & (c < N)[None, :]
-            tl.store(out_ptr + m[:, None] * stride_om + c[None, :], product, mask=c_ok)
-        elif SPLIT_K == 1:
+        if SPLIT_K == 1:
             tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
         else:
             # Partials [SPLIT_K, M, N] fp32; the last slice to finish sums them in order.
@@ -320,13 +280,12 @@ if HAS_TRITON:
             for c in configs
             if args["K"] >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
             and args["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 8192
-            and not (args.get("GEGLU_OUT") and c.kwargs["SPLIT_K"] > 1)
         ]
         return kept or [triton.Config(DEFAULT_CONFIG, num_warps=4)]
 
     _gemv_tuned = triton.autotune(
         configs=_CONFIGS,
-        key=["N", "K", "BLOCK_M", "GEGLU", "GEGLU_OUT"],
+        key=["N", "K", "BLOCK_M", "GEGLU"],
         prune_configs_by={"early_config_prune": _prune},
     )(_gemv_kernel)
 
@@ -347,17 +306,11 @@ if HAS_TRITON:
         config: dict | None = None,
         up: Tensor | None = None,
         add_norm: AddNorm | None = None,
-        geglu_out: bool = False,
     ) -> Tensor:
         """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter).
         With `add_norm` x is first `add_norm.summed(x)` (see `gemv_add_norm`), which this
-        launch also stores in `add_norm.out`. With `geglu_out` the weight is a stacked
-        gate/up [2N, K] and the output `gelu_tanh_mul` of the product, [.., N]."""
+        launch also stores in `add_norm.out`."""
         k = weight.shape[-1]
-        if geglu_out and (geglu or add_norm is not None or weight.shape[0] % 2):
-            raise ValueError("a GeGLU output needs a stacked gate/up weight and a plain input")
-        if geglu_out and (config or {}).get("SPLIT_K", 1) > 1:
-            raise ValueError("a GeGLU output needs an unsplit launch")
         width = 2 * k if geglu and up is None else k
         if x.shape[-1] != width:
             raise ValueError(f"x has {x.shape[-1]} inputs; the weight takes {width}")
@@ -380,8 +333,7 @@ if HAS_TRITON:
             up_rows = up_rows if up_rows.stride(-1) == 1 else up_rows.contiguous()
         weight = weight if weight.stride(-1) == 1 else weight.contiguous()
         m, n = rows.shape[0], weight.shape[0]
-        width_out = n // 2 if geglu_out else n
-        out = torch.empty(m, width_out, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         interpreted = not x.is_cuda
         if config is None and not interpreted:
             config = pinned_launch(m, n, k)
@@ -392,7 +344,7 @@ if HAS_TRITON:
             MAX_SPLIT_K * m * n if split_possible else 1, dtype=torch.float32, device=x.device
         )
         counters = _counters(x.device, triton.cdiv(n, MIN_BLOCK_N)) if split_possible else partial
-        args = (rows, up_rows, weight, out, partial, counters, m, width_out)
+        args = (rows, up_rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), up_rows.stride(0), weight.stride(0), out.stride(0))
         args += (SQRT_2_OVER_PI,)
         if add_norm is not None:
@@ -404,7 +356,7 @@ if HAS_TRITON:
             args += (weight, out, 0.0)  # unread
         pdl = pdl_options(x)
         constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
-        constants |= pdl | {"PREFETCH_LINES": prefetch_lines(pdl), "GEGLU_OUT": geglu_out}
+        constants |= pdl | {"PREFETCH_LINES": prefetch_lines(pdl)}
         if add_norm is not None:
             constants |= {"ADD_NORM": True, "ROW_BLOCK": triton.next_power_of_2(k)}
 
@@ -416,4 +368,4 @@ if HAS_TRITON:
         else:
             chosen = config or DEFAULT_CONFIG
             launch_kernel(_gemv_kernel, grid(chosen), *args, **constants, **chosen)
-        return out.view(*x.shape[:-1], width_out)
+        return out.view(*x.shape[:-1], n)

@@ -18,7 +18,7 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
-from hearth.kernels.gemv import gate_up_geglu, gemv, has_pinned_launch, runs_kernel
+from hearth.kernels.gemv import gemv, has_pinned_launch
 from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
@@ -78,10 +78,6 @@ WIDE_GEMV = False
 # adds a memset and a reduce kernel): +1.0% on 12B decode with PDL
 # (results/ab_12b_pdl_choices-2026-12-03.md).
 DOWN_GEMV = True
-# Where gate/up takes the Triton GEMV (a pinned shape, or WIDE_GEMV), its launch also stores
-# gelu_tanh(gate) · up (`gemv.gate_up_geglu`: each program pairs gate and up rows), so the
-# GeGLU kernel before down goes; bit-identical to the two launches. An A/B switch.
-FUSED_GATE_UP_GEGLU = False
 
 
 class RMSNorm(nn.Module):
@@ -332,16 +328,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.proj
-        if FUSED_GATE_UP_GEGLU and self._gate_up_on_gemv(x):
-            return project(self.down_proj, gate_up_geglu(x, gate_up.weight))
-        return project(self.down_proj, project(gate_up, x, prefer_cublas=True), geglu=True)
-
-    def _gate_up_on_gemv(self, x: torch.Tensor) -> bool:
-        """Whether `project` would run gate/up through the Triton GEMV kernel."""
-        linear = self.gate_up_proj.proj
-        wide = WIDE_GEMV or has_pinned_launch(x, linear.weight)
-        return is_float_linear(linear) and wide and runs_kernel(x, linear.weight)
+        gate_up = project(self.gate_up_proj.proj, x, prefer_cublas=True)
+        return project(self.down_proj, gate_up, geglu=True)
 
 
 class DecoderLayer(nn.Module):

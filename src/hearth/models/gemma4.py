@@ -74,15 +74,12 @@ FUSED_PER_LAYER_GEGLU = True
 # so only a few programs each take the row's RMS, one launch fewer a layer. E4B +0.6%,
 # logits bit-identical (2026-12-05 A/B on an H100, `ab_e4b_prefetch_h100-2026-12-05.md`).
 FUSED_PER_LAYER_NORM = True
-# At a decode step with float experts, the experts' GeGLU inside their down projection's
-# gathered GEMV (each program recomputes its pair's K = moe_intermediate_size products) rather
-# than a kernel of its own between the two GEMVs. An A/B switch.
-FUSED_EXPERT_GEGLU = False
 # At a decode step with float experts, the experts' gate/up gathered GEMV stores the GeGLU of
 # its dots (programs pair gate and up rows), so the GeGLU kernel goes. 26B-A4B decode +0.8%,
 # logits bit-identical; on the GPU 0 differing elements against the two launches at each of
 # the autotuner's launches (2026-12-05, H100: `ab_26b_geglu_out_h100-…`,
-# `gpu_expert_geglu_h100-…`). An A/B switch.
+# `gpu_expert_geglu_h100-…`). The down GEMV forming the GeGLU from gate/up instead (each
+# program recomputing its pair's 704 products) gave +0.1-0.4%, and was dropped. An A/B switch.
 FUSED_EXPERT_GATE_GEGLU = True
 # At a decode step, the router-weighted sum of the experts' slot outputs inside the MoE
 # layer's last norm kernel (`moe_combine_add_rms_norm`), not a `weighted_slot_sum` launch
@@ -273,10 +270,7 @@ class Experts(nn.Module):
             y = self._per_slot(self.down_proj, hidden, experts)
             return weighted_slot_sum(y, weights) if summed else y
         gate_up = self._per_slot(self.gate_up_proj, x, experts)
-        if FUSED_EXPERT_GEGLU and isinstance(self.down_proj, torch.Tensor):
-            y = float_expert_matmul(gate_up, self.down_proj, experts, geglu=True)
-        else:
-            y = self._per_slot(self.down_proj, gelu_tanh_mul(gate_up), experts)
+        y = self._per_slot(self.down_proj, gelu_tanh_mul(gate_up), experts)
         return weighted_slot_sum(y, weights) if summed else y
 
     @staticmethod
