@@ -51,6 +51,22 @@ from hearth.models import gemma, gemma4
 Patch = Callable[[], contextlib.AbstractContextManager]
 
 
+def _few_heads_tiles(
+    block_n: int, warps: int, stages: int
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """Dense decode attention at fixed tiles where few (batch, KV head) rows read the cache
+    (`attention.FEW_KV_ROWS`); other launches keep their defaults."""
+    original = attention._default_tiles
+
+    def tiles(head_dim: int, key_format, value_format, kv_rows: int = 0):
+        dense = key_format.kind == value_format.kind == "dense"
+        if dense and 0 < kv_rows <= attention.FEW_KV_ROWS:
+            return attention._Launch(block_n, warps, stages, False)
+        return original(head_dim, key_format, value_format, kv_rows)
+
+    return lambda: mock.patch.object(attention, "_default_tiles", tiles)
+
+
 def _dense_tiles(
     block_n: int, warps: int, stages: int
 ) -> Callable[[], contextlib.AbstractContextManager]:
@@ -210,6 +226,9 @@ VARIANTS: dict[str, Patch] = {
     "attn-n32-fused-merge": _stacked(_dense_tiles(32, 4, 3), FUSED_MERGE),
     "attn-pps4": _set(attention, "PROGRAMS_PER_SM", 4),
     "attn-few-heads-off": _set(attention, "FEW_KV_ROWS", 0),  # every model's usual tiles
+    "attn-few-n32": _few_heads_tiles(32, 4, 3),  # few KV heads: 32-slot blocks
+    "attn-few-n16-w2": _few_heads_tiles(16, 2, 3),
+    "attn-few-n16-s2": _few_heads_tiles(16, 4, 2),
     "attn-pps1": _set(attention, "PROGRAMS_PER_SM", 1),
     "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV

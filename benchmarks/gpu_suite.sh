@@ -37,6 +37,7 @@
 #                                                      # affine prefetch, E4B and 26B-A4B headline decode
 #   OUT=/tmp/out benchmarks/gpu_suite.sh final-h100    # MoE decode fusions, few-KV-head attention tiles: GeGLU
 #                                                      # check, parity, A/Bs, benches (2026-12-05 evening)
+#   OUT=/tmp/out benchmarks/gpu_suite.sh profiles      # E4B and 26B-A4B decode profiles; few-KV-head tile A/B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -274,6 +275,10 @@ stage 90 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,attn
 stage 110 ab-26b python benchmarks/ab_decode.py --models 26b-a4b --variants base,attn-few-heads-off,expert-gate-geglu-off,slot-sum-apart --rounds 3 --check --name 26b_evening_defaults
 stage 70 bench-e4b python -m hearth.cli bench --random e4b --contexts 512 --prefill 4096 --out "$OUT/bench-e4b.md"
 stage 70 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = profiles ]; then  # where E4B's and 26B-A4B's decode steps go now; few-head tiles
+stage 70 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --context 512
+stage 80 profile-26b python benchmarks/gpu_profile_decode.py --model 26b-a4b --context 512
+stage 140 ab-e4b-tiles python benchmarks/ab_decode.py --models e4b --variants base,attn-few-n32,attn-few-n16-w2,attn-few-n16-s2 --rounds 3 --check --name e4b_few_heads_tiles
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
