@@ -289,6 +289,7 @@ VARIANTS: dict[str, Patch] = {
     "expert-prefetch-16": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 16),
     "slot-sum-apart": _set(gemma4, "FUSED_SLOT_SUM", False),  # its own launch before the norm
     "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),  # GeGLU launch
+    "packed-gate-geglu": _set(gemma4, "PACKED_EXPERT_GATE_GEGLU", True),  # 4/8-bit experts too
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

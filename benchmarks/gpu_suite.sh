@@ -38,6 +38,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh final-h100    # MoE decode fusions, few-KV-head attention tiles: GeGLU
 #                                                      # check, parity, A/Bs, benches (2026-12-05 evening)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh profiles      # E4B and 26B-A4B decode profiles; few-KV-head tile A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh packed-geglu  # 26B-A4B 4-bit: the packed experts' gate/up stores GeGLU
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -279,6 +280,8 @@ elif [ "$PART" = profiles ]; then  # where E4B's and 26B-A4B's decode steps go n
 stage 70 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --context 512
 stage 80 profile-26b python benchmarks/gpu_profile_decode.py --model 26b-a4b --context 512
 stage 140 ab-e4b-tiles python benchmarks/ab_decode.py --models e4b --variants base,attn-few-n32,attn-few-n16-w2,attn-few-n16-s2 --rounds 3 --check --name e4b_few_heads_tiles
+elif [ "$PART" = packed-geglu ]; then  # 4-bit experts' gate/up storing the GeGLU: A/B with logits
+stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

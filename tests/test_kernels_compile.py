@@ -311,6 +311,26 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         ),
     )
     yield (
+        "affine experts with a geglu output",
+        lambda: affine_matmul.affine_expert_matmul_triton(
+            x, packed, scales, biases, ids, 4, 64, geglu_out=True
+        ),
+    )
+    yield (
+        "affine experts with a geglu output, split",
+        lambda: affine_matmul.affine_expert_matmul_triton(
+            x,
+            packed,
+            scales,
+            biases,
+            ids,
+            4,
+            64,
+            geglu_out=True,
+            config={"BLOCK_N": 16, "BLOCK_KW": 16, "SPLIT_K": 2},
+        ),
+    )
+    yield (
         "float experts with a geglu output",
         lambda: affine_matmul.float_expert_matmul_triton(
             x, torch.randn(4, 48, 256, dtype=bf16), ids, geglu_out=True

@@ -148,15 +148,18 @@ def affine_expert_matmul_reference(
     expert_ids: Tensor,
     bits: int,
     group_size: int,
+    geglu_out: bool = False,
 ) -> Tensor:
-    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``."""
+    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``;
+    with `geglu_out`, ``gelu_tanh_mul`` of that for stacked gate/up experts."""
     _check_expert_shapes(x, expert_ids)
     ids = expert_ids.reshape(-1)
     words = packed.view(torch.int32)[ids].view(torch.uint32)  # CUDA cannot index uint32
     weights = mlx_affine.dequantize_affine(words, scales[ids], biases[ids], bits, group_size)
     rows = _slot_rows(x, expert_ids)
     out = torch.bmm(weights.to(x.dtype), rows[:, :, None])[..., 0]
-    return out.view(*expert_ids.shape, -1)
+    out = out.view(*expert_ids.shape, -1)
+    return gelu_tanh_mul_reference(out) if geglu_out else out
 
 
 def float_expert_matmul_reference(
@@ -193,11 +196,14 @@ def affine_expert_matmul(
     expert_ids: Tensor,
     bits: int,
     group_size: int,
+    geglu_out: bool = False,
 ) -> Tensor:
-    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights."""
+    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights;
+    with `geglu_out`, the GeGLU of stacked gate/up experts, stored by the kernel on CUDA."""
+    args = (x, packed, scales, biases, expert_ids, bits, group_size)
     if kernel_enabled(x) and bits in KERNEL_BITS:
-        return affine_expert_matmul_triton(x, packed, scales, biases, expert_ids, bits, group_size)
-    return affine_expert_matmul_reference(x, packed, scales, biases, expert_ids, bits, group_size)
+        return affine_expert_matmul_triton(*args, geglu_out=geglu_out)
+    return affine_expert_matmul_reference(*args, geglu_out)
 
 
 def float_expert_matmul(
@@ -332,6 +338,21 @@ if HAS_TRITON:
     # The float 2**23 as int32 bits, passed to the GEMV at run time: were the exponent a
     # constant, ptxas would need two LOP3s (one immediate operand each) for the AND and the OR.
     TWO23_BITS = 150 << 23
+    _GELU_COEFFICIENT = tl.constexpr(SQRT_2_OVER_PI)
+
+    @triton.jit
+    def _store_geglu_pairs(out_rows, values, m_ok, first, N, BLOCK_N: tl.constexpr):
+        """Store gelu_tanh(gate) * up [rows, BLOCK_N / 2] at columns ``first + c`` of the rows
+        `out_rows` (pointers [rows, 1]), from the dots `values` [rows, BLOCK_N] of gate and up
+        rows in turn: each dot rounded as stored, then as `activation.gelu_tanh_mul` rounds,
+        so the result equals the plain GEMV then the GeGLU kernel bit for bit."""
+        dtype = out_rows.dtype.element_ty
+        rows: tl.constexpr = values.shape[0]
+        gate, up = tl.split(tl.reshape(values.to(dtype), [rows, BLOCK_N // 2, 2]))
+        gelu = gelu_tanh(gate.to(tl.float32), _GELU_COEFFICIENT).to(dtype)
+        product = (gelu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+        c = first + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_rows + c[None, :], product, mask=m_ok[:, None] & (c < N)[None, :])
 
     @triton.jit
     def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):
@@ -735,11 +756,15 @@ if HAS_TRITON:
         BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,
+        GEGLU_OUT: tl.constexpr = False,
     ):
         """out[r, m, n] = sum_k x[row(r) + m, k] * W_r[n, k]; W_r is expert ids[r] or the weight.
 
-        Grid: (ROWS, blocks of N, splits of K). Without GATHER there is one r and BLOCK_M
-        rows of x; with it each r is a (token, slot) pair with one row, x row r // X_ROWS_PER_ID.
+        Grid: (ROWS, blocks of weight rows, splits of K). Without GATHER there is one r and
+        BLOCK_M rows of x; with it each r is a (token, slot) pair with one row, x row
+        r // X_ROWS_PER_ID. With GEGLU_OUT W is a stacked gate/up of 2N rows and out[r, m]
+        is gelu_tanh(gate) * up [N]: a program's rows alternate gate row c and up row c
+        (`_store_geglu_pairs`).
         """
         wait_for_producer(PDL)
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
@@ -751,18 +776,25 @@ if HAS_TRITON:
         pid_k = tl.program_id(2)
         row_words = K // CODES
         groups = K // GROUP
+        W_ROWS = 2 * N if GEGLU_OUT else N  # weight rows
         if GATHER:
             expert = tl.load(ids_ptr + pid_r).to(tl.int64)
-            packed_ptr += expert * N * row_words
-            scales_ptr += expert * N * groups
-            biases_ptr += expert * N * groups
+            packed_ptr += expert * W_ROWS * row_words
+            scales_ptr += expert * W_ROWS * groups
+            biases_ptr += expert * W_ROWS * groups
             x_ptr += (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
             out_ptr += pid_r.to(tl.int64) * stride_om
 
         m = tl.arange(0, BLOCK_M)
         m_ok = m < M
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+        if GEGLU_OUT:
+            lane = tl.arange(0, BLOCK_N)
+            column = pid_n * (BLOCK_N // 2) + lane // 2
+            n = column + (lane % 2) * N  # gate row, up row, gate row, ...
+            n_ok = column < N
+        else:
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < N
         word_rows = n.to(tl.int64) * row_words
         group_rows = n.to(tl.int64) * groups
         x_rows = m.to(tl.int64) * stride_xm
@@ -804,12 +836,17 @@ if HAS_TRITON:
 
         out_at = m[:, None] * stride_om + n[None, :]
         out_ok = m_ok[:, None] & n_ok[None, :]
+        out_rows = out_ptr + m[:, None] * stride_om
+        first = pid_n * (BLOCK_N // 2)
         if SPLIT_K == 1:
-            tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
+            if GEGLU_OUT:
+                _store_geglu_pairs(out_rows, result, m_ok, first, N, BLOCK_N)
+            else:
+                tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
         else:
-            # Partials [SPLIT_K, R, M, N] fp32; the last split to finish sums them in order.
-            split_stride = tl.cast(ROWS, tl.int64) * M * N
-            own = (pid_r * M + m[:, None]).to(tl.int64) * N + n[None, :]
+            # Partials [SPLIT_K, R, M, W_ROWS] fp32; the last split to finish sums them in order.
+            split_stride = tl.cast(ROWS, tl.int64) * M * W_ROWS
+            own = (pid_r * M + m[:, None]).to(tl.int64) * W_ROWS + n[None, :]
             tl.store(partial_ptr + pid_k * split_stride + own, result, mask=out_ok)
             tl.debug_barrier()  # every thread's partial is written before the release below
             counter = counter_ptr + pid_r * tl.num_programs(1) + pid_n
@@ -824,7 +861,10 @@ if HAS_TRITON:
                         other=0.0,
                         cache_modifier=".cg",
                     )
-                tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                if GEGLU_OUT:
+                    _store_geglu_pairs(out_rows, total, m_ok, first, N, BLOCK_N)
+                else:
+                    tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA-graph replays)
 
     @triton.jit
@@ -882,7 +922,6 @@ if HAS_TRITON:
         stride_om,
         X_ROWS_PER_ID,
         EXPERTS,
-        coefficient,
         K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -892,9 +931,8 @@ if HAS_TRITON:
     ):
         """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
         With GEGLU_OUT the experts are stacked gate/up [E, 2N, K] and out[r] is
-        gelu_tanh(gate) * up [N] (coefficient: sqrt(2/pi)): a program's rows alternate gate
-        row c and up row c, each dot rounded as stored, then as `activation.gelu_tanh_mul`
-        rounds, so the output equals the plain GEMV's then the GeGLU kernel's bit for bit.
+        gelu_tanh(gate) * up [N]: a program's rows alternate gate row c and up row c
+        (`_store_geglu_pairs`).
         PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
         the wait (`hearth.kernels.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
         final when the router ran two launches back, else a guess that can only cost time
@@ -926,15 +964,15 @@ if HAS_TRITON:
             w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
             xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
             acc += w.to(tl.float32) * xk[None, :]
-        out = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
+        out = tl.sum(acc, axis=1)
+        out_row = out_ptr + pid_r.to(tl.int64) * stride_om
         if GEGLU_OUT:
-            gate, up = tl.split(tl.reshape(out, [BLOCK_N // 2, 2]))
-            gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(out.dtype)
-            product = (gelu.to(tl.float32) * up.to(tl.float32)).to(out.dtype)
-            c = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(out_ptr + pid_r.to(tl.int64) * stride_om + c, product, mask=c < N)
+            one = tl.arange(0, 1)
+            first = tl.program_id(1) * (BLOCK_N // 2)
+            values = tl.reshape(out, [1, BLOCK_N])
+            _store_geglu_pairs(out_row + one[:, None], values, one == 0, first, N, BLOCK_N)
         else:
-            tl.store(out_ptr + pid_r.to(tl.int64) * stride_om + n, out, mask=n_ok)
+            tl.store(out_row + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     # -----------------------------------------------------------------------------------------
     # Tile GEMV configurations (autotuned)
@@ -979,7 +1017,7 @@ if HAS_TRITON:
 
     _affine_tile_gemv_tuned = triton.autotune(
         configs=_TILE_CONFIGS,
-        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GATHER"],
+        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GATHER", "GEGLU_OUT"],
         prune_configs_by={"early_config_prune": _prune_tile_configs},
     )(_affine_tile_gemv_kernel)
 
@@ -1096,11 +1134,13 @@ if HAS_TRITON:
         x_rows_per_id: int,
         config: dict | None,
         num_warps: int = 4,
+        geglu_out: bool = False,
     ) -> None:
-        """One tile-GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`."""
+        """One tile-GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`;
+        with `geglu_out`, of the GeGLU of a stacked gate/up weight (see the kernel)."""
         m = 1 if ids is not None else x.shape[0]
         k = x.shape[-1]
-        n = packed.shape[-2]
+        n = packed.shape[-2]  # weight rows: the grid's blocks, the partials' width
         words = packed.view(torch.int32)  # same bits; Triton shifts int32 everywhere
         interpreted = not x.is_cuda
         split_possible = (
@@ -1125,7 +1165,7 @@ if HAS_TRITON:
             partial,
             counters,
             m,
-            n,
+            n // 2 if geglu_out else n,
             x.stride(-2),
             out.stride(-2),
             x_rows_per_id,
@@ -1133,7 +1173,7 @@ if HAS_TRITON:
             k,
         )
         constants = {"BITS": bits, "GROUP": group, "BLOCK_M": block_m, "GATHER": ids is not None}
-        constants |= pdl_options(x)
+        constants |= pdl_options(x) | {"GEGLU_OUT": geglu_out}
 
         def grid(meta: dict) -> tuple[int, int, int]:
             return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
@@ -1258,14 +1298,19 @@ if HAS_TRITON:
         bits: int,
         group_size: int,
         config: dict | None = None,
+        geglu_out: bool = False,
     ) -> Tensor:
-        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows."""
+        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows;
+        with `geglu_out`, the GeGLU of stacked gate/up experts, ``[T, top_k, N / 2]``."""
         _check_expert_shapes(x, expert_ids)
         _check_operands(x, packed, scales, bits, group_size)
+        n = packed.shape[-2]
+        if geglu_out and n % 2:
+            raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
         pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        out = torch.empty(pairs, packed.shape[-2], dtype=x.dtype, device=x.device)
+        out = torch.empty(pairs, n // 2 if geglu_out else n, dtype=x.dtype, device=x.device)
         _launch_tile_gemv(
             rows,
             packed,
@@ -1279,6 +1324,7 @@ if HAS_TRITON:
             block_m=1,
             x_rows_per_id=top_k if x.dim() == 2 else 1,
             config=config,
+            geglu_out=geglu_out,
         )
         return out.view(*expert_ids.shape, -1)
 
@@ -1311,7 +1357,6 @@ if HAS_TRITON:
             out.stride(0),
             top_k if x.dim() == 2 else 1,
             weight.shape[0],
-            SQRT_2_OVER_PI,
             k,
         )
 

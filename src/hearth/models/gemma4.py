@@ -81,6 +81,8 @@ FUSED_PER_LAYER_NORM = True
 # `gpu_expert_geglu_h100-…`). The down GEMV forming the GeGLU from gate/up instead (each
 # program recomputing its pair's 704 products) gave +0.1-0.4%, and was dropped. An A/B switch.
 FUSED_EXPERT_GATE_GEGLU = True
+# The same for MLX-packed experts (the affine tile GEMV pairs the rows). Unmeasured: off.
+PACKED_EXPERT_GATE_GEGLU = False
 # At a decode step, the router-weighted sum of the experts' slot outputs inside the MoE
 # layer's last norm kernel (`moe_combine_add_rms_norm`), not a `weighted_slot_sum` launch
 # before it. Needs FUSED_MOE_NORMS. 26B-A4B decode +0.4% in bf16, +0.8% at 4 bits, logits
@@ -249,11 +251,20 @@ class Experts(nn.Module):
 
     @staticmethod
     def _per_slot(
-        weight: torch.Tensor | MLXQuantizedExperts, x: torch.Tensor, experts: torch.Tensor
+        weight: torch.Tensor | MLXQuantizedExperts,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        geglu_out: bool = False,
     ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
-            return float_expert_matmul(x, weight, experts)
-        return weight.gathered_matmul(x, experts)
+            return float_expert_matmul(x, weight, experts, geglu_out)
+        return weight.gathered_matmul(x, experts, geglu_out)
+
+    def _gate_up_stores_geglu(self) -> bool:
+        """Whether the gathered gate/up GEMV stores the GeGLU itself (see the switches)."""
+        if isinstance(self.gate_up_proj, torch.Tensor):
+            return FUSED_EXPERT_GATE_GEGLU
+        return PACKED_EXPERT_GATE_GEGLU
 
     def forward_gathered(
         self,
@@ -265,12 +276,11 @@ class Experts(nn.Module):
         """Every (token, slot) pair through its expert, ids kept on the device: no host sync,
         so CUDA graphs can capture it. Equals `forward_loop` up to summation order. With
         `summed` False, the slots' outputs [tokens, top_k, H] before their weighted sum."""
-        if FUSED_EXPERT_GATE_GEGLU and isinstance(self.gate_up_proj, torch.Tensor):
-            hidden = float_expert_matmul(x, self.gate_up_proj, experts, geglu_out=True)
-            y = self._per_slot(self.down_proj, hidden, experts)
-            return weighted_slot_sum(y, weights) if summed else y
-        gate_up = self._per_slot(self.gate_up_proj, x, experts)
-        y = self._per_slot(self.down_proj, gelu_tanh_mul(gate_up), experts)
+        if self._gate_up_stores_geglu():
+            hidden = self._per_slot(self.gate_up_proj, x, experts, geglu_out=True)
+        else:
+            hidden = gelu_tanh_mul(self._per_slot(self.gate_up_proj, x, experts))
+        y = self._per_slot(self.down_proj, hidden, experts)
         return weighted_slot_sum(y, weights) if summed else y
 
     @staticmethod
