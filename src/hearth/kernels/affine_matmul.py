@@ -341,6 +341,20 @@ if HAS_TRITON:
     _GELU_COEFFICIENT = tl.constexpr(SQRT_2_OVER_PI)
 
     @triton.jit
+    def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GEGLU_OUT: tl.constexpr):
+        """(weight rows a program reads, which are in range): block pid_n of N rows, or with
+        GEGLU_OUT gate row c and up row N + c in turn, for outputs c of block pid_n of N."""
+        lane = tl.arange(0, BLOCK_N)
+        if GEGLU_OUT:
+            column = pid_n * (BLOCK_N // 2) + lane // 2
+            n = column + (lane % 2) * N
+            n_ok = column < N
+        else:
+            n = pid_n * BLOCK_N + lane
+            n_ok = n < N
+        return n, n_ok
+
+    @triton.jit
     def _store_geglu_pairs(out_rows, values, m_ok, first, N, BLOCK_N: tl.constexpr):
         """Store gelu_tanh(gate) * up [rows, BLOCK_N / 2] at columns ``first + c`` of the rows
         `out_rows` (pointers [rows, 1]), from the dots `values` [rows, BLOCK_N] of gate and up
@@ -787,14 +801,7 @@ if HAS_TRITON:
 
         m = tl.arange(0, BLOCK_M)
         m_ok = m < M
-        if GEGLU_OUT:
-            lane = tl.arange(0, BLOCK_N)
-            column = pid_n * (BLOCK_N // 2) + lane // 2
-            n = column + (lane % 2) * N  # gate row, up row, gate row, ...
-            n_ok = column < N
-        else:
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < N
+        n, n_ok = _weight_rows(pid_n, N, BLOCK_N, GEGLU_OUT)
         word_rows = n.to(tl.int64) * row_words
         group_rows = n.to(tl.int64) * groups
         x_rows = m.to(tl.int64) * stride_xm
@@ -938,16 +945,8 @@ if HAS_TRITON:
         final when the router ran two launches back, else a guess that can only cost time
         (clamped to the experts, and the ids are read again after the wait)."""
         pid_r = tl.program_id(0)
-        if GEGLU_OUT:
-            lane = tl.arange(0, BLOCK_N)
-            column = tl.program_id(1) * (BLOCK_N // 2) + lane // 2
-            n = column + (lane % 2) * N  # gate row, up row, gate row, ...
-            n_ok = column < N
-            ROWS = 2 * N
-        else:
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < N
-            ROWS = N
+        n, n_ok = _weight_rows(tl.program_id(1), N, BLOCK_N, GEGLU_OUT)
+        ROWS = 2 * N if GEGLU_OUT else N  # weight rows
         if PREFETCH_LINES > 0:
             guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
             guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)
