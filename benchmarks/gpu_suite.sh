@@ -39,6 +39,7 @@
 #                                                      # check, parity, A/Bs, benches (2026-12-05 evening)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh profiles      # E4B and 26B-A4B decode profiles; few-KV-head tile A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh packed-geglu  # 26B-A4B 4-bit: the packed experts' gate/up stores GeGLU
+#   OUT=/tmp/out benchmarks/gpu_suite.sh after-1205    # that A/B, then the headline benches (E4B, 26B-A4B, 12B, 31B)
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -282,6 +283,11 @@ stage 80 profile-26b python benchmarks/gpu_profile_decode.py --model 26b-a4b --c
 stage 140 ab-e4b-tiles python benchmarks/ab_decode.py --models e4b --variants base,attn-few-n32,attn-few-n16-w2,attn-few-n16-s2 --rounds 3 --check --name e4b_few_heads_tiles
 elif [ "$PART" = packed-geglu ]; then  # 4-bit experts' gate/up storing the GeGLU: A/B with logits
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
+elif [ "$PART" = after-1205 ]; then  # what 2026-12-05 left: packed-expert GeGLU A/B, headline decode and prefill
+stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
+for m in e4b 26b-a4b gemma3-12b 31b; do
+stage 90 bench-$m python -m hearth.cli bench --random $m --contexts 512 --prefill 4096 --out "$OUT/bench-$m.md"
+done
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
