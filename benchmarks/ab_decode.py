@@ -43,7 +43,7 @@ from hearth.bench.measure import (
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
 from hearth.generate import default_prefill_step
-from hearth.kernels import activation, affine_matmul, gemv, grouped_matmul, norm, rope
+from hearth.kernels import activation, affine_matmul, gemv, grouped_matmul, norm, rope, router
 from hearth.kernels import decode_attention as attention
 from hearth.kernels import launch as fast_launch
 from hearth.models import gemma, gemma4
@@ -290,6 +290,7 @@ VARIANTS: dict[str, Patch] = {
     "slot-sum-apart": _set(gemma4, "FUSED_SLOT_SUM", False),  # its own launch before the norm
     "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),  # GeGLU launch
     "packed-gate-geglu": _set(gemma4, "PACKED_EXPERT_GATE_GEGLU", True),  # 4/8-bit experts too
+    "route-w4": _set(router, "ROUTE_WARPS", 4),  # the routing kernel on 4 warps, not 1
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

@@ -332,6 +332,20 @@ def test_route_matches_softmax_topk() -> None:
         route_triton(logits, 200, scale)
 
 
+def test_route_breaks_ties_by_the_lower_expert_id() -> None:
+    """Equal probabilities go out lowest id first (a hand-built row), and a count of experts
+    that is not a power of two leaves the padded lanes unchosen: 100 experts, the top 3 at
+    ids 97, 40 and 41 (the last two tied), weights renormalised by hand."""
+    logits = torch.full((1, 100), -4.0)
+    logits[0, 97], logits[0, 40], logits[0, 41] = 3.0, 2.0, 2.0
+    scale = torch.ones(100)
+    weights, experts = route_triton(logits, 3, scale)
+    assert experts.tolist() == [[97, 40, 41]]
+    e3, e2 = math.exp(3.0), math.exp(2.0)
+    expected = torch.tensor([[e3, e2, e2]]) / (e3 + 2 * e2)
+    torch.testing.assert_close(weights, expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_input(dtype: torch.dtype) -> None:
     """The router's input: weightless norm, · scale, · hidden^-1/2, each step rounded."""

@@ -10,7 +10,9 @@ experts, renormalises their probabilities to sum to 1 and scales each by its exp
 divide, gather, multiply) per MoE layer for a few hundred bytes; at a batch-1 decode step
 their launch gaps cost more than the work. One program per token does it here: the top_k
 are found by repeated argmax (largest first, the lower expert id on a tie), so the experts
-come out in `torch.topk`'s order.
+come out in `torch.topk`'s order. Each argmax is one reduction of an int64 key per expert,
+the probability's bits above the inverted id (a probability is >= 0, so its bits order as
+it does), instead of a max and then a min of the ids holding it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import torch
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import router_input_reference
+
+# Warps of the routing kernel: one token's 128 logits fit one warp (4 a thread), whose
+# reductions are register shuffles; more warps add a shared-memory round and a barrier to
+# each of its ~10 reductions. Not yet timed against 4 (the `route-w4` A/B variant).
+ROUTE_WARPS = 1
 
 
 def route_reference(
@@ -95,17 +102,18 @@ if HAS_TRITON:
         logits = logits.to(tl.float32)
         exps = tl.exp(logits - tl.max(logits, axis=0))
         probabilities = exps / tl.sum(exps, axis=0)
-        remaining = tl.where(valid, probabilities, -1.0)  # probabilities are >= 0
+        # Key: the probability's bits (>= 0: ordered as the floats are) above BLOCK_E - 1 - id,
+        # so the largest key is the largest probability at its lowest id; -1 for padding.
+        bits = probabilities.to(tl.int32, bitcast=True).to(tl.int64)
+        keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - ids), -1)
         slots = tl.arange(0, BLOCK_K)
-        chosen = tl.zeros([BLOCK_K], tl.float32)
-        chosen_ids = tl.zeros([BLOCK_K], tl.int64)
+        chosen_keys = tl.zeros([BLOCK_K], tl.int64)
         for slot in tl.static_range(TOP_K):
-            best = tl.max(remaining, axis=0)
-            # The lowest id holding the maximum.
-            best_id = tl.min(tl.where(remaining == best, ids, BLOCK_E), axis=0)
-            chosen = tl.where(slots == slot, best, chosen)
-            chosen_ids = tl.where(slots == slot, best_id.to(tl.int64), chosen_ids)
-            remaining = tl.where(ids == best_id, -1.0, remaining)
+            best = tl.max(keys, axis=0)
+            chosen_keys = tl.where(slots == slot, best, chosen_keys)
+            keys = tl.where(keys == best, -1, keys)
+        chosen = (chosen_keys >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        chosen_ids = BLOCK_E - 1 - (chosen_keys & 0xFFFFFFFF)
         in_k = slots < TOP_K
         total = tl.sum(tl.where(in_k, chosen, 0.0), axis=0)
         scales = tl.load(scale_ptr + chosen_ids, mask=in_k, other=0.0).to(tl.float32)
@@ -134,6 +142,7 @@ if HAS_TRITON:
             BLOCK_E=triton.next_power_of_2(experts),
             TOP_K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=ROUTE_WARPS,
             **pdl_options(source),
         )
         return weights, ids
