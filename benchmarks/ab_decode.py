@@ -290,7 +290,7 @@ VARIANTS: dict[str, Patch] = {
     "slot-sum-apart": _set(gemma4, "FUSED_SLOT_SUM", False),  # its own launch before the norm
     "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),  # GeGLU launch
     "packed-gate-geglu": _set(gemma4, "PACKED_EXPERT_GATE_GEGLU", True),  # 4/8-bit experts too
-    "route-w4": _set(router, "ROUTE_WARPS", 4),  # the routing kernel on 4 warps, not 1
+    "route-w1": _set(router, "ROUTE_WARPS", 1),  # the routing kernel on one warp, not 4
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

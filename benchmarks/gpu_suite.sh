@@ -285,7 +285,7 @@ elif [ "$PART" = packed-geglu ]; then  # 4-bit experts' gate/up storing the GeGL
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
 elif [ "$PART" = after-1205 ]; then  # what 2026-12-05 left: packed-expert GeGLU and routing A/Bs, headline benches
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
-stage 110 ab-26b-route python benchmarks/ab_decode.py --models 26b-a4b --variants base,route-w4 --rounds 3 --check --name 26b_route_warps
+stage 110 ab-26b-route python benchmarks/ab_decode.py --models 26b-a4b --variants base,route-w1 --rounds 3 --check --name 26b_route_warps
 for m in e4b 26b-a4b gemma3-12b 31b; do
 stage 90 bench-$m python -m hearth.cli bench --random $m --contexts 512 --prefill 4096 --out "$OUT/bench-$m.md"
 done

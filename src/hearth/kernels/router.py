@@ -23,10 +23,11 @@ from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import router_input_reference
 
-# Warps of the routing kernel: one token's 128 logits fit one warp (4 a thread), whose
-# reductions are register shuffles; more warps add a shared-memory round and a barrier to
-# each of its ~10 reductions. Not yet timed against 4 (the `route-w4` A/B variant).
-ROUTE_WARPS = 1
+# Warps of the routing kernel (Triton's default 4, as measured so far). One token's 128
+# logits would fit one warp (4 a thread), whose reductions are register shuffles alone,
+# where more warps add a shared-memory round and a barrier to each of its ~10 reductions:
+# the `route-w1` A/B variant, not yet timed (the kernel took 112 µs of 26B-A4B's H100 step).
+ROUTE_WARPS = 4
 
 
 def route_reference(
