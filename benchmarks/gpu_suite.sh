@@ -114,11 +114,11 @@ stage 150 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefi
 stage 120 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 512,4096 --steps 16 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = pdl ]; then  # programmatic dependent launch on/off, logits checked; the MoE plan
 stage 20 plan python benchmarks/gpu_plan_check.py
-stage 270 ab-12b-pdl python benchmarks/ab_decode.py --models gemma3-12b --variants base,pdl-off,gemv-no-ahead,fused-geglu-down,wide-gemv,all-gemv --rounds 3 --check --name 12b_pdl
+stage 270 ab-12b-pdl python benchmarks/ab_decode.py --models gemma3-12b --variants base,pdl-off,fused-geglu-down,wide-gemv,all-gemv --rounds 3 --check --name 12b_pdl
 stage 110 ab-12b-4bit-pdl python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,pdl-off --rounds 3 --check --name 12b_4bit_pdl
 stage 130 ab-26b-prefill python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,plan-torch --rounds 3 --name 26b_prefill_plan
 elif [ "$PART" = pdl2 ]; then  # after PDL: 12B launch choices, Gemma 4 PDL A/B, profiles, benches
-stage 120 ab-12b-choices python benchmarks/ab_decode.py --models gemma3-12b --variants base,down-gemv,attn-fused-merge,cublas-gemv,pdl-off --rounds 3 --check --name 12b_pdl_choices
+stage 120 ab-12b-choices python benchmarks/ab_decode.py --models gemma3-12b --variants base,attn-fused-merge,cublas-gemv,pdl-off --rounds 3 --check --name 12b_pdl_choices
 stage 150 ab-gemma4-pdl python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,pdl-off --rounds 3 --check --name gemma4_pdl
 stage 60 profile-12b python benchmarks/gpu_profile_decode.py --model gemma3-12b --context 512
 stage 100 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
@@ -126,7 +126,7 @@ stage 70 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4
 elif [ "$PART" = epilogue ]; then  # the GEMV's add-norm epilogue: GPU tests, parity, A/B, bench
 stage 60 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
 stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
-stage 130 ab-12b-epilogue python benchmarks/ab_decode.py --models gemma3-12b --variants base,no-norm-epilogue,down-cublas,pdl-off --rounds 3 --check --name 12b_epilogue
+stage 130 ab-12b-epilogue python benchmarks/ab_decode.py --models gemma3-12b --variants base,down-cublas,pdl-off --rounds 3 --check --name 12b_epilogue
 stage 150 ab-gemma4-pdl python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,pdl-off --rounds 3 --check --name gemma4_pdl
 stage 100 bench-12b python -m hearth.cli bench --random gemma3-12b --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
 elif [ "$PART" = final ]; then  # the headline numbers after PDL, then launch widths of the small kernels
@@ -155,13 +155,13 @@ GEMV_CONFIGS_JSON=benchmarks/results/gemv_configs_before_sweep-2026-12-03.json \
   stage 230 ab-4bit python benchmarks/ab_decode.py --quant 4bit --variants base,gemv-json --check --name 12b_4bit_gemv
 elif [ "$PART" = next ]; then  # next 4-bit checks: x reorder (short K, as a kernel), register caps, E4B launches
 stage 100 affine python benchmarks/gpu_kernels_affine.py
-stage 240 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,exact-codes,codes-major-many-rows,codes-major-kernel,gemv4-r80 --rounds 2 --check --name 4bit_next
+stage 240 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,exact-codes,codes-major-many-rows,gemv4-r80 --rounds 2 --check --name 4bit_next
 stage 250 sweep-4bit python benchmarks/gpu_gemv_affine_sweep.py --no-head
 # then, with its JSON: GEMV_CONFIGS_JSON=... ab_decode.py --models e4b --quant 4bit --variants base,gemv-json
 elif [ "$PART" = folded ]; then  # after the folded offsets and the PDL reorder: GPU tests, 4-bit A/B, benches
 stage 60 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
 GEMV_CONFIGS_JSON=benchmarks/results/gpu_gemv_affine_sweep_folded-2026-12-03.json \
-  stage 230 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,gemv4-split-x-codes-major,codes-major-many-rows,x-codes-major-bf16,gemv-json --rounds 2 --check --name 4bit_folded
+  stage 230 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,gemv4-split-x-codes-major,codes-major-many-rows,gemv-json --rounds 2 --check --name 4bit_folded
 stage 80 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
 stage 90 bench-31b-4bit python -m hearth.cli bench --random 31b --quant 4bit --contexts 512 --prefill 512 --steps 16 --out "$OUT/bench-31b-4bit.md"
