@@ -25,6 +25,8 @@ from hearth.quant.cpu import (
     quantize_int4_groups,
     quantize_int8_rows,
     quantize_model,
+    quantized_linear,
+    quantized_linear_of_parts,
 )
 
 needs_int8_kernel = pytest.mark.skipif(not cpu.HAS_INT8_KERNEL, reason="no int8 kernel")
@@ -221,6 +223,20 @@ def test_int4_portable_layout_matches_kernel_layout(monkeypatch: pytest.MonkeyPa
     assert torch.equal(portable.dequantize(), kernel_layer.dequantize())
     x = torch.randn(3, 640)
     assert torch.equal(portable(x), portable.reference_forward(x))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_stacked_parts_quantize_as_their_concatenation(mode: str) -> None:
+    """Rows quantize independently, so quantizing q/k/v (or gate/up) apart and stacking the
+    codes gives the layer of the concatenated weight, bit for bit (bf16, as a CPU load has
+    them; 16 + 32 + 16 rows keep the int4 kernel's multiple of 16)."""
+    parts = [random_weight(rows, 128, seed=rows).to(torch.bfloat16) for rows in (16, 32, 16)]
+    stacked = quantized_linear_of_parts(parts, mode)
+    whole = quantized_linear(torch.cat(parts), mode)
+    assert type(stacked) is type(whole)
+    assert stacked.state_dict().keys() == whole.state_dict().keys()
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(stacked.state_dict()[name], tensor), name
 
 
 def test_int4_falls_back_when_out_is_not_a_multiple_of_16() -> None:

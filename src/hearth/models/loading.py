@@ -22,7 +22,7 @@ from hearth.quant.cpu import (
     Int8Linear,
     QuantizedEmbedding,
     QuantizedEmbeddingHead,
-    quantized_linear,
+    quantized_linear_of_parts,
 )
 from hearth.quant.mlx import (
     PACKED_TENSORS,
@@ -340,14 +340,14 @@ class _StreamedQuantization:
             return
         parts = [loaded.pop(part) for part in self._parts[path]]
         self.consumed.update(self._parts[path])
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         with torch.no_grad():
             if path == self._tied_table:
-                self.modules[path] = QuantizedEmbeddingHead.from_float(weight)
+                self.modules[path] = QuantizedEmbeddingHead.from_float(parts[0])
             elif path == self._lookup_table:
-                self.modules[path] = QuantizedEmbedding.from_float(weight)
+                self.modules[path] = QuantizedEmbedding.from_float(parts[0])
             else:
-                self.modules[path] = quantized_linear(weight, self.mode)
+                # Stacked parts (q/k/v, gate/up) are quantized apart and their codes stacked.
+                self.modules[path] = quantized_linear_of_parts(parts, self.mode)
 
     def install(self, model: nn.Module) -> None:
         for path, module in self.modules.items():

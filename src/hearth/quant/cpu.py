@@ -24,6 +24,8 @@ so ``dequantize()`` reproduces the kernels' weights bit for bit, fma or not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -310,6 +312,17 @@ class Int4Linear(_QuantizedLinear):
         cls, weight: Tensor, group_size: int = 32, bias: Tensor | None = None
     ) -> Int4Linear:
         codes, scales_and_zeros = quantize_int4_groups(weight, group_size)
+        return cls.from_codes(codes, scales_and_zeros, group_size, bias)
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: Tensor,
+        scales_and_zeros: Tensor,
+        group_size: int,
+        bias: Tensor | None = None,
+    ) -> Int4Linear:
+        """The layer of `quantize_int4_groups`'s output, packed for the kernel if it runs."""
         uses_kernel = HAS_INT4_KERNEL and codes.shape[0] % INT4_KERNEL_OUT_MULTIPLE == 0
         if uses_kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -413,6 +426,24 @@ def quantized_linear(
     if mode == "int8":
         return Int8Linear.from_float(weight, bias)
     return Int4Linear.from_float(weight, group_size, bias)
+
+
+def quantized_linear_of_parts(
+    parts: Sequence[Tensor], mode: str, group_size: int = 32
+) -> _QuantizedLinear:
+    """`quantized_linear(torch.cat(parts), mode)` without concatenating the float parts: rows
+    are quantized independently, so each part is quantized alone and their codes and scales
+    are stacked, a half (int8) or a quarter (int4) of the bytes a float concatenation copies."""
+    if len(parts) == 1:
+        return quantized_linear(parts[0], mode, group_size)
+    if mode == "int8":
+        codes, scales = zip(*(quantize_int8_rows(part) for part in parts), strict=True)
+        return Int8Linear(torch.cat(codes), torch.cat(scales))
+    codes, scales_and_zeros = zip(
+        *(quantize_int4_groups(part, group_size) for part in parts), strict=True
+    )
+    # scales_and_zeros is [in // group, out, 2]: the parts stack along its output axis.
+    return Int4Linear.from_codes(torch.cat(codes), torch.cat(scales_and_zeros, dim=1), group_size)
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> None:
