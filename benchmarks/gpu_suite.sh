@@ -283,7 +283,9 @@ stage 80 profile-26b python benchmarks/gpu_profile_decode.py --model 26b-a4b --c
 stage 140 ab-e4b-tiles python benchmarks/ab_decode.py --models e4b --variants base,attn-few-n32,attn-few-n16-w2,attn-few-n16-s2 --rounds 3 --check --name e4b_few_heads_tiles
 elif [ "$PART" = packed-geglu ]; then  # 4-bit experts' gate/up storing the GeGLU: A/B with logits
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
-elif [ "$PART" = after-1205 ]; then  # what 2026-12-05 left: packed-expert GeGLU and routing A/Bs, headline benches
+elif [ "$PART" = after-1205 ]; then  # what 2026-12-05 left: GPU checks of the routing rewrite, A/Bs, benches
+stage 60 tests python -m pytest -q -x tests/test_kernels_fused.py
+stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
 stage 110 ab-26b-route python benchmarks/ab_decode.py --models 26b-a4b --variants base,route-w1 --rounds 3 --check --name 26b_route_warps
 for m in e4b 26b-a4b gemma3-12b 31b; do
