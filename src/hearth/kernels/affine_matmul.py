@@ -342,17 +342,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GEGLU_OUT: tl.constexpr):
-        """(weight rows a program reads, which are in range): block pid_n of N rows, or with
-        GEGLU_OUT gate row c and up row N + c in turn, for outputs c of block pid_n of N."""
+        """(weight rows a program reads, which are in range, the weight's row count): block
+        pid_n of N rows, or with GEGLU_OUT gate row c and up row N + c in turn, for outputs c
+        of block pid_n of N (a weight of 2N rows)."""
         lane = tl.arange(0, BLOCK_N)
         if GEGLU_OUT:
             column = pid_n * (BLOCK_N // 2) + lane // 2
             n = column + (lane % 2) * N
             n_ok = column < N
+            rows = 2 * N
         else:
             n = pid_n * BLOCK_N + lane
             n_ok = n < N
-        return n, n_ok
+            rows = N
+        return n, n_ok, rows
 
     @triton.jit
     def _store_geglu_pairs(out_rows, values, m_ok, first, N, BLOCK_N: tl.constexpr):
@@ -790,7 +793,7 @@ if HAS_TRITON:
         pid_k = tl.program_id(2)
         row_words = K // CODES
         groups = K // GROUP
-        W_ROWS = 2 * N if GEGLU_OUT else N  # weight rows
+        n, n_ok, W_ROWS = _weight_rows(pid_n, N, BLOCK_N, GEGLU_OUT)
         if GATHER:
             expert = tl.load(ids_ptr + pid_r).to(tl.int64)
             packed_ptr += expert * W_ROWS * row_words
@@ -801,7 +804,6 @@ if HAS_TRITON:
 
         m = tl.arange(0, BLOCK_M)
         m_ok = m < M
-        n, n_ok = _weight_rows(pid_n, N, BLOCK_N, GEGLU_OUT)
         word_rows = n.to(tl.int64) * row_words
         group_rows = n.to(tl.int64) * groups
         x_rows = m.to(tl.int64) * stride_xm
@@ -945,8 +947,7 @@ if HAS_TRITON:
         final when the router ran two launches back, else a guess that can only cost time
         (clamped to the experts, and the ids are read again after the wait)."""
         pid_r = tl.program_id(0)
-        n, n_ok = _weight_rows(tl.program_id(1), N, BLOCK_N, GEGLU_OUT)
-        ROWS = 2 * N if GEGLU_OUT else N  # weight rows
+        n, n_ok, ROWS = _weight_rows(tl.program_id(1), N, BLOCK_N, GEGLU_OUT)
         if PREFETCH_LINES > 0:
             guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
             guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)

@@ -226,10 +226,10 @@ class Experts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
         """x [tokens, H]; weights (fp32) and expert ids [tokens, top_k]."""
-        if self._has_gathered_kernels(x):
-            if x.shape[0] >= GROUPED_EXPERTS_MIN_TOKENS:
-                return self.forward_grouped(x, weights, experts)
+        if self.gathers(x):
             return self.forward_gathered(x, weights, experts)
+        if self._has_gathered_kernels(x):  # many tokens: grouped tensor-core matmuls
+            return self.forward_grouped(x, weights, experts)
         return self.forward_loop(x, weights, experts)
 
     def gathers(self, x: torch.Tensor) -> bool:
