@@ -287,10 +287,14 @@ elif [ "$PART" = after-1205 ]; then  # what 2026-12-05 left: GPU checks of the r
 stage 60 tests python -m pytest -q -x tests/test_kernels_fused.py
 stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
-stage 110 ab-26b-route python benchmarks/ab_decode.py --models 26b-a4b --variants base,route-w1 --rounds 3 --check --name 26b_route_warps
+stage 110 ab-26b-route python benchmarks/ab_decode.py --models 26b-a4b --variants base,route-w4 --rounds 3 --check --name 26b_route_warps
 for m in e4b 26b-a4b gemma3-12b 31b; do
 stage 90 bench-$m python -m hearth.cli bench --random $m --contexts 512 --prefill 4096 --out "$OUT/bench-$m.md"
 done
+elif [ "$PART" = l2-ahead ]; then  # weights asked into L2 during the small kernels (l2_ahead.py)
+stage 200 ab-e4b-l2 python benchmarks/ab_decode.py --models e4b --variants base,l2-ahead,l2-ahead-12mb,l2-ahead-40mb --rounds 3 --check --name e4b_l2_ahead
+stage 150 ab-26b-l2 python benchmarks/ab_decode.py --models 26b-a4b --variants base,l2-ahead,l2-ahead-40mb --rounds 3 --check --name 26b_l2_ahead
+stage 100 ab-e4b-l2-8k python benchmarks/ab_decode.py --models e4b --context 8192 --variants base,l2-ahead --rounds 3 --check --name e4b_8k_l2_ahead
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

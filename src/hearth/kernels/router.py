@@ -23,11 +23,12 @@ from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import router_input_reference
 
-# Warps of the routing kernel (Triton's default 4, as measured so far). One token's 128
-# logits would fit one warp (4 a thread), whose reductions are register shuffles alone,
-# where more warps add a shared-memory round and a barrier to each of its ~10 reductions:
-# the `route-w1` A/B variant, not yet timed (the kernel took 112 µs of 26B-A4B's H100 step).
-ROUTE_WARPS = 4
+# Warps of the routing kernel. One token's 128 logits fit one warp (4 a thread), whose
+# reductions are register shuffles alone, where Triton's default 4 warps add a shared-memory
+# round and a barrier to each of its ~10 reductions. 26B-A4B decode +0.3% against 4 warps
+# (H100, 2026-12-05, `benchmarks/results/ab_26b_route_warps_h100-2026-12-05.md`); the
+# softmax sums in another order, so logits move by float rounding.
+ROUTE_WARPS = 1
 
 
 def route_reference(
