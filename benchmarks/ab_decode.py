@@ -48,7 +48,6 @@ from hearth.kernels import (
     affine_matmul,
     gemv,
     grouped_matmul,
-    l2_ahead,
     norm,
     rope,
     router,
@@ -108,7 +107,6 @@ def _set(
 
 
 FUSED_MERGE = _set(attention, "FUSED_MERGE_MAX_BYTES", 1 << 40)
-L2_AHEAD = _set(l2_ahead, "L2_AHEAD", True)
 
 
 def _gemv4_rows(block_n: int, block_g: int = 0) -> Patch:
@@ -299,11 +297,7 @@ VARIANTS: dict[str, Patch] = {
     "expert-prefetch-16": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 16),
     "slot-sum-apart": _set(gemma4, "FUSED_SLOT_SUM", False),  # its own launch before the norm
     "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),  # GeGLU launch
-    "packed-gate-geglu": _set(gemma4, "PACKED_EXPERT_GATE_GEGLU", True),  # 4/8-bit experts too
     "route-w4": _set(router, "ROUTE_WARPS", 4),  # the routing kernel on 4 warps, not one
-    "l2-ahead": L2_AHEAD,  # weights asked into L2 during small kernels
-    "l2-ahead-12mb": _stacked(L2_AHEAD, _set(l2_ahead, "MAX_BYTES", 12 << 20)),
-    "l2-ahead-40mb": _stacked(L2_AHEAD, _set(l2_ahead, "MAX_BYTES", 40 << 20)),
     "attn-prefetch": _prefetch(0, 64),
     "prefetch-lines-8": _prefetch(8, 64),
     "prefetch-lines-32": _prefetch(32, 64),

@@ -38,8 +38,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh final-h100    # MoE decode fusions, few-KV-head attention tiles: GeGLU
 #                                                      # check, parity, A/Bs, benches (2026-12-05 evening)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh profiles      # E4B and 26B-A4B decode profiles; few-KV-head tile A/B
-#   OUT=/tmp/out benchmarks/gpu_suite.sh packed-geglu  # 26B-A4B 4-bit: the packed experts' gate/up stores GeGLU
-#   OUT=/tmp/out benchmarks/gpu_suite.sh after-1205    # that A/B, then the headline benches (E4B, 26B-A4B, 12B, 31B)
+#   OUT=/tmp/out benchmarks/gpu_suite.sh after-1205    # GPU checks of the routing rewrite, route A/B, headline benches
+#   OUT=/tmp/out benchmarks/gpu_suite.sh headline2     # every model's headline in one call, bf16 and 4-bit (HF beside)
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -281,20 +281,21 @@ elif [ "$PART" = profiles ]; then  # where E4B's and 26B-A4B's decode steps go n
 stage 70 profile-e4b python benchmarks/gpu_profile_decode.py --model e4b --context 512
 stage 80 profile-26b python benchmarks/gpu_profile_decode.py --model 26b-a4b --context 512
 stage 140 ab-e4b-tiles python benchmarks/ab_decode.py --models e4b --variants base,attn-few-n32,attn-few-n16-w2,attn-few-n16-s2 --rounds 3 --check --name e4b_few_heads_tiles
-elif [ "$PART" = packed-geglu ]; then  # 4-bit experts' gate/up storing the GeGLU: A/B with logits
-stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
 elif [ "$PART" = after-1205 ]; then  # what 2026-12-05 left: GPU checks of the routing rewrite, A/Bs, benches
 stage 60 tests python -m pytest -q -x tests/test_kernels_fused.py
 stage 80 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
-stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,packed-gate-geglu --rounds 3 --check --name 26b_4bit_packed_geglu
 stage 110 ab-26b-route python benchmarks/ab_decode.py --models 26b-a4b --variants base,route-w4 --rounds 3 --check --name 26b_route_warps
 for m in e4b 26b-a4b gemma3-12b 31b; do
 stage 90 bench-$m python -m hearth.cli bench --random $m --contexts 512 --prefill 4096 --out "$OUT/bench-$m.md"
 done
-elif [ "$PART" = l2-ahead ]; then  # weights asked into L2 during the small kernels (l2_ahead.py)
-stage 200 ab-e4b-l2 python benchmarks/ab_decode.py --models e4b --variants base,l2-ahead,l2-ahead-12mb,l2-ahead-40mb --rounds 3 --check --name e4b_l2_ahead
-stage 150 ab-26b-l2 python benchmarks/ab_decode.py --models 26b-a4b --variants base,l2-ahead,l2-ahead-40mb --rounds 3 --check --name 26b_l2_ahead
-stage 100 ab-e4b-l2-8k python benchmarks/ab_decode.py --models e4b --context 8192 --variants base,l2-ahead --rounds 3 --check --name e4b_8k_l2_ahead
+elif [ "$PART" = headline2 ]; then  # the issue's table on one machine: bf16, 4-bit, HF in the same run
+stage 120 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
+stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
+stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
+for m in gemma3-12b e4b 26b-a4b; do
+stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
+done
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

@@ -370,34 +370,6 @@ def test_gathered_experts(bits, ids_name, per_slot) -> None:
         _assert_close(got, reference, magnitude, k, weight_eps=eps16)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("split", [1, 2])
-def test_gathered_experts_with_a_geglu_output(bits, split) -> None:
-    """Stacked gate/up experts [E, 2N, K] packed at `bits`, whose gathered GEMV stores
-    gelu_tanh(gate) * up: bit for bit the plain gathered GEMV at the same tiles then the
-    GeGLU kernel (a program's rows pair gate c with up c; each dot summed as before, split
-    or not). N = 20 leaves a ragged last block."""
-    torch.manual_seed(9)
-    experts, n, k, group = 4, 40, 128, 32
-    packed, scales, biases = _quantized(n, k, bits, group, torch.float16, lead=(experts,))
-    ids = torch.tensor(EXPERT_IDS["repeated"])
-    x = torch.randn(3, k).half()
-    args = (x, packed, scales, biases, ids, bits, group)
-    config = {"BLOCK_N": 8, "BLOCK_KW": 16, "SPLIT_K": split}
-    got = am.affine_expert_matmul_triton(*args, config=config, geglu_out=True)
-    assert got.shape == (3, 2, n // 2)
-    apart = gelu_tanh_mul_triton(am.affine_expert_matmul_triton(*args, config=config))
-    assert torch.equal(got, apart)
-    assert torch.equal(
-        am.affine_expert_matmul(*args, geglu_out=True),  # off the GPU: the reference
-        gelu_tanh_mul_reference(am.affine_expert_matmul_reference(*args)),
-    )
-    with pytest.raises(ValueError, match="stacked gate/up"):
-        am.affine_expert_matmul_triton(
-            x, packed[:, 1:], scales[:, 1:], biases[:, 1:], ids, bits, group, geglu_out=True
-        )
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_gathered_float_experts(dtype, per_slot) -> None:
@@ -448,7 +420,7 @@ def _record_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         launcher: Callable = getattr(am, name)
 
         def spy(*args, _launcher=launcher, _name=name, **kwargs):
-            calls.append(f"{_name} geglu_out" if kwargs.get("geglu_out") else _name)
+            calls.append(_name)
             return _launcher(*args, **kwargs)
 
         monkeypatch.setattr(am, name, spy)
@@ -503,10 +475,10 @@ def _tiny_experts(bits: int | None) -> Experts:
 def test_sync_free_experts_equal_the_loop(bits, kernels, stores_geglu, monkeypatch) -> None:
     """fp32 throughout, so only the summation order differs: 1e-5 relative to the output's
     scale is ~100 eps32, room for the two chained projections' reordered sums. `stores_geglu`:
-    the gate/up GEMV stores the GeGLU (float or packed experts), else a GeGLU launch."""
+    float experts' gate/up GEMV stores the GeGLU, else a GeGLU launch (packed experts take
+    the launch either way)."""
     torch.manual_seed(8)
-    for switch in ("FUSED_EXPERT_GATE_GEGLU", "PACKED_EXPERT_GATE_GEGLU"):
-        monkeypatch.setattr(gemma4, switch, stores_geglu)
+    monkeypatch.setattr(gemma4, "FUSED_EXPERT_GATE_GEGLU", stores_geglu)
     experts = _tiny_experts(bits)
     x = torch.randn(5, 64)
     ids = torch.tensor([[0, 1], [1, 0], [3, 3], [2, 1], [0, 2]])
@@ -516,7 +488,6 @@ def test_sync_free_experts_equal_the_loop(bits, kernels, stores_geglu, monkeypat
     monkeypatch.undo()
     loop = experts.forward_loop(x, weights, ids)
     launch = "affine_expert_matmul_triton"
-    packed = [f"{launch} geglu_out" if stores_geglu else launch, launch]
-    assert calls == (packed if kernels and bits else [])
+    assert calls == ([launch, launch] if kernels and bits else [])
     torch.testing.assert_close(gathered, loop, rtol=0, atol=1e-5 * loop.abs().max().item())
     assert torch.equal(experts(x, weights, ids), loop)  # on CPU, forward is the loop

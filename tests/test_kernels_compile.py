@@ -311,13 +311,7 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         ),
     )
     yield (
-        "affine experts with a geglu output",
-        lambda: affine_matmul.affine_expert_matmul_triton(
-            x, packed, scales, biases, ids, 4, 64, geglu_out=True
-        ),
-    )
-    yield (
-        "affine experts with a geglu output, split",
+        "affine experts, split",
         lambda: affine_matmul.affine_expert_matmul_triton(
             x,
             packed,
@@ -326,7 +320,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             ids,
             4,
             64,
-            geglu_out=True,
             config={"BLOCK_N": 16, "BLOCK_KW": 16, "SPLIT_K": 2},
         ),
     )

@@ -148,18 +148,15 @@ def affine_expert_matmul_reference(
     expert_ids: Tensor,
     bits: int,
     group_size: int,
-    geglu_out: bool = False,
 ) -> Tensor:
-    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``;
-    with `geglu_out`, ``gelu_tanh_mul`` of that for stacked gate/up experts."""
+    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``."""
     _check_expert_shapes(x, expert_ids)
     ids = expert_ids.reshape(-1)
     words = packed.view(torch.int32)[ids].view(torch.uint32)  # CUDA cannot index uint32
     weights = mlx_affine.dequantize_affine(words, scales[ids], biases[ids], bits, group_size)
     rows = _slot_rows(x, expert_ids)
     out = torch.bmm(weights.to(x.dtype), rows[:, :, None])[..., 0]
-    out = out.view(*expert_ids.shape, -1)
-    return gelu_tanh_mul_reference(out) if geglu_out else out
+    return out.view(*expert_ids.shape, -1)
 
 
 def float_expert_matmul_reference(
@@ -196,14 +193,12 @@ def affine_expert_matmul(
     expert_ids: Tensor,
     bits: int,
     group_size: int,
-    geglu_out: bool = False,
 ) -> Tensor:
-    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights;
-    with `geglu_out`, the GeGLU of stacked gate/up experts, stored by the kernel on CUDA."""
+    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights."""
     args = (x, packed, scales, biases, expert_ids, bits, group_size)
     if kernel_enabled(x) and bits in KERNEL_BITS:
-        return affine_expert_matmul_triton(*args, geglu_out=geglu_out)
-    return affine_expert_matmul_reference(*args, geglu_out)
+        return affine_expert_matmul_triton(*args)
+    return affine_expert_matmul_reference(*args)
 
 
 def float_expert_matmul(
@@ -773,15 +768,12 @@ if HAS_TRITON:
         BLOCK_KW: tl.constexpr,
         SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,
-        GEGLU_OUT: tl.constexpr = False,
     ):
         """out[r, m, n] = sum_k x[row(r) + m, k] * W_r[n, k]; W_r is expert ids[r] or the weight.
 
         Grid: (ROWS, blocks of weight rows, splits of K). Without GATHER there is one r and
         BLOCK_M rows of x; with it each r is a (token, slot) pair with one row, x row
-        r // X_ROWS_PER_ID. With GEGLU_OUT W is a stacked gate/up of 2N rows and out[r, m]
-        is gelu_tanh(gate) * up [N]: a program's rows alternate gate row c and up row c
-        (`_store_geglu_pairs`).
+        r // X_ROWS_PER_ID.
         """
         wait_for_producer(PDL)
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
@@ -793,12 +785,13 @@ if HAS_TRITON:
         pid_k = tl.program_id(2)
         row_words = K // CODES
         groups = K // GROUP
-        n, n_ok, W_ROWS = _weight_rows(pid_n, N, BLOCK_N, GEGLU_OUT)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
         if GATHER:
             expert = tl.load(ids_ptr + pid_r).to(tl.int64)
-            packed_ptr += expert * W_ROWS * row_words
-            scales_ptr += expert * W_ROWS * groups
-            biases_ptr += expert * W_ROWS * groups
+            packed_ptr += expert * N * row_words
+            scales_ptr += expert * N * groups
+            biases_ptr += expert * N * groups
             x_ptr += (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
             out_ptr += pid_r.to(tl.int64) * stride_om
 
@@ -845,17 +838,12 @@ if HAS_TRITON:
 
         out_at = m[:, None] * stride_om + n[None, :]
         out_ok = m_ok[:, None] & n_ok[None, :]
-        out_rows = out_ptr + m[:, None] * stride_om
-        first = pid_n * (BLOCK_N // 2)
         if SPLIT_K == 1:
-            if GEGLU_OUT:
-                _store_geglu_pairs(out_rows, result, m_ok, first, N, BLOCK_N)
-            else:
-                tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
         else:
-            # Partials [SPLIT_K, R, M, W_ROWS] fp32; the last split to finish sums them in order.
-            split_stride = tl.cast(ROWS, tl.int64) * M * W_ROWS
-            own = (pid_r * M + m[:, None]).to(tl.int64) * W_ROWS + n[None, :]
+            # Partials [SPLIT_K, R, M, N] fp32; the last split to finish sums them in order.
+            split_stride = tl.cast(ROWS, tl.int64) * M * N
+            own = (pid_r * M + m[:, None]).to(tl.int64) * N + n[None, :]
             tl.store(partial_ptr + pid_k * split_stride + own, result, mask=out_ok)
             tl.debug_barrier()  # every thread's partial is written before the release below
             counter = counter_ptr + pid_r * tl.num_programs(1) + pid_n
@@ -870,10 +858,7 @@ if HAS_TRITON:
                         other=0.0,
                         cache_modifier=".cg",
                     )
-                if GEGLU_OUT:
-                    _store_geglu_pairs(out_rows, total, m_ok, first, N, BLOCK_N)
-                else:
-                    tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA-graph replays)
 
     @triton.jit
@@ -1017,7 +1002,7 @@ if HAS_TRITON:
 
     _affine_tile_gemv_tuned = triton.autotune(
         configs=_TILE_CONFIGS,
-        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GATHER", "GEGLU_OUT"],
+        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GATHER"],
         prune_configs_by={"early_config_prune": _prune_tile_configs},
     )(_affine_tile_gemv_kernel)
 
@@ -1134,10 +1119,8 @@ if HAS_TRITON:
         x_rows_per_id: int,
         config: dict | None,
         num_warps: int = 4,
-        geglu_out: bool = False,
     ) -> None:
-        """One tile-GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`;
-        with `geglu_out`, of the GeGLU of a stacked gate/up weight (see the kernel)."""
+        """One tile-GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`."""
         m = 1 if ids is not None else x.shape[0]
         k = x.shape[-1]
         n = packed.shape[-2]  # weight rows: the grid's blocks, the partials' width
@@ -1165,7 +1148,7 @@ if HAS_TRITON:
             partial,
             counters,
             m,
-            n // 2 if geglu_out else n,
+            n,
             x.stride(-2),
             out.stride(-2),
             x_rows_per_id,
@@ -1173,7 +1156,7 @@ if HAS_TRITON:
             k,
         )
         constants = {"BITS": bits, "GROUP": group, "BLOCK_M": block_m, "GATHER": ids is not None}
-        constants |= pdl_options(x) | {"GEGLU_OUT": geglu_out}
+        constants |= pdl_options(x)
 
         def grid(meta: dict) -> tuple[int, int, int]:
             return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
@@ -1298,19 +1281,15 @@ if HAS_TRITON:
         bits: int,
         group_size: int,
         config: dict | None = None,
-        geglu_out: bool = False,
     ) -> Tensor:
-        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows;
-        with `geglu_out`, the GeGLU of stacked gate/up experts, ``[T, top_k, N / 2]``."""
+        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows."""
         _check_expert_shapes(x, expert_ids)
         _check_operands(x, packed, scales, bits, group_size)
         n = packed.shape[-2]
-        if geglu_out and n % 2:
-            raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
         pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        out = torch.empty(pairs, n // 2 if geglu_out else n, dtype=x.dtype, device=x.device)
+        out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
         _launch_tile_gemv(
             rows,
             packed,
@@ -1324,7 +1303,6 @@ if HAS_TRITON:
             block_m=1,
             x_rows_per_id=top_k if x.dim() == 2 else 1,
             config=config,
-            geglu_out=geglu_out,
         )
         return out.view(*expert_ids.shape, -1)
 

@@ -32,7 +32,6 @@ from hearth.kernels.grouped_matmul import (
     grouped_expert_matmul,
     plan_experts,
 )
-from hearth.kernels.l2_ahead import prefetch_weights
 from hearth.kernels.norm import add_rms_norm, moe_add_rms_norm, moe_combine_add_rms_norm
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kernels.router import route, router_input
@@ -82,8 +81,6 @@ FUSED_PER_LAYER_NORM = True
 # `gpu_expert_geglu_h100-…`). The down GEMV forming the GeGLU from gate/up instead (each
 # program recomputing its pair's 704 products) gave +0.1-0.4%, and was dropped. An A/B switch.
 FUSED_EXPERT_GATE_GEGLU = True
-# The same for MLX-packed experts (the affine tile GEMV pairs the rows). Unmeasured: off.
-PACKED_EXPERT_GATE_GEGLU = False
 # At a decode step, the router-weighted sum of the experts' slot outputs inside the MoE
 # layer's last norm kernel (`moe_combine_add_rms_norm`), not a `weighted_slot_sum` launch
 # before it. Needs FUSED_MOE_NORMS. 26B-A4B decode +0.4% in bf16, +0.8% at 4 bits, logits
@@ -147,20 +144,15 @@ class Gemma4Attention(nn.Module):
         positions: torch.Tensor,
         cache: LayerCache | None,
         shared: KVView | None,
-        ahead: Sequence[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, KVView]:
-        """Output and the K/V view attended over, which KV-sharing layers get as `shared`.
-
-        `ahead`: weights read after the attention, asked into L2 while it runs (`l2_ahead`)."""
+        """Output and the K/V view attended over, which KV-sharing layers get as `shared`."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length) if shared is None else None
-        qkv = project(self.qkv_proj.proj, x, prefer_cublas=True)
-        prefetch_weights(ahead, x)  # the norms and attention below leave DRAM idle
         # q/k norms, RoPE and the V norm (of raw K on k_eq_v layers) in one kernel on the GPU,
         # which at a GPU decode step also stores K/V in the cache.
         q, k, v = norm_rope(
-            qkv.flatten(0, 1),
+            project(self.qkv_proj.proj, x, prefer_cublas=True).flatten(0, 1),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
@@ -264,13 +256,13 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return float_expert_matmul(x, weight, experts, geglu_out)
-        return weight.gathered_matmul(x, experts, geglu_out)
+        return weight.gathered_matmul(x, experts)
 
     def _gate_up_stores_geglu(self) -> bool:
-        """Whether the gathered gate/up GEMV stores the GeGLU itself (see the switches)."""
-        if isinstance(self.gate_up_proj, torch.Tensor):
-            return FUSED_EXPERT_GATE_GEGLU
-        return PACKED_EXPERT_GATE_GEGLU
+        """Whether the gathered gate/up GEMV stores the GeGLU itself: float experts'
+        (FUSED_EXPERT_GATE_GEGLU). Packed experts doing the same measured 3.8% slower
+        (26B-A4B 4-bit, H100: `ab_26b_4bit_packed_geglu_h100-2026-12-05.md`)."""
+        return isinstance(self.gate_up_proj, torch.Tensor) and FUSED_EXPERT_GATE_GEGLU
 
     def forward_gathered(
         self,
@@ -370,20 +362,16 @@ class Gemma4DecoderLayer(nn.Module):
         shared: KVView | None,
         per_layer_input: torch.Tensor | None,
         next_norm: RMSNorm,
-        next_weights: Sequence[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, KVView]:
         """The residual stream after this layer, its norm by `next_norm` (the next layer's
         input norm, or the final norm) and the K/V view attended over.
 
         `normed_input` is `input_layernorm(x)`, computed by the layer before with its last
         residual add: each norm here is fused with the add (and the layer scalar) before it.
-        `next_weights` (the next layer's first projection) are asked into L2 once the
-        feed-forward's GEMVs are done (`l2_ahead`).
         """
-        ahead = float_weights(self.self_attn.o_proj, self.mlp.gate_up_proj.proj)
-        attended, view = self.self_attn(normed_input, rope, positions, cache, shared, ahead)
+        attended, view = self.self_attn(normed_input, rope, positions, cache, shared)
         if self.has_moe and per_layer_input is None and FUSED_MOE_NORMS:
-            return (*self._moe_feed_forward(x, attended, next_norm, next_weights), view)
+            return (*self._moe_feed_forward(x, attended, next_norm), view)
         x, normed = add_rms_norm(
             x,
             attended,
@@ -394,7 +382,6 @@ class Gemma4DecoderLayer(nn.Module):
         )
         assert normed is not None
         ff = self._feed_forward(x, normed)
-        prefetch_weights(next_weights, ff)
         last_norm = self.post_feedforward_layernorm
         if per_layer_input is not None:
             if self._fused_per_layer_norm(ff):
@@ -431,11 +418,7 @@ class Gemma4DecoderLayer(nn.Module):
         return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 
     def _moe_feed_forward(
-        self,
-        x: torch.Tensor,
-        attended: torch.Tensor,
-        next_norm: RMSNorm,
-        next_weights: Sequence[torch.Tensor] = (),
+        self, x: torch.Tensor, attended: torch.Tensor, next_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What `forward` does from the attention's output on; a MoE layer's five norms in
         two kernels (`moe_add_rms_norm`, `moe_combine_add_rms_norm`)."""
@@ -468,7 +451,6 @@ class Gemma4DecoderLayer(nn.Module):
             slot_weights = weights.view(*x.shape[:-1], weights.shape[-1])
         else:
             sparse = self.experts(expert_input, weights, experts).view_as(x)
-        prefetch_weights(next_weights, x)
         return moe_combine_add_rms_norm(
             inputs.residual,
             dense,
@@ -590,7 +572,6 @@ class Gemma4Model(nn.Module):
                 None if owns_kv else donors[layer.layer_type],
                 None if per_layer is None else per_layer[:, :, index],
                 self.layers[index + 1].input_layernorm if following else self.norm,
-                float_weights(self.layers[index + 1].self_attn.qkv_proj.proj) if following else (),
             )
             if owns_kv:  # the last owner of each type is the donor of the sharers of that type
                 donors[layer.layer_type] = view
@@ -617,12 +598,6 @@ class Gemma4Model(nn.Module):
         context = context * self.config.hidden_size**-0.5
         context = self.per_layer_projection_norm(context.unflatten(-1, shape))
         return (context + tokens.unflatten(-1, shape)) * 2**-0.5
-
-
-def float_weights(*linears: nn.Module) -> list[torch.Tensor]:
-    """The weights of those `linears` that are plain float projections (L2 hints serve the
-    GEMVs that stream them)."""
-    return [linear.weight for linear in linears if is_float_linear(linear)]
 
 
 def _narrow(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -258,14 +258,12 @@ class MLXQuantizedExperts(_PackedAffine):
             self.group_size,
         )
 
-    def gathered_matmul(self, x: Tensor, expert_ids: Tensor, geglu_out: bool = False) -> Tensor:
+    def gathered_matmul(self, x: Tensor, expert_ids: Tensor) -> Tensor:
         """``[T, top_k, out]``: x ``[T, in]`` or ``[T, top_k, in]`` times each chosen expert,
-        reading only those experts (no host sync on CUDA); with `geglu_out`, gelu_tanh(gate)
-        * up of stacked gate/up experts, ``[T, top_k, out / 2]``."""
+        reading only those experts (no host sync on CUDA)."""
         return affine_kernels.affine_expert_matmul(
-            x, self.packed, self.scales, self.biases, expert_ids, self.bits, self.group_size,
-            geglu_out,
-        )  # fmt: skip
+            x, self.packed, self.scales, self.biases, expert_ids, self.bits, self.group_size
+        )
 
 
 # ---------------------------------------------------------------------------------------------
