@@ -40,6 +40,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh profiles      # E4B and 26B-A4B decode profiles; few-KV-head tile A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh after-1205    # GPU checks of the routing rewrite, route A/B, headline benches
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline2     # every model's headline in one call, bf16 and 4-bit (HF beside)
+#   OUT=/tmp/out benchmarks/gpu_suite.sh grouped-sweep # MoE prefill: grouped matmul launches at 26B-A4B shapes
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -289,13 +290,17 @@ for m in e4b 26b-a4b gemma3-12b 31b; do
 stage 90 bench-$m python -m hearth.cli bench --random $m --contexts 512 --prefill 4096 --out "$OUT/bench-$m.md"
 done
 elif [ "$PART" = headline2 ]; then  # the table on one machine: bf16, 4-bit, HF in the same run
-stage 120 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --contexts 512,8192,32768 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 90 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 60 bench-12b-long python -m hearth.cli bench --random gemma3-12b --contexts 8192,32768 --prefill 512 --out "$OUT/bench-gemma3-12b-long.md"
 stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
 stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
 stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
 for m in gemma3-12b e4b 26b-a4b; do
 stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
+elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes
+stage 400 grouped-sweep python benchmarks/gpu_grouped_sweep.py
+stage 100 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
