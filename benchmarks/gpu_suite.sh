@@ -41,6 +41,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh after-1205    # GPU checks of the routing rewrite, route A/B, headline benches
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline2     # every model's headline in one call, bf16 and 4-bit (HF beside)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh grouped-sweep # MoE prefill: grouped matmul launches at 26B-A4B shapes
+#   OUT=/tmp/out benchmarks/gpu_suite.sh after-sweep   # its new tall tile end to end; 4-bit headline rows
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -302,6 +303,12 @@ elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launc
 stage 80 profile-26b-prefill python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
 stage 380 grouped-sweep python benchmarks/gpu_grouped_sweep.py
 stage 100 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
+elif [ "$PART" = after-sweep ]; then  # the grouped matmul's new tall tile, end to end; 4-bit headline rows
+stage 90 tests python -m pytest -q -x tests/test_kernels_grouped.py
+stage 100 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 1024,4096 --out "$OUT/bench-26b-a4b.md"
+for m in 26b-a4b gemma3-12b e4b; do
+stage 80 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
+done
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
