@@ -43,15 +43,7 @@ from hearth.bench.measure import (
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
 from hearth.generate import default_prefill_step
-from hearth.kernels import (
-    activation,
-    affine_matmul,
-    gemv,
-    grouped_matmul,
-    norm,
-    rope,
-    router,
-)
+from hearth.kernels import activation, affine_matmul, gemv, grouped_matmul, norm, rope, router
 from hearth.kernels import decode_attention as attention
 from hearth.kernels import launch as fast_launch
 from hearth.models import gemma, gemma4

@@ -2,9 +2,11 @@
 
 For a 4096-token prefill (tiles of `default_block_m` rows, 128 at this size) times every
 (BLOCK_N, BLOCK_K, warps, stages) of a grid, and the swizzle width GROUP_M, on the gate/up
-and down projections, beside the autotuned launch the model takes; each result is checked
-against the autotuned one (same tile sums in another order: within 2 eps_bf16 |y| + a K-sized
-fp32 term). Medians of triton.testing.do_bench (L2 flushed between calls).
+and down projections, beside the autotuned launch the model takes. Each result is checked
+against the autotuned one: the same dot products summed in other K steps, so within two bf16
+roundings of the output (2 eps_bf16 |y|) plus 0.01 absolute for outputs of size ~1 (inputs
+N(0, 1), weights scaled by K^-1/2), far above fp32 reordering and far below any wrong row.
+Medians of triton.testing.do_bench (L2 flushed between calls).
 
     OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_grouped_sweep.py
 """
@@ -16,6 +18,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -33,7 +36,7 @@ PEAK = 790e12
 DEVICE = torch.device("cuda")
 
 
-def time_ms(fn) -> float:
+def time_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
