@@ -336,35 +336,17 @@ if HAS_TRITON:
     _GELU_COEFFICIENT = tl.constexpr(SQRT_2_OVER_PI)
 
     @triton.jit
-    def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GEGLU_OUT: tl.constexpr):
-        """(weight rows a program reads, which are in range, the weight's row count): block
-        pid_n of N rows, or with GEGLU_OUT gate row c and up row N + c in turn, for outputs c
-        of block pid_n of N (a weight of 2N rows)."""
-        lane = tl.arange(0, BLOCK_N)
-        if GEGLU_OUT:
-            column = pid_n * (BLOCK_N // 2) + lane // 2
-            n = column + (lane % 2) * N
-            n_ok = column < N
-            rows = 2 * N
-        else:
-            n = pid_n * BLOCK_N + lane
-            n_ok = n < N
-            rows = N
-        return n, n_ok, rows
-
-    @triton.jit
-    def _store_geglu_pairs(out_rows, values, m_ok, first, N, BLOCK_N: tl.constexpr):
-        """Store gelu_tanh(gate) * up [rows, BLOCK_N / 2] at columns ``first + c`` of the rows
-        `out_rows` (pointers [rows, 1]), from the dots `values` [rows, BLOCK_N] of gate and up
-        rows in turn: each dot rounded as stored, then as `activation.gelu_tanh_mul` rounds,
-        so the result equals the plain GEMV then the GeGLU kernel bit for bit."""
-        dtype = out_rows.dtype.element_ty
-        rows: tl.constexpr = values.shape[0]
-        gate, up = tl.split(tl.reshape(values.to(dtype), [rows, BLOCK_N // 2, 2]))
+    def _store_geglu_pairs(out_row, values, first, N, BLOCK_N: tl.constexpr):
+        """Store gelu_tanh(gate) * up [BLOCK_N / 2] at columns ``first + c`` of `out_row`,
+        from the dots `values` [BLOCK_N] of gate and up rows in turn: each dot rounded as
+        stored, then as `activation.gelu_tanh_mul` rounds, so the result equals the plain
+        GEMV then the GeGLU kernel bit for bit."""
+        dtype = out_row.dtype.element_ty
+        gate, up = tl.split(tl.reshape(values.to(dtype), [BLOCK_N // 2, 2]))
         gelu = gelu_tanh(gate.to(tl.float32), _GELU_COEFFICIENT).to(dtype)
         product = (gelu.to(tl.float32) * up.to(tl.float32)).to(dtype)
         c = first + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_rows + c[None, :], product, mask=m_ok[:, None] & (c < N)[None, :])
+        tl.store(out_row + c, product, mask=c < N)
 
     @triton.jit
     def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):
@@ -932,7 +914,16 @@ if HAS_TRITON:
         final when the router ran two launches back, else a guess that can only cost time
         (clamped to the experts, and the ids are read again after the wait)."""
         pid_r = tl.program_id(0)
-        n, n_ok, ROWS = _weight_rows(tl.program_id(1), N, BLOCK_N, GEGLU_OUT)
+        lane = tl.arange(0, BLOCK_N)
+        if GEGLU_OUT:  # gate row c and up row N + c in turn, for outputs c of block pid_n
+            column = tl.program_id(1) * (BLOCK_N // 2) + lane // 2
+            n = column + (lane % 2) * N
+            n_ok = column < N
+            ROWS = 2 * N
+        else:
+            n = tl.program_id(1) * BLOCK_N + lane
+            n_ok = n < N
+            ROWS = N
         if PREFETCH_LINES > 0:
             guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
             guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)
@@ -952,10 +943,7 @@ if HAS_TRITON:
         out = tl.sum(acc, axis=1)
         out_row = out_ptr + pid_r.to(tl.int64) * stride_om
         if GEGLU_OUT:
-            one = tl.arange(0, 1)
-            first = tl.program_id(1) * (BLOCK_N // 2)
-            values = tl.reshape(out, [1, BLOCK_N])
-            _store_geglu_pairs(out_row + one[:, None], values, one == 0, first, N, BLOCK_N)
+            _store_geglu_pairs(out_row, out, tl.program_id(1) * (BLOCK_N // 2), N, BLOCK_N)
         else:
             tl.store(out_row + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
