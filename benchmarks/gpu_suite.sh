@@ -42,6 +42,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline2     # every model's headline in one call, bf16 and 4-bit (HF beside)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh grouped-sweep # MoE prefill: grouped matmul launches at 26B-A4B shapes
 #   OUT=/tmp/out benchmarks/gpu_suite.sh after-sweep   # its new tall tile end to end; 4-bit headline rows
+#   OUT=/tmp/out benchmarks/gpu_suite.sh mma-gluon     # load-only floors, the Gluon tensor-core 4-bit GEMV,
+#                                                      # the float experts' GeGLU store (one-row pairing)
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -309,6 +311,10 @@ stage 100 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 -
 for m in 26b-a4b gemma3-12b e4b; do
 stage 80 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
+elif [ "$PART" = mma-gluon ]; then  # what feeds the 4-bit GEMV: load-only floors, tensor-core GEMV
+stage 100 load-patterns python benchmarks/gpu_gemv_load_patterns.py
+stage 200 mma-gluon python benchmarks/gpu_gemv_affine_mma_gluon.py
+stage 90 expert-geglu python benchmarks/gpu_expert_geglu.py
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py
