@@ -52,6 +52,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gpu_gemv_affine_sweep import E4B_SHAPES, L2_BYTES, SHAPES, time_graph
 from gpu_kernels_affine import COPY_BANDWIDTH, packed_weight, within_bound
@@ -62,6 +64,8 @@ GROUP = 64
 # bf16 128.0 in both halves of a word, passed at run time: ptxas then fuses the AND and the
 # OR into one LOP3 (two immediates would need two).
 BF16_128_PAIR = 0x43004300
+# Words in registers (0), or by TMA through this many shared-memory steps.
+STAGES = (0, 4)
 
 
 def _log2(value: int) -> int:
@@ -117,16 +121,90 @@ def _unpack_pairs(words, bf16_128_pair):
 
 
 @gluon.jit
+def _x_operand(xperm_ptr, g_begin, GROUP: gl.constexpr, G: gl.constexpr, X_LAYOUT: gl.constexpr):
+    """Pointers and mask of the split's first B fragments (lane ``4 n + q`` loads quarter q
+    of group n)."""
+    QUARTER: gl.constexpr = GROUP // 4  # B values a lane holds per group
+    xn = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_LAYOUT)))[:, None, None]
+    xq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT)))[None, :, None]
+    xr = gl.arange(0, G * QUARTER, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT)))
+    xr = xr[None, None, :]
+    x_at = xperm_ptr + g_begin * GROUP + (xr // QUARTER) * GROUP + xq * QUARTER + xr % QUARTER
+    x_ok = (xr // QUARTER) == xn  # column n of B holds group n
+    return x_at, x_ok
+
+
+@gluon.jit
+def _step(
+    acc_c, acc_s, acc_b, words, scale, bias, xv, xs, zero, bf16_128_pair,
+    ROWS: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr, a_layout: gl.constexpr,
+    b_layout: gl.constexpr,
+):  # fmt: skip
+    """One step's MMA chain over G groups and its per-column scale, bias and offset terms."""
+    LANE_WORDS: gl.constexpr = GROUP // 32
+    QUARTER: gl.constexpr = GROUP // 4
+    KS: gl.constexpr = G * GROUP
+    pairs = _unpack_pairs(gl.reshape(words, [ROWS, G, 4, LANE_WORDS]), bf16_128_pair)
+    # [rows, g, q, lw, j0, j1, h] -> k = 16 (2 lw + j1) + 8 j0 + 2 q + h within group g
+    a = gl.reshape(gl.permute(pairs, (0, 1, 3, 5, 4, 2, 6)), [ROWS, KS])
+    a = gl.convert_layout(a, a_layout, assert_trivial=True)
+    xv = gl.reshape(xv, [8, 4, G, QUARTER // 4, 2, 2])  # [n, q, g, i, b, e]
+    b = gl.reshape(gl.permute(xv, (2, 3, 4, 1, 5, 0)), [KS, 8])
+    b = gl.convert_layout(b, b_layout, assert_trivial=True)
+    c = mma_v2(a, b, zero)
+    scale_f = scale.to(gl.float32)
+    acc_c = gl.fma(scale_f, c, acc_c)
+    acc_s = gl.fma(scale_f, xs[None, :], acc_s)
+    acc_b = gl.fma(bias.to(gl.float32), xs[None, :], acc_b)
+    return acc_c, acc_s, acc_b
+
+
+@gluon.jit
+def _finish(
+    acc_c, acc_s, acc_b, out_ptr, partial_ptr, counter_ptr, n, N, pid, pid_k,
+    ROWS: gl.constexpr, SPLIT: gl.constexpr, row_layout: gl.constexpr,
+):  # fmt: skip
+    """Store the rows, or this split's partials; the last split to arrive adds them in order."""
+    n_ok = n < N
+    result = gl.sum((acc_c - 128.0 * acc_s) + acc_b, axis=1)
+    if SPLIT == 1:
+        gl.store(out_ptr + n, result.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        gl.store(partial_ptr + pid_k * N + n, result, mask=n_ok)
+        gl.thread_barrier()  # every thread's partials are written before the release below
+        arrived = gl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = gl.zeros([ROWS], gl.float32, row_layout)
+            for split in gl.static_range(SPLIT):
+                total += gl.load(
+                    partial_ptr + split * N + n, mask=n_ok, other=0.0, cache_modifier=".cg"
+                )
+            gl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+            gl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch (and replays)
+
+
+@gluon.jit
+def _wait_for_producer(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@gluon.jit
 def _mma_gemv_kernel(
     xperm_ptr, xsum_ptr, packed_ptr, scales_ptr, biases_ptr, out_ptr, partial_ptr, counter_ptr,
     N, row_words, groups, split_groups, bf16_128_pair,
     WARPS: gl.constexpr, ROWS: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr,
     WORD_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
-    """out[n] = sum_k x[k] w[n, k]; grid (row blocks, K splits). A step is G groups."""
+    """out[n] = sum_k x[k] w[n, k]; grid (row blocks, K splits). A step is G groups; the
+    words, scales and biases of the next two steps are in registers during a step."""
     WPG: gl.constexpr = GROUP // 8
-    LANE_WORDS: gl.constexpr = WPG // 4
-    QUARTER: gl.constexpr = GROUP // 4  # B values a lane holds per group
     KS: gl.constexpr = G * GROUP
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -140,28 +218,15 @@ def _mma_gemv_kernel(
     word_rows = gl.minimum(word_rows, N - 1)  # rows past N read row N - 1, never stored
     word_cols = g_begin * WPG + gl.arange(0, G * WPG, layout=gl.SliceLayout(0, WORD_LAYOUT))
     word_at = packed_ptr + word_rows[:, None] * row_words + word_cols[None, :]
-    xn = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_LAYOUT)))[:, None, None]
-    xq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT)))[None, :, None]
-    xr = gl.arange(0, G * QUARTER, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT)))
-    xr = xr[None, None, :]
-    x_at = xperm_ptr + g_begin * GROUP + (xr // QUARTER) * GROUP + xq * QUARTER + xr % QUARTER
-    x_ok = (xr // QUARTER) == xn  # column n of B holds group n
+    x_at, x_ok = _x_operand(xperm_ptr, g_begin, GROUP, G, X_LAYOUT)
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     col_ok = (cols < G)[None, :]
     n = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-    n_ok = n < N
     group_at = gl.minimum(n, N - 1)[:, None] * groups + g_begin + cols[None, :]
     s_at = scales_ptr + group_at
     b_at = biases_ptr + group_at
     xs_at = xsum_ptr + g_begin + cols
-    if PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
+    _wait_for_producer(PDL)
     acc_c = gl.zeros([ROWS, 8], gl.float32, mma)  # scale * sum(x (128 + code)) per group
     acc_s = gl.zeros([ROWS, 8], gl.float32, mma)  # scale * sum(x)
     acc_b = gl.zeros([ROWS, 8], gl.float32, mma)  # bias * sum(x)
@@ -186,35 +251,101 @@ def _mma_gemv_kernel(
         s_at += G
         b_at += G
         xs_at += G
-        pairs = _unpack_pairs(gl.reshape(words, [ROWS, G, 4, LANE_WORDS]), bf16_128_pair)
-        # [rows, g, q, lw, j0, j1, h] -> k = 16 (2 lw + j1) + 8 j0 + 2 q + h within group g
-        a = gl.reshape(gl.permute(pairs, (0, 1, 3, 5, 4, 2, 6)), [ROWS, KS])
-        a = gl.convert_layout(a, a_layout, assert_trivial=True)
-        xv = gl.reshape(xv, [8, 4, G, QUARTER // 4, 2, 2])  # [n, q, g, i, b, e]
-        b = gl.reshape(gl.permute(xv, (2, 3, 4, 1, 5, 0)), [KS, 8])
-        b = gl.convert_layout(b, b_layout, assert_trivial=True)
-        c = mma_v2(a, b, zero)
-        scale_f = scale.to(gl.float32)
-        acc_c = gl.fma(scale_f, c, acc_c)
-        acc_s = gl.fma(scale_f, xs[None, :], acc_s)
-        acc_b = gl.fma(bias.to(gl.float32), xs[None, :], acc_b)
+        acc_c, acc_s, acc_b = _step(
+            acc_c, acc_s, acc_b, words, scale, bias, xv, xs, zero, bf16_128_pair,
+            ROWS, GROUP, G, a_layout, b_layout,
+        )  # fmt: skip
         words, scale, bias = words2, scale2, bias2
         words2, scale2, bias2 = next_words, next_scale, next_bias
-    result = gl.sum((acc_c - 128.0 * acc_s) + acc_b, axis=1)
-    if SPLIT == 1:
-        gl.store(out_ptr + n, result.to(out_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        gl.store(partial_ptr + pid_k * N + n, result, mask=n_ok)
-        gl.thread_barrier()  # every thread's partials are written before the release below
-        arrived = gl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            total = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
-            for split in gl.static_range(SPLIT):
-                total += gl.load(
-                    partial_ptr + split * N + n, mask=n_ok, other=0.0, cache_modifier=".cg"
-                )
-            gl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-            gl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch (and replays)
+    _finish(
+        acc_c, acc_s, acc_b, out_ptr, partial_ptr, counter_ptr, n, N, pid, pid_k, ROWS, SPLIT,
+        gl.SliceLayout(1, mma),
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mma_gemv_tma_kernel(
+    xperm_ptr, xsum_ptr, w_desc, scales_ptr, biases_ptr, out_ptr, partial_ptr, counter_ptr,
+    N, groups, split_groups, bf16_128_pair,
+    WARPS: gl.constexpr, ROWS: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr,
+    WORD_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """`_mma_gemv_kernel` with the words brought by TMA into a ring of STAGES steps in shared
+    memory: the copies are asynchronous, so the bytes in flight cost no registers, and the
+    first ones go out before the PDL wait (nothing writes a weight)."""
+    WPG: gl.constexpr = GROUP // 8
+    KS: gl.constexpr = G * GROUP
+    STEP_BYTES: gl.constexpr = ROWS * G * WPG * 4
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(0, mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(1, mma, k_width=2)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    g_begin = pid_k * split_groups
+    steps = split_groups // G
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, G * WPG], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+    row0 = pid * ROWS
+    col0 = g_begin * WPG
+    for slot in gl.static_range(STAGES - 1):
+        mbarrier.expect(ready.index(slot), STEP_BYTES, pred=slot < steps)
+        tma.async_copy_global_to_shared(
+            w_desc, [row0, col0 + slot * G * WPG], ready.index(slot), ring.index(slot),
+            pred=slot < steps,
+        )  # fmt: skip
+    x_at, x_ok = _x_operand(xperm_ptr, g_begin, GROUP, G, X_LAYOUT)
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    col_ok = (cols < G)[None, :]
+    n = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    group_at = gl.minimum(n, N - 1)[:, None] * groups + g_begin + cols[None, :]
+    s_at = scales_ptr + group_at
+    b_at = biases_ptr + group_at
+    xs_at = xsum_ptr + g_begin + cols
+    _wait_for_producer(PDL)
+    acc_c = gl.zeros([ROWS, 8], gl.float32, mma)
+    acc_s = gl.zeros([ROWS, 8], gl.float32, mma)
+    acc_b = gl.zeros([ROWS, 8], gl.float32, mma)
+    zero = gl.zeros([ROWS, 8], gl.float32, mma)
+    scale = gl.load(s_at, mask=col_ok, other=0.0)
+    bias = gl.load(b_at, mask=col_ok, other=0.0)
+    for step in range(steps):
+        current = step % STAGES
+        mbarrier.wait(ready.index(current), (step // STAGES) & 1)
+        words = ring.index(current).load(WORD_LAYOUT)
+        # Every warp has read the slot of the step before (read before this barrier): refill it.
+        gl.thread_barrier()
+        ahead = step + STAGES - 1
+        refill = (current + STAGES - 1) % STAGES
+        mbarrier.expect(ready.index(refill), STEP_BYTES, pred=ahead < steps)
+        tma.async_copy_global_to_shared(
+            w_desc, [row0, col0 + ahead * G * WPG], ready.index(refill), ring.index(refill),
+            pred=ahead < steps,
+        )  # fmt: skip
+        more = step + 1 < steps
+        xv = gl.load(x_at, mask=x_ok, other=0.0)
+        xs = gl.load(xs_at, mask=cols < G, other=0.0)
+        next_scale = gl.load(s_at + G, mask=col_ok & more, other=0.0)
+        next_bias = gl.load(b_at + G, mask=col_ok & more, other=0.0)
+        x_at += KS
+        s_at += G
+        b_at += G
+        xs_at += G
+        acc_c, acc_s, acc_b = _step(
+            acc_c, acc_s, acc_b, words, scale, bias, xv, xs, zero, bf16_128_pair,
+            ROWS, GROUP, G, a_layout, b_layout,
+        )  # fmt: skip
+        scale, bias = next_scale, next_bias
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(slot))
+    _finish(
+        acc_c, acc_s, acc_b, out_ptr, partial_ptr, counter_ptr, n, N, pid, pid_k, ROWS, SPLIT,
+        gl.SliceLayout(1, mma),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -246,11 +377,13 @@ def mma_gemv(
     packed: torch.Tensor,
     scales: torch.Tensor,
     biases: torch.Tensor,
-    launch: tuple[int, int, int, int],
+    launch: tuple[int, int, int, int, int],
     prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``x [K] @ W.T`` for a 4-bit g64 weight; launch = (warps, reps, G, split)."""
-    warps, reps, steps_groups, split = launch
+    """``x [K] @ W.T`` for a 4-bit g64 weight; launch = (warps, reps, G, split, stages):
+    stages 0 loads the words into registers, more brings them by TMA through that many
+    shared-memory steps."""
+    warps, reps, steps_groups, split, stages = launch
     n, row_words = packed.shape
     groups = row_words * 8 // GROUP
     rows, word_layout, x_layout = layouts(warps, reps, GROUP, steps_groups)
@@ -272,12 +405,23 @@ def mma_gemv(
                 torch.zeros(blocks, dtype=torch.int32, device=x.device),
             )
         partial, counter = _SPLIT_BUFFERS[key]
-    _mma_gemv_kernel[(blocks, split)](
-        xperm, xsum, packed.view(torch.int32), scales, biases, out, partial, counter,
-        n, row_words, groups, groups // split, BF16_128_PAIR,
-        warps, rows, GROUP, steps_groups, word_layout, x_layout, split, True,
-        num_warps=warps, launch_pdl=True,
-    )  # fmt: skip
+    common = (scales, biases, out, partial, counter)
+    if stages:
+        step_words = steps_groups * GROUP // 8
+        swizzled = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        words = TensorDescriptor.from_tensor(packed.view(torch.int32), [rows, step_words], swizzled)
+        _mma_gemv_tma_kernel[(blocks, split)](
+            xperm, xsum, words, *common, n, groups, groups // split, BF16_128_PAIR,
+            warps, rows, GROUP, steps_groups, word_layout, x_layout, split, True, stages,
+            num_warps=warps, launch_pdl=True,
+        )  # fmt: skip
+    else:
+        _mma_gemv_kernel[(blocks, split)](
+            xperm, xsum, packed.view(torch.int32), *common, n, row_words, groups,
+            groups // split, BF16_128_PAIR,
+            warps, rows, GROUP, steps_groups, word_layout, x_layout, split, True,
+            num_warps=warps, launch_pdl=True,
+        )  # fmt: skip
     return out
 
 
@@ -308,8 +452,8 @@ def time_weight(n: int, k: int, label: str, sms: int) -> list[str]:
     xperm = torch.empty_like(x[0])
     xsum = torch.empty(groups, dtype=torch.float32, device=x.device)
     _prep_kernel[(groups // 4,)](x[0], xperm, xsum, GROUP, 4, False)
-    for launch in itertools.product((4, 8), (1, 2), (4,), (1, 2, 4, 8)):
-        warps, reps, steps_groups, split = launch
+    for launch in itertools.product((4, 8), (1, 2), (4,), (1, 2, 4, 8), STAGES):
+        warps, reps, steps_groups, split, stages = launch
         programs = triton.cdiv(n, 16 * warps * reps) * split
         if groups % (split * steps_groups) or not sms <= programs <= 8 * sms:
             continue
@@ -319,7 +463,8 @@ def time_weight(n: int, k: int, label: str, sms: int) -> list[str]:
         micros = time_graph(calls)
         prepared = (xperm, xsum)
         alone = [(lambda w=w, c=launch, p=prepared: mma_gemv(x[0], *w, c, p)) for w in weights]
-        kernel = f"mma w{warps} r{reps} G{steps_groups} s{split}"
+        tma_stages = f" tma{stages}" if stages else ""
+        kernel = f"mma w{warps} r{reps} G{steps_groups} s{split}{tma_stages}"
         row(kernel, micros, verdict, time_graph(alone))
     return lines
 

@@ -313,7 +313,7 @@ stage 80 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --con
 done
 elif [ "$PART" = mma-gluon ]; then  # what feeds the 4-bit GEMV: load-only floors, tensor-core GEMV
 stage 100 load-patterns python benchmarks/gpu_gemv_load_patterns.py
-stage 200 mma-gluon python benchmarks/gpu_gemv_affine_mma_gluon.py
+stage 300 mma-gluon python benchmarks/gpu_gemv_affine_mma_gluon.py
 stage 90 expert-geglu python benchmarks/gpu_expert_geglu.py
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
