@@ -59,12 +59,12 @@ E4B_SHAPES = [
 ]
 
 
-def configs(k: int, bits: int) -> list[am.GemvConfig]:
-    """4-bit: rows, groups per step, splits, warps, with the prefetching loop and x
-    codes-major where unsplit (as `gemv_config` launches 4-bit). 8-bit: rows, groups, splits,
-    with and without the prefetching loop, x in input order."""
+def configs(k: int, bits: int, block_rows: tuple[int, ...] = (32, 64)) -> list[am.GemvConfig]:
+    """4-bit: rows (`block_rows`), groups per step, splits, warps, with the prefetching loop
+    and x codes-major where unsplit (as `gemv_config` launches 4-bit). 8-bit: rows, groups,
+    splits, with and without the prefetching loop, x in input order."""
     if bits == 4:
-        grid = itertools.product((32, 64), (4, 8, 16), (1, 2, 4, 8), (4, 8), (True,))
+        grid = itertools.product(block_rows, (4, 8, 16), (1, 2, 4, 8), (4, 8), (True,))
     else:
         grid = itertools.product((16, 32), (4, 8, 16), (1, 2, 4, 8), (4,), (False, True))
     found = []
@@ -141,9 +141,17 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=am.KERNEL_BITS)
     parser.add_argument("--no-head", action="store_true", help="skip the 262144-row head")
     parser.add_argument("--shapes", choices=("12b", "e4b"), default="12b")
+    parser.add_argument("--only", help="comma-separated shape labels to sweep (e.g. '12B qkv')")
+    parser.add_argument(
+        "--rows", default="32,64", help="4-bit: rows a program, comma-separated (e.g. 8,16,32)"
+    )
     args = parser.parse_args()
     bits = args.bits
     shapes = E4B_SHAPES if args.shapes == "e4b" else SHAPES[:-1] if args.no_head else SHAPES
+    if args.only:
+        wanted = set(args.only.split(","))
+        shapes = [shape for shape in shapes if shape[2] in wanted]
+    block_rows = tuple(int(r) for r in args.rows.split(","))
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows, best = [], []
@@ -163,7 +171,7 @@ def main() -> None:
             del weight
         chosen = am.gemv_config(n, k, bits, GROUP, sms)
         timed = []
-        for config in configs(k, bits):
+        for config in configs(k, bits, block_rows):
             verdict = "-"
             if check is not None:
                 got = am.affine_gemv_triton(x, *weights[0], bits, GROUP, config)
