@@ -121,17 +121,26 @@ def _unpack_pairs(words, bf16_128_pair):
 
 
 @gluon.jit
-def _x_operand(xperm_ptr, g_begin, GROUP: gl.constexpr, G: gl.constexpr, X_LAYOUT: gl.constexpr):
-    """Pointers and mask of the split's first B fragments (lane ``4 n + q`` loads quarter q
-    of group n)."""
+def _operands(
+    xperm_ptr, xsum_ptr, scales_ptr, biases_ptr, pid, g_begin, N, groups,
+    ROWS: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr, X_LAYOUT: gl.constexpr,
+    mma: gl.constexpr,
+):  # fmt: skip
+    """At the split's first step: the B fragments' pointers and mask (lane ``4 n + q`` loads
+    quarter q of group n), the scales', biases' and x sums' pointers per output column
+    (column n = the step's group n), the columns' mask, and the program's output rows."""
     QUARTER: gl.constexpr = GROUP // 4  # B values a lane holds per group
     xn = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_LAYOUT)))[:, None, None]
     xq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT)))[None, :, None]
     xr = gl.arange(0, G * QUARTER, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT)))
     xr = xr[None, None, :]
     x_at = xperm_ptr + g_begin * GROUP + (xr // QUARTER) * GROUP + xq * QUARTER + xr % QUARTER
-    x_ok = (xr // QUARTER) == xn  # column n of B holds group n
-    return x_at, x_ok
+    x_ok = (xr // QUARTER) == xn
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    n = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    group_at = gl.minimum(n, N - 1)[:, None] * groups + g_begin + cols[None, :]
+    xs_at = xsum_ptr + g_begin + cols
+    return x_at, x_ok, scales_ptr + group_at, biases_ptr + group_at, xs_at, cols, n
 
 
 @gluon.jit
@@ -218,14 +227,11 @@ def _mma_gemv_kernel(
     word_rows = gl.minimum(word_rows, N - 1)  # rows past N read row N - 1, never stored
     word_cols = g_begin * WPG + gl.arange(0, G * WPG, layout=gl.SliceLayout(0, WORD_LAYOUT))
     word_at = packed_ptr + word_rows[:, None] * row_words + word_cols[None, :]
-    x_at, x_ok = _x_operand(xperm_ptr, g_begin, GROUP, G, X_LAYOUT)
-    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    x_at, x_ok, s_at, b_at, xs_at, cols, n = _operands(
+        xperm_ptr, xsum_ptr, scales_ptr, biases_ptr, pid, g_begin, N, groups, ROWS, GROUP, G,
+        X_LAYOUT, mma,
+    )  # fmt: skip
     col_ok = (cols < G)[None, :]
-    n = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-    group_at = gl.minimum(n, N - 1)[:, None] * groups + g_begin + cols[None, :]
-    s_at = scales_ptr + group_at
-    b_at = biases_ptr + group_at
-    xs_at = xsum_ptr + g_begin + cols
     _wait_for_producer(PDL)
     acc_c = gl.zeros([ROWS, 8], gl.float32, mma)  # scale * sum(x (128 + code)) per group
     acc_s = gl.zeros([ROWS, 8], gl.float32, mma)  # scale * sum(x)
@@ -298,14 +304,11 @@ def _mma_gemv_tma_kernel(
             w_desc, [row0, col0 + slot * G * WPG], ready.index(slot), ring.index(slot),
             pred=slot < steps,
         )  # fmt: skip
-    x_at, x_ok = _x_operand(xperm_ptr, g_begin, GROUP, G, X_LAYOUT)
-    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    x_at, x_ok, s_at, b_at, xs_at, cols, n = _operands(
+        xperm_ptr, xsum_ptr, scales_ptr, biases_ptr, pid, g_begin, N, groups, ROWS, GROUP, G,
+        X_LAYOUT, mma,
+    )  # fmt: skip
     col_ok = (cols < G)[None, :]
-    n = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-    group_at = gl.minimum(n, N - 1)[:, None] * groups + g_begin + cols[None, :]
-    s_at = scales_ptr + group_at
-    b_at = biases_ptr + group_at
-    xs_at = xsum_ptr + g_begin + cols
     _wait_for_producer(PDL)
     acc_c = gl.zeros([ROWS, 8], gl.float32, mma)
     acc_s = gl.zeros([ROWS, 8], gl.float32, mma)
