@@ -18,8 +18,10 @@ so a code costs under one instruction of unpacking:
   other groups' rows are zero), so one MMA chain per step of G groups yields every group's
   ``sum(x * (128 + code))`` in its own column, and the scales apply per column:
   ``scale * c - 128 * scale * sum(x) + bias * sum(x)``.
-* The next two steps' words, scales and biases are in flight during a step's arithmetic.
-  K splits finish as the library's GEMV does (the last program adds the partials in order).
+* The next two steps' words, scales and biases are in flight during a step's arithmetic
+  (`_mma_gemv_kernel`), or the words come by TMA through a ring of shared-memory steps
+  (`_mma_gemv_tma_kernel`, launch `stages` > 0). K splits finish as the library's GEMV does
+  (the last program adds the partials in order).
 
 Every launch is checked against dequantize-then-matmul (`gpu_kernels_affine.within_bound`)
 before it is timed; the timings are CUDA graphs of back-to-back calls past L2, as
@@ -27,11 +29,12 @@ before it is timed; the timings are CUDA graphs of back-to-back calls past L2, a
 
     OUT=/tmp/out PYTHONPATH=src python benchmarks/gpu_gemv_affine_mma_gluon.py [--shapes e4b]
 
-Status (2026-12-05, H100 only; no H200 could be started): every launch correct; the best
-launches ran at parity with the library's GEMV, not faster (`results/
+Status (2026-12-05, H100 only; no H200 could be started): every launch correct, none faster
+than the library's GEMV, in registers or by TMA (`results/
 gpu_gemv_affine_mma_gluon_h100-2026-12-05.md`): the H100 does not issue-bind the library's
-GEMV (the load-only floor, `gpu_gemv_load_patterns.py`, is 79% of its time). Whether the
-fewer instructions pay on the H200 is the open question this script answers in one call.
+GEMV, which runs at 79% of the load-only floor of its access pattern
+(`gpu_gemv_load_patterns.py`). Whether the fewer instructions pay on the H200 is the open
+question this script answers in one call (`gpu_suite.sh mma-gluon`).
 """
 
 from __future__ import annotations
