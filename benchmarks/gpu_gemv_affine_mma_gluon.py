@@ -149,10 +149,11 @@ def _operands(
 @gluon.jit
 def _step(
     acc_c, acc_s, acc_b, words, scale, bias, xv, xs, zero, bf16_128_pair,
-    ROWS: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr, a_layout: gl.constexpr,
-    b_layout: gl.constexpr,
+    ROWS: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr, mma: gl.constexpr,
 ):  # fmt: skip
     """One step's MMA chain over G groups and its per-column scale, bias and offset terms."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(0, mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(1, mma, k_width=2)
     LANE_WORDS: gl.constexpr = GROUP // 32
     QUARTER: gl.constexpr = GROUP // 4
     KS: gl.constexpr = G * GROUP
@@ -221,8 +222,6 @@ def _mma_gemv_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
     )
-    a_layout: gl.constexpr = gl.DotOperandLayout(0, mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(1, mma, k_width=2)
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     g_begin = pid_k * split_groups
@@ -262,7 +261,7 @@ def _mma_gemv_kernel(
         xs_at += G
         acc_c, acc_s, acc_b = _step(
             acc_c, acc_s, acc_b, words, scale, bias, xv, xs, zero, bf16_128_pair,
-            ROWS, GROUP, G, a_layout, b_layout,
+            ROWS, GROUP, G, mma,
         )  # fmt: skip
         words, scale, bias = words2, scale2, bias2
         words2, scale2, bias2 = next_words, next_scale, next_bias
@@ -289,8 +288,6 @@ def _mma_gemv_tma_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
     )
-    a_layout: gl.constexpr = gl.DotOperandLayout(0, mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(1, mma, k_width=2)
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     g_begin = pid_k * split_groups
@@ -343,7 +340,7 @@ def _mma_gemv_tma_kernel(
         xs_at += G
         acc_c, acc_s, acc_b = _step(
             acc_c, acc_s, acc_b, words, scale, bias, xv, xs, zero, bf16_128_pair,
-            ROWS, GROUP, G, a_layout, b_layout,
+            ROWS, GROUP, G, mma,
         )  # fmt: skip
         scale, bias = next_scale, next_bias
     for slot in gl.static_range(STAGES):
