@@ -43,7 +43,16 @@ from hearth.bench.measure import (
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.cuda_graph import GraphDecoder
 from hearth.generate import default_prefill_step
-from hearth.kernels import activation, affine_matmul, gemv, grouped_matmul, norm, rope, router
+from hearth.kernels import (
+    activation,
+    affine_matmul,
+    gemv,
+    grouped_matmul,
+    norm,
+    prefill_attention,
+    rope,
+    router,
+)
 from hearth.kernels import decode_attention as attention
 from hearth.kernels import launch as fast_launch
 from hearth.models import gemma, gemma4
@@ -296,6 +305,16 @@ VARIANTS: dict[str, Patch] = {
     "prefetch-lines-64": _prefetch(64, 64),
     "attn-prefetch-16": _prefetch(16, 16),
     "attn-prefetch-256": _prefetch(16, 256),
+    # Prefill: the attention output head-major (a copy before o_proj); the grouped experts'
+    # GeGLU in its own kernel; the down matmul scaling rows and a torch sum over the slots.
+    "attn-out-head-major": _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
+    "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
+    "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
+    "prefill-fusions-off": _stacked(
+        _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
+        _set(gemma4, "FUSED_GROUPED_GEGLU", False),
+        _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
+    ),
     # Prefill graphs at powers of two only (up to 2x padding, not 1.5x).
     "pow2-buckets": _set(cuda_graph, "PREFILL_BUCKETS", (64, 128, 256, 512, 1024, 2048, 4096)),
     # Every prefill eager, a new decoder (caches, graphs) per request.

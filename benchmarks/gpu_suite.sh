@@ -44,6 +44,9 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh after-sweep   # its new tall tile end to end; 4-bit headline rows
 #   OUT=/tmp/out benchmarks/gpu_suite.sh mma-gluon     # load-only floors, the Gluon tensor-core 4-bit GEMV,
 #                                                      # the float experts' GeGLU store (one-row pairing)
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefill-fusions   # grouped GeGLU output, token-major attention
+#                                                          # output: checks, 26B-A4B bf16 prefill A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh prefill-fusions2  # the same A/B at 4 bits, E4B and 12B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -315,6 +318,13 @@ elif [ "$PART" = mma-gluon ]; then  # what feeds the 4-bit GEMV: load-only floor
 stage 100 load-patterns python benchmarks/gpu_gemv_load_patterns.py
 stage 300 mma-gluon python benchmarks/gpu_gemv_affine_mma_gluon.py
 stage 90 expert-geglu python benchmarks/gpu_expert_geglu.py
+elif [ "$PART" = prefill-fusions ]; then  # fewer round trips of prefill intermediates
+stage 150 grouped-geglu python benchmarks/gpu_grouped_geglu.py
+stage 330 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,prefill-fusions-off,grouped-geglu-apart,prefill-slot-sum-apart,attn-out-head-major --check --name 26b_prefill4096_fusions
+elif [ "$PART" = prefill-fusions2 ]; then
+stage 170 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,prefill-fusions-off --check --name 26b_4bit_prefill4096_fusions
+stage 150 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn-out-head-major --check --name e4b_prefill4096_attn_out
+stage 150 ab-12b-4k python benchmarks/ab_decode.py --models gemma3-12b --prefill 4096 --variants base,attn-out-head-major --check --name 12b_prefill4096_attn_out
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

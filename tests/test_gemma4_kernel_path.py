@@ -4,8 +4,9 @@ On a GPU the model calls the Triton kernels for CUDA tensors; here their dispatc
 to take the kernel path for CPU tensors too, so the interpreter runs them inside a real
 forward: each layer's last add + layer scalar + next input norm, the per-layer input gate's
 GeGLU and the add-norm before that gate, the router's input and routing, the gathered
-experts (GeGLU, weighted slot sum), and a MoE layer's norms fused into two kernels (or, with
-FUSED_MOE_NORMS off, apart).
+experts (GeGLU, weighted slot sum), the prompt's grouped experts (the GeGLU stored by the
+gate/up matmul, the slots weighted and summed by the last norm), and a MoE layer's norms fused
+into two kernels (or, with FUSED_MOE_NORMS off, apart).
 The reference is the same model on the torch path. (Attention has its own such test,
 tests/test_attention_kernel_path.py; each kernel has its own in tests/test_kernels_fused.py.)
 """
@@ -24,7 +25,14 @@ pytestmark = pytest.mark.skipif(
 
 import hearth.kernels  # noqa: E402
 from hearth.checkpoint import open_checkpoint  # noqa: E402
-from hearth.kernels import activation, gemv, norm, router, slot_sum  # noqa: E402
+from hearth.kernels import (  # noqa: E402
+    activation,
+    gemv,
+    grouped_matmul,
+    norm,
+    router,
+    slot_sum,
+)
 from hearth.models import gemma4  # noqa: E402
 from hearth.models.loading import build_model  # noqa: E402
 from test_gemma4 import CONFIGS  # noqa: E402
@@ -55,7 +63,8 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     config: str, fused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`fused`: the MoE layer's norms in two kernels, the second also summing the experts'
-    weighted slots, the experts' GeGLU stored by their gate/up GEMV, the per-layer input's
+    weighted slots (at the prompt too), the experts' GeGLU stored by their gate/up GEMV (and
+    grouped matmul at the prompt), the per-layer input's
     GeGLU inside its projection's GEMV and the add-norm before it inside its gate's GEMV
     (else each apart)."""
     for switch in (
@@ -64,8 +73,12 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
         "FUSED_PER_LAYER_NORM",
         "FUSED_SLOT_SUM",
         "FUSED_EXPERT_GATE_GEGLU",
+        "FUSED_GROUPED_GEGLU",
+        "FUSED_PREFILL_SLOT_SUM",
     ):
         monkeypatch.setattr(gemma4, switch, fused)
+    # The prompt's experts as a prefill's: grouped matmuls (the decode steps stay gathered).
+    monkeypatch.setattr(gemma4, "GROUPED_EXPERTS_MIN_TOKENS", PROMPT)
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
@@ -74,6 +87,15 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     launched: list[str] = []
     for module in FUSED_MODULES:
         monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(grouped_matmul, "kernel_enabled", lambda tensor: True)
+    original_grouped = grouped_matmul.grouped_expert_matmul_triton
+
+    def counted_grouped(x, weight, expert_ids, row_scale=None, plan=None, geglu=False):
+        scaled = " scaling rows" if row_scale is not None else ""
+        launched.append("grouped with a geglu output" if geglu else f"grouped{scaled}")
+        return original_grouped(x, weight, expert_ids, row_scale, plan, geglu=geglu)
+
+    monkeypatch.setattr(grouped_matmul, "grouped_expert_matmul_triton", counted_grouped)
     # The MoE block takes the gathered-expert path (graph-capturable decode) as on a GPU;
     # the expert GEMVs themselves stay on their torch reference.
     monkeypatch.setattr(gemma4, "kernel_enabled", lambda tensor: True)
@@ -109,10 +131,13 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     if config == "moe" and fused:
         fused_norms = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
         assert fused_norms | {"route_triton", "experts with a geglu output"} <= set(launched)
+        assert {"grouped with a geglu output", "grouped"} <= set(launched)
         assert not {"router_input_triton", "slot_sum", "gelu_tanh_mul"} & set(launched)
+        assert "grouped scaling rows" not in launched  # the combine kernel weights the slots
     elif config == "moe":
         assert ple not in launched and "experts with a geglu output" not in launched
         assert {"route_triton", "router_input_triton", "slot_sum", "gelu_tanh_mul"} <= set(launched)
+        assert {"grouped", "grouped scaling rows"} <= set(launched)
         assert not {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"} & set(launched)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 

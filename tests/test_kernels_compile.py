@@ -342,6 +342,35 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             torch.randn(3, 256, dtype=bf16), packed, scales, biases, expert_ids, 4, 64
         ),
     )
+    # Storing the GeGLU: two accumulators, at the tallest tile's widest GeGLU launch.
+    tall_plan = grouped_matmul.plan_experts(expert_ids, 4, grouped_matmul.TALL_BLOCK_M)
+    tall = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    yield (
+        "grouped experts with a geglu output",
+        lambda: grouped_matmul.grouped_expert_matmul_triton(
+            torch.randn(3, 256, dtype=bf16),
+            torch.randn(4, 48, 256, dtype=bf16),
+            expert_ids,
+            plan=tall_plan,
+            config=tall,
+            geglu=True,
+        ),
+    )
+    yield (
+        "grouped affine experts with a geglu output",
+        lambda: grouped_matmul.grouped_affine_expert_matmul_triton(
+            torch.randn(3, 256, dtype=bf16),
+            packed,
+            scales,
+            biases,
+            expert_ids,
+            4,
+            64,
+            plan=tall_plan,
+            config=tall,
+            geglu=True,
+        ),
+    )
     # The plan's counting sort at 26B-A4B's 128 experts and top 8, over several chunks.
     yield (
         "expert plan",

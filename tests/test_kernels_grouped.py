@@ -27,6 +27,7 @@ import torch
 
 from hearth.kernels import expert_plan
 from hearth.kernels import grouped_matmul as gm
+from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
 from hearth.models import gemma4
 from hearth.models.gemma4 import GROUPED_EXPERTS_MIN_TOKENS, Experts
 from hearth.quant.mlx import MLXQuantizedExperts, quantize_affine, unpack_codes
@@ -153,14 +154,19 @@ def test_default_block_m_grows_with_rows_per_expert() -> None:
 
 
 def test_autotuning_keeps_tiles_that_fit_the_height_and_the_groups() -> None:
-    def kept(block_m: int, group: int) -> set[tuple[int, int]]:
-        configs = gm._prune_configs(gm._CONFIGS, {}, BLOCK_M=block_m, GROUP=group)
-        return {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in configs}
+    def kept(block_m: int, group: int, geglu: bool = False) -> set[tuple[int, int, int, int]]:
+        configs = gm._prune_configs(gm._CONFIGS, {}, BLOCK_M=block_m, GROUP=group, GEGLU=geglu)
+        return {
+            (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in configs
+        }
 
-    assert kept(16, 1) == {(n, k) for n, k, *_ in gm._SHORT_TILES}
-    assert kept(64, 1) == {(n, k) for n, k, *_ in gm._TALL_TILES}
-    assert all(128 % k == 0 for _, k in kept(128, 128))  # whole K steps per group
+    assert kept(16, 1) == set(gm._SHORT_TILES) == kept(16, 1, geglu=True)
+    assert kept(64, 1) == set(gm._TALL_TILES)
+    assert all(128 % k == 0 for _, k, *_ in kept(128, 128))  # whole K steps per group
     assert kept(64, 32) == kept(64, 1)
+    # Two accumulators: at most 128 fp32 registers a thread for the gate and up tiles.
+    assert kept(128, 1, geglu=True) == set(gm._GEGLU_TALL_TILES)
+    assert all(2 * 128 * n // (32 * warps) <= 128 for n, _, warps, _ in kept(128, 1, geglu=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +261,60 @@ def test_affine_kernel_matches_reference_and_oracle(
     _assert_close(reference, oracle, magnitude, k, extra)
 
 
+GEGLU_CASES = [
+    # bits (None: float), activations, block_m, config
+    (None, torch.float16, 16, None),
+    (None, torch.float16, 128, {"BLOCK_N": 16, "BLOCK_K": 64}),
+    (None, torch.float32, 64, None),
+    (4, torch.float16, 64, {"BLOCK_N": 16, "BLOCK_K": 64}),  # whole groups per K step
+    (8, torch.float32, 16, {"BLOCK_N": 32, "BLOCK_K": 16}),  # K steps within a group
+]
+
+
+@pytest.mark.parametrize(("bits", "dtype", "block_m", "config"), GEGLU_CASES)
+def test_geglu_output_equals_the_product_then_the_geglu_kernel(
+    bits, dtype, block_m, config
+) -> None:
+    """With `geglu` a program pairs gate rows n and up rows N + n of the stacked experts and
+    stores gelu_tanh(gate) * up, rounding as the two launches do: equal bit for bit to the
+    [pairs, 2N] product then `gelu_tanh_mul`. N = 20 is not a multiple of BLOCK_N (masked)."""
+    torch.manual_seed(4)
+    tokens, n, k = 24, 20, 128
+    ids = _routing("ragged", tokens, 8)
+    x = torch.randn(tokens, k).to(dtype)
+    stacked = torch.randn(EXPERTS, 2 * n, k) / math.sqrt(k)
+    plan = gm.plan_experts(ids, EXPERTS, block_m)
+    if bits is None:
+        weight = stacked.to(dtype)
+        launch = lambda **kw: gm.grouped_expert_matmul_triton(x, weight, ids, plan=plan, **kw)  # noqa: E731
+        reference = gm.grouped_expert_matmul_reference(x, weight, ids, geglu=True)
+        reference_product = gm.grouped_expert_matmul_reference(x, weight, ids)
+    else:
+        packed = quantize_affine(stacked, bits, 32)
+        args = (x, *packed, ids, bits, 32)
+        launch = lambda **kw: gm.grouped_affine_expert_matmul_triton(*args, plan=plan, **kw)  # noqa: E731
+        reference = gm.grouped_affine_expert_matmul_reference(*args, geglu=True)
+        reference_product = gm.grouped_affine_expert_matmul_reference(*args)
+    got = launch(config=config, geglu=True)
+    apart = gelu_tanh_mul_triton(launch(config=config))
+    assert got.shape == reference.shape == (tokens, 8, n)
+    assert torch.equal(got, apart)
+    # The reference (the dispatcher's path on CPU) is the product's reference, then the
+    # GeGLU's: each is checked against the kernel apart (above; test_kernels_fused.py).
+    assert torch.equal(reference, gelu_tanh_mul_reference(reference_product))
+
+
+def test_geglu_output_takes_a_stacked_gate_up_and_no_row_scale() -> None:
+    ids = _routing("ragged", 4, 2)
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="even"):
+        gm.grouped_expert_matmul_triton(x, torch.randn(EXPERTS, 7, 32), ids, geglu=True)
+    with pytest.raises(ValueError, match="row scale"):
+        gm.grouped_expert_matmul_triton(
+            x, torch.randn(EXPERTS, 8, 32), ids, torch.rand(4, 2), geglu=True
+        )
+
+
 def test_affine_rejects_widths_without_a_kernel() -> None:
     packed, scales, biases = quantize_affine(torch.randn(2, 8, 64), 3, 32)
     with pytest.raises(ValueError, match="bits"):
@@ -293,24 +353,33 @@ def _spy(launcher, name: str, launched: list[str]):
     return spy
 
 
+@pytest.mark.parametrize("fused_geglu", [True, False])
 @pytest.mark.parametrize("bits", [None, 4, 8])
-def test_grouped_experts_equal_the_loop(bits, monkeypatch) -> None:
+def test_grouped_experts_equal_the_loop(bits, fused_geglu, monkeypatch) -> None:
     """fp32 throughout, so only summation order differs: 1e-5 of the output's scale is ~100
-    eps32, room for two chained projections' reordered sums (as for the gathered path)."""
+    eps32, room for two chained projections' reordered sums (as for the gathered path). The
+    slots' unweighted outputs, weighted and summed here, give the same."""
     torch.manual_seed(3)
     experts = _experts(bits)
     ids = _routing("ragged", 9, 4)
     x, weights = torch.randn(9, 64), torch.rand(9, 4)
     launched: list[str] = []
+    monkeypatch.setattr(gemma4, "FUSED_GROUPED_GEGLU", fused_geglu)
     monkeypatch.setattr(gm, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(gemma4, "gelu_tanh_mul", _spy(gemma4.gelu_tanh_mul, "geglu", launched))
     for name in ("grouped_expert_matmul_triton", "grouped_affine_expert_matmul_triton"):
         monkeypatch.setattr(gm, name, _spy(getattr(gm, name), name, launched))
     grouped = experts.forward_grouped(x, weights, ids)
+    per_slot = experts.forward_grouped(x, weights, ids, summed=False)
     monkeypatch.undo()
     loop = experts.forward_loop(x, weights, ids)
     kind = "grouped_expert_matmul_triton" if bits is None else "grouped_affine_expert_matmul_triton"
-    assert launched == [kind] * 2
-    torch.testing.assert_close(grouped, loop, rtol=0, atol=1e-5 * loop.abs().max().item())
+    one_pass = [kind] * 2 if fused_geglu else [kind, "geglu", kind]
+    assert launched == one_pass * 2
+    tolerance = {"rtol": 0, "atol": 1e-5 * loop.abs().max().item()}
+    torch.testing.assert_close(grouped, loop, **tolerance)
+    assert per_slot.shape == (9, 4, 64)
+    torch.testing.assert_close((per_slot * weights[..., None]).sum(dim=1), loop, **tolerance)
 
 
 @pytest.mark.parametrize("bits", [None, 4, 3])

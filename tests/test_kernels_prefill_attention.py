@@ -206,7 +206,10 @@ def test_strided_inputs() -> None:
     k = torch.randn(2, 21, 2, 64, generator=generator).transpose(1, 2)
     v = torch.randn(2, 21, 2, 64, generator=generator).transpose(1, 2)
     positions = torch.arange(21)
-    _check(q, k, v, positions, positions, 5, 0.125)
+    got = _check(q, k, v, positions, positions, 5, 0.125)
+    # Stored token-major: the output projection's [B, M, H * D] input is a view, not a copy.
+    tokens = got.transpose(1, 2).reshape(2, 21, 4 * 64)
+    assert tokens.data_ptr() == got.data_ptr()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,15 @@ if HAS_TRITON:
         tanh = tl.where(inner >= 0, 1.0, -1.0) * (1.0 - decay) / (1.0 + decay)
         return 0.5 * g * (1.0 + tanh)
 
+    _COEFFICIENT = tl.constexpr(SQRT_2_OVER_PI)
+
+    @triton.jit
+    def geglu(gate, up):
+        """gelu_tanh(gate) · up of gate and up in the activations' dtype, rounded as the eager
+        ops round them: the GELU to that dtype before the multiply, then the product."""
+        gelu = gelu_tanh(gate.to(tl.float32), _COEFFICIENT).to(gate.dtype)
+        return (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
     @triton.jit
     def _gelu_tanh_mul_kernel(
         gate_ptr,
@@ -44,7 +53,6 @@ if HAS_TRITON:
         width,
         gate_stride,
         up_stride,
-        coefficient,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -54,9 +62,7 @@ if HAS_TRITON:
         mask = columns < width
         gate = tl.load(gate_ptr + row * gate_stride + columns, mask=mask, other=0.0)
         up = tl.load(up_ptr + row * up_stride + columns, mask=mask, other=0.0)
-        gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(out_ptr.dtype.element_ty)
-        product = gelu.to(tl.float32) * up.to(tl.float32)
-        tl.store(out_ptr + row * width + columns, product.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * width + columns, geglu(gate, up), mask=mask)
 
 
 def _gate_and_up(gate_up: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -89,7 +95,7 @@ def gelu_tanh_mul_triton(
     out = torch.empty((*gate.shape[:-1], width), dtype=gate.dtype, device=gate.device)
     grid = (gates.shape[0], triton.cdiv(width, block))
     launch_kernel(_gelu_tanh_mul_kernel, grid,
-        gates, ups, out, width, gates.stride(0), ups.stride(0), SQRT_2_OVER_PI, BLOCK=block,
+        gates, ups, out, width, gates.stride(0), ups.stride(0), BLOCK=block,
         **pdl_options(gates),
     )  # fmt: skip
     return out

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
-from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul_reference
+from hearth.kernels.activation import gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
@@ -326,14 +326,13 @@ if HAS_TRITON:
     import triton.language as tl
 
     from hearth.kernels import prefetch_row_lines, prefetch_to_l2, wait_for_producer
-    from hearth.kernels.activation import gelu_tanh
+    from hearth.kernels.activation import geglu
 
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
     # The float 2**23 as int32 bits, passed to the GEMV at run time: were the exponent a
     # constant, ptxas would need two LOP3s (one immediate operand each) for the AND and the OR.
     TWO23_BITS = 150 << 23
-    _GELU_COEFFICIENT = tl.constexpr(SQRT_2_OVER_PI)
 
     @triton.jit
     def _store_geglu_pairs(out_row, values, first, N, BLOCK_N: tl.constexpr):
@@ -341,12 +340,9 @@ if HAS_TRITON:
         from the dots `values` [BLOCK_N] of gate and up rows in turn: each dot rounded as
         stored, then as `activation.gelu_tanh_mul` rounds, so the result equals the plain
         GEMV then the GeGLU kernel bit for bit."""
-        dtype = out_row.dtype.element_ty
-        gate, up = tl.split(tl.reshape(values.to(dtype), [BLOCK_N // 2, 2]))
-        gelu = gelu_tanh(gate.to(tl.float32), _GELU_COEFFICIENT).to(dtype)
-        product = (gelu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+        gate, up = tl.split(tl.reshape(values.to(out_row.dtype.element_ty), [BLOCK_N // 2, 2]))
         c = first + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_row + c, product, mask=c < N)
+        tl.store(out_row + c, geglu(gate, up), mask=c < N)
 
     @triton.jit
     def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):

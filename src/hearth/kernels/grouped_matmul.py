@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, expert_plan, kernel_enabled
+from hearth.kernels.activation import gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports hearth.kernels.affine_matmul, which imports it back.
@@ -154,7 +155,21 @@ def _pair_rows(x: Tensor, tokens: int, top_k: int) -> Tensor:
     return x.reshape(tokens * top_k, x.shape[-1])
 
 
-def _expert_loop(x: Tensor, expert_ids: Tensor, row_scale: Tensor | None, weight_of) -> Tensor:
+def _output_width(weight_rows: int, row_scale: Tensor | None, geglu: bool) -> int:
+    """Output columns of experts with `weight_rows` rows: half of a stacked gate/up's with
+    `geglu`, whose outputs no row scale multiplies (it would scale gate and up apart)."""
+    if not geglu:
+        return weight_rows
+    if weight_rows % 2:
+        raise ValueError(f"a stacked gate/up has an even number of rows, not {weight_rows}")
+    if row_scale is not None:
+        raise ValueError("a GeGLU output takes no row scale")
+    return weight_rows // 2
+
+
+def _expert_loop(
+    x: Tensor, expert_ids: Tensor, row_scale: Tensor | None, geglu: bool, weight_of
+) -> Tensor:
     tokens, top_k = expert_ids.shape
     rows = _pair_rows(x, tokens, top_k)
     flat = expert_ids.reshape(-1)
@@ -168,15 +183,22 @@ def _expert_loop(x: Tensor, expert_ids: Tensor, row_scale: Tensor | None, weight
             out = y.new_zeros(tokens * top_k, y.shape[-1])
         out[chosen] = y
     assert out is not None, "no pairs"
-    return out.view(tokens, top_k, -1)
+    out = out.view(tokens, top_k, -1)
+    return gelu_tanh_mul_reference(out) if geglu else out
 
 
 def grouped_expert_matmul_reference(
-    x: Tensor, weight: Tensor, expert_ids: Tensor, row_scale: Tensor | None = None
+    x: Tensor,
+    weight: Tensor,
+    expert_ids: Tensor,
+    row_scale: Tensor | None = None,
+    geglu: bool = False,
 ) -> Tensor:
     """``[T, top_k, N]``: each pair's row of x times its expert of ``weight [E, N, K]``,
-    times ``row_scale [T, top_k]`` (fp32) when given."""
-    return _expert_loop(x, expert_ids, row_scale, lambda expert: weight[expert])
+    times ``row_scale [T, top_k]`` (fp32) when given. With `geglu` the experts are a stacked
+    gate/up ``[E, 2N, K]`` and the output ``gelu_tanh_mul`` of that product."""
+    _output_width(weight.shape[1], row_scale, geglu)
+    return _expert_loop(x, expert_ids, row_scale, geglu, lambda expert: weight[expert])
 
 
 def grouped_affine_expert_matmul_reference(
@@ -188,15 +210,17 @@ def grouped_affine_expert_matmul_reference(
     bits: int,
     group_size: int,
     row_scale: Tensor | None = None,
+    geglu: bool = False,
 ) -> Tensor:
     """As `grouped_expert_matmul_reference`, each expert dequantized exactly as mlx does."""
+    _output_width(packed.shape[1], row_scale, geglu)
 
     def weight_of(expert: int) -> Tensor:
         return mlx_affine.dequantize_affine(
             packed[expert], scales[expert], biases[expert], bits, group_size
         )
 
-    return _expert_loop(x, expert_ids, row_scale, weight_of)
+    return _expert_loop(x, expert_ids, row_scale, geglu, weight_of)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,12 +233,13 @@ def grouped_expert_matmul(
     expert_ids: Tensor,
     row_scale: Tensor | None = None,
     plan: ExpertPlan | None = None,
+    geglu: bool = False,
 ) -> Tensor:
-    """``[T, top_k, N]`` of float experts ``[E, N, K]``; `plan` may be shared between calls
-    with the same ids (gate/up, then down)."""
+    """``[T, top_k, N]`` of float experts ``[E, N, K]`` (`geglu`: see the reference); `plan`
+    may be shared between calls with the same ids (gate/up, then down)."""
     if kernel_enabled(x):
-        return grouped_expert_matmul_triton(x, weight, expert_ids, row_scale, plan)
-    return grouped_expert_matmul_reference(x, weight, expert_ids, row_scale)
+        return grouped_expert_matmul_triton(x, weight, expert_ids, row_scale, plan, geglu=geglu)
+    return grouped_expert_matmul_reference(x, weight, expert_ids, row_scale, geglu)
 
 
 def grouped_affine_expert_matmul(
@@ -227,14 +252,15 @@ def grouped_affine_expert_matmul(
     group_size: int,
     row_scale: Tensor | None = None,
     plan: ExpertPlan | None = None,
+    geglu: bool = False,
 ) -> Tensor:
     """``[T, top_k, N]`` of MLX-packed experts, read packed on CUDA for bits 4 and 8."""
     if kernel_enabled(x) and bits in KERNEL_BITS:
         return grouped_affine_expert_matmul_triton(
-            x, packed, scales, biases, expert_ids, bits, group_size, row_scale, plan
+            x, packed, scales, biases, expert_ids, bits, group_size, row_scale, plan, geglu=geglu
         )
     return grouped_affine_expert_matmul_reference(
-        x, packed, scales, biases, expert_ids, bits, group_size, row_scale
+        x, packed, scales, biases, expert_ids, bits, group_size, row_scale, geglu
     )
 
 
@@ -244,6 +270,8 @@ def grouped_affine_expert_matmul(
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from hearth.kernels.activation import geglu
 
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
 
@@ -289,6 +317,51 @@ if HAS_TRITON:
         return tl.reshape(weight, [BLOCK_N, BLOCK_K])
 
     @triton.jit
+    def _weight_tile(
+        weight_ptr,
+        scales_ptr,
+        biases_ptr,
+        n,
+        n_ok,
+        step,
+        K: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Rows `n` of one expert's weight at K step `step`: float (BITS = 0) or dequantized."""
+        k_start = step * BLOCK_K
+        if BITS == 0:
+            k = k_start + tl.arange(0, BLOCK_K)
+            rows = weight_ptr + n.to(tl.int64)[:, None] * K
+            tile = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0)
+        else:
+            tile = _dequantized_tile(
+                weight_ptr,
+                scales_ptr,
+                biases_ptr,
+                n,
+                n_ok,
+                k_start,
+                K,
+                BITS,
+                GROUP,
+                BLOCK_N,
+                BLOCK_K,
+            )
+        return tile
+
+    @triton.jit
+    def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+        """acc + a @ b^T, b in a's dtype; fp32 activations: exact products, not TF32."""
+        if FP32_DOT:
+            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc)
+        return acc
+
+    @triton.jit
     def _grouped_matmul_kernel(
         x_ptr,
         weight_ptr,
@@ -309,6 +382,7 @@ if HAS_TRITON:
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr,
+        GEGLU: tl.constexpr,
         FP32_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -316,8 +390,11 @@ if HAS_TRITON:
         GROUP_M: tl.constexpr,
     ):
         """out[p, n] = x[p // X_ROWS_PER_PAIR] . W_e[n] (* row_scale[p]) for each pair p of a
-        tile of expert e; W is float ``[E, N, K]`` (BITS = 0) or packed. 1-D grid, swizzled so
-        that GROUP_M tiles (mostly of one expert) share each weight slice while it is in L2."""
+        tile of expert e; W is float ``[E, N, K]`` (BITS = 0) or packed. With GEGLU, W_e is a
+        stacked gate/up ``[2N, K]`` and out[p, n] = gelu_tanh(x . W_e[n]) * (x . W_e[N + n]),
+        each dot rounded as stored, then as `activation.gelu_tanh_mul` rounds. 1-D grid,
+        swizzled so that GROUP_M tiles (mostly of one expert) share each weight slice while it
+        is in L2."""
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BLOCK_N)
         in_group = GROUP_M * tiles_n
@@ -335,41 +412,44 @@ if HAS_TRITON:
         x_rows = x_ptr + (pair // X_ROWS_PER_PAIR).to(tl.int64)[:, None] * stride_xm
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
+        weight_rows = 2 * N if GEGLU else N  # an expert's rows: gate then up with GEGLU
         if BITS == 0:
-            w_rows = weight_ptr + expert * N * K + n.to(tl.int64)[:, None] * K
+            weight_ptr += expert * weight_rows * K
         else:
             CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
-            weight_ptr += expert * N * (K // CODES)
-            scales_ptr += expert * N * (K // GROUP)
-            biases_ptr += expert * N * (K // GROUP)
+            weight_ptr += expert * weight_rows * (K // CODES)
+            scales_ptr += expert * weight_rows * (K // GROUP)
+            biases_ptr += expert * weight_rows * (K // GROUP)
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GEGLU only
         for step in range((K + BLOCK_K - 1) // BLOCK_K):
             k = step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
             a = tl.load(x_rows + k[None, :], mask=pair_ok[:, None] & k_ok[None, :], other=0)
-            if BITS == 0:
-                b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            else:
-                b = _dequantized_tile(
+            b = _weight_tile(
+                weight_ptr, scales_ptr, biases_ptr, n, n_ok, step, K, BITS, GROUP, BLOCK_N, BLOCK_K
+            )
+            acc = _dot(a, b, acc, FP32_DOT)
+            if GEGLU:
+                b = _weight_tile(
                     weight_ptr,
                     scales_ptr,
                     biases_ptr,
-                    n,
+                    n + N,
                     n_ok,
-                    step * BLOCK_K,
+                    step,
                     K,
                     BITS,
                     GROUP,
                     BLOCK_N,
                     BLOCK_K,
                 )
-            b = b.to(a.dtype)
-            if FP32_DOT:  # fp32 activations: exact products, not TF32
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+                up_acc = _dot(a, b, up_acc, FP32_DOT)
 
+        if GEGLU:
+            dtype = out_ptr.dtype.element_ty
+            acc = geglu(acc.to(dtype), up_acc.to(dtype)).to(tl.float32)
         if HAS_ROW_SCALE:
             acc *= tl.load(row_scale_ptr + pair, mask=pair_ok, other=0)[:, None]
         out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + n[None, :]
@@ -386,18 +466,22 @@ if HAS_TRITON:
     # (H100 sweep of 36 launches, `benchmarks/gpu_grouped_sweep.py`).
     _SHORT_TILES = ((64, 128, 4, 3), (128, 64, 4, 3))
     _TALL_TILES = ((128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4))
+    # With GEGLU a program holds two accumulators (gate and up) and reads two weight tiles a
+    # step: tall tiles of half the width, at most 128 fp32 accumulator registers a thread.
+    _GEGLU_TALL_TILES = ((64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4))
     _CONFIGS = [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-        for n, k, warps, stages in _SHORT_TILES + _TALL_TILES
+        for n, k, warps, stages in dict.fromkeys(_SHORT_TILES + _TALL_TILES + _GEGLU_TALL_TILES)
     ]
     # Used where there is no autotuning: Triton's CPU interpreter (tests).
     DEFAULT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 32}
 
     def _prune_configs(configs: list, named_args: dict, **kwargs: object) -> list:
-        """The tiles of this tile height; packed weights need whole groups per K step or
-        whole K steps per group."""
+        """The tiles of this tile height (and output: GEGLU); packed weights need whole groups
+        per K step or whole K steps per group."""
         args = {**named_args, **kwargs}
-        tiles, group = _TALL_TILES if args["BLOCK_M"] >= 64 else _SHORT_TILES, args["GROUP"]
+        tall = _GEGLU_TALL_TILES if args["GEGLU"] else _TALL_TILES
+        tiles, group = tall if args["BLOCK_M"] >= 64 else _SHORT_TILES, args["GROUP"]
         kept = []
         for c in configs:
             n, k = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
@@ -407,7 +491,7 @@ if HAS_TRITON:
 
     _grouped_matmul_tuned = triton.autotune(
         configs=_CONFIGS,
-        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "FP32_DOT"],
+        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GEGLU", "FP32_DOT"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(_grouped_matmul_kernel)
 
@@ -419,16 +503,18 @@ if HAS_TRITON:
         weight: Tensor,
         scales: Tensor | None,
         biases: Tensor | None,
-        n: int,
+        weight_rows: int,
         expert_ids: Tensor,
         row_scale: Tensor | None,
         plan: ExpertPlan | None,
         bits: int,
         group: int,
         config: dict | None,
+        geglu: bool,
     ) -> Tensor:
         tokens, top_k = expert_ids.shape
         k = x.shape[-1]
+        n = _output_width(weight_rows, row_scale, geglu)
         if x.shape[0] != tokens or (x.dim() == 3 and x.shape[1] != top_k):
             raise ValueError(f"x {tuple(x.shape)} does not match expert_ids {(tokens, top_k)}")
         num_experts = weight.shape[0]
@@ -462,6 +548,7 @@ if HAS_TRITON:
             "BITS": bits,
             "GROUP": group,
             "HAS_ROW_SCALE": scale is not None,
+            "GEGLU": geglu,
             "FP32_DOT": x.dtype == torch.float32,
             "BLOCK_M": plan.block_m,
             "GROUP_M": GROUP_M,
@@ -487,14 +574,16 @@ if HAS_TRITON:
         row_scale: Tensor | None = None,
         plan: ExpertPlan | None = None,
         config: dict | None = None,
+        geglu: bool = False,
     ) -> Tensor:
         """Float experts ``[E, N, K]``; `config` pins BLOCK_N/BLOCK_K (and num_warps,
         num_stages) instead of autotuning (tests, benchmarks)."""
         weight = weight if weight.is_contiguous() else weight.contiguous()
         if weight.shape[-1] != x.shape[-1]:
             raise ValueError(f"x has {x.shape[-1]} inputs, the experts {weight.shape[-1]}")
+        rows = weight.shape[1]
         return _launch(
-            x, weight, None, None, weight.shape[1], expert_ids, row_scale, plan, 0, 1, config
+            x, weight, None, None, rows, expert_ids, row_scale, plan, 0, 1, config, geglu
         )
 
     def grouped_affine_expert_matmul_triton(
@@ -508,6 +597,7 @@ if HAS_TRITON:
         row_scale: Tensor | None = None,
         plan: ExpertPlan | None = None,
         config: dict | None = None,
+        geglu: bool = False,
     ) -> Tensor:
         """MLX-packed experts (uint32 ``[E, N, K * bits / 32]``), dequantized tile by tile."""
         if bits not in KERNEL_BITS:
@@ -528,4 +618,5 @@ if HAS_TRITON:
             bits,
             group_size,
             config,
+            geglu,
         )

@@ -40,6 +40,8 @@ _NO_SCORE = -1.0e30
 _FAR = 2**30
 _BOUNDS_CHUNK = 256  # key-block summaries scanned per step of a program's prologue
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+# The output stored token-major (see `prefill_attention_triton`); an A/B switch.
+TOKEN_MAJOR_OUTPUT = True
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,11 @@ def prefill_attention_triton(
     batch, heads, queries, dim = q.shape
     keys = k.shape[2]
     tiles = _resolve(config, dim, q.dtype)
-    out = torch.empty((batch, heads, queries, dim), dtype=q.dtype, device=q.device)
+    # Stored token-major ([B, M, H, D], returned as its [B, H, M, D] view), the layout the
+    # output projection reads: the caller's transpose and reshape are then views, not a copy.
+    shape = (batch, queries, heads, dim) if TOKEN_MAJOR_OUTPUT else (batch, heads, queries, dim)
+    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    out = out.transpose(1, 2) if TOKEN_MAJOR_OUTPUT else out
     if queries == 0:
         return out
     query_positions = query_positions.to(torch.int64).contiguous()

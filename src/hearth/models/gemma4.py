@@ -87,6 +87,14 @@ FUSED_EXPERT_GATE_GEGLU = True
 # bit-identical (2026-12-05 A/B on an H100, `ab_26b_moe_fusions_h100-…`,
 # `ab_26b_4bit_slot_sum_h100-…`). An A/B switch.
 FUSED_SLOT_SUM = True
+# At a prefill (grouped experts), the gate/up grouped matmul stores the GeGLU of its dots
+# (each program holds gate and up accumulators), so the gate/up product [pairs, 2·I] is
+# never written and the GeGLU kernel goes; bit-identical to the two launches. An A/B switch.
+FUSED_GROUPED_GEGLU = True
+# At a prefill, the experts' slot outputs (unweighted) go to the MoE layer's last norm
+# kernel, which weights and sums them as at a decode step, instead of the down matmul
+# scaling its rows and a separate sum over the slots. Needs FUSED_MOE_NORMS. An A/B switch.
+FUSED_PREFILL_SLOT_SUM = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
 # reads less, and decode's CUDA graphs capture that path.
@@ -234,6 +242,19 @@ class Experts(nn.Module):
         """Whether `forward` of these tokens takes `forward_gathered` (a decode step on CUDA)."""
         return self._has_gathered_kernels(x) and x.shape[0] < GROUPED_EXPERTS_MIN_TOKENS
 
+    def slot_outputs(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Each (token, slot) pair's output [tokens, top_k, H], not yet weighted, for a
+        kernel that weights and sums them (the MoE layer's last norm): from the gathered
+        (FUSED_SLOT_SUM) or grouped (FUSED_PREFILL_SLOT_SUM) kernels; None where `forward`
+        must sum them itself."""
+        if self.gathers(x) and FUSED_SLOT_SUM:
+            return self.forward_gathered(x, weights, experts, summed=False)
+        if self._has_gathered_kernels(x) and not self.gathers(x) and FUSED_PREFILL_SLOT_SUM:
+            return self.forward_grouped(x, weights, experts, summed=False)
+        return None
+
     def _has_gathered_kernels(self, x: torch.Tensor) -> bool:
         """On CUDA, when every weight is float or packed in widths the kernels cover."""
         return kernel_enabled(x) and self.kernels_cover_weights
@@ -288,25 +309,35 @@ class Experts(nn.Module):
         experts: torch.Tensor,
         plan: ExpertPlan,
         row_scale: torch.Tensor | None = None,
+        geglu: bool = False,
     ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
-            return grouped_expert_matmul(x, weight, experts, row_scale, plan)
+            return grouped_expert_matmul(x, weight, experts, row_scale, plan, geglu)
         packed = (weight.packed, weight.scales, weight.biases)
         return grouped_affine_expert_matmul(
-            x, *packed, experts, weight.bits, weight.group_size, row_scale, plan
+            x, *packed, experts, weight.bits, weight.group_size, row_scale, plan, geglu
         )
 
     def forward_grouped(
-        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        summed: bool = True,
     ) -> torch.Tensor:
         """Pairs sorted by expert on the device, each expert's rows through tensor-core
-        matmuls (prefill). Equals `forward_loop` up to summation order and rounding."""
+        matmuls (prefill). Equals `forward_loop` up to summation order and rounding. With
+        `summed` False, the slots' outputs [tokens, top_k, H], not weighted."""
         packed = not isinstance(self.gate_up_proj, torch.Tensor)
         block_m = default_block_m(experts.numel(), self.num_experts, packed)
         plan = plan_experts(experts, self.num_experts, block_m)
-        gate_up = self._grouped(self.gate_up_proj, x, experts, plan)
-        y = self._grouped(self.down_proj, gelu_tanh_mul(gate_up), experts, plan, weights)
-        return y.sum(dim=1)
+        if FUSED_GROUPED_GEGLU:
+            hidden = self._grouped(self.gate_up_proj, x, experts, plan, geglu=True)
+        else:
+            hidden = gelu_tanh_mul(self._grouped(self.gate_up_proj, x, experts, plan))
+        if not summed:
+            return self._grouped(self.down_proj, hidden, experts, plan)
+        return self._grouped(self.down_proj, hidden, experts, plan, weights).sum(dim=1)
 
     def forward_loop(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -444,9 +475,9 @@ class Gemma4DecoderLayer(nn.Module):
             weights, experts = self.router.route(router_input)
         expert_input = inputs.experts.reshape(-1, hidden)
         slot_weights = None
-        if FUSED_SLOT_SUM and self.experts.gathers(expert_input):
-            # The slots' outputs go to the combine kernel, which weights and sums them.
-            per_slot = self.experts.forward_gathered(expert_input, weights, experts, summed=False)
+        # The slots' outputs go to the combine kernel, which weights and sums them.
+        per_slot = self.experts.slot_outputs(expert_input, weights, experts)
+        if per_slot is not None:
             sparse = per_slot.view(*x.shape[:-1], *per_slot.shape[-2:])
             slot_weights = weights.view(*x.shape[:-1], weights.shape[-1])
         else:
