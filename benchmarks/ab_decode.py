@@ -398,9 +398,8 @@ def _prefill_logit_checks(model, model_name: str, names: list[str], tokens: int)
         with _variant(model, name):
             other = _prefill_logits(model, tokens)
         same = torch.equal(other, base)
-        cells.append(
-            f"{name}: " + ("bit-identical" if same else f"max |diff| {_max_diff(other, base)}")
-        )
+        diff = f"max |diff| {_max_diff(other, base)} (max |logit| {base.abs().max():.3g})"
+        cells.append(f"{name}: " + ("bit-identical" if same else diff))
     return [f"| {model_name} | prefill logits vs {names[0]} | {'; '.join(cells)} | | | |"]
 
 

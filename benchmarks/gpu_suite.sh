@@ -322,9 +322,11 @@ elif [ "$PART" = prefill-fusions ]; then  # fewer round trips of prefill interme
 stage 150 grouped-geglu python benchmarks/gpu_grouped_geglu.py
 stage 330 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,prefill-fusions-off,grouped-geglu-apart,prefill-slot-sum-apart,attn-out-head-major --check --name 26b_prefill4096_fusions
 elif [ "$PART" = prefill-fusions2 ]; then
+stage 60 grouped-geglu python benchmarks/gpu_grouped_geglu.py
 stage 170 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,prefill-fusions-off --check --name 26b_4bit_prefill4096_fusions
 stage 150 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn-out-head-major --check --name e4b_prefill4096_attn_out
 stage 150 ab-12b-4k python benchmarks/ab_decode.py --models gemma3-12b --prefill 4096 --variants base,attn-out-head-major --check --name 12b_prefill4096_attn_out
+stage 90 profile-26b-prefill python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
 elif [ "$PART" = kernels ]; then
 stage 120 tests python -m pytest -q -x tests/test_kernels_fused.py tests/test_static_cache.py tests/test_bench.py
 stage 150 affine python benchmarks/gpu_kernels_affine.py

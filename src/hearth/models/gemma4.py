@@ -87,9 +87,12 @@ FUSED_EXPERT_GATE_GEGLU = True
 # bit-identical (2026-12-05 A/B on an H100, `ab_26b_moe_fusions_h100-…`,
 # `ab_26b_4bit_slot_sum_h100-…`). An A/B switch.
 FUSED_SLOT_SUM = True
-# At a prefill (grouped experts), the gate/up grouped matmul stores the GeGLU of its dots
+# At a prefill with float experts, the gate/up grouped matmul stores the GeGLU of its dots
 # (each program holds gate and up accumulators), so the gate/up product [pairs, 2·I] is
-# never written and the GeGLU kernel goes; bit-identical to the two launches. An A/B switch.
+# never written and the GeGLU kernel goes; bit-identical to the two launches. 26B-A4B's
+# 4096-token gate/up 614 µs against 638 for the two launches (0 of 23M elements differ); MLX
+# 4-bit experts took 2.0-2.4x longer so (two tiles dequantized a step), and keep the GeGLU
+# kernel (2026-12-05, H100: `gpu_grouped_geglu_h100-…`). An A/B switch.
 FUSED_GROUPED_GEGLU = True
 # At a prefill, the experts' slot outputs (unweighted) go to the MoE layer's last norm
 # kernel, which weights and sums them as at a decode step, instead of the down matmul
@@ -331,7 +334,7 @@ class Experts(nn.Module):
         packed = not isinstance(self.gate_up_proj, torch.Tensor)
         block_m = default_block_m(experts.numel(), self.num_experts, packed)
         plan = plan_experts(experts, self.num_experts, block_m)
-        if FUSED_GROUPED_GEGLU:
+        if FUSED_GROUPED_GEGLU and not packed:
             hidden = self._grouped(self.gate_up_proj, x, experts, plan, geglu=True)
         else:
             hidden = gelu_tanh_mul(self._grouped(self.gate_up_proj, x, experts, plan))
