@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import statistics
@@ -176,33 +177,42 @@ def slot_sum_rows() -> list[str]:
     return rows
 
 
+PARTS = {
+    "geglu": (
+        "Experts' gate/up [128, 1408, 2816], top-8 routing; µs per call (median).",
+        "| case | gate/up storing the GeGLU, µs | product + GeGLU kernel, µs | saved | elements "
+        "that differ (fused vs apart) |",
+        geglu_rows,
+    ),
+    "attention": (
+        "Prefill attention, 4096 tokens, bf16, then the output projection's [1, 4096, H*D] "
+        "input; µs per call (median).",
+        "| shape | token-major output | head-major + copy | saved | elements that differ |",
+        attention_rows,
+    ),
+    "slot-sum": (
+        "26B-A4B's expert outputs summed over the 8 slots, 4096 tokens, bf16, against fp32 "
+        "(errors in the summed [4096, 2816] output):",
+        "| slot sum | max error | mean error | largest exact value |",
+        slot_sum_rows,
+    ),
+}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS)
+    )
     torch.manual_seed(0)
     lines = [
         f"# Prefill fusions at 26B-A4B shapes ({date.today()}, {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}, triton {triton.__version__})",
-        "",
-        "Experts' gate/up [128, 1408, 2816], top-8 routing; µs per call (median).",
-        "",
-        "| case | gate/up storing the GeGLU, µs | product + GeGLU kernel, µs | saved | elements "
-        "that differ (fused vs apart) |",
-        "|---|---|---|---|---|",
-        *geglu_rows(),
-        "",
-        "Prefill attention, 4096 tokens, bf16, then the output projection's [1, 4096, H*D] "
-        "input; µs per call (median).",
-        "",
-        "| shape | token-major output | head-major + copy | saved | elements that differ |",
-        "|---|---|---|---|---|",
-        *attention_rows(),
-        "",
-        "26B-A4B's expert outputs summed over the 8 slots, 4096 tokens, bf16, against fp32 "
-        "(errors in the summed [4096, 2816] output):",
-        "",
-        "| slot sum | max error | mean error | max |exact| |",
-        "|---|---|---|---|",
-        *slot_sum_rows(),
     ]
+    for part in parser.parse_args().parts.split(","):
+        what, header, rows = PARTS[part]
+        columns = header.count("|") - 1
+        lines += ["", what, "", header, "|" + "---|" * columns, *rows()]
     out = Path(os.environ.get("OUT", "benchmarks/results/tmp"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_grouped_geglu.md").write_text("\n".join(lines) + "\n")
