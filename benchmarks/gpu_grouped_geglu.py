@@ -146,10 +146,11 @@ def attention_rows() -> list[str]:
 
 
 def slot_sum_rows() -> list[str]:
-    """The down matmul's slots summed two ways against an fp32 oracle (fp32 weights and
-    inputs, the same bf16 values): scaled rows then a sum (the old prefill), or unscaled
-    slot outputs weighted and summed with `weighted_slot_sum`'s roundings (the combine
-    kernel's, decode's and now prefill's)."""
+    """The down matmul's slots summed three ways against an fp32 oracle (fp32 weights and
+    inputs, the same bf16 values): rows scaled in the matmul then a torch sum (the prefill
+    before); unscaled rows weighted and summed with `weighted_slot_sum`'s roundings (the
+    combine kernel's at a decode step: two roundings a slot); scaled rows summed by those
+    roundings with unit weights (the combine kernel's at a prefill now)."""
     tokens = 4096
     weight = (torch.randn(EXPERTS, HIDDEN, WIDTH, device=DEVICE) / math.sqrt(WIDTH)).to(BF16)
     logits = torch.randn(tokens, EXPERTS, device=DEVICE) + torch.randn(EXPERTS, device=DEVICE)
@@ -157,16 +158,18 @@ def slot_sum_rows() -> list[str]:
     route = top.softmax(dim=-1)
     hidden = (torch.randn(tokens, TOP_K, WIDTH, device=DEVICE) * 0.5).to(BF16)
     plan = gm.plan_experts(ids, EXPERTS)
-    scaled_then_summed = gm.grouped_expert_matmul(hidden, weight, ids, route, plan).sum(dim=1)
+    scaled = gm.grouped_expert_matmul(hidden, weight, ids, route, plan)
     per_slot = gm.grouped_expert_matmul(hidden, weight, ids, None, plan)
     weighted_in_combine = weighted_slot_sum(per_slot, route)
+    scaled_in_combine = weighted_slot_sum(scaled, torch.ones_like(route))
     torch.backends.cuda.matmul.allow_tf32 = False  # an fp32 oracle, not TF32
     exact = gm.grouped_expert_matmul_reference(hidden.float(), weight.float(), ids, route)
     exact = exact.double().sum(dim=1)
     rows = []
     for label, got in (
-        ("rows scaled in the matmul, then summed (before)", scaled_then_summed),
-        ("slots weighted and summed in the norm kernel (now)", weighted_in_combine),
+        ("rows scaled in the matmul, then a torch sum (before)", scaled.sum(dim=1)),
+        ("rows unscaled, weighted and summed in the norm kernel", weighted_in_combine),
+        ("rows scaled in the matmul, summed in the norm kernel (now)", scaled_in_combine),
     ):
         error = (got.double() - exact).abs()
         rows.append(

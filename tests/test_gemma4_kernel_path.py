@@ -103,6 +103,16 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
         monkeypatch.setattr(router, name, _counted(getattr(router, name), launched, name))
     for name in ("moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"):
         monkeypatch.setattr(norm, name, _counted(getattr(norm, name), launched, name))
+    original_combine = norm.moe_combine_add_rms_norm_triton
+
+    def counted_combine(*args):
+        slot_weights = args[-1] if len(args) == 10 else None
+        if slot_weights is not None and args[2].shape[-3] == PROMPT:  # [.., T, top_k, H]
+            ones = bool((slot_weights == 1).all())
+            launched.append("prompt slots summed" if ones else "prompt slots weighted")
+        return original_combine(*args)
+
+    monkeypatch.setattr(norm, "moe_combine_add_rms_norm_triton", counted_combine)
     monkeypatch.setattr(
         gemma4, "weighted_slot_sum", _counted(gemma4.weighted_slot_sum, launched, "slot_sum")
     )
@@ -131,13 +141,15 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     if config == "moe" and fused:
         fused_norms = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
         assert fused_norms | {"route_triton", "experts with a geglu output"} <= set(launched)
-        assert {"grouped with a geglu output", "grouped"} <= set(launched)
+        # The prompt's rows scaled by the down matmul, summed by the combine kernel.
+        assert {"grouped with a geglu output", "grouped scaling rows"} <= set(launched)
+        assert "prompt slots summed" in launched and "prompt slots weighted" not in launched
         assert not {"router_input_triton", "slot_sum", "gelu_tanh_mul"} & set(launched)
-        assert "grouped scaling rows" not in launched  # the combine kernel weights the slots
     elif config == "moe":
         assert ple not in launched and "experts with a geglu output" not in launched
         assert {"route_triton", "router_input_triton", "slot_sum", "gelu_tanh_mul"} <= set(launched)
         assert {"grouped", "grouped scaling rows"} <= set(launched)
+        assert not {"prompt slots summed", "prompt slots weighted"} & set(launched)
         assert not {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"} & set(launched)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 

@@ -94,9 +94,10 @@ FUSED_SLOT_SUM = True
 # 4-bit experts took 2.0-2.4x longer so (two tiles dequantized a step), and keep the GeGLU
 # kernel (2026-12-05, H100: `gpu_grouped_geglu_h100-…`). An A/B switch.
 FUSED_GROUPED_GEGLU = True
-# At a prefill, the experts' slot outputs (unweighted) go to the MoE layer's last norm
-# kernel, which weights and sums them as at a decode step, instead of the down matmul
-# scaling its rows and a separate sum over the slots. Needs FUSED_MOE_NORMS. An A/B switch.
+# At a prefill, the MoE layer's last norm kernel sums the experts' slot outputs (the down
+# matmul's rows, scaled by their routing weights), instead of a torch sum over the slots
+# before it. Needs FUSED_MOE_NORMS. 26B-A4B prefill at 4096 tokens +1.2% (2026-12-05, H100,
+# `ab_26b_prefill4096_fusions_h100-…`). An A/B switch.
 FUSED_PREFILL_SLOT_SUM = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
@@ -247,15 +248,18 @@ class Experts(nn.Module):
 
     def slot_outputs(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Each (token, slot) pair's output [tokens, top_k, H], not yet weighted, for a
-        kernel that weights and sums them (the MoE layer's last norm): from the gathered
-        (FUSED_SLOT_SUM) or grouped (FUSED_PREFILL_SLOT_SUM) kernels; None where `forward`
-        must sum them itself."""
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each (token, slot) pair's output [tokens, top_k, H] and the weights [tokens, top_k]
+        with which a kernel is to sum them (the MoE layer's last norm); None where `forward`
+        must sum them itself. At a decode step (FUSED_SLOT_SUM) the gathered GEMVs' outputs
+        and the routing weights; at a prefill (FUSED_PREFILL_SLOT_SUM) the grouped down
+        matmul's rows already scaled in fp32 and ones: one rounding a slot, not two (its
+        fp32 error 0.0074 against 0.0104, 26B-A4B's shapes, `gpu_grouped_geglu_h100-…`)."""
         if self.gathers(x) and FUSED_SLOT_SUM:
-            return self.forward_gathered(x, weights, experts, summed=False)
+            return self.forward_gathered(x, weights, experts, summed=False), weights
         if self._has_gathered_kernels(x) and not self.gathers(x) and FUSED_PREFILL_SLOT_SUM:
-            return self.forward_grouped(x, weights, experts, summed=False)
+            scaled = self.forward_grouped(x, weights, experts, summed=False)
+            return scaled, torch.ones_like(weights)
         return None
 
     def _has_gathered_kernels(self, x: torch.Tensor) -> bool:
@@ -330,7 +334,7 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """Pairs sorted by expert on the device, each expert's rows through tensor-core
         matmuls (prefill). Equals `forward_loop` up to summation order and rounding. With
-        `summed` False, the slots' outputs [tokens, top_k, H], not weighted."""
+        `summed` False, the slots' outputs [tokens, top_k, H], each scaled by its weight."""
         packed = not isinstance(self.gate_up_proj, torch.Tensor)
         block_m = default_block_m(experts.numel(), self.num_experts, packed)
         plan = plan_experts(experts, self.num_experts, block_m)
@@ -338,9 +342,8 @@ class Experts(nn.Module):
             hidden = self._grouped(self.gate_up_proj, x, experts, plan, geglu=True)
         else:
             hidden = gelu_tanh_mul(self._grouped(self.gate_up_proj, x, experts, plan))
-        if not summed:
-            return self._grouped(self.down_proj, hidden, experts, plan)
-        return self._grouped(self.down_proj, hidden, experts, plan, weights).sum(dim=1)
+        y = self._grouped(self.down_proj, hidden, experts, plan, weights)
+        return y.sum(dim=1) if summed else y
 
     def forward_loop(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -479,8 +482,9 @@ class Gemma4DecoderLayer(nn.Module):
         expert_input = inputs.experts.reshape(-1, hidden)
         slot_weights = None
         # The slots' outputs go to the combine kernel, which weights and sums them.
-        per_slot = self.experts.slot_outputs(expert_input, weights, experts)
-        if per_slot is not None:
+        slots = self.experts.slot_outputs(expert_input, weights, experts)
+        if slots is not None:
+            per_slot, weights = slots
             sparse = per_slot.view(*x.shape[:-1], *per_slot.shape[-2:])
             slot_weights = weights.view(*x.shape[:-1], weights.shape[-1])
         else:
