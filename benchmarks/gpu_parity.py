@@ -7,6 +7,7 @@ is that Hearth's error stays in the same range as HF's (ratio column) and small 
 logit range. Writes a markdown table.
 
     python benchmarks/gpu_parity.py --out table.md
+    python benchmarks/gpu_parity.py --prompt 96   # a prefill long enough for grouped experts
 """
 
 from __future__ import annotations
@@ -28,27 +29,28 @@ from hearth.models.loading import build_model
 from test_gemma4 import CONFIGS
 from tiny import save_hf, tiny_gemma3_model, tiny_gemma4_model
 
-PROMPT, TOTAL = 24, 34
+PROMPT, DECODE_STEPS = 24, 10
 
 
 @torch.inference_mode()
-def cached_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+def cached_logits(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     caches = make_caches(model.config)
-    pieces = [model(ids[:, :PROMPT], caches)]
-    for position in range(PROMPT, ids.shape[1]):
+    pieces = [model(ids[:, :prompt], caches)]
+    for position in range(prompt, ids.shape[1]):
         pieces.append(model(ids[:, position : position + 1], caches, start=position))
     return torch.cat(pieces, dim=1).float().cpu()
 
 
-def compare(name: str, hf: Any, directory: Path, device: torch.device) -> str:
+def compare(name: str, hf: Any, directory: Path, device: torch.device, prompt: int) -> str:
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, hf.config.vocab_size, (1, TOTAL), generator=generator)
+    ids = torch.randint(4, hf.config.vocab_size, (1, prompt + DECODE_STEPS), generator=generator)
     with torch.inference_mode():
         reference = hf(input_ids=ids).logits.float()
         hf_bf16 = hf.to(device, torch.bfloat16)(input_ids=ids.to(device)).logits.float().cpu()
     ours = cached_logits(
         build_model(open_checkpoint(directory), torch.bfloat16, device, progress=False),
         ids.to(device),
+        prompt,
     )
     scale = reference.abs().max().item()
     ours_error = (ours - reference).abs().max().item()
@@ -62,6 +64,9 @@ def compare(name: str, hf: Any, directory: Path, device: torch.device) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out")
+    parser.add_argument(
+        "--prompt", type=int, default=PROMPT, help="prefill tokens before the decode steps"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
@@ -72,7 +77,7 @@ def main() -> None:
         for name, build in builders.items():
             hf = build()
             directory = save_hf(hf, Path(folder) / name.replace(" ", "_"))
-            rows.append(compare(name, hf, directory, device))
+            rows.append(compare(name, hf, directory, device, args.prompt))
             print(rows[-1], flush=True)
     import transformers
 
@@ -83,8 +88,8 @@ def main() -> None:
                 "",
                 f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
                 f"{transformers.__version__}. Max |logit error| against the fp32 CPU reference "
-                f"over {TOTAL} positions (Hearth: {PROMPT}-token prefill, then "
-                f"{TOTAL - PROMPT} cached decode steps).",
+                f"over {args.prompt + DECODE_STEPS} positions (Hearth: {args.prompt}-token "
+                f"prefill, then {DECODE_STEPS} cached decode steps).",
                 "",
                 "| config | max abs logit | Hearth bf16 error | HF bf16 error | ratio "
                 "| Hearth error / range |",
