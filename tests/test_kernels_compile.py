@@ -371,6 +371,22 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             geglu=True,
         ),
     )
+
+    def weights_by_tma() -> None:  # an experiment behind a switch (TMA_WEIGHTS)
+        previous, grouped_matmul.TMA_WEIGHTS = grouped_matmul.TMA_WEIGHTS, True
+        try:
+            grouped_matmul.grouped_expert_matmul_triton(
+                torch.randn(3, 256, dtype=bf16),
+                torch.randn(4, 48, 256, dtype=bf16),
+                expert_ids,
+                plan=tall_plan,
+                config=tall,
+                geglu=True,
+            )
+        finally:
+            grouped_matmul.TMA_WEIGHTS = previous
+
+    yield "grouped experts with a geglu output, weights by TMA", weights_by_tma
     # The plan's counting sort at 26B-A4B's 128 experts and top 8, over several chunks.
     yield (
         "expert plan",
