@@ -310,6 +310,7 @@ VARIANTS: dict[str, Patch] = {
     "attn-out-head-major": _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
+    "grouped-tma": _set(grouped_matmul, "TMA_WEIGHTS", True),  # float experts' tiles by TMA
     "prefill-fusions-off": _stacked(
         _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
         _set(gemma4, "FUSED_GROUPED_GEGLU", False),
