@@ -46,6 +46,7 @@ from hearth.generate import default_prefill_step
 from hearth.kernels import (
     activation,
     affine_matmul,
+    expert_plan,
     gemv,
     grouped_matmul,
     norm,
@@ -311,6 +312,14 @@ VARIANTS: dict[str, Patch] = {
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "grouped-tma": _set(grouped_matmul, "TMA_WEIGHTS", True),  # float experts' tiles by TMA
+    # The MoE plan's offsets kernel as before 2026-12-05: it fills the row table itself, 32
+    # chunks and 32 tiles a step on 4 warps.
+    "plan-offsets-before": _stacked(
+        _set(expert_plan, "FILL_IN_COUNT", False),
+        _set(expert_plan, "CHUNK_BLOCK", 32),
+        _set(expert_plan, "TILE_BLOCK", 32),
+        _set(expert_plan, "OFFSETS_WARPS", 4),
+    ),
     "prefill-fusions-off": _stacked(
         _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
         _set(gemma4, "FUSED_GROUPED_GEGLU", False),

@@ -112,13 +112,23 @@ def test_plan_places_every_pair_once_in_its_experts_tiles(kind, tokens, top_k, b
     [
         (24, 8, EXPERTS, 16, "ragged"),  # one chunk, unused experts
         (40, 8, EXPERTS, 64, "one"),  # every pair on one expert
-        (600, 8, 128, 64, "uniform"),  # 4800 pairs: 38 chunks (two count blocks); 128 experts
+        (600, 8, 128, 64, "uniform"),  # 4800 pairs: 38 chunks; 128 experts
+        (1100, 8, 128, 64, "uniform"),  # 69 chunks (two count blocks), 266 tiles (three blocks)
         (5, 2, 6, 16, "uniform"),  # experts not a power of two
         (1, 1, 3, 16, "uniform"),
     ],
 )
-def test_triton_plan_equals_the_reference(tokens, top_k, experts, block_m, kind) -> None:
-    """The counting sort gives the stable argsort's plan exactly: every row and tile expert."""
+@pytest.mark.parametrize("fill_in_count", [True, False])
+def test_triton_plan_equals_the_reference(
+    tokens, top_k, experts, block_m, kind, fill_in_count, monkeypatch
+) -> None:
+    """The counting sort gives the stable argsort's plan exactly: every row and tile expert,
+    the row table's padding written by the count kernel's programs or by the offsets kernel
+    (with its blocks of before 2026-12-05: 32 chunks and 32 tiles a step)."""
+    monkeypatch.setattr(expert_plan, "FILL_IN_COUNT", fill_in_count)
+    if not fill_in_count:
+        monkeypatch.setattr(expert_plan, "CHUNK_BLOCK", 32)
+        monkeypatch.setattr(expert_plan, "TILE_BLOCK", 32)
     if kind == "uniform":
         ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(3))
     else:

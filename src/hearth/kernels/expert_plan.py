@@ -6,10 +6,10 @@ layer, whose host time showed in the 26B-A4B prefill (`plan_experts` measured 23
 on the H200 against ~50 µs of GPU time). Here it is three kernels, with the same result bit
 for bit (the sort is stable: pairs of one expert keep their order):
 
-1. per chunk of CHUNK pairs, a count per expert (one-hot sums);
+1. per chunk of CHUNK pairs, a count per expert (one-hot sums), and a share of the row table
+   filled with the padding index;
 2. one program: the chunk counts turned into each chunk's first row per expert, the experts'
-   segments padded to whole tiles, the expert of every tile, and the row table filled with
-   the padding index;
+   segments padded to whole tiles, and the expert of every tile;
 3. per chunk, each pair's rank among the chunk's pairs of its expert (a cumulative sum of the
    one-hot rows), which with the offsets from 2 is its row.
 
@@ -29,11 +29,14 @@ from hearth.kernels.launch import launch_kernel
 # ints over CHUNK_WARPS warps, 64 a thread).
 CHUNK = 128
 CHUNK_WARPS = 8
-# Pass 2, per loop step: chunks' counts read, row-table entries filled, tiles placed (each
-# against every expert).
-CHUNK_BLOCK = 32
+# Pass 2 is one program, a chain of dependent loop steps: per step, chunks' counts read and
+# tiles placed (each against every expert), on OFFSETS_WARPS warps. The row table's padding
+# is written by pass 1's programs in parallel (FILL_IN_COUNT), FILL_BLOCK entries a step.
+CHUNK_BLOCK = 64
+TILE_BLOCK = 128
+OFFSETS_WARPS = 8
+FILL_IN_COUNT = True
 FILL_BLOCK = 1024
-TILE_BLOCK = 32
 
 if HAS_TRITON:
     import triton
@@ -50,11 +53,33 @@ if HAS_TRITON:
         return pair, valid, expert, one_hot
 
     @triton.jit
-    def _count_kernel(ids_ptr, counts_ptr, pairs, CHUNK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr):
+    def _fill_padding(rows_ptr, pairs, first, count, step, FILL_BLOCK: tl.constexpr):
+        """rows[first::step blocks of FILL_BLOCK] up to `count` entries = `pairs` (padding)."""
+        entry = tl.arange(0, FILL_BLOCK)
+        padding = tl.zeros([FILL_BLOCK], tl.int32) + pairs
+        start = first * FILL_BLOCK
+        while start < count:
+            tl.store(rows_ptr + start + entry, padding, mask=start + entry < count)
+            start += step * FILL_BLOCK
+
+    @triton.jit
+    def _count_kernel(
+        ids_ptr,
+        counts_ptr,
+        rows_ptr,
+        pairs,
+        row_count,
+        CHUNK: tl.constexpr,
+        EXPERTS_BLOCK: tl.constexpr,
+        FILL_ROWS: tl.constexpr,
+        FILL_BLOCK: tl.constexpr,
+    ):
         chunk = tl.program_id(0)
         _, _, _, one_hot = _one_hot(ids_ptr, chunk, pairs, CHUNK, EXPERTS_BLOCK)
         columns = tl.arange(0, EXPERTS_BLOCK)
         tl.store(counts_ptr + chunk * EXPERTS_BLOCK + columns, tl.sum(one_hot, axis=0))
+        if FILL_ROWS:  # the row table's padding, each program a strided share
+            _fill_padding(rows_ptr, pairs, chunk, row_count, tl.num_programs(0), FILL_BLOCK)
 
     @triton.jit
     def _offsets_kernel(
@@ -71,12 +96,13 @@ if HAS_TRITON:
         CHUNK_BLOCK: tl.constexpr,
         FILL_BLOCK: tl.constexpr,
         TILE_BLOCK: tl.constexpr,
+        FILL_ROWS: tl.constexpr,
     ):
         """starts[c, e]: the row of chunk c's first pair of expert e (the expert's padded
         segment start plus the pairs of e in earlier chunks); tile_experts as searchsorted
-        (right) of the tile starts in the segment ends; rows all padding (`pairs`). The chunk
-        counts are read CHUNK_BLOCK chunks at a time: a loop is not pipelined, so each step
-        waits for its loads."""
+        (right) of the tile starts in the segment ends; with FILL_ROWS, rows all padding
+        (`pairs`). The chunk counts are read CHUNK_BLOCK chunks at a time: a loop is not
+        pipelined, so each step waits for its loads."""
         columns = tl.arange(0, EXPERTS_BLOCK)
         totals = tl.zeros([EXPERTS_BLOCK], tl.int32)
         first = 0
@@ -100,12 +126,8 @@ if HAS_TRITON:
             tl.store(starts_ptr + offsets, running[None, :] + before, mask=chunk_ok)
             running += tl.sum(counts, axis=0)
             first += CHUNK_BLOCK
-        entry = tl.arange(0, FILL_BLOCK)
-        padding = tl.zeros([FILL_BLOCK], tl.int32) + pairs
-        start = 0
-        while start < tiles * BLOCK_M:
-            tl.store(rows_ptr + start + entry, padding, mask=start + entry < tiles * BLOCK_M)
-            start += FILL_BLOCK
+        if FILL_ROWS:
+            _fill_padding(rows_ptr, pairs, 0, tiles * BLOCK_M, 1, FILL_BLOCK)
         start = 0
         while start < tiles:
             tile = start + tl.arange(0, TILE_BLOCK)
@@ -140,7 +162,19 @@ if HAS_TRITON:
         rows = torch.empty(tiles * block_m, dtype=torch.int32, device=device)
         tile_experts = torch.empty(tiles, dtype=torch.int32, device=device)
         one_hot = {"CHUNK": CHUNK, "EXPERTS_BLOCK": experts_block, "num_warps": CHUNK_WARPS}
-        launch_kernel(_count_kernel, (chunks,), ids, counts, pairs, **one_hot)
+        fill = {"FILL_BLOCK": FILL_BLOCK}
+        launch_kernel(
+            _count_kernel,
+            (chunks,),
+            ids,
+            counts,
+            rows,
+            pairs,
+            rows.numel(),
+            **one_hot,
+            **fill,
+            FILL_ROWS=FILL_IN_COUNT,
+        )
         launch_kernel(
             _offsets_kernel,
             (1,),
@@ -155,8 +189,10 @@ if HAS_TRITON:
             BLOCK_M=block_m,
             EXPERTS_BLOCK=experts_block,
             CHUNK_BLOCK=CHUNK_BLOCK,
-            FILL_BLOCK=FILL_BLOCK,
             TILE_BLOCK=TILE_BLOCK,
+            FILL_ROWS=not FILL_IN_COUNT,
+            num_warps=OFFSETS_WARPS,
+            **fill,
         )
         launch_kernel(_place_kernel, (chunks,), ids, starts, rows, pairs, **one_hot)
         return rows, tile_experts
