@@ -345,17 +345,18 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     # Storing the GeGLU: two accumulators, at the tallest tile's widest GeGLU launch.
     tall_plan = grouped_matmul.plan_experts(expert_ids, 4, grouped_matmul.TALL_BLOCK_M)
     tall = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-    yield (
-        "grouped experts with a geglu output",
-        lambda: grouped_matmul.grouped_expert_matmul_triton(
+
+    def float_geglu() -> None:
+        grouped_matmul.grouped_expert_matmul_triton(
             torch.randn(3, 256, dtype=bf16),
             torch.randn(4, 48, 256, dtype=bf16),
             expert_ids,
             plan=tall_plan,
             config=tall,
             geglu=True,
-        ),
-    )
+        )
+
+    yield "grouped experts with a geglu output", float_geglu
     yield (
         "grouped affine experts with a geglu output",
         lambda: grouped_matmul.grouped_affine_expert_matmul_triton(
@@ -375,14 +376,7 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     def weights_by_tma() -> None:  # an experiment behind a switch (TMA_WEIGHTS)
         previous, grouped_matmul.TMA_WEIGHTS = grouped_matmul.TMA_WEIGHTS, True
         try:
-            grouped_matmul.grouped_expert_matmul_triton(
-                torch.randn(3, 256, dtype=bf16),
-                torch.randn(4, 48, 256, dtype=bf16),
-                expert_ids,
-                plan=tall_plan,
-                config=tall,
-                geglu=True,
-            )
+            float_geglu()
         finally:
             grouped_matmul.TMA_WEIGHTS = previous
 
