@@ -90,14 +90,15 @@ FUSED_SLOT_SUM = True
 # At a prefill with float experts, the gate/up grouped matmul stores the GeGLU of its dots
 # (each program holds gate and up accumulators), so the gate/up product [pairs, 2·I] is
 # never written and the GeGLU kernel goes; bit-identical to the two launches. 26B-A4B's
-# 4096-token gate/up 614 µs against 638 for the two launches (0 of 23M elements differ); MLX
+# 4096-token gate/up 614-617 µs against 624-638 for the two launches (0 of 23M elements
+# differ), end to end +0.2%; MLX
 # 4-bit experts took 2.0-2.4x longer so (two tiles dequantized a step), and keep the GeGLU
 # kernel (2026-12-05, H100: `gpu_grouped_geglu_h100-…`). An A/B switch.
 FUSED_GROUPED_GEGLU = True
 # At a prefill, the MoE layer's last norm kernel sums the experts' slot outputs (the down
 # matmul's rows, scaled by their routing weights), instead of a torch sum over the slots
-# before it. Needs FUSED_MOE_NORMS. 26B-A4B prefill at 4096 tokens +1.2% (2026-12-05, H100,
-# `ab_26b_prefill4096_fusions_h100-…`). An A/B switch.
+# before it. Needs FUSED_MOE_NORMS. 26B-A4B prefill at 4096 tokens +0.9-1.2% (2026-12-05,
+# H100, `ab_26b_prefill4096_fusions{,_b}_h100-…`). An A/B switch.
 FUSED_PREFILL_SLOT_SUM = True
 # From this many tokens (prefill) the experts run as grouped tensor-core matmuls, which read
 # each expert's weight once per tile of its rows; below it one GEMV per (token, slot) pair
@@ -484,9 +485,9 @@ class Gemma4DecoderLayer(nn.Module):
         # The slots' outputs go to the combine kernel, which weights and sums them.
         slots = self.experts.slot_outputs(expert_input, weights, experts)
         if slots is not None:
-            per_slot, weights = slots
+            per_slot, summing_weights = slots
             sparse = per_slot.view(*x.shape[:-1], *per_slot.shape[-2:])
-            slot_weights = weights.view(*x.shape[:-1], weights.shape[-1])
+            slot_weights = summing_weights.view(*x.shape[:-1], summing_weights.shape[-1])
         else:
             sparse = self.experts(expert_input, weights, experts).view_as(x)
         return moe_combine_add_rms_norm(
