@@ -91,9 +91,9 @@ FUSED_SLOT_SUM = True
 # (each program holds gate and up accumulators), so the gate/up product [pairs, 2·I] is
 # never written and the GeGLU kernel goes; bit-identical to the two launches. 26B-A4B's
 # 4096-token gate/up 614-617 µs against 624-638 for the two launches (0 of 23M elements
-# differ), end to end +0.2%; MLX
-# 4-bit experts took 2.0-2.4x longer so (two tiles dequantized a step), and keep the GeGLU
-# kernel (2026-12-05, H100: `gpu_grouped_geglu_h100-…`). An A/B switch.
+# differ), end to end +0.2%; MLX 4-bit experts took 2.0-2.4x longer so (two tiles
+# dequantized a step), and keep the GeGLU kernel (2026-12-05, H100:
+# `gpu_grouped_geglu_h100-…`). An A/B switch.
 FUSED_GROUPED_GEGLU = True
 # At a prefill, the MoE layer's last norm kernel sums the experts' slot outputs (the down
 # matmul's rows, scaled by their routing weights), instead of a torch sum over the slots
