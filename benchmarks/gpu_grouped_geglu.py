@@ -180,70 +180,6 @@ def slot_sum_rows() -> list[str]:
     return rows
 
 
-def tma_rows() -> list[str]:
-    """Float experts' weight tiles by TMA (`grouped_matmul.TMA_WEIGHTS`) against pointer
-    loads at each tall launch and the autotuner's, 4096 tokens: gate/up storing the GeGLU,
-    down scaling rows. Outputs must be bit-identical."""
-    tokens = 4096
-    logits = torch.randn(tokens, EXPERTS, device=DEVICE) + torch.randn(EXPERTS, device=DEVICE)
-    top, ids = logits.topk(TOP_K, dim=-1)
-    route = top.softmax(dim=-1)
-    plan = gm.plan_experts(ids, EXPERTS)
-    cases = {
-        "gate/up, GeGLU out": (
-            torch.randn(tokens, HIDDEN, device=DEVICE, dtype=BF16),
-            (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, device=DEVICE) / math.sqrt(HIDDEN)).to(BF16),
-            {"geglu": True},
-            gm._GEGLU_TALL_TILES,
-            2 * WIDTH,
-        ),
-        "down, rows scaled": (
-            torch.randn(tokens, TOP_K, WIDTH, device=DEVICE, dtype=BF16),
-            (torch.randn(EXPERTS, HIDDEN, WIDTH, device=DEVICE) / math.sqrt(WIDTH)).to(BF16),
-            {"row_scale": route},
-            gm._TALL_TILES,
-            HIDDEN,
-        ),
-    }
-    rows = []
-    for name, (x, weight, extra, tiles, n) in cases.items():
-        flops = 2 * tokens * TOP_K * n * x.shape[-1]
-        launches = [None] + [
-            {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
-            for bn, bk, w, st in tiles
-        ]
-        for config in launches:
-            times, outputs = {}, {}
-            for _ in range(ROUNDS):
-                for tma in (False, True):
-                    gm.TMA_WEIGHTS = tma
-                    call = partial(
-                        gm.grouped_expert_matmul_triton,
-                        x,
-                        weight,
-                        ids,
-                        plan=plan,
-                        config=config,
-                        **extra,
-                    )
-                    outputs[tma] = call()
-                    times.setdefault(tma, []).append(bench(call))
-            gm.TMA_WEIGHTS = False
-            pointer, tma = (statistics.median(times[key]) for key in (False, True))
-            label = (
-                "autotuned"
-                if config is None
-                else "{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages}".format(**config)
-            )
-            rows.append(
-                f"| {name} | {label} | {pointer * 1e6:.0f} ({flops / pointer / 1e12:.0f} "
-                f"TFLOP/s) | {tma * 1e6:.0f} ({flops / tma / 1e12:.0f}) | "
-                f"{pointer / tma - 1:+.1%} | {differing(outputs[True], outputs[False])} |"
-            )
-            print(rows[-1], flush=True)
-    return rows
-
-
 PARTS = {
     "geglu": (
         "Experts' gate/up [128, 1408, 2816], top-8 routing; µs per call (median).",
@@ -256,12 +192,6 @@ PARTS = {
         "input; µs per call (median).",
         "| shape | token-major output | head-major + copy | saved | elements that differ |",
         attention_rows,
-    ),
-    "tma": (
-        "bf16 experts at 26B-A4B's shapes, 4096 tokens: weight tiles by pointer loads or by "
-        "TMA; µs per call (median of 3 alternating rounds).",
-        "| projection | launch | pointer loads | TMA | TMA gains | elements that differ |",
-        tma_rows,
     ),
     "slot-sum": (
         "26B-A4B's expert outputs summed over the 8 slots, 4096 tokens, bf16, against fp32 "

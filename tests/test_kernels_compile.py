@@ -373,14 +373,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         ),
     )
 
-    def weights_by_tma() -> None:  # an experiment behind a switch (TMA_WEIGHTS)
-        previous, grouped_matmul.TMA_WEIGHTS = grouped_matmul.TMA_WEIGHTS, True
-        try:
-            float_geglu()
-        finally:
-            grouped_matmul.TMA_WEIGHTS = previous
-
-    yield "grouped experts with a geglu output, weights by TMA", weights_by_tma
     # The plan's counting sort at 26B-A4B's 128 experts and top 8, over several chunks.
     yield (
         "expert plan",

@@ -50,9 +50,6 @@ TALL_BLOCK_M = 128
 LARGE_BLOCK_MIN_ROWS = 32
 TALL_BLOCK_MIN_ROWS = 128
 TALL_BLOCK_MIN_ROWS_PACKED = 64
-# Float experts' weight tiles read by TMA (a tensor descriptor over [E * rows, K]) rather
-# than by pointer loads; an experiment, off until an A/B on the GPU says it pays.
-TMA_WEIGHTS = False
 # The plan from three Triton kernels (`expert_plan`) instead of ~20 torch ops. Not yet timed on
 # the GPU (benchmarks/ab_decode.py --prefill 4096 --variants base,plan-torch will).
 TRITON_PLAN = True
@@ -273,7 +270,6 @@ def grouped_affine_expert_matmul(
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from hearth.kernels.activation import geglu
 
@@ -327,23 +323,16 @@ if HAS_TRITON:
         biases_ptr,
         n,
         n_ok,
-        first_row,
         step,
         K: tl.constexpr,
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        TMA_WEIGHTS: tl.constexpr,
     ):
-        """Rows `n` of one expert's weight at K step `step`: float (BITS = 0), by TMA from
-        row `first_row` of the experts' [E * rows, K] descriptor, or dequantized."""
+        """Rows `n` of one expert's weight at K step `step`: float (BITS = 0) or dequantized."""
         k_start = step * BLOCK_K
-        if TMA_WEIGHTS:
-            # Rows past the expert's (a next expert's, or zeros past the last) only reach
-            # output columns the store masks; columns past K are zeros.
-            tile = weight_ptr.load([first_row, k_start])
-        elif BITS == 0:
+        if BITS == 0:
             k = k_start + tl.arange(0, BLOCK_K)
             rows = weight_ptr + n.to(tl.int64)[:, None] * K
             tile = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0)
@@ -394,7 +383,6 @@ if HAS_TRITON:
         GROUP: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr,
         GEGLU: tl.constexpr,
-        TMA_WEIGHTS: tl.constexpr,
         FP32_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -425,10 +413,7 @@ if HAS_TRITON:
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         weight_rows = 2 * N if GEGLU else N  # an expert's rows: gate then up with GEGLU
-        first_row = (expert * weight_rows + pid_n * BLOCK_N).to(tl.int32)  # TMA_WEIGHTS only
-        if TMA_WEIGHTS:
-            pass  # a descriptor over every expert's rows: first_row places the tile
-        elif BITS == 0:
+        if BITS == 0:
             weight_ptr += expert * weight_rows * K
         else:
             CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
@@ -448,14 +433,12 @@ if HAS_TRITON:
                 biases_ptr,
                 n,
                 n_ok,
-                first_row,
                 step,
                 K,
                 BITS,
                 GROUP,
                 BLOCK_N,
                 BLOCK_K,
-                TMA_WEIGHTS,
             )
             acc = _dot(a, b, acc, FP32_DOT)
             if GEGLU:
@@ -465,14 +448,12 @@ if HAS_TRITON:
                     biases_ptr,
                     n + N,
                     n_ok,
-                    first_row + N,
                     step,
                     K,
                     BITS,
                     GROUP,
                     BLOCK_N,
                     BLOCK_K,
-                    TMA_WEIGHTS,
                 )
                 up_acc = _dot(a, b, up_acc, FP32_DOT)
 
@@ -518,37 +499,11 @@ if HAS_TRITON:
                 kept.append(c)
         return kept or configs[:1]
 
-    _TUNING_KEY = ["N", "K", "BITS", "GROUP", "BLOCK_M", "GEGLU", "FP32_DOT"]
     _grouped_matmul_tuned = triton.autotune(
         configs=_CONFIGS,
-        key=_TUNING_KEY,
+        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GEGLU", "FP32_DOT"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(_grouped_matmul_kernel)
-
-    def _weight_block(nargs: dict) -> None:
-        """A config's weight tile as the block of the TMA descriptor it reads through."""
-        nargs["weight_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
-
-    # The same launches reading float weights by TMA: each config sets its descriptor's block
-    # (Triton's launcher then takes these calls, as it does every pre-hook).
-    _grouped_matmul_tma_tuned = triton.autotune(
-        configs=[
-            triton.Config(
-                c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_weight_block
-            )
-            for c in _CONFIGS
-        ],
-        key=_TUNING_KEY,
-        prune_configs_by={"early_config_prune": _prune_configs},
-    )(_grouped_matmul_kernel)
-
-    def _uses_tma(x: Tensor, weight: Tensor, bits: int) -> bool:
-        """TMA_WEIGHTS applies: float weights on a Hopper-class GPU (or the interpreter, for
-        the tests), rows 16-byte aligned."""
-        if not TMA_WEIGHTS or bits or x.dtype == torch.float32:
-            return False
-        aligned = weight.data_ptr() % 16 == 0 and weight.shape[-1] * weight.element_size() % 16 == 0
-        return aligned and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9)
 
     # -----------------------------------------------------------------------------------------
     # Launchers
@@ -581,15 +536,9 @@ if HAS_TRITON:
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = torch.empty(tokens * top_k, n, dtype=x.dtype, device=x.device)
         scale = None if row_scale is None else row_scale.reshape(-1).float().contiguous()
-        tma = _uses_tma(x, weight, bits)
-        weights = weight
-        if tma:  # every expert's rows as one [E * rows, K] matrix; the block is the config's
-            chosen = config or DEFAULT_CONFIG
-            block = [chosen["BLOCK_N"], chosen["BLOCK_K"]]
-            weights = TensorDescriptor.from_tensor(weight.view(-1, weight.shape[-1]), block)
         args = (
             rows,
-            weights,
+            weight,
             scales if scales is not None else weight,  # unread for float weights
             biases if biases is not None else weight,
             plan.rows,
@@ -610,7 +559,6 @@ if HAS_TRITON:
             "GROUP": group,
             "HAS_ROW_SCALE": scale is not None,
             "GEGLU": geglu,
-            "TMA_WEIGHTS": tma,
             "FP32_DOT": x.dtype == torch.float32,
             "BLOCK_M": plan.block_m,
             "GROUP_M": GROUP_M,
@@ -620,8 +568,7 @@ if HAS_TRITON:
             return (plan.tiles * triton.cdiv(n, meta["BLOCK_N"]),)
 
         if config is None and x.is_cuda:
-            tuned = _grouped_matmul_tma_tuned if tma else _grouped_matmul_tuned
-            launch_kernel(tuned, grid, *args, **constants)
+            launch_kernel(_grouped_matmul_tuned, grid, *args, **constants)
         else:
             chosen = dict(config or DEFAULT_CONFIG)
             options = {key: chosen.pop(key) for key in ("num_warps", "num_stages") if key in chosen}
