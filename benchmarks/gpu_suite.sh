@@ -47,6 +47,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefill-fusions   # grouped GeGLU output, token-major attention
 #                                                          # output: checks, 26B-A4B bf16 prefill A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefill-fusions2  # the same A/B at 4 bits, E4B and 12B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh headline3         # headline rows the prefill fusions move
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -304,6 +305,11 @@ stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --pref
 for m in gemma3-12b e4b 26b-a4b; do
 stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
+elif [ "$PART" = headline3 ]; then  # headline2's rows the prefill fusions move (26B-A4B bf16 ran apart)
+stage 90 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
+stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
+stage 70 bench-26b-a4b-4bit python -m hearth.cli bench --random 26b-a4b --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b-4bit.md"
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes
 stage 80 profile-26b-prefill python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
 stage 380 grouped-sweep python benchmarks/gpu_grouped_sweep.py
