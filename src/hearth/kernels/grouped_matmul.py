@@ -16,6 +16,10 @@ then ``+ bias``, each in the scales' dtype) before the dot, so the kernel multip
 reference's weights. Only the float path is needed by bf16 checkpoints; the packed path reads
 four (4-bit) or two (8-bit) times fewer weight bytes.
 
+With ``geglu=True`` the experts are a stacked gate/up and a program keeps two accumulators,
+gate rows n and up rows N + n, and stores ``gelu_tanh(gate) * up`` rounded as the product
+then `activation.gelu_tanh_mul` would round it: the [pairs, 2N] product is never written.
+
 Each entry point has a torch reference that loops over experts (one ``F.linear`` per expert).
 """
 
