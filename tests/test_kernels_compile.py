@@ -373,6 +373,24 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         ),
     )
 
+    def packed_weight_as_a() -> None:  # an experiment behind a switch (PACKED_WEIGHT_AS_A)
+        previous, grouped_matmul.PACKED_WEIGHT_AS_A = grouped_matmul.PACKED_WEIGHT_AS_A, True
+        try:
+            grouped_matmul.grouped_affine_expert_matmul_triton(
+                torch.randn(3, 256, dtype=bf16),
+                packed,
+                scales,
+                biases,
+                expert_ids,
+                4,
+                64,
+                plan=tall_plan,
+                config=tall,
+            )
+        finally:
+            grouped_matmul.PACKED_WEIGHT_AS_A = previous
+
+    yield "grouped affine experts, the weight tile as the MMA's first operand", packed_weight_as_a
     # The plan's counting sort at 26B-A4B's 128 experts and top 8, over several chunks.
     yield (
         "expert plan",
