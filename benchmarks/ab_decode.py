@@ -311,6 +311,8 @@ VARIANTS: dict[str, Patch] = {
     "attn-out-head-major": _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
+    # Packed experts' dequantized tile as the grouped MMA's register operand.
+    "packed-weight-as-a": _set(grouped_matmul, "PACKED_WEIGHT_AS_A", True),
     # The MoE plan's offsets kernel as before 2026-12-05: it fills the row table itself, 32
     # chunks and 32 tiles a step on 4 warps.
     "plan-offsets-before": _stacked(

@@ -48,6 +48,8 @@
 #                                                          # output: checks, 26B-A4B bf16 prefill A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefill-fusions2  # the same A/B at 4 bits, E4B and 12B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline3         # headline rows the prefill fusions move
+#   OUT=/tmp/out benchmarks/gpu_suite.sh weight-as-a       # 4-bit experts' tile as the MMA's register
+#                                                          # operand: kernel timing, 26B-A4B 4-bit A/B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -310,6 +312,10 @@ stage 90 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --context
 stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
 stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
 stage 70 bench-26b-a4b-4bit python -m hearth.cli bench --random 26b-a4b --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b-4bit.md"
+elif [ "$PART" = weight-as-a ]; then  # PACKED_WEIGHT_AS_A: written 2026-12-05, not yet run
+stage 120 weight-as-a python benchmarks/gpu_grouped_geglu.py --parts weight-as-a
+stage 200 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,packed-weight-as-a --check --name 26b_4bit_prefill4096_weight_as_a
+stage 150 ab-26b-4bit-1k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 1024 --variants base,packed-weight-as-a --check --name 26b_4bit_prefill1024_weight_as_a
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes
 stage 80 profile-26b-prefill python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
 stage 380 grouped-sweep python benchmarks/gpu_grouped_sweep.py
