@@ -357,9 +357,9 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         )
 
     yield "grouped experts with a geglu output", float_geglu
-    yield (
-        "grouped affine experts with a geglu output",
-        lambda: grouped_matmul.grouped_affine_expert_matmul_triton(
+
+    def packed_tall(geglu: bool = False) -> None:
+        grouped_matmul.grouped_affine_expert_matmul_triton(
             torch.randn(3, 256, dtype=bf16),
             packed,
             scales,
@@ -369,24 +369,15 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             64,
             plan=tall_plan,
             config=tall,
-            geglu=True,
-        ),
-    )
+            geglu=geglu,
+        )
+
+    yield "grouped affine experts with a geglu output", lambda: packed_tall(geglu=True)
 
     def packed_weight_as_a() -> None:  # an experiment behind a switch (PACKED_WEIGHT_AS_A)
         previous, grouped_matmul.PACKED_WEIGHT_AS_A = grouped_matmul.PACKED_WEIGHT_AS_A, True
         try:
-            grouped_matmul.grouped_affine_expert_matmul_triton(
-                torch.randn(3, 256, dtype=bf16),
-                packed,
-                scales,
-                biases,
-                expert_ids,
-                4,
-                64,
-                plan=tall_plan,
-                config=tall,
-            )
+            packed_tall()
         finally:
             grouped_matmul.PACKED_WEIGHT_AS_A = previous
 
