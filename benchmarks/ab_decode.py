@@ -111,6 +111,20 @@ def _set(
 FUSED_MERGE = _set(attention, "FUSED_MERGE_MAX_BYTES", 1 << 40)
 
 
+def _prefill_attention_d512(config: prefill_attention.LaunchConfig) -> Patch:
+    """Prefill attention tiles `config` at head dim 512 in bf16/fp16 (other shapes keep theirs).
+    The two-value-split tiles won the 2026-12-03 kernel sweep (31B full layer 2,176 vs 2,650
+    µs) but were judged end to end on single eager prefills that spread over 43-64% of peak."""
+    original = prefill_attention.default_config
+
+    def chosen(head_dim: int, dtype: torch.dtype) -> prefill_attention.LaunchConfig:
+        if head_dim > 256 and dtype != torch.float32:
+            return config
+        return original(head_dim, dtype)
+
+    return _set(prefill_attention, "default_config", chosen)
+
+
 def _gemv4_rows(block_n: int, block_g: int = 0) -> Patch:
     """4-bit GEMV launches without a K split (but the head) at `block_n` rows per program
     (and `block_g` groups per step, if given)."""
@@ -309,6 +323,8 @@ VARIANTS: dict[str, Patch] = {
     # Prefill: the attention output head-major (a copy before o_proj); the grouped experts'
     # GeGLU in its own kernel; the down matmul scaling rows and a torch sum over the slots.
     "attn-out-head-major": _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
+    # D=512 prefill attention: 128-row tiles, each program half the value columns.
+    "attn512-split2": _prefill_attention_d512(prefill_attention.LaunchConfig(128, 32, 8, 2, 2)),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     # Packed experts' dequantized tile as the grouped MMA's register operand.

@@ -50,6 +50,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline3         # headline rows the prefill fusions move
 #   OUT=/tmp/out benchmarks/gpu_suite.sh weight-as-a       # 4-bit experts' tile as the MMA's register
 #                                                          # operand: kernel timing, 26B-A4B 4-bit A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh attn512           # D=512 prefill attention with two value
+#                                                          # splits, A/B from prefill graphs
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -316,6 +318,10 @@ elif [ "$PART" = weight-as-a ]; then  # PACKED_WEIGHT_AS_A: written 2026-12-05, 
 stage 120 weight-as-a python benchmarks/gpu_grouped_geglu.py --parts weight-as-a
 stage 200 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,packed-weight-as-a --check --name 26b_4bit_prefill4096_weight_as_a
 stage 150 ab-26b-4bit-1k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 1024 --variants base,packed-weight-as-a --check --name 26b_4bit_prefill1024_weight_as_a
+elif [ "$PART" = attn512 ]; then  # written 2026-12-05, not yet run: the split tiles' A/B again
+stage 130 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn512-split2 --check --name e4b_prefill4096_attn512
+stage 150 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,attn512-split2 --check --name 26b_prefill4096_attn512
+stage 200 ab-31b-4k python benchmarks/ab_decode.py --models 31b --prefill 4096 --variants base,attn512-split2 --check --name 31b_prefill4096_attn512
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes
 stage 80 profile-26b-prefill python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
 stage 380 grouped-sweep python benchmarks/gpu_grouped_sweep.py
