@@ -73,7 +73,9 @@ def default_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
         return LaunchConfig(64 if wide else 128, 32 if wide else 64, 8, 2, 1)
     # D=512: 128x32 with two value splits won the kernel sweep on a 31B full layer (2176 vs
     # 2650 µs) but end to end left 31B prefill unchanged and slowed E4B (63.3% -> 59.5% of
-    # peak) and 26B-A4B (40.8% -> 35.5%) on the H200, so 64x32 unsplit stays.
+    # peak) and 26B-A4B (40.8% -> 35.5%) on the H200, so 64x32 unsplit stays. Those were
+    # single eager prefills, spreading over 43-64% of peak; `gpu_suite.sh attn512` repeats
+    # the A/B from prefill graphs.
     return LaunchConfig(32 if wide else 64, 32, 8, 1 if wide else 2, 1)
 
 
