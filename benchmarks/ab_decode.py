@@ -46,7 +46,6 @@ from hearth.generate import default_prefill_step
 from hearth.kernels import (
     activation,
     affine_matmul,
-    expert_plan,
     gemv,
     grouped_matmul,
     norm,
@@ -329,14 +328,6 @@ VARIANTS: dict[str, Patch] = {
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     # Packed experts' dequantized tile as the grouped MMA's register operand.
     "packed-weight-as-a": _set(grouped_matmul, "PACKED_WEIGHT_AS_A", True),
-    # The MoE plan's offsets kernel as before 2026-12-05: it fills the row table itself, 32
-    # chunks and 32 tiles a step on 4 warps.
-    "plan-offsets-before": _stacked(
-        _set(expert_plan, "FILL_IN_COUNT", False),
-        _set(expert_plan, "CHUNK_BLOCK", 32),
-        _set(expert_plan, "TILE_BLOCK", 32),
-        _set(expert_plan, "OFFSETS_WARPS", 4),
-    ),
     "prefill-fusions-off": _stacked(
         _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
         _set(gemma4, "FUSED_GROUPED_GEGLU", False),

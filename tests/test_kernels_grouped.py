@@ -118,17 +118,9 @@ def test_plan_places_every_pair_once_in_its_experts_tiles(kind, tokens, top_k, b
         (1, 1, 3, 16, "uniform"),
     ],
 )
-@pytest.mark.parametrize("fill_in_count", [True, False])
-def test_triton_plan_equals_the_reference(
-    tokens, top_k, experts, block_m, kind, fill_in_count, monkeypatch
-) -> None:
+def test_triton_plan_equals_the_reference(tokens, top_k, experts, block_m, kind) -> None:
     """The counting sort gives the stable argsort's plan exactly: every row and tile expert,
-    the row table's padding written by the count kernel's programs or by the offsets kernel
-    (with its blocks of before 2026-12-05: 32 chunks and 32 tiles a step)."""
-    monkeypatch.setattr(expert_plan, "FILL_IN_COUNT", fill_in_count)
-    if not fill_in_count:
-        monkeypatch.setattr(expert_plan, "CHUNK_BLOCK", 32)
-        monkeypatch.setattr(expert_plan, "TILE_BLOCK", 32)
+    the row table's padding written by the count kernel's programs."""
     if kind == "uniform":
         ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(3))
     else:

@@ -31,14 +31,13 @@ CHUNK = 128
 CHUNK_WARPS = 8
 # Pass 2 is one program, a chain of dependent loop steps: per step, chunks' counts read and
 # tiles placed (each against every expert), on OFFSETS_WARPS warps. The row table's padding
-# is written by pass 1's programs in parallel (FILL_IN_COUNT), FILL_BLOCK entries a step.
-# Against pass 2 filling it on 4 warps with 32-wide steps: pass 2 26.8 -> 25.7 µs at 4096
-# tokens (128 experts, top 8), 26B-A4B prefill +0.4%, within the rounds' spread (2026-12-05,
-# H100, `ab_26b_prefill4096_tma_plan_h100-…`): its scans of the counts are its time.
+# is written by pass 1's programs in parallel, FILL_BLOCK entries a step. Against pass 2
+# filling it on 4 warps with 32-wide steps: pass 2 26.8 -> 25.7 µs at 4096 tokens (128
+# experts, top 8), 26B-A4B prefill +0.4%, within the rounds' spread (2026-12-05, H100,
+# `ab_26b_prefill4096_tma_plan_h100-…`): its scans of the counts are its time.
 CHUNK_BLOCK = 64
 TILE_BLOCK = 128
 OFFSETS_WARPS = 8
-FILL_IN_COUNT = True
 FILL_BLOCK = 1024
 
 if HAS_TRITON:
@@ -56,16 +55,6 @@ if HAS_TRITON:
         return pair, valid, expert, one_hot
 
     @triton.jit
-    def _fill_padding(rows_ptr, pairs, first, count, step, FILL_BLOCK: tl.constexpr):
-        """rows[first::step blocks of FILL_BLOCK] up to `count` entries = `pairs` (padding)."""
-        entry = tl.arange(0, FILL_BLOCK)
-        padding = tl.zeros([FILL_BLOCK], tl.int32) + pairs
-        start = first * FILL_BLOCK
-        while start < count:
-            tl.store(rows_ptr + start + entry, padding, mask=start + entry < count)
-            start += step * FILL_BLOCK
-
-    @triton.jit
     def _count_kernel(
         ids_ptr,
         counts_ptr,
@@ -74,38 +63,38 @@ if HAS_TRITON:
         row_count,
         CHUNK: tl.constexpr,
         EXPERTS_BLOCK: tl.constexpr,
-        FILL_ROWS: tl.constexpr,
         FILL_BLOCK: tl.constexpr,
     ):
+        """The chunk's count per expert, and its strided share of the row table's padding
+        (`pairs` in every entry, FILL_BLOCK at a time; pass 3 overwrites the real rows)."""
         chunk = tl.program_id(0)
         _, _, _, one_hot = _one_hot(ids_ptr, chunk, pairs, CHUNK, EXPERTS_BLOCK)
         columns = tl.arange(0, EXPERTS_BLOCK)
         tl.store(counts_ptr + chunk * EXPERTS_BLOCK + columns, tl.sum(one_hot, axis=0))
-        if FILL_ROWS:  # the row table's padding, each program a strided share
-            _fill_padding(rows_ptr, pairs, chunk, row_count, tl.num_programs(0), FILL_BLOCK)
+        entry = tl.arange(0, FILL_BLOCK)
+        padding = tl.zeros([FILL_BLOCK], tl.int32) + pairs
+        start = chunk * FILL_BLOCK
+        while start < row_count:
+            tl.store(rows_ptr + start + entry, padding, mask=start + entry < row_count)
+            start += tl.num_programs(0) * FILL_BLOCK
 
     @triton.jit
     def _offsets_kernel(
         counts_ptr,
         starts_ptr,
-        rows_ptr,
         tile_experts_ptr,
         chunks,
-        pairs,
         experts,
         tiles,
         BLOCK_M: tl.constexpr,
         EXPERTS_BLOCK: tl.constexpr,
         CHUNK_BLOCK: tl.constexpr,
-        FILL_BLOCK: tl.constexpr,
         TILE_BLOCK: tl.constexpr,
-        FILL_ROWS: tl.constexpr,
     ):
         """starts[c, e]: the row of chunk c's first pair of expert e (the expert's padded
         segment start plus the pairs of e in earlier chunks); tile_experts as searchsorted
-        (right) of the tile starts in the segment ends; with FILL_ROWS, rows all padding
-        (`pairs`). The chunk counts are read CHUNK_BLOCK chunks at a time: a loop is not
-        pipelined, so each step waits for its loads."""
+        (right) of the tile starts in the segment ends. The chunk counts are read CHUNK_BLOCK
+        chunks at a time: a loop is not pipelined, so each step waits for its loads."""
         columns = tl.arange(0, EXPERTS_BLOCK)
         totals = tl.zeros([EXPERTS_BLOCK], tl.int32)
         first = 0
@@ -129,8 +118,6 @@ if HAS_TRITON:
             tl.store(starts_ptr + offsets, running[None, :] + before, mask=chunk_ok)
             running += tl.sum(counts, axis=0)
             first += CHUNK_BLOCK
-        if FILL_ROWS:
-            _fill_padding(rows_ptr, pairs, 0, tiles * BLOCK_M, 1, FILL_BLOCK)
         start = 0
         while start < tiles:
             tile = start + tl.arange(0, TILE_BLOCK)
@@ -165,7 +152,6 @@ if HAS_TRITON:
         rows = torch.empty(tiles * block_m, dtype=torch.int32, device=device)
         tile_experts = torch.empty(tiles, dtype=torch.int32, device=device)
         one_hot = {"CHUNK": CHUNK, "EXPERTS_BLOCK": experts_block, "num_warps": CHUNK_WARPS}
-        fill = {"FILL_BLOCK": FILL_BLOCK}
         launch_kernel(
             _count_kernel,
             (chunks,),
@@ -175,27 +161,22 @@ if HAS_TRITON:
             pairs,
             rows.numel(),
             **one_hot,
-            **fill,
-            FILL_ROWS=FILL_IN_COUNT,
+            FILL_BLOCK=FILL_BLOCK,
         )
         launch_kernel(
             _offsets_kernel,
             (1,),
             counts,
             starts,
-            rows,
             tile_experts,
             chunks,
-            pairs,
             num_experts,
             tiles,
             BLOCK_M=block_m,
             EXPERTS_BLOCK=experts_block,
             CHUNK_BLOCK=CHUNK_BLOCK,
             TILE_BLOCK=TILE_BLOCK,
-            FILL_ROWS=not FILL_IN_COUNT,
             num_warps=OFFSETS_WARPS,
-            **fill,
         )
         launch_kernel(_place_kernel, (chunks,), ids, starts, rows, pairs, **one_hot)
         return rows, tile_experts

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
-from hearth.kernels.activation import SQRT_2_OVER_PI, gelu_tanh_mul, gelu_tanh_mul_reference
+from hearth.kernels.activation import gelu_tanh_mul, gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import add_rms_norm, add_rms_norm_reference
 
@@ -149,7 +149,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from hearth.kernels import prefetch_row_lines, wait_for_producer
-    from hearth.kernels.activation import gelu_tanh
+    from hearth.kernels.activation import geglu
 
     @triton.jit
     def _gemv_kernel(
@@ -165,7 +165,6 @@ if HAS_TRITON:
         stride_um,
         stride_wn,
         stride_om,
-        coefficient,
         norm_w_ptr,
         summed_ptr,
         eps,
@@ -221,8 +220,7 @@ if HAS_TRITON:
             if GEGLU:
                 gate = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
                 up = tl.load(up_rows + k[None, :], mask=x_ok, other=0.0)
-                gelu = gelu_tanh(gate.to(tl.float32), coefficient).to(gate.dtype)
-                xk = (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+                xk = geglu(gate, up).to(tl.float32)
             elif ADD_NORM:
                 sub = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
                 residual = tl.load(up_rows + k[None, :], mask=x_ok, other=0.0)
@@ -346,7 +344,6 @@ if HAS_TRITON:
         counters = _counters(x.device, triton.cdiv(n, MIN_BLOCK_N)) if split_possible else partial
         args = (rows, up_rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), up_rows.stride(0), weight.stride(0), out.stride(0))
-        args += (SQRT_2_OVER_PI,)
         if add_norm is not None:
             summed = add_norm.out
             if summed.shape != (m, k) or not summed.is_contiguous():

@@ -256,9 +256,10 @@ class Experts(nn.Module):
         and the routing weights; at a prefill (FUSED_PREFILL_SLOT_SUM) the grouped down
         matmul's rows already scaled in fp32 and ones: one rounding a slot, not two (its
         fp32 error 0.0074 against 0.0104, 26B-A4B's shapes, `gpu_grouped_geglu_h100-…`)."""
-        if self.gathers(x) and FUSED_SLOT_SUM:
+        gathers = self.gathers(x)
+        if gathers and FUSED_SLOT_SUM:
             return self.forward_gathered(x, weights, experts, summed=False), weights
-        if self._has_gathered_kernels(x) and not self.gathers(x) and FUSED_PREFILL_SLOT_SUM:
+        if not gathers and FUSED_PREFILL_SLOT_SUM and self._has_gathered_kernels(x):
             scaled = self.forward_grouped(x, weights, experts, summed=False)
             return scaled, torch.ones_like(weights)
         return None
