@@ -52,6 +52,8 @@
 #                                                          # operand: kernel timing, 26B-A4B 4-bit A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh attn512           # D=512 prefill attention with two value
 #                                                          # splits, A/B from prefill graphs
+#   OUT=/tmp/out benchmarks/gpu_suite.sh persistent        # a GEMV chain: a launch each, or one
+#                                                          # persistent kernel with grid barriers
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -322,6 +324,8 @@ elif [ "$PART" = attn512 ]; then  # written 2026-12-05, not yet run: the split t
 stage 130 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn512-split2 --check --name e4b_prefill4096_attn512
 stage 150 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,attn512-split2 --check --name 26b_prefill4096_attn512
 stage 200 ab-31b-4k python benchmarks/ab_decode.py --models 31b --prefill 4096 --variants base,attn512-split2 --check --name 31b_prefill4096_attn512
+elif [ "$PART" = persistent ]; then  # written 2026-12-05 (tenth session), not yet run
+stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes
 stage 80 profile-26b-prefill python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096
 stage 380 grouped-sweep python benchmarks/gpu_grouped_sweep.py
