@@ -318,6 +318,7 @@ def model_rows(name: str, bandwidth: float) -> list[str]:
         programs = tiles.per_sm * sms
         args, constants = chain.arguments(programs, tiles)
         compiled = _chain_kernel.warmup(*args, grid=(programs,), **constants)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async
         resident = resident_per_sm(compiled, tiles.warps)
         if resident < tiles.per_sm:  # a barrier would wait forever for programs not started
             row(f"persistent, {tiles.label()}", float("nan"), f"skipped: {resident}/SM fit")
