@@ -52,6 +52,10 @@ MODELS: dict[str, tuple[tuple[int, int], ...]] = {
     "gemma3-12b": ((8192, 3840), (3840, 4096), (30720, 3840), (3840, 15360)),
 }
 LAYERS = 4  # 4 x 186 MB at E4B: no layer's weights are in L2 when it starts
+# Elements of a 128-byte line: each activation starts on a line of its own, so no L1 line
+# read early (another phase's input) holds part of an output written later in the launch.
+ACT_ALIGN = 64
+_ACT_ALIGN = tl.constexpr(ACT_ALIGN)  # as kernels read it
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,12 @@ class Tiles:
         )
 
 
-SWEEP = (
+SWEEP = (  # the decode GEMV's pinned tiles (8 x 512) and wider ones, 1 to 4 programs an SM
     Tiles(1, 8, 512, 3, 8),
     Tiles(2, 8, 512, 3, 4),
-    Tiles(2, 4, 1024, 3, 4),
-    Tiles(1, 16, 256, 4, 8),
+    Tiles(4, 8, 512, 3, 4),
+    Tiles(2, 8, 1024, 3, 4),
+    Tiles(1, 16, 512, 4, 8),
 )
 PREFETCH_SWEEP = (8, 32)
 
@@ -100,7 +105,10 @@ def _phase(w_ptr, x_ptr, y_ptr, pid, N, K, PROGRAMS, BLOCK_N, BLOCK_K, LOOP_STAG
             k = step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
             w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            # .cg: other programs wrote x this launch; L2 has it, this SM's L1 may not.
+            # Other programs wrote x this launch: L2 has it, and this SM's L1 cannot hold a
+            # stale copy, since x's lines hold nothing else and are first read after the
+            # barrier (the pipelined loop's cp.async of a few bytes goes through L1 whatever
+            # the modifier, which keeps a plain load in L2).
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0, cache_modifier=".cg")
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -133,9 +141,11 @@ def _chain_kernel(
         for p in tl.static_range(PHASES):
             index = layer * PHASES + p
             at = meta_ptr + index * 3
-            w_ptr = weights_ptr + tl.load(at)
-            x_ptr = acts_ptr + tl.load(at + 1)
-            y_ptr = acts_ptr + tl.load(at + 2)
+            # Aligned offsets (`Chain` makes them so) let the K loop's loads go through
+            # cp.async, pipelined; of unknown alignment they stay plain loads.
+            w_ptr = weights_ptr + tl.multiple_of(tl.load(at), 8)
+            x_ptr = acts_ptr + tl.multiple_of(tl.load(at + 1), _ACT_ALIGN)
+            y_ptr = acts_ptr + tl.multiple_of(tl.load(at + 2), _ACT_ALIGN)
             _phase(
                 w_ptr, x_ptr, y_ptr, pid, SHAPES[p][0], SHAPES[p][1], PROGRAMS, BLOCK_N,
                 BLOCK_K, LOOP_STAGES,
@@ -186,13 +196,17 @@ class Chain:
         for (_, k), size in zip(phases, sizes, strict=True):  # outputs of about unit size
             self.weights[start : start + size].normal_(0, k**-0.5, generator=generator)
             start += size
-        first_k = phases[0][1]
-        self.acts = torch.empty(first_k + sum(n for n, _ in phases), device=device, dtype=dtype)
-        meta, w_at, x_at, y_at = [], 0, 0, first_k
-        for (n, _), size in zip(phases, sizes, strict=True):
+        # Activations start on 128-byte lines of their own (see `_chain_kernel`).
+        lengths = [phases[0][1]] + [n for n, _ in phases]
+        slot = [-(-length // ACT_ALIGN) * ACT_ALIGN for length in lengths]
+        self.acts = torch.empty(sum(slot), device=device, dtype=dtype)
+        meta, w_at, x_at, y_at = [], 0, 0, slot[0]
+        for size, length in zip(sizes, slot[1:], strict=True):
             meta.append((w_at, x_at, y_at))
-            w_at, x_at, y_at = w_at + size, y_at, y_at + n
+            w_at, x_at, y_at = w_at + size, y_at, y_at + length
         meta.append((0, 0, 0))  # read as "the next weights" by the last phase's hint
+        if any(row[0] % 8 for row in meta):
+            raise ValueError("every weight must start on a 16-byte boundary")
         self.meta = torch.tensor(meta, dtype=torch.int64, device=device)
         self.phases = phases
         self.counters = torch.zeros(len(phases) + 1, dtype=torch.int32, device=device)

@@ -75,10 +75,11 @@ constants = {"SHAPES": script.MODELS["e4b"], "LAYERS": 4, "PROGRAMS": 132, "BLOC
              "COUNTER_BLOCK": 32}
 signature = {"weights_ptr": "*bf16", "acts_ptr": "*bf16", "meta_ptr": "*i64",
              "counters_ptr": "*i32", **{name: "constexpr" for name in constants}}
-source = ASTSource(script._chain_kernel, signature, constants)
+aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # as torch's tensors launch
+source = ASTSource(script._chain_kernel, signature, constants, attrs=aligned)
 ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
 patterns = ("atom.global.gpu.release.add", "ld.global.gpu.acquire", "atom.global.gpu.acq_rel.add",
-            "prefetch.global.L2")
+            "prefetch.global.L2", "cp.async.cg.shared.global")
 print(*(ptx.count(pattern) for pattern in patterns))
 """
 
@@ -99,8 +100,11 @@ def test_the_kernel_compiles_for_hopper_with_its_barriers(barriers: int, lines: 
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    release, acquire, done, hints = (int(count) for count in result.stdout.split())
+    release, acquire, done, hints, copies = (int(count) for count in result.stdout.split())
     # An arrival and a spin (Triton makes the polling add of 0 an acquire load) per phase of a
     # layer (the layer loop is not unrolled), and the last program out counted once.
     assert (release, acquire, done) == ((6, 6, 1) if barriers else (0, 0, 0))
     assert (hints > 0) == (lines > 0)
+    # The weights' loads are pipelined (cp.async into shared memory, 16 bytes each): the
+    # offsets read from memory are declared aligned. Without that the loop lost its stages.
+    assert copies > 0
