@@ -14,12 +14,23 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from hearth.server.prompt_cache import PromptCache
 from test_server import _free_port, _wait_until_healthy
 from test_server_tools import engine  # noqa: F401  (a fixture: the scripted Gemma 4)
 
-BUDGET_GB = 0.5  # the 270M model's weights (~0.27 GB) plus about 12k tokens of KV
+BUDGET_GB = 0.3  # the 270M model's weights (~0.27 GB) plus about 7k tokens of KV
+
+
+def _hand_derived_capacity(budget_bytes: int, weight_bytes: int, element_bytes: int = 2) -> int:
+    """Gemma 3 270M: 15 sliding layers hold a ring of 512 slots (K and V of one KV head of 256
+    dims, and an int64 position); 3 full layers hold every token, grown 256 at a time."""
+    token = 2 * 256 * element_bytes
+    left = budget_bytes - weight_bytes - 15 * 512 * (token + 8)
+    return left // (3 * token) // 256 * 256
+
+
 slow = pytest.mark.slow
 QUESTION = (
     "You are a terse geography tutor. Answer with one word only. What is the capital of France?"
@@ -174,7 +185,10 @@ def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> N
     cache = after["prompt_cache"]
     assert cache["enabled"] and cache["entries"] >= 1 and cache["bytes"] > 0
     assert cache["hits"] == before["prompt_cache"]["hits"] + 1
-    assert after["admission"]["budget_bytes"] == BUDGET_GB * 10**9
+    admission = after["admission"]
+    assert admission["budget_bytes"] == BUDGET_GB * 10**9
+    capacity = _hand_derived_capacity(admission["budget_bytes"], admission["weight_bytes"])
+    assert admission["max_context_tokens"] == capacity > 4000
 
     metrics = httpx.get(f"{cached}/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -203,16 +217,20 @@ def test_memory_budget_caps_a_gpu_decoders_slots(
     engine: Any,  # noqa: F811  (test_server_tools' scripted Gemma 4)
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What the budget leaves beside the weights, in tokens of dense K/V (hand-derived), is
+    """What the budget leaves beside the weights, in tokens of K/V (hand-derived), is
     the slot limit the app gives the model's graph decoders (on a GPU: the check is patched)."""
     from hearth import generate
     from hearth.cuda_graph import _SLOT_LIMIT
+    from hearth.kv.footprint import KVFootprint, LayerBytes
     from hearth.server import create_app
     from hearth.server.admission import MemoryBudget
     from hearth.server.app import ServerLimits
 
-    assert MemoryBudget(10 * 10**9, 4 * 10**9, 10**6).kv_token_capacity() == 6000
-    assert MemoryBudget(10**9, 2 * 10**9, 10**6).kv_token_capacity() == 0  # weights alone over
+    # One full layer of 10^6 bytes a token, grown 256 tokens at a time: 6 GB hold 23 steps.
+    full_layer = KVFootprint((LayerBytes(10**6, 10**6, None),), 0)
+    assert MemoryBudget(10 * 10**9, 4 * 10**9, full_layer, 10**5).kv_token_capacity() == 5888
+    assert MemoryBudget(10**9, 2 * 10**9, full_layer, 10**5).kv_token_capacity() == 0
+    assert MemoryBudget(10**12, 0, full_layer, 4096).kv_token_capacity() == 4096  # positions
     monkeypatch.setattr(generate, "decodes_with_graphs", lambda model: True)
     limits = ServerLimits(prompt_cache_bytes=0, memory_budget_gb=1.0)
     create_app(engine, limits=limits)
@@ -220,3 +238,21 @@ def test_memory_budget_caps_a_gpu_decoders_slots(
     assert engine.model.__dict__[_SLOT_LIMIT] == budget.kv_token_capacity() > 0
     create_app(engine, limits=ServerLimits(prompt_cache_bytes=0))
     assert engine.model.__dict__[_SLOT_LIMIT] is None
+
+
+def test_a_budget_counts_sliding_layers_at_their_window(hearth_270m: Any) -> None:
+    """The 270M model's caches (fp32 here) with 30 MB beside the weights, hand-derived: a
+    context that the dense bound of every layer at every token would refuse fits, and one
+    token more, which takes another step of 256, does not."""
+    from hearth.server.admission import BYTES_PER_GB, MemoryBudget
+    from hearth.server.errors import RequestError
+
+    assert hearth_270m.model.compute_dtype == torch.float32
+    weights = hearth_270m.weight_bytes_per_token()
+    budget = MemoryBudget.for_engine(hearth_270m, (weights + 30 * 10**6) / BYTES_PER_GB)
+    capacity = _hand_derived_capacity(budget.budget_bytes, weights, element_bytes=4)
+    assert budget.kv_token_capacity() == capacity > 2000
+    budget.check(100, capacity - 100)
+    assert weights + capacity * 18 * 2 * 256 * 4 > budget.budget_bytes  # the old bound
+    with pytest.raises(RequestError, match=f"at most {capacity} tokens fit"):
+        budget.check(100, capacity - 100 + 1)

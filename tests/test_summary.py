@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hearth.summary import _layer_pattern, describe, module_kind
+from hearth.summary import _bytes, _layer_pattern, describe, module_kind
 from tiny import save_hf, tiny_gemma3_model
 
 
@@ -29,8 +29,10 @@ def test_describe_tiny_hf_checkpoint(tmp_path: Path) -> None:
     text = describe(save_hf(hf, tmp_path))
     assert f"parameters: {hf.num_parameters() / 1e6:,.1f} M" in text
     assert "format: safetensors" in text and "1 sliding, 1 full (x2)" in text
-    # 4 layers x (K + V) x 2 KV heads x 32 dims x 2 bytes = 1024 bytes.
-    assert "KV cache: 1.0 KiB per token in bf16" in text
+    # A layer's token: (K + V) x 2 KV heads x 32 dims x 2 bytes = 256 bytes. At 512 tokens
+    # (the most): 2 full layers x 512 x 256 + 2 sliding rings x 8 slots x (256 + 8) bytes.
+    assert f"KV cache in bf16: {_bytes(2 * 512 * 256 + 2 * 8 * 264)} at 512 tokens" in text
+    assert "(512 B a token on full layers; sliding layers keep 8)" in text
     assert "tensor types: F32 x" in text
 
 

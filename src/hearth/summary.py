@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from hearth.checkpoint import open_checkpoint
-from hearth.config import Gemma3Config, parse_config
+from hearth.config import ModelConfig, parse_config
+from hearth.kv.footprint import KVFootprint
 from hearth.quant.mlx import parse_quantization
 
 # Canonical-name fragments -> module kind, first match wins.
@@ -90,10 +91,23 @@ def describe(path: str | Path) -> str:
         ),
         "tensor types: " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
         f"quantization: {_quantization_summary(checkpoint.config)}",
-        f"KV cache: {_bytes(config.kv_bytes_per_token(2))} per token in bf16"
-        + ("" if isinstance(config, Gemma3Config) else " (layers that own a cache)"),
+        _kv_summary(config),
     ]
     return "\n".join(lines)
+
+
+def _kv_summary(config: ModelConfig) -> str:
+    """The dense caches' bytes at a few contexts up to the model's longest, as they allocate
+    them (`hearth.kv.footprint`): sliding layers stop at their window."""
+    footprint = KVFootprint.of(config, torch.bfloat16)
+    longest = config.max_position_embeddings
+    contexts = sorted({context for context in (4096, 32768, longest) if context <= longest})
+    at = ", ".join(f"{_bytes(footprint.bytes_at(c))} at {c:,} tokens" for c in contexts)
+    full = sum(layer.dense for layer in footprint.layers if layer.window is None)
+    return (
+        f"KV cache in bf16: {at} ({_bytes(full)} a token on full layers; sliding layers keep "
+        f"{config.sliding_window})"
+    )
 
 
 def _quantization_summary(raw_config: dict[str, Any]) -> str:

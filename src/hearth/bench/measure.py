@@ -23,7 +23,8 @@ from torch import nn
 
 from hearth.config import FULL_ATTENTION, Gemma4Config, ModelConfig
 from hearth.generate import decodes_with_graphs, default_prefill_step, prefill
-from hearth.kv import KVPolicy, LayerCache, layer_specs, make_caches
+from hearth.kv import DENSE, KVPolicy, LayerCache, layer_specs, make_caches
+from hearth.kv.footprint import token_bytes
 from hearth.models import Model
 from hearth.models.loading import _model_class
 from hearth.sampling import Sampler, SamplingParams
@@ -76,11 +77,8 @@ def kv_bytes(
     again, so they count too."""
     total = 0
     for index, (_, kv_heads, head_dim, window) in enumerate(_attention_layers(config)):
-        per_token = 2 * kv_heads * head_dim * element_bytes
-        if policy is not None and not policy.is_dense:
-            sample = torch.zeros(1, kv_heads, 1, head_dim, dtype=_DTYPES[element_bytes])
-            codec = policy.codec_of(index, window)
-            per_token = sum(plane.nbytes for plane in codec.encode(sample, sample))
+        codec = DENSE if policy is None else policy.codec_of(index, window)
+        per_token = token_bytes(codec, kv_heads, head_dim, _DTYPES[element_bytes])
         total += per_token * min(context, window or context)
     return total
 

@@ -165,6 +165,9 @@ class TokenPlanes:
     def bytes_per_slot(self) -> int:
         return sum(plane[:, :, :1].nbytes for plane in self.planes)
 
+    def reserved_bytes(self) -> int:
+        return sum(plane.nbytes for plane in self.planes)
+
     @property
     def stays_dense(self) -> bool:
         """Whether tokens are stored as they come, now and later (the planes are K/V)."""
@@ -205,10 +208,16 @@ class LayerCache(Protocol):
         ...
 
 
+# Slots a dense cache grows by: fewer, larger reallocations as a context grows.
+GROWTH_STEP = 256
+
+
 class DenseCache:
     """Grows in steps of `step` tokens; keys are stored in position order."""
 
-    def __init__(self, step: int = 256, codec: KVCodec = DENSE, quantize_after: int = 0) -> None:
+    def __init__(
+        self, step: int = GROWTH_STEP, codec: KVCodec = DENSE, quantize_after: int = 0
+    ) -> None:
         self.step = step
         self.offset = 0
         self._store = TokenPlanes(codec, quantize_after)
@@ -266,6 +275,11 @@ class DenseCache:
     @property
     def nbytes(self) -> int:
         return self._store.bytes_per_slot() * self.offset
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes allocated: the slots grown so far, stored or not."""
+        return self._store.reserved_bytes()
 
     def signature(self) -> str:
         return self._store.signature()
@@ -394,6 +408,12 @@ class RotatingCache:
     @property
     def nbytes(self) -> int:
         return self._store.bytes_per_slot() * min(self.offset, self.capacity)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes allocated: the whole ring and its positions from the first token on."""
+        positions = 0 if self._positions is None else self._positions.nbytes
+        return self._store.reserved_bytes() + positions
 
     def contents(self) -> CacheContents:
         assert self._positions is not None, "an empty ring"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hearth.engine import Engine
+from hearth.kv.footprint import KVFootprint
 from hearth.server.errors import RequestError
 
 BYTES_PER_GB = 10**9
@@ -16,33 +17,47 @@ OVER_BUDGET = "context_over_budget"
 class MemoryBudget:
     budget_bytes: int
     weight_bytes: int
-    kv_bytes_per_token: int  # dense K/V in the compute dtype: an upper bound for quantized caches
+    # Each layer's K/V as its cache allocates them: sliding layers their window, full layers
+    # every token, in the layout --kv-quant chose.
+    kv: KVFootprint
+    max_context: int  # the model's positions: no request goes past them
 
     @classmethod
     def for_engine(cls, engine: Engine, gigabytes: float) -> MemoryBudget:
         config = engine.model.config
-        element_bytes = engine.model.compute_dtype.itemsize
         return cls(
             round(gigabytes * BYTES_PER_GB),
             engine.weight_bytes_per_token(),  # every weight tensor once: the weights' footprint
-            config.kv_bytes_per_token(element_bytes),
+            KVFootprint.of(config, engine.model.compute_dtype, engine.kv_policy),
+            config.max_position_embeddings,
         )
 
     def needed_bytes(self, tokens: int) -> int:
-        return self.weight_bytes + tokens * self.kv_bytes_per_token
+        return self.weight_bytes + self.kv.bytes_at(tokens)
 
     def kv_token_capacity(self) -> int:
-        """Tokens of dense K/V the budget holds beside the weights."""
-        return max(0, self.budget_bytes - self.weight_bytes) // self.kv_bytes_per_token
+        """The longest context (at most the model's) whose K/V fit beside the weights."""
+        if self.needed_bytes(0) > self.budget_bytes:
+            return 0
+        fits, over = 0, self.max_context + 1  # KV bytes never shrink as the context grows
+        while over - fits > 1:
+            middle = (fits + over) // 2
+            if self.needed_bytes(middle) <= self.budget_bytes:
+                fits = middle
+            else:
+                over = middle
+        return fits
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise a 400 if the prompt plus `max_tokens` of reply cannot fit the budget."""
-        needed = self.needed_bytes(prompt_tokens + max_tokens)
+        tokens = prompt_tokens + max_tokens
+        needed = self.needed_bytes(tokens)
         if needed > self.budget_bytes:
             raise RequestError(
                 f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} need "
-                f"{_gb(needed)} GB (weights {_gb(self.weight_bytes)} GB and KV cache), over the "
-                f"memory budget of {_gb(self.budget_bytes)} GB",
+                f"{_gb(needed)} GB (weights {_gb(self.weight_bytes)} GB, KV cache "
+                f"{_gb(needed - self.weight_bytes)} GB), over the memory budget of "
+                f"{_gb(self.budget_bytes)} GB: at most {self.kv_token_capacity()} tokens fit",
                 "max_tokens",
                 code=OVER_BUDGET,
             )

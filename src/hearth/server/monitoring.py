@@ -49,6 +49,7 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "admission": {
             "budget_bytes": budget.budget_bytes if budget else None,
             "weight_bytes": budget.weight_bytes if budget else None,
+            "max_context_tokens": budget.kv_token_capacity() if budget else None,
         },
     }
 
