@@ -370,12 +370,19 @@ def test_a_decoder_that_replaces_a_smaller_one_grows(
     GraphDecoder.limit_slots(model, None)
     assert turn(2400).max_context == 4096  # not 2 x 2304: the model's 4096 positions
     assert turn(100, parse_kv_quant("8", group_size=32)).max_context == 256
-    config = model.config  # fp32 K and V of every layer: the bytes of one slot
-    slot = 2 * config.num_key_value_heads * config.head_dim * 4 * config.num_hidden_layers
+    config = model.config  # fp32 K and V of the 2 full layers: the bytes one slot adds
+    full_layers = config.layer_types.count("full_attention")
+    slot = 2 * config.num_key_value_heads * config.head_dim * 4 * full_layers
+    assert full_layers == 2 < config.num_hidden_layers  # the sliding rings take no more
     monkeypatch.setattr(cuda_graph, "device_free_bytes", lambda device: 2 * 100 * slot)
     GraphDecoder.discard_idle(model)
     assert turn(300).max_context == 512
     assert turn(600).max_context == 768  # not 2 x 512: 600 + 100 slots, the request rounded
+    monkeypatch.setattr(cuda_graph, "device_free_bytes", lambda device: 2 * 450 * slot)
+    GraphDecoder.discard_idle(model)
+    assert turn(300).max_context == 512
+    # 600 + 450 slots: 2 x 512 fits (every layer a slot would have allowed 600 + 225: 768).
+    assert turn(600).max_context == 1024
 
 
 def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

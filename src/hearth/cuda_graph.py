@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hearth.kv.cache import LayerCache, layer_specs
+from hearth.kv.footprint import KVFootprint
 from hearth.kv.policy import KVPolicy
 from hearth.kv.static import StaticCache
 
@@ -123,7 +124,7 @@ class GraphDecoder:
             return idle
         slots = max_context
         if idle is not None and idle.policy == policy:
-            grown = _grown_slots(model, max_context, DECODER_GROWTH * idle.max_context)
+            grown = _grown_slots(model, policy, max_context, DECODER_GROWTH * idle.max_context)
             slots = max(max_context, grown)
         del idle  # its caches go before the new ones are made
         return cls(model, slots, policy=policy)
@@ -336,17 +337,21 @@ def _warm_up_and_capture(
     return graph, output
 
 
-def _grown_slots(model: nn.Module, needed: int, slots: int, bucket: int = VIEW_BUCKET) -> int:
+def _grown_slots(
+    model: nn.Module, policy: KVPolicy, needed: int, slots: int, bucket: int = VIEW_BUCKET
+) -> int:
     """`slots`, within the model's positions, its slot limit (`GraphDecoder.limit_slots`) and,
-    beyond the `needed` ones, half the device's free memory in dense K/V; in whole buckets so
-    that rounding up never passes a limit."""
+    beyond the `needed` ones, half the device's free memory in K/V slots of `policy`'s
+    layout (a slot grows the full-attention layers only: rings keep their window); in whole
+    buckets so that rounding up never passes a limit."""
     limit = model.config.max_position_embeddings + 1
     slot_limit = model.__dict__.get(_SLOT_LIMIT)
     if slot_limit is not None:
         limit = min(limit, slot_limit)
     free = device_free_bytes(model.device)
     if free is not None:
-        per_slot = model.config.kv_bytes_per_token(model.compute_dtype.itemsize)
+        footprint = KVFootprint.of(model.config, model.compute_dtype, policy)
+        per_slot = sum(layer.stored for layer in footprint.layers if layer.window is None)
         limit = min(limit, needed + free // 2 // per_slot)
     return min(slots, limit) // bucket * bucket
 
