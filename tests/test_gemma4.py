@@ -25,6 +25,7 @@ from hearth.config import Gemma4Config, parse_config
 from hearth.errors import CheckpointError, UnsupportedModelError
 from hearth.generate import GenerationStats, generate_tokens
 from hearth.kv import make_caches
+from hearth.kv.footprint import KVFootprint
 from hearth.models import gemma4
 from hearth.models.gemma4 import Gemma4Model
 from hearth.models.gemma4_presets import GEMMA4_PRESETS
@@ -383,6 +384,7 @@ def test_presets_have_the_released_shapes() -> None:
     assert _qkv(moe, 0) == {"q_proj": 16 * 256, "k_proj": 8 * 256, "v_proj": 8 * 256}
     config, dense = _meta_model("31b")
     assert _qkv(dense, 59) == {"q_proj": 32 * 512, "k_proj": 4 * 512}
-    assert config.kv_bytes_per_token(2) == 2 * 2 * (50 * 16 * 256 + 10 * 4 * 512)
+    dense_token = sum(layer.dense for layer in KVFootprint.of(config, torch.bfloat16).layers)
+    assert dense_token == 2 * 2 * (50 * 16 * 256 + 10 * 4 * 512)  # 50 sliding, 10 full layers
     _, unified = _meta_model("12b")
     assert _qkv(unified, 47) == {"q_proj": 16 * 512, "k_proj": 512}

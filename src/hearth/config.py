@@ -49,11 +49,6 @@ class Gemma3Config:
     def attention_scale(self) -> float:
         return self.query_pre_attn_scalar**-0.5
 
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """Bytes of K and V one token adds to a dense cache across all layers."""
-        per_layer = 2 * self.num_key_value_heads * self.head_dim * element_bytes
-        return per_layer * self.num_hidden_layers
-
 
 def _rope_from_hf(config: dict[str, Any]) -> dict[str, RopeConfig]:
     """Both config dialects: `rope_parameters` per layer type (HF 5) or flat fields (HF 4)."""
@@ -184,13 +179,6 @@ class Gemma4Config:
         """Dense MLP width: doubled on the KV-sharing layers of double-wide configs (E2B)."""
         doubled = self.use_double_wide_mlp and layer >= self.first_kv_shared_layer
         return self.intermediate_size * (2 if doubled else 1)
-
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """Bytes of K and V one token adds to dense caches; KV-sharing layers add none."""
-        return sum(
-            2 * self.kv_heads_of(kind) * self.head_dim_of(kind) * element_bytes
-            for kind in self.cache_layer_types
-        )
 
 
 _T = TypeVar("_T")
