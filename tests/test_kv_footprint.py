@@ -1,4 +1,4 @@
-"""`kv.footprint.cache_bytes` against the caches themselves: for each layout, the most bytes
+"""`kv.footprint.KVFootprint` against the caches themselves: for each layout, the most bytes
 the caches `make_caches` builds allocate (`reserved_bytes`, summed over layers) while a
 context grows to T tokens must equal the prediction, to the byte."""
 
@@ -10,7 +10,7 @@ import torch
 from hearth.config import parse_config
 from hearth.kv import parse_kv_quant
 from hearth.kv.cache import GROWTH_STEP, layer_specs
-from hearth.kv.footprint import cache_bytes, kv_heads, token_bytes
+from hearth.kv.footprint import KVFootprint, kv_heads, token_bytes
 from hearth.kv.policy import KVPolicy
 from tiny import tiny_gemma3_config, tiny_gemma4_config
 
@@ -56,7 +56,7 @@ def test_predicted_bytes_equal_what_the_caches_allocate(
     config = _configs()[config_name]
     policy = parse_kv_quant(kv_quant, group_size=32)
     measured = _peak_reserved(config, policy, tokens, chunk=32)
-    assert cache_bytes(config, tokens, BF16, policy) == measured
+    assert KVFootprint.of(config, BF16, policy).bytes_at(tokens) == measured
 
 
 def test_layers_waiting_to_quantize_count_dense_until_then() -> None:
@@ -64,11 +64,10 @@ def test_layers_waiting_to_quantize_count_dense_until_then() -> None:
     policy = parse_kv_quant("4", quantize_after=20, group_size=32)
     for tokens in (10, 30):
         measured = _peak_reserved(config, policy, tokens, chunk=1)
-        assert cache_bytes(config, tokens, BF16, policy) == measured
+        assert KVFootprint.of(config, BF16, policy).bytes_at(tokens) == measured
     # Past the switch the dense peak still counts: more than the 4-bit caches hold at 30.
-    assert cache_bytes(config, 30, BF16, policy) > cache_bytes(
-        config, 30, BF16, parse_kv_quant("4", group_size=32)
-    )
+    at_once = KVFootprint.of(config, BF16, parse_kv_quant("4", group_size=32))
+    assert KVFootprint.of(config, BF16, policy).bytes_at(30) > at_once.bytes_at(30)
 
 
 def test_hand_derived_bytes_of_a_sliding_and_a_full_layer() -> None:
@@ -78,5 +77,7 @@ def test_hand_derived_bytes_of_a_sliding_and_a_full_layer() -> None:
     assert token_bytes(parse_kv_quant("off").codec, 2, 32, BF16) == per_token
     ring = 8 * (per_token + 8)  # the window, and an int64 position a slot
     for tokens, full_slots in ((1, 256), (256, 256), (257, 512)):
-        assert cache_bytes(config, tokens, BF16) == 2 * full_slots * per_token + 2 * ring
-    assert cache_bytes(config, 0, BF16) == 0
+        assert (
+            KVFootprint.of(config, BF16).bytes_at(tokens) == 2 * full_slots * per_token + 2 * ring
+        )
+    assert KVFootprint.of(config, BF16).bytes_at(0) == 0

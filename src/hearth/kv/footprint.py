@@ -86,10 +86,3 @@ class KVFootprint:
             else:
                 total += (per_token + POSITION_BYTES) * layer.window
         return total
-
-
-def cache_bytes(
-    config: ModelConfig, tokens: int, dtype: torch.dtype, policy: KVPolicy | None = None
-) -> int:
-    """`KVFootprint.bytes_at(tokens)` of the caches `policy` (dense when None) makes."""
-    return KVFootprint.of(config, dtype, policy).bytes_at(tokens)
