@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat)
     _add_serve_parser(commands)
     _add_inspect_parser(commands)
+    _add_fit_parser(commands)
     _add_bench_parser(commands)
     return parser
 
@@ -204,6 +205,33 @@ def _add_inspect_parser(commands: Any) -> None:
     inspect.add_argument(
         "model", nargs="?", help="a GGUF file or HF directory (default: the embedded Gemma 3 270M)"
     )
+
+
+def _add_fit_parser(commands: Any) -> None:
+    fit = commands.add_parser(
+        "fit",
+        help="whether a model at a context fits the memory, from its headers (nothing loads)",
+    )
+    fit.add_argument(
+        "model", nargs="?", help="a GGUF file, HF or MLX directory (default: the embedded model)"
+    )
+    fit.add_argument(
+        "--context", type=positive_int, default=8192, help="tokens of context (default 8192)"
+    )
+    fit.add_argument(
+        "--memory",
+        type=positive_float,
+        metavar="GB",
+        help="memory the model may take, GB (10^9 bytes); default 75%% of the RAM on a CPU, "
+        "90%% of the GPU's memory on CUDA",
+    )
+    fit.add_argument(
+        "--bandwidth",
+        type=positive_float,
+        metavar="GB/S",
+        help="memory bandwidth, GB/s: also print the decode speed it allows at --context",
+    )
+    _add_model_options(fit)
 
 
 def length_list(text: str) -> list[int]:
@@ -320,6 +348,22 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_fit(args: argparse.Namespace) -> int:
+    from hearth.fit import describe_fit, plan_fit
+
+    fit = plan_fit(
+        args.model,
+        args.context,
+        args.memory,
+        args.device,
+        args.dtype,
+        args.quantize,
+        args.kv_quant,
+    )
+    print(describe_fit(fit, args.bandwidth))
+    return 0 if fit.fits else 1
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from hearth.embedded import embedded_model_path
     from hearth.summary import describe
@@ -417,6 +461,7 @@ _COMMANDS = {
     "chat": run_chat,
     "serve": run_serve,
     "inspect": run_inspect,
+    "fit": run_fit,
     "bench": run_bench,
 }
 

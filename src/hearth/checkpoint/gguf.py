@@ -281,15 +281,19 @@ class GGUFCheckpoint:
         return [part for name, _ in self._weights() for part in expert_parts(name)]
 
     def tensors(
-        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = (), meta: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Each canonical tensor but those in `skip`, dequantized in fp32 and, with `dtype`,
-        rounded to it a few rows at a time: a 262144 x 8960 table never exists in fp32."""
+        rounded to it a few rows at a time: a 262144 x 8960 table never exists in fp32.
+        `meta`: their shapes only (see `Checkpoint.tensors`)."""
         for name, info in self._weights():
             if name in skip:
                 continue
-            tensor = self._dequantize(info, dtype or torch.float32)
-            self._file.release(info)
+            if meta:
+                tensor = torch.empty(tuple(info.shape), dtype=dtype or torch.float32, device="meta")
+            else:
+                tensor = self._dequantize(info, dtype or torch.float32)
+                self._file.release(info)
             yield from split_expert_parts(name, tensor)
 
     def mapped_table(self, name: str) -> MappedBlockTable | None:

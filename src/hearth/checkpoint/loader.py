@@ -37,11 +37,12 @@ class Checkpoint(Protocol):
         ...
 
     def tensors(
-        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = (), meta: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Canonical tensors, but not those named in `skip`. `dtype` is the model's: a reader
         that widens stored blocks to floats (GGUF) returns them rounded to it; a stored float
-        or packed tensor comes as is."""
+        or packed tensor comes as is. `meta`: tensors of the same shapes and dtypes on the
+        meta device, nothing read (a load that only sizes the model: `hearth fit`)."""
         ...
 
     def tokenizer(self) -> Tokenizer: ...

@@ -94,6 +94,33 @@ def expert_parts(name: str) -> tuple[str, ...]:
     return tuple(f"{stacked[1]}.{part}.weight" for part in _HF_EXPERT_PARTS[stacked[2]])
 
 
+# safetensors' dtype names (from a file's header) as torch dtypes.
+_STORED_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+
+
+def _meta_tensor(handle: Any, name: str) -> torch.Tensor:
+    """A meta tensor of the stored tensor's shape and dtype, from the header alone."""
+    piece = handle.get_slice(name)
+    stored = piece.get_dtype()
+    if stored not in _STORED_DTYPES:
+        raise CheckpointError(f"tensor {name} has the unsupported dtype {stored}")
+    return torch.empty(tuple(piece.get_shape()), dtype=_STORED_DTYPES[stored], device="meta")
+
+
 def split_expert_parts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name, tensor) of each part that tensor `name` holds (see `expert_parts`)."""
     parts = expert_parts(name)
@@ -208,7 +235,7 @@ class SafetensorsCheckpoint:
         return [part for name in names for part in expert_parts(name)]
 
     def tensors(
-        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = (), meta: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         del dtype  # stored as they are: the loader casts float tensors, packed ones stay packed
         by_file: dict[Path, list[str]] = {}
@@ -221,7 +248,7 @@ class SafetensorsCheckpoint:
                     if canonical is None or canonical in skip:
                         continue
                     try:
-                        tensor = handle.get_tensor(name)
+                        tensor = _meta_tensor(handle, name) if meta else handle.get_tensor(name)
                     except SafetensorError as error:
                         raise CheckpointError(
                             f"{file}: tensor {name} is corrupt: {error}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hearth.engine import Engine
+from hearth.fit import longest_context
 from hearth.kv.footprint import KVFootprint
 from hearth.server.errors import RequestError
 
@@ -37,16 +38,7 @@ class MemoryBudget:
 
     def kv_token_capacity(self) -> int:
         """The longest context (at most the model's) whose K/V fit beside the weights."""
-        if self.needed_bytes(0) > self.budget_bytes:
-            return 0
-        fits, over = 0, self.max_context + 1  # KV bytes never shrink as the context grows
-        while over - fits > 1:
-            middle = (fits + over) // 2
-            if self.needed_bytes(middle) <= self.budget_bytes:
-                fits = middle
-            else:
-                over = middle
-        return fits
+        return longest_context(self.weight_bytes, self.kv, self.budget_bytes, self.max_context)
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise a 400 if the prompt plus `max_tokens` of reply cannot fit the budget."""

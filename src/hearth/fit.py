@@ -1,0 +1,179 @@
+"""`hearth fit`: whether a model at a context fits the memory, answered before anything loads.
+
+The weights are sized by the loader itself, run on the meta device over the checkpoint's
+headers (`Checkpoint.tensors(meta=True)`), so every conversion a real load makes counts as
+it would: MLX-packed modules stay packed, GGUF blocks widen to the compute dtype or become
+int8 for the CPU, floats are cast. The K/V caches are sized by `hearth.kv.footprint`. The
+same checkpoint, options and memory always give the same answer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hearth.checkpoint import open_checkpoint
+from hearth.checkpoint.loader import Checkpoint
+from hearth.config import parse_config
+from hearth.embedded import embedded_model_path
+from hearth.engine import DTYPES, resolve_precision
+from hearth.errors import HearthError
+from hearth.kv.footprint import KVFootprint
+from hearth.kv.policy import parse_kv_quant
+from hearth.models.loading import build_model
+
+BYTES_PER_GB = 10**9
+# Shares of a machine's memory a model may take when none is given: a CPU's RAM also holds
+# the system and other programs (the reference system's rule, RAM x 0.75); a GPU holds
+# little besides the CUDA context.
+USABLE_RAM = 0.75
+USABLE_GPU_MEMORY = 0.9
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a model needs at `context` tokens against `memory_bytes`."""
+
+    model: Path
+    device: str
+    dtype: torch.dtype
+    quantize: str | None  # CPU weight quantization in memory, if any
+    kv_quant: str
+    context: int
+    weight_bytes: int
+    kv_bytes: int
+    memory_bytes: int
+    longest_context: int  # the most tokens whose K/V fit beside the weights
+    max_context: int  # the model's positions
+    step_bytes: int  # what a decode step at `context` reads: weights used and K/V in reach
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.memory_bytes
+
+
+def longest_context(weight_bytes: int, kv: KVFootprint, memory_bytes: int, max_context: int) -> int:
+    """The most tokens, up to `max_context`, whose K/V fit beside the weights (0 if none)."""
+    if weight_bytes > memory_bytes:
+        return 0
+    fits, over = 0, max_context + 1  # KV bytes never shrink as the context grows
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        if weight_bytes + kv.bytes_at(middle) <= memory_bytes:
+            fits = middle
+        else:
+            over = middle
+    return fits
+
+
+def usable_memory(device: torch.device) -> int:
+    """Bytes a model may take on `device` when no budget is given (`USABLE_*`)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HearthError("no CUDA device here to measure: give --memory")
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * USABLE_GPU_MEMORY)
+    if device.type != "cpu":
+        raise HearthError(f"fit knows the memory of cpu and cuda devices, not {device.type}")
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * USABLE_RAM)
+
+
+def plan_fit(
+    model: str | Path | None = None,
+    context: int = 8192,
+    memory_gb: float | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | None = None,
+    quantize: str = "auto",
+    kv_quant: str = "off",
+) -> Fit:
+    """The `Fit` of a model as `Engine.load` would load it with the same options."""
+    from hearth.bench.measure import decode_bytes, kv_bytes
+
+    path = Path(model) if model is not None else embedded_model_path()
+    checkpoint = open_checkpoint(path)
+    config = parse_config(checkpoint.config)
+    if context > config.max_position_embeddings:
+        raise HearthError(
+            f"--context {context} is past the model's {config.max_position_embeddings} positions"
+        )
+    policy = parse_kv_quant(kv_quant, checkpoint=path if path.is_dir() else None)
+    policy.check(config)
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is not None and dtype not in DTYPES:
+        raise HearthError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    compute_dtype, weights = resolve_precision(
+        checkpoint.format, target, DTYPES.get(dtype or ""), quantize, checkpoint.stored_dtype
+    )
+    sized = build_model(_MetaTensors(checkpoint), compute_dtype, "meta", False, weights)
+    weight_bytes = sum(tensor.nbytes for tensor in sized.state_dict().values())
+    footprint = KVFootprint.of(config, compute_dtype, policy)
+    memory = usable_memory(target) if memory_gb is None else round(memory_gb * BYTES_PER_GB)
+    return Fit(
+        model=path,
+        device=target.type,
+        dtype=compute_dtype,
+        quantize=weights,
+        kv_quant=kv_quant,
+        context=context,
+        weight_bytes=weight_bytes,
+        kv_bytes=footprint.bytes_at(context),
+        memory_bytes=memory,
+        longest_context=longest_context(
+            weight_bytes, footprint, memory, config.max_position_embeddings
+        ),
+        max_context=config.max_position_embeddings,
+        step_bytes=decode_bytes(sized) + kv_bytes(config, context, compute_dtype.itemsize, policy),
+    )
+
+
+class _MetaTensors:
+    """A checkpoint whose tensors come as meta tensors: the loader sizes, reads nothing."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self._checkpoint = checkpoint
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._checkpoint, name)
+
+    def tensors(
+        self, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._checkpoint.tensors(dtype, skip, meta=True)
+
+
+def describe_fit(fit: Fit, bandwidth_gbs: float | None = None) -> str:
+    """The report `hearth fit` prints."""
+    weights = f"{fit.dtype}".removeprefix("torch.")
+    if fit.quantize is not None:
+        weights = f"{fit.quantize} weights, computing in {weights}"
+    verdict = "fits" if fit.fits else "does not fit"
+    kv_layout = "dense" if fit.kv_quant == "off" else fit.kv_quant
+    lines = [
+        f"model: {fit.model}",
+        f"on {fit.device}: {weights}; KV cache {kv_layout}",
+        f"weights: {_gb(fit.weight_bytes)} GB",
+        f"KV cache at {fit.context:,} tokens: {_gb(fit.kv_bytes)} GB",
+        f"needed: {_gb(fit.needed_bytes)} GB of {_gb(fit.memory_bytes)} GB: {verdict}",
+        f"longest context that fits: {fit.longest_context:,} tokens "
+        f"(the model's positions: {fit.max_context:,})",
+    ]
+    if bandwidth_gbs is not None:
+        ceiling = bandwidth_gbs * BYTES_PER_GB / fit.step_bytes
+        lines.append(
+            f"decode at {fit.context:,} tokens: at most {ceiling:,.1f} tok/s "
+            f"({_gb(fit.step_bytes)} GB a step at {bandwidth_gbs:g} GB/s)"
+        )
+    return "\n".join(lines)
+
+
+def _gb(size: int) -> str:
+    return f"{size / BYTES_PER_GB:.3g}"

@@ -1,0 +1,86 @@
+"""`hearth fit` against real loads: the weights it sizes from headers alone (the loader run on
+the meta device) equal, to the byte, what `Engine.load` holds with the same options, for each
+kind of checkpoint and conversion; its context and exit code against hand-derived values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hearth.cli import EXIT_USAGE, main
+from hearth.engine import Engine
+from hearth.fit import plan_fit
+from test_mlx_checkpoints import _convert, _mixed_bits, _uneven_parts, tied, untied  # noqa: F401
+
+CPU = ["--device", "cpu", "--memory", "0.3"]
+
+
+def _loaded_weight_bytes(path: Path, **options: Any) -> int:
+    return Engine.load(path, device="cpu", progress=False, **options).weight_bytes_per_token()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"dtype": "float32"}, {"quantize": "int4"}],
+    ids=["int8-auto", "float32", "int4"],
+)
+def test_a_gguf_files_weights_as_a_cpu_load_holds_them(
+    embedded_gguf: Path, options: dict[str, str]
+) -> None:
+    fit = plan_fit(embedded_gguf, context=512, memory_gb=100, device="cpu", **options)
+    assert fit.weight_bytes == _loaded_weight_bytes(embedded_gguf, **options)
+
+
+def test_hf_and_mlx_checkpoints_weights_as_a_load_holds_them(
+    tied: Path,  # noqa: F811
+    untied: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    mixed = _convert(tied, tmp_path / "mixed", "float32", _mixed_bits)  # packed, 4/6/8 bits
+    uneven = _convert(untied, tmp_path / "uneven", "float32", _uneven_parts)  # some unpacked
+    cases = [(tied, {}), (tied, {"dtype": "bfloat16"}), (tied, {"quantize": "int8"})]
+    cases += [(mixed, {}), (uneven, {})]
+    for path, options in cases:
+        fit = plan_fit(path, context=64, memory_gb=100, device="cpu", **options)
+        assert fit.weight_bytes == _loaded_weight_bytes(path, **options), (path, options)
+
+
+def test_the_cli_answers_with_the_longest_context_and_its_exit_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The embedded 270M, int8 weights in bf16 with 0.3 GB: beside the weights, 15 sliding
+    rings of 512 slots (1024 bytes of K/V and an 8-byte position each) and 3 full layers of
+    1024 bytes a token, grown 256 tokens at a time."""
+    assert main(["fit", *CPU, "--context", "4096"]) == 0
+    out = capsys.readouterr().out
+    weights = plan_fit(context=4096, memory_gb=0.3, device="cpu").weight_bytes
+    longest = (300_000_000 - weights - 15 * 512 * 1032) // (3 * 1024) // 256 * 256
+    assert f"longest context that fits: {longest:,} tokens" in out
+    assert "needed: " in out and ": fits" in out
+    assert main(["fit", *CPU, "--context", str(longest + 1)]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert main(["fit", *CPU, "--bandwidth", "20"]) == 1
+    assert "tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--context", "40000"], "past the model's 32768 positions"),
+        pytest.param(
+            ["--device", "cuda"],
+            "give --memory",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="measures the GPU's"),
+        ),
+        (["--kv-quant", "5"], "--kv-quant"),
+    ],
+)
+def test_bad_requests_are_one_line_and_exit_2(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["fit", *arguments]) == EXIT_USAGE
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
