@@ -13,6 +13,7 @@ import torch
 from hearth.cli import EXIT_USAGE, main
 from hearth.engine import Engine
 from hearth.fit import plan_fit
+from test_gemma4_gguf import _write, files  # noqa: F401
 from test_mlx_checkpoints import _convert, _mixed_bits, _uneven_parts, tied, untied  # noqa: F401
 
 CPU = ["--device", "cpu", "--memory", "0.3"]
@@ -84,3 +85,17 @@ def test_bad_requests_are_one_line_and_exit_2(
     assert main(["fit", *arguments]) == EXIT_USAGE
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["ple_sharing_double_wide", "moe"])
+def test_gemma4_gguf_weights_as_a_cpu_load_holds_them(
+    files: Any,  # noqa: F811
+    name: str,
+    tmp_path: Path,
+) -> None:
+    """Per-layer inputs, KV sharing and experts, stored Q8_0: int8 on the CPU, or fp32."""
+    _, directory, _ = files(name)
+    path = _write(directory, tmp_path / f"{name}.gguf", "Q8_0")
+    for options in ({}, {"dtype": "float32"}):
+        fit = plan_fit(path, context=64, memory_gb=100, device="cpu", **options)
+        assert fit.weight_bytes == _loaded_weight_bytes(path, **options), options
