@@ -4,6 +4,7 @@ kind of checkpoint and conversion; its context and exit code against hand-derive
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,24 @@ def test_gemma4_gguf_weights_as_a_cpu_load_holds_them(
     for options in ({}, {"dtype": "float32"}):
         fit = plan_fit(path, context=64, memory_gb=100, device="cpu", **options)
         assert fit.weight_bytes == _loaded_weight_bytes(path, **options), options
+
+
+@pytest.mark.parametrize("quant", ["bf16", "4bit"])
+def test_a_random_model_as_bench_builds_it(quant: str, tmp_path: Path) -> None:
+    """`--random CONFIG --quant`: the meta-sized model against the same model built with
+    random weights on the CPU."""
+    from hearth.bench.random_model import build_random_model
+    from tiny import tiny_gemma4_config
+
+    config = tiny_gemma4_config(hidden_size=128, intermediate_size=256).to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    fit = plan_fit(random=str(path), quant=quant, context=64, memory_gb=1, device="cpu")
+    built = build_random_model(json.loads(path.read_text()), "cpu", quant)
+    assert fit.weight_bytes == sum(tensor.nbytes for tensor in built.state_dict().values())
+    assert fit.weights == ("bfloat16" if quant == "bf16" else "MLX 4-bit")
+
+
+def test_weights_over_the_memory_leave_no_context(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fit", "--device", "cpu", "--memory", "0.2"]) == 1
+    assert "none, the weights alone are over" in capsys.readouterr().out

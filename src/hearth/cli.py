@@ -207,6 +207,20 @@ def _add_inspect_parser(commands: Any) -> None:
     )
 
 
+def _add_random_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--random",
+        metavar="CONFIG",
+        help="random weights at a preset's shapes (gemma3-270m, gemma3-12b, e2b, e4b, 12b, "
+        "26b-a4b, 31b) or a config.json's",
+    )
+    parser.add_argument(
+        "--quant",
+        choices=["bf16", "4bit", "8bit"],
+        help="weights of a --random model: bf16 (default) or MLX affine 4/8-bit, group 64",
+    )
+
+
 def _add_fit_parser(commands: Any) -> None:
     fit = commands.add_parser(
         "fit",
@@ -231,6 +245,7 @@ def _add_fit_parser(commands: Any) -> None:
         metavar="GB/S",
         help="memory bandwidth, GB/s: also print the decode speed it allows at --context",
     )
+    _add_random_options(fit)
     _add_model_options(fit)
 
 
@@ -256,17 +271,7 @@ def _add_bench_parser(commands: Any) -> None:
     bench.add_argument(
         "model", nargs="?", help="a GGUF file, HF or MLX directory (default: the embedded model)"
     )
-    bench.add_argument(
-        "--random",
-        metavar="CONFIG",
-        help="random weights at a preset's shapes (gemma3-270m, gemma3-12b, e2b, e4b, 12b, "
-        "26b-a4b, 31b) or a config.json's",
-    )
-    bench.add_argument(
-        "--quant",
-        choices=["bf16", "4bit", "8bit"],
-        help="weights of a --random model: bf16 (default) or MLX affine 4/8-bit, group 64",
-    )
+    _add_random_options(bench)
     bench.add_argument(
         "--contexts",
         type=length_list,
@@ -359,6 +364,8 @@ def run_fit(args: argparse.Namespace) -> int:
         args.dtype,
         args.quantize,
         args.kv_quant,
+        args.random,
+        args.quant,
     )
     print(describe_fit(fit, args.bandwidth))
     return 0 if fit.fits else 1

@@ -18,13 +18,14 @@ import torch
 
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.loader import Checkpoint
-from hearth.config import parse_config
 from hearth.embedded import embedded_model_path
 from hearth.engine import DTYPES, resolve_precision
 from hearth.errors import HearthError
 from hearth.kv.footprint import KVFootprint
 from hearth.kv.policy import parse_kv_quant
+from hearth.models import Model
 from hearth.models.loading import build_model
+from hearth.quant.mlx import parse_quantization
 
 BYTES_PER_GB = 10**9
 # Shares of a machine's memory a model may take when none is given: a CPU's RAM also holds
@@ -41,7 +42,7 @@ class Fit:
     model: Path
     device: str
     dtype: torch.dtype
-    quantize: str | None  # CPU weight quantization in memory, if any
+    weights: str  # how they are held, e.g. "int8", "MLX 4-bit", "bfloat16"
     kv_quant: str
     context: int
     weight_bytes: int
@@ -94,34 +95,40 @@ def plan_fit(
     dtype: str | None = None,
     quantize: str = "auto",
     kv_quant: str = "off",
+    random: str | None = None,
+    quant: str | None = None,
 ) -> Fit:
-    """The `Fit` of a model as `Engine.load` would load it with the same options."""
+    """The `Fit` of a model as `Engine.load` would load it with the same options, or, with
+    `random` (a preset or config.json) and `quant`, as `hearth bench --random` builds it."""
     from hearth.bench.measure import decode_bytes, kv_bytes
 
-    path = Path(model) if model is not None else embedded_model_path()
-    checkpoint = open_checkpoint(path)
-    config = parse_config(checkpoint.config)
+    if dtype is not None and dtype not in DTYPES:
+        raise HearthError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if random is not None:
+        if model is not None:
+            raise HearthError("give a MODEL or --random CONFIG, not both")
+        name, (sized, weights, checkpoint_dir) = Path(random), _random(random, quant, dtype)
+    else:
+        if quant is not None:
+            raise HearthError("--quant sizes a --random model; a checkpoint keeps its own")
+        name = Path(model) if model is not None else embedded_model_path()
+        sized, weights, checkpoint_dir = _loaded(name, target, dtype, quantize)
+    config, compute_dtype = sized.config, sized.compute_dtype
     if context > config.max_position_embeddings:
         raise HearthError(
             f"--context {context} is past the model's {config.max_position_embeddings} positions"
         )
-    policy = parse_kv_quant(kv_quant, checkpoint=path if path.is_dir() else None)
+    policy = parse_kv_quant(kv_quant, checkpoint=checkpoint_dir)
     policy.check(config)
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is not None and dtype not in DTYPES:
-        raise HearthError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    compute_dtype, weights = resolve_precision(
-        checkpoint.format, target, DTYPES.get(dtype or ""), quantize, checkpoint.stored_dtype
-    )
-    sized = build_model(_MetaTensors(checkpoint), compute_dtype, "meta", False, weights)
     weight_bytes = sum(tensor.nbytes for tensor in sized.state_dict().values())
     footprint = KVFootprint.of(config, compute_dtype, policy)
     memory = usable_memory(target) if memory_gb is None else round(memory_gb * BYTES_PER_GB)
     return Fit(
-        model=path,
+        model=name,
         device=target.type,
         dtype=compute_dtype,
-        quantize=weights,
+        weights=weights,
         kv_quant=kv_quant,
         context=context,
         weight_bytes=weight_bytes,
@@ -133,6 +140,41 @@ def plan_fit(
         max_context=config.max_position_embeddings,
         step_bytes=decode_bytes(sized) + kv_bytes(config, context, compute_dtype.itemsize, policy),
     )
+
+
+def _loaded(
+    path: Path, device: torch.device, dtype: str | None, quantize: str
+) -> tuple[Model, str, Path | None]:
+    """(the model a load of `path` makes, on the meta device; how it holds its weights; the
+    directory a `--kv-quant config` reads)."""
+    checkpoint = open_checkpoint(path)
+    compute_dtype, cpu_quant = resolve_precision(
+        checkpoint.format, device, DTYPES.get(dtype or ""), quantize, checkpoint.stored_dtype
+    )
+    sized = build_model(_MetaTensors(checkpoint), compute_dtype, "meta", False, cpu_quant)
+    if cpu_quant is not None:
+        weights = cpu_quant
+    elif parse_quantization(checkpoint.config) is not None:
+        weights = "MLX-packed"
+    else:
+        weights = _dtype_name(compute_dtype)
+    return sized, weights, path if path.is_dir() else None
+
+
+def _random(spec: str, quant: str | None, dtype: str | None) -> tuple[Model, str, None]:
+    """(the model `hearth bench --random spec --quant quant` builds, on the meta device; how
+    it holds its weights)."""
+    from hearth.bench.random_model import build_random_model, resolve_config
+
+    compute_dtype = DTYPES.get(dtype or "", torch.bfloat16)
+    quant = quant or "bf16"
+    sized = build_random_model(resolve_config(spec), "meta", quant, compute_dtype)
+    weights = _dtype_name(compute_dtype) if quant == "bf16" else f"MLX {quant[0]}-bit"
+    return sized, weights, None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class _MetaTensors:
@@ -152,19 +194,19 @@ class _MetaTensors:
 
 def describe_fit(fit: Fit, bandwidth_gbs: float | None = None) -> str:
     """The report `hearth fit` prints."""
-    weights = f"{fit.dtype}".removeprefix("torch.")
-    if fit.quantize is not None:
-        weights = f"{fit.quantize} weights, computing in {weights}"
     verdict = "fits" if fit.fits else "does not fit"
     kv_layout = "dense" if fit.kv_quant == "off" else fit.kv_quant
     lines = [
         f"model: {fit.model}",
-        f"on {fit.device}: {weights}; KV cache {kv_layout}",
+        f"on {fit.device}: {fit.weights} weights, computing in {_dtype_name(fit.dtype)}; "
+        f"KV cache {kv_layout}",
         f"weights: {_gb(fit.weight_bytes)} GB",
         f"KV cache at {fit.context:,} tokens: {_gb(fit.kv_bytes)} GB",
         f"needed: {_gb(fit.needed_bytes)} GB of {_gb(fit.memory_bytes)} GB: {verdict}",
         f"longest context that fits: {fit.longest_context:,} tokens "
-        f"(the model's positions: {fit.max_context:,})",
+        f"(the model's positions: {fit.max_context:,})"
+        if fit.weight_bytes <= fit.memory_bytes
+        else "longest context that fits: none, the weights alone are over",
     ]
     if bandwidth_gbs is not None:
         ceiling = bandwidth_gbs * BYTES_PER_GB / fit.step_bytes
