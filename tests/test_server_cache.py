@@ -256,3 +256,13 @@ def test_a_budget_counts_sliding_layers_at_their_window(hearth_270m: Any) -> Non
     assert weights + capacity * 18 * 2 * 256 * 4 > budget.budget_bytes  # the old bound
     with pytest.raises(RequestError, match=f"at most {capacity} tokens fit"):
         budget.check(100, capacity - 100 + 1)
+
+
+def test_a_budget_under_the_weights_stops_the_server_at_start() -> None:
+    """A budget that could admit nothing is a usage error, not a server refusing every
+    request: exit 2 with one line, before it listens."""
+    command = [sys.executable, "-m", "hearth.cli", "serve", "--memory-budget", "0.1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "--memory-budget 0.1 GB leaves no room for a KV cache" in result.stderr
+    assert result.stderr.count("\n") == 1

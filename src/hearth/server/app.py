@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from hearth.engine import Engine
 from hearth.generate import limit_decoder_slots
 from hearth.server import anthropic, monitoring, openai, responses
-from hearth.server.admission import MemoryBudget
+from hearth.server.admission import BYTES_PER_GB, MemoryBudget
 from hearth.server.errors import RequestError, error_response
 from hearth.server.prompt_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PromptCache
 from hearth.server.state import ClientGone, ServerDefaults, ServerState
@@ -48,9 +48,17 @@ class ServerLimits:
         return PromptCache(self.prompt_cache_bytes, self.prompt_cache_size)
 
     def memory_budget(self, engine: Engine) -> MemoryBudget | None:
+        """The budget, if one was given; ValueError if the weights alone exceed it (a server
+        that could admit nothing)."""
         if self.memory_budget_gb is None:
             return None
-        return MemoryBudget.for_engine(engine, self.memory_budget_gb)
+        budget = MemoryBudget.for_engine(engine, self.memory_budget_gb)
+        if budget.kv_token_capacity() == 0:
+            raise ValueError(
+                f"--memory-budget {self.memory_budget_gb:g} GB leaves no room for a KV cache "
+                f"beside the weights' {budget.weight_bytes / BYTES_PER_GB:.3g} GB"
+            )
+        return budget
 
 
 def create_app(
