@@ -108,7 +108,8 @@ def plan_fit(
     if random is not None:
         if model is not None:
             raise HearthError("give a MODEL or --random CONFIG, not both")
-        name, (sized, weights, checkpoint_dir) = Path(random), _random(random, quant, dtype)
+        name = Path(random)
+        sized, weights, checkpoint_dir = _random(random, quant, dtype)
     else:
         if quant is not None:
             raise HearthError("--quant sizes a --random model; a checkpoint keeps its own")
@@ -195,7 +196,7 @@ class _MetaTensors:
 def describe_fit(fit: Fit, bandwidth_gbs: float | None = None) -> str:
     """The report `hearth fit` prints."""
     verdict = "fits" if fit.fits else "does not fit"
-    kv_layout = "dense" if fit.kv_quant == "off" else fit.kv_quant
+    kv_layout = "dense" if fit.kv_quant == "off" else f"--kv-quant {fit.kv_quant}"
     lines = [
         f"model: {fit.model}",
         f"on {fit.device}: {fit.weights} weights, computing in {_dtype_name(fit.dtype)}; "
