@@ -40,7 +40,7 @@ def _peak_reserved(config: object, policy: KVPolicy, tokens: int, chunk: int) ->
     while done < tokens:
         count = min(chunk, tokens - done)
         for cache, spec in zip(caches, specs, strict=True):
-            shape = (1, kv_heads(config, spec), count, spec.head_dim)
+            shape = (1, kv_heads(config, spec.kind), count, spec.head_dim)
             cache.update_and_fetch(torch.randn(shape, dtype=BF16), torch.randn(shape, dtype=BF16))
         done += count
         peak = max(peak, sum(cache.reserved_bytes for cache in caches))

@@ -61,20 +61,6 @@ class Fit:
         return self.needed_bytes <= self.memory_bytes
 
 
-def longest_context(weight_bytes: int, kv: KVFootprint, memory_bytes: int, max_context: int) -> int:
-    """The most tokens, up to `max_context`, whose K/V fit beside the weights (0 if none)."""
-    if weight_bytes > memory_bytes:
-        return 0
-    fits, over = 0, max_context + 1  # KV bytes never shrink as the context grows
-    while over - fits > 1:
-        middle = (fits + over) // 2
-        if weight_bytes + kv.bytes_at(middle) <= memory_bytes:
-            fits = middle
-        else:
-            over = middle
-    return fits
-
-
 def usable_memory(device: torch.device) -> int:
     """Bytes a model may take on `device` when no budget is given (`USABLE_*`)."""
     if device.type == "cuda":
@@ -135,8 +121,8 @@ def plan_fit(
         weight_bytes=weight_bytes,
         kv_bytes=footprint.bytes_at(context),
         memory_bytes=memory,
-        longest_context=longest_context(
-            weight_bytes, footprint, memory, config.max_position_embeddings
+        longest_context=footprint.longest_context(
+            memory - weight_bytes, config.max_position_embeddings
         ),
         max_context=config.max_position_embeddings,
         step_bytes=decode_bytes(sized) + kv_bytes(config, context, compute_dtype.itemsize, policy),

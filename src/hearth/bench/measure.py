@@ -24,7 +24,7 @@ from torch import nn
 from hearth.config import FULL_ATTENTION, Gemma4Config, ModelConfig
 from hearth.generate import decodes_with_graphs, default_prefill_step, prefill
 from hearth.kv import DENSE, KVPolicy, LayerCache, layer_specs, make_caches
-from hearth.kv.footprint import token_bytes
+from hearth.kv.footprint import kv_heads, token_bytes
 from hearth.models import Model
 from hearth.models.loading import _model_class
 from hearth.sampling import Sampler, SamplingParams
@@ -59,12 +59,10 @@ def _attention_layers(config: ModelConfig) -> list[tuple[int, int, int, int | No
     """(query heads, KV heads, head_dim, window) of every layer, KV-sharing ones included."""
     layers = []
     for kind in config.layer_types:
-        if isinstance(config, Gemma4Config):
-            kv_heads, head_dim = config.kv_heads_of(kind), config.head_dim_of(kind)
-        else:
-            kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+        gemma4 = isinstance(config, Gemma4Config)
+        head_dim = config.head_dim_of(kind) if gemma4 else config.head_dim
         window = None if kind == FULL_ATTENTION else config.sliding_window
-        layers.append((config.num_attention_heads, kv_heads, head_dim, window))
+        layers.append((config.num_attention_heads, kv_heads(config, kind), head_dim, window))
     return layers
 
 
@@ -76,9 +74,9 @@ def kv_bytes(
     `element_bytes` values when None). Gemma 4's KV-sharing layers read their donor's K/V
     again, so they count too."""
     total = 0
-    for index, (_, kv_heads, head_dim, window) in enumerate(_attention_layers(config)):
+    for index, (_, heads, head_dim, window) in enumerate(_attention_layers(config)):
         codec = DENSE if policy is None else policy.codec_of(index, window)
-        per_token = token_bytes(codec, kv_heads, head_dim, _DTYPES[element_bytes])
+        per_token = token_bytes(codec, heads, head_dim, _DTYPES[element_bytes])
         total += per_token * min(context, window or context)
     return total
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.config import Gemma4Config, ModelConfig
-from hearth.kv.cache import DENSE, GROWTH_STEP, KVCodec, LayerSpec, layer_specs
+from hearth.kv.cache import DENSE, GROWTH_STEP, KVCodec, layer_specs
 from hearth.kv.policy import KVPolicy
 
 POSITION_BYTES = 8  # a ring slot's position, int64
@@ -27,9 +27,10 @@ def token_bytes(codec: KVCodec, kv_heads: int, head_dim: int, dtype: torch.dtype
     return sum(plane.nbytes for plane in codec.encode(sample, sample))
 
 
-def kv_heads(config: ModelConfig, spec: LayerSpec) -> int:
+def kv_heads(config: ModelConfig, kind: str) -> int:
+    """K/V heads of a layer of `kind` (Gemma 4's full and sliding layers differ)."""
     if isinstance(config, Gemma4Config):
-        return config.kv_heads_of(spec.kind)
+        return config.kv_heads_of(kind)
     return config.num_key_value_heads
 
 
@@ -54,7 +55,7 @@ class KVFootprint:
         policy = policy or KVPolicy()
         layers = []
         for spec in layer_specs(config):
-            heads = kv_heads(config, spec)
+            heads = kv_heads(config, spec.kind)
             codec = policy.codec_of(spec.index, spec.window)
             layers.append(
                 LayerBytes(
@@ -74,6 +75,20 @@ class KVFootprint:
             return self._reserved(tokens, dense=True)
         held_dense = self._reserved(self.quantize_after, dense=True) if self.quantize_after else 0
         return max(held_dense, self._reserved(tokens, dense=False))
+
+    def longest_context(self, room_bytes: int, max_context: int) -> int:
+        """The most tokens, up to `max_context`, whose caches fit in `room_bytes` (0 if none:
+        a negative room, or one under the first token's allocation)."""
+        if room_bytes < 0:
+            return 0
+        fits, over = 0, max_context + 1  # the bytes never shrink as the context grows
+        while over - fits > 1:
+            middle = (fits + over) // 2
+            if self.bytes_at(middle) <= room_bytes:
+                fits = middle
+            else:
+                over = middle
+        return fits
 
     def _reserved(self, tokens: int, dense: bool) -> int:
         if tokens == 0:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hearth.engine import Engine
-from hearth.fit import longest_context
 from hearth.kv.footprint import KVFootprint
 from hearth.server.errors import RequestError
 
@@ -38,7 +37,7 @@ class MemoryBudget:
 
     def kv_token_capacity(self) -> int:
         """The longest context (at most the model's) whose K/V fit beside the weights."""
-        return longest_context(self.weight_bytes, self.kv, self.budget_bytes, self.max_context)
+        return self.kv.longest_context(self.budget_bytes - self.weight_bytes, self.max_context)
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise a 400 if the prompt plus `max_tokens` of reply cannot fit the budget."""
