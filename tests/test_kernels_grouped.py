@@ -30,7 +30,7 @@ from hearth.kernels import grouped_matmul as gm
 from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
 from hearth.models import gemma4
 from hearth.models.gemma4 import GROUPED_EXPERTS_MIN_TOKENS, Experts
-from hearth.quant.mlx import MLXQuantizedExperts, quantize_affine, unpack_codes
+from hearth.quant.mlx import MLXQuantizedExperts, pack_codes, quantize_affine, unpack_codes
 
 pytestmark = [
     pytest.mark.skipif(not gm.HAS_TRITON, reason="needs triton (its interpreter)"),
@@ -283,20 +283,32 @@ def test_geglu_output_equals_the_product_then_the_geglu_kernel(
 ) -> None:
     """With `geglu` a program pairs gate rows n and up rows N + n of the stacked experts and
     stores gelu_tanh(gate) * up, rounding as the two launches do: equal bit for bit to the
-    [pairs, 2N] product then `gelu_tanh_mul`. N = 20 is not a multiple of BLOCK_N (masked)."""
+    [pairs, 2N] product then `gelu_tanh_mul`. N = 20 is not a multiple of BLOCK_N (masked).
+
+    Every product here is exact in fp32 (x in steps of 2^-6 up to 1, weights on a grid of
+    2^-10, or codes with a power-of-two scale: at most 20 significant bits), so no order of
+    summation can change it: the interpreter's dot is numpy's BLAS, whose order depends on
+    the CPU and on a column's place in its tile (an AVX2 machine rounded 8 of 3840 sums
+    differently that way). The product's rounding to fp16 (11 bits), which the fused epilogue
+    must repeat, is still exercised. On a GPU `gpu_grouped_geglu.py` compares random inputs."""
     torch.manual_seed(4)
     tokens, n, k = 24, 20, 128
     ids = _routing("ragged", tokens, 8)
-    x = torch.randn(tokens, k).to(dtype)
-    stacked = torch.randn(EXPERTS, 2 * n, k) / math.sqrt(k)
+    x = (torch.randint(-64, 65, (tokens, k)) / 64).to(dtype)
     plan = gm.plan_experts(ids, EXPERTS, block_m)
     if bits is None:
-        weight = stacked.to(dtype)
+        weight = (torch.randint(-64, 65, (EXPERTS, 2 * n, k)) / 1024).to(dtype)
         launch = lambda **kw: gm.grouped_expert_matmul_triton(x, weight, ids, plan=plan, **kw)  # noqa: E731
         reference = gm.grouped_expert_matmul_reference(x, weight, ids, geglu=True)
         reference_product = gm.grouped_expert_matmul_reference(x, weight, ids)
     else:
-        packed = quantize_affine(stacked, bits, 32)
+        # w = (code - 2^(bits-1)) * 2^-(bits+1): |w| <= 1/4, exact in every dtype here.
+        codes = torch.randint(0, 1 << bits, (EXPERTS, 2 * n, k), dtype=torch.uint8)
+        scale = 2.0 ** -(bits + 1)
+        groups = (EXPERTS, 2 * n, k // 32)
+        scales = torch.full(groups, scale)
+        biases = torch.full(groups, -(1 << (bits - 1)) * scale)
+        packed = (pack_codes(codes, bits), scales, biases)
         args = (x, *packed, ids, bits, 32)
         launch = lambda **kw: gm.grouped_affine_expert_matmul_triton(*args, plan=plan, **kw)  # noqa: E731
         reference = gm.grouped_affine_expert_matmul_reference(*args, geglu=True)
