@@ -286,7 +286,7 @@ def test_geglu_output_equals_the_product_then_the_geglu_kernel(
     [pairs, 2N] product then `gelu_tanh_mul`. N = 20 is not a multiple of BLOCK_N (masked).
 
     Every product here is exact in fp32 (x in steps of 2^-6 up to 1, weights on a grid of
-    2^-10, or codes with a power-of-two scale: at most 20 significant bits), so no order of
+    2^-10, or codes with a power-of-two scale: at most 21 significant bits), so no order of
     summation can change it: the interpreter's dot is numpy's BLAS, whose order depends on
     the CPU and on a column's place in its tile (an AVX2 machine rounded 8 of 3840 sums
     differently that way). The product's rounding to fp16 (11 bits), which the fused epilogue
