@@ -28,7 +28,7 @@ from hearth.quant.cpu import QuantizedEmbedding, QuantizedEmbeddingHead, quantiz
 from tiny import FULL, SLIDING, save_hf, tiny_gemma4_model
 
 pytestmark = pytest.mark.skipif(
-    native.kernels() is None, reason="no C compiler with OpenMP or no AVX-512 CPU here"
+    native.kernels() is None, reason="no C compiler with OpenMP, or neither AVX-512 nor AVX2 here"
 )
 
 DECODE_STEPS = 12

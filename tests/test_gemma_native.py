@@ -24,7 +24,7 @@ from hearth.quant.cpu import quantize_model
 from tiny import save_hf, tiny_gemma3_model
 
 pytestmark = pytest.mark.skipif(
-    native.kernels() is None, reason="no C compiler with OpenMP or no AVX-512 CPU here"
+    native.kernels() is None, reason="no C compiler with OpenMP, or neither AVX-512 nor AVX2 here"
 )
 
 DECODE_STEPS = 12

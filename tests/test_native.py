@@ -26,7 +26,7 @@ from hearth.quant.cpu import Int8Linear
 
 KERNELS = native.kernels()
 needs_native = pytest.mark.skipif(
-    KERNELS is None, reason="no C compiler with OpenMP or no AVX-512 CPU here"
+    KERNELS is None, reason="no C compiler with OpenMP, or neither AVX-512 nor AVX2 here"
 )
 
 
@@ -280,8 +280,15 @@ def test_norm_rope_matches_the_reference(tokens: int, q_heads: int, kv_heads: in
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "length", "slots", "dim"),
     # Chunks of 128 keys: a partial last chunk, less than one key block (8), exactly two
-    # chunks at Gemma's head_dim 256 with a group of 8 (E2B), one key past a chunk at 512.
-    [(4, 1, 430, 512, 64), (8, 2, 7, 16, 64), (8, 1, 256, 300, 256), (2, 1, 129, 160, 512)],
+    # chunks at Gemma's head_dim 256 with a group of 8 (E2B), one key past a chunk at 512,
+    # and a head_dim of 72: a partial last 16 values, and value slices past it (AVX2 and 512).
+    [
+        (4, 1, 430, 512, 64),
+        (8, 2, 7, 16, 64),
+        (8, 1, 256, 300, 256),
+        (2, 1, 129, 160, 512),
+        (2, 1, 20, 24, 72),
+    ],
 )
 def test_decode_attention_matches_fp64(
     heads: int, kv_heads: int, length: int, slots: int, dim: int

@@ -25,6 +25,7 @@ from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
 from hearth.kv.cache import DENSE, KVView, LayerCache
 from hearth.kv.static import StaticCache
 from hearth.models import gemma_native
+from hearth.native.bf16_gemm import linear as cpu_linear
 
 
 class StackedLinear(nn.Module):
@@ -62,6 +63,8 @@ def project(
         prefer_cublas = not DOWN_GEMV  # down, after the GeGLU kernel
     if float_weight and not geglu and (y := native.row_matmul(x, linear.weight)) is not None:
         return y  # a CPU bf16 decode step
+    if float_weight and not geglu and x.device.type == "cpu":
+        return cpu_linear(x, linear.weight)  # a CPU prefill
     if float_weight and (WIDE_GEMV or not prefer_cublas or has_pinned_launch(x, linear.weight)):
         return gemv(x, linear.weight, geglu)
     return linear(x)

@@ -13,8 +13,9 @@ here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-
 * at load, GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) -> bf16 and bf16 -> int8 rows, which
   torch and numpy ran at 0.04-0.3 GB/s; for a CPU prefill, int8 -> bf16.
 
-They need a C compiler with OpenMP and an AVX-512 CPU; without either, ``kernels()`` is None
-and every caller keeps its torch path. ``HEARTH_NATIVE=0`` turns them off.
+They need a C compiler with OpenMP and an x86-64 CPU with AVX-512, or AVX2 with FMA and F16C
+(``vec16.h`` serves both); without them, ``kernels()`` is None and every caller keeps its torch
+path. ``HEARTH_NATIVE=0`` turns them off.
 
 The library is compiled once per source, compiler and CPU into ``$HEARTH_CACHE/native`` (default
 ``~/.cache/hearth/native``), written to a temporary name and renamed, so concurrent processes
@@ -42,6 +43,8 @@ from torch import Tensor
 log = logging.getLogger("hearth.native")
 
 SOURCE = Path(__file__).with_name("kernels.c")
+# What SOURCE includes: part of the library's identity (a change rebuilds it).
+HEADERS = (Path(__file__).with_name("vec16.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBRARIES = ("-lm",)
 # Input rows the int8 kernel takes (MAX_INPUT_ROWS in the source).
@@ -460,7 +463,8 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
     ).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBRARIES).encode(), version.encode()):
+    sources = [path.read_bytes() for path in (SOURCE, *HEADERS)]
+    for part in (*sources, " ".join(FLAGS + LIBRARIES).encode(), version.encode()):
         key.update(part)
     key.update(f"{platform.machine()}\n{_cpu_identity()}".encode())
     return cache_dir / f"kernels-{key.hexdigest()[:16]}.so"
@@ -504,7 +508,7 @@ def kernels() -> NativeKernels | None:
         path = build(default_cache_dir(), compiler)
         return NativeKernels(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as error:
-        # CalledProcessError carries the compiler's message (e.g. no AVX-512 on this CPU).
+        # CalledProcessError carries the compiler's message (e.g. neither AVX-512 nor AVX2).
         detail = getattr(error, "stderr", "") or error
         log.info("native kernels unavailable, CPU decode keeps torch's kernels: %s", detail)
         return None

@@ -1,4 +1,4 @@
-/* Hearth's native CPU kernels for batch-1 decode (AVX-512, OpenMP); see hearth/native.
+/* Hearth's native CPU kernels for batch-1 decode (AVX-512 or AVX2, OpenMP); see hearth/native.
  *
  * 1. Matrix-vector products with int8 or bf16 weights: y[m, n] = bf16(s[n] * sum_k x[m, k] *
  *    w[n, k]) with x in bf16, one bf16 scale per int8 weight row (none for bf16), fp32
@@ -10,23 +10,23 @@
  * 2. The bf16 glue of a decode step (below the matrix-vector products), with torch's roundings.
  * 3. A whole Gemma 3 decoder layer at one token (last), composed of 1 and 2.
  *
+ * Vectors are vec16 (vec16.h): one AVX-512 register or two AVX2 ones, the same arithmetic.
  * Built on first use by hearth/native/__init__.py (-O3 -march=native -fopenmp). OpenMP is then
  * served by the libgomp that torch has loaded already, so both share one thread pool.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
-#error "hearth's native kernels need AVX-512; torch's own kernels serve other CPUs"
-#endif
+#include "vec16.h"
 
 /* Weight rows per step: they share each load of x. */
 #define ROWS 4
-/* Input rows per step: 4 x 4 accumulators plus 4 widened weights fit the 32 registers. */
-#define INPUT_ROWS 4
+/* Input rows per step: with AVX-512, 4 x 4 accumulators plus 4 widened weights fit the 32
+ * registers; AVX2's 16 hold one row's (a block of 4 weight rows is then reread from cache
+ * for each input row). */
+#define INPUT_ROWS (VEC16_REGISTERS >= 32 ? 4 : 1)
 /* More input rows than this is a prefill, which runs as a dense GEMM instead. */
 #define MAX_INPUT_ROWS 16
 /* How far ahead of the loads the weight stream is prefetched, in bytes (measured best of
@@ -53,82 +53,111 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
-
-/* 16 bf16 numbers from p, widened to fp32 (exact: bf16 is fp32's upper half). */
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* 16 weights of row `row` from column j, widened to fp32 (exact), int8 or bf16. */
-static inline __m512 load_weights(const void *w, int bf16, int64_t row, int64_t j,
-                                  __mmask16 mask) {
+/* 16 weights of row `row` from column j, widened to fp32 (exact), int8 or bf16; `count` of
+ * them real (a row's tail). */
+static inline vec16 load_weights(const void *w, int bf16, int64_t row, int64_t j,
+                                 int64_t count) {
     if (bf16) {
-        return load_bf16((const uint16_t *)w + row + j, mask);
+        return vec16_load_bf16((const uint16_t *)w + row + j, count);
     }
-    const int8_t *q = (const int8_t *)w + row + j;
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q)));
+    return vec16_load_i8((const int8_t *)w + row + j, count);
 }
 
-/* out[i][r] = x[i] . w[r] for input rows i < m (1..INPUT_ROWS) and the ROWS weight rows
- * w[r] = w + r * k (int8, or bf16 when `bf16`: a constant in each caller, so the compiler
- * builds one loop per weight type). The block's bytes are consumed in order, 64 bytes per
- * step of j per weight byte, so one prefetch per 64 bytes covers the stream PREFETCH_BYTES
- * ahead (prefetches never fault). */
+/* Prefetch the weight stream PREFETCH_BYTES ahead of column j of a block of ROWS rows. The
+ * block's bytes are consumed in order, 16 weights of each row per step of j, so one prefetch
+ * per 64 bytes covers the stream (prefetches never fault). */
+static inline __attribute__((always_inline)) void prefetch_weights(const void *w, int bf16,
+                                                                   int64_t j) {
+    const int64_t weight_bytes = bf16 ? 2 : 1;
+    const char *stream = (const char *)w + PREFETCH_BYTES;
+    for (int64_t line = 0; line < weight_bytes; ++line) {
+        _mm_prefetch(stream + (j * weight_bytes + line * 16) * ROWS, _MM_HINT_T0);
+    }
+}
+
+/* out[r] = x . w[r] for one input row (a decode step) and the ROWS weight rows w[r] = w + r * k
+ * (int8, or bf16 when `bf16`: a constant at each call, so the compiler builds one loop per
+ * weight type). Four named accumulators, so they stay in registers on AVX2 too. */
+static inline __attribute__((always_inline)) void dot_rows_one(const float *x, const void *w,
+                                                               int bf16, int64_t k,
+                                                               float out[ROWS]) {
+    vec16 acc0 = vec16_zero(), acc1 = vec16_zero(), acc2 = vec16_zero(), acc3 = vec16_zero();
+    for (int64_t j = 0; j < k; j += 16) {
+        prefetch_weights(w, bf16, j);
+        const int64_t count = k - j;
+        const vec16 xv = vec16_load_f32(x + j, count);
+        acc0 = vec16_fmadd(xv, load_weights(w, bf16, 0, j, count), acc0);
+        acc1 = vec16_fmadd(xv, load_weights(w, bf16, k, j, count), acc1);
+        acc2 = vec16_fmadd(xv, load_weights(w, bf16, 2 * k, j, count), acc2);
+        acc3 = vec16_fmadd(xv, load_weights(w, bf16, 3 * k, j, count), acc3);
+    }
+    out[0] = vec16_sum(acc0);
+    out[1] = vec16_sum(acc1);
+    out[2] = vec16_sum(acc2);
+    out[3] = vec16_sum(acc3);
+}
+
+/* out[i][r] = x[i] . w[r] as dot_rows_one, for input rows i < m (2..INPUT_ROWS): each 16
+ * weights are widened once for all of them. */
 static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t m,
                                                            const void *w, int bf16, int64_t k,
                                                            float out[INPUT_ROWS][ROWS]) {
-    const int64_t weight_bytes = bf16 ? 2 : 1;
-    const char *stream = (const char *)w + PREFETCH_BYTES;
-    __m512 acc[INPUT_ROWS][ROWS];
+    vec16 acc[INPUT_ROWS][ROWS];
     for (int i = 0; i < INPUT_ROWS; ++i) {
         for (int r = 0; r < ROWS; ++r) {
-            acc[i][r] = _mm512_setzero_ps();
+            acc[i][r] = vec16_zero();
         }
     }
     for (int64_t j = 0; j < k; j += 16) {
-        for (int64_t line = 0; line < weight_bytes; ++line) {
-            _mm_prefetch(stream + (j * weight_bytes + line * 16) * ROWS, _MM_HINT_T0);
-        }
-        const __mmask16 mask = tail_mask(k - j);
-        const __m512 w0 = load_weights(w, bf16, 0, j, mask);
-        const __m512 w1 = load_weights(w, bf16, k, j, mask);
-        const __m512 w2 = load_weights(w, bf16, 2 * k, j, mask);
-        const __m512 w3 = load_weights(w, bf16, 3 * k, j, mask);
-        if (m == 1) { /* decode: a branch the compiler keeps all accumulators in registers for */
-            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + j);
-            acc[0][0] = _mm512_fmadd_ps(xv, w0, acc[0][0]);
-            acc[0][1] = _mm512_fmadd_ps(xv, w1, acc[0][1]);
-            acc[0][2] = _mm512_fmadd_ps(xv, w2, acc[0][2]);
-            acc[0][3] = _mm512_fmadd_ps(xv, w3, acc[0][3]);
-            continue;
-        }
+        prefetch_weights(w, bf16, j);
+        const int64_t count = k - j;
+        const vec16 w0 = load_weights(w, bf16, 0, j, count);
+        const vec16 w1 = load_weights(w, bf16, k, j, count);
+        const vec16 w2 = load_weights(w, bf16, 2 * k, j, count);
+        const vec16 w3 = load_weights(w, bf16, 3 * k, j, count);
         for (int64_t i = 0; i < m; ++i) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * k + j);
-            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
+            const vec16 xv = vec16_load_f32(x + i * k + j, count);
+            acc[i][0] = vec16_fmadd(xv, w0, acc[i][0]);
+            acc[i][1] = vec16_fmadd(xv, w1, acc[i][1]);
+            acc[i][2] = vec16_fmadd(xv, w2, acc[i][2]);
+            acc[i][3] = vec16_fmadd(xv, w3, acc[i][3]);
         }
     }
     for (int64_t i = 0; i < m; ++i) {
         for (int r = 0; r < ROWS; ++r) {
-            out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+            out[i][r] = vec16_sum(acc[i][r]);
+        }
+    }
+}
+
+/* y[:, first:first + rows] for one block of ROWS weight rows (`rows` of them real) and all m
+ * input rows xf [m, k] (fp32). */
+static inline __attribute__((always_inline)) void multiply_block(
+    const float *xf, int64_t m, int64_t k, const void *weights, int bf16,
+    const uint16_t *scales, int64_t first, int64_t rows, int64_t n, uint16_t *y) {
+    float sums[INPUT_ROWS][ROWS];
+    for (int64_t i0 = 0; i0 < m; i0 += INPUT_ROWS) {
+        const int64_t chunk = m - i0 < INPUT_ROWS ? m - i0 : INPUT_ROWS;
+        if (chunk == 1) {
+            dot_rows_one(xf + i0 * k, weights, bf16, k, sums[0]);
+        } else {
+            dot_rows(xf + i0 * k, chunk, weights, bf16, k, sums);
+        }
+        for (int64_t i = 0; i < chunk; ++i) {
+            for (int64_t r = 0; r < rows; ++r) {
+                const float sum = sums[i][r];
+                const float scaled = scales == NULL ? sum : sum * bf16_to_float(scales[first + r]);
+                y[(i0 + i) * n + first + r] = float_to_bf16(scaled);
+            }
         }
     }
 }
 
 /* y [m, n] = x [m, k] @ (w [n, k] * scales [n])^T on `threads` OpenMP threads, w int8 or bf16
- * (`bf16`, a constant in each caller: one specialised copy per weight type, no indirect call
- * per block); scales NULL: none. Returns 0, or -1 when m is outside 1..MAX_INPUT_ROWS or
- * memory runs out. */
-static inline __attribute__((always_inline)) int rows_matmul(const uint16_t *x, int64_t m,
-                                                             int64_t k, const void *w, int bf16,
-                                                             const uint16_t *scales, int64_t n,
-                                                             uint16_t *y, int threads) {
+ * (`bf16`); scales NULL: none. Returns 0, or -1 when m is outside 1..MAX_INPUT_ROWS or memory
+ * runs out. */
+static int rows_matmul(const uint16_t *x, int64_t m, int64_t k, const void *w, int bf16,
+                       const uint16_t *scales, int64_t n, uint16_t *y, int threads) {
     const int64_t weight_bytes = bf16 ? 2 : 1;
     if (m < 1 || m > MAX_INPUT_ROWS || k < 1 || n < 1) {
         return -1;
@@ -165,17 +194,11 @@ static inline __attribute__((always_inline)) int rows_matmul(const uint16_t *x, 
         const void *weights = block == blocks - 1 && last != NULL
                                   ? (const void *)last
                                   : (const void *)((const char *)w + first * row_bytes);
-        float sums[INPUT_ROWS][ROWS];
-        for (int64_t i0 = 0; i0 < m; i0 += INPUT_ROWS) {
-            const int64_t chunk = m - i0 < INPUT_ROWS ? m - i0 : INPUT_ROWS;
-            dot_rows(xf + i0 * k, chunk, weights, bf16, k, sums);
-            for (int64_t i = 0; i < chunk; ++i) {
-                for (int64_t r = 0; r < rows; ++r) {
-                    const float sum = sums[i][r];
-                    const float scaled = scales == NULL ? sum : sum * bf16_to_float(scales[first + r]);
-                    y[(i0 + i) * n + first + r] = float_to_bf16(scaled);
-                }
-            }
+        /* One specialised copy per weight type; the branch is taken once per block. */
+        if (bf16) {
+            multiply_block(xf, m, k, weights, 1, scales, first, rows, n, y);
+        } else {
+            multiply_block(xf, m, k, weights, 0, scales, first, rows, n, y);
         }
     }
     if (xf != stack_x) {
@@ -322,8 +345,8 @@ int hearth_norm_rope(const uint16_t *qkv, int64_t tokens, int64_t width, int64_t
 /* Keys scored together, and 16-value slices of the output summed together: independent
  * accumulators in registers, so the FMAs' latency overlaps (one chain of 16 dependent FMAs per
  * score ran at a quarter of the FMA rate). */
-#define KEY_BLOCK 8
-#define VALUE_BLOCK 8
+#define KEY_BLOCK (VEC16_REGISTERS / 4)
+#define VALUE_BLOCK (VEC16_REGISTERS / 4)
 
 /* One unit: each of the `per_group` query heads (fp32 `queries` [per_group, d]) of one KV head
  * over keys [first, first + count). scores: [per_group, CHUNK_KEYS] room. Writes, per head,
@@ -338,21 +361,20 @@ static void attend_chunk(const float *queries, int64_t per_group, const uint16_t
         for (int64_t t0 = 0; t0 < count; t0 += KEY_BLOCK) {
             /* A block past the last key rereads that key; its scores are dropped. */
             const uint16_t *key[KEY_BLOCK];
-            __m512 dots[KEY_BLOCK];
+            vec16 dots[KEY_BLOCK];
             for (int u = 0; u < KEY_BLOCK; ++u) {
                 const int64_t t = t0 + u < count ? t0 + u : count - 1;
                 key[u] = keys + (first + t) * d;
-                dots[u] = _mm512_setzero_ps();
+                dots[u] = vec16_zero();
             }
             for (int64_t j = 0; j < d; j += 16) {
-                const __mmask16 mask = tail_mask(d - j);
-                const __m512 qv = _mm512_maskz_loadu_ps(mask, query + j);
+                const vec16 qv = vec16_load_f32(query + j, d - j);
                 for (int u = 0; u < KEY_BLOCK; ++u) {
-                    dots[u] = _mm512_fmadd_ps(qv, load_bf16(key[u] + j, mask), dots[u]);
+                    dots[u] = vec16_fmadd(qv, vec16_load_bf16(key[u] + j, d - j), dots[u]);
                 }
             }
             for (int u = 0; u < KEY_BLOCK && t0 + u < count; ++u) {
-                row[t0 + u] = _mm512_reduce_add_ps(dots[u]) * scale;
+                row[t0 + u] = vec16_sum(dots[u]) * scale;
             }
         }
         float best = -INFINITY, sum = 0.0f;
@@ -366,22 +388,21 @@ static void attend_chunk(const float *queries, int64_t per_group, const uint16_t
         top[g] = best;
         total[g] = sum;
         for (int64_t j0 = 0; j0 < d; j0 += 16 * VALUE_BLOCK) {
-            __m512 sums[VALUE_BLOCK];
-            __mmask16 masks[VALUE_BLOCK];
+            vec16 sums[VALUE_BLOCK];
+            int64_t lanes[VALUE_BLOCK]; /* 0 for a slice past d: loads nothing, stores nothing */
             for (int u = 0; u < VALUE_BLOCK; ++u) {
-                const int64_t left = d - j0 - 16 * u;
-                masks[u] = left > 0 ? tail_mask(left) : 0;
-                sums[u] = _mm512_setzero_ps();
+                lanes[u] = d - j0 - 16 * u;
+                sums[u] = vec16_zero();
             }
             for (int64_t t = 0; t < count; ++t) {
-                const __m512 weight = _mm512_set1_ps(row[t]);
+                const vec16 weight = vec16_set1(row[t]);
                 const uint16_t *value = values + (first + t) * d + j0;
                 for (int u = 0; u < VALUE_BLOCK; ++u) {
-                    sums[u] = _mm512_fmadd_ps(weight, load_bf16(value + 16 * u, masks[u]), sums[u]);
+                    sums[u] = vec16_fmadd(weight, vec16_load_bf16(value + 16 * u, lanes[u]), sums[u]);
                 }
             }
             for (int u = 0; u < VALUE_BLOCK; ++u) {
-                _mm512_mask_storeu_ps(acc + g * d + j0 + 16 * u, masks[u], sums[u]);
+                vec16_store_f32(acc + g * d + j0 + 16 * u, sums[u], lanes[u]);
             }
         }
     }
@@ -681,19 +702,6 @@ done:
  *    versions ran at ~0.3 GB/s and made a prefill spend most of its time unpacking weights.
  */
 
-/* 16 fp32 lanes to bf16, rounded to nearest even (float_to_bf16, lane by lane). */
-static inline __m256i float_to_bf16_x16(__m512 values) {
-    const __m512i bits = _mm512_castps_si512(values);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-    const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
-    const __m512i quiet =
-        _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x0040));
-    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-}
-
 /* GGML block formats -> bf16, as the `gguf` package's numpy dequantization computes each value
  * in fp32 (products and differences rounded one at a time: no fused multiply-add, hence the
  * attribute), then rounded to bf16 once. Block layouts are llama.cpp's (ggml-common.h). */
@@ -711,12 +719,10 @@ static inline float half_at(const uint8_t *p) {
 
 /* Q8_0 (34 bytes, 32 values): fp16 d, int8 q[32]: d * q. */
 NO_FMA static void q8_0_block(const uint8_t *block, uint16_t *out) {
-    const __m512 scale = _mm512_set1_ps(half_at(block));
+    const vec16 scale = vec16_set1(half_at(block));
     for (int part = 0; part < 2; ++part) {
-        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 2 + 16 * part));
-        const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
-        _mm256_storeu_si256((__m256i *)(out + 16 * part),
-                            float_to_bf16_x16(_mm512_mul_ps(wide, scale)));
+        const vec16 codes = vec16_load_i8((const int8_t *)(block + 2 + 16 * part), 16);
+        vec16_store_bf16(out + 16 * part, vec16_mul(codes, scale), 16);
     }
 }
 
@@ -818,27 +824,23 @@ int hearth_quantize_int8_rows(const uint16_t *weight, int64_t rows, int64_t cols
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t *row = weight + r * cols;
-        __m512 amax = _mm512_setzero_ps();
+        vec16 amax = vec16_zero();
         for (int64_t j = 0; j < cols; j += 16) {
-            const __m512 w = load_bf16(row + j, tail_mask(cols - j));
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(w));
+            amax = vec16_max(amax, vec16_abs(vec16_load_bf16(row + j, cols - j)));
         }
-        float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+        float scale = vec16_max_lane(amax) / 127.0f;
         scale = scale < floor_ ? floor_ : scale;
         uint16_t stored = float_to_bf16(scale);
         if (bf16_to_float(stored) < scale) {
             stored += 1; /* positive: the next bf16 up */
         }
         scales[r] = stored;
-        const __m512 divisor = _mm512_set1_ps(bf16_to_float(stored));
-        const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+        const vec16 divisor = vec16_set1(bf16_to_float(stored));
+        const vec16 low = vec16_set1(-127.0f), high = vec16_set1(127.0f);
         for (int64_t j = 0; j < cols; j += 16) {
-            const __mmask16 mask = tail_mask(cols - j);
-            __m512 v = _mm512_div_ps(load_bf16(row + j, mask), divisor);
-            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm512_min_ps(_mm512_max_ps(v, low), high);
-            const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
-            _mm_mask_storeu_epi8(codes + r * cols + j, mask, bytes);
+            vec16 v = vec16_div(vec16_load_bf16(row + j, cols - j), divisor);
+            v = vec16_min(vec16_max(vec16_round_even(v), low), high);
+            vec16_store_i8(codes + r * cols + j, v, cols - j);
         }
     }
     return 0;
@@ -850,12 +852,10 @@ int hearth_int8_rows_to_bf16(const int8_t *codes, const uint16_t *scales, int64_
                              int64_t cols, uint16_t *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-        const __m512 scale = _mm512_set1_ps(bf16_to_float(scales[r]));
+        const vec16 scale = vec16_set1(bf16_to_float(scales[r]));
         for (int64_t j = 0; j < cols; j += 16) {
-            const __mmask16 mask = tail_mask(cols - j);
-            const __m128i q = _mm_maskz_loadu_epi8(mask, codes + r * cols + j);
-            const __m512 values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale);
-            _mm256_mask_storeu_epi16(out + r * cols + j, mask, float_to_bf16_x16(values));
+            const vec16 q = vec16_load_i8(codes + r * cols + j, cols - j);
+            vec16_store_bf16(out + r * cols + j, vec16_mul(q, scale), cols - j);
         }
     }
     return 0;

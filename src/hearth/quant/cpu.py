@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hearth import native
+from hearth.native.bf16_gemm import linear
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_MAX = 127
@@ -215,7 +216,7 @@ class _QuantizedLinear(nn.Module):
 
     def reference_forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize_as(x.dtype), bias)
+        return linear(x, self.dequantize_as(x.dtype), bias)
 
     def forward(self, x: Tensor) -> Tensor:
         # Many rows (a prefill) are compute-bound: a bf16 GEMM on the unpacked weight beats
