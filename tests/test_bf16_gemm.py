@@ -1,4 +1,4 @@
-"""hearth.native.bf16_gemm: CPU bf16 products as fp32 GEMMs where the CPU lacks bf16 instructions."""
+"""hearth.native.bf16_gemm: CPU bf16 products as fp32 GEMMs on CPUs without bf16 instructions."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ def test_linear_of_exact_products_is_the_product_rounded_once(widened: bool):
     got = bf16_gemm.linear(x, weight, bias)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, exact.to(torch.bfloat16))
-    assert torch.equal(bf16_gemm.linear(x, weight), F.linear(x.double(), weight.double()).bfloat16())
+    assert torch.equal(
+        bf16_gemm.linear(x, weight), F.linear(x.double(), weight.double()).bfloat16()
+    )
 
 
 def test_linear_of_random_numbers_is_within_the_fp32_sum_bound_of_fp64(widened: bool):

@@ -241,7 +241,9 @@ def test_cli_generates_from_a_gemma4_gguf(files: Files, name: str) -> None:
     assert "generation: 4 tokens" in result.stderr
 
 
-@pytest.mark.skipif(native.kernels() is None, reason="no C compiler with OpenMP, or neither AVX-512 nor AVX2")
+@pytest.mark.skipif(
+    native.kernels() is None, reason="no C compiler with OpenMP, or neither AVX-512 nor AVX2"
+)
 def test_int8_load_leaves_the_per_layer_table_in_the_file(files: Files, tmp_path: Path) -> None:
     """With int8 weights (the CPU default for GGUF), a per-layer table stored in blocks the
     native kernels decode stays in the file: each looked-up row is the file's value rounded to
