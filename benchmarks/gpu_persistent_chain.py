@@ -208,18 +208,19 @@ class Chain:
         if any(row[0] % 8 for row in meta):
             raise ValueError("every weight must start on a 16-byte boundary")
         self.meta = torch.tensor(meta, dtype=torch.int64, device=device)
+        self.offsets = meta  # the same on the host: read while a CUDA graph captures
         self.phases = phases
         self.counters = torch.zeros(len(phases) + 1, dtype=torch.int32, device=device)
 
     def weight(self, i: int) -> torch.Tensor:
         n, k = self.phases[i]
-        start = int(self.meta[i, 0])
+        start = self.offsets[i][0]
         return self.weights[start : start + n * k].view(n, k)
 
     def view(self, i: int, which: int) -> torch.Tensor:
         """Phase i's input (which=1, K elements) or output (which=2, N elements)."""
         n, k = self.phases[i]
-        start = int(self.meta[i, which])
+        start = self.offsets[i][which]
         return self.acts[start : start + (k if which == 1 else n)]
 
     def reset(self, seed: int) -> None:
