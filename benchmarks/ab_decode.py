@@ -111,9 +111,7 @@ FUSED_MERGE = _set(attention, "FUSED_MERGE_MAX_BYTES", 1 << 40)
 
 
 def _prefill_attention_d512(config: prefill_attention.LaunchConfig) -> Patch:
-    """Prefill attention tiles `config` at head dim 512 in bf16/fp16 (other shapes keep theirs).
-    The two-value-split tiles won the 2026-12-03 kernel sweep (31B full layer 2,176 vs 2,650
-    µs) but were judged end to end on single eager prefills that spread over 43-64% of peak."""
+    """Prefill attention tiles `config` at head dim 512 in bf16/fp16 (other shapes keep theirs)."""
     original = prefill_attention.default_config
 
     def chosen(head_dim: int, dtype: torch.dtype) -> prefill_attention.LaunchConfig:
@@ -322,12 +320,11 @@ VARIANTS: dict[str, Patch] = {
     # Prefill: the attention output head-major (a copy before o_proj); the grouped experts'
     # GeGLU in its own kernel; the down matmul scaling rows and a torch sum over the slots.
     "attn-out-head-major": _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
-    # D=512 prefill attention: 128-row tiles, each program half the value columns.
-    "attn512-split2": _prefill_attention_d512(prefill_attention.LaunchConfig(128, 32, 8, 2, 2)),
+    # D=512 prefill attention: 64-row tiles, one program for all value columns (the default
+    # before 2026-12-06: 128-row tiles, each program half the value columns).
+    "attn512-unsplit": _prefill_attention_d512(prefill_attention.LaunchConfig(64, 32, 8, 2, 1)),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
-    # Packed experts' dequantized tile as the grouped MMA's register operand.
-    "packed-weight-as-a": _set(grouped_matmul, "PACKED_WEIGHT_AS_A", True),
     "prefill-fusions-off": _stacked(
         _set(prefill_attention, "TOKEN_MAJOR_OUTPUT", False),
         _set(gemma4, "FUSED_GROUPED_GEGLU", False),

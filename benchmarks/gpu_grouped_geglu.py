@@ -180,40 +180,6 @@ def slot_sum_rows() -> list[str]:
     return rows
 
 
-def weight_as_a_rows() -> list[str]:
-    """MLX 4-bit experts' gate/up at 4096 tokens with the dequantized tile as the MMA's
-    first operand (`grouped_matmul.PACKED_WEIGHT_AS_A`, read from registers) or second
-    (through shared memory), at two tall launches; the largest difference between the two
-    against the output's largest value (fp32 accumulation in another order)."""
-    tokens = 4096
-    launch, _ = experts(4)
-    logits = torch.randn(tokens, EXPERTS, device=DEVICE) + torch.randn(EXPERTS, device=DEVICE)
-    ids = logits.topk(TOP_K, dim=-1).indices
-    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=BF16)
-    plan = gm.plan_experts(ids, EXPERTS, gm.TALL_BLOCK_M)
-    flops = 2 * tokens * TOP_K * 2 * WIDTH * HIDDEN
-    rows = []
-    for n, k, warps, stages in ((128, 64, 8, 3), (256, 64, 8, 4)):
-        config = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
-        times, outputs = {}, {}
-        for as_a in (False, True):
-            gm.PACKED_WEIGHT_AS_A = as_a
-            call = partial(launch, x, ids, plan=plan, config=config)
-            outputs[as_a] = call().float()
-            times[as_a] = bench(call)
-        gm.PACKED_WEIGHT_AS_A = False
-        scale = outputs[False].abs().max().item()
-        diff = (outputs[True] - outputs[False]).abs().max().item()
-        rows.append(
-            f"| {n}x{k} w{warps} s{stages} | {times[False] * 1e6:.0f} "
-            f"({flops / times[False] / 1e12:.0f} TFLOP/s) | {times[True] * 1e6:.0f} "
-            f"({flops / times[True] / 1e12:.0f}) | {times[False] / times[True] - 1:+.1%} | "
-            f"{diff:.3g} of {scale:.3g} |"
-        )
-        print(rows[-1], flush=True)
-    return rows
-
-
 PARTS = {
     "geglu": (
         "Experts' gate/up [128, 1408, 2816], top-8 routing; µs per call (median).",
@@ -226,12 +192,6 @@ PARTS = {
         "input; µs per call (median).",
         "| shape | token-major output | head-major + copy | saved | elements that differ |",
         attention_rows,
-    ),
-    "weight-as-a": (
-        "MLX 4-bit g64 experts' gate/up [128, 1408, 2816], 4096 tokens, 128-row tiles; µs per "
-        "call (median).",
-        "| launch | weight tile second (shared memory) | first (registers) | gain | max diff |",
-        weight_as_a_rows,
     ),
     "slot-sum": (
         "26B-A4B's expert outputs summed over the 8 slots, 4096 tokens, bf16, against fp32 "

@@ -48,10 +48,8 @@
 #                                                          # output: checks, 26B-A4B bf16 prefill A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh prefill-fusions2  # the same A/B at 4 bits, E4B and 12B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline3         # headline rows the prefill fusions move
-#   OUT=/tmp/out benchmarks/gpu_suite.sh weight-as-a       # 4-bit experts' tile as the MMA's register
-#                                                          # operand: kernel timing, 26B-A4B 4-bit A/B
-#   OUT=/tmp/out benchmarks/gpu_suite.sh attn512           # D=512 prefill attention with two value
-#                                                          # splits, A/B from prefill graphs
+#   OUT=/tmp/out benchmarks/gpu_suite.sh attn512           # D=512 prefill attention: two value
+#                                                          # splits (default) or one, A/B from graphs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh persistent        # a GEMV chain: a launch each, or one
 #                                                          # persistent kernel with grid barriers
 set -u
@@ -316,15 +314,11 @@ stage 90 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --context
 stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
 stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
 stage 70 bench-26b-a4b-4bit python -m hearth.cli bench --random 26b-a4b --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b-4bit.md"
-elif [ "$PART" = weight-as-a ]; then  # PACKED_WEIGHT_AS_A: written 2026-12-05, not yet run
-stage 120 weight-as-a python benchmarks/gpu_grouped_geglu.py --parts weight-as-a
-stage 200 ab-26b-4bit-4k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 4096 --variants base,packed-weight-as-a --check --name 26b_4bit_prefill4096_weight_as_a
-stage 150 ab-26b-4bit-1k python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --prefill 1024 --variants base,packed-weight-as-a --check --name 26b_4bit_prefill1024_weight_as_a
-elif [ "$PART" = attn512 ]; then  # written 2026-12-05, not yet run: the split tiles' A/B again
-stage 130 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn512-split2 --check --name e4b_prefill4096_attn512
-stage 150 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,attn512-split2 --check --name 26b_prefill4096_attn512
-stage 200 ab-31b-4k python benchmarks/ab_decode.py --models 31b --prefill 4096 --variants base,attn512-split2 --check --name 31b_prefill4096_attn512
-elif [ "$PART" = persistent ]; then  # written 2026-12-05 (tenth session), not yet run
+elif [ "$PART" = attn512 ]; then  # the split tiles' A/B (run 2026-12-06 on an H100: split adopted)
+stage 130 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn512-unsplit --check --name e4b_prefill4096_attn512
+stage 150 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,attn512-unsplit --check --name 26b_prefill4096_attn512
+stage 200 ab-31b-4k python benchmarks/ab_decode.py --models 31b --prefill 4096 --variants base,attn512-unsplit --check --name 31b_prefill4096_attn512
+elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes
 stage 80 profile-26b-prefill python benchmarks/gpu_profile_decode.py --model 26b-a4b --prefill 4096

@@ -374,14 +374,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
 
     yield "grouped affine experts with a geglu output", lambda: packed_tall(geglu=True)
 
-    def packed_weight_as_a() -> None:  # an experiment behind a switch (PACKED_WEIGHT_AS_A)
-        previous, grouped_matmul.PACKED_WEIGHT_AS_A = grouped_matmul.PACKED_WEIGHT_AS_A, True
-        try:
-            packed_tall()
-        finally:
-            grouped_matmul.PACKED_WEIGHT_AS_A = previous
-
-    yield "grouped affine experts, the weight tile as the MMA's first operand", packed_weight_as_a
     # The plan's counting sort at 26B-A4B's 128 experts and top 8, over several chunks.
     yield (
         "expert plan",

@@ -238,16 +238,12 @@ AFFINE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("weight_as_a", [False, True])
 @pytest.mark.parametrize(
     ("bits", "group", "dtype", "scale_dtype", "top_k", "kind", "config"), AFFINE_CASES
 )
 def test_affine_kernel_matches_reference_and_oracle(
-    bits, group, dtype, scale_dtype, top_k, kind, config, weight_as_a, monkeypatch
+    bits, group, dtype, scale_dtype, top_k, kind, config
 ) -> None:
-    """`weight_as_a`: the dequantized tile as the MMA's first operand, the output
-    accumulated transposed (PACKED_WEIGHT_AS_A); the same bounds hold."""
-    monkeypatch.setattr(gm, "PACKED_WEIGHT_AS_A", weight_as_a)
     torch.manual_seed(2)
     tokens, n, k = 20, 40, 128
     ids = _routing(kind, tokens, top_k, seed=bits)

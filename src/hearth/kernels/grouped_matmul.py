@@ -54,11 +54,6 @@ TALL_BLOCK_M = 128
 LARGE_BLOCK_MIN_ROWS = 32
 TALL_BLOCK_MIN_ROWS = 128
 TALL_BLOCK_MIN_ROWS_PACKED = 64
-# Packed experts: the dequantized weight tile as the MMA's first operand, which Hopper's
-# warpgroup MMA reads from registers, where the dequantization leaves it (the activations
-# come through shared memory instead); the output is accumulated transposed. Off until an
-# A/B on the GPU says it pays.
-PACKED_WEIGHT_AS_A = False
 # The plan from three Triton kernels (`expert_plan`) instead of ~20 torch ops. Not yet timed on
 # the GPU (benchmarks/ab_decode.py --prefill 4096 --variants base,plan-torch will).
 TRITON_PLAN = True
@@ -362,15 +357,10 @@ if HAS_TRITON:
         return tile
 
     @triton.jit
-    def _dot(a, b, acc, FP32_DOT: tl.constexpr, WEIGHT_AS_A: tl.constexpr):
-        """acc + a @ b^T, b in a's dtype (fp32 activations: exact products, not TF32); with
-        WEIGHT_AS_A, acc^T + b @ a^T: the weight tile is the MMA's first operand."""
+    def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+        """acc + a @ b^T, b in a's dtype (fp32 activations: exact products, not TF32)."""
         precision: tl.constexpr = "ieee" if FP32_DOT else None
-        if WEIGHT_AS_A:
-            acc = tl.dot(b.to(a.dtype), tl.trans(a), acc, input_precision=precision)
-        else:
-            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision=precision)
-        return acc
+        return tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision=precision)
 
     @triton.jit
     def _grouped_matmul_kernel(
@@ -395,7 +385,6 @@ if HAS_TRITON:
         HAS_ROW_SCALE: tl.constexpr,
         GEGLU: tl.constexpr,
         FP32_DOT: tl.constexpr,
-        WEIGHT_AS_A: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -433,12 +422,8 @@ if HAS_TRITON:
             scales_ptr += expert * weight_rows * (K // GROUP)
             biases_ptr += expert * weight_rows * (K // GROUP)
 
-        if WEIGHT_AS_A:  # accumulated transposed: [BLOCK_N, BLOCK_M]
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            up_acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # GEGLU only
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GEGLU only
         for step in range((K + BLOCK_K - 1) // BLOCK_K):
             k = step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < K
@@ -456,7 +441,7 @@ if HAS_TRITON:
                 BLOCK_N,
                 BLOCK_K,
             )
-            acc = _dot(a, b, acc, FP32_DOT, WEIGHT_AS_A)
+            acc = _dot(a, b, acc, FP32_DOT)
             if GEGLU:
                 b = _weight_tile(
                     weight_ptr,
@@ -471,11 +456,7 @@ if HAS_TRITON:
                     BLOCK_N,
                     BLOCK_K,
                 )
-                up_acc = _dot(a, b, up_acc, FP32_DOT, WEIGHT_AS_A)
-
-        if WEIGHT_AS_A:
-            acc = tl.trans(acc)
-            up_acc = tl.trans(up_acc)
+                up_acc = _dot(a, b, up_acc, FP32_DOT)
 
         if GEGLU:
             dtype = out_ptr.dtype.element_ty
@@ -521,7 +502,7 @@ if HAS_TRITON:
 
     _grouped_matmul_tuned = triton.autotune(
         configs=_CONFIGS,
-        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GEGLU", "FP32_DOT", "WEIGHT_AS_A"],
+        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GEGLU", "FP32_DOT"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(_grouped_matmul_kernel)
 
@@ -580,7 +561,6 @@ if HAS_TRITON:
             "HAS_ROW_SCALE": scale is not None,
             "GEGLU": geglu,
             "FP32_DOT": x.dtype == torch.float32,
-            "WEIGHT_AS_A": bool(bits) and PACKED_WEIGHT_AS_A,
             "BLOCK_M": plan.block_m,
             "GROUP_M": GROUP_M,
         }

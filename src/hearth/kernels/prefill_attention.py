@@ -71,12 +71,15 @@ def default_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
         return LaunchConfig(128, 32 if wide else 64, 8, 3 if not wide else 2, 1)
     if head_dim <= 256:
         return LaunchConfig(64 if wide else 128, 32 if wide else 64, 8, 2, 1)
-    # D=512: 128x32 with two value splits won the kernel sweep on a 31B full layer (2176 vs
-    # 2650 µs) but end to end left 31B prefill unchanged and slowed E4B (63.3% -> 59.5% of
-    # peak) and 26B-A4B (40.8% -> 35.5%) on the H200, so 64x32 unsplit stays. Those were
-    # single eager prefills, spreading over 43-64% of peak; `gpu_suite.sh attn512` repeats
-    # the A/B from prefill graphs.
-    return LaunchConfig(32 if wide else 64, 32, 8, 1 if wide else 2, 1)
+    # D=512, bf16: 128x32 with two value splits (each program recomputes Q·Kᵀ for half the
+    # output columns, halving the fp32 accumulator). It won the kernel sweep on a 31B full
+    # layer (2176 vs 2650 µs) and, from prefill graphs (`gpu_suite.sh attn512`, H100,
+    # 2026-12-06), 4096-token prefills end to end: 26B-A4B +0.9%, 31B +1.1%, E4B +0.8%, every
+    # round above the unsplit 64x32's on the first two. (An earlier verdict against it came
+    # from single eager prefills, which spread over 43-64% of peak.)
+    if wide:
+        return LaunchConfig(32, 32, 8, 1, 1)
+    return LaunchConfig(128, 32, 8, 2, 2)
 
 
 def _resolve(config: LaunchConfig | None, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
