@@ -32,6 +32,7 @@ from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lin
 from hearth.kernels.activation import gelu_tanh_mul, gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 from hearth.kernels.norm import add_rms_norm, add_rms_norm_reference
+from hearth.native.bf16_gemm import linear as cpu_linear
 
 # Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
 GEMV_MAX_ROWS = 4
@@ -141,7 +142,7 @@ def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = Non
     rows = x.numel() // x.shape[-1]
     if kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype:
         return gemv_triton(x, weight, geglu, up=up)
-    return F.linear(gelu_tanh_mul(x, up) if geglu else x, weight)
+    return cpu_linear(gelu_tanh_mul(x, up) if geglu else x, weight)  # F.linear off the CPU
 
 
 if HAS_TRITON:

@@ -63,10 +63,10 @@ def project(
         prefer_cublas = not DOWN_GEMV  # down, after the GeGLU kernel
     if float_weight and not geglu and (y := native.row_matmul(x, linear.weight)) is not None:
         return y  # a CPU bf16 decode step
-    if float_weight and not geglu and x.device.type == "cpu":
-        return cpu_linear(x, linear.weight)  # a CPU prefill
     if float_weight and (WIDE_GEMV or not prefer_cublas or has_pinned_launch(x, linear.weight)):
         return gemv(x, linear.weight, geglu)
+    if float_weight and x.device.type == "cpu":
+        return cpu_linear(x, linear.weight)  # a CPU prefill: an fp32 GEMM where bf16 is slow
     return linear(x)
 
 

@@ -104,29 +104,44 @@ static inline vec16 vec16_load_f32(const float *p, int64_t count) {
     }
     return vec16_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
 }
-static inline __m256 vec16_widen_bf16x8(__m128i half) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-static inline vec16 vec16_widen_bf16x16(__m256i raw) {
-    return vec16_pair(vec16_widen_bf16x8(_mm256_castsi256_si128(raw)),
-                      vec16_widen_bf16x8(_mm256_extracti128_si256(raw, 1)));
+/* bf16 -> fp32 is exact: bf16 is fp32's upper half. Eight numbers at p: both 128-bit lanes
+ * get all eight, and an in-lane byte shuffle puts numbers 0-3 | 4-7 into the upper halves of
+ * zeroed 32-bit lanes, avoiding AVX2's lane-crossing widening (vpmovzxwd ymm). */
+static inline __m256 vec16_widen_bf16x8(const uint16_t *p) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(
+        both, _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
+                               -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15)));
 }
 __attribute__((noinline, cold)) static vec16 vec16_load_bf16_tail(const uint16_t *p,
                                                                  int64_t count) {
     uint16_t tail[16] = {0};
     memcpy(tail, p, (size_t)vec16_tail_bytes(count, sizeof(uint16_t)));
-    return vec16_widen_bf16x16(_mm256_loadu_si256((const __m256i *)tail));
+    return vec16_pair(vec16_widen_bf16x8(tail), vec16_widen_bf16x8(tail + 8));
 }
-/* bf16 -> fp32 is exact: bf16 is fp32's upper half. */
 static inline vec16 vec16_load_bf16(const uint16_t *p, int64_t count) {
     if (__builtin_expect(count < 16, 0)) {
         return vec16_load_bf16_tail(p, count);
     }
-    return vec16_widen_bf16x16(_mm256_loadu_si256((const __m256i *)p));
+    return vec16_pair(vec16_widen_bf16x8(p), vec16_widen_bf16x8(p + 8));
 }
+/* int8 -> fp32 without AVX2's lane-crossing widening (vpmovsxbd ymm), which limited the int8
+ * GEMV to ~4 weights a cycle on an AMD EPYC: both 128-bit lanes get all 16 bytes, an in-lane
+ * byte shuffle puts code q (lanes 0-3 | 4-7, then 8-11 | 12-15) into the low byte of a 32-bit
+ * lane, and the float with bits 0x4B000000 | (q ^ 0x80) is 2^23 + 128 + q exactly; subtracting
+ * 2^23 + 128 leaves q, exactly. */
 static inline vec16 vec16_widen_i8x16(__m128i raw) {
-    return vec16_pair(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)),
-                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))));
+    const __m256i both = _mm256_broadcastsi128_si256(raw);
+    const __m256i first = _mm256_shuffle_epi8(
+        both, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                               4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
+    const __m256i second = _mm256_shuffle_epi8(
+        both, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                               12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1));
+    const __m256i magic = _mm256_set1_epi32(0x4B000080);
+    const __m256 offset = _mm256_set1_ps(8388736.0f); /* 2^23 + 128 */
+    return vec16_pair(_mm256_sub_ps(_mm256_castsi256_ps(_mm256_xor_si256(first, magic)), offset),
+                      _mm256_sub_ps(_mm256_castsi256_ps(_mm256_xor_si256(second, magic)), offset));
 }
 __attribute__((noinline, cold)) static vec16 vec16_load_i8_tail(const int8_t *p, int64_t count) {
     int8_t tail[16] = {0};
