@@ -88,20 +88,7 @@ static inline vec16 vec16_zero(void) {
 static inline vec16 vec16_set1(float value) {
     return vec16_pair(_mm256_set1_ps(value), _mm256_set1_ps(value));
 }
-/* AVX2 has no masked loads of 8- or 16-bit elements: a tail goes through a zeroed copy. */
-static inline int64_t vec16_tail_bytes(int64_t count, int64_t size) {
-    return (count <= 0 ? 0 : count) * size;
-}
-/* Tails (rare: only a row's last 16) go through these, out of the hot loops' way. */
-__attribute__((noinline, cold)) static vec16 vec16_load_f32_tail(const float *p, int64_t count) {
-    float tail[16] = {0};
-    memcpy(tail, p, (size_t)vec16_tail_bytes(count, sizeof(float)));
-    return vec16_pair(_mm256_loadu_ps(tail), _mm256_loadu_ps(tail + 8));
-}
-static inline vec16 vec16_load_f32(const float *p, int64_t count) {
-    if (__builtin_expect(count < 16, 0)) {
-        return vec16_load_f32_tail(p, count);
-    }
+static inline vec16 vec16_widen_f32(const float *p) {
     return vec16_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
 }
 /* bf16 -> fp32 is exact: bf16 is fp32's upper half. Eight numbers at p: both 128-bit lanes
@@ -113,16 +100,7 @@ static inline __m256 vec16_widen_bf16x8(const uint16_t *p) {
         both, _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
                                -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15)));
 }
-__attribute__((noinline, cold)) static vec16 vec16_load_bf16_tail(const uint16_t *p,
-                                                                 int64_t count) {
-    uint16_t tail[16] = {0};
-    memcpy(tail, p, (size_t)vec16_tail_bytes(count, sizeof(uint16_t)));
-    return vec16_pair(vec16_widen_bf16x8(tail), vec16_widen_bf16x8(tail + 8));
-}
-static inline vec16 vec16_load_bf16(const uint16_t *p, int64_t count) {
-    if (__builtin_expect(count < 16, 0)) {
-        return vec16_load_bf16_tail(p, count);
-    }
+static inline vec16 vec16_widen_bf16(const uint16_t *p) {
     return vec16_pair(vec16_widen_bf16x8(p), vec16_widen_bf16x8(p + 8));
 }
 /* int8 -> fp32 without AVX2's lane-crossing widening (vpmovsxbd ymm), which limited the int8
@@ -130,8 +108,8 @@ static inline vec16 vec16_load_bf16(const uint16_t *p, int64_t count) {
  * byte shuffle puts code q (lanes 0-3 | 4-7, then 8-11 | 12-15) into the low byte of a 32-bit
  * lane, and the float with bits 0x4B000000 | (q ^ 0x80) is 2^23 + 128 + q exactly; subtracting
  * 2^23 + 128 leaves q, exactly. */
-static inline vec16 vec16_widen_i8x16(__m128i raw) {
-    const __m256i both = _mm256_broadcastsi128_si256(raw);
+static inline vec16 vec16_widen_i8(const int8_t *p) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
     const __m256i first = _mm256_shuffle_epi8(
         both, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
@@ -143,16 +121,29 @@ static inline vec16 vec16_widen_i8x16(__m128i raw) {
     return vec16_pair(_mm256_sub_ps(_mm256_castsi256_ps(_mm256_xor_si256(first, magic)), offset),
                       _mm256_sub_ps(_mm256_castsi256_ps(_mm256_xor_si256(second, magic)), offset));
 }
-__attribute__((noinline, cold)) static vec16 vec16_load_i8_tail(const int8_t *p, int64_t count) {
-    int8_t tail[16] = {0};
-    memcpy(tail, p, (size_t)vec16_tail_bytes(count, 1));
-    return vec16_widen_i8x16(_mm_loadu_si128((const __m128i *)tail));
+/* The bytes of `count` elements of `size` bytes (none for count <= 0). */
+static inline size_t vec16_tail_bytes(int64_t count, int64_t size) {
+    return (size_t)((count <= 0 ? 0 : count) * size);
+}
+/* A tail (only a row's last 16 elements) loads from a zero-padded copy, out of the hot loops'
+ * way: AVX2 has no masked loads of 8- or 16-bit elements. `size`: the element's bytes. */
+__attribute__((noinline, cold)) static vec16 vec16_load_tail(const void *p, int64_t count,
+                                                            int64_t size) {
+    _Alignas(32) uint8_t tail[64] = {0};
+    memcpy(tail, p, vec16_tail_bytes(count, size));
+    if (size == 4) {
+        return vec16_widen_f32((const float *)tail);
+    }
+    return size == 2 ? vec16_widen_bf16((const uint16_t *)tail) : vec16_widen_i8((const int8_t *)tail);
+}
+static inline vec16 vec16_load_f32(const float *p, int64_t count) {
+    return __builtin_expect(count < 16, 0) ? vec16_load_tail(p, count, 4) : vec16_widen_f32(p);
+}
+static inline vec16 vec16_load_bf16(const uint16_t *p, int64_t count) {
+    return __builtin_expect(count < 16, 0) ? vec16_load_tail(p, count, 2) : vec16_widen_bf16(p);
 }
 static inline vec16 vec16_load_i8(const int8_t *p, int64_t count) {
-    if (__builtin_expect(count < 16, 0)) {
-        return vec16_load_i8_tail(p, count);
-    }
-    return vec16_widen_i8x16(_mm_loadu_si128((const __m128i *)p));
+    return __builtin_expect(count < 16, 0) ? vec16_load_tail(p, count, 1) : vec16_widen_i8(p);
 }
 static inline vec16 vec16_fmadd(vec16 a, vec16 b, vec16 c) {
     return vec16_pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
@@ -195,7 +186,7 @@ static inline void vec16_store_f32(float *p, vec16 a, int64_t count) {
         float tail[16];
         _mm256_storeu_ps(tail, a.lo);
         _mm256_storeu_ps(tail + 8, a.hi);
-        memcpy(p, tail, (size_t)vec16_tail_bytes(count, sizeof(float)));
+        memcpy(p, tail, vec16_tail_bytes(count, sizeof(float)));
         return;
     }
     _mm256_storeu_ps(p, a.lo);
@@ -223,7 +214,7 @@ static inline void vec16_store_bf16(uint16_t *p, vec16 a, int64_t count) {
     if (count < 16) {
         uint16_t tail[16];
         _mm256_storeu_si256((__m256i *)tail, packed);
-        memcpy(p, tail, (size_t)vec16_tail_bytes(count, sizeof(uint16_t)));
+        memcpy(p, tail, vec16_tail_bytes(count, sizeof(uint16_t)));
         return;
     }
     _mm256_storeu_si256((__m256i *)p, packed);
@@ -237,7 +228,7 @@ static inline void vec16_store_i8(int8_t *p, vec16 a, int64_t count) {
     if (count < 16) {
         int8_t tail[16];
         _mm_storeu_si128((__m128i *)tail, bytes);
-        memcpy(p, tail, (size_t)vec16_tail_bytes(count, 1));
+        memcpy(p, tail, vec16_tail_bytes(count, 1));
         return;
     }
     _mm_storeu_si128((__m128i *)p, bytes);
