@@ -134,7 +134,10 @@ __attribute__((noinline, cold)) static vec16 vec16_load_tail(const void *p, int6
     if (size == 4) {
         return vec16_widen_f32((const float *)tail);
     }
-    return size == 2 ? vec16_widen_bf16((const uint16_t *)tail) : vec16_widen_i8((const int8_t *)tail);
+    if (size == 2) {
+        return vec16_widen_bf16((const uint16_t *)tail);
+    }
+    return vec16_widen_i8((const int8_t *)tail);
 }
 static inline vec16 vec16_load_f32(const float *p, int64_t count) {
     return __builtin_expect(count < 16, 0) ? vec16_load_tail(p, count, 4) : vec16_widen_f32(p);
