@@ -398,7 +398,8 @@ static void attend_chunk(const float *queries, int64_t per_group, const uint16_t
                 const vec16 weight = vec16_set1(row[t]);
                 const uint16_t *value = values + (first + t) * d + j0;
                 for (int u = 0; u < VALUE_BLOCK; ++u) {
-                    sums[u] = vec16_fmadd(weight, vec16_load_bf16(value + 16 * u, lanes[u]), sums[u]);
+                    const vec16 row_values = vec16_load_bf16(value + 16 * u, lanes[u]);
+                    sums[u] = vec16_fmadd(weight, row_values, sums[u]);
                 }
             }
             for (int u = 0; u < VALUE_BLOCK; ++u) {

@@ -225,8 +225,10 @@ static inline void vec16_store_bf16(uint16_t *p, vec16 a, int64_t count) {
 /* Lanes holding whole numbers in [-128, 127] -> int8 (the packs saturate nothing then). */
 static inline void vec16_store_i8(int8_t *p, vec16 a, int64_t count) {
     const __m256i lo = _mm256_cvtps_epi32(a.lo), hi = _mm256_cvtps_epi32(a.hi);
-    const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-    const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+    const __m128i lo16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+    const __m128i hi16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
     const __m128i bytes = _mm_packs_epi16(lo16, hi16);
     if (count < 16) {
         int8_t tail[16];
@@ -238,7 +240,7 @@ static inline void vec16_store_i8(int8_t *p, vec16 a, int64_t count) {
 }
 
 #else
-#error "hearth's native kernels need AVX-512, or AVX2 with FMA and F16C; torch's own kernels serve other CPUs"
+#error "hearth's native kernels need AVX-512, or AVX2 with FMA and F16C (torch's serve others)"
 #endif
 
 #endif /* HEARTH_VEC16_H */
