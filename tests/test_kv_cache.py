@@ -49,6 +49,22 @@ def test_rotating_cache_prefill_longer_than_window_returns_all_then_keeps_window
     assert cache.nbytes == 4 * 2 * 4 * 4 * 2
 
 
+def test_rotating_cache_prefill_attends_only_over_filled_slots() -> None:
+    """Before the ring wraps, a prefill chunk's view holds the stored tokens and the new ones
+    (no empty slots); once it has wrapped, the whole ring and the new ones."""
+    cache = RotatingCache(window=4, capacity=6)
+    view = cache.update_and_fetch(*_kv(3))  # a fresh prompt: nothing stored yet
+    assert view.length == 3 and view.positions is not None
+    assert view.positions.tolist() == [0, 1, 2] and view.keys[0, 0, :, 0].tolist() == [0, 1, 2]
+    view = cache.update_and_fetch(*_kv(2, start=3))
+    assert view.positions.tolist() == [0, 1, 2, 3, 4]
+    assert view.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
+    cache.update_and_fetch(*_kv(3, start=5))  # 8 tokens in a ring of 6: wrapped
+    view = cache.update_and_fetch(*_kv(2, start=8))
+    assert view.length == 6 + 2 and sorted(view.positions.tolist()) == list(range(2, 10))
+    assert torch.equal(view.keys[0, 0, :, 0], view.positions.float())
+
+
 def test_rotating_cache_trim_within_and_beyond_the_ring() -> None:
     cache = RotatingCache(window=4, capacity=6)
     cache.update_and_fetch(*_kv(8))  # ring holds 2..7

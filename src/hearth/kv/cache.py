@@ -360,10 +360,14 @@ class RotatingCache:
         count, start = keys.shape[2], self.offset
         positions = torch.arange(start, start + count, device=keys.device)
         ring_keys, ring_values = self._store.read()
+        # Before the ring wraps, position p sits in slot p < start and every later slot is
+        # empty: attending over the empty ones only costs time (a fresh prompt's first chunk
+        # would attend over a whole ring of them).
+        filled = min(start, self.capacity)
         new_keys, new_values = self._store.roundtrip(keys, values)
-        all_keys = torch.cat([ring_keys, new_keys], dim=2)
-        all_values = torch.cat([ring_values, new_values], dim=2)
-        all_positions = torch.cat([self._positions, positions])
+        all_keys = torch.cat([ring_keys[:, :, :filled], new_keys], dim=2)
+        all_values = torch.cat([ring_values[:, :, :filled], new_values], dim=2)
+        all_positions = torch.cat([self._positions[:filled], positions])
         kept = min(count, self.capacity)
         self._write(keys[:, :, -kept:], values[:, :, -kept:], start + count - kept)
         self.offset += count
