@@ -16,6 +16,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -337,13 +338,10 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> 
     size = _MATMUL_SIZE[device.type]
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    out = torch.empty(size, size, device=device, dtype=dtype)
-
-    def product() -> object:
-        if device.type == "cpu":
-            return cpu_linear(a, b)  # a @ bᵀ: the same FLOPs as a @ b
-        return torch.mm(a, b, out=out)
-
+    if device.type == "cpu":
+        product = partial(cpu_linear, a, b)  # a @ bᵀ: the FLOPs of a @ b
+    else:
+        product = partial(torch.mm, a, b, out=torch.empty_like(a))
     product()
     seconds = min(timed(device, lambda: [product() for _ in range(repeats)]) for _ in range(3))
     return 2 * size**3 * repeats / seconds
