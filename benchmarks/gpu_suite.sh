@@ -52,6 +52,7 @@
 #                                                          # splits (default) or one, A/B from graphs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh persistent        # a GEMV chain: a launch each, or one
 #                                                          # persistent kernel with grid barriers
+#   OUT=/tmp/out benchmarks/gpu_suite.sh norm-after        # add-norms in the GEMVs' last programs
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -318,6 +319,12 @@ elif [ "$PART" = attn512 ]; then  # the split tiles' A/B (run 2026-12-06 on an H
 stage 130 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn512-unsplit --check --name e4b_prefill4096_attn512
 stage 150 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,attn512-unsplit --check --name 26b_prefill4096_attn512
 stage 200 ab-31b-4k python benchmarks/ab_decode.py --models 31b --prefill 4096 --variants base,attn512-unsplit --check --name 31b_prefill4096_attn512
+elif [ "$PART" = norm-after ]; then  # the add-norm in the GEMV's last program: checks, A/Bs
+stage 60 tests python -m pytest -q -x tests/test_static_cache.py -k "gpu or graph"
+stage 100 norm-after python benchmarks/gpu_gemv_norm_after.py
+stage 120 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,norm-after-apart --check --name e4b_norm_after
+stage 130 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-after-apart --check --name 12b_norm_after
+stage 170 ab-31b python benchmarks/ab_decode.py --models 31b --variants base,norm-after-apart --check --name 31b_norm_after
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes
