@@ -320,7 +320,6 @@ stage 130 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 -
 stage 150 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,attn512-unsplit --check --name 26b_prefill4096_attn512
 stage 200 ab-31b-4k python benchmarks/ab_decode.py --models 31b --prefill 4096 --variants base,attn512-unsplit --check --name 31b_prefill4096_attn512
 elif [ "$PART" = norm-after ]; then  # the add-norm in the GEMV's last program: checks, A/Bs
-stage 60 tests python -m pytest -q -x tests/test_static_cache.py -k "gpu or graph"
 stage 100 norm-after python benchmarks/gpu_gemv_norm_after.py
 stage 120 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,norm-after-apart --check --name e4b_norm_after
 stage 130 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-after-apart --check --name 12b_norm_after
