@@ -53,6 +53,9 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh persistent        # a GEMV chain: a launch each, or one
 #                                                          # persistent kernel with grid barriers
 #   OUT=/tmp/out benchmarks/gpu_suite.sh norm-after        # add-norms in the GEMVs' last programs
+#   OUT=/tmp/out benchmarks/gpu_suite.sh headline4         # the issue's table, HF beside, one call
+#   OUT=/tmp/out benchmarks/gpu_suite.sh gluon-norm-after  # 4-bit load floors and the Gluon GEMV;
+#                                                          # the norm-after A/B on E4B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -319,6 +322,19 @@ elif [ "$PART" = attn512 ]; then  # the split tiles' A/B (run 2026-12-06 on an H
 stage 130 ab-e4b-4k python benchmarks/ab_decode.py --models e4b --prefill 4096 --variants base,attn512-unsplit --check --name e4b_prefill4096_attn512
 stage 150 ab-26b-4k python benchmarks/ab_decode.py --models 26b-a4b --prefill 4096 --variants base,attn512-unsplit --check --name 26b_prefill4096_attn512
 stage 200 ab-31b-4k python benchmarks/ab_decode.py --models 31b --prefill 4096 --variants base,attn512-unsplit --check --name 31b_prefill4096_attn512
+elif [ "$PART" = headline4 ]; then  # the issue's table with today's defaults, HF beside (one call)
+stage 90 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-gemma3-12b.md"
+stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
+stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
+stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
+for m in gemma3-12b 26b-a4b; do
+stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
+done
+elif [ "$PART" = gluon-norm-after ]; then  # the H200's 4-bit questions; the norm-after A/B on E4B
+stage 90 load-patterns python benchmarks/gpu_gemv_load_patterns.py
+stage 250 mma-gluon python benchmarks/gpu_gemv_affine_mma_gluon.py
+stage 80 norm-after python benchmarks/gpu_gemv_norm_after.py
+stage 150 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,norm-after-apart --check --name e4b_norm_after
 elif [ "$PART" = norm-after ]; then  # the add-norm in the GEMV's last program: checks, A/Bs
 stage 100 norm-after python benchmarks/gpu_gemv_norm_after.py
 stage 120 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,norm-after-apart --check --name e4b_norm_after

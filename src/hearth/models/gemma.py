@@ -82,12 +82,11 @@ def project_add_norm(
     """`norm_after.apply(project(linear, x, geglu))`: the residual add-norm after o_proj or
     down. Where `project` takes the Triton GEMV at a decode step, the GEMV's last program runs
     the add-norm (`gemv_norm_after`), one launch fewer."""
-    weight = linear.weight
-    takes_gemv = not geglu or DOWN_GEMV or FUSED_GEGLU
-    if is_float_linear(linear) and takes_gemv and gemv_norm_after_applies(x, weight):
+    takes_gemv = is_float_linear(linear) and (not geglu or DOWN_GEMV or FUSED_GEGLU)
+    if takes_gemv and gemv_norm_after_applies(x, linear.weight):
         if geglu and not FUSED_GEGLU:
             x, geglu = gelu_tanh_mul(x), False
-        return gemv_norm_after(x, weight, norm_after, geglu)
+        return gemv_norm_after(x, linear.weight, norm_after, geglu)
     return norm_after.apply(project(linear, x, geglu))
 
 
