@@ -21,36 +21,39 @@ from hearth.models import gemma_native
 from hearth.models.gemma_native import (
     NativeLayer,
     cached_layer,
+    child,
     fitting_norms,
     key_sample,
     layer_operands,
     native_weight,
+    source_paths,
 )
 
 if TYPE_CHECKING:
     from hearth.models.gemma4 import Gemma4Model
 
 
+_SOURCE_PATHS = source_paths(
+    "self_attn.qkv_proj.proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj.proj",
+    "mlp.down_proj",
+    "per_layer_input_gate",
+    "per_layer_projection",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "post_per_layer_input_norm",
+)
+
+
 def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module | None, ...]:
     """The modules whose tensors a layer's operands point into, in the operands' order: six
-    projections, then seven norms (None where the layer has no such module)."""
-    attention, mlp = layer.self_attn, layer.mlp
-    per_layer = hasattr(layer, "per_layer_input_gate")
-    return (
-        attention.qkv_proj.proj,
-        attention.o_proj,
-        mlp.gate_up_proj.proj,
-        mlp.down_proj,
-        layer.per_layer_input_gate if per_layer else None,
-        layer.per_layer_projection if per_layer else None,
-        attention.q_norm,
-        getattr(attention, "k_norm", None),
-        layer.post_attention_layernorm,
-        layer.pre_feedforward_layernorm,
-        layer.post_feedforward_layernorm,
-        layer.post_per_layer_input_norm if per_layer else None,
-        next_norm,
-    )
+    projections, then seven norms (None where the layer has no such module: the per-layer
+    input's without per-layer inputs, k_norm on a KV-sharing layer)."""
+    return (*[child(layer, path) for path in _SOURCE_PATHS], next_norm)
 
 
 def _build(layer: nn.Module, next_norm: nn.Module) -> NativeLayer | None:

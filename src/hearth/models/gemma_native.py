@@ -36,21 +36,36 @@ def native_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     return None
 
 
-def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module, ...]:
+def child(module: nn.Module, path: tuple[str, ...]) -> nn.Module | None:
+    """The submodule at `path` (None where absent), read from the registered-children tables:
+    what attribute access returns, at a small part of `nn.Module.__getattr__`'s cost, which
+    each layer of a decode step would pay about twenty times."""
+    found: nn.Module | None = module
+    for name in path:
+        found = None if found is None else found._modules.get(name)
+    return found
+
+
+def source_paths(*dotted: str) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(path.split(".")) for path in dotted)
+
+
+_SOURCE_PATHS = source_paths(
+    "self_attn.qkv_proj.proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj.proj",
+    "mlp.down_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def _sources(layer: nn.Module, next_norm: nn.Module) -> tuple[nn.Module | None, ...]:
     """The modules whose tensors a layer's operands point into, in a fixed order."""
-    attention, mlp = layer.self_attn, layer.mlp
-    return (
-        attention.qkv_proj.proj,
-        attention.o_proj,
-        mlp.gate_up_proj.proj,
-        mlp.down_proj,
-        attention.q_norm,
-        attention.k_norm,
-        layer.post_attention_layernorm,
-        layer.pre_feedforward_layernorm,
-        layer.post_feedforward_layernorm,
-        next_norm,
-    )
+    return (*[child(layer, path) for path in _SOURCE_PATHS], next_norm)
 
 
 def tensor_addresses(sources: Sequence[nn.Module]) -> list[int]:
