@@ -522,3 +522,35 @@ def test_native_int8_to_bf16_is_the_torch_dequantization(rows: int, cols: int) -
     expected = (codes.float() * scales.float()[:, None]).to(torch.bfloat16)
     ours = KERNELS.int8_rows_to_bf16(codes, scales)
     assert torch.equal(ours.view(torch.int16), expected.view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 5, 16, 17, 100, 262144, 262145])
+def test_argmax_rows_is_torch_max_indices(width: int):
+    """The native argmax returns what `max(dim=-1).indices` does (the oracle), on random rows,
+    ties (rounded values: the first index wins), a NaN (its index), rows of -inf with a +inf
+    or a tail value, and row tails past whole 16-lane blocks."""
+    generator = torch.Generator().manual_seed(width)
+    for case in range(8):
+        rows = torch.randn(3, width, generator=generator)
+        if case % 4 == 1:
+            rows = rows.round()
+        elif case % 4 == 2:
+            rows[1, torch.randint(width, (1,), generator=generator)] = float("nan")
+        elif case % 4 == 3:
+            rows.fill_(-float("inf"))
+            rows[2, width // 2] = float("inf")
+            rows[0, -1] = -3.0  # all-negative, the maximum in the tail
+        assert torch.equal(KERNELS.argmax_rows(rows), rows.max(dim=-1).indices), case
+
+
+@needs_native
+def test_greedy_sampling_takes_the_native_argmax(monkeypatch: pytest.MonkeyPatch):
+    from hearth import sampling
+
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(3)).round()
+    calls = []
+    original = KERNELS.argmax_rows
+    monkeypatch.setattr(KERNELS, "argmax_rows", lambda rows: calls.append(1) or original(rows))
+    picked = sampling.Sampler(sampling.SamplingParams()).sample(logits, [])
+    assert calls and torch.equal(picked, logits.argmax(dim=-1))

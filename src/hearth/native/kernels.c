@@ -289,6 +289,63 @@ static int add_rms_norm_scaled(const uint16_t *residual, const uint16_t *x, int6
     return 0;
 }
 
+/* The first index of a NaN in x [n], or else of its largest value. */
+static int64_t first_nan_or_max(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (x[i] != x[i]) {
+            return i;
+        }
+        best = x[i] > x[best] ? i : best;
+    }
+    return best;
+}
+
+/* As first_nan_or_max, in two vector passes where the row holds no NaN: its maximum (and its
+ * sum, NaN iff a NaN is there or +inf meets -inf: then the scalar scan decides), then the first
+ * block of 16 whose maximum is that value. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    const int64_t whole = n - n % 16;
+    vec16 top = vec16_set1(-INFINITY), total = vec16_zero();
+    for (int64_t i = 0; i < whole; i += 16) {
+        const vec16 values = vec16_load_f32(x + i, 16);
+        top = vec16_max(top, values);
+        total = vec16_add(total, values);
+    }
+    float best = vec16_max_lane(top), sum = vec16_sum(total);
+    for (int64_t i = whole; i < n; ++i) {
+        best = x[i] > best ? x[i] : best;
+        sum += x[i];
+    }
+    if (sum != sum) {
+        return first_nan_or_max(x, n);
+    }
+    for (int64_t i = 0; i < whole; i += 16) {
+        if (vec16_max_lane(vec16_load_f32(x + i, 16)) == best) {
+            for (int64_t j = i;; ++j) {
+                if (x[j] == best) {
+                    return j;
+                }
+            }
+        }
+    }
+    for (int64_t i = whole; i < n; ++i) {
+        if (x[i] == best) {
+            return i;
+        }
+    }
+    return first_nan_or_max(x, n); /* not reached: best is one of the values */
+}
+
+/* out[r] = the index of row r's largest value, the first on a tie; of its first NaN where it
+ * holds one (torch.max's indices). x [rows, n] fp32, contiguous, n >= 1. */
+int hearth_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        out[r] = argmax_row(x + r * n, n);
+    }
+    return 0;
+}
+
 /* summed = residual + norm(x) * w; normed = norm(summed) * w_next (skipped when normed is NULL).
  * All of [rows, h] bf16, contiguous; w, w_next fp32 [h]. Returns -1 when memory runs out. */
 int hearth_add_rms_norm(const uint16_t *residual, const uint16_t *x, int64_t rows, int64_t h,
