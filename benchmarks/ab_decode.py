@@ -323,9 +323,6 @@ VARIANTS: dict[str, Patch] = {
     # D=512 prefill attention: 64-row tiles, one program for all value columns (the default
     # before 2026-12-06: 128-row tiles, each program half the value columns).
     "attn512-unsplit": _prefill_attention_d512(prefill_attention.LaunchConfig(64, 32, 8, 2, 1)),
-    # Decode: the add-norm after o_proj/down/the per-layer projection as its own launch,
-    # not in the GEMV's last program.
-    "norm-after-apart": _set(gemv, "NORM_AFTER_GEMV", False),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "prefill-fusions-off": _stacked(

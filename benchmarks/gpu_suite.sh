@@ -52,10 +52,7 @@
 #                                                          # splits (default) or one, A/B from graphs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh persistent        # a GEMV chain: a launch each, or one
 #                                                          # persistent kernel with grid barriers
-#   OUT=/tmp/out benchmarks/gpu_suite.sh norm-after        # add-norms in the GEMVs' last programs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline4         # the issue's table, HF beside, one call
-#   OUT=/tmp/out benchmarks/gpu_suite.sh gluon-norm-after  # 4-bit load floors and the Gluon GEMV;
-#                                                          # the norm-after A/B on E4B
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -330,16 +327,6 @@ stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --pref
 for m in gemma3-12b 26b-a4b; do
 stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
-elif [ "$PART" = gluon-norm-after ]; then  # the H200's 4-bit questions; the norm-after A/B on E4B
-stage 90 load-patterns python benchmarks/gpu_gemv_load_patterns.py
-stage 250 mma-gluon python benchmarks/gpu_gemv_affine_mma_gluon.py
-stage 80 norm-after python benchmarks/gpu_gemv_norm_after.py
-stage 150 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,norm-after-apart --check --name e4b_norm_after
-elif [ "$PART" = norm-after ]; then  # the add-norm in the GEMV's last program: checks, A/Bs
-stage 100 norm-after python benchmarks/gpu_gemv_norm_after.py
-stage 120 ab-e4b python benchmarks/ab_decode.py --models e4b --variants base,norm-after-apart --check --name e4b_norm_after
-stage 130 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,norm-after-apart --check --name 12b_norm_after
-stage 170 ab-31b python benchmarks/ab_decode.py --models 31b --variants base,norm-after-apart --check --name 31b_norm_after
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes

@@ -66,8 +66,7 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     weighted slots (at the prompt too), the experts' GeGLU stored by their gate/up GEMV (and
     grouped matmul at the prompt), the per-layer input's
     GeGLU inside its projection's GEMV and the add-norm before it inside its gate's GEMV
-    (else each apart), and the add-norms after o_proj and the per-layer projection inside
-    their GEMVs (`gemv.NORM_AFTER_GEMV`)."""
+    (else each apart)."""
     for switch in (
         "FUSED_MOE_NORMS",
         "FUSED_PER_LAYER_GEGLU",
@@ -78,7 +77,6 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
         "FUSED_PREFILL_SLOT_SUM",
     ):
         monkeypatch.setattr(gemma4, switch, fused)
-    monkeypatch.setattr(gemv, "NORM_AFTER_GEMV", fused)
     # The prompt's experts as a prefill's: grouped matmuls (the decode steps stay gathered).
     monkeypatch.setattr(gemma4, "GROUPED_EXPERTS_MIN_TOKENS", PROMPT)
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
@@ -130,21 +128,16 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     monkeypatch.setattr(gemma4, "float_expert_matmul", counted_experts)
     original_gemv = gemv.gemv_triton
 
-    def counted_gemv(x, weight, geglu=False, config=None, up=None, add_norm=None, norm_after=None):
+    def counted_gemv(x, weight, geglu=False, config=None, up=None, add_norm=None):
         separate = "gemv geglu of a separate up" if up is not None else "gemv"
         launched.append("gemv add-norm" if add_norm is not None else separate)
-        if norm_after is not None:
-            launched.append(f"{separate} with a norm after")
-        return original_gemv(x, weight, geglu, config, up, add_norm, norm_after)
+        return original_gemv(x, weight, geglu, config, up=up, add_norm=add_norm)
 
     monkeypatch.setattr(gemv, "gemv_triton", counted_gemv)
     got = _decode(model, ids)
     ple = "gemv geglu of a separate up"
     if config.startswith("ple"):
         assert (ple in launched) == ("gemv add-norm" in launched) == fused, launched
-        # o_proj's and the per-layer projection's add-norms in their GEMVs' last programs.
-        after = {"gemv with a norm after", f"{ple} with a norm after"}
-        assert (after <= set(launched)) == fused, launched
     if config == "moe" and fused:
         fused_norms = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
         assert fused_norms | {"route_triton", "experts with a geglu output"} <= set(launched)
@@ -186,9 +179,9 @@ def test_wide_projections_take_the_gemv_only_at_a_pinned_shape(
     rows: dict[tuple[int, int], list[int]] = {}
     original_gemv = gemv.gemv_triton
 
-    def recorded(x, weight, geglu=False, config=None, up=None, **fused):
+    def recorded(x, weight, geglu=False, config=None, up=None):
         rows.setdefault(tuple(weight.shape), []).append(x.numel() // x.shape[-1])
-        return original_gemv(x, weight, geglu, config, up=up, **fused)
+        return original_gemv(x, weight, geglu, config, up=up)
 
     monkeypatch.setattr(gemv, "kernel_enabled", lambda tensor: True)
     monkeypatch.setattr(gemv, "gemv_triton", recorded)

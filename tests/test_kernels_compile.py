@@ -232,30 +232,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             ),
         ),
     )
-    width = 2560
-    residual = torch.randn(1, width, dtype=bf16)
-    for scale in (None, torch.ones(1, dtype=bf16)):
-        after = gemv.NormAfter(residual, torch.rand(width), 1e-6, torch.rand(width), scale)
-        yield (
-            f"gemv with the add-norm after it (E4B o_proj launch), scale {scale is not None}",
-            lambda after=after: gemv.gemv_triton(
-                torch.randn(1, 2048, dtype=bf16),
-                torch.randn(width, 2048, dtype=bf16),
-                config={"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "LOOP_STAGES": 3},
-                norm_after=(after, torch.empty_like(residual), torch.empty_like(residual)),
-            ),
-        )
-    yield (
-        "gemv with the add-norm after it, split K",
-        lambda: gemv.gemv_triton(
-            torch.randn(1, 256, dtype=bf16),
-            torch.randn(width, 256, dtype=bf16),
-            True,
-            {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2},
-            up=torch.randn(1, 256, dtype=bf16),
-            norm_after=(after, torch.empty_like(residual), torch.empty_like(residual)),
-        ),
-    )
     qkv = torch.randn(1, (4 + 2 * 2) * 64, dtype=bf16)
     cos = sin = torch.ones(1, 64, dtype=bf16)
     for mode in rope.ValueMode:

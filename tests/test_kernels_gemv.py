@@ -10,15 +10,12 @@ ulp of its dtype). fp16/fp32 stand in for bf16: the interpreter's bf16 is not th
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from hearth.kernels import gemv as gemv_module
-from hearth.kernels import norm
 from hearth.kernels.activation import gelu_tanh_mul_reference
-from hearth.kernels.norm import add_rms_norm_reference
 
 pytestmark = [
     pytest.mark.skipif(not gemv_module.HAS_TRITON, reason="needs triton (its interpreter)"),
@@ -137,126 +134,3 @@ def test_gemv_rejects_a_wrong_width_and_too_many_rows() -> None:
     add_norm = gemv_module.AddNorm(torch.randn(1, 16), torch.ones(32), 1e-6, torch.empty(1, 32))
     with pytest.raises(ValueError, match="residual"):
         gemv_module.gemv_triton(x, weight, add_norm=add_norm)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("scaled", [False, True])
-def test_gemv_with_the_add_norm_after_it(dtype: torch.dtype, split: int, scaled: bool) -> None:
-    """The launch's last program runs `add_rms_norm` of the whole output row (o_proj, down):
-    y is the plain GEMV's, bit for bit, and (h, norm(h)) match `add_rms_norm_reference` of
-    that y up to the RMS sums' fp32 order."""
-    generator = torch.Generator().manual_seed(13 + split + 2 * scaled)
-    n, k = 2600, 64  # 41 row blocks of 64; N spans three 1024-column chunks, the last ragged
-    weight = (torch.randn(n, k, generator=generator) * 0.3).to(dtype)
-    x = torch.randn(1, 1, k, generator=generator).to(dtype)
-    residual = torch.randn(1, 1, n, generator=generator).to(dtype)
-    norm_weight, next_weight = torch.rand(2, n, generator=generator) + 0.5
-    scale = torch.tensor([0.7], dtype=dtype) if scaled else None
-    after = gemv_module.NormAfter(residual, norm_weight, 1e-6, next_weight, scale)
-    config = {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": split}
-    plain = gemv_module.gemv_triton(x, weight, config=config)
-    for _ in range(2):  # the arrival counter is back at zero after each launch
-        summed, normed = torch.empty_like(residual), torch.empty_like(residual)
-        y = gemv_module.gemv_triton(x, weight, config=config, norm_after=(after, summed, normed))
-        assert torch.equal(y, plain)
-        expected_sum, expected_norm = add_rms_norm_reference(
-            residual, plain, norm_weight, 1e-6, next_weight, True, scale
-        )
-        ulp = torch.finfo(dtype).eps
-        # Each RMS's fp32 sum in another order (~sqrt(N) eps32, +3 for rsqrt and the
-        # products); then a value may round the other way: an ulp of h (and of norm(y) within
-        # it); norm(h) moves by what h moved, times its factor inv_rms(h) · w_next, and may
-        # round the other way itself.
-        ordering = (math.sqrt(n) + 3) * EPS32
-        added = expected_sum.double() - residual.double()
-        bound = ulp * (expected_sum.double().abs() + added.abs()) + ordering * added.abs()
-        assert ((summed.double() - expected_sum.double()).abs() <= bound).all()
-        want = expected_norm.double()
-        factor = (want / expected_sum.double()).nan_to_num().abs()
-        norm_bound = bound * factor + (ulp + ordering) * want.abs()
-        assert ((normed.double() - want).abs() <= norm_bound).all()
-
-
-def test_gemv_norm_after_off_the_gpu_is_the_reference() -> None:
-    weight, x = torch.randn(32, 16), torch.randn(1, 16)
-    after = gemv_module.NormAfter(torch.randn(1, 32), torch.rand(32), 1e-6, torch.rand(32))
-    assert not gemv_module.gemv_norm_after_applies(x, weight)
-    got = gemv_module.gemv_norm_after(x, weight, after)
-    want = add_rms_norm_reference(
-        after.residual, x @ weight.T, after.weight, 1e-6, after.next_weight, True
-    )
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-
-
-def test_gemv_norm_after_rejects_mismatched_operands() -> None:
-    weight = torch.randn(32, 16)
-
-    def launch(residual=None, weight_n=32, scale=None, rows=1, add_norm=None):
-        after = gemv_module.NormAfter(
-            torch.randn(1, 32) if residual is None else residual,
-            torch.rand(weight_n), 1e-6, torch.rand(32), scale,
-        )  # fmt: skip
-        buffers = (after, torch.empty(1, 32), torch.empty(1, 32))
-        inputs = torch.randn(rows, 16)
-        gemv_module.gemv_triton(inputs, weight, norm_after=buffers, add_norm=add_norm)
-
-    with pytest.raises(ValueError, match="residual"):
-        launch(residual=torch.randn(1, 16))
-    with pytest.raises(ValueError, match="weight must be"):
-        launch(weight_n=16)
-    with pytest.raises(ValueError, match="scale"):
-        launch(scale=torch.ones(2))
-    with pytest.raises(ValueError, match="one row"):
-        launch(rows=2)
-    add_norm = gemv_module.AddNorm(torch.randn(1, 16), torch.ones(16), 1e-6, torch.empty(1, 16))
-    with pytest.raises(ValueError, match="not both"):
-        launch(add_norm=add_norm)
-
-
-def test_gemma3_decode_runs_its_add_norms_in_the_gemvs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """At a decode step (GPU dispatch, on CPU tensors) o_proj and down each run the add-norm
-    after them in their GEMV launch, and no add-norm kernel runs apart; the logits stay the
-    torch path's. fp32: the kernels and torch differ by summation order only; through the
-    tiny model's layers and head, logits of size ~1-10 stay within 1e-4."""
-    from hearth.checkpoint import open_checkpoint
-    from hearth.kv import make_caches
-    from hearth.models.loading import build_model
-    from tiny import save_hf, tiny_gemma3_model
-
-    model = build_model(
-        open_checkpoint(save_hf(tiny_gemma3_model(seed=4), tmp_path)), torch.float32, "cpu", False
-    )
-    ids = torch.randint(4, 256, (1, 24), generator=torch.Generator().manual_seed(1))
-
-    def decode() -> torch.Tensor:
-        caches = make_caches(model.config)
-        with torch.inference_mode():
-            steps = [model(ids[:, :20], caches)]
-            steps += [model(ids[:, p : p + 1], caches, start=p) for p in range(20, 24)]
-        return torch.cat(steps, dim=1)
-
-    expected = decode()
-    launched: list[str] = []
-    original_gemv, original_norm = gemv_module.gemv_triton, norm.add_rms_norm_triton
-
-    def counted_gemv(*args, norm_after=None, **kwargs):
-        launched.append("gemv with a norm after" if norm_after is not None else "gemv")
-        return original_gemv(*args, norm_after=norm_after, **kwargs)
-
-    def counted_norm(*args):
-        launched.append("add-norm")
-        return original_norm(*args)
-
-    for module in (gemv_module, norm):
-        monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
-    monkeypatch.setattr(gemv_module, "gemv_triton", counted_gemv)
-    monkeypatch.setattr(norm, "add_rms_norm_triton", counted_norm)
-    got = decode()
-    per_step = 2 * model.config.num_hidden_layers
-    assert launched.count("gemv with a norm after") == 4 * per_step
-    assert "add-norm" in launched  # the prompt's, whose rows take no GEMV
-    assert launched.count("add-norm") == per_step  # the prompt's only
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

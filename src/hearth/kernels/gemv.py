@@ -137,55 +137,6 @@ def gemv_add_norm(
     return gemv_triton(x, weight, add_norm=add_norm), summed
 
 
-class NormAfter(NamedTuple):
-    """The `add_rms_norm` that reads a GEMV's output y: ``h = round(residual + round(norm(y) ·
-    weight)) · scale`` and ``round(norm(h) · next_weight)``, both returned."""
-
-    residual: Tensor
-    weight: Tensor
-    eps: float
-    next_weight: Tensor
-    scale: Tensor | None = None
-
-    def apply(self, y: Tensor) -> tuple[Tensor, Tensor]:
-        """The add-norm as its own launch (or the torch reference off the GPU)."""
-        summed, normed = add_rms_norm(
-            self.residual, y, self.weight, self.eps, self.next_weight, True, self.scale
-        )
-        assert normed is not None
-        return summed, normed
-
-
-# At a GPU decode step, the add-norm after a GEMV whose output is the residual branch (o_proj,
-# down, Gemma 4's per-layer projection) runs in that GEMV's last program to finish, rather
-# than as an `add_rms_norm` launch after it (`gemv_norm_after`). An A/B switch.
-NORM_AFTER_GEMV = True
-
-
-def gemv_norm_after_applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether `gemv_norm_after` runs as one launch: NORM_AFTER_GEMV, a CUDA tensor of one row
-    and a weight of its dtype (the GEMV's own conditions)."""
-    rows = x.numel() // x.shape[-1]
-    return NORM_AFTER_GEMV and kernel_enabled(x) and rows == 1 and weight.dtype == x.dtype
-
-
-def gemv_norm_after(
-    x: Tensor,
-    weight: Tensor,
-    norm_after: NormAfter,
-    geglu: bool = False,
-    up: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`norm_after.apply(gemv(x, weight, geglu, up))`: where `gemv_norm_after_applies`, one
-    launch, whose last program to store its slice of y runs the add-norm of the whole row."""
-    if gemv_norm_after_applies(x, weight):
-        summed = torch.empty_like(norm_after.residual, memory_format=torch.contiguous_format)
-        normed = torch.empty_like(summed)
-        gemv_triton(x, weight, geglu, up=up, norm_after=(norm_after, summed, normed))
-        return summed, normed
-    return norm_after.apply(gemv(x, weight, geglu, up))
-
-
 def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None) -> Tensor:
     """`gemv_reference`, one Triton kernel for few rows on CUDA (cuBLAS for many)."""
     rows = x.numel() // x.shape[-1]
@@ -200,7 +151,6 @@ if HAS_TRITON:
 
     from hearth.kernels import prefetch_row_lines, wait_for_producer
     from hearth.kernels.activation import geglu
-    from hearth.kernels.norm import add_rms_norm_row, arrives_last
 
     @triton.jit
     def _gemv_kernel(
@@ -219,13 +169,6 @@ if HAS_TRITON:
         norm_w_ptr,
         summed_ptr,
         eps,
-        after_residual_ptr,
-        after_w_ptr,
-        after_next_w_ptr,
-        after_scale_ptr,
-        after_out_ptr,
-        after_normed_ptr,
-        done_ptr,
         K: tl.constexpr,
         GEGLU: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -237,18 +180,12 @@ if HAS_TRITON:
         PREFETCH_LINES: tl.constexpr = 0,
         ADD_NORM: tl.constexpr = False,
         ROW_BLOCK: tl.constexpr = 16,
-        NORM_AFTER: tl.constexpr = False,
-        NORM_AFTER_SCALE: tl.constexpr = False,
-        NORM_CHUNK: tl.constexpr = 1024,
-        NORM_N: tl.constexpr = 0,
     ):
         """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). With GEGLU
         x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). With ADD_NORM x'
         is ``up + round(rms_norm(x) · norm_w)`` (up_ptr: the residual), as `add_rms_norm`
         rounds it: every program takes x's RMS over its whole row (ROW_BLOCK >= K), and the
-        first row block stores x' at summed_ptr. With NORM_AFTER (one row) the launch's last
-        program to finish runs `add_rms_norm(after_residual, out, after_w, eps, after_next_w,
-        True, after_scale)` (`NormAfter`). LOOP_STAGES > 1 software-pipelines the K
+        first row block stores x' at summed_ptr. LOOP_STAGES > 1 software-pipelines the K
         loop (loads of later steps in flight during this one's FMAs).
         PREFETCH_LINES > 0 asks L2 for that many lines of each weight row's slice before the
         wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`)."""
@@ -304,12 +241,6 @@ if HAS_TRITON:
         out_ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
             tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
-            if NORM_AFTER:
-                _norm_after(
-                    out_ptr, after_residual_ptr, after_w_ptr, after_next_w_ptr, after_scale_ptr,
-                    after_out_ptr, after_normed_ptr, done_ptr, eps, NORM_N, NORM_AFTER_SCALE,
-                    NORM_CHUNK,
-                )  # fmt: skip
         else:
             # Partials [SPLIT_K, M, N] fp32; the last slice to finish sums them in order.
             own = m[:, None].to(tl.int64) * N + n[None, :]
@@ -328,26 +259,6 @@ if HAS_TRITON:
                     )
                 tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch / replay
-                if NORM_AFTER:
-                    _norm_after(
-                        out_ptr, after_residual_ptr, after_w_ptr, after_next_w_ptr,
-                        after_scale_ptr, after_out_ptr, after_normed_ptr, done_ptr, eps, NORM_N,
-                        NORM_AFTER_SCALE, NORM_CHUNK,
-                    )  # fmt: skip
-
-    @triton.jit
-    def _norm_after(
-        y_ptr, residual_ptr, w_ptr, next_w_ptr, scale_ptr, out_ptr, normed_ptr, done_ptr, eps,
-        N: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr,
-    ):  # fmt: skip
-        """Called by each row block's program once its output row slice is stored: the last
-        of them runs the add-norm of the whole row y [N] (`NormAfter`)."""
-        if arrives_last(done_ptr, tl.num_programs(0)):
-            add_rms_norm_row(
-                y_ptr, residual_ptr, w_ptr, next_w_ptr, scale_ptr, out_ptr, normed_ptr, eps,
-                N, CHUNK, HAS_SCALE,
-            )  # fmt: skip
-            tl.atomic_xchg(done_ptr, 0)  # ready for the next launch / replay
 
     _TILES = ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (64, 128, 8))
     _CONFIGS = [
@@ -373,7 +284,7 @@ if HAS_TRITON:
 
     _gemv_tuned = triton.autotune(
         configs=_CONFIGS,
-        key=["N", "K", "BLOCK_M", "GEGLU", "NORM_AFTER"],
+        key=["N", "K", "BLOCK_M", "GEGLU"],
         prune_configs_by={"early_config_prune": _prune},
     )(_gemv_kernel)
 
@@ -387,33 +298,6 @@ if HAS_TRITON:
             _COUNTERS[device] = counters
         return counters
 
-    # The `norm_after` launches' arrival counter, zero between launches (the last resets it).
-    _DONE: dict[torch.device, Tensor] = {}
-
-    def _norm_after_args(
-        norm_after: tuple[NormAfter, Tensor, Tensor] | None, m: int, n: int, out: Tensor
-    ) -> tuple[Tensor, ...]:
-        """The kernel's after_* pointers and its done counter (any pointer when unread)."""
-        if norm_after is None:
-            return (out,) * 7
-        after, summed, normed = norm_after
-        if m != 1:
-            raise ValueError(f"a norm after the GEMV takes one row, got {m}")
-        for name, tensor in (("residual", after.residual), ("sum", summed), ("norm", normed)):
-            if tensor.numel() != n or tensor.dtype != out.dtype or not tensor.is_contiguous():
-                raise ValueError(f"the add-norm's {name} must be {n} contiguous {out.dtype}")
-        for name, vector in (("weight", after.weight), ("next weight", after.next_weight)):
-            if vector.shape != (n,):
-                raise ValueError(f"the add-norm's {name} must be [{n}], got {vector.shape}")
-        scale = after.scale
-        if scale is not None and (scale.numel() != 1 or scale.dtype != out.dtype):
-            raise ValueError(f"the add-norm's scale must be one {out.dtype} value")
-        done = _DONE.get(out.device)
-        if done is None:
-            done = _DONE[out.device] = torch.zeros(1, dtype=torch.int32, device=out.device)
-        scale_or_any = scale if scale is not None else out
-        return (after.residual, after.weight, after.next_weight, scale_or_any, summed, normed, done)
-
     def gemv_triton(
         x: Tensor,
         weight: Tensor,
@@ -421,13 +305,10 @@ if HAS_TRITON:
         config: dict | None = None,
         up: Tensor | None = None,
         add_norm: AddNorm | None = None,
-        norm_after: tuple[NormAfter, Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter).
         With `add_norm` x is first `add_norm.summed(x)` (see `gemv_add_norm`), which this
-        launch also stores in `add_norm.out`. With `norm_after` (the add-norm, then its two
-        outputs' buffers) one row's output y also goes through `NormAfter.apply`, in the
-        launch's last program to finish (see `gemv_norm_after`)."""
+        launch also stores in `add_norm.out`."""
         k = weight.shape[-1]
         width = 2 * k if geglu and up is None else k
         if x.shape[-1] != width:
@@ -464,26 +345,18 @@ if HAS_TRITON:
         counters = _counters(x.device, triton.cdiv(n, MIN_BLOCK_N)) if split_possible else partial
         args = (rows, up_rows, weight, out, partial, counters, m, n)
         args += (rows.stride(0), up_rows.stride(0), weight.stride(0), out.stride(0))
-        if add_norm is not None and norm_after is not None:
-            raise ValueError("a GEMV takes an add-norm input or a norm after it, not both")
         if add_norm is not None:
             summed = add_norm.out
             if summed.shape != (m, k) or not summed.is_contiguous():
                 raise ValueError(f"the add-norm output must be a contiguous [{m}, {k}]")
             args += (add_norm.weight, summed, add_norm.eps)
-        elif norm_after is not None:
-            args += (weight, out, norm_after[0].eps)
         else:
             args += (weight, out, 0.0)  # unread
-        args += _norm_after_args(norm_after, m, n, out)
         pdl = pdl_options(x)
         constants = {"K": k, "GEGLU": geglu, "BLOCK_M": triton.next_power_of_2(m)}
         constants |= pdl | {"PREFETCH_LINES": prefetch_lines(pdl)}
         if add_norm is not None:
             constants |= {"ADD_NORM": True, "ROW_BLOCK": triton.next_power_of_2(k)}
-        if norm_after is not None:
-            has_scale = norm_after[0].scale is not None
-            constants |= {"NORM_AFTER": True, "NORM_AFTER_SCALE": has_scale, "NORM_N": n}
 
         def grid(meta: dict) -> tuple[int, int]:
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])

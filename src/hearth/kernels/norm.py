@@ -46,65 +46,6 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def arrives_last(counter_ptr, arrivals):
-        """Whether this program is the last of `arrivals` to get here. Every thread's stores
-        are issued before the counter's release, so the last program then sees every earlier
-        program's stores through L2 (read them with cache_modifier=".cg"). The last program
-        must reset the counter (`tl.atomic_xchg(counter_ptr, 0)`) for the next launch."""
-        tl.debug_barrier()
-        return tl.atomic_add(counter_ptr, 1, sem="acq_rel") == arrivals - 1
-
-    @triton.jit
-    def _sum_added_row(
-        y_ptr, residual_ptr, w_ptr, scale, inverse_rms, c, c_ok, HAS_SCALE: tl.constexpr
-    ):
-        """``round(round(residual + round(y · inverse_rms · w)) · scale)`` at columns c, y
-        read through L2: `_rms_norm_kernel`'s residual sum, op for op."""
-        y = tl.load(y_ptr + c, mask=c_ok, other=0.0, cache_modifier=".cg")
-        dtype = y.dtype
-        w = tl.load(w_ptr + c, mask=c_ok, other=0.0)
-        residual = tl.load(residual_ptr + c, mask=c_ok, other=0.0)
-        normed = (y.to(tl.float32) * inverse_rms * w).to(dtype)
-        h = (residual.to(tl.float32) + normed.to(tl.float32)).to(dtype)
-        if HAS_SCALE:
-            h = (h.to(tl.float32) * scale).to(dtype)
-        return h.to(tl.float32)
-
-    @triton.jit
-    def add_rms_norm_row(
-        y_ptr, residual_ptr, w_ptr, next_w_ptr, scale_ptr, out_ptr, normed_ptr, eps,
-        N: tl.constexpr, CHUNK: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ):  # fmt: skip
-        """`add_rms_norm(residual, y, w, eps, next_w, True, scale)` of one row y [N] that
-        other programs of this launch stored, for the launch's last program (`arrives_last`):
-        `_rms_norm_kernel`'s arithmetic, in chunks of CHUNK columns so that it adds no
-        registers to the launch's own loop. Only the fp32 sums' order differs from it."""
-        columns = tl.arange(0, CHUNK)
-        squares = tl.zeros([CHUNK], tl.float32)
-        for start in tl.static_range(0, N, CHUNK):
-            c = start + columns
-            y = tl.load(y_ptr + c, mask=c < N, other=0.0, cache_modifier=".cg").to(tl.float32)
-            squares += y * y
-        inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / N + eps)
-        scale = 1.0
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr).to(tl.float32)
-        squares = tl.zeros([CHUNK], tl.float32)
-        for start in tl.static_range(0, N, CHUNK):
-            c = start + columns
-            h = _sum_added_row(y_ptr, residual_ptr, w_ptr, scale, inverse_rms, c, c < N, HAS_SCALE)
-            tl.store(out_ptr + c, h.to(out_ptr.dtype.element_ty), mask=c < N)
-            squares += h * h
-        inverse_rms_h = tl.rsqrt(tl.sum(squares, axis=0) / N + eps)
-        for start in tl.static_range(0, N, CHUNK):
-            c = start + columns
-            # h again from its inputs (the same ops, so the same values), not from out_ptr.
-            h = _sum_added_row(y_ptr, residual_ptr, w_ptr, scale, inverse_rms, c, c < N, HAS_SCALE)
-            next_w = tl.load(next_w_ptr + c, mask=c < N, other=0.0)
-            z = h * inverse_rms_h * next_w
-            tl.store(normed_ptr + c, z.to(normed_ptr.dtype.element_ty), mask=c < N)
-
-    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         residual_ptr,

@@ -18,14 +18,8 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
-from hearth.kernels.gemv import (
-    NormAfter,
-    gemv,
-    gemv_norm_after,
-    gemv_norm_after_applies,
-    has_pinned_launch,
-)
-from hearth.kernels.norm import rms_norm
+from hearth.kernels.gemv import gemv, has_pinned_launch
+from hearth.kernels.norm import add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
 from hearth.kv.cache import DENSE, KVView, LayerCache
@@ -74,20 +68,6 @@ def project(
     if float_weight and x.device.type == "cpu":
         return cpu_linear(x, linear.weight)  # a CPU prefill: an fp32 GEMM where bf16 is slow
     return linear(x)
-
-
-def project_add_norm(
-    linear: nn.Module, x: torch.Tensor, norm_after: NormAfter, geglu: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_after.apply(project(linear, x, geglu))`: the residual add-norm after o_proj or
-    down. Where `project` takes the Triton GEMV at a decode step, the GEMV's last program runs
-    the add-norm (`gemv_norm_after`), one launch fewer."""
-    takes_gemv = is_float_linear(linear) and (not geglu or DOWN_GEMV or FUSED_GEGLU)
-    if takes_gemv and gemv_norm_after_applies(x, linear.weight):
-        if geglu and not FUSED_GEGLU:
-            x, geglu = gelu_tanh_mul(x), False
-        return gemv_norm_after(x, linear.weight, norm_after, geglu)
-    return norm_after.apply(project(linear, x, geglu))
 
 
 # GeGLU inside the down projection's GEMV: off, as measured slower than the GeGLU kernel
@@ -316,8 +296,6 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cache: LayerCache | None,
     ) -> torch.Tensor:
-        """The heads' outputs [batch, length, heads · head_dim]: o_proj's input. The layer
-        runs o_proj itself, with the residual add-norm after it (`project_add_norm`)."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length)
@@ -339,7 +317,7 @@ class Attention(nn.Module):
         q = q.unflatten(0, (batch, length)).transpose(1, 2)
         view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, self.scale)
-        return out.transpose(1, 2).reshape(batch, length, -1)
+        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLP(nn.Module):
@@ -353,11 +331,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, self.gate_up(x), geglu=True)
-
-    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        """The stacked gate/up output [..., 2·I], down_proj's input after its GeGLU."""
-        return project(self.gate_up_proj.proj, x, prefer_cublas=True)
+        gate_up = project(self.gate_up_proj.proj, x, prefer_cublas=True)
+        return project(self.down_proj, gate_up, geglu=True)
 
 
 class DecoderLayer(nn.Module):
@@ -388,13 +363,22 @@ class DecoderLayer(nn.Module):
         `normed_input` is `input_layernorm(x)`, computed by the layer before (fused with its
         last residual add): each norm here is fused with the add before it.
         """
-        heads = self.self_attn(normed_input, rope, positions, cache)
-        post_attention, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
-        after = NormAfter(x, post_attention.weight, post_attention.eps, pre_ff.weight)
-        x, normed = project_add_norm(self.self_attn.o_proj, heads, after)
+        attended = self.self_attn(normed_input, rope, positions, cache)
+        x, normed = add_rms_norm(
+            x,
+            attended,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps,
+            self.pre_feedforward_layernorm.weight,
+            normalize_next=True,
+        )
+        assert normed is not None
         post_ff = self.post_feedforward_layernorm
-        after = NormAfter(x, post_ff.weight, post_ff.eps, next_norm.weight)
-        return project_add_norm(self.mlp.down_proj, self.mlp.gate_up(normed), after, geglu=True)
+        x, normed_next = add_rms_norm(
+            x, self.mlp(normed), post_ff.weight, post_ff.eps, next_norm.weight, True
+        )
+        assert normed_next is not None
+        return x, normed_next
 
 
 def last_of(x: torch.Tensor, last_index: torch.Tensor | None) -> torch.Tensor:

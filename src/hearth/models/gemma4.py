@@ -24,7 +24,7 @@ from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.affine_matmul import KERNEL_BITS as AFFINE_KERNEL_BITS
 from hearth.kernels.affine_matmul import float_expert_matmul
-from hearth.kernels.gemv import NormAfter, gemv_add_norm, gemv_norm_after
+from hearth.kernels.gemv import gemv, gemv_add_norm
 from hearth.kernels.grouped_matmul import (
     ExpertPlan,
     default_block_m,
@@ -49,7 +49,6 @@ from hearth.models.gemma import (
     is_float_linear,
     last_of,
     project,
-    project_add_norm,
     store_keys_values,
 )
 
@@ -159,8 +158,7 @@ class Gemma4Attention(nn.Module):
         cache: LayerCache | None,
         shared: KVView | None,
     ) -> tuple[torch.Tensor, KVView]:
-        """The heads' outputs (o_proj's input: the layer runs o_proj, with the add-norm
-        after it) and the K/V view attended over, which KV-sharing layers get as `shared`."""
+        """Output and the K/V view attended over, which KV-sharing layers get as `shared`."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length) if shared is None else None
@@ -185,7 +183,7 @@ class Gemma4Attention(nn.Module):
         else:
             view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, scale=1.0)
-        return out.transpose(1, 2).reshape(batch, length, -1), view
+        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1)), view
 
 
 class Router(nn.Module):
@@ -410,30 +408,34 @@ class Gemma4DecoderLayer(nn.Module):
         `normed_input` is `input_layernorm(x)`, computed by the layer before with its last
         residual add: each norm here is fused with the add (and the layer scalar) before it.
         """
-        heads, view = self.self_attn(normed_input, rope, positions, cache, shared)
-        o_proj = self.self_attn.o_proj
+        attended, view = self.self_attn(normed_input, rope, positions, cache, shared)
         if self.has_moe and per_layer_input is None and FUSED_MOE_NORMS:
-            return (*self._moe_feed_forward(x, project(o_proj, heads), next_norm), view)
-        pre_ff = self.pre_feedforward_layernorm.weight
-        after = NormAfter(x, self.post_attention_layernorm.weight, self.eps, pre_ff)
-        x, normed = project_add_norm(o_proj, heads, after)
-        last_norm = self.post_feedforward_layernorm
-        if per_layer_input is None:
-            after = NormAfter(x, last_norm.weight, self.eps, next_norm.weight, self.layer_scalar)
-            if self.has_moe:
-                return (*after.apply(self._feed_forward(x, normed)), view)
-            mlp = self.mlp
-            return (*project_add_norm(mlp.down_proj, mlp.gate_up(normed), after, True), view)
+            return (*self._moe_feed_forward(x, attended, next_norm), view)
+        x, normed = add_rms_norm(
+            x,
+            attended,
+            self.post_attention_layernorm.weight,
+            self.eps,
+            self.pre_feedforward_layernorm.weight,
+            normalize_next=True,
+        )
+        assert normed is not None
         ff = self._feed_forward(x, normed)
-        if self._fused_per_layer_norm(ff):
-            gate_weight = self.per_layer_input_gate.weight
-            gate, x = gemv_add_norm(ff, gate_weight, x, last_norm.weight, self.eps)
-        else:
-            x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
-            gate = _narrow(self.per_layer_input_gate, x)
-        last_norm = self.post_per_layer_input_norm
-        after = NormAfter(x, last_norm.weight, self.eps, next_norm.weight, self.layer_scalar)
-        return (*self._per_layer_update(gate, per_layer_input, after), view)
+        last_norm = self.post_feedforward_layernorm
+        if per_layer_input is not None:
+            if self._fused_per_layer_norm(ff):
+                gate_weight = self.per_layer_input_gate.weight
+                gate, x = gemv_add_norm(ff, gate_weight, x, last_norm.weight, self.eps)
+            else:
+                x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
+                gate = _narrow(self.per_layer_input_gate, x)
+            ff = self._per_layer_update(gate, per_layer_input)
+            last_norm = self.post_per_layer_input_norm
+        x, normed_next = add_rms_norm(
+            x, ff, last_norm.weight, self.eps, next_norm.weight, True, self.layer_scalar
+        )
+        assert normed_next is not None
+        return x, normed_next, view
 
     def _fused_per_layer_norm(self, ff: torch.Tensor) -> bool:
         """Whether the add-norm before the per-layer input gate runs in the gate's GEMV: on
@@ -444,17 +446,15 @@ class Gemma4DecoderLayer(nn.Module):
         one_row = ff.numel() == ff.shape[-1]
         return is_float_linear(gate) and gate.weight.dtype == ff.dtype and one_row
 
-    def _per_layer_update(
-        self, gate: torch.Tensor, per_layer_input: torch.Tensor, after: NormAfter
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`after` applied to per_layer_projection(gelu_tanh(gate) · per_layer_input), `gate`
-        the per-layer input gate's output. With float weights at a decode step the GeGLU runs
-        inside the projection's GEMV, and so does the add-norm (`gemv_norm_after`)."""
+    def _per_layer_update(self, gate: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """per_layer_projection(gelu_tanh(gate) · per_layer_input), `gate` the per-layer input
+        gate's output; with float weights at a decode step the GeGLU runs inside the
+        projection's GEMV."""
         projection = self.per_layer_projection
         float_weight = is_float_linear(projection)
         if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
-            return gemv_norm_after(gate, projection.weight, after, geglu=True, up=per_layer_input)
-        return after.apply(_narrow(projection, gelu_tanh_mul(gate, per_layer_input)))
+            return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
+        return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 
     def _moe_feed_forward(
         self, x: torch.Tensor, attended: torch.Tensor, next_norm: RMSNorm
