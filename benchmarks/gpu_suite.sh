@@ -53,6 +53,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh persistent        # a GEMV chain: a launch each, or one
 #                                                          # persistent kernel with grid barriers
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline4         # the table, HF beside, one call
+#   OUT=/tmp/out benchmarks/gpu_suite.sh split-sum         # 4-bit split-K sums by their own launch
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -327,6 +328,10 @@ stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --pref
 for m in gemma3-12b 26b-a4b; do
 stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
+elif [ "$PART" = split-sum ]; then  # 4-bit K-split partials added by their own launch: A/Bs
+stage 170 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,split-sum-launch --check --name 12b_4bit_split_sum
+stage 150 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,split-sum-launch --check --name e4b_4bit_split_sum
+stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,split-sum-launch --check --name 26b_4bit_split_sum
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes

@@ -145,6 +145,27 @@ def test_gemv_pipelined_loop_is_bit_identical(bits, group) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_split_sums_in_a_launch_of_their_own_are_bit_identical(
+    bits: int, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SPLIT_SUM_LAUNCH a K split only stores its partials and `_sum_splits_kernel`
+    adds them, in the split order the last program to arrive uses: the same bits, whatever
+    the splits (a tail split, an empty one); the launch counters stay untouched."""
+    torch.manual_seed(20 + bits + rows)
+    operands = _gemv_case(bits, 64, rows, torch.float32)[0]
+    for name in ("split2", "split3", "prefetch split3"):
+        config = GEMV_CONFIGS[name]
+        want = am.affine_gemv_triton(*operands, bits, 64, config=config)
+        with monkeypatch.context() as patch:
+            patch.setattr(am, "SPLIT_SUM_LAUNCH", True)
+            patch.setattr(am, "SPLIT_SUM_BLOCK", 16)  # several programs over GEMV_N rows
+            got = am.affine_gemv_triton(*operands, bits, 64, config=config)
+        assert torch.equal(got, want), name
+    assert not am._counters(torch.device("cpu"), 1).any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gemv_bf16_activations(bits, rows) -> None:
     """bf16 x: loaded exactly into fp32, so the kernel's only bf16 step is the output cast,

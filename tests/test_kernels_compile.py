@@ -283,6 +283,21 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             torch.randn(1, 512, dtype=bf16), 4, dtype=torch.float32
         ),
     )
+    # A K split whose partials a launch of their own adds (SPLIT_SUM_LAUNCH, an A/B switch).
+    split = affine_matmul.GemvConfig(32, 2, split_k=2, prefetch=True)
+    operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)
+
+    def split_sum_launch() -> None:
+        switch = affine_matmul.SPLIT_SUM_LAUNCH
+        affine_matmul.SPLIT_SUM_LAUNCH = True
+        try:
+            affine_matmul.affine_gemv_triton(
+                torch.randn(1, 256, dtype=bf16), *operands, 4, 64, split
+            )
+        finally:
+            affine_matmul.SPLIT_SUM_LAUNCH = switch
+
+    yield (f"affine gemv {split}, partials added by a launch of their own", split_sum_launch)
     # A launch with a register cap (ptxas's maxnreg), as the A/B runs launch it.
     capped = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True, max_registers=80)
     operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)

@@ -87,6 +87,11 @@ CODES_MAJOR_KERNEL = True
 # -> 3.59 instructions a code). A/B on an H200: 12B 4-bit decode 233.0 -> 237.6 tok/s, E4B
 # 4-bit 310.8 -> 314.6 (same table). False: exact codes, minus their offset one by one.
 GEMV_FOLDED_OFFSETS = True
+# A K-split GEMV's partial sums added by a small launch of their own (PDL), rather than by the
+# last program of each row block to arrive (a release of its stores, an arrival count, then
+# the partials' loads, all after its own loop). Both add the splits in split order: the same
+# bits. An A/B switch.
+SPLIT_SUM_LAUNCH = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,8 +565,10 @@ if HAS_TRITON:
         STAGED_STEPS: tl.constexpr = 0,
         LOOP_STAGES: tl.constexpr = 1,
         PREFETCH_LINES: tl.constexpr = 0,
+        SUM_APART: tl.constexpr = False,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
+        With SUM_APART a K split only stores its partials (`_sum_splits_kernel` adds them).
 
         `row_words` and `groups` (K / codes per word, K / GROUP) are passed, not derived, so
         Triton sees the row strides' divisibility and loads 16 bytes at a time. Split s owns
@@ -660,25 +667,43 @@ if HAS_TRITON:
                 tl.store(own + 2 * N + n, tl.sum(acc2, axis=1), mask=n_ok)
             if M > 3:
                 tl.store(own + 3 * N + n, tl.sum(acc3, axis=1), mask=n_ok)
-            tl.debug_barrier()  # every thread's partials are written before the release below
-            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                for m in tl.static_range(M):
-                    total = tl.zeros([BLOCK_N], tl.float32)
-                    for split in tl.static_range(SPLIT_K):
-                        # .cg reads L2, where the other programs' partials are, not a stale L1.
-                        total += tl.load(
-                            partial_ptr + (split * M + m) * N + n,
-                            mask=n_ok,
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                    tl.store(
-                        out_ptr + m * stride_om + n,
-                        total.to(out_ptr.dtype.element_ty),
-                        mask=n_ok,
-                    )
-                tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch (and replays)
+            if not SUM_APART:
+                _sum_when_last(partial_ptr, counter_ptr, out_ptr, pid_n, n, n_ok, N, stride_om,
+                               M, SPLIT_K)  # fmt: skip
+
+    @triton.jit
+    def _sum_splits(partial_ptr, out_ptr, n, n_ok, N, stride_om, M: tl.constexpr, SPLITS):
+        """out[m, n] = the SPLITS partials [SPLITS, M, N] added in split order, from fp32
+        zeros. `.cg` reads L2, where other programs' partials are, not a stale L1 line."""
+        for m in tl.static_range(M):
+            total = tl.zeros(n.shape, tl.float32)
+            for split in tl.static_range(SPLITS):
+                at = partial_ptr + (split * M + m) * N + n
+                total += tl.load(at, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + m * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _sum_when_last(
+        partial_ptr, counter_ptr, out_ptr, pid_n, n, n_ok, N, stride_om,
+        M: tl.constexpr, SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        """After a split stored its partials: the last split of row block pid_n to arrive
+        adds them all (`_sum_splits`) and resets the block's counter."""
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            _sum_splits(partial_ptr, out_ptr, n, n_ok, N, stride_om, M, SPLIT_K)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch (and replays)
+
+    @triton.jit
+    def _sum_splits_kernel(
+        partial_ptr, out_ptr, N, stride_om, M: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`_sum_splits` of BLOCK outputs a program, as a launch of its own (SPLIT_SUM_LAUNCH)."""
+        wait_for_producer(PDL)
+        n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        _sum_splits(partial_ptr, out_ptr, n, n < N, N, stride_om, M, SPLIT_K)
 
     @triton.jit
     def _codes_major_kernel(
@@ -1049,9 +1074,10 @@ if HAS_TRITON:
         staged_steps = staged_steps if config.loop_stages > 1 else 0
         blocks = triton.cdiv(n, config.block_n)
         pdl = pdl_options(x)
+        sum_apart = config.split_k > 1 and SPLIT_SUM_LAUNCH
         if config.split_k > 1:
             partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
-            counters = _counters(x.device, blocks)
+            counters = partial if sum_apart else _counters(x.device, blocks)
         else:
             partial = counters = out  # unread
         launch_kernel(
@@ -1086,7 +1112,16 @@ if HAS_TRITON:
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl,
             PREFETCH_LINES=prefetch_lines(pdl, "affine"),
+            SUM_APART=sum_apart,
         )
+        if sum_apart:
+            launch_kernel(
+                _sum_splits_kernel, (triton.cdiv(n, SPLIT_SUM_BLOCK),), partial, out, n,
+                out.stride(0), M=m, SPLIT_K=config.split_k, BLOCK=SPLIT_SUM_BLOCK, **pdl,
+            )  # fmt: skip
+
+    # Outputs a program of `_sum_splits_kernel` adds: 12B's 3840 rows in 15 programs.
+    SPLIT_SUM_BLOCK = 256
 
     def _launch_tile_gemv(
         x: Tensor,
