@@ -323,8 +323,10 @@ VARIANTS: dict[str, Patch] = {
     # D=512 prefill attention: 64-row tiles, one program for all value columns (the default
     # before 2026-12-06: 128-row tiles, each program half the value columns).
     "attn512-unsplit": _prefill_attention_d512(prefill_attention.LaunchConfig(64, 32, 8, 2, 1)),
-    # The affine GEMV's K-split partials added by a launch of their own, not by the last split.
+    # The affine GEMV's K-split partials added by the last split (not by a launch of their
+    # own, the default since 2026-12-06; "split-sum-launch" was that A/B's variant).
     "split-sum-launch": _set(affine_matmul, "SPLIT_SUM_LAUNCH", True),
+    "split-sum-last": _set(affine_matmul, "SPLIT_SUM_LAUNCH", False),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "prefill-fusions-off": _stacked(

@@ -149,19 +149,21 @@ def test_gemv_pipelined_loop_is_bit_identical(bits, group) -> None:
 def test_gemv_split_sums_in_a_launch_of_their_own_are_bit_identical(
     bits: int, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With SPLIT_SUM_LAUNCH a K split only stores its partials and `_sum_splits_kernel`
-    adds them, in the split order the last program to arrive uses: the same bits, whatever
-    the splits (a tail split, an empty one); the launch counters stay untouched."""
+    """With SPLIT_SUM_LAUNCH (the default) a K split only stores its partials and
+    `_sum_splits_kernel` adds them, in the split order the last split to arrive uses without
+    it: the same bits, whatever the splits (a tail split, an empty one). The arrival counters
+    the last split uses are back at zero after each launch."""
     torch.manual_seed(20 + bits + rows)
     operands = _gemv_case(bits, 64, rows, torch.float32)[0]
     for name in ("split2", "split3", "prefetch split3"):
         config = GEMV_CONFIGS[name]
-        want = am.affine_gemv_triton(*operands, bits, 64, config=config)
-        with monkeypatch.context() as patch:
-            patch.setattr(am, "SPLIT_SUM_LAUNCH", True)
-            patch.setattr(am, "SPLIT_SUM_BLOCK", 16)  # several programs over GEMV_N rows
-            got = am.affine_gemv_triton(*operands, bits, 64, config=config)
-        assert torch.equal(got, want), name
+        results = []
+        for apart in (True, False):
+            with monkeypatch.context() as patch:
+                patch.setattr(am, "SPLIT_SUM_LAUNCH", apart)
+                patch.setattr(am, "SPLIT_SUM_BLOCK", 16)  # several programs over GEMV_N rows
+                results.append(am.affine_gemv_triton(*operands, bits, 64, config=config))
+        assert torch.equal(*results), name
     assert not am._counters(torch.device("cpu"), 1).any()
 
 

@@ -283,13 +283,14 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             torch.randn(1, 512, dtype=bf16), 4, dtype=torch.float32
         ),
     )
-    # A K split whose partials a launch of their own adds (SPLIT_SUM_LAUNCH, an A/B switch).
+    # A K split whose last split to arrive adds the partials (SPLIT_SUM_LAUNCH off, an A/B
+    # switch; by default a launch of their own adds them).
     split = affine_matmul.GemvConfig(32, 2, split_k=2, prefetch=True)
     operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)
 
-    def split_sum_launch() -> None:
+    def split_sum_last() -> None:
         switch = affine_matmul.SPLIT_SUM_LAUNCH
-        affine_matmul.SPLIT_SUM_LAUNCH = True
+        affine_matmul.SPLIT_SUM_LAUNCH = False
         try:
             affine_matmul.affine_gemv_triton(
                 torch.randn(1, 256, dtype=bf16), *operands, 4, 64, split
@@ -297,7 +298,7 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         finally:
             affine_matmul.SPLIT_SUM_LAUNCH = switch
 
-    yield (f"affine gemv {split}, partials added by a launch of their own", split_sum_launch)
+    yield (f"affine gemv {split}, partials added by the last split", split_sum_last)
     # A launch with a register cap (ptxas's maxnreg), as the A/B runs launch it.
     capped = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True, max_registers=80)
     operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)

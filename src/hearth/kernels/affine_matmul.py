@@ -89,9 +89,11 @@ CODES_MAJOR_KERNEL = True
 GEMV_FOLDED_OFFSETS = True
 # A K-split GEMV's partial sums added by a small launch of their own (PDL), rather than by the
 # last program of each row block to arrive (a release of its stores, an arrival count, then
-# the partials' loads, all after its own loop). Both add the splits in split order: the same
-# bits. An A/B switch.
-SPLIT_SUM_LAUNCH = False
+# the partials' loads: a serial tail after its own loop, longer than a launch PDL overlaps).
+# Both add the splits in split order: the same bits. A/B on an H100, logits bit-identical:
+# 4-bit decode 12B 233.5 -> 239.8 tok/s (+2.7%), E4B 336.5 -> 350.8 (+4.2%), 26B-A4B 319.4 ->
+# 332.5 (+4.1%) (benchmarks/results/ab_*_4bit_split_sum_h100-2026-12-06.md). An A/B switch.
+SPLIT_SUM_LAUNCH = True
 
 
 # ---------------------------------------------------------------------------------------------
