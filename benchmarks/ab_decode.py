@@ -327,6 +327,8 @@ VARIANTS: dict[str, Patch] = {
     # own, the default since 2026-12-06; "split-sum-launch" was that A/B's variant).
     "split-sum-launch": _set(affine_matmul, "SPLIT_SUM_LAUNCH", True),
     "split-sum-last": _set(affine_matmul, "SPLIT_SUM_LAUNCH", False),
+    # o_proj's and down's split partials added by their own launch, not by the norm after.
+    "split-norm-apart": _set(gemma, "SPLITS_TO_NORM", False),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "prefill-fusions-off": _stacked(

@@ -55,6 +55,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh headline4         # the table, HF beside, one call
 #   OUT=/tmp/out benchmarks/gpu_suite.sh split-sum         # 4-bit split-K sums by their own launch
 #   OUT=/tmp/out benchmarks/gpu_suite.sh split-sum-sweep   # the split launches swept again, A/B
+#   OUT=/tmp/out benchmarks/gpu_suite.sh split-norm        # 4-bit o/down partials summed by the norm
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -339,6 +340,11 @@ stage 80 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 
 cp "$OUT/gpu_gemv_affine_sweep_4bit.json" "$OUT/gpu_gemv_affine_sweep_4bit_12b.json"; cp "$OUT/gpu_gemv_affine_sweep_4bit.md" "$OUT/gpu_gemv_affine_sweep_4bit_12b.md"
 stage 170 sweep-e4b python benchmarks/gpu_gemv_affine_sweep.py --shapes e4b --only "E4B qkv,E4B o,E4B down"
 stage 80 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,gemv-json --check --name e4b_4bit_split_sum_sweep
+elif [ "$PART" = split-norm ]; then  # 4-bit o/down partials added by the norm kernel: A/Bs
+stage 40 tests python -m pytest -q -x tests/test_kernels_fused.py -k partials
+stage 170 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,split-norm-apart --check --name 12b_4bit_split_norm
+stage 150 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,split-norm-apart --check --name e4b_4bit_split_norm
+stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,split-norm-apart --check --name 26b_4bit_split_norm
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes

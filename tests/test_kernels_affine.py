@@ -31,6 +31,7 @@ import torch
 from hearth.config import parse_config
 from hearth.kernels import affine_matmul as am
 from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
+from hearth.kernels.norm import Partials
 from hearth.models import gemma4
 from hearth.models.gemma4 import Experts
 from hearth.quant.mlx import (
@@ -165,6 +166,73 @@ def test_gemv_split_sums_in_a_launch_of_their_own_are_bit_identical(
                 results.append(am.affine_gemv_triton(*operands, bits, 64, config=config))
         assert torch.equal(*results), name
     assert not am._counters(torch.device("cpu"), 1).any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_partials_add_up_to_the_gemv_output(bits: int) -> None:
+    """`affine_gemv_partials_triton` launches the GEMV without its sum: `Partials.total` of
+    what it returns (the splits added in order, rounded once) is the GEMV's output, bit for
+    bit; an unsplit launch has no partials. (fp16 x: the interpreter's bf16 truncates.)"""
+    torch.manual_seed(30 + bits)
+    operands = _gemv_case(bits, 64, 2, torch.float16)[0]
+    for name in ("split2", "split3", "prefetch split3"):
+        config = GEMV_CONFIGS[name]
+        values = am.affine_gemv_partials_triton(*operands, bits, 64, config)
+        assert values is not None and values.shape == (config.split_k, 2, GEMV_N), name
+        total = Partials(values, torch.float16).total()
+        assert torch.equal(total, am.affine_gemv_triton(*operands, bits, 64, config)), name
+    assert am.affine_gemv_partials_triton(*operands, bits, 64, GEMV_CONFIGS["whole"]) is None
+    assert am.affine_gemv_partials(*operands, bits, 64) is None  # off the GPU
+
+
+def test_gemma3_4bit_decode_hands_split_partials_to_its_norms(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a decode step (the GPU dispatch, on CPU tensors) a 4-bit o_proj and down whose
+    launch splits K hand their partials to the add-norm kernel after them (`Partials`), and
+    the logits stay the torch path's. fp32 throughout: the kernels and torch differ by
+    summation order only; through the tiny model's layers and head, logits of size ~1-10
+    stay within 1e-4."""
+    from hearth.checkpoint import open_checkpoint
+    from hearth.kernels import norm
+    from hearth.kv import make_caches
+    from hearth.models.loading import build_model
+    from tiny import save_hf, tiny_gemma3_model
+
+    model = build_model(
+        open_checkpoint(save_hf(tiny_gemma3_model(seed=6), tmp_path)), torch.float32, "cpu", False
+    )
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear):  # o_proj K=128 and down K=96: 4 and 3 groups
+            model.set_submodule(name, MLXQuantizedLinear.from_float(module.weight.data, 4, 32))
+    ids = torch.randint(4, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+
+    def decode() -> torch.Tensor:
+        caches = make_caches(model.config)
+        with torch.inference_mode():
+            steps = [model(ids[:, :6], caches)]
+            steps += [model(ids[:, p : p + 1], caches, start=p) for p in range(6, 9)]
+        return torch.cat(steps, dim=1)
+
+    expected = decode()
+    handed: list[int] = []
+    original = norm.add_rms_norm_triton
+
+    def counted(residual, x, *args):
+        handed.append(isinstance(x, norm.Partials))
+        return original(residual, x, *args)
+
+    def split_launch(n, k, bits, group, multiprocessors=132):
+        return am.GemvConfig(64, 1, split_k=2) if k // group >= 2 else am.GemvConfig(64, 1)
+
+    for module in (am, norm):
+        monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(am, "gemv_config", split_launch)
+    monkeypatch.setattr(norm, "add_rms_norm_triton", counted)
+    got = decode()
+    layers = model.config.num_hidden_layers
+    assert sum(handed) == 2 * layers * 3  # o_proj's and down's, each decode step
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

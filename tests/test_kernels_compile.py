@@ -150,6 +150,17 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         "moe_add_rms_norm",
         lambda: norm.moe_add_rms_norm_triton(x, x, weight, 1e-6, weight, weight, router_scale),
     )
+    partials = norm.Partials(torch.randn(2, *x.shape), bf16)
+    yield (
+        "add_rms_norm adding a GEMV's split partials",
+        lambda: norm.add_rms_norm_triton(x, partials, weight, 1e-6, weight, True),
+    )
+    yield (
+        "moe_add_rms_norm adding a GEMV's split partials",
+        lambda: norm.moe_add_rms_norm_triton(
+            x, partials, weight, 1e-6, weight, weight, router_scale
+        ),
+    )
     yield (
         "moe_combine_add_rms_norm",
         lambda: norm.moe_combine_add_rms_norm_triton(
@@ -551,10 +562,11 @@ def _aligned_spec(kernel: InterpretedFunction, arguments: dict) -> dict:
 
 
 def _cp_async_counts(launches: list[Callable[[], object]]) -> list[int]:
-    """cp.async instructions in the sm_90 PTX of the one kernel each call launches."""
+    """cp.async instructions in the sm_90 PTX of the first kernel each call launches (a
+    K-split affine GEMV launches its partials' sum after it)."""
     specs = []
     for launch in launches:
-        ((kernel, arguments),) = _recorded_launches(launch)
+        (kernel, arguments), *_ = _recorded_launches(launch)
         specs.append(_aligned_spec(kernel, arguments))
     result = subprocess.run(
         [sys.executable, "-c", CP_ASYNC_COUNTER],

@@ -13,6 +13,8 @@ pytest.importorskip("triton")
 from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
 from hearth.kernels.kv_write import append_token_reference, append_token_triton
 from hearth.kernels.norm import (
+    Partials,
+    add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_triton,
     moe_add_rms_norm_reference,
@@ -75,6 +77,33 @@ def test_rms_norm(dtype: torch.dtype, width: int, weighted: bool) -> None:
     expected = rms_norm_reference(x, weight, EPS)
     close(rms_norm_triton(x, weight, EPS), expected, dtype)
     close(expected, oracle_rms_norm(x, weight), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_norms_add_a_gemv_s_split_partials(dtype: torch.dtype, splits: int) -> None:
+    """Given a K-split GEMV's fp32 partials (`Partials`), the add-norm and the MoE add-norm
+    kernels add them in split order and round to the activations' dtype first: the same bits
+    as fed the added output (`Partials.total`, the GEMV's own sum). Off the kernel path the
+    dispatcher takes the total. (fp16 stands in for bf16: the interpreter's bf16 truncates.)"""
+    residual = torch.randn(1, 2, 96).to(dtype)
+    partials = Partials(torch.randn(splits, 1, 2, 96) * 3, dtype)
+    weight, next_weight, other = torch.rand(3, 96) + 0.5
+    scalar = torch.tensor([0.75]).to(dtype)
+    added = partials.total()
+    for scale in (None, scalar):
+        got = add_rms_norm_triton(residual, partials, weight, EPS, next_weight, True, scale)
+        want = add_rms_norm_triton(residual, added, weight, EPS, next_weight, True, scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    router_scale = torch.rand(96) + 0.5
+    args = (weight, EPS, next_weight, other, router_scale)
+    got = moe_add_rms_norm_triton(residual, partials, *args)
+    want = moe_add_rms_norm_triton(residual, added, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if not torch.cuda.is_available():  # the dispatcher off the kernel path
+        got = add_rms_norm(residual, partials, weight, EPS, next_weight, True)
+        want = add_rms_norm_reference(residual, added, weight, EPS, next_weight, True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -183,6 +183,17 @@ def float_expert_matmul_reference(
 # Dispatchers: the Triton kernel on CUDA for the widths it covers, the reference otherwise
 
 
+def affine_gemv_partials(
+    x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+) -> Tensor | None:
+    """``x @ W.T``'s fp32 partial sums [splits, ..., N], not yet added, where the GPU's GEMV
+    splits K for this shape: a consumer adds them in split order, as the GEMV's own sum launch
+    would (`norm.Partials`). None where it would not split or off the GPU: use `affine_linear`."""
+    if not (kernel_enabled(x) and bits in KERNEL_BITS):
+        return None
+    return affine_gemv_partials_triton(x, packed, scales, biases, bits, group_size)
+
+
 def affine_linear(
     x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
 ) -> Tensor:
@@ -1060,9 +1071,11 @@ if HAS_TRITON:
         group: int,
         config: GemvConfig,
         x_codes_major: bool = False,
-    ) -> None:
+        add_splits: bool = True,
+    ) -> Tensor | None:
         """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``; with
-        `x_codes_major` x is ``codes_major(x)``, contiguous."""
+        `x_codes_major` x is ``codes_major(x)``, contiguous. A K-split launch returns its fp32
+        partials ``[splits * M * N]``; without `add_splits` only those, out left unwritten."""
         m, k = x.shape[0], x[0].numel()
         n, row_words = packed.shape[-2:]
         groups = k // group
@@ -1076,7 +1089,7 @@ if HAS_TRITON:
         staged_steps = staged_steps if config.loop_stages > 1 else 0
         blocks = triton.cdiv(n, config.block_n)
         pdl = pdl_options(x)
-        sum_apart = config.split_k > 1 and SPLIT_SUM_LAUNCH
+        sum_apart = config.split_k > 1 and (SPLIT_SUM_LAUNCH or not add_splits)
         if config.split_k > 1:
             partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
             counters = partial if sum_apart else _counters(x.device, blocks)
@@ -1116,11 +1129,12 @@ if HAS_TRITON:
             PREFETCH_LINES=prefetch_lines(pdl, "affine"),
             SUM_APART=sum_apart,
         )
-        if sum_apart:
+        if sum_apart and add_splits:
             launch_kernel(
                 _sum_splits_kernel, (triton.cdiv(n, SPLIT_SUM_BLOCK),), partial, out, n,
                 out.stride(0), M=m, SPLIT_K=config.split_k, BLOCK=SPLIT_SUM_BLOCK, **pdl,
             )  # fmt: skip
+        return partial if config.split_k > 1 else None
 
     # Outputs a program of `_sum_splits_kernel` adds: 12B's 3840 rows in 15 programs.
     SPLIT_SUM_BLOCK = 256
@@ -1251,6 +1265,39 @@ if HAS_TRITON:
             num_warps=config.warps if config is not None else 4,
         )
         return out.view(*x.shape[:-1], -1)
+
+    def affine_gemv_partials_triton(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None = None,
+    ) -> Tensor | None:
+        """`affine_gemv_partials` in Triton (and its interpreter); `config` pins the launch."""
+        k = _check_operands(x, packed, scales, bits, group_size)
+        rows = x.reshape(-1, k)
+        m, n = rows.shape[0], packed.shape[-2]
+        if m > UNROLLED_ROWS or n * packed.shape[-1] >= 2**31:
+            return None
+        if config is None:
+            sms = _multiprocessors() if x.is_cuda else H200_MULTIPROCESSORS
+            config = gemv_config(n, k, bits, group_size, sms)
+        if config.split_k == 1:
+            return None
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        ordered = config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits)
+        if ordered:
+            reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
+            rows = reorder(rows, bits, dtype=CODES_MAJOR_DTYPE)
+        unwritten = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        partial = _launch_gemv(
+            rows, packed, scales, biases, unwritten, bits, group_size, config, ordered,
+            add_splits=False,
+        )  # fmt: skip
+        assert partial is not None
+        return partial.view(config.split_k, *x.shape[:-1], n)
 
     def affine_dequantize_triton(
         packed: Tensor,

@@ -76,6 +76,7 @@ if HAS_TRITON:
         HAS_ROUTER: tl.constexpr,
         PDL: tl.constexpr,
         SLOTS: tl.constexpr = 0,
+        SPLITS: tl.constexpr = 0,
     ):
         wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -92,6 +93,12 @@ if HAS_TRITON:
                 weighted = y.to(tl.float32) * tl.load(slot_w_ptr + pair)
                 x += weighted.to(dtype).to(tl.float32)  # `weighted_slot_sum`'s roundings
             x = x.to(dtype).to(tl.float32)
+        elif SPLITS > 0:  # x is a K-split GEMV's fp32 partials [SPLITS, rows, N] (`Partials`)
+            x = tl.zeros([BLOCK], tl.float32)
+            for split in tl.static_range(SPLITS):
+                at = x_ptr + (split * tl.num_programs(0) + row) * N + columns
+                x += tl.load(at, mask=mask, other=0.0)
+            x = x.to(dtype).to(tl.float32)  # the GEMV's output, rounded as it stores it
         else:
             x = tl.load(x_ptr + row * N + columns, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + columns, mask=mask & HAS_WEIGHT, other=0.0)
@@ -133,6 +140,31 @@ if HAS_TRITON:
                 r = (h * inverse_rms).to(dtype).to(tl.float32)
                 r = (r * router_w).to(dtype).to(tl.float32)
                 tl.store(router_ptr + row * N + columns, (r * router_factor).to(dtype), mask=mask)
+
+
+class Partials(NamedTuple):
+    """A K-split GEMV's output before its splits are added: fp32 partials [splits, ..., N]
+    (`affine_matmul.affine_gemv_partials`). The norm kernels add them in split order and round
+    the sum to `dtype`, as the GEMV's own sum launch would (the same bits), one launch fewer."""
+
+    values: torch.Tensor
+    dtype: torch.dtype
+
+    def total(self) -> torch.Tensor:
+        """The GEMV's output: the splits added in order in fp32, rounded to `dtype` once."""
+        total = torch.zeros_like(self.values[0])
+        for split in self.values:
+            total += split
+        return total.to(self.dtype)
+
+
+def resolved(x: torch.Tensor | Partials) -> torch.Tensor:
+    """x itself, or a `Partials`' total."""
+    return x.total() if isinstance(x, Partials) else x
+
+
+def _values(x: torch.Tensor | Partials) -> torch.Tensor:
+    return x.values if isinstance(x, Partials) else x
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -219,7 +251,7 @@ def _warps(columns: int) -> int:
 
 
 def _launch(
-    x: torch.Tensor,
+    x: torch.Tensor | Partials,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
     next_weight: torch.Tensor | None,
@@ -235,17 +267,23 @@ def _launch(
     """(out, normed or None, normed_2 if next_weight_2, router input if router_scale).
     `combine` is (dense, dense_weight, x_weight): x is first replaced by
     ``round(norm(dense) · dense_weight) + round(norm(x) · x_weight)``. With `slot_weights`
-    [..., top_k], x is [..., top_k, N] and stands for `weighted_slot_sum(x, slot_weights)`."""
+    [..., top_k], x is [..., top_k, N] and stands for `weighted_slot_sum(x, slot_weights)`.
+    x may be a GEMV's `Partials`, which the kernel adds first."""
+    splits, dtype = 0, x.dtype
+    if isinstance(x, Partials):
+        if slot_weights is not None:
+            raise ValueError("a norm adds a GEMV's split partials or experts' slots, not both")
+        splits, dtype, x = x.values.shape[0], x.dtype, x.values
     columns = x.shape[-1]
-    shape = x.shape
+    shape = x.shape[1:] if splits else x.shape
     if slot_weights is not None:
         if slot_weights.shape != x.shape[:-1]:
             raise ValueError(
                 f"slot weights {tuple(slot_weights.shape)} do not match x {tuple(x.shape)}"
             )
         shape = torch.Size((*x.shape[:-2], columns))
-    if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype):
-        raise ValueError(f"scale must be one {x.dtype} value, got {scale.dtype} {scale.shape}")
+    if scale is not None and (scale.numel() != 1 or scale.dtype != dtype):
+        raise ValueError(f"scale must be one {dtype} value, got {scale.dtype} {scale.shape}")
     for name, vector in (("router scale", router_scale), ("next weight 2", next_weight_2)):
         if vector is not None and vector.shape != (columns,):
             raise ValueError(f"{name} {tuple(vector.shape)} does not match width {columns}")
@@ -253,7 +291,7 @@ def _launch(
     x2 = x.contiguous()
 
     def like_out() -> torch.Tensor:
-        return torch.empty(shape, dtype=x.dtype, device=x.device)
+        return torch.empty(shape, dtype=dtype, device=x.device)
 
     out = like_out()
     normed = like_out() if normalize_next else None
@@ -298,6 +336,7 @@ def _launch(
         HAS_NEXT2=next_weight_2 is not None,
         HAS_ROUTER=router_scale is not None,
         SLOTS=x.shape[-2] if slot_weights is not None else 0,
+        SPLITS=splits,
         num_warps=_warps(columns),
         **pdl_options(x),
     )
@@ -311,7 +350,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
 
 def add_rms_norm_triton(
     residual: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | Partials,
     weight: torch.Tensor | None,
     eps: float,
     next_weight: torch.Tensor | None = None,
@@ -331,16 +370,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def add_rms_norm(
     residual: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | Partials,
     weight: torch.Tensor | None,
     eps: float,
     next_weight: torch.Tensor | None = None,
     normalize_next: bool = False,
     scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(residual + norm(x)·w)·scale` and, with `normalize_next`, its norm by `next_weight`."""
-    if kernel_enabled(x):
+    """`(residual + norm(x)·w)·scale` and, with `normalize_next`, its norm by `next_weight`.
+    x may be a K-split GEMV's `Partials`, which the kernel adds first."""
+    if kernel_enabled(_values(x)):
         return add_rms_norm_triton(residual, x, weight, eps, next_weight, normalize_next, scale)
+    x = resolved(x)
     if (
         scale is None
         and weight is not None
@@ -358,7 +399,7 @@ def add_rms_norm(
 
 def moe_add_rms_norm_triton(
     residual: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | Partials,
     weight: torch.Tensor,
     eps: float,
     dense_weight: torch.Tensor,
@@ -407,7 +448,7 @@ def moe_combine_add_rms_norm_triton(
 
 def moe_add_rms_norm(
     residual: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | Partials,
     weight: torch.Tensor,
     eps: float,
     dense_weight: torch.Tensor,
@@ -415,11 +456,11 @@ def moe_add_rms_norm(
     router_scale: torch.Tensor,
 ) -> MoEInputs:
     """h = residual + norm(x)·w and the three inputs of the MoE feed-forward from it (one
-    Triton kernel on CUDA: one RMS of h for all three)."""
+    Triton kernel on CUDA: one RMS of h for all three). x may be a GEMV's `Partials`."""
     args = (residual, x, weight, eps, dense_weight, experts_weight, router_scale)
-    if kernel_enabled(x):
+    if kernel_enabled(_values(x)):
         return moe_add_rms_norm_triton(*args)
-    return moe_add_rms_norm_reference(*args)
+    return moe_add_rms_norm_reference(residual, resolved(x), *args[2:])
 
 
 def moe_combine_add_rms_norm(

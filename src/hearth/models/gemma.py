@@ -19,7 +19,7 @@ from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
 from hearth.kernels.gemv import gemv, has_pinned_launch
-from hearth.kernels.norm import add_rms_norm, rms_norm
+from hearth.kernels.norm import Partials, add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
 from hearth.kv.cache import DENSE, KVView, LayerCache
@@ -70,6 +70,26 @@ def project(
     return linear(x)
 
 
+def project_for_norm(
+    linear: nn.Module, x: torch.Tensor, geglu: bool = False
+) -> torch.Tensor | Partials:
+    """`project(linear, x, geglu)` for a residual add-norm to read (o_proj, down): an
+    MLX-packed weight whose GPU GEMV splits K leaves its partials for the norm kernel to add
+    (`norm.Partials`), so the GEMV's own sum launch goes (SPLITS_TO_NORM)."""
+    split_partials = getattr(linear, "split_partials", None)
+    if not (SPLITS_TO_NORM and split_partials is not None):
+        return project(linear, x, geglu)
+    x = gelu_tanh_mul(x) if geglu else x
+    partials = split_partials(x)
+    return linear(x) if partials is None else partials
+
+
+# A K-split 4-bit GEMV before a residual add-norm hands the norm kernel its partials rather
+# than adding them in a launch of its own (`project_for_norm`). A/B on an H100, logits
+# bit-identical: 4-bit decode 12B 240.4 -> 244.6 tok/s (+1.7%), E4B +0.5%, 26B-A4B +0.1%
+# (o_proj only there; benchmarks/results/ab_*_4bit_split_norm_h100-2026-12-06.md). An A/B
+# switch.
+SPLITS_TO_NORM = True
 # GeGLU inside the down projection's GEMV: off, as measured slower than the GeGLU kernel
 # and then the GEMV (each program recomputes GeGLU for its slice of K): -1.4% vs cuBLAS down,
 # -2.4% vs the Triton GEMV on 12B decode (results/ab_12b_pdl*-2026-12-03.md).
@@ -295,7 +315,8 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
         cache: LayerCache | None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Partials:
+        """The attention output, for the layer's add-norm (`project_for_norm`)."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length)
@@ -317,7 +338,7 @@ class Attention(nn.Module):
         q = q.unflatten(0, (batch, length)).transpose(1, 2)
         view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, self.scale)
-        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
+        return project_for_norm(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLP(nn.Module):
@@ -331,8 +352,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj.proj, x, prefer_cublas=True)
-        return project(self.down_proj, gate_up, geglu=True)
+        return project(self.down_proj, self.gate_up(x), geglu=True)
+
+    def for_norm(self, x: torch.Tensor) -> torch.Tensor | Partials:
+        """`forward(x)` for a residual add-norm to read (`project_for_norm`)."""
+        return project_for_norm(self.down_proj, self.gate_up(x), geglu=True)
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.gate_up_proj.proj, x, prefer_cublas=True)
 
 
 class DecoderLayer(nn.Module):
@@ -375,7 +402,7 @@ class DecoderLayer(nn.Module):
         assert normed is not None
         post_ff = self.post_feedforward_layernorm
         x, normed_next = add_rms_norm(
-            x, self.mlp(normed), post_ff.weight, post_ff.eps, next_norm.weight, True
+            x, self.mlp.for_norm(normed), post_ff.weight, post_ff.eps, next_norm.weight, True
         )
         assert normed_next is not None
         return x, normed_next

@@ -32,7 +32,12 @@ from hearth.kernels.grouped_matmul import (
     grouped_expert_matmul,
     plan_experts,
 )
-from hearth.kernels.norm import add_rms_norm, moe_add_rms_norm, moe_combine_add_rms_norm
+from hearth.kernels.norm import (
+    Partials,
+    add_rms_norm,
+    moe_add_rms_norm,
+    moe_combine_add_rms_norm,
+)
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kernels.router import route, router_input
 from hearth.kernels.slot_sum import weighted_slot_sum
@@ -49,6 +54,7 @@ from hearth.models.gemma import (
     is_float_linear,
     last_of,
     project,
+    project_for_norm,
     store_keys_values,
 )
 
@@ -157,8 +163,9 @@ class Gemma4Attention(nn.Module):
         positions: torch.Tensor,
         cache: LayerCache | None,
         shared: KVView | None,
-    ) -> tuple[torch.Tensor, KVView]:
-        """Output and the K/V view attended over, which KV-sharing layers get as `shared`."""
+    ) -> tuple[torch.Tensor | Partials, KVView]:
+        """Output (for the layer's add-norm: `project_for_norm`) and the K/V view attended
+        over, which KV-sharing layers get as `shared`."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length) if shared is None else None
@@ -183,7 +190,8 @@ class Gemma4Attention(nn.Module):
         else:
             view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, scale=1.0)
-        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1)), view
+        heads = out.transpose(1, 2).reshape(batch, length, -1)
+        return project_for_norm(self.o_proj, heads), view
 
 
 class Router(nn.Module):
@@ -437,10 +445,12 @@ class Gemma4DecoderLayer(nn.Module):
         assert normed_next is not None
         return x, normed_next, view
 
-    def _fused_per_layer_norm(self, ff: torch.Tensor) -> bool:
+    def _fused_per_layer_norm(self, ff: torch.Tensor | Partials) -> bool:
         """Whether the add-norm before the per-layer input gate runs in the gate's GEMV: on
         the GPU, at a decode step, with float weights (FUSED_PER_LAYER_NORM)."""
-        if not (FUSED_PER_LAYER_NORM and NARROW_GEMV and kernel_enabled(ff)):
+        if isinstance(ff, Partials) or not (FUSED_PER_LAYER_NORM and NARROW_GEMV):
+            return False
+        if not kernel_enabled(ff):
             return False
         gate = self.per_layer_input_gate
         one_row = ff.numel() == ff.shape[-1]
@@ -457,7 +467,7 @@ class Gemma4DecoderLayer(nn.Module):
         return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 
     def _moe_feed_forward(
-        self, x: torch.Tensor, attended: torch.Tensor, next_norm: RMSNorm
+        self, x: torch.Tensor, attended: torch.Tensor | Partials, next_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What `forward` does from the attention's output on; a MoE layer's five norms in
         two kernels (`moe_add_rms_norm`, `moe_combine_add_rms_norm`)."""
@@ -504,11 +514,12 @@ class Gemma4DecoderLayer(nn.Module):
             slot_weights,
         )
 
-    def _feed_forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """The feed-forward of the residual `x`, whose pre-feed-forward norm is `normed`."""
-        dense = self.mlp(normed)
+    def _feed_forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor | Partials:
+        """The feed-forward of the residual `x`, whose pre-feed-forward norm is `normed`, for
+        the add-norm after it."""
         if not self.has_moe:
-            return dense
+            return self.mlp.for_norm(normed)
+        dense = self.mlp(normed)
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.router(flat)  # the router reads the unnormalised residual
         sparse = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)

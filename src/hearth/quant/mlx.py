@@ -33,6 +33,7 @@ from hearth.errors import CheckpointError
 
 # A module import: the kernels module reads `dequantize_affine` from here (a cycle).
 from hearth.kernels import affine_matmul as affine_kernels
+from hearth.kernels.norm import Partials
 
 AFFINE_MODE = "affine"
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -222,6 +223,14 @@ class MLXQuantizedLinear(_PackedAffine):
         return affine_kernels.affine_linear(
             x, self.packed, self.scales, self.biases, self.bits, self.group_size
         )
+
+    def split_partials(self, x: Tensor) -> Partials | None:
+        """`forward(x)` as its GEMV's split partials, for a norm kernel to add (one launch
+        fewer), where the GPU's GEMV splits K for this shape; None elsewhere."""
+        values = affine_kernels.affine_gemv_partials(
+            x, self.packed, self.scales, self.biases, self.bits, self.group_size
+        )
+        return None if values is None else Partials(values, x.dtype)
 
 
 class MLXQuantizedEmbedding(_PackedAffine):
