@@ -1230,16 +1230,9 @@ if HAS_TRITON:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:
             return out.view(*x.shape[:-1], -1)
-        # The unrolled kernel offsets words in int32; larger weights take the tile kernel.
-        if m <= UNROLLED_ROWS and n * packed.shape[-1] < 2**31:
-            if config is None:
-                sms = _multiprocessors() if x.is_cuda else H200_MULTIPROCESSORS
-                config = gemv_config(n, k, bits, group_size, sms)
-            ordered = config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits)
-            if ordered:
-                reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
-                rows = reorder(rows, bits, dtype=CODES_MAJOR_DTYPE)
-            _launch_gemv(rows, packed, scales, biases, out, bits, group_size, config, ordered)
+        unrolled = _unrolled_config(rows, packed, bits, group_size, config)
+        if unrolled is not None:
+            _launch_unrolled(rows, packed, scales, biases, out, bits, group_size, unrolled)
             return out.view(*x.shape[:-1], -1)
         tile = None
         if config is not None:
@@ -1276,28 +1269,53 @@ if HAS_TRITON:
         config: GemvConfig | None = None,
     ) -> Tensor | None:
         """`affine_gemv_partials` in Triton (and its interpreter); `config` pins the launch."""
-        k = _check_operands(x, packed, scales, bits, group_size)
-        rows = x.reshape(-1, k)
-        m, n = rows.shape[0], packed.shape[-2]
+        rows = x.reshape(-1, _check_operands(x, packed, scales, bits, group_size))
+        config = _unrolled_config(rows, packed, bits, group_size, config)
+        if config is None or config.split_k == 1:
+            return None
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        n = packed.shape[-2]
+        unwritten = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+        partial = _launch_unrolled(
+            rows, packed, scales, biases, unwritten, bits, group_size, config, add_splits=False
+        )
+        assert partial is not None
+        return partial.view(config.split_k, *x.shape[:-1], n)
+
+    def _unrolled_config(
+        rows: Tensor, packed: Tensor, bits: int, group_size: int, config: GemvConfig | None
+    ) -> GemvConfig | None:
+        """The unrolled GEMV's launch for x's `rows` [M, K] (`gemv_config`'s, unless `config`
+        pins one); None where the tile GEMV takes them: more rows, or weights whose words pass
+        the unrolled kernel's int32 offsets."""
+        (m, k), n = rows.shape, packed.shape[-2]
         if m > UNROLLED_ROWS or n * packed.shape[-1] >= 2**31:
             return None
         if config is None:
-            sms = _multiprocessors() if x.is_cuda else H200_MULTIPROCESSORS
+            sms = _multiprocessors() if rows.is_cuda else H200_MULTIPROCESSORS
             config = gemv_config(n, k, bits, group_size, sms)
-        if config.split_k == 1:
-            return None
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        return config
+
+    def _launch_unrolled(
+        rows: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        out: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig,
+        add_splits: bool = True,
+    ) -> Tensor | None:
+        """`_launch_gemv`, x first reordered codes-major where `config` asks for it."""
+        k = rows.shape[-1]
         ordered = config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits)
         if ordered:
             reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
             rows = reorder(rows, bits, dtype=CODES_MAJOR_DTYPE)
-        unwritten = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        partial = _launch_gemv(
-            rows, packed, scales, biases, unwritten, bits, group_size, config, ordered,
-            add_splits=False,
-        )  # fmt: skip
-        assert partial is not None
-        return partial.view(config.split_k, *x.shape[:-1], n)
+        return _launch_gemv(
+            rows, packed, scales, biases, out, bits, group_size, config, ordered, add_splits
+        )
 
     def affine_dequantize_triton(
         packed: Tensor,
