@@ -94,6 +94,8 @@ GEMV_FOLDED_OFFSETS = True
 # 4-bit decode 12B 233.5 -> 239.8 tok/s (+2.7%), E4B 336.5 -> 350.8 (+4.2%), 26B-A4B 319.4 ->
 # 332.5 (+4.1%) (benchmarks/results/ab_*_4bit_split_sum_h100-2026-12-06.md). An A/B switch.
 SPLIT_SUM_LAUNCH = True
+# Outputs a program of that launch adds: 12B's 3840 rows in 15 programs.
+SPLIT_SUM_BLOCK = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1135,9 +1137,6 @@ if HAS_TRITON:
                 out.stride(0), M=m, SPLIT_K=config.split_k, BLOCK=SPLIT_SUM_BLOCK, **pdl,
             )  # fmt: skip
         return partial if config.split_k > 1 else None
-
-    # Outputs a program of `_sum_splits_kernel` adds: 12B's 3840 rows in 15 programs.
-    SPLIT_SUM_BLOCK = 256
 
     def _launch_tile_gemv(
         x: Tensor,

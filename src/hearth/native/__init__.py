@@ -212,8 +212,8 @@ class NativeKernels:
 
     def argmax_rows(self, rows: Tensor) -> Tensor:
         """``rows.max(dim=-1).indices`` of fp32 rows [m, n] (the first index of each row's
-        largest value, or of its first NaN), without torch's scalar scan: ~10x faster on a
-        262144-token row."""
+        largest value, or of its first NaN), without torch's scalar scan: ~6x faster on a
+        262144-token row (44 against 268 µs on an AVX2 EPYC)."""
         _require(
             _dense(rows, torch.float32) and rows.dim() == 2 and rows.shape[1] >= 1,
             "argmax_rows takes contiguous fp32 rows [m, n >= 1]",
