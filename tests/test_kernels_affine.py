@@ -189,10 +189,11 @@ def test_gemma3_4bit_decode_hands_split_partials_to_its_norms(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At a decode step (the GPU dispatch, on CPU tensors) a 4-bit o_proj and down whose
-    launch splits K hand their partials to the add-norm kernel after them (`Partials`), and
-    the logits stay the torch path's. fp32 throughout: the kernels and torch differ by
-    summation order only; through the tiny model's layers and head, logits of size ~1-10
-    stay within 1e-4."""
+    launch splits K hand their partials to the add-norm kernel after them (`Partials`); the
+    pre-feed-forward norm stores its output codes-major for the unsplit gate/up GEMV, which
+    reads it so and stores gelu_tanh(gate) · up; and the logits stay the torch path's. fp32
+    throughout: the kernels and torch differ by summation order only; through the tiny
+    model's layers and head, logits of size ~1-10 stay within 1e-4."""
     from hearth.checkpoint import open_checkpoint
     from hearth.kernels import norm
     from hearth.kv import make_caches
@@ -216,22 +217,40 @@ def test_gemma3_4bit_decode_hands_split_partials_to_its_norms(
 
     expected = decode()
     handed: list[int] = []
+    ordered: list[tuple[int, int] | None] = []
     original = norm.add_rms_norm_triton
+    original_geglu = am.affine_gemv_geglu_out_triton
+    stored_geglu: list[bool] = []
 
     def counted(residual, x, *args):
         handed.append(isinstance(x, norm.Partials))
+        ordered.append(args[-1])
         return original(residual, x, *args)
 
+    def geglu_counted(x, *args):
+        stored_geglu.append(isinstance(x, am.CodesMajor))
+        return original_geglu(x, *args)
+
+    gate_up_rows = 2 * model.config.intermediate_size
+
     def split_launch(n, k, bits, group, multiprocessors=132):
+        if n == gate_up_rows:  # unsplit, x codes-major: in blocks of 4 words (K = 64)
+            return am.GemvConfig(64, 1, codes_major_x=True)
         return am.GemvConfig(64, 1, split_k=2) if k // group >= 2 else am.GemvConfig(64, 1)
 
     for module in (am, norm):
         monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
     monkeypatch.setattr(am, "gemv_config", split_launch)
+    monkeypatch.setattr(am, "X_BLOCK_WORDS", 4)
     monkeypatch.setattr(norm, "add_rms_norm_triton", counted)
+    monkeypatch.setattr(am, "affine_gemv_geglu_out_triton", geglu_counted)
     got = decode()
     layers = model.config.num_hidden_layers
     assert sum(handed) == 2 * layers * 3  # o_proj's and down's, each decode step
+    assert ordered.count((8, 4)) == layers * 3  # each pre-feed-forward norm
+    # The prefill's 6 rows take the tile GEMV (input order; the GeGLU kernel), then each
+    # decode step's gate/up reads its norm's order and stores the GeGLU.
+    assert stored_geglu == [False] * layers + [True] * (layers * 3)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
@@ -359,6 +378,79 @@ def test_gemv_codes_major_x_equals_input_order(
     assert ordered.dtype == dtype and torch.equal(ordered, input_order)
     weight = _oracle_weight(packed, scales, biases, bits)
     _assert_close(ordered, x.double() @ weight.T, x.double().abs() @ weight.abs().T, k)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_stores_the_geglu_of_a_stacked_gate_up(bits, rows, monkeypatch) -> None:
+    """With `geglu_out` an unsplit GEMV over a stacked gate/up weight [2 I, K] pairs gate row
+    i with up row I + i in its programs and stores gelu_tanh(gate) · up: bit for bit the GEMV
+    then the GeGLU kernel (the dots are the same sums; both round them, then the GeGLU, as
+    `activation.geglu` does). I = 21 pairs leave a partial last block; x codes-major too. A
+    K-split launch, and any launch off the kernel path, returns None. (fp16: the
+    interpreter's bf16 truncates.)"""
+    torch.manual_seed(40 + bits + rows)
+    k, pairs = 768, GEMV_N
+    packed, scales, biases = _quantized(2 * pairs, k, bits, 64, torch.float16)
+    x = torch.randn(rows, k).to(torch.float16)
+    operands = (x, packed, scales, biases, bits, 64)
+    for name in ("whole", "prefetch", "stages3"):
+        for ordered in (False, True):
+            config = dataclasses.replace(GEMV_CONFIGS[name], codes_major_x=ordered)
+            got = am.affine_gemv_geglu_out_triton(*operands, config=config)
+            want = gelu_tanh_mul_triton(am.affine_gemv_triton(*operands, config=config))
+            assert got is not None and got.shape == (rows, pairs), name
+            assert torch.equal(got, want), (name, ordered)
+    assert am.affine_gemv_geglu_out_triton(*operands, config=GEMV_CONFIGS["split3"]) is None
+    assert am.affine_gemv_geglu_out(*operands) is None  # off the GPU
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_forms_the_geglu_of_x_as_it_loads_it(bits, rows) -> None:
+    """`affine_gemv_of_geglu_triton(gate, up)` reads x as geglu(gate, up), rounded as the
+    GeGLU kernel stores it: bit for bit that kernel, then the GEMV, split or not; `up` may be
+    a strided view (a per-layer input's slice). Off the GPU the dispatcher is the reference's
+    GeGLU then matmul. (fp16: the interpreter's bf16 truncates.)"""
+    torch.manual_seed(50 + bits + rows)
+    packed, scales, biases = _quantized(GEMV_N, GEMV_K, bits, 64, torch.float16)
+    gate = torch.randn(rows, GEMV_K).mul(2).to(torch.float16)
+    up = torch.randn(rows, 2, GEMV_K).to(torch.float16)[:, 1]
+    weights = (packed, scales, biases, bits, 64)
+    x = gelu_tanh_mul_triton(gate, up)
+    for name in ("whole", "split3", "prefetch split3"):
+        config = GEMV_CONFIGS[name]
+        got = am.affine_gemv_of_geglu_triton(gate, up, *weights, config=config)
+        assert torch.equal(got, am.affine_gemv_triton(x, *weights, config=config)), name
+    reference = am.affine_matmul_reference(gelu_tanh_mul_reference(gate, up), *weights)
+    assert torch.equal(am.affine_linear_of_geglu(gate, up, *weights), reference)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_reads_x_stored_codes_major(rows, monkeypatch) -> None:
+    """An x stored codes-major by its producer (`CodesMajor`) is read as it is: bit for bit
+    the GEMV that reorders x itself. A launch that reads x in input order refuses it.
+    `codes_major_input` asks for it only on the kernel path."""
+    torch.manual_seed(60 + rows)
+    k = 768
+    packed, scales, biases = _quantized(GEMV_N, k, 4, 64, torch.float16)
+    x = torch.randn(rows, 1, k).to(torch.float16)
+    weights = (packed, scales, biases, 4, 64)
+    stored = am.CodesMajor(am.codes_major(x.view(rows, k), 4), x.shape)
+    assert torch.equal(stored.input_order(), x)
+    config = dataclasses.replace(GEMV_CONFIGS["prefetch"], codes_major_x=True)
+    got = am.affine_gemv_codes_major_triton(stored, *weights, config=config)
+    assert got.shape == (rows, 1, GEMV_N)
+    assert torch.equal(got, am.affine_gemv_triton(x, *weights, config=config))
+    with pytest.raises(ValueError, match="input order"):
+        am.affine_gemv_codes_major_triton(stored, *weights, config=GEMV_CONFIGS["split3"])
+    assert am.codes_major_input(x, packed, 4, 64) is None  # off the GPU
+    assert torch.equal(am.affine_linear(stored, *weights), am.affine_linear(x, *weights))
+    monkeypatch.setattr(am, "kernel_enabled", lambda tensor: True)
+    unsplit = am.GemvConfig(64, 4, codes_major_x=True)
+    monkeypatch.setattr(am, "gemv_config", lambda *args: unsplit)
+    assert am.codes_major_input(x, packed, 4, 64) == (8, am.X_BLOCK_WORDS)
+    assert am.codes_major_input(x[:, :, :640], packed[:, :80], 4, 64) is None  # 2.5 blocks
 
 
 # The H200 winners (group 64) of the launch sweeps in CUDA graphs (benchmarks/results/

@@ -106,6 +106,32 @@ def test_norms_add_a_gemv_s_split_partials(dtype: torch.dtype, splits: int) -> N
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("codes_major", [(8, 4), (4, 6)])
+def test_add_norm_stores_its_norm_codes_major(codes_major: tuple[int, int]) -> None:
+    """With `codes_major` the kernel stores the next norm in the order the 4-bit (8 codes a
+    word) or 8-bit GEMV reads x (`affine_matmul.codes_major`): the same values as the plain
+    norm, each moved, the residual output unchanged. The dispatcher off the kernel path
+    reorders the reference's norm. Width 96: 3 blocks of 32, or 4 of 24."""
+    from hearth.kernels.affine_matmul import WORD_BITS
+    from hearth.kernels.affine_matmul import codes_major as reorder
+
+    residual, x = torch.randn(1, 2, 96), torch.randn(1, 2, 96).mul(3)
+    weight, next_weight = torch.rand(2, 96) + 0.5
+    codes, words = codes_major
+    plain = add_rms_norm_triton(residual, x, weight, EPS, next_weight, True)
+    got = add_rms_norm_triton(residual, x, weight, EPS, next_weight, True, None, codes_major)
+    assert got[1] is not None and got[1].shape == (2, 96 // (codes * words), codes, words)
+    assert torch.equal(got[0], plain[0])
+    assert torch.equal(got[1], reorder(plain[1].view(2, 96), WORD_BITS // codes, words))
+    if not torch.cuda.is_available():  # the dispatcher off the kernel path
+        out, normed = add_rms_norm(residual, x, weight, EPS, next_weight, True, None, codes_major)
+        want = add_rms_norm_reference(residual, x, weight, EPS, next_weight, True)
+        assert torch.equal(out, want[0])
+        assert torch.equal(normed, reorder(want[1].view(2, 96), WORD_BITS // codes, words))
+    with pytest.raises(ValueError, match="codes-major"):
+        add_rms_norm_triton(residual, x, weight, EPS, next_weight, True, None, (8, 5))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("normalize_next", [True, False])
 def test_add_rms_norm(dtype: torch.dtype, normalize_next: bool) -> None:

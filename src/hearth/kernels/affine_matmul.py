@@ -39,15 +39,17 @@ Accumulation is fp32 everywhere. Bits 4 and 8 have kernels; other widths use the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
-from hearth.kernels.activation import gelu_tanh_mul_reference
+from hearth.kernels.activation import gelu_tanh_mul, gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
@@ -121,6 +123,27 @@ def codes_major(
 
 def codes_major_fits(k: int, bits: int, block_words: int = X_BLOCK_WORDS) -> bool:
     return k % (WORD_BITS // bits * block_words) == 0
+
+
+class CodesMajor(NamedTuple):
+    """x ``[..., K]`` already in `codes_major` order (`values`, ``[M, blocks, codes, words]``
+    contiguous), as a norm kernel stores it for the 4-bit GEMV after it (`reads_codes_major`):
+    the GEMV then reads it without its own reorder launch. `shape` is x's."""
+
+    values: Tensor
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def input_order(self) -> Tensor:
+        """x in input order (the reference's operand)."""
+        return self.values.transpose(2, 3).reshape(self.shape)
 
 
 def affine_matmul_reference(
@@ -197,12 +220,80 @@ def affine_gemv_partials(
 
 
 def affine_linear(
-    x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+    x: Tensor | CodesMajor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    bits: int,
+    group_size: int,
 ) -> Tensor:
-    """``x @ W.T`` of an MLX-packed W; the CPU path is the reference, bit for bit."""
+    """``x @ W.T`` of an MLX-packed W; the CPU path is the reference, bit for bit. x may be
+    `CodesMajor` where `codes_major_input` said so."""
+    if isinstance(x, CodesMajor):
+        if not kernel_enabled(x.values):
+            x = x.input_order()
+        else:
+            return affine_gemv_codes_major_triton(x, packed, scales, biases, bits, group_size)
     if kernel_enabled(x) and bits in KERNEL_BITS:
         return affine_matmul_triton(x, packed, scales, biases, bits, group_size)
     return affine_matmul_reference(x, packed, scales, biases, bits, group_size)
+
+
+def codes_major_input(
+    x: Tensor, packed: Tensor, bits: int, group_size: int
+) -> tuple[int, int] | None:
+    """(codes per word, words per block) where the GPU GEMV of x ``[..., K]`` by this packed
+    weight reads x `codes_major` (and so would reorder it first), for a producer to store x so
+    (`CodesMajor`) instead; None where it reads x in input order, or off the GPU."""
+    if not (kernel_enabled(x) and bits in KERNEL_BITS and GEMV_CODES_MAJOR_X):
+        return None
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    if rows == 0 or rows > UNROLLED_ROWS or packed.shape[-2] * packed.shape[-1] >= 2**31:
+        return None
+    config = gemv_config(packed.shape[-2], k, bits, group_size, _device_multiprocessors(x))
+    if not (config.codes_major_x and codes_major_fits(k, bits, X_BLOCK_WORDS)):
+        return None
+    return WORD_BITS // bits, X_BLOCK_WORDS
+
+
+def affine_gemv_geglu_out(
+    x: Tensor | CodesMajor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    bits: int,
+    group_size: int,
+) -> Tensor | None:
+    """``gelu_tanh(gate) · up`` of x times a stacked gate/up weight ``[2 * I, K]``, stored by
+    the GPU GEMV itself (one GeGLU launch fewer, the same bits), where that GEMV runs without
+    a K split; None elsewhere (then project and `gelu_tanh_mul`)."""
+    if not (kernel_enabled(x.values if isinstance(x, CodesMajor) else x) and bits in KERNEL_BITS):
+        return None
+    return affine_gemv_geglu_out_triton(x, packed, scales, biases, bits, group_size)
+
+
+def affine_linear_of_geglu(
+    gate: Tensor,
+    up: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    bits: int,
+    group_size: int,
+) -> Tensor:
+    """``gelu_tanh_mul(gate, up) @ W.T``: on the GPU at a decode step the GEMV forms the GeGLU
+    as it loads x (one launch, and no x reorder launch, instead of three), the same bits."""
+    k = gate.shape[-1]
+    rows = gate.numel() // max(k, 1)
+    if kernel_enabled(gate) and bits in KERNEL_BITS and 0 < rows <= UNROLLED_ROWS:
+        return affine_gemv_of_geglu_triton(gate, up, packed, scales, biases, bits, group_size)
+    x = gelu_tanh_mul(gate, up)
+    return affine_linear(x, packed, scales, biases, bits, group_size)
+
+
+def _device_multiprocessors(x: Tensor | CodesMajor) -> int:
+    return _multiprocessors() if x.device.type == "cuda" else H200_MULTIPROCESSORS
 
 
 def affine_expert_matmul(
@@ -409,6 +500,7 @@ if HAS_TRITON:
         bias,
         two23,
         x_row,
+        up_row,
         k_word,
         k_ok,
         BITS: tl.constexpr,
@@ -419,10 +511,13 @@ if HAS_TRITON:
         MASKED: tl.constexpr,
         X_BLOCK: tl.constexpr,
         FOLD: tl.constexpr,
+        X_GEGLU: tl.constexpr,
     ):
         """acc ``[BLOCK_N, BLOCK_G]`` plus one x row's ``scale * sum(x q) + bias * sum(x)``
         per (output row, group) of the step; words is ``[BLOCK_N, BLOCK_G * WPG]``. x is in
-        input order (X_BLOCK 0) or `codes_major` in blocks of X_BLOCK words."""
+        input order (X_BLOCK 0) or `codes_major` in blocks of X_BLOCK words. With X_GEGLU, x
+        is ``geglu(x, up)`` of the row at `x_row` and the row at `up_row` (input order),
+        rounded as the GeGLU kernel stores it."""
         dots = tl.zeros(words.shape, tl.float32)
         x_sums = tl.zeros(k_word.shape, tl.float32)
         x_odd_sums = tl.zeros(k_word.shape, tl.float32)  # FOLD: x of the odd codes
@@ -432,11 +527,16 @@ if HAS_TRITON:
             # across the unrolled rows).
             q = _offset_codes(words, two23, j) if FOLD else _exact_codes(words, two23, j, BITS)
             if X_BLOCK == 0:
-                x_at = x_row + k_word * CODES + j
+                x_at = k_word * CODES + j
             else:
-                x_at = x_row + (k_word // X_BLOCK) * (X_BLOCK * CODES) + j * X_BLOCK
+                x_at = (k_word // X_BLOCK) * (X_BLOCK * CODES) + j * X_BLOCK
                 x_at += k_word % X_BLOCK
-            xj = tl.load(x_at, mask=k_ok, other=0) if MASKED else tl.load(x_at)
+            xj = tl.load(x_row + x_at, mask=k_ok, other=0) if MASKED else tl.load(x_row + x_at)
+            if X_GEGLU:
+                up = (
+                    tl.load(up_row + x_at, mask=k_ok, other=0) if MASKED else tl.load(up_row + x_at)
+                )
+                xj = geglu(xj, up)
             xj = xj.to(tl.float32)
             dots += q * xj[None, :]
             if FOLD and j % 2 == 1:
@@ -492,6 +592,7 @@ if HAS_TRITON:
         scale,
         bias,
         x_ptr,
+        up_ptr,
         g0,
         g_end,
         stride_xm,
@@ -505,37 +606,39 @@ if HAS_TRITON:
         MASKED: tl.constexpr,
         X_BLOCK: tl.constexpr,
         FOLD: tl.constexpr,
+        X_GEGLU: tl.constexpr,
     ):
-        """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators."""
+        """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators (x's rows, and
+        up's with X_GEGLU, `stride_xm` apart)."""
         k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
         k_ok = k_word < g_end * WPG
         acc0 = _add_row(
-            acc0, words, scale, bias, two23, x_ptr, k_word, k_ok,
-            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+            acc0, words, scale, bias, two23, x_ptr, up_ptr, k_word, k_ok,
+            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
         )  # fmt: skip
         if M > 1:
             acc1 = _add_row(
-                acc1, words, scale, bias, two23, x_ptr + stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+                acc1, words, scale, bias, two23, x_ptr + stride_xm, up_ptr + stride_xm,
+                k_word, k_ok, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
             )  # fmt: skip
         if M > 2:
             acc2 = _add_row(
-                acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+                acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, up_ptr + 2 * stride_xm,
+                k_word, k_ok, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
             )  # fmt: skip
         if M > 3:
             acc3 = _add_row(
-                acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, k_word, k_ok,
-                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+                acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, up_ptr + 3 * stride_xm,
+                k_word, k_ok, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
             )  # fmt: skip
         return acc0, acc1, acc2, acc3
 
     @triton.jit
     def _load_and_add_step(
         acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows,
-        x_ptr, g0, g_end, stride_xm, two23, M: tl.constexpr, BITS: tl.constexpr,
+        x_ptr, up_ptr, g0, g_end, stride_xm, two23, M: tl.constexpr, BITS: tl.constexpr,
         CODES: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-        MASKED: tl.constexpr, X_BLOCK: tl.constexpr, FOLD: tl.constexpr,
+        MASKED: tl.constexpr, X_BLOCK: tl.constexpr, FOLD: tl.constexpr, X_GEGLU: tl.constexpr,
     ):  # fmt: skip
         """`_load_step` of groups ``[g0, g0 + BLOCK_G)``, then `_gemv_step` of them."""
         words, scale, bias = _load_step(
@@ -543,8 +646,8 @@ if HAS_TRITON:
             WPG, BLOCK_G, MASKED,
         )  # fmt: skip
         return _gemv_step(
-            acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-            two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+            acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, up_ptr, g0, g_end, stride_xm,
+            two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
         )  # fmt: skip
 
     @triton.jit
@@ -554,6 +657,7 @@ if HAS_TRITON:
     @triton.jit
     def _affine_gemv_kernel(
         x_ptr,
+        up_ptr,
         packed_ptr,
         scales_ptr,
         biases_ptr,
@@ -581,9 +685,15 @@ if HAS_TRITON:
         LOOP_STAGES: tl.constexpr = 1,
         PREFETCH_LINES: tl.constexpr = 0,
         SUM_APART: tl.constexpr = False,
+        X_GEGLU: tl.constexpr = False,
+        GEGLU_OUT: tl.constexpr = False,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
         With SUM_APART a K split only stores its partials (`_sum_splits_kernel` adds them).
+        With X_GEGLU x is ``geglu(x, up)`` (`_add_row`). With GEGLU_OUT (no K split) the
+        weight is a stacked gate/up ``[2 * I, K]``: a program's rows are gate and up rows in
+        turn, ``pid_n * BLOCK_N / 2 + r // 2`` of gate (r even) or of up (r odd), and it
+        stores ``geglu(gate, up)`` into out ``[M, I]`` (`_store_geglu_pairs`).
 
         `row_words` and `groups` (K / codes per word, K / GROUP) are passed, not derived, so
         Triton sees the row strides' divisibility and loads 16 bytes at a time. Split s owns
@@ -598,8 +708,14 @@ if HAS_TRITON:
         WPG: tl.constexpr = GROUP // CODES  # words per group
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+        if GEGLU_OUT:
+            r = tl.arange(0, BLOCK_N)
+            pair = pid_n * (BLOCK_N // 2) + r // 2
+            n = pair + (r % 2) * (N // 2)
+            n_ok = pair < N // 2
+        else:
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < N
         # Rows past N read row N - 1 (no load masks) and are not stored. int32 offsets: the
         # launcher takes this kernel only for N * row_words < 2**31.
         n_read = tl.minimum(n, N - 1)
@@ -621,8 +737,8 @@ if HAS_TRITON:
             for step in tl.range(STAGED_STEPS, num_stages=LOOP_STAGES):
                 acc0, acc1, acc2, acc3 = _load_and_add_step(
                     acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                    group_rows, x_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M, BITS,
-                    CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+                    group_rows, x_ptr, up_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M,
+                    BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD, X_GEGLU,
                 )  # fmt: skip
             g0 += STAGED_STEPS * BLOCK_G
         elif PREFETCH and whole > 0:
@@ -640,31 +756,47 @@ if HAS_TRITON:
                     g_end, WPG, BLOCK_G, False,
                 )  # fmt: skip
                 acc0, acc1, acc2, acc3 = _gemv_step(
-                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                    two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, up_ptr, g0, g_end,
+                    stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+                    FOLD, X_GEGLU,
                 )  # fmt: skip
                 words, scale, bias = next_words, next_scale, next_bias
                 g0 += BLOCK_G
             acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, up_ptr, g0, g_end, stride_xm,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD, X_GEGLU,
             )  # fmt: skip
             g0 += BLOCK_G
         while g0 + BLOCK_G <= g_end:  # without PREFETCH
             acc0, acc1, acc2, acc3 = _load_and_add_step(
                 acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N,
-                BLOCK_G, False, X_BLOCK, FOLD,
+                group_rows, x_ptr, up_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
+                BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD, X_GEGLU,
             )  # fmt: skip
             g0 += BLOCK_G
         if g0 < g_end:
             acc0, acc1, acc2, acc3 = _load_and_add_step(
                 acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N,
-                BLOCK_G, True, X_BLOCK, FOLD,
+                group_rows, x_ptr, up_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
+                BLOCK_N, BLOCK_G, True, X_BLOCK, FOLD, X_GEGLU,
             )  # fmt: skip
 
-        if SPLIT_K == 1:
+        if GEGLU_OUT:
+            first = pid_n * (BLOCK_N // 2)
+            _store_geglu_pairs(out_ptr, tl.sum(acc0, axis=1), first, N // 2, BLOCK_N)
+            if M > 1:
+                _store_geglu_pairs(
+                    out_ptr + stride_om, tl.sum(acc1, axis=1), first, N // 2, BLOCK_N
+                )
+            if M > 2:
+                _store_geglu_pairs(
+                    out_ptr + 2 * stride_om, tl.sum(acc2, axis=1), first, N // 2, BLOCK_N
+                )
+            if M > 3:
+                _store_geglu_pairs(
+                    out_ptr + 3 * stride_om, tl.sum(acc3, axis=1), first, N // 2, BLOCK_N
+                )
+        elif SPLIT_K == 1:
             _store_row(out_ptr, acc0, n, n_ok)
             if M > 1:
                 _store_row(out_ptr + stride_om, acc1, n, n_ok)
@@ -1074,10 +1206,20 @@ if HAS_TRITON:
         config: GemvConfig,
         x_codes_major: bool = False,
         add_splits: bool = True,
+        *,
+        up: Tensor | None = None,
+        geglu_out: bool = False,
     ) -> Tensor | None:
         """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``; with
         `x_codes_major` x is ``codes_major(x)``, contiguous. A K-split launch returns its fp32
-        partials ``[splits * M * N]``; without `add_splits` only those, out left unwritten."""
+        partials ``[splits * M * N]``; without `add_splits` only those, out left unwritten.
+        With `up` (x's shape and strides, input order) the GEMV reads ``geglu(x, up)``; with
+        `geglu_out` (no K split) it stores ``geglu(gate, up)`` of a stacked gate/up weight
+        into out ``[M, N / 2]``."""
+        if geglu_out and (config.split_k > 1 or packed.shape[-2] % 2):
+            raise ValueError("the GeGLU store needs an unsplit launch over stacked gate/up rows")
+        if up is not None and (x_codes_major or up.shape != x.shape or up.stride() != x.stride()):
+            raise ValueError("the GeGLU of x reads x and up alike, in input order")
         m, k = x.shape[0], x[0].numel()
         n, row_words = packed.shape[-2:]
         groups = k // group
@@ -1101,6 +1243,7 @@ if HAS_TRITON:
             _affine_gemv_kernel,
             (blocks, config.split_k),
             x,
+            up if up is not None else x,  # unread without X_GEGLU
             packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
             scales,
             biases,
@@ -1130,6 +1273,8 @@ if HAS_TRITON:
             **pdl,
             PREFETCH_LINES=prefetch_lines(pdl, "affine"),
             SUM_APART=sum_apart,
+            X_GEGLU=up is not None,
+            GEGLU_OUT=geglu_out,
         )
         if sum_apart and add_splits:
             launch_kernel(
@@ -1296,7 +1441,7 @@ if HAS_TRITON:
         return config
 
     def _launch_unrolled(
-        rows: Tensor,
+        rows: Tensor | CodesMajor,
         packed: Tensor,
         scales: Tensor,
         biases: Tensor,
@@ -1305,16 +1450,107 @@ if HAS_TRITON:
         group_size: int,
         config: GemvConfig,
         add_splits: bool = True,
+        geglu_out: bool = False,
     ) -> Tensor | None:
-        """`_launch_gemv`, x first reordered codes-major where `config` asks for it."""
-        k = rows.shape[-1]
-        ordered = config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits)
-        if ordered:
-            reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
-            rows = reorder(rows, bits, dtype=CODES_MAJOR_DTYPE)
+        """`_launch_gemv`, x first reordered codes-major where `config` asks for it (unless
+        it comes so: `CodesMajor`, then read as it is)."""
+        if isinstance(rows, CodesMajor):
+            if not _reads_codes_major(config, rows.shape[-1], bits):
+                raise ValueError("this GEMV launch reads x in input order, not codes-major")
+            x, ordered = rows.values, True
+        else:
+            x, ordered = rows, _reads_codes_major(config, rows.shape[-1], bits)
+            if ordered:
+                reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
+                x = reorder(x, bits, X_BLOCK_WORDS, dtype=CODES_MAJOR_DTYPE)
         return _launch_gemv(
-            rows, packed, scales, biases, out, bits, group_size, config, ordered, add_splits
+            x, packed, scales, biases, out, bits, group_size, config, ordered, add_splits,
+            geglu_out=geglu_out,
+        )  # fmt: skip
+
+    def _reads_codes_major(config: GemvConfig, k: int, bits: int) -> bool:
+        return (
+            config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits, X_BLOCK_WORDS)
         )
+
+    def _flat_rows(x: Tensor | CodesMajor) -> Tensor:
+        """x as ``[M, K]`` (its values' rows for `CodesMajor`: only their count is read)."""
+        if isinstance(x, CodesMajor):
+            return x.values.view(x.values.shape[0], -1)
+        rows = x.reshape(-1, x.shape[-1])
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+    def affine_gemv_codes_major_triton(
+        x: CodesMajor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None = None,
+    ) -> Tensor:
+        """``x @ W.T`` of an x stored `codes_major` (`codes_major_input`), by the unrolled GEMV."""
+        _check_operands(torch.empty(x.shape, device="meta"), packed, scales, bits, group_size)
+        rows = _flat_rows(x)
+        config = _unrolled_config(rows, packed, bits, group_size, config)
+        if config is None:
+            raise ValueError("only the unrolled GEMV (at most 4 rows) reads x codes-major")
+        out = torch.empty(rows.shape[0], packed.shape[-2], dtype=x.dtype, device=x.device)
+        _launch_unrolled(x, packed, scales, biases, out, bits, group_size, config)
+        return out.view(*x.shape[:-1], -1)
+
+    def affine_gemv_geglu_out_triton(
+        x: Tensor | CodesMajor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None = None,
+    ) -> Tensor | None:
+        """`affine_gemv_geglu_out` in Triton (and its interpreter); `config` pins the launch.
+        None where the launch would split K or the tile GEMV takes the rows."""
+        shape = x.shape
+        _check_operands(torch.empty(shape, device="meta"), packed, scales, bits, group_size)
+        rows = _flat_rows(x)
+        config = _unrolled_config(rows, packed, bits, group_size, config)
+        n = packed.shape[-2]
+        if config is None or config.split_k > 1 or n % 2:
+            return None
+        out = torch.empty(rows.shape[0], n // 2, dtype=x.dtype, device=x.device)
+        _launch_unrolled(
+            x, packed, scales, biases, out, bits, group_size, config, geglu_out=True
+        )  # fmt: skip
+        return out.view(*shape[:-1], n // 2)
+
+    def affine_gemv_of_geglu_triton(
+        gate: Tensor,
+        up: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None = None,
+    ) -> Tensor:
+        """`affine_linear_of_geglu` by the unrolled GEMV (at most 4 rows): x's GeGLU formed as
+        it is loaded, in input order (no reorder). `config` pins the launch."""
+        if gate.shape != up.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        _check_operands(gate, packed, scales, bits, group_size)
+        gate_rows, up_rows = _flat_rows(gate), _flat_rows(up)
+        if up_rows.stride() != gate_rows.stride():
+            gate_rows, up_rows = gate_rows.contiguous(), up_rows.contiguous()
+        config = _unrolled_config(gate_rows, packed, bits, group_size, config)
+        if config is None:
+            raise ValueError("the GeGLU of x is formed by the unrolled GEMV (at most 4 rows)")
+        config = dataclasses.replace(config, codes_major_x=False)
+        n = packed.shape[-2]
+        out = torch.empty(gate_rows.shape[0], n, dtype=gate.dtype, device=gate.device)
+        _launch_gemv(
+            gate_rows, packed, scales, biases, out, bits, group_size, config, up=up_rows
+        )  # fmt: skip
+        return out.view(*gate.shape[:-1], n)
 
     def affine_dequantize_triton(
         packed: Tensor,

@@ -77,7 +77,11 @@ if HAS_TRITON:
         PDL: tl.constexpr,
         SLOTS: tl.constexpr = 0,
         SPLITS: tl.constexpr = 0,
+        NEXT_CODES: tl.constexpr = 0,
+        NEXT_BLOCK_WORDS: tl.constexpr = 0,
     ):
+        """See `_launch`. NEXT_CODES > 0 stores the normed output `codes_major` (codes per
+        word, NEXT_BLOCK_WORDS words a block), the order the 4-bit GEMV after it reads."""
         wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
@@ -132,7 +136,12 @@ if HAS_TRITON:
                 z = h * inverse_rms
                 if HAS_NEXT_WEIGHT:
                     z = z * next_w
-                tl.store(normed_ptr + row * N + columns, z.to(dtype), mask=mask)
+                at = columns
+                if NEXT_CODES > 0:  # element (w, j) of a block goes to (j, w)
+                    PER_BLOCK: tl.constexpr = NEXT_CODES * NEXT_BLOCK_WORDS
+                    within = columns % PER_BLOCK
+                    at += (within % NEXT_CODES) * NEXT_BLOCK_WORDS + within // NEXT_CODES - within
+                tl.store(normed_ptr + row * N + at, z.to(dtype), mask=mask)
             if HAS_NEXT2:
                 z2 = h * inverse_rms * next2_w
                 tl.store(normed2_ptr + row * N + columns, z2.to(dtype), mask=mask)
@@ -263,8 +272,11 @@ def _launch(
     next_weight_2: torch.Tensor | None = None,
     router_scale: torch.Tensor | None = None,
     slot_weights: torch.Tensor | None = None,
+    codes_major: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(out, normed or None, normed_2 if next_weight_2, router input if router_scale).
+    With `codes_major` (codes per word, words per block) normed is stored in that order,
+    ``[rows, blocks, codes, words]`` (`affine_matmul.codes_major`).
     `combine` is (dense, dense_weight, x_weight): x is first replaced by
     ``round(norm(dense) · dense_weight) + round(norm(x) · x_weight)``. With `slot_weights`
     [..., top_k], x is [..., top_k, N] and stands for `weighted_slot_sum(x, slot_weights)`.
@@ -295,6 +307,11 @@ def _launch(
 
     out = like_out()
     normed = like_out() if normalize_next else None
+    codes, block_words = codes_major or (0, 0)
+    if codes_major is not None:
+        if normed is None or columns % (codes * block_words):
+            raise ValueError(f"a codes-major normed output needs {codes * block_words} | width")
+        normed = normed.view(rows, columns // (codes * block_words), codes, block_words)
     normed_2 = like_out() if next_weight_2 is not None else None
     routed = like_out() if router_scale is not None else None
     dense, dense_weight, x_weight = combine if combine is not None else (None, None, None)
@@ -337,6 +354,8 @@ def _launch(
         HAS_ROUTER=router_scale is not None,
         SLOTS=x.shape[-2] if slot_weights is not None else 0,
         SPLITS=splits,
+        NEXT_CODES=codes,
+        NEXT_BLOCK_WORDS=block_words,
         num_warps=_warps(columns),
         **pdl_options(x),
     )
@@ -356,8 +375,11 @@ def add_rms_norm_triton(
     next_weight: torch.Tensor | None = None,
     normalize_next: bool = False,
     scale: torch.Tensor | None = None,
+    codes_major: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    out, normed = _launch(x, residual, weight, next_weight, normalize_next, eps, scale)
+    out, normed = _launch(
+        x, residual, weight, next_weight, normalize_next, eps, scale, codes_major=codes_major
+    )
     return out, normed
 
 
@@ -376,11 +398,24 @@ def add_rms_norm(
     next_weight: torch.Tensor | None = None,
     normalize_next: bool = False,
     scale: torch.Tensor | None = None,
+    codes_major: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(residual + norm(x)·w)·scale` and, with `normalize_next`, its norm by `next_weight`.
-    x may be a K-split GEMV's `Partials`, which the kernel adds first."""
+    x may be a K-split GEMV's `Partials`, which the kernel adds first. With `codes_major`
+    (codes per word, words per block) the norm is returned `affine_matmul.codes_major`."""
     if kernel_enabled(_values(x)):
-        return add_rms_norm_triton(residual, x, weight, eps, next_weight, normalize_next, scale)
+        return add_rms_norm_triton(
+            residual, x, weight, eps, next_weight, normalize_next, scale, codes_major
+        )
+    if codes_major is not None:
+        # A lazy import: affine_matmul imports hearth.quant.mlx, which imports this module.
+        from hearth.kernels.affine_matmul import WORD_BITS
+        from hearth.kernels.affine_matmul import codes_major as reorder
+
+        out, normed = add_rms_norm(residual, x, weight, eps, next_weight, normalize_next, scale)
+        codes, block_words = codes_major
+        flat = None if normed is None else normed.reshape(-1, normed.shape[-1])
+        return out, None if flat is None else reorder(flat, WORD_BITS // codes, block_words)
     x = resolved(x)
     if (
         scale is None

@@ -16,6 +16,7 @@ from hearth import native
 from hearth.config import SLIDING_ATTENTION, Gemma3Config, RopeConfig
 from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
+from hearth.kernels.affine_matmul import CodesMajor
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
 from hearth.kernels.gemv import gemv, has_pinned_launch
@@ -90,6 +91,26 @@ def project_for_norm(
 # (o_proj only there; benchmarks/results/ab_*_4bit_split_norm_h100-2026-12-06.md). An A/B
 # switch.
 SPLITS_TO_NORM = True
+# The pre-feed-forward add-norm stores its output codes-major where the 4-bit gate/up GEMV
+# after it reads x so (`CodesMajor`), so that GEMV's own x reorder launch goes. An A/B switch.
+NORM_STORES_CODES_MAJOR = True
+# A 4-bit gate/up GEMV without a K split stores gelu_tanh(gate) · up itself (its programs
+# pair gate and up rows), so the GeGLU launch goes; the same bits. An A/B switch.
+GATE_UP_STORES_GEGLU = True
+
+
+def codes_major_input(linear: nn.Module, x: torch.Tensor) -> tuple[int, int] | None:
+    """What `linear`'s GPU GEMV wants x's producer to store it as (`CodesMajor`'s codes per
+    word and words per block), or None: input order (NORM_STORES_CODES_MAJOR)."""
+    wanted = getattr(linear, "codes_major_input", None)
+    return wanted(x) if NORM_STORES_CODES_MAJOR and wanted is not None else None
+
+
+def ordered_input(normed: torch.Tensor, order: tuple[int, int] | None, shape: torch.Size):
+    """A norm stored as `order` asked (see `codes_major_input`), typed for the GEMV to read."""
+    return normed if order is None else CodesMajor(normed, shape)
+
+
 # GeGLU inside the down projection's GEMV: off, as measured slower than the GeGLU kernel
 # and then the GEMV (each program recomputes GeGLU for its slice of K): -1.4% vs cuBLAS down,
 # -2.4% vs the Triton GEMV on 12B decode (results/ab_12b_pdl*-2026-12-03.md).
@@ -351,15 +372,24 @@ class MLP(nn.Module):
         )
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, self.gate_up(x), geglu=True)
+    def forward(self, x: torch.Tensor | CodesMajor) -> torch.Tensor:
+        return project(self.down_proj, *self._hidden(x))
 
-    def for_norm(self, x: torch.Tensor) -> torch.Tensor | Partials:
+    def for_norm(self, x: torch.Tensor | CodesMajor) -> torch.Tensor | Partials:
         """`forward(x)` for a residual add-norm to read (`project_for_norm`)."""
-        return project_for_norm(self.down_proj, self.gate_up(x), geglu=True)
+        return project_for_norm(self.down_proj, *self._hidden(x))
 
-    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.gate_up_proj.proj, x, prefer_cublas=True)
+    def input_order(self, x: torch.Tensor) -> tuple[int, int] | None:
+        """How x's producer should store it for gate/up (`codes_major_input`)."""
+        return codes_major_input(self.gate_up_proj.proj, x)
+
+    def _hidden(self, x: torch.Tensor | CodesMajor) -> tuple[torch.Tensor, bool]:
+        """gate/up's output, and whether the GeGLU is still to be applied: a packed gate/up
+        whose GEMV stores gelu_tanh(gate) · up itself (GATE_UP_STORES_GEGLU) has applied it."""
+        stores = getattr(self.gate_up_proj.proj, "geglu_out", None)
+        if GATE_UP_STORES_GEGLU and stores is not None and (hidden := stores(x)) is not None:
+            return hidden, False
+        return project(self.gate_up_proj.proj, x, prefer_cublas=True), True
 
 
 class DecoderLayer(nn.Module):
@@ -391,6 +421,7 @@ class DecoderLayer(nn.Module):
         last residual add): each norm here is fused with the add before it.
         """
         attended = self.self_attn(normed_input, rope, positions, cache)
+        order = self.mlp.input_order(x)
         x, normed = add_rms_norm(
             x,
             attended,
@@ -398,11 +429,13 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm.eps,
             self.pre_feedforward_layernorm.weight,
             normalize_next=True,
+            codes_major=order,
         )
         assert normed is not None
         post_ff = self.post_feedforward_layernorm
+        hidden = self.mlp.for_norm(ordered_input(normed, order, x.shape))
         x, normed_next = add_rms_norm(
-            x, self.mlp.for_norm(normed), post_ff.weight, post_ff.eps, next_norm.weight, True
+            x, hidden, post_ff.weight, post_ff.eps, next_norm.weight, True
         )
         assert normed_next is not None
         return x, normed_next

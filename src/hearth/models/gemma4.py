@@ -23,7 +23,7 @@ from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config, RopeC
 from hearth.kernels import kernel_enabled
 from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.affine_matmul import KERNEL_BITS as AFFINE_KERNEL_BITS
-from hearth.kernels.affine_matmul import float_expert_matmul
+from hearth.kernels.affine_matmul import CodesMajor, float_expert_matmul
 from hearth.kernels.gemv import gemv, gemv_add_norm
 from hearth.kernels.grouped_matmul import (
     ExpertPlan,
@@ -53,6 +53,7 @@ from hearth.models.gemma import (
     decode_write,
     is_float_linear,
     last_of,
+    ordered_input,
     project,
     project_for_norm,
     store_keys_values,
@@ -75,6 +76,10 @@ FUSED_MOE_NORMS = True
 # kernel of its own before it: K is 256, so each program recomputing it costs little. An A/B
 # switch.
 FUSED_PER_LAYER_GEGLU = True
+# The same for MLX-packed weights (`MLXQuantizedLinear.of_geglu`): the affine GEMV forms the
+# GeGLU as it loads x, in input order, so the GeGLU launch and the x reorder launch before
+# the projection go (K = 256 is too short to split, so the GEMV reordered x). An A/B switch.
+PACKED_PER_LAYER_GEGLU = True
 # The residual add and norm after the feed-forward inside the per-layer input gate's GEMV
 # (`gemv_add_norm`), rather than an `add_rms_norm` launch before it: the gate has 256 rows,
 # so only a few programs each take the row's RMS, one launch fewer a layer. E4B +0.6%,
@@ -419,6 +424,7 @@ class Gemma4DecoderLayer(nn.Module):
         attended, view = self.self_attn(normed_input, rope, positions, cache, shared)
         if self.has_moe and per_layer_input is None and FUSED_MOE_NORMS:
             return (*self._moe_feed_forward(x, attended, next_norm), view)
+        order = None if self.has_moe else self.mlp.input_order(x)
         x, normed = add_rms_norm(
             x,
             attended,
@@ -426,9 +432,10 @@ class Gemma4DecoderLayer(nn.Module):
             self.eps,
             self.pre_feedforward_layernorm.weight,
             normalize_next=True,
+            codes_major=order,
         )
         assert normed is not None
-        ff = self._feed_forward(x, normed)
+        ff = self._feed_forward(x, ordered_input(normed, order, x.shape))
         last_norm = self.post_feedforward_layernorm
         if per_layer_input is not None:
             if self._fused_per_layer_norm(ff):
@@ -464,6 +471,9 @@ class Gemma4DecoderLayer(nn.Module):
         float_weight = is_float_linear(projection)
         if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
             return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
+        of_geglu = getattr(projection, "of_geglu", None)
+        if PACKED_PER_LAYER_GEGLU and of_geglu is not None:
+            return of_geglu(gate, per_layer_input)
         return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 
     def _moe_feed_forward(
@@ -514,9 +524,11 @@ class Gemma4DecoderLayer(nn.Module):
             slot_weights,
         )
 
-    def _feed_forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor | Partials:
-        """The feed-forward of the residual `x`, whose pre-feed-forward norm is `normed`, for
-        the add-norm after it."""
+    def _feed_forward(
+        self, x: torch.Tensor, normed: torch.Tensor | CodesMajor
+    ) -> torch.Tensor | Partials:
+        """The feed-forward of the residual `x`, whose pre-feed-forward norm is `normed`
+        (`CodesMajor` only without MoE), for the add-norm after it."""
         if not self.has_moe:
             return self.mlp.for_norm(normed)
         dense = self.mlp(normed)

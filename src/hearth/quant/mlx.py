@@ -219,9 +219,27 @@ class MLXQuantizedLinear(_PackedAffine):
     def from_float(cls, weight: Tensor, bits: int, group_size: int) -> MLXQuantizedLinear:
         return cls(*quantize_affine(weight, bits, group_size), bits, group_size)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | affine_kernels.CodesMajor) -> Tensor:
         return affine_kernels.affine_linear(
             x, self.packed, self.scales, self.biases, self.bits, self.group_size
+        )
+
+    def codes_major_input(self, x: Tensor) -> tuple[int, int] | None:
+        """(codes per word, words per block) where this layer's GPU GEMV would reorder x
+        `codes_major` first, so that x's producer may store it so (`CodesMajor`); else None."""
+        return affine_kernels.codes_major_input(x, self.packed, self.bits, self.group_size)
+
+    def geglu_out(self, x: Tensor | affine_kernels.CodesMajor) -> Tensor | None:
+        """``gelu_tanh_mul(forward(x))`` of a stacked gate/up layer, stored by its GPU GEMV (no
+        GeGLU launch), where that GEMV does not split K; None elsewhere."""
+        return affine_kernels.affine_gemv_geglu_out(
+            x, self.packed, self.scales, self.biases, self.bits, self.group_size
+        )
+
+    def of_geglu(self, gate: Tensor, up: Tensor) -> Tensor:
+        """``forward(gelu_tanh_mul(gate, up))``; a GPU decode step forms the GeGLU in the GEMV."""
+        return affine_kernels.affine_linear_of_geglu(
+            gate, up, self.packed, self.scales, self.biases, self.bits, self.group_size
         )
 
     def split_partials(self, x: Tensor) -> Partials | None:
