@@ -1518,8 +1518,9 @@ if HAS_TRITON:
         if config is None or config.split_k > 1 or n % 2:
             return None
         out = torch.empty(rows.shape[0], n // 2, dtype=x.dtype, device=x.device)
+        operand = x if isinstance(x, CodesMajor) else rows
         _launch_unrolled(
-            x, packed, scales, biases, out, bits, group_size, config, geglu_out=True
+            operand, packed, scales, biases, out, bits, group_size, config, geglu_out=True
         )  # fmt: skip
         return out.view(*shape[:-1], n // 2)
 
