@@ -333,6 +333,8 @@ VARIANTS: dict[str, Patch] = {
     "norm-order-off": _set(gemma, "NORM_STORES_CODES_MAJOR", False),
     "gate-up-geglu-off": _set(gemma, "GATE_UP_STORES_GEGLU", False),
     "ple-geglu-off": _set(gemma4, "PACKED_PER_LAYER_GEGLU", False),
+    "ple-geglu-on": _set(gemma4, "PACKED_PER_LAYER_GEGLU", True),
+    "attn-late-loads": _set(attention, "EARLY_KV_LOADS", False),
     "mlp-fusions-off": _stacked(
         _set(gemma, "NORM_STORES_CODES_MAJOR", False),
         _set(gemma, "GATE_UP_STORES_GEGLU", False),

@@ -208,6 +208,27 @@ def test_dense_empty_slots_and_empty_splits(skip: bool) -> None:
     check(q, [keys], [values], DENSE, DENSE, positions, 39, None, 0.125, config)
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_dense_slots_never_written_may_hold_any_bits(early: bool, monkeypatch) -> None:
+    """A static cache's unwritten slots hold whatever the allocation held. With the K/V loads
+    issued before the positions are read (EARLY_KV_LOADS) those slots are loaded too: NaN
+    and inf there must still weigh nothing. The same output as with zeros there, and the
+    reference's over the written slots (40 of 64)."""
+    monkeypatch.setattr(decode_attention_module, "EARLY_KV_LOADS", early)
+    q, keys, values = random_qkv(1, 8, 2, 64, 64, torch.float32)
+    positions = ring_positions(64, 40)
+    args = (torch.tensor(39), None, 0.125, LaunchConfig(block_n=16, splits=2))
+    clean = decode_attention(q, [keys], [values], DENSE, DENSE, positions, *args)
+    keys[:, :, 40:], values[:, :, 40:] = float("nan"), float("inf")
+    values[:, :, 41] = float("nan")
+    dirty = decode_attention(q, [keys], [values], DENSE, DENSE, positions, *args)
+    assert torch.equal(dirty, clean)
+    reference = decode_attention_reference(
+        q, [keys[:, :, :40]], [values[:, :, :40]], DENSE, DENSE, positions[:40], *args[:3]
+    )
+    torch.testing.assert_close(dirty, reference, atol=KERNEL_TOLERANCE[torch.float32], rtol=0)
+
+
 def test_dense_query_in_the_middle_of_the_cache() -> None:
     # Slots after the query's position (a speculative or trimmed tail) stay hidden.
     q, keys, values = random_qkv(1, 4, 1, 96, 256, torch.float32)

@@ -79,7 +79,7 @@ FUSED_PER_LAYER_GEGLU = True
 # The same for MLX-packed weights (`MLXQuantizedLinear.of_geglu`): the affine GEMV forms the
 # GeGLU as it loads x, in input order, so the GeGLU launch and the x reorder launch before
 # the projection go (K = 256 is too short to split, so the GEMV reordered x). An A/B switch.
-PACKED_PER_LAYER_GEGLU = True
+PACKED_PER_LAYER_GEGLU = False
 # The residual add and norm after the feed-forward inside the per-layer input gate's GEMV
 # (`gemv_add_norm`), rather than an `add_rms_norm` launch before it: the gate has 256 rows,
 # so only a few programs each take the row's RMS, one launch fewer a layer. E4B +0.6%,
