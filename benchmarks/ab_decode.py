@@ -329,16 +329,13 @@ VARIANTS: dict[str, Patch] = {
     "split-sum-last": _set(affine_matmul, "SPLIT_SUM_LAUNCH", False),
     # o_proj's and down's split partials added by their own launch, not by the norm after.
     "split-norm-apart": _set(gemma, "SPLITS_TO_NORM", False),
-    # 2026-12-06 (afternoon): the 4-bit MLP's launches fewer, each off alone and all three.
+    # 2026-12-06 (morning, second session): the 4-bit MLP's launches fewer, each off alone
+    # and both.
     "norm-order-off": _set(gemma, "NORM_STORES_CODES_MAJOR", False),
     "gate-up-geglu-off": _set(gemma, "GATE_UP_STORES_GEGLU", False),
-    "ple-geglu-off": _set(gemma4, "PACKED_PER_LAYER_GEGLU", False),
-    "ple-geglu-on": _set(gemma4, "PACKED_PER_LAYER_GEGLU", True),
-    "attn-late-loads": _set(attention, "EARLY_KV_LOADS", False),
     "mlp-fusions-off": _stacked(
         _set(gemma, "NORM_STORES_CODES_MAJOR", False),
         _set(gemma, "GATE_UP_STORES_GEGLU", False),
-        _set(gemma4, "PACKED_PER_LAYER_GEGLU", False),
     ),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),

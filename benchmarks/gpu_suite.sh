@@ -348,7 +348,7 @@ stage 150 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit -
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,split-norm-apart --check --name 26b_4bit_split_norm
 elif [ "$PART" = mlp-fusions ]; then  # 4-bit MLP launches fewer: norm order, GeGLU stores
 stage 150 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,mlp-fusions-off,gate-up-geglu-off,norm-order-off --check --name 12b_4bit_mlp_fusions
-stage 200 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,mlp-fusions-off,ple-geglu-off,gate-up-geglu-off,norm-order-off --check --name e4b_4bit_mlp_fusions
+stage 200 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,mlp-fusions-off,gate-up-geglu-off,norm-order-off --check --name e4b_4bit_mlp_fusions
 stage 150 ab-31b-4bit python benchmarks/ab_decode.py --models 31b --quant 4bit --variants base,mlp-fusions-off --check --name 31b_4bit_mlp_fusions
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py

@@ -405,27 +405,6 @@ def test_gemv_stores_the_geglu_of_a_stacked_gate_up(bits, rows, monkeypatch) -> 
     assert am.affine_gemv_geglu_out(*operands) is None  # off the GPU
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_gemv_forms_the_geglu_of_x_as_it_loads_it(bits, rows) -> None:
-    """`affine_gemv_of_geglu_triton(gate, up)` reads x as geglu(gate, up), rounded as the
-    GeGLU kernel stores it: bit for bit that kernel, then the GEMV, split or not; `up` may be
-    a strided view (a per-layer input's slice). Off the GPU the dispatcher is the reference's
-    GeGLU then matmul. (fp16: the interpreter's bf16 truncates.)"""
-    torch.manual_seed(50 + bits + rows)
-    packed, scales, biases = _quantized(GEMV_N, GEMV_K, bits, 64, torch.float16)
-    gate = torch.randn(rows, GEMV_K).mul(2).to(torch.float16)
-    up = torch.randn(rows, 2, GEMV_K).to(torch.float16)[:, 1]
-    weights = (packed, scales, biases, bits, 64)
-    x = gelu_tanh_mul_triton(gate, up)
-    for name in ("whole", "split3", "prefetch split3"):
-        config = GEMV_CONFIGS[name]
-        got = am.affine_gemv_of_geglu_triton(gate, up, *weights, config=config)
-        assert torch.equal(got, am.affine_gemv_triton(x, *weights, config=config)), name
-    reference = am.affine_matmul_reference(gelu_tanh_mul_reference(gate, up), *weights)
-    assert torch.equal(am.affine_linear_of_geglu(gate, up, *weights), reference)
-
-
 @pytest.mark.parametrize("rows", [1, 3])
 def test_gemv_reads_x_stored_codes_major(rows, monkeypatch) -> None:
     """An x stored codes-major by its producer (`CodesMajor`) is read as it is: bit for bit

@@ -310,8 +310,8 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             affine_matmul.SPLIT_SUM_LAUNCH = switch
 
     yield (f"affine gemv {split}, partials added by the last split", split_sum_last)
-    # The 4-bit GEMV fusions of a decode step: gate/up reading its norm's codes-major store
-    # and storing the GeGLU; the per-layer projection forming its x's GeGLU as it loads it.
+    # The 4-bit MLP of a decode step: gate/up reads its norm's codes-major store and stores
+    # the GeGLU.
     many_rows = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True)
     gate_up = quantize_affine(torch.randn(96, 256, dtype=bf16), 4, 64)
     stored = affine_matmul.CodesMajor(
@@ -320,12 +320,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     yield (
         f"affine gemv {many_rows} of a codes-major x, storing the GeGLU",
         lambda: affine_matmul.affine_gemv_geglu_out_triton(stored, *gate_up, 4, 64, many_rows),
-    )
-    yield (
-        "affine gemv of a GeGLU x",
-        lambda: affine_matmul.affine_gemv_of_geglu_triton(
-            x, torch.randn(1, 4, 256, dtype=bf16)[:, 1], *operands, 4, 64
-        ),
     )
     yield (
         "add_rms_norm storing its norm codes-major",

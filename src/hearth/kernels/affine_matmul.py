@@ -39,7 +39,6 @@ Accumulation is fp32 everywhere. Bits 4 and 8 have kernels; other widths use the
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
-from hearth.kernels.activation import gelu_tanh_mul, gelu_tanh_mul_reference
+from hearth.kernels.activation import gelu_tanh_mul_reference
 from hearth.kernels.launch import launch_kernel
 
 # A module import: hearth.quant.mlx imports this module for its dispatchers (a cycle).
@@ -273,25 +272,6 @@ def affine_gemv_geglu_out(
     return affine_gemv_geglu_out_triton(x, packed, scales, biases, bits, group_size)
 
 
-def affine_linear_of_geglu(
-    gate: Tensor,
-    up: Tensor,
-    packed: Tensor,
-    scales: Tensor,
-    biases: Tensor,
-    bits: int,
-    group_size: int,
-) -> Tensor:
-    """``gelu_tanh_mul(gate, up) @ W.T``: on the GPU at a decode step the GEMV forms the GeGLU
-    as it loads x (one launch, and no x reorder launch, instead of three), the same bits."""
-    k = gate.shape[-1]
-    rows = gate.numel() // max(k, 1)
-    if kernel_enabled(gate) and bits in KERNEL_BITS and 0 < rows <= UNROLLED_ROWS:
-        return affine_gemv_of_geglu_triton(gate, up, packed, scales, biases, bits, group_size)
-    x = gelu_tanh_mul(gate, up)
-    return affine_linear(x, packed, scales, biases, bits, group_size)
-
-
 def _device_multiprocessors(x: Tensor | CodesMajor) -> int:
     return _multiprocessors() if x.device.type == "cuda" else H200_MULTIPROCESSORS
 
@@ -391,9 +371,11 @@ def gemv_config(
     where marked), each keeping at least one whole step. Other group sizes keep the packed
     words per step, so G scales with 64 / group; they, and M > 1, are not measured. Widths in
     GEMV_PREFETCH_BITS take the prefetching loop (8-bit lost with it in the sweep, as end to
-    end before). 4-bit launches without a K split read x codes-major (Nsight Compute: 12B
-    gate/up 68.5 -> 46.1 µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B 4-bit decode
-    164.9 -> 169.0 tok/s).
+    end before). 4-bit launches whose row blocks fill the GPU read x codes-major (Nsight
+    Compute: 12B gate/up 68.5 -> 46.1 µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B
+    4-bit decode 164.9 -> 169.0 tok/s); a weight left unsplit only because K is short (E4B's
+    2560 x 256 per-layer projection) reads x in input order, without the reorder launch
+    before it (E4B 4-bit decode +1.3% on an H100, ab_e4b_4bit_ple_attn_h100-2026-12-06.md).
     """
     few = 2 * multiprocessors  # more row blocks than this fill the GPU without a K split
     many_rows = _cdiv(n, 32) > few
@@ -425,7 +407,7 @@ def gemv_config(
         block_g,
         split_k=split,
         prefetch=bits in GEMV_PREFETCH_BITS,
-        codes_major_x=bits == 4 and split == 1,
+        codes_major_x=bits == 4 and many_rows,
     )
 
 
@@ -500,7 +482,6 @@ if HAS_TRITON:
         bias,
         two23,
         x_row,
-        up_row,
         k_word,
         k_ok,
         BITS: tl.constexpr,
@@ -511,13 +492,10 @@ if HAS_TRITON:
         MASKED: tl.constexpr,
         X_BLOCK: tl.constexpr,
         FOLD: tl.constexpr,
-        X_GEGLU: tl.constexpr,
     ):
         """acc ``[BLOCK_N, BLOCK_G]`` plus one x row's ``scale * sum(x q) + bias * sum(x)``
         per (output row, group) of the step; words is ``[BLOCK_N, BLOCK_G * WPG]``. x is in
-        input order (X_BLOCK 0) or `codes_major` in blocks of X_BLOCK words. With X_GEGLU, x
-        is ``geglu(x, up)`` of the row at `x_row` and the row at `up_row` (input order),
-        rounded as the GeGLU kernel stores it."""
+        input order (X_BLOCK 0) or `codes_major` in blocks of X_BLOCK words."""
         dots = tl.zeros(words.shape, tl.float32)
         x_sums = tl.zeros(k_word.shape, tl.float32)
         x_odd_sums = tl.zeros(k_word.shape, tl.float32)  # FOLD: x of the odd codes
@@ -527,16 +505,11 @@ if HAS_TRITON:
             # across the unrolled rows).
             q = _offset_codes(words, two23, j) if FOLD else _exact_codes(words, two23, j, BITS)
             if X_BLOCK == 0:
-                x_at = k_word * CODES + j
+                x_at = x_row + k_word * CODES + j
             else:
-                x_at = (k_word // X_BLOCK) * (X_BLOCK * CODES) + j * X_BLOCK
+                x_at = x_row + (k_word // X_BLOCK) * (X_BLOCK * CODES) + j * X_BLOCK
                 x_at += k_word % X_BLOCK
-            xj = tl.load(x_row + x_at, mask=k_ok, other=0) if MASKED else tl.load(x_row + x_at)
-            if X_GEGLU:
-                up = (
-                    tl.load(up_row + x_at, mask=k_ok, other=0) if MASKED else tl.load(up_row + x_at)
-                )
-                xj = geglu(xj, up)
+            xj = tl.load(x_at, mask=k_ok, other=0) if MASKED else tl.load(x_at)
             xj = xj.to(tl.float32)
             dots += q * xj[None, :]
             if FOLD and j % 2 == 1:
@@ -592,7 +565,6 @@ if HAS_TRITON:
         scale,
         bias,
         x_ptr,
-        up_ptr,
         g0,
         g_end,
         stride_xm,
@@ -606,39 +578,37 @@ if HAS_TRITON:
         MASKED: tl.constexpr,
         X_BLOCK: tl.constexpr,
         FOLD: tl.constexpr,
-        X_GEGLU: tl.constexpr,
     ):
-        """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators (x's rows, and
-        up's with X_GEGLU, `stride_xm` apart)."""
+        """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators."""
         k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
         k_ok = k_word < g_end * WPG
         acc0 = _add_row(
-            acc0, words, scale, bias, two23, x_ptr, up_ptr, k_word, k_ok,
-            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
+            acc0, words, scale, bias, two23, x_ptr, k_word, k_ok,
+            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
         )  # fmt: skip
         if M > 1:
             acc1 = _add_row(
-                acc1, words, scale, bias, two23, x_ptr + stride_xm, up_ptr + stride_xm,
-                k_word, k_ok, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
+                acc1, words, scale, bias, two23, x_ptr + stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
             )  # fmt: skip
         if M > 2:
             acc2 = _add_row(
-                acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, up_ptr + 2 * stride_xm,
-                k_word, k_ok, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
+                acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
             )  # fmt: skip
         if M > 3:
             acc3 = _add_row(
-                acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, up_ptr + 3 * stride_xm,
-                k_word, k_ok, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
+                acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
             )  # fmt: skip
         return acc0, acc1, acc2, acc3
 
     @triton.jit
     def _load_and_add_step(
         acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows,
-        x_ptr, up_ptr, g0, g_end, stride_xm, two23, M: tl.constexpr, BITS: tl.constexpr,
+        x_ptr, g0, g_end, stride_xm, two23, M: tl.constexpr, BITS: tl.constexpr,
         CODES: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-        MASKED: tl.constexpr, X_BLOCK: tl.constexpr, FOLD: tl.constexpr, X_GEGLU: tl.constexpr,
+        MASKED: tl.constexpr, X_BLOCK: tl.constexpr, FOLD: tl.constexpr,
     ):  # fmt: skip
         """`_load_step` of groups ``[g0, g0 + BLOCK_G)``, then `_gemv_step` of them."""
         words, scale, bias = _load_step(
@@ -646,8 +616,8 @@ if HAS_TRITON:
             WPG, BLOCK_G, MASKED,
         )  # fmt: skip
         return _gemv_step(
-            acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, up_ptr, g0, g_end, stride_xm,
-            two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD, X_GEGLU,
+            acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+            two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
         )  # fmt: skip
 
     @triton.jit
@@ -657,7 +627,6 @@ if HAS_TRITON:
     @triton.jit
     def _affine_gemv_kernel(
         x_ptr,
-        up_ptr,
         packed_ptr,
         scales_ptr,
         biases_ptr,
@@ -685,12 +654,11 @@ if HAS_TRITON:
         LOOP_STAGES: tl.constexpr = 1,
         PREFETCH_LINES: tl.constexpr = 0,
         SUM_APART: tl.constexpr = False,
-        X_GEGLU: tl.constexpr = False,
         GEGLU_OUT: tl.constexpr = False,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
         With SUM_APART a K split only stores its partials (`_sum_splits_kernel` adds them).
-        With X_GEGLU x is ``geglu(x, up)`` (`_add_row`). With GEGLU_OUT (no K split) the
+        With GEGLU_OUT (no K split) the
         weight is a stacked gate/up ``[2 * I, K]``: a program's rows are gate and up rows in
         turn, ``pid_n * BLOCK_N / 2 + r // 2`` of gate (r even) or of up (r odd), and it
         stores ``geglu(gate, up)`` into out ``[M, I]`` (`_store_geglu_pairs`).
@@ -737,8 +705,8 @@ if HAS_TRITON:
             for step in tl.range(STAGED_STEPS, num_stages=LOOP_STAGES):
                 acc0, acc1, acc2, acc3 = _load_and_add_step(
                     acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                    group_rows, x_ptr, up_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M,
-                    BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD, X_GEGLU,
+                    group_rows, x_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M,
+                    BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
                 )  # fmt: skip
             g0 += STAGED_STEPS * BLOCK_G
         elif PREFETCH and whole > 0:
@@ -756,29 +724,29 @@ if HAS_TRITON:
                     g_end, WPG, BLOCK_G, False,
                 )  # fmt: skip
                 acc0, acc1, acc2, acc3 = _gemv_step(
-                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, up_ptr, g0, g_end,
+                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end,
                     stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
-                    FOLD, X_GEGLU,
+                    FOLD,
                 )  # fmt: skip
                 words, scale, bias = next_words, next_scale, next_bias
                 g0 += BLOCK_G
             acc0, acc1, acc2, acc3 = _gemv_step(
-                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, up_ptr, g0, g_end, stride_xm,
-                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD, X_GEGLU,
+                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
             )  # fmt: skip
             g0 += BLOCK_G
         while g0 + BLOCK_G <= g_end:  # without PREFETCH
             acc0, acc1, acc2, acc3 = _load_and_add_step(
                 acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                group_rows, x_ptr, up_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
-                BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD, X_GEGLU,
+                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
+                BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
             )  # fmt: skip
             g0 += BLOCK_G
         if g0 < g_end:
             acc0, acc1, acc2, acc3 = _load_and_add_step(
                 acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                group_rows, x_ptr, up_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
-                BLOCK_N, BLOCK_G, True, X_BLOCK, FOLD, X_GEGLU,
+                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
+                BLOCK_N, BLOCK_G, True, X_BLOCK, FOLD,
             )  # fmt: skip
 
         if GEGLU_OUT:
@@ -1207,19 +1175,15 @@ if HAS_TRITON:
         x_codes_major: bool = False,
         add_splits: bool = True,
         *,
-        up: Tensor | None = None,
         geglu_out: bool = False,
     ) -> Tensor | None:
         """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``; with
         `x_codes_major` x is ``codes_major(x)``, contiguous. A K-split launch returns its fp32
         partials ``[splits * M * N]``; without `add_splits` only those, out left unwritten.
-        With `up` (x's shape and strides, input order) the GEMV reads ``geglu(x, up)``; with
-        `geglu_out` (no K split) it stores ``geglu(gate, up)`` of a stacked gate/up weight
-        into out ``[M, N / 2]``."""
+        With `geglu_out` (no K split) it stores ``geglu(gate, up)`` of a stacked gate/up
+        weight into out ``[M, N / 2]``."""
         if geglu_out and (config.split_k > 1 or packed.shape[-2] % 2):
             raise ValueError("the GeGLU store needs an unsplit launch over stacked gate/up rows")
-        if up is not None and (x_codes_major or up.shape != x.shape or up.stride() != x.stride()):
-            raise ValueError("the GeGLU of x reads x and up alike, in input order")
         m, k = x.shape[0], x[0].numel()
         n, row_words = packed.shape[-2:]
         groups = k // group
@@ -1243,7 +1207,6 @@ if HAS_TRITON:
             _affine_gemv_kernel,
             (blocks, config.split_k),
             x,
-            up if up is not None else x,  # unread without X_GEGLU
             packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
             scales,
             biases,
@@ -1273,7 +1236,6 @@ if HAS_TRITON:
             **pdl,
             PREFETCH_LINES=prefetch_lines(pdl, "affine"),
             SUM_APART=sum_apart,
-            X_GEGLU=up is not None,
             GEGLU_OUT=geglu_out,
         )
         if sum_apart and add_splits:
@@ -1523,35 +1485,6 @@ if HAS_TRITON:
             operand, packed, scales, biases, out, bits, group_size, config, geglu_out=True
         )  # fmt: skip
         return out.view(*shape[:-1], n // 2)
-
-    def affine_gemv_of_geglu_triton(
-        gate: Tensor,
-        up: Tensor,
-        packed: Tensor,
-        scales: Tensor,
-        biases: Tensor,
-        bits: int,
-        group_size: int,
-        config: GemvConfig | None = None,
-    ) -> Tensor:
-        """`affine_linear_of_geglu` by the unrolled GEMV (at most 4 rows): x's GeGLU formed as
-        it is loaded, in input order (no reorder). `config` pins the launch."""
-        if gate.shape != up.shape:
-            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-        _check_operands(gate, packed, scales, bits, group_size)
-        gate_rows, up_rows = _flat_rows(gate), _flat_rows(up)
-        if up_rows.stride() != gate_rows.stride():
-            gate_rows, up_rows = gate_rows.contiguous(), up_rows.contiguous()
-        config = _unrolled_config(gate_rows, packed, bits, group_size, config)
-        if config is None:
-            raise ValueError("the GeGLU of x is formed by the unrolled GEMV (at most 4 rows)")
-        config = dataclasses.replace(config, codes_major_x=False)
-        n = packed.shape[-2]
-        out = torch.empty(gate_rows.shape[0], n, dtype=gate.dtype, device=gate.device)
-        _launch_gemv(
-            gate_rows, packed, scales, biases, out, bits, group_size, config, up=up_rows
-        )  # fmt: skip
-        return out.view(*gate.shape[:-1], n)
 
     def affine_dequantize_triton(
         packed: Tensor,

@@ -55,9 +55,6 @@ _WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
 # for the weights). Off: 64 slots gave E4B +0.5% but 26B-A4B -0.8% and 12B about -0.8%
 # (2026-12-05 A/B on an H100, variant attn-prefetch).
 PREFETCH_SLOTS = 0
-# Dense K and V tiles loaded before the slots' positions are known (`_attend_block`'s
-# EARLY_LOADS): a short context's split is one block, whose loads then wait for no other.
-EARLY_KV_LOADS = True
 
 
 @dataclass(frozen=True)
@@ -293,7 +290,6 @@ if triton is not None:
         acc,
         rows,
         visible,
-        in_cache,
         scale_log2,
         k0,
         k1,
@@ -316,14 +312,8 @@ if triton is not None:
         V_BITS: tl.constexpr,
         V_GROUP: tl.constexpr,
         PRECISION: tl.constexpr,
-        EARLY_LOADS: tl.constexpr = False,
     ):
         """One online-softmax step (base 2) of the query heads over a block of slots.
-
-        EARLY_LOADS (dense K and V): both tiles are loaded first, masked by `in_cache` (slots
-        that exist) rather than by `visible`, so neither load waits for the positions' load
-        (one memory latency in place of two or three in a row); invisible slots still get
-        no weight, and their V rows are zeroed (a never-written slot may hold any bits).
 
         Quantized planes are decoded per scale group into [GROUPS, BLOCK_N, GROUP] tiles of
         levels and multiplied by batched dots (query and accumulator held per group in the
@@ -334,13 +324,7 @@ if triton is not None:
         `query_sums` holds sum(q_g) [GROUPS, BLOCK_G] for affine keys.
         """
         dtype = query.dtype
-        early: tl.constexpr = EARLY_LOADS and K_FORMAT == 0 and V_FORMAT == 0
-        if early:
-            keys = _dense_tile(k0, rows, in_cache, stride_k0s, HEAD_DIM, dtype)
-            values = _dense_tile(v0, rows, in_cache, stride_v0s, HEAD_DIM, dtype)
-            values = tl.where(visible[:, None], values, 0.0)
-            scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
-        elif K_FORMAT == 0:
+        if K_FORMAT == 0:
             keys = _dense_tile(k0, rows, visible, stride_k0s, HEAD_DIM, dtype)
             scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
         else:
@@ -361,8 +345,7 @@ if triton is not None:
         weights = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         if V_FORMAT == 0:
-            if not early:
-                values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
+            values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
             acc = acc * correction[:, None] + tl.dot(
                 weights.to(dtype), values, input_precision=PRECISION
             )
@@ -437,7 +420,6 @@ if triton is not None:
         MERGE_D: tl.constexpr,
         PDL: tl.constexpr,
         PREFETCH_SLOTS: tl.constexpr = 0,
-        EARLY_LOADS: tl.constexpr = False,
     ):
         """(max, sum, acc) of one split of one KV head's slots for its query heads; see
         FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`).
@@ -509,19 +491,19 @@ if triton is not None:
                 # Empty or out-of-window blocks cost only their positions.
                 if tl.max(visible.to(tl.int32), axis=0) > 0:
                     running_max, running_sum, acc = _attend_block(
-                        query, query_sums, running_max, running_sum, acc, rows, visible, row_mask,
-                        scale_log2, k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
+                        query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
+                        k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                         v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                         HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
-                        V_FORMAT, V_BITS, V_GROUP, PRECISION, EARLY_LOADS,
+                        V_FORMAT, V_BITS, V_GROUP, PRECISION,
                     )  # fmt: skip
             else:
                 running_max, running_sum, acc = _attend_block(
-                    query, query_sums, running_max, running_sum, acc, rows, visible, row_mask,
-                    scale_log2, k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
+                    query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
+                    k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                     v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                     HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
-                    V_FORMAT, V_BITS, V_GROUP, PRECISION, EARLY_LOADS,
+                    V_FORMAT, V_BITS, V_GROUP, PRECISION,
                 )  # fmt: skip
 
         first_head = batch * KV_HEADS * GROUPS
@@ -885,7 +867,6 @@ def decode_attention_rotated(
         MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, MERGE_CHUNKS=merge_chunks,
         MERGE_D=merge_d, num_warps=launch.num_warps, num_stages=launch.num_stages,
         **pdl, PREFETCH_SLOTS=_prefetch_slots(pdl, chunk, key_format, value_format, k0.dtype),
-        EARLY_LOADS=EARLY_KV_LOADS,
     )  # fmt: skip
     if finish != _WRITE_PARTIALS:
         return out

@@ -76,10 +76,6 @@ FUSED_MOE_NORMS = True
 # kernel of its own before it: K is 256, so each program recomputing it costs little. An A/B
 # switch.
 FUSED_PER_LAYER_GEGLU = True
-# The same for MLX-packed weights (`MLXQuantizedLinear.of_geglu`): the affine GEMV forms the
-# GeGLU as it loads x, in input order, so the GeGLU launch and the x reorder launch before
-# the projection go (K = 256 is too short to split, so the GEMV reordered x). An A/B switch.
-PACKED_PER_LAYER_GEGLU = False
 # The residual add and norm after the feed-forward inside the per-layer input gate's GEMV
 # (`gemv_add_norm`), rather than an `add_rms_norm` launch before it: the gate has 256 rows,
 # so only a few programs each take the row's RMS, one launch fewer a layer. E4B +0.6%,
@@ -471,9 +467,6 @@ class Gemma4DecoderLayer(nn.Module):
         float_weight = is_float_linear(projection)
         if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
             return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
-        of_geglu = getattr(projection, "of_geglu", None)
-        if PACKED_PER_LAYER_GEGLU and of_geglu is not None:
-            return of_geglu(gate, per_layer_input)
         return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 
     def _moe_feed_forward(

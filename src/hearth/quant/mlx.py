@@ -236,12 +236,6 @@ class MLXQuantizedLinear(_PackedAffine):
             x, self.packed, self.scales, self.biases, self.bits, self.group_size
         )
 
-    def of_geglu(self, gate: Tensor, up: Tensor) -> Tensor:
-        """``forward(gelu_tanh_mul(gate, up))``; a GPU decode step forms the GeGLU in the GEMV."""
-        return affine_kernels.affine_linear_of_geglu(
-            gate, up, self.packed, self.scales, self.biases, self.bits, self.group_size
-        )
-
     def split_partials(self, x: Tensor) -> Partials | None:
         """`forward(x)` as its GEMV's split partials, for a norm kernel to add (one launch
         fewer), where the GPU's GEMV splits K for this shape; None elsewhere."""
