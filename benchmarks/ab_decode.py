@@ -333,7 +333,6 @@ VARIANTS: dict[str, Patch] = {
     # and both.
     "norm-order-off": _set(gemma, "NORM_STORES_CODES_MAJOR", False),
     "gate-up-geglu-off": _set(gemma, "GATE_UP_STORES_GEGLU", False),
-    "ple-gate-partials-off": _set(gemma4, "PER_LAYER_GATE_PARTIALS", False),
     "mlp-fusions-off": _stacked(
         _set(gemma, "NORM_STORES_CODES_MAJOR", False),
         _set(gemma, "GATE_UP_STORES_GEGLU", False),

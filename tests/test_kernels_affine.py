@@ -254,61 +254,6 @@ def test_gemma3_4bit_decode_hands_split_partials_to_its_norms(
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-def test_gemma4_4bit_decode_hands_the_per_layer_gate_s_partials_to_its_geglu(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """At a decode step (the GPU dispatch, on CPU tensors) a 4-bit Gemma 4 per-layer input
-    gate whose launch splits K hands its partials to the GeGLU kernel after it (`Partials`):
-    the same logits, bit for bit, as with the GEMV's own sum launch, and the torch path's
-    within fp32 summation order."""
-    from hearth.checkpoint import open_checkpoint
-    from hearth.kernels import activation, norm
-    from hearth.kv import make_caches
-    from hearth.models.loading import build_model
-    from tiny import save_hf, tiny_gemma4_model
-
-    # Per-layer inputs 32 wide, so that the projection after the GeGLU packs in groups of 32.
-    hf = tiny_gemma4_model(seed=7, hidden_size_per_layer_input=32)
-    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0:
-            model.set_submodule(name, MLXQuantizedLinear.from_float(module.weight.data, 4, 32))
-    ids = torch.randint(4, 256, (1, 8), generator=torch.Generator().manual_seed(4))
-
-    def decode() -> torch.Tensor:
-        caches = make_caches(model.config)
-        with torch.inference_mode():
-            steps = [model(ids[:, :5], caches)]
-            steps += [model(ids[:, p : p + 1], caches, start=p) for p in range(5, 8)]
-        return torch.cat(steps, dim=1)
-
-    expected = decode()
-    handed: list[bool] = []
-    original = activation.gelu_tanh_mul_triton
-
-    def counted(gate, up=None, *args):
-        handed.append(isinstance(gate, Partials))
-        return original(gate, up, *args)
-
-    def split_launch(n, k, bits, group, multiprocessors=132):
-        return am.GemvConfig(64, 1, split_k=2) if k // group >= 2 else am.GemvConfig(64, 1)
-
-    for module in (am, norm, activation):
-        monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
-    monkeypatch.setattr(am, "gemv_config", split_launch)
-    monkeypatch.setattr(activation, "gelu_tanh_mul_triton", counted)
-    monkeypatch.setattr(gemma4, "PER_LAYER_GATE_PARTIALS", False)
-    summed_apart = decode()
-    assert not any(handed)
-    monkeypatch.setattr(gemma4, "PER_LAYER_GATE_PARTIALS", True)
-    got = decode()
-    layers = model.config.num_hidden_layers
-    assert sum(handed) == layers * 3  # each layer's per-layer gate, each decode step
-    assert torch.equal(got, summed_apart)  # the same split order, the same roundings
-    # Logits up to ~21 (the softcap's range): fp32 summation order, ~1e-5 of them.
-    torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gemv_bf16_activations(bits, rows) -> None:

@@ -188,12 +188,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         lambda: activation.gelu_tanh_mul_triton(x, torch.randn(1, 4, 256, dtype=bf16)[:, 1]),
     )
     yield (
-        "gelu_tanh_mul of a gate's split partials",
-        lambda: activation.gelu_tanh_mul_triton(
-            norm.Partials(torch.randn(8, 1, 256), bf16), torch.randn(1, 4, 256, dtype=bf16)[:, 1]
-        ),
-    )
-    yield (
         "router input",
         lambda: router.router_input_triton(x, torch.ones(256, dtype=bf16), 1e-6),
     )

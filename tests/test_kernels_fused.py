@@ -10,11 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from hearth.kernels.activation import (
-    gelu_tanh_mul,
-    gelu_tanh_mul_reference,
-    gelu_tanh_mul_triton,
-)
+from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
 from hearth.kernels.kv_write import append_token_reference, append_token_triton
 from hearth.kernels.norm import (
     Partials,
@@ -108,24 +104,6 @@ def test_norms_add_a_gemv_s_split_partials(dtype: torch.dtype, splits: int) -> N
         got = add_rms_norm(residual, partials, weight, EPS, next_weight, True)
         want = add_rms_norm_reference(residual, added, weight, EPS, next_weight, True)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-
-
-@pytest.mark.parametrize("splits", [2, 3])
-def test_geglu_adds_a_gate_s_split_partials(splits: int) -> None:
-    """A gate given as a K-split GEMV's partials (`Partials`, E4B's per-layer input gate) is
-    added in split order and rounded first: the same bits as the GeGLU of the added gate
-    (`Partials.total`). up may be a strided slice. Off the kernel path the dispatcher takes
-    the total. (fp16 stands in for bf16: the interpreter's bf16 truncates.)"""
-    partials = Partials(torch.randn(splits, 1, 2, 96) * 2, torch.float16)
-    up = torch.randn(1, 2, 3, 96).to(torch.float16)[:, :, 1]
-    got = gelu_tanh_mul_triton(partials, up)
-    assert got.dtype == torch.float16 and got.shape == up.shape
-    assert torch.equal(got, gelu_tanh_mul_triton(partials.total(), up))
-    if not torch.cuda.is_available():  # the dispatcher off the kernel path
-        want = gelu_tanh_mul_reference(partials.total(), up)
-        assert torch.equal(gelu_tanh_mul(partials, up), want)
-    with pytest.raises(ValueError, match="up"):
-        gelu_tanh_mul_triton(partials)
 
 
 @pytest.mark.parametrize("codes_major", [(8, 4), (4, 6)])

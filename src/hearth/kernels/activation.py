@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from hearth.kernels import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.kernels.launch import launch_kernel
-from hearth.kernels.norm import Partials
 
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # Elements per program of the GeGLU kernel.
@@ -56,36 +55,18 @@ if HAS_TRITON:
         up_stride,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
-        SPLITS: tl.constexpr = 0,
     ):
-        """GeGLU of a row block; with SPLITS > 0 the gate is a K-split GEMV's fp32 partials
-        ``[SPLITS, rows, width]``, added in split order and rounded as that GEMV stores its
-        output (`norm.Partials`)."""
         wait_for_producer(PDL)
         row = tl.program_id(0).to(tl.int64)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = columns < width
-        if SPLITS > 0:
-            total = tl.zeros([BLOCK], tl.float32)
-            for split in tl.static_range(SPLITS):
-                at = gate_ptr + (split * tl.num_programs(0) + row) * gate_stride + columns
-                total += tl.load(at, mask=mask, other=0.0)
-            gate = total.to(out_ptr.dtype.element_ty)
-        else:
-            gate = tl.load(gate_ptr + row * gate_stride + columns, mask=mask, other=0.0)
+        gate = tl.load(gate_ptr + row * gate_stride + columns, mask=mask, other=0.0)
         up = tl.load(up_ptr + row * up_stride + columns, mask=mask, other=0.0)
         tl.store(out_ptr + row * width + columns, geglu(gate, up), mask=mask)
 
 
-def _gate_and_up(
-    gate_up: torch.Tensor | Partials, up: torch.Tensor | None
-) -> tuple[torch.Tensor, ...]:
-    """(gate, up): halves of a stacked projection, or the two tensors given (a gate given as
-    `Partials` added up first)."""
-    if isinstance(gate_up, Partials):
-        if up is None:
-            raise ValueError("a gate given as split partials needs its up")
-        gate_up = gate_up.total()
+def _gate_and_up(gate_up: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(gate, up): halves of a stacked projection, or the two tensors given."""
     if up is None:
         return gate_up.chunk(2, dim=-1)
     if up.shape != gate_up.shape:
@@ -93,9 +74,7 @@ def _gate_and_up(
     return gate_up, up
 
 
-def gelu_tanh_mul_reference(
-    gate_up: torch.Tensor | Partials, up: torch.Tensor | None = None
-) -> torch.Tensor:
+def gelu_tanh_mul_reference(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     gate, up = _gate_and_up(gate_up, up)
     return F.gelu(gate, approximate="tanh") * up
 
@@ -107,34 +86,24 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_mul_triton(
-    gate_up: torch.Tensor | Partials, up: torch.Tensor | None = None, block: int | None = None
+    gate_up: torch.Tensor, up: torch.Tensor | None = None, block: int | None = None
 ) -> torch.Tensor:
-    block = block or BLOCK
-    splits = 0
-    if isinstance(gate_up, Partials):  # the kernel adds the splits: [splits * rows, width]
-        if up is None or gate_up.values.shape[1:] != up.shape:
-            raise ValueError("a gate given as split partials needs an up of its shape")
-        splits, dtype, gate = gate_up.values.shape[0], gate_up.dtype, up
-        gates = gate_up.values.reshape(-1, up.shape[-1]).contiguous()
-    else:
-        gate, up = _gate_and_up(gate_up, up)
-        dtype, gates = gate.dtype, _rows(gate)
+    gate, up = _gate_and_up(gate_up, up)
     width = gate.shape[-1]
-    ups = _rows(up)
-    out = torch.empty((*gate.shape[:-1], width), dtype=dtype, device=gate.device)
-    grid = (ups.shape[0], triton.cdiv(width, block))
+    block = block or BLOCK
+    gates, ups = _rows(gate), _rows(up)
+    out = torch.empty((*gate.shape[:-1], width), dtype=gate.dtype, device=gate.device)
+    grid = (gates.shape[0], triton.cdiv(width, block))
     launch_kernel(_gelu_tanh_mul_kernel, grid,
         gates, ups, out, width, gates.stride(0), ups.stride(0), BLOCK=block,
-        SPLITS=splits, **pdl_options(ups),
+        **pdl_options(gates),
     )  # fmt: skip
     return out
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor | Partials, up: torch.Tensor | None = None) -> torch.Tensor:
+def gelu_tanh_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """gelu_tanh(gate) · up of a stacked [..., 2·I] gate/up projection, or of gate `gate_up`
-    and a separate `up` of the same shape; a gate may be a K-split GEMV's `Partials`, which
-    the kernel adds first (the GEMV's own sum launch goes)."""
-    gate = gate_up.values if isinstance(gate_up, Partials) else gate_up
-    if kernel_enabled(gate):
+    and a separate `up` of the same shape."""
+    if kernel_enabled(gate_up):
         return gelu_tanh_mul_triton(gate_up, up)
     return gelu_tanh_mul_reference(gate_up, up)

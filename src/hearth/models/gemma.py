@@ -71,13 +71,12 @@ def project(
     return linear(x)
 
 
-def project_partials(
+def project_for_norm(
     linear: nn.Module, x: torch.Tensor, geglu: bool = False
 ) -> torch.Tensor | Partials:
-    """`project(linear, x, geglu)` for a kernel that adds a K-split GEMV's partials itself (a
-    residual add-norm after o_proj or down, Gemma 4's per-layer input GeGLU): an MLX-packed
-    weight whose GPU GEMV splits K leaves its partials (`norm.Partials`), so the GEMV's own
-    sum launch goes (SPLITS_TO_NORM)."""
+    """`project(linear, x, geglu)` for a residual add-norm to read (o_proj, down): an
+    MLX-packed weight whose GPU GEMV splits K leaves its partials for the norm kernel to add
+    (`norm.Partials`), so the GEMV's own sum launch goes (SPLITS_TO_NORM)."""
     split_partials = getattr(linear, "split_partials", None)
     if not (SPLITS_TO_NORM and split_partials is not None):
         return project(linear, x, geglu)
@@ -87,7 +86,7 @@ def project_partials(
 
 
 # A K-split 4-bit GEMV before a residual add-norm hands the norm kernel its partials rather
-# than adding them in a launch of its own (`project_partials`). A/B on an H100, logits
+# than adding them in a launch of its own (`project_for_norm`). A/B on an H100, logits
 # bit-identical: 4-bit decode 12B 240.4 -> 244.6 tok/s (+1.7%), E4B +0.5%, 26B-A4B +0.1%
 # (o_proj only there; benchmarks/results/ab_*_4bit_split_norm_h100-2026-12-06.md). An A/B
 # switch.
@@ -338,7 +337,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cache: LayerCache | None,
     ) -> torch.Tensor | Partials:
-        """The attention output, for the layer's add-norm (`project_partials`)."""
+        """The attention output, for the layer's add-norm (`project_for_norm`)."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length)
@@ -360,7 +359,7 @@ class Attention(nn.Module):
         q = q.unflatten(0, (batch, length)).transpose(1, 2)
         view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, self.scale)
-        return project_partials(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
+        return project_for_norm(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLP(nn.Module):
@@ -377,8 +376,8 @@ class MLP(nn.Module):
         return project(self.down_proj, *self._hidden(x))
 
     def for_norm(self, x: torch.Tensor | CodesMajor) -> torch.Tensor | Partials:
-        """`forward(x)` for a residual add-norm to read (`project_partials`)."""
-        return project_partials(self.down_proj, *self._hidden(x))
+        """`forward(x)` for a residual add-norm to read (`project_for_norm`)."""
+        return project_for_norm(self.down_proj, *self._hidden(x))
 
     def input_order(self, x: torch.Tensor) -> tuple[int, int] | None:
         """How x's producer should store it for gate/up (`codes_major_input`)."""

@@ -37,7 +37,6 @@ from hearth.kernels.norm import (
     add_rms_norm,
     moe_add_rms_norm,
     moe_combine_add_rms_norm,
-    resolved,
 )
 from hearth.kernels.rope import ValueMode, norm_rope
 from hearth.kernels.router import route, router_input
@@ -56,7 +55,7 @@ from hearth.models.gemma import (
     last_of,
     ordered_input,
     project,
-    project_partials,
+    project_for_norm,
     store_keys_values,
 )
 
@@ -77,10 +76,6 @@ FUSED_MOE_NORMS = True
 # kernel of its own before it: K is 256, so each program recomputing it costs little. An A/B
 # switch.
 FUSED_PER_LAYER_GEGLU = True
-# A packed per-layer input gate whose GEMV splits K (256 rows) hands its partials to the GeGLU
-# kernel after it, which adds them in split order (`norm.Partials`, the same bits): the
-# GEMV's sum launch goes. An A/B switch.
-PER_LAYER_GATE_PARTIALS = True
 # The residual add and norm after the feed-forward inside the per-layer input gate's GEMV
 # (`gemv_add_norm`), rather than an `add_rms_norm` launch before it: the gate has 256 rows,
 # so only a few programs each take the row's RMS, one launch fewer a layer. E4B +0.6%,
@@ -170,7 +165,7 @@ class Gemma4Attention(nn.Module):
         cache: LayerCache | None,
         shared: KVView | None,
     ) -> tuple[torch.Tensor | Partials, KVView]:
-        """Output (for the layer's add-norm: `project_partials`) and the K/V view attended
+        """Output (for the layer's add-norm: `project_for_norm`) and the K/V view attended
         over, which KV-sharing layers get as `shared`."""
         batch, length, _ = x.shape
         cos, sin = rope
@@ -197,7 +192,7 @@ class Gemma4Attention(nn.Module):
             view = store_keys_values(cache, write, k, v, positions, (batch, length))
         out = attend(q, view, positions, self.window, scale=1.0)
         heads = out.transpose(1, 2).reshape(batch, length, -1)
-        return project_partials(self.o_proj, heads), view
+        return project_for_norm(self.o_proj, heads), view
 
 
 class Router(nn.Module):
@@ -444,7 +439,7 @@ class Gemma4DecoderLayer(nn.Module):
                 gate, x = gemv_add_norm(ff, gate_weight, x, last_norm.weight, self.eps)
             else:
                 x = add_rms_norm(x, ff, last_norm.weight, self.eps)[0]
-                gate = self._per_layer_gate(x)
+                gate = _narrow(self.per_layer_input_gate, x)
             ff = self._per_layer_update(gate, per_layer_input)
             last_norm = self.post_per_layer_input_norm
         x, normed_next = add_rms_norm(
@@ -464,24 +459,13 @@ class Gemma4DecoderLayer(nn.Module):
         one_row = ff.numel() == ff.shape[-1]
         return is_float_linear(gate) and gate.weight.dtype == ff.dtype and one_row
 
-    def _per_layer_gate(self, x: torch.Tensor) -> torch.Tensor | Partials:
-        """The per-layer input gate's output; a packed gate's K-split partials go to the GeGLU
-        kernel, which adds them (PER_LAYER_GATE_PARTIALS)."""
-        gate = self.per_layer_input_gate
-        if PER_LAYER_GATE_PARTIALS and hasattr(gate, "split_partials"):
-            return project_partials(gate, x)
-        return _narrow(gate, x)
-
-    def _per_layer_update(
-        self, gate: torch.Tensor | Partials, per_layer_input: torch.Tensor
-    ) -> torch.Tensor:
+    def _per_layer_update(self, gate: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
         """per_layer_projection(gelu_tanh(gate) · per_layer_input), `gate` the per-layer input
         gate's output; with float weights at a decode step the GeGLU runs inside the
         projection's GEMV."""
         projection = self.per_layer_projection
         float_weight = is_float_linear(projection)
         if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
-            gate = resolved(gate)
             return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
         return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 
