@@ -106,12 +106,13 @@ def test_norms_add_a_gemv_s_split_partials(dtype: torch.dtype, splits: int) -> N
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("codes_major", [(8, 4), (4, 6)])
+@pytest.mark.parametrize("codes_major", [(8, 4), (4, 8)])
 def test_add_norm_stores_its_norm_codes_major(codes_major: tuple[int, int]) -> None:
     """With `codes_major` the kernel stores the next norm in the order the 4-bit (8 codes a
     word) or 8-bit GEMV reads x (`affine_matmul.codes_major`): the same values as the plain
     norm, each moved, the residual output unchanged. The dispatcher off the kernel path
-    reorders the reference's norm. Width 96: 3 blocks of 32, or 4 of 24."""
+    reorders the reference's norm. Width 96: 3 blocks of 32 (the kernel's block of 128
+    holds a fourth, masked)."""
     from hearth.kernels.affine_matmul import WORD_BITS
     from hearth.kernels.affine_matmul import codes_major as reorder
 
@@ -128,8 +129,9 @@ def test_add_norm_stores_its_norm_codes_major(codes_major: tuple[int, int]) -> N
         want = add_rms_norm_reference(residual, x, weight, EPS, next_weight, True)
         assert torch.equal(out, want[0])
         assert torch.equal(normed, reorder(want[1].view(2, 96), WORD_BITS // codes, words))
-    with pytest.raises(ValueError, match="codes-major"):
-        add_rms_norm_triton(residual, x, weight, EPS, next_weight, True, None, (8, 5))
+    for unfit in ((8, 5), (8, 8)):  # blocks of 40 inputs; of 64, which 96 is no multiple of
+        with pytest.raises(ValueError, match="codes-major"):
+            add_rms_norm_triton(residual, x, weight, EPS, next_weight, True, None, unfit)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -136,12 +136,13 @@ if HAS_TRITON:
                 z = h * inverse_rms
                 if HAS_NEXT_WEIGHT:
                     z = z * next_w
-                at = columns
+                z = z.to(dtype)
                 if NEXT_CODES > 0:  # element (w, j) of a block goes to (j, w)
-                    PER_BLOCK: tl.constexpr = NEXT_CODES * NEXT_BLOCK_WORDS
-                    within = columns % PER_BLOCK
-                    at += (within % NEXT_CODES) * NEXT_BLOCK_WORDS + within // NEXT_CODES - within
-                tl.store(normed_ptr + row * N + at, z.to(dtype), mask=mask)
+                    BLOCKS: tl.constexpr = BLOCK // (NEXT_CODES * NEXT_BLOCK_WORDS)
+                    blocks = tl.reshape(z, [BLOCKS, NEXT_BLOCK_WORDS, NEXT_CODES])
+                    # Moved in registers and shared memory, so the stores stay contiguous.
+                    z = tl.reshape(tl.permute(blocks, (0, 2, 1)), [BLOCK])
+                tl.store(normed_ptr + row * N + columns, z, mask=mask)
             if HAS_NEXT2:
                 z2 = h * inverse_rms * next2_w
                 tl.store(normed2_ptr + row * N + columns, z2.to(dtype), mask=mask)
@@ -309,8 +310,9 @@ def _launch(
     normed = like_out() if normalize_next else None
     codes, block_words = codes_major or (0, 0)
     if codes_major is not None:
-        if normed is None or columns % (codes * block_words):
-            raise ValueError(f"a codes-major normed output needs {codes * block_words} | width")
+        per_block = codes * block_words
+        if normed is None or columns % per_block or per_block & (per_block - 1):
+            raise ValueError(f"a codes-major norm needs blocks of 2^n inputs dividing {columns}")
         normed = normed.view(rows, columns // (codes * block_words), codes, block_words)
     normed_2 = like_out() if next_weight_2 is not None else None
     routed = like_out() if router_scale is not None else None
