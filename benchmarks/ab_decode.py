@@ -333,6 +333,11 @@ VARIANTS: dict[str, Patch] = {
     # and both.
     "norm-order-off": _set(gemma, "NORM_STORES_CODES_MAJOR", False),
     "gate-up-geglu-off": _set(gemma, "GATE_UP_STORES_GEGLU", False),
+    # The norm kernels' warps (8 from 1025 columns by default): fewer make the row's
+    # reductions cheaper at one row a program.
+    "norm-warps-4": _set(norm, "_warps", lambda columns: 4 if columns <= 8192 else 16),
+    "norm-warps-2": _set(norm, "_warps", lambda columns: 2 if columns <= 4096 else 4),
+    "norm-warps-16": _set(norm, "_warps", lambda columns: 4 if columns <= 1024 else 16),
     "mlp-fusions-off": _stacked(
         _set(gemma, "NORM_STORES_CODES_MAJOR", False),
         _set(gemma, "GATE_UP_STORES_GEGLU", False),
