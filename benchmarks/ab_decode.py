@@ -183,6 +183,19 @@ def _bf16_gemv_from_json(sweep: str = "gpu_gemv_bf16_sweep_pipelined") -> Patch:
     return lambda: mock.patch.dict(gemv.GEMV_LAUNCHES, launches())
 
 
+def _unsplit_rows(rows: int, block_n: int) -> Patch:
+    """The 4-bit GEMV of `rows`-row weights launched without a K split (26B-A4B's dense
+    gate/up, 4224 rows: then it stores the GeGLU itself, one sum and one GeGLU launch fewer)."""
+    original = affine_matmul.gemv_config
+
+    def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
+        if n == rows and bits == 4:
+            return affine_matmul.GemvConfig(block_n, 4, prefetch=True)
+        return original(n, k, bits, group, multiprocessors)
+
+    return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
+
+
 def _codes_major_many_rows() -> Patch:
     """4-bit x codes-major only where the row blocks alone fill the GPU (where it was
     measured), not for weights left unsplit because K is short: the E4B 4-bit profile shows
@@ -338,6 +351,8 @@ VARIANTS: dict[str, Patch] = {
     "norm-warps-4": _set(norm, "_warps", lambda columns: 4 if columns <= 8192 else 16),
     "norm-warps-2": _set(norm, "_warps", lambda columns: 2 if columns <= 4096 else 4),
     "norm-warps-16": _set(norm, "_warps", lambda columns: 4 if columns <= 1024 else 16),
+    "gate-up-4224-unsplit-64": _unsplit_rows(4224, 64),
+    "gate-up-4224-unsplit-32": _unsplit_rows(4224, 32),
     "mlp-fusions-off": _stacked(
         _set(gemma, "NORM_STORES_CODES_MAJOR", False),
         _set(gemma, "GATE_UP_STORES_GEGLU", False),
