@@ -353,7 +353,6 @@ VARIANTS: dict[str, Patch] = {
     "norm-warps-16": _set(norm, "_warps", lambda columns: 4 if columns <= 1024 else 16),
     "gate-up-4224-unsplit-64": _unsplit_rows(4224, 64),
     "gate-up-4224-unsplit-32": _unsplit_rows(4224, 32),
-    "attn-v-first": _set(attention, "V_LOAD_FIRST", True),
     "mlp-fusions-off": _stacked(
         _set(gemma, "NORM_STORES_CODES_MAJOR", False),
         _set(gemma, "GATE_UP_STORES_GEGLU", False),

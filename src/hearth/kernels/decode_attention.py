@@ -55,9 +55,6 @@ _WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
 # for the weights). Off: 64 slots gave E4B +0.5% but 26B-A4B -0.8% and 12B about -0.8%
 # (2026-12-05 A/B on an H100, variant attn-prefetch).
 PREFETCH_SLOTS = 0
-# A block's dense V tile loaded before its scores are formed (visibility-masked, as K), so
-# its memory latency overlaps K's rather than following the dot. An A/B switch.
-V_LOAD_FIRST = False
 
 
 @dataclass(frozen=True)
@@ -315,10 +312,8 @@ if triton is not None:
         V_BITS: tl.constexpr,
         V_GROUP: tl.constexpr,
         PRECISION: tl.constexpr,
-        V_FIRST: tl.constexpr = False,
     ):
-        """One online-softmax step (base 2) of the query heads over a block of slots. With
-        V_FIRST a dense V tile is loaded before K's scores are formed (an A/B switch).
+        """One online-softmax step (base 2) of the query heads over a block of slots.
 
         Quantized planes are decoded per scale group into [GROUPS, BLOCK_N, GROUP] tiles of
         levels and multiplied by batched dots (query and accumulator held per group in the
@@ -329,8 +324,6 @@ if triton is not None:
         `query_sums` holds sum(q_g) [GROUPS, BLOCK_G] for affine keys.
         """
         dtype = query.dtype
-        if V_FORMAT == 0 and V_FIRST:  # issued with K's load, so it waits on no dot
-            values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
         if K_FORMAT == 0:
             keys = _dense_tile(k0, rows, visible, stride_k0s, HEAD_DIM, dtype)
             scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
@@ -352,8 +345,7 @@ if triton is not None:
         weights = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         if V_FORMAT == 0:
-            if not V_FIRST:
-                values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
+            values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
             acc = acc * correction[:, None] + tl.dot(
                 weights.to(dtype), values, input_precision=PRECISION
             )
@@ -428,7 +420,6 @@ if triton is not None:
         MERGE_D: tl.constexpr,
         PDL: tl.constexpr,
         PREFETCH_SLOTS: tl.constexpr = 0,
-        V_FIRST: tl.constexpr = False,
     ):
         """(max, sum, acc) of one split of one KV head's slots for its query heads; see
         FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`).
@@ -504,7 +495,7 @@ if triton is not None:
                         k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                         v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                         HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
-                        V_FORMAT, V_BITS, V_GROUP, PRECISION, V_FIRST,
+                        V_FORMAT, V_BITS, V_GROUP, PRECISION,
                     )  # fmt: skip
             else:
                 running_max, running_sum, acc = _attend_block(
@@ -512,7 +503,7 @@ if triton is not None:
                     k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                     v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                     HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
-                    V_FORMAT, V_BITS, V_GROUP, PRECISION, V_FIRST,
+                    V_FORMAT, V_BITS, V_GROUP, PRECISION,
                 )  # fmt: skip
 
         first_head = batch * KV_HEADS * GROUPS
@@ -876,7 +867,6 @@ def decode_attention_rotated(
         MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, MERGE_CHUNKS=merge_chunks,
         MERGE_D=merge_d, num_warps=launch.num_warps, num_stages=launch.num_stages,
         **pdl, PREFETCH_SLOTS=_prefetch_slots(pdl, chunk, key_format, value_format, k0.dtype),
-        V_FIRST=V_LOAD_FIRST,
     )  # fmt: skip
     if finish != _WRITE_PARTIALS:
         return out
