@@ -196,22 +196,6 @@ def _unsplit_rows(rows: int, block_n: int) -> Patch:
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
 
-def _codes_major_many_rows() -> Patch:
-    """4-bit x codes-major only where the row blocks alone fill the GPU (where it was
-    measured), not for weights left unsplit because K is short: the E4B 4-bit profile shows
-    a ~2 µs reorder launch before each few-µs 2560x256 per-layer projection."""
-    original = affine_matmul.gemv_config
-
-    def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
-        chosen = original(n, k, bits, group, multiprocessors)
-        many_rows = -(-n // 32) > 2 * multiprocessors
-        if chosen.codes_major_x and not many_rows:
-            return dataclasses.replace(chosen, codes_major_x=False)
-        return chosen
-
-    return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
-
-
 def _gemv4_register_cap(registers: int) -> Patch:
     """4-bit launches without a K split (many row blocks: 12B gate/up, the head) with ptxas
     capped at `registers` a thread, so that more programs share an SM."""
@@ -298,7 +282,6 @@ VARIANTS: dict[str, Patch] = {
     "affine-stages2": _affine_loop_stages(2),
     "affine-stages3": _affine_loop_stages(3),
     "affine-stages4": _affine_loop_stages(4),
-    "codes-major-many-rows": _codes_major_many_rows(),
     "gemv4-r80": _gemv4_register_cap(80),
     "codes-major-copy": _set(affine_matmul, "CODES_MAJOR_KERNEL", False),  # torch's reorder
     "gemv4-r72": _gemv4_register_cap(72),

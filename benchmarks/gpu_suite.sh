@@ -172,13 +172,13 @@ GEMV_CONFIGS_JSON=benchmarks/results/gemv_configs_before_sweep-2026-12-03.json \
   stage 230 ab-4bit python benchmarks/ab_decode.py --quant 4bit --variants base,gemv-json --check --name 12b_4bit_gemv
 elif [ "$PART" = next ]; then  # next 4-bit checks: x reorder (short K, as a kernel), register caps, E4B launches
 stage 100 affine python benchmarks/gpu_kernels_affine.py
-stage 240 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,exact-codes,codes-major-many-rows,gemv4-r80 --rounds 2 --check --name 4bit_next
+stage 240 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,exact-codes,gemv4-r80 --rounds 2 --check --name 4bit_next
 stage 250 sweep-4bit python benchmarks/gpu_gemv_affine_sweep.py --no-head
 # then, with its JSON: GEMV_CONFIGS_JSON=... ab_decode.py --models e4b --quant 4bit --variants base,gemv-json
 elif [ "$PART" = folded ]; then  # after the folded offsets and the PDL reorder: GPU tests, 4-bit A/B, benches
 stage 60 tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py -k "gpu or graph"
 GEMV_CONFIGS_JSON=benchmarks/results/gpu_gemv_affine_sweep_folded-2026-12-03.json \
-  stage 230 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,gemv4-split-x-codes-major,codes-major-many-rows,gemv-json --rounds 2 --check --name 4bit_folded
+  stage 230 ab-4bit python benchmarks/ab_decode.py --models gemma3-12b,e4b --quant 4bit --variants base,gemv4-split-x-codes-major,gemv-json --rounds 2 --check --name 4bit_folded
 stage 80 bench-12b-4bit python -m hearth.cli bench --random gemma3-12b --quant 4bit --contexts 512,32768 --prefill 4096 --out "$OUT/bench-gemma3-12b-4bit.md"
 stage 60 bench-e4b-4bit python -m hearth.cli bench --random e4b --quant 4bit --contexts 512 --prefill 4096 --steps 16 --out "$OUT/bench-e4b-4bit.md"
 stage 90 bench-31b-4bit python -m hearth.cli bench --random 31b --quant 4bit --contexts 512 --prefill 512 --steps 16 --out "$OUT/bench-31b-4bit.md"
