@@ -418,11 +418,11 @@ def test_gemv_reads_x_stored_codes_major(rows, monkeypatch) -> None:
     stored = am.CodesMajor(am.codes_major(x.view(rows, k), 4), x.shape)
     assert torch.equal(stored.input_order(), x)
     config = dataclasses.replace(GEMV_CONFIGS["prefetch"], codes_major_x=True)
-    got = am.affine_gemv_codes_major_triton(stored, *weights, config=config)
+    got = am.affine_gemv_triton(stored, *weights, config=config)
     assert got.shape == (rows, 1, GEMV_N)
     assert torch.equal(got, am.affine_gemv_triton(x, *weights, config=config))
     with pytest.raises(ValueError, match="input order"):
-        am.affine_gemv_codes_major_triton(stored, *weights, config=GEMV_CONFIGS["split3"])
+        am.affine_gemv_triton(stored, *weights, config=GEMV_CONFIGS["split3"])
     assert am.codes_major_input(x, packed, 4, 64) is None  # off the GPU
     assert torch.equal(am.affine_linear(stored, *weights), am.affine_linear(x, *weights))
     monkeypatch.setattr(am, "kernel_enabled", lambda tensor: True)

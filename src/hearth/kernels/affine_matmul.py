@@ -232,7 +232,7 @@ def affine_linear(
         if not kernel_enabled(x.values):
             x = x.input_order()
         else:
-            return affine_gemv_codes_major_triton(x, packed, scales, biases, bits, group_size)
+            return affine_gemv_triton(x, packed, scales, biases, bits, group_size)
     if kernel_enabled(x) and bits in KERNEL_BITS:
         return affine_matmul_triton(x, packed, scales, biases, bits, group_size)
     return affine_matmul_reference(x, packed, scales, biases, bits, group_size)
@@ -1153,7 +1153,9 @@ if HAS_TRITON:
     # -----------------------------------------------------------------------------------------
     # Launchers
 
-    def _check_operands(x: Tensor, packed: Tensor, scales: Tensor, bits: int, group: int) -> int:
+    def _check_operands(
+        x: Tensor | CodesMajor, packed: Tensor, scales: Tensor, bits: int, group: int
+    ) -> int:
         if bits not in KERNEL_BITS:
             raise ValueError(f"the affine kernels cover bits {KERNEL_BITS}, not {bits}")
         k = packed.shape[-1] * WORD_BITS // bits
@@ -1316,7 +1318,7 @@ if HAS_TRITON:
             )
 
     def affine_gemv_triton(
-        x: Tensor,
+        x: Tensor | CodesMajor,
         packed: Tensor,
         scales: Tensor,
         biases: Tensor,
@@ -1326,20 +1328,23 @@ if HAS_TRITON:
     ) -> Tensor:
         """``x [..., K] @ W.T`` for at most GEMV_MAX_ROWS rows: the unrolled GEMV up to
         UNROLLED_ROWS rows (launched as `gemv_config` says), the tile GEMV above (autotuned).
-        `config` pins the launch (tests); for the tile GEMV it means the same tile shape."""
-        k = _check_operands(x, packed, scales, bits, group_size)
-        rows = x.reshape(-1, k)
+        `config` pins the launch (tests); for the tile GEMV it means the same tile shape.
+        An x stored `CodesMajor` (`codes_major_input`) is read as it is, by the unrolled GEMV."""
+        _check_operands(x, packed, scales, bits, group_size)
+        rows = _flat_rows(x)
         m, n = rows.shape[0], packed.shape[-2]
         if m > GEMV_MAX_ROWS:
             raise ValueError(f"the GEMV kernels take at most {GEMV_MAX_ROWS} rows")
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:
             return out.view(*x.shape[:-1], -1)
         unrolled = _unrolled_config(rows, packed, bits, group_size, config)
+        operand = x if isinstance(x, CodesMajor) else rows
         if unrolled is not None:
-            _launch_unrolled(rows, packed, scales, biases, out, bits, group_size, unrolled)
+            _launch_unrolled(operand, packed, scales, biases, out, bits, group_size, unrolled)
             return out.view(*x.shape[:-1], -1)
+        if isinstance(x, CodesMajor):
+            raise ValueError("only the unrolled GEMV (at most 4 rows) reads x codes-major")
         tile = None
         if config is not None:
             words_per_group = group_size * bits // WORD_BITS
@@ -1442,25 +1447,6 @@ if HAS_TRITON:
         rows = x.reshape(-1, x.shape[-1])
         return rows if rows.stride(-1) == 1 else rows.contiguous()
 
-    def affine_gemv_codes_major_triton(
-        x: CodesMajor,
-        packed: Tensor,
-        scales: Tensor,
-        biases: Tensor,
-        bits: int,
-        group_size: int,
-        config: GemvConfig | None = None,
-    ) -> Tensor:
-        """``x @ W.T`` of an x stored `codes_major` (`codes_major_input`), by the unrolled GEMV."""
-        _check_operands(torch.empty(x.shape, device="meta"), packed, scales, bits, group_size)
-        rows = _flat_rows(x)
-        config = _unrolled_config(rows, packed, bits, group_size, config)
-        if config is None:
-            raise ValueError("only the unrolled GEMV (at most 4 rows) reads x codes-major")
-        out = torch.empty(rows.shape[0], packed.shape[-2], dtype=x.dtype, device=x.device)
-        _launch_unrolled(x, packed, scales, biases, out, bits, group_size, config)
-        return out.view(*x.shape[:-1], -1)
-
     def affine_gemv_geglu_out_triton(
         x: Tensor | CodesMajor,
         packed: Tensor,
@@ -1473,7 +1459,7 @@ if HAS_TRITON:
         """`affine_gemv_geglu_out` in Triton (and its interpreter); `config` pins the launch.
         None where the launch would split K or the tile GEMV takes the rows."""
         shape = x.shape
-        _check_operands(torch.empty(shape, device="meta"), packed, scales, bits, group_size)
+        _check_operands(x, packed, scales, bits, group_size)
         rows = _flat_rows(x)
         config = _unrolled_config(rows, packed, bits, group_size, config)
         n = packed.shape[-2]
