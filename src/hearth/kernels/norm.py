@@ -313,7 +313,7 @@ def _launch(
         per_block = codes * block_words
         if normed is None or columns % per_block or per_block & (per_block - 1):
             raise ValueError(f"a codes-major norm needs blocks of 2^n inputs dividing {columns}")
-        normed = normed.view(rows, columns // (codes * block_words), codes, block_words)
+        normed = normed.view(rows, columns // per_block, codes, block_words)
     normed_2 = like_out() if next_weight_2 is not None else None
     routed = like_out() if router_scale is not None else None
     dense, dense_weight, x_weight = combine if combine is not None else (None, None, None)
