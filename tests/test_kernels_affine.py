@@ -394,13 +394,12 @@ def test_gemv_stores_the_geglu_of_a_stacked_gate_up(bits, rows, monkeypatch) -> 
     packed, scales, biases = _quantized(2 * pairs, k, bits, 64, torch.float16)
     x = torch.randn(rows, 1, k).to(torch.float16)  # [batch, tokens, K], as a model passes it
     operands = (x, packed, scales, biases, bits, 64)
-    for name in ("whole", "prefetch", "stages3"):
-        for ordered in (False, True):
-            config = dataclasses.replace(GEMV_CONFIGS[name], codes_major_x=ordered)
-            got = am.affine_gemv_geglu_out_triton(*operands, config=config)
-            want = gelu_tanh_mul_triton(am.affine_gemv_triton(*operands, config=config))
-            assert got is not None and got.shape == (rows, 1, pairs), name
-            assert torch.equal(got, want), (name, ordered)
+    for name, ordered in (("whole", False), ("prefetch", True)):
+        config = dataclasses.replace(GEMV_CONFIGS[name], codes_major_x=ordered)
+        got = am.affine_gemv_geglu_out_triton(*operands, config=config)
+        want = gelu_tanh_mul_triton(am.affine_gemv_triton(*operands, config=config))
+        assert got is not None and got.shape == (rows, 1, pairs), name
+        assert torch.equal(got, want), (name, ordered)
     assert am.affine_gemv_geglu_out_triton(*operands, config=GEMV_CONFIGS["split3"]) is None
     assert am.affine_gemv_geglu_out(*operands) is None  # off the GPU
 
