@@ -244,16 +244,18 @@ def codes_major_input(
     """(codes per word, words per block) where the GPU GEMV of x ``[..., K]`` by this packed
     weight reads x `codes_major` (and so would reorder it first), for a producer to store x so
     (`CodesMajor`) instead; None where it reads x in input order, or off the GPU."""
-    if not (kernel_enabled(x) and bits in KERNEL_BITS and GEMV_CODES_MAJOR_X):
+    if not (kernel_enabled(x) and bits in KERNEL_BITS) or x.numel() == 0:
         return None
-    k = x.shape[-1]
-    rows = x.numel() // max(k, 1)
-    if rows == 0 or rows > UNROLLED_ROWS or packed.shape[-2] * packed.shape[-1] >= 2**31:
-        return None
-    config = gemv_config(packed.shape[-2], k, bits, group_size, _device_multiprocessors(x))
-    if not (config.codes_major_x and codes_major_fits(k, bits, X_BLOCK_WORDS)):
+    rows = x.reshape(-1, x.shape[-1])  # only its shape is read
+    config = _unrolled_config(rows, packed, bits, group_size, None)
+    if config is None or not _reads_codes_major(config, x.shape[-1], bits):
         return None
     return WORD_BITS // bits, X_BLOCK_WORDS
+
+
+def _reads_codes_major(config: GemvConfig, k: int, bits: int) -> bool:
+    """Whether an unrolled launch of `config` reads x `codes_major` (else in input order)."""
+    return config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits, X_BLOCK_WORDS)
 
 
 def affine_gemv_geglu_out(
@@ -270,10 +272,6 @@ def affine_gemv_geglu_out(
     if not (kernel_enabled(x.values if isinstance(x, CodesMajor) else x) and bits in KERNEL_BITS):
         return None
     return affine_gemv_geglu_out_triton(x, packed, scales, biases, bits, group_size)
-
-
-def _device_multiprocessors(x: Tensor | CodesMajor) -> int:
-    return _multiprocessors() if x.device.type == "cuda" else H200_MULTIPROCESSORS
 
 
 def affine_expert_matmul(
@@ -1330,15 +1328,13 @@ if HAS_TRITON:
         UNROLLED_ROWS rows (launched as `gemv_config` says), the tile GEMV above (autotuned).
         `config` pins the launch (tests); for the tile GEMV it means the same tile shape.
         An x stored `CodesMajor` (`codes_major_input`) is read as it is, by the unrolled GEMV."""
-        _check_operands(x, packed, scales, bits, group_size)
-        rows = _flat_rows(x)
+        rows, unrolled = _unrolled_operands(x, packed, scales, bits, group_size, config)
         m, n = rows.shape[0], packed.shape[-2]
         if m > GEMV_MAX_ROWS:
             raise ValueError(f"the GEMV kernels take at most {GEMV_MAX_ROWS} rows")
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:
             return out.view(*x.shape[:-1], -1)
-        unrolled = _unrolled_config(rows, packed, bits, group_size, config)
         operand = x if isinstance(x, CodesMajor) else rows
         if unrolled is not None:
             _launch_unrolled(operand, packed, scales, biases, out, bits, group_size, unrolled)
@@ -1380,11 +1376,9 @@ if HAS_TRITON:
         config: GemvConfig | None = None,
     ) -> Tensor | None:
         """`affine_gemv_partials` in Triton (and its interpreter); `config` pins the launch."""
-        rows = x.reshape(-1, _check_operands(x, packed, scales, bits, group_size))
-        config = _unrolled_config(rows, packed, bits, group_size, config)
+        rows, config = _unrolled_operands(x, packed, scales, bits, group_size, config)
         if config is None or config.split_k == 1:
             return None
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         n = packed.shape[-2]
         unwritten = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
         partial = _launch_unrolled(
@@ -1435,10 +1429,19 @@ if HAS_TRITON:
             geglu_out=geglu_out,
         )  # fmt: skip
 
-    def _reads_codes_major(config: GemvConfig, k: int, bits: int) -> bool:
-        return (
-            config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits, X_BLOCK_WORDS)
-        )
+    def _unrolled_operands(
+        x: Tensor | CodesMajor,
+        packed: Tensor,
+        scales: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None,
+    ) -> tuple[Tensor, GemvConfig | None]:
+        """x's checked rows (`_flat_rows`) and the unrolled GEMV's launch for them, or None
+        where the tile GEMV takes them (`_unrolled_config`)."""
+        _check_operands(x, packed, scales, bits, group_size)
+        rows = _flat_rows(x)
+        return rows, _unrolled_config(rows, packed, bits, group_size, config)
 
     def _flat_rows(x: Tensor | CodesMajor) -> Tensor:
         """x as ``[M, K]`` (its values' rows for `CodesMajor`: only their count is read)."""
@@ -1459,9 +1462,7 @@ if HAS_TRITON:
         """`affine_gemv_geglu_out` in Triton (and its interpreter); `config` pins the launch.
         None where the launch would split K or the tile GEMV takes the rows."""
         shape = x.shape
-        _check_operands(x, packed, scales, bits, group_size)
-        rows = _flat_rows(x)
-        config = _unrolled_config(rows, packed, bits, group_size, config)
+        rows, config = _unrolled_operands(x, packed, scales, bits, group_size, config)
         n = packed.shape[-2]
         if config is None or config.split_k > 1 or n % 2:
             return None
