@@ -340,6 +340,21 @@ VARIANTS: dict[str, Patch] = {
         _set(gemma, "NORM_STORES_CODES_MAJOR", False),
         _set(gemma, "GATE_UP_STORES_GEGLU", False),
     ),
+    # 2026-12-06 (third session): MoE decode's packed experts through the tile GEMV (the
+    # default before), and the unrolled gathered gate/up storing the GeGLU.
+    "gathered-tile": _set(affine_matmul, "GATHERED_UNROLLED", False),
+    # The unrolled gathered GEMV at `gemv_config`'s launch for the pairs' rows (before the
+    # sweep that made `gathered_gemv_config`).
+    "gathered-dense-launch": _set(
+        affine_matmul,
+        "gathered_gemv_config",
+        lambda k, bits, group: (
+            affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True)
+            if bits == 4
+            else affine_matmul.GemvConfig(32, 8)
+        ),
+    ),
+    "packed-gate-geglu": _set(gemma4, "FUSED_PACKED_EXPERT_GATE_GEGLU", True),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "prefill-fusions-off": _stacked(

@@ -13,6 +13,7 @@ bf16 scales and biases, bits 4 and 8, groups 64 and 32), then times (CUDA events
 
     OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_kernels_affine.py
     OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_kernels_affine.py --sweep
+    OUT=/tmp/out PYTHONPATH=$PWD/src python benchmarks/gpu_kernels_affine.py --experts
 
 `--sweep` instead times GEMV launches around `gemv_config`'s choice, with the prefetching loop
 (each checked against cuBLAS on the dequantized weight first).
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 import triton
 
 from hearth.kernels import affine_matmul as am
+from hearth.kernels.activation import gelu_tanh_mul
 from hearth.quant.mlx import dequantize_affine, pack_codes
 
 COPY_BANDWIDTH = 4.2e12  # bytes/s, measured device-to-device copy on the H200
@@ -74,6 +76,19 @@ def nbytes(*tensors: torch.Tensor) -> int:
 def bench(fn: Callable[[], object]) -> float:
     """Median seconds per call."""
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+def bench_graph(calls: list[Callable[[], object]]) -> float:
+    """Median seconds per call of `calls` run back to back from a CUDA graph, as decode runs
+    them: without the host's launch time, which exceeds a small kernel's. Calls on distinct
+    weights keep the graph's bytes past L2 (do_bench clears L2 only between replays)."""
+    for call in calls:
+        call()  # compiled and autotuned outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return bench(graph.replay) / len(calls)
 
 
 def within_bound(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, k: int) -> str:
@@ -253,47 +268,60 @@ def prefill_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
 
 def expert_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
     experts, hidden, width, top_k = MOE_SHAPE
-    ids = torch.randperm(experts, device=DEVICE)[:top_k].view(1, top_k)
+    sets = torch.randperm(experts, device=DEVICE).view(-1, 1, top_k)  # 16 disjoint choices
+    ids = sets[0]
     for label, n, k, per_slot in (
         ("gate/up", 2 * width, hidden, False),
         ("down", hidden, width, True),
     ):
         x = torch.randn(1, *((top_k,) if per_slot else ()), k, device=DEVICE, dtype=BF16)
-        for bits in (4, 8):
+        for bits, unrolled in ((4, True), (4, False), (8, True), (8, False)):
+            am.GATHERED_UNROLLED = unrolled
+            kernel = "unrolled GEMV" if unrolled else "tile GEMV"
             group = 64
             packed, scales, biases = packed_weight(n, k, bits, group, experts)
             args = (x, packed, scales, biases, ids, bits, group)
             got = am.affine_expert_matmul(*args)
             want = am.affine_expert_matmul_reference(*args)
+            if unrolled and not per_slot:  # the GeGLU store: the product, then the GeGLU
+                stored = am.affine_expert_matmul(*args, geglu_out=True)
+                same = torch.equal(stored, gelu_tanh_mul(got))
+                checks.append([f"experts {label} storing the GeGLU", f"{bits}/{group}",
+                               "bit-identical" if same else "FAIL: differs"])  # fmt: skip
             words = packed.view(torch.int32)[ids[0]].view(torch.uint32)  # no uint32 index on CUDA
             chosen = dequantize_affine(words, scales[ids[0]], biases[ids[0]], bits, group)
             rows_x = x.reshape(-1, k).expand(top_k, k).double().abs()
             magnitude = torch.einsum("pk,pnk->pn", rows_x, chosen.double().abs()).view(1, top_k, n)
             checks.append(
                 [
-                    f"experts {label} {n}x{k}",
+                    f"experts {label} {n}x{k}, {kernel}",
                     f"{bits}/{group}",
                     within_bound(got, want, magnitude, k),
                 ]
             )
-            seconds = bench(partial(am.affine_expert_matmul, *args))
+            # 16 calls, each on 8 experts of its own: 16 x 8 distinct experts, past L2
+            seconds = bench_graph(
+                [partial(am.affine_expert_matmul, *args[:4], each, bits, group) for each in sets]
+            )
             reference = bench(partial(am.affine_expert_matmul_reference, *args))
             ids_flat = ids[0]
             moved = nbytes(
                 packed.view(torch.int32)[ids_flat], scales[ids_flat], biases[ids_flat], x, got
             )
+            launch = am.gathered_gemv_config(k, bits, group)
             rows.append(
                 [
-                    f"experts {label} E={experts} top{top_k} {n}x{k}",
+                    f"experts {label} E={experts} top{top_k} {n}x{k}, {kernel}",
                     f"{bits}-bit g{group}",
                     f"{seconds * 1e6:.1f}",
                     f"{moved / seconds / 1e9:.0f}",
                     f"{moved / seconds / COPY_BANDWIDTH:.0%}",
                     f"torch ref {reference * 1e6:.0f}",
                     f"{reference / seconds:.1f}x",
-                    tuned_config(am._affine_tile_gemv_tuned),
+                    str(launch) if unrolled else tuned_config(am._affine_tile_gemv_tuned),
                 ]
             )
+        am.GATHERED_UNROLLED = True
         weight = torch.randn(experts, n, k, device=DEVICE, dtype=BF16)
         got = am.float_expert_matmul(x, weight, ids)
         want = am.float_expert_matmul_reference(x, weight, ids)
@@ -305,7 +333,7 @@ def expert_rows(rows: list[list[str]], checks: list[list[str]]) -> None:
         checks.append(
             [f"bf16 experts {label} {n}x{k}", "bf16", within_bound(got, want, magnitude, k)]
         )
-        seconds = bench(partial(am.float_expert_matmul, x, weight, ids))
+        seconds = bench_graph([partial(am.float_expert_matmul, x, weight, each) for each in sets])
         reference = bench(partial(am.float_expert_matmul_reference, x, weight, ids))
         moved = nbytes(weight[ids[0]], x, got)
         rows.append(
@@ -349,10 +377,11 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_gemv_prefetch_sweep.md").write_text(report + "\n")
         sys.exit(1 if checks else 0)
-    correctness_grid(checks)
-    split_k_determinism(checks)
-    gemv_rows(rows, checks)
-    prefill_rows(rows, checks)
+    if "--experts" not in sys.argv:  # --experts: the MoE gathered GEMVs alone
+        correctness_grid(checks)
+        split_k_determinism(checks)
+        gemv_rows(rows, checks)
+        prefill_rows(rows, checks)
     expert_rows(rows, checks)
     name = torch.cuda.get_device_name()
     report = "\n\n".join(

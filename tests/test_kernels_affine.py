@@ -531,6 +531,42 @@ def test_gathered_experts(bits, ids_name, per_slot) -> None:
         _assert_close(got, reference, magnitude, k, weight_eps=eps16)
 
 
+@pytest.mark.parametrize(("bits", "per_slot"), [(4, False), (8, True)])
+def test_gathered_unrolled_gemv_is_the_gemv_of_each_pair(bits, per_slot) -> None:
+    """The unrolled GEMV over gathered experts (grid axis 2 = pair) computes, for each pair,
+    bit for bit what the plain GEMV of that pair's x row by its expert computes at the same
+    launch: masked tail steps (K = 384, group 64: 6 groups in steps of 4), the prefetching loop
+    and, at 4 bits, x reordered codes-major (K = 512). With `geglu_out` it stores the GeGLU of
+    stacked gate/up rows: bit for bit that product, then the GeGLU kernel."""
+    torch.manual_seed(70 + bits + per_slot)
+    experts, n, group = 4, 42, 64  # 21 gate/up pairs: a partial row block either way
+    ids = torch.tensor(EXPERT_IDS["repeated"])
+    launches = [(384, am.GemvConfig(16, 4)), (384, am.GemvConfig(32, 4, prefetch=True))]
+    if bits == 4:
+        launches.append((512, am.GemvConfig(16, 4, prefetch=True, codes_major_x=True)))
+    for k, config in launches:
+        packed, scales, biases = _quantized(n, k, bits, group, torch.float16, lead=(experts,))
+        x = (torch.randn(3, 2, k) if per_slot else torch.randn(3, k)).half()
+        operands = (x, packed, scales, biases, ids, bits, group)
+        got = am.affine_expert_matmul_triton(*operands, gemv=config)
+        assert got.shape == (3, 2, n)
+        rows = x.reshape(-1, k) if per_slot else x.repeat_interleave(2, dim=0)
+        flat_ids = ids.reshape(-1)
+        for expert in flat_ids.unique().tolist():  # its pairs as the rows of one plain GEMV
+            pairs = (flat_ids == expert).nonzero()[:, 0]  # at most 4 (the unrolled rows)
+            weight = (packed[expert], scales[expert], biases[expert])
+            alone = am.affine_gemv_triton(rows[pairs], *weight, bits, group, config)
+            assert torch.equal(got.reshape(-1, n)[pairs], alone), (k, config, expert)
+        geglu = am.affine_expert_matmul_triton(*operands, gemv=config, geglu_out=True)
+        assert torch.equal(geglu, gelu_tanh_mul_triton(got)), (k, config)
+    reference = am.affine_expert_matmul_reference(*operands, geglu_out=True)
+    assert torch.equal(am.affine_expert_matmul(*operands, geglu_out=True), reference)  # CPU
+    with pytest.raises(ValueError, match="without a K split"):
+        am.affine_expert_matmul_triton(*operands, gemv=am.GemvConfig(16, 4, split_k=2))
+    with pytest.raises(ValueError, match="only the unrolled"):
+        am.affine_expert_matmul_triton(*operands, config=am.DEFAULT_TILE_CONFIG, geglu_out=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_gathered_float_experts(dtype, per_slot) -> None:
@@ -636,10 +672,10 @@ def _tiny_experts(bits: int | None) -> Experts:
 def test_sync_free_experts_equal_the_loop(bits, kernels, stores_geglu, monkeypatch) -> None:
     """fp32 throughout, so only the summation order differs: 1e-5 relative to the output's
     scale is ~100 eps32, room for the two chained projections' reordered sums. `stores_geglu`:
-    float experts' gate/up GEMV stores the GeGLU, else a GeGLU launch (packed experts take
-    the launch either way)."""
+    the gate/up GEMV (float or packed experts) stores the GeGLU, else a GeGLU launch."""
     torch.manual_seed(8)
     monkeypatch.setattr(gemma4, "FUSED_EXPERT_GATE_GEGLU", stores_geglu)
+    monkeypatch.setattr(gemma4, "FUSED_PACKED_EXPERT_GATE_GEGLU", stores_geglu)
     experts = _tiny_experts(bits)
     x = torch.randn(5, 64)
     ids = torch.tensor([[0, 1], [1, 0], [3, 3], [2, 1], [0, 2]])

@@ -89,8 +89,8 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
     if "PDL" in constants:  # compiled as Hopper launches it: with programmatic dependent launch
         constants["PDL"] = options["launch_pdl"] = True
         # and with the L2 prefetch before the wait, whatever its defaults
-        if "PREFETCH_LINES" in constants:  # weight lines per row
-            constants["PREFETCH_LINES"] = 16
+        if "PREFETCH_LINES" in constants and not constants.get("GATHER"):  # weight lines
+            constants["PREFETCH_LINES"] = 16  # per row (a gathered GEMV's expert is unknown)
         if "PREFETCH_SLOTS" in constants:  # K/V slots (dense planes)
             slots = min(64, constants["CHUNK"])
             dense = constants["K_FORMAT"] == constants["V_FORMAT"] == 0
@@ -345,6 +345,12 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     yield (
         "affine experts",
         lambda: affine_matmul.affine_expert_matmul_triton(x, packed, scales, biases, ids, 4, 64),
+    )
+    yield (
+        "affine experts storing a geglu",
+        lambda: affine_matmul.affine_expert_matmul_triton(
+            x, packed, scales, biases, ids, 4, 64, geglu_out=True
+        ),
     )
     yield (
         "float experts",

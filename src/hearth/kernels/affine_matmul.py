@@ -97,6 +97,10 @@ GEMV_FOLDED_OFFSETS = True
 SPLIT_SUM_LAUNCH = True
 # Outputs a program of that launch adds: 12B's 3840 rows in 15 programs.
 SPLIT_SUM_BLOCK = 256
+# MoE decode's gathered experts through the unrolled GEMV (its loop, launches and codes-major
+# x, a third grid axis over the (token, slot) pairs) rather than the tile GEMV, whose
+# generic loop read 26B-A4B's 4-bit experts at ~0.7 TB/s on an H100. False: the tile GEMV.
+GATHERED_UNROLLED = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +149,15 @@ class CodesMajor(NamedTuple):
         return self.values.transpose(2, 3).reshape(self.shape)
 
 
+class Gather(NamedTuple):
+    """The (token, slot) pairs of a gathered GEMV over MoE experts: each pair's expert id
+    (`ids`, ``[pairs]``) and x row ``pair // x_rows_per_id`` (top_k where a token's slots share
+    its row, 1 where each slot has its own)."""
+
+    ids: Tensor
+    x_rows_per_id: int
+
+
 def affine_matmul_reference(
     x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
 ) -> Tensor:
@@ -179,15 +192,17 @@ def affine_expert_matmul_reference(
     expert_ids: Tensor,
     bits: int,
     group_size: int,
+    geglu_out: bool = False,
 ) -> Tensor:
-    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``."""
+    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``;
+    with `geglu_out`, ``gelu_tanh_mul`` of it, ``[T, top_k, N / 2]``."""
     _check_expert_shapes(x, expert_ids)
     ids = expert_ids.reshape(-1)
     words = packed.view(torch.int32)[ids].view(torch.uint32)  # CUDA cannot index uint32
     weights = mlx_affine.dequantize_affine(words, scales[ids], biases[ids], bits, group_size)
     rows = _slot_rows(x, expert_ids)
-    out = torch.bmm(weights.to(x.dtype), rows[:, :, None])[..., 0]
-    return out.view(*expert_ids.shape, -1)
+    out = torch.bmm(weights.to(x.dtype), rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
+    return gelu_tanh_mul_reference(out) if geglu_out else out
 
 
 def float_expert_matmul_reference(
@@ -282,12 +297,15 @@ def affine_expert_matmul(
     expert_ids: Tensor,
     bits: int,
     group_size: int,
+    geglu_out: bool = False,
 ) -> Tensor:
-    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights."""
+    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights;
+    with `geglu_out`, ``gelu_tanh_mul`` of that product of stacked gate/up experts, stored by
+    the GPU's GEMV (one GeGLU launch fewer)."""
     args = (x, packed, scales, biases, expert_ids, bits, group_size)
     if kernel_enabled(x) and bits in KERNEL_BITS:
-        return affine_expert_matmul_triton(*args)
-    return affine_expert_matmul_reference(*args)
+        return affine_expert_matmul_triton(*args, geglu_out=geglu_out)
+    return affine_expert_matmul_reference(*args, geglu_out=geglu_out)
 
 
 def float_expert_matmul(
@@ -407,6 +425,33 @@ def gemv_config(
         prefetch=bits in GEMV_PREFETCH_BITS,
         codes_major_x=bits == 4 and many_rows,
     )
+
+
+@lru_cache(maxsize=64)
+def gathered_gemv_config(k: int, bits: int, group: int) -> GemvConfig:
+    """The unrolled GEMV's launch over gathered experts of ``[N, K]``, fitted to a sweep of
+    26B-A4B's at one token (8 experts a launch, in CUDA graphs past L2, H100:
+    benchmarks/results/gpu_gathered_gemv_sweep_h100-2026-12-06.md): steps of 128 packed words
+    at 4 bits, 128 or 256 at 8, x in input order (a codes-major x lost at 4 bits), no K split
+    (8 pairs fill the GPU), no prefetching loop:
+
+    ==== ================================== ============ ==========================
+    bits shape (N x K)                       launch       µs (`gemv_config`'s for
+                                                          the pairs' rows)
+    ==== ================================== ============ ==========================
+    4    gate/up 1408 x 2816 (352 words)     N32 G16 w4   11.5 (15.2)
+    4    down 2816 x 704 (88 words: 1 step)  N16 G16 w4   8.5 (9.4)
+    8    gate/up (704 words)                 N16 G8 w4    15.7 (17.4)
+    8    down (176 words: 1 step)            N32 G16 w4   10.3 (11.4)
+    ==== ================================== ============ ==========================
+    """
+    words_per_group = group * bits // WORD_BITS
+    row_words = k * bits // WORD_BITS
+    step_words = 128 if bits == 4 or row_words > 256 else 256
+    one_step = row_words <= step_words
+    rows_one_step, rows_more = (16, 32) if bits == 4 else (32, 16)  # rows a program
+    block_n = rows_one_step if one_step else rows_more
+    return GemvConfig(block_n, max(1, step_words // words_per_group))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -638,6 +683,10 @@ if HAS_TRITON:
         stride_xm,
         stride_om,
         two23,
+        ids_ptr,
+        x_rows_per_id,
+        expert_words,
+        expert_groups,
         M: tl.constexpr,
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
@@ -653,6 +702,7 @@ if HAS_TRITON:
         PREFETCH_LINES: tl.constexpr = 0,
         SUM_APART: tl.constexpr = False,
         GEGLU_OUT: tl.constexpr = False,
+        GATHER: tl.constexpr = False,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
         With SUM_APART a K split only stores its partials (`_sum_splits_kernel` adds them).
@@ -669,11 +719,25 @@ if HAS_TRITON:
         run in a `for` loop of constant trip count instead, which Triton software-pipelines;
         the steps and their arithmetic are the same, in the same order. two23: see TWO23_BITS.
         PREFETCH_LINES > 0 asks L2 for that many lines of each row's words, and the line of its
-        first scales and biases, before the wait for the previous kernel."""
+        first scales and biases, before the wait for the previous kernel.
+
+        With GATHER (M = 1, no K split, no PREFETCH_LINES) grid axis 2 is a (token, slot)
+        pair r of MoE experts stacked ``[E, N, ...]``: the weight is expert ``ids[r]``
+        (`expert_words` words and `expert_groups` scales apart), x row ``r // x_rows_per_id``
+        and out row r."""
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WPG: tl.constexpr = GROUP // CODES  # words per group
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        if GATHER:
+            wait_for_producer(PDL)  # the router wrote the ids
+            pair = tl.program_id(2)
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            packed_ptr += expert * expert_words
+            scales_ptr += expert * expert_groups
+            biases_ptr += expert * expert_groups
+            x_ptr += (pair // x_rows_per_id).to(tl.int64) * stride_xm
+            out_ptr += pair.to(tl.int64) * stride_om
         if GEGLU_OUT:
             r = tl.arange(0, BLOCK_N)
             pair = pid_n * (BLOCK_N // 2) + r // 2
@@ -688,11 +752,12 @@ if HAS_TRITON:
         word_rows = n_read * row_words
         group_rows = n_read * groups
         g0 = pid_k * split_groups
-        if PREFETCH_LINES > 0:
+        if PREFETCH_LINES > 0 and not GATHER:  # a pair's expert is known after the wait only
             prefetch_row_lines(packed_ptr + word_rows[:, None], g0 * WPG, row_words, PREFETCH_LINES)
             prefetch_to_l2(scales_ptr + group_rows + g0)
             prefetch_to_l2(biases_ptr + group_rows + g0)
-        wait_for_producer(PDL)
+        if not GATHER:
+            wait_for_producer(PDL)
         g_end = tl.minimum(g0 + split_groups, groups)
         acc0 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc1 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
@@ -1176,15 +1241,19 @@ if HAS_TRITON:
         add_splits: bool = True,
         *,
         geglu_out: bool = False,
+        gather: Gather | None = None,
     ) -> Tensor | None:
         """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``; with
         `x_codes_major` x is ``codes_major(x)``, contiguous. A K-split launch returns its fp32
         partials ``[splits * M * N]``; without `add_splits` only those, out left unwritten.
         With `geglu_out` (no K split) it stores ``geglu(gate, up)`` of a stacked gate/up
-        weight into out ``[M, N / 2]``."""
+        weight into out ``[M, N / 2]``. With `gather` (no K split) the weight is experts
+        ``[E, N, ...]`` and out ``[pairs, N]``: one x row a pair (`Gather`)."""
         if geglu_out and (config.split_k > 1 or packed.shape[-2] % 2):
             raise ValueError("the GeGLU store needs an unsplit launch over stacked gate/up rows")
-        m, k = x.shape[0], x[0].numel()
+        if gather is not None and config.split_k > 1:
+            raise ValueError("a gathered GEMV runs without a K split")
+        m, k = (1 if gather else x.shape[0]), x[0].numel()
         n, row_words = packed.shape[-2:]
         groups = k // group
         # Whole steps per split, so that only a split's last step can need masks.
@@ -1205,7 +1274,7 @@ if HAS_TRITON:
             partial = counters = out  # unread
         launch_kernel(
             _affine_gemv_kernel,
-            (blocks, config.split_k),
+            (blocks, config.split_k, gather.ids.numel() if gather else 1),
             x,
             packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
             scales,
@@ -1220,6 +1289,10 @@ if HAS_TRITON:
             x.stride(0),
             out.stride(0),
             TWO23_BITS,
+            gather.ids if gather else out,  # unread without GATHER
+            gather.x_rows_per_id if gather else 1,
+            n * row_words,
+            n * groups,
             M=m,
             BITS=bits,
             GROUP=group,
@@ -1234,9 +1307,10 @@ if HAS_TRITON:
             num_warps=config.warps,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl,
-            PREFETCH_LINES=prefetch_lines(pdl, "affine"),
+            PREFETCH_LINES=0 if gather else prefetch_lines(pdl, "affine"),
             SUM_APART=sum_apart,
             GEGLU_OUT=geglu_out,
+            GATHER=gather is not None,
         )
         if sum_apart and add_splits:
             launch_kernel(
@@ -1412,6 +1486,7 @@ if HAS_TRITON:
         config: GemvConfig,
         add_splits: bool = True,
         geglu_out: bool = False,
+        gather: Gather | None = None,
     ) -> Tensor | None:
         """`_launch_gemv`, x first reordered codes-major where `config` asks for it (unless
         it comes so: `CodesMajor`, then read as it is)."""
@@ -1426,7 +1501,7 @@ if HAS_TRITON:
                 x = reorder(x, bits, X_BLOCK_WORDS, dtype=CODES_MAJOR_DTYPE)
         return _launch_gemv(
             x, packed, scales, biases, out, bits, group_size, config, ordered, add_splits,
-            geglu_out=geglu_out,
+            geglu_out=geglu_out, gather=gather,
         )  # fmt: skip
 
     def _unrolled_operands(
@@ -1523,14 +1598,36 @@ if HAS_TRITON:
         bits: int,
         group_size: int,
         config: dict | None = None,
+        geglu_out: bool = False,
+        gemv: GemvConfig | None = None,
     ) -> Tensor:
-        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows."""
+        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows: the
+        unrolled GEMV over the pairs (GATHERED_UNROLLED; `gemv` pins its launch, else
+        `gathered_gemv_config`), or the tile GEMV (`config` pins its tile). With `geglu_out`
+        (unrolled only) the experts are a stacked gate/up and the output ``gelu_tanh_mul`` of
+        the product, ``[T, top_k, N / 2]``."""
         _check_expert_shapes(x, expert_ids)
-        _check_operands(x, packed, scales, bits, group_size)
+        k = _check_operands(x, packed, scales, bits, group_size)
         n = packed.shape[-2]
         pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        ids = expert_ids.reshape(-1).contiguous()
+        x_rows_per_id = top_k if x.dim() == 2 else 1
+        if config is None and (GATHERED_UNROLLED or geglu_out or gemv is not None):
+            gemv = gemv or gathered_gemv_config(k, bits, group_size)
+            if geglu_out and n % 2:
+                raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
+            out = torch.empty(pairs, n // 2 if geglu_out else n, dtype=x.dtype, device=x.device)
+            if pairs:
+                gather = Gather(ids, x_rows_per_id)
+                _launch_unrolled(
+                    rows, packed, scales, biases, out, bits, group_size, gemv,
+                    geglu_out=geglu_out, gather=gather,
+                )  # fmt: skip
+            return out.view(*expert_ids.shape, -1)
+        if geglu_out:
+            raise ValueError("only the unrolled gathered GEMV stores a GeGLU")
         out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
         _launch_tile_gemv(
             rows,
@@ -1540,10 +1637,10 @@ if HAS_TRITON:
             out,
             bits,
             group_size,
-            ids=expert_ids.reshape(-1).contiguous(),
+            ids=ids,
             rows=pairs,
             block_m=1,
-            x_rows_per_id=top_k if x.dim() == 2 else 1,
+            x_rows_per_id=x_rows_per_id,
             config=config,
         )
         return out.view(*expert_ids.shape, -1)

@@ -88,6 +88,11 @@ FUSED_PER_LAYER_NORM = True
 # `gpu_expert_geglu_h100-…`). The down GEMV forming the GeGLU from gate/up instead (each
 # program recomputing its pair's 704 products) gave +0.1-0.4%, and was dropped. An A/B switch.
 FUSED_EXPERT_GATE_GEGLU = True
+# The same for MLX-packed experts, whose gathered GEMV is now the unrolled affine GEMV
+# (`affine_matmul.GATHERED_UNROLLED`): 26B-A4B decode +1.3% at 4 bits, +1.5% at 8, logits
+# bit-identical (H100, `ab_26b_{4,8}bit_gathered_launch_h100-2026-12-06.md`). The tile GEMV
+# storing the GeGLU had measured 3.8% slower (`ab_26b_4bit_packed_geglu_h100-2026-12-05.md`).
+FUSED_PACKED_EXPERT_GATE_GEGLU = True
 # At a decode step, the router-weighted sum of the experts' slot outputs inside the MoE
 # layer's last norm kernel (`moe_combine_add_rms_norm`), not a `weighted_slot_sum` launch
 # before it. Needs FUSED_MOE_NORMS. 26B-A4B decode +0.4% in bf16, +0.8% at 4 bits, logits
@@ -295,13 +300,14 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return float_expert_matmul(x, weight, experts, geglu_out)
-        return weight.gathered_matmul(x, experts)
+        return weight.gathered_matmul(x, experts, geglu_out)
 
     def _gate_up_stores_geglu(self) -> bool:
         """Whether the gathered gate/up GEMV stores the GeGLU itself: float experts'
-        (FUSED_EXPERT_GATE_GEGLU). Packed experts doing the same measured 3.8% slower
-        (26B-A4B 4-bit, H100: `ab_26b_4bit_packed_geglu_h100-2026-12-05.md`)."""
-        return isinstance(self.gate_up_proj, torch.Tensor) and FUSED_EXPERT_GATE_GEGLU
+        (FUSED_EXPERT_GATE_GEGLU), packed ones' where FUSED_PACKED_EXPERT_GATE_GEGLU."""
+        if isinstance(self.gate_up_proj, torch.Tensor):
+            return FUSED_EXPERT_GATE_GEGLU
+        return FUSED_PACKED_EXPERT_GATE_GEGLU
 
     def forward_gathered(
         self,

@@ -279,11 +279,19 @@ class MLXQuantizedExperts(_PackedAffine):
             self.group_size,
         )
 
-    def gathered_matmul(self, x: Tensor, expert_ids: Tensor) -> Tensor:
+    def gathered_matmul(self, x: Tensor, expert_ids: Tensor, geglu_out: bool = False) -> Tensor:
         """``[T, top_k, out]``: x ``[T, in]`` or ``[T, top_k, in]`` times each chosen expert,
-        reading only those experts (no host sync on CUDA)."""
+        reading only those experts (no host sync on CUDA); with `geglu_out` (stacked gate/up
+        experts) ``gelu_tanh_mul`` of it, ``[T, top_k, out / 2]``."""
         return affine_kernels.affine_expert_matmul(
-            x, self.packed, self.scales, self.biases, expert_ids, self.bits, self.group_size
+            x,
+            self.packed,
+            self.scales,
+            self.biases,
+            expert_ids,
+            self.bits,
+            self.group_size,
+            geglu_out=geglu_out,
         )
 
 
