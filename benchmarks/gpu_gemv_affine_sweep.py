@@ -59,10 +59,21 @@ E4B_SHAPES = [
 ]
 
 
-def configs(k: int, bits: int, block_rows: tuple[int, ...] = (32, 64)) -> list[am.GemvConfig]:
+def configs(
+    k: int, bits: int, block_rows: tuple[int, ...] = (32, 64), unsplit_orders: bool = False
+) -> list[am.GemvConfig]:
     """4-bit: rows (`block_rows`), groups per step, splits, warps, with the prefetching loop
     and x codes-major where unsplit (as `gemv_config` launches 4-bit). 8-bit: rows, groups,
-    splits, with and without the prefetching loop, x in input order."""
+    splits, with and without the prefetching loop, x in input order. `unsplit_orders` (4-bit):
+    unsplit launches only, with and without the prefetching loop, x in either order (the
+    gathered experts' sweep found input order and no prefetch fastest there)."""
+    if bits == 4 and unsplit_orders:
+        grid = itertools.product(block_rows, (4, 8, 16), (4, 8), (False, True), (False, True))
+        return [
+            am.GemvConfig(n, g, warps, 1, prefetch, ordered)
+            for n, g, warps, prefetch, ordered in grid
+            if k // GROUP >= g
+        ]
     if bits == 4:
         grid = itertools.product(block_rows, (4, 8, 16), (1, 2, 4, 8), (4, 8), (True,))
     else:
@@ -145,6 +156,9 @@ def main() -> None:
     parser.add_argument(
         "--rows", default="32,64", help="4-bit: rows a program, comma-separated (e.g. 8,16,32)"
     )
+    parser.add_argument(
+        "--unsplit-orders", action="store_true", help="4-bit: unsplit, x in either order"
+    )
     args = parser.parse_args()
     bits = args.bits
     shapes = E4B_SHAPES if args.shapes == "e4b" else SHAPES[:-1] if args.no_head else SHAPES
@@ -171,7 +185,7 @@ def main() -> None:
             del weight
         chosen = am.gemv_config(n, k, bits, GROUP, sms)
         timed = []
-        for config in configs(k, bits, block_rows):
+        for config in configs(k, bits, block_rows, args.unsplit_orders):
             verdict = "-"
             if check is not None:
                 got = am.affine_gemv_triton(x, *weights[0], bits, GROUP, config)
