@@ -15,33 +15,22 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Callable
 from datetime import date
 from functools import partial
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch
 import triton
 
+from gpu_kernels_affine import bench_graph
 from hearth.kernels import affine_matmul as am
 from hearth.quant.mlx import quantize_affine
 
 DEVICE = torch.device("cuda")
 EXPERTS, HIDDEN, WIDTH, TOP_K, GROUP = 128, 2816, 704, 8, 64
-
-
-def bench_graph(calls: list[Callable[[], object]]) -> float:
-    """Median seconds per call of `calls` back to back, replayed from a CUDA graph."""
-    for call in calls:
-        call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    median = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-    return median * 1e-3 / len(calls)
 
 
 def launches(bits: int) -> list[am.GemvConfig]:
