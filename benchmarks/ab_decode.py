@@ -110,6 +110,22 @@ def _set(
 FUSED_MERGE = _set(attention, "FUSED_MERGE_MAX_BYTES", 1 << 40)
 
 
+def _gemv_rule(name: str, value: object) -> Patch:
+    """`_set` of a switch that `gemv_config` reads: its cached launches are dropped on the
+    way in and out, so that neither the variant nor base keeps the other's."""
+
+    @contextlib.contextmanager
+    def patched() -> Iterator[None]:
+        affine_matmul.gemv_config.cache_clear()
+        try:
+            with mock.patch.object(affine_matmul, name, value):
+                yield
+        finally:
+            affine_matmul.gemv_config.cache_clear()
+
+    return patched
+
+
 def _prefill_attention_d512(config: prefill_attention.LaunchConfig) -> Patch:
     """Prefill attention tiles `config` at head dim 512 in bf16/fp16 (other shapes keep theirs)."""
     original = prefill_attention.default_config
@@ -192,6 +208,22 @@ def _unsplit_rows(rows: int, block_n: int) -> Patch:
         if n == rows and bits == 4:
             return affine_matmul.GemvConfig(block_n, 4, prefetch=True)
         return original(n, k, bits, group, multiprocessors)
+
+    return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
+
+
+def _unsplit_4bit(block_n: int, block_g: int) -> Patch:
+    """Every 4-bit launch `gemv_config` splits launched unsplit instead, `block_n` rows and
+    `block_g` groups a step, x in input order, no prefetching loop (the launches the gathered
+    experts' sweep found fastest at a few hundred programs). Unsplit, the dense gate/up stores
+    its GeGLU and o/down hand the norm a finished output: launches fewer."""
+    original = affine_matmul.gemv_config
+
+    def config(n: int, k: int, bits: int, group: int, multiprocessors: int = 132):
+        chosen = original(n, k, bits, group, multiprocessors)
+        if bits == 4 and chosen.split_k > 1:
+            return affine_matmul.GemvConfig(block_n, block_g)
+        return chosen
 
     return lambda: mock.patch.object(affine_matmul, "gemv_config", config)
 
@@ -343,6 +375,9 @@ VARIANTS: dict[str, Patch] = {
     # 2026-12-06 (third session): MoE decode's packed experts through the tile GEMV (the
     # default before), and the unrolled gathered gate/up storing the GeGLU.
     "gathered-tile": _set(affine_matmul, "GATHERED_UNROLLED", False),
+    "unsplit-n32-g16": _unsplit_4bit(32, 16),
+    "unsplit-n16-g16": _unsplit_4bit(16, 16),
+    "short-rows-split": _gemv_rule("UNSPLIT_SHORT_ROWS", False),  # the rule before
     # The unrolled gathered GEMV at `gemv_config`'s launch for the pairs' rows (before the
     # sweep that made `gathered_gemv_config`).
     "gathered-dense-launch": _set(

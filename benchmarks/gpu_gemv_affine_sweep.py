@@ -58,6 +58,15 @@ E4B_SHAPES = [
     (2560, 256, "E4B PLE projection"),
 ]
 
+# Gemma 4 26B-A4B's dense ones (`--shapes 26b`), a sliding layer's: q/k/v, o, the dense MLP's
+# gate/up and down; all split K under `gemv_config`.
+A26B_SHAPES = [
+    (8192, 2816, "26B qkv"),
+    (2816, 4096, "26B o"),
+    (4224, 2816, "26B gate/up"),
+    (2816, 2112, "26B down"),
+]
+
 
 def configs(
     k: int, bits: int, block_rows: tuple[int, ...] = (32, 64), unsplit_orders: bool = False
@@ -151,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bits", type=int, default=4, choices=am.KERNEL_BITS)
     parser.add_argument("--no-head", action="store_true", help="skip the 262144-row head")
-    parser.add_argument("--shapes", choices=("12b", "e4b"), default="12b")
+    parser.add_argument("--shapes", choices=("12b", "e4b", "26b"), default="12b")
     parser.add_argument("--only", help="comma-separated shape labels to sweep (e.g. '12B qkv')")
     parser.add_argument(
         "--rows", default="32,64", help="4-bit: rows a program, comma-separated (e.g. 8,16,32)"
@@ -161,7 +170,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     bits = args.bits
-    shapes = E4B_SHAPES if args.shapes == "e4b" else SHAPES[:-1] if args.no_head else SHAPES
+    shapes = {"e4b": E4B_SHAPES, "26b": A26B_SHAPES}.get(
+        args.shapes, SHAPES[:-1] if args.no_head else SHAPES
+    )
     if args.only:
         wanted = set(args.only.split(","))
         shapes = [shape for shape in shapes if shape[2] in wanted]
@@ -185,7 +196,8 @@ def main() -> None:
             del weight
         chosen = am.gemv_config(n, k, bits, GROUP, sms)
         timed = []
-        for config in configs(k, bits, block_rows, args.unsplit_orders):
+        swept = configs(k, bits, block_rows, args.unsplit_orders)
+        for config in swept + ([] if chosen in swept else [chosen]):  # the heuristic's too
             verdict = "-"
             if check is not None:
                 got = am.affine_gemv_triton(x, *weights[0], bits, GROUP, config)

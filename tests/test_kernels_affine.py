@@ -462,6 +462,35 @@ def test_gemv_heuristic_picks_the_measured_winners() -> None:
     assert am.gemv_config(1024, 512, 4, 64) == am.GemvConfig(64, 4, split_k=2, prefetch=True)
 
 
+# The H100 sweeps' winners (2026-12-06): 26B-A4B's dense 4-bit weights of few, short rows run
+# unsplit (benchmarks/results/gpu_gemv_affine_sweep_unsplit_26b_h100-2026-12-06.md), and its
+# gathered experts as `gathered_gemv_config` says (gpu_gathered_gemv_sweep_h100-2026-12-06.md).
+SHORT_ROWS_CONFIGS = {
+    (8192, 2816): am.GemvConfig(16, 16),  # q/k/v
+    (4224, 2816): am.GemvConfig(16, 16),  # gate/up
+    (2816, 2112): am.GemvConfig(16, 16),  # down
+}
+GATHERED_CONFIGS = {
+    (4, 2816): am.GemvConfig(32, 16),  # gate/up: 352 words a row, 128 a step
+    (4, 704): am.GemvConfig(16, 16),  # down: a row in one step
+    (8, 2816): am.GemvConfig(16, 8),
+    (8, 704): am.GemvConfig(32, 16),
+}
+
+
+def test_gemv_heuristics_pick_the_h100_winners(monkeypatch) -> None:
+    for (n, k), config in SHORT_ROWS_CONFIGS.items():
+        assert am.gemv_config(n, k, 4, 64, 132) == config, (n, k)
+    assert am.gemv_config(2816, 4096, 4, 64, 132).split_k == 2  # o: rows of 512 words split
+    assert am.gemv_config(256, 2560, 4, 64, 132).split_k > 1  # 16 programs: too few unsplit
+    for (bits, k), config in GATHERED_CONFIGS.items():
+        assert am.gathered_gemv_config(k, bits, 64) == config, (bits, k)
+    am.gemv_config.cache_clear()
+    monkeypatch.setattr(am, "UNSPLIT_SHORT_ROWS", False)
+    assert am.gemv_config(8192, 2816, 4, 64, 132) == am.GemvConfig(64, 4, split_k=4, prefetch=True)
+    am.gemv_config.cache_clear()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("scales_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dequantize_kernel_rounds_as_mlx(bits, scales_dtype) -> None:

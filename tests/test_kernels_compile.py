@@ -268,8 +268,8 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 x, *p, b, 64
             ),
         )
-    # The GEMV at each launch its heuristic picks for Gemma 3 12B's shapes, the tied head and
-    # small weights (splits 4 and 8), at M = 1 and 4, and at groups 32 / 128 (other steps). Small
+    # The GEMV at each launch its heuristic picks for Gemma 3 12B's shapes, the tied head,
+    # 26B-A4B's q/k/v and small weights (splits 4 and 8), at M = 1 and 4, and at groups 32 / 128 (other steps). Small
     # tensors stand in: what compiles differently is the launch, not the shape.
     for bits in affine_matmul.KERNEL_BITS:
         for group in (64, 32, 128):
@@ -510,6 +510,7 @@ GEMV_SHAPES = (
     (262144, 3840),
     (2048, 4096),
     (512, 4096),
+    (8192, 2816),  # 26B-A4B's q/k/v: few short rows, unsplit (UNSPLIT_SHORT_ROWS)
 )
 
 
