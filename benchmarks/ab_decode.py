@@ -377,7 +377,9 @@ VARIANTS: dict[str, Patch] = {
     "gathered-tile": _set(affine_matmul, "GATHERED_UNROLLED", False),
     "unsplit-n32-g16": _unsplit_4bit(32, 16),
     "unsplit-n16-g16": _unsplit_4bit(16, 16),
-    "short-rows-split": _gemv_rule("UNSPLIT_SHORT_ROWS", False),  # the rule before
+    # 4-bit weights of few short rows split as before (`UNSPLIT_SHORT_ROWS`); the A/B's
+    # variant `short-rows-480` took the rule from rows of 352 words to 480 (12B's q/k/v).
+    "short-rows-split": _gemv_rule("UNSPLIT_SHORT_ROWS", False),
     # The unrolled gathered GEMV at `gemv_config`'s launch for the pairs' rows (before the
     # sweep that made `gathered_gemv_config`).
     "gathered-dense-launch": _set(

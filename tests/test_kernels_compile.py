@@ -269,8 +269,9 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
             ),
         )
     # The GEMV at each launch its heuristic picks for Gemma 3 12B's shapes, the tied head,
-    # 26B-A4B's q/k/v and small weights (splits 4 and 8), at M = 1 and 4, and at groups 32 / 128 (other steps). Small
-    # tensors stand in: what compiles differently is the launch, not the shape.
+    # 26B-A4B's q/k/v and small weights (splits 4 and 8), at M = 1 and 4, and at groups 32 /
+    # 128 (other steps). Small tensors stand in: what compiles differently is the launch, not
+    # the shape.
     for bits in affine_matmul.KERNEL_BITS:
         for group in (64, 32, 128):
             shapes = GEMV_SHAPES if group == 64 else GEMV_SHAPES[:1]

@@ -97,12 +97,13 @@ GEMV_FOLDED_OFFSETS = True
 SPLIT_SUM_LAUNCH = True
 # Outputs a program of that launch adds: 12B's 3840 rows in 15 programs.
 SPLIT_SUM_BLOCK = 256
-# 4-bit weights of few rows whose rows are 129-352 words (K 1032-2816 at 4 bits), with a row
+# 4-bit weights of few rows whose rows are 129-511 words (K 1032-4088 at 4 bits), with a row
 # block of 16 for each SM at least, launch unsplit: 16 rows, 128-word steps, x in input order,
 # no prefetching loop, as the gathered experts do (`gathered_gemv_config`). 26B-A4B's dense
 # q/k/v, gate/up and down (gpu_gemv_affine_sweep_unsplit_26b_h100-2026-12-06.md: 8.5 µs
-# against 10.2 split 4 with its sum launch; 6.1 against 7.6); decode +1.3% on an H100
-# (ab_26b_4bit_unsplit_h100-2026-12-06.md, the variant `unsplit-n16-g16`). An A/B switch.
+# against 10.2 split 4 with its sum launch; 6.1 against 7.6), E4B's q/k/v and o, 12B's q/k/v.
+# Decode on an H100: 26B-A4B 4-bit +4.4%, E4B +1.4% (rows up to 352 words), 12B +2.2% (up to
+# 480: ab_*_4bit_short_rows*_h100-2026-12-06.md). An A/B switch.
 UNSPLIT_SHORT_ROWS = True
 # MoE decode's gathered experts through the unrolled GEMV (its loop, launches and codes-major
 # x, a third grid axis over the (token, slot) pairs) rather than the tile GEMV, whose
@@ -405,7 +406,7 @@ def gemv_config(
     row_words = k * bits // WORD_BITS
     long_rows = row_words >= 4 * 128  # two 128-word steps in each of two splits
     words_per_group = group * bits // WORD_BITS
-    short_rows = 128 < row_words <= 352 and _cdiv(n, 16) >= multiprocessors
+    short_rows = row_words > 128 and not long_rows and _cdiv(n, 16) >= multiprocessors
     if bits == 4 and not many_rows and short_rows and UNSPLIT_SHORT_ROWS:
         return GemvConfig(16, max(1, 128 // words_per_group))
     # (rows per program, packed words per step, first split, programs the splits aim for)
