@@ -105,9 +105,10 @@ SPLIT_SUM_BLOCK = 256
 # Decode on an H100: 26B-A4B 4-bit +4.4%, E4B +1.4% (rows up to 352 words), 12B +2.2% (up to
 # 480: ab_*_4bit_short_rows*_h100-2026-12-06.md). An A/B switch.
 UNSPLIT_SHORT_ROWS = True
-# MoE decode's gathered experts through the unrolled GEMV (its loop, launches and codes-major
-# x, a third grid axis over the (token, slot) pairs) rather than the tile GEMV, whose
-# generic loop read 26B-A4B's 4-bit experts at ~0.7 TB/s on an H100. False: the tile GEMV.
+# MoE decode's gathered experts through the unrolled GEMV (its loop, with a third grid axis
+# over the (token, slot) pairs; launches from `gathered_gemv_config`) rather than the tile
+# GEMV, whose generic loop read 26B-A4B's 4-bit experts at ~0.7 TB/s on an H100: 4-bit decode
+# +20.5% (ab_26b_4bit_gathered_launch_h100-2026-12-06.md). False: the tile GEMV.
 GATHERED_UNROLLED = True
 
 
@@ -744,13 +745,13 @@ if HAS_TRITON:
         pid_k = tl.program_id(1)
         if GATHER:
             wait_for_producer(PDL)  # the router wrote the ids
-            pair = tl.program_id(2)
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            slot_pair = tl.program_id(2)
+            expert = tl.load(ids_ptr + slot_pair).to(tl.int64)
             packed_ptr += expert * expert_words
             scales_ptr += expert * expert_groups
             biases_ptr += expert * expert_groups
-            x_ptr += (pair // x_rows_per_id).to(tl.int64) * stride_xm
-            out_ptr += pair.to(tl.int64) * stride_om
+            x_ptr += (slot_pair // x_rows_per_id).to(tl.int64) * stride_xm
+            out_ptr += slot_pair.to(tl.int64) * stride_om
         if GEGLU_OUT:
             r = tl.arange(0, BLOCK_N)
             pair = pid_n * (BLOCK_N // 2) + r // 2
@@ -1627,7 +1628,8 @@ if HAS_TRITON:
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         ids = expert_ids.reshape(-1).contiguous()
         x_rows_per_id = top_k if x.dim() == 2 else 1
-        if config is None and (GATHERED_UNROLLED or geglu_out or gemv is not None):
+        unrolled_fits = n * packed.shape[-1] < 2**31  # an expert's words: int32 offsets
+        if config is None and unrolled_fits and (GATHERED_UNROLLED or geglu_out or gemv):
             gemv = gemv or gathered_gemv_config(k, bits, group_size)
             if geglu_out and n % 2:
                 raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
