@@ -57,6 +57,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh split-sum-sweep   # the split launches swept again, A/B
 #   OUT=/tmp/out benchmarks/gpu_suite.sh split-norm        # 4-bit o/down partials summed by the norm
 #   OUT=/tmp/out benchmarks/gpu_suite.sh mlp-fusions       # 4-bit MLP: norm stores x's order, GeGLU stores
+#   OUT=/tmp/out benchmarks/gpu_suite.sh unrolled-experts  # MoE experts and short rows on the unrolled
+#                                                          # GEMV: checks, sweep, A/Bs, 4-bit benches
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -350,6 +352,15 @@ elif [ "$PART" = mlp-fusions ]; then  # 4-bit MLP launches fewer: norm order, Ge
 stage 150 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,mlp-fusions-off,gate-up-geglu-off,norm-order-off --check --name 12b_4bit_mlp_fusions
 stage 200 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,mlp-fusions-off,gate-up-geglu-off,norm-order-off --check --name e4b_4bit_mlp_fusions
 stage 150 ab-31b-4bit python benchmarks/ab_decode.py --models 31b --quant 4bit --variants base,mlp-fusions-off --check --name 31b_4bit_mlp_fusions
+elif [ "$PART" = unrolled-experts ]; then  # 2026-12-06 (third session), measured on an H100
+stage 150 experts python benchmarks/gpu_kernels_affine.py --experts
+stage 300 gathered-sweep python benchmarks/gpu_gathered_gemv_sweep.py
+stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,gathered-tile,short-rows-split --check --name 26b_4bit_unrolled_experts
+stage 120 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,short-rows-split --check --name 12b_4bit_short_rows
+stage 120 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,short-rows-split --check --name e4b_4bit_short_rows
+for m in gemma3-12b e4b 26b-a4b; do
+stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
+done
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes

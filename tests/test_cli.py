@@ -1,4 +1,6 @@
-"""The real `hearth` command in a subprocess: generation on the embedded model and bad input."""
+"""The real `hearth` command in a subprocess: generation on the embedded model and bad input.
+The long lists of bad options run `hearth.cli.main` in this process (the same parser and error
+path, without a Python start-up each); one of each list runs as the real command too."""
 
 from __future__ import annotations
 
@@ -20,6 +22,21 @@ def run(*args: str, stdin: str = "", timeout: float = 180) -> subprocess.Complet
     return subprocess.run(
         [*HEARTH, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def run_in_process(
+    capsys: pytest.CaptureFixture[str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    """`run`'s result from `hearth.cli.main` called here: its exit code (argparse's exit
+    included) and what it printed."""
+    from hearth.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
 
 
 def assert_usage_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -77,8 +94,12 @@ def test_chat_repl_answers_and_exits(embedded_gguf: Path) -> None:
         ([""], "empty"),
     ],
 )
-def test_bad_options_are_one_line_errors(args: list[str], needle: str) -> None:
-    assert_usage_error(run("generate", *args), needle)
+def test_bad_options_are_one_line_errors(args: list[str], needle: str, capsys) -> None:
+    assert_usage_error(run_in_process(capsys, "generate", *args), needle)
+
+
+def test_a_bad_option_of_the_real_command_is_a_one_line_error() -> None:
+    assert_usage_error(run("generate", "--max-tokens", "-3", PROMPT), "--max-tokens")
 
 
 def test_missing_model_path(tmp_path: Path) -> None:
@@ -136,8 +157,12 @@ def test_inspect_missing_model(tmp_path: Path) -> None:
         (["--port", "99999"], "--port"),
     ],
 )
-def test_bad_serve_options_are_one_line_errors(args: list[str], needle: str) -> None:
-    assert_usage_error(run("serve", *args), needle)
+def test_bad_serve_options_are_one_line_errors(args: list[str], needle: str, capsys) -> None:
+    assert_usage_error(run_in_process(capsys, "serve", *args), needle)
+
+
+def test_a_bad_serve_option_of_the_real_command_is_a_one_line_error() -> None:
+    assert_usage_error(run("serve", "--port", "99999"), "--port")
 
 
 def test_directory_without_config(tmp_path: Path) -> None:
