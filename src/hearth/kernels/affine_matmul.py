@@ -699,8 +699,6 @@ if HAS_TRITON:
         two23,
         ids_ptr,
         x_rows_per_id,
-        expert_words,
-        expert_groups,
         M: tl.constexpr,
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
@@ -737,7 +735,7 @@ if HAS_TRITON:
 
         With GATHER (M = 1, no K split, no PREFETCH_LINES) grid axis 2 is a (token, slot)
         pair r of MoE experts stacked ``[E, N, ...]``: the weight is expert ``ids[r]``
-        (`expert_words` words and `expert_groups` scales apart), x row ``r // x_rows_per_id``
+        (``N * row_words`` words and ``N * groups`` scales apart), x row ``r // x_rows_per_id``
         and out row r."""
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WPG: tl.constexpr = GROUP // CODES  # words per group
@@ -746,10 +744,10 @@ if HAS_TRITON:
         if GATHER:
             wait_for_producer(PDL)  # the router wrote the ids
             slot_pair = tl.program_id(2)
-            expert = tl.load(ids_ptr + slot_pair).to(tl.int64)
-            packed_ptr += expert * expert_words
-            scales_ptr += expert * expert_groups
-            biases_ptr += expert * expert_groups
+            expert_rows = tl.load(ids_ptr + slot_pair).to(tl.int64) * N
+            packed_ptr += expert_rows * row_words
+            scales_ptr += expert_rows * groups
+            biases_ptr += expert_rows * groups
             x_ptr += (slot_pair // x_rows_per_id).to(tl.int64) * stride_xm
             out_ptr += slot_pair.to(tl.int64) * stride_om
         if GEGLU_OUT:
@@ -1305,8 +1303,6 @@ if HAS_TRITON:
             TWO23_BITS,
             gather.ids if gather else out,  # unread without GATHER
             gather.x_rows_per_id if gather else 1,
-            n * row_words,
-            n * groups,
             M=m,
             BITS=bits,
             GROUP=group,
@@ -1624,8 +1620,7 @@ if HAS_TRITON:
         k = _check_operands(x, packed, scales, bits, group_size)
         n = packed.shape[-2]
         pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
-        rows = x.reshape(-1, x.shape[-1])
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        rows = _flat_rows(x)
         ids = expert_ids.reshape(-1).contiguous()
         x_rows_per_id = top_k if x.dim() == 2 else 1
         unrolled_fits = n * packed.shape[-1] < 2**31  # an expert's words: int32 offsets
