@@ -60,6 +60,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh unrolled-experts  # MoE experts and short rows on the unrolled
 #                                                          # GEMV: checks, sweep, A/Bs, 4-bit benches
 #   OUT=/tmp/out benchmarks/gpu_suite.sh bf16-geglu        # bf16 gate/up GEMV storing the GeGLU
+#   OUT=/tmp/out benchmarks/gpu_suite.sh embed4            # 4-bit token rows by one kernel: A/Bs
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -367,6 +368,10 @@ stage 150 geglu-out python benchmarks/gpu_gemv_geglu_out.py
 stage 170 ab-gemma4 python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,gate-up-geglu-off --rounds 3 --check --name gemma4_bf16_geglu_store
 stage 130 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,gate-up-geglu-off --rounds 3 --check --name 12b_bf16_geglu_store
 stage 140 ab-31b python benchmarks/ab_decode.py --models 31b --variants base,gate-up-geglu-off --rounds 3 --check --name 31b_bf16_geglu_store
+elif [ "$PART" = embed4 ]; then  # packed token tables' rows by one kernel: 4-bit A/Bs
+stage 150 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name e4b_4bit_embed_kernel
+stage 130 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 12b_4bit_embed_kernel
+stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 26b_4bit_embed_kernel
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes

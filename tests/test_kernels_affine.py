@@ -500,6 +500,22 @@ def test_gemv_heuristics_pick_the_h100_winners(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+def test_embedding_rows_dequantized_by_one_kernel(bits, group) -> None:
+    """A token table's rows (`affine_embed`: the dequantize kernel gathering rows, ids of any
+    shape, repeated and out of order) equal the torch reference's, the gathered rows
+    dequantized as mlx does, bit for bit (fp16 scales: the interpreter's bf16 truncates)."""
+    torch.manual_seed(bits + group)
+    packed, scales, biases = _quantized(50, 256, bits, group, torch.float16)
+    for ids in (torch.tensor([[7]]), torch.tensor([[3, 49, 3], [0, 21, 8]])):
+        want = am.affine_embed_reference(ids, packed, scales, biases, bits, group)
+        assert torch.equal(want, dequantize_affine(packed, scales, biases, bits, group)[ids])
+        for dtype in (torch.float16, torch.float32):
+            got = am.affine_dequantize_triton(packed, scales, biases, bits, group, dtype, ids)
+            assert got.shape == (*ids.shape, 256) and torch.equal(got, want.to(dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("scales_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dequantize_kernel_rounds_as_mlx(bits, scales_dtype) -> None:
     """Bit for bit: the prefill path is this weight and the same F.linear as the reference.

@@ -277,6 +277,12 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 x, *p, b, 64
             ),
         )
+        yield (
+            f"embedding rows b{bits} (the dequantize kernel gathering rows)",
+            lambda p=(packed, scales, biases), b=bits: affine_matmul.affine_dequantize_triton(
+                *p, b, 64, bf16, torch.tensor([[5]])
+            ),
+        )
     # The GEMV at each launch its heuristic picks for Gemma 3 12B's shapes, the tied head,
     # 26B-A4B's q/k/v and small weights (splits 4 and 8), at M = 1 and 4, and at groups 32 /
     # 128 (other steps). Small tensors stand in: what compiles differently is the launch, not

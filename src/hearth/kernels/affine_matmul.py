@@ -110,6 +110,9 @@ UNSPLIT_SHORT_ROWS = True
 # GEMV, whose generic loop read 26B-A4B's 4-bit experts at ~0.7 TB/s on an H100: 4-bit decode
 # +20.5% (ab_26b_4bit_gathered_launch_h100-2026-12-06.md). False: the tile GEMV.
 GATHERED_UNROLLED = True
+# A packed token table's rows (`affine_embed`) from the dequantize kernel gathering them: one
+# launch a table a step, not ~23 torch ops; bit-identical. An A/B switch.
+EMBED_KERNEL = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +177,31 @@ def affine_matmul_reference(
     return F.linear(
         x, mlx_affine.dequantize_affine(packed, scales, biases, bits, group_size).to(x.dtype)
     )
+
+
+def affine_embed_reference(
+    ids: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+) -> Tensor:
+    """Rows `ids` of an MLX-packed token table ``[*ids.shape, K]`` in the scales' dtype,
+    dequantizing only those rows."""
+    rows = packed.view(torch.int32)[ids].view(torch.uint32)  # CUDA has no uint32 gather
+    return mlx_affine.dequantize_affine(rows, scales[ids], biases[ids], bits, group_size)
+
+
+def affine_embed(
+    ids: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """`affine_embed_reference` cast to `dtype`; on CUDA at 4 and 8 bits one kernel, bit for
+    bit (eagerly the gathers, unpacking and roundings are ~23 launches a table a step)."""
+    if EMBED_KERNEL and kernel_enabled(packed) and bits in KERNEL_BITS:
+        return affine_dequantize_triton(packed, scales, biases, bits, group_size, dtype, ids)
+    return affine_embed_reference(ids, packed, scales, biases, bits, group_size).to(dtype)
 
 
 def _slot_rows(x: Tensor, expert_ids: Tensor) -> Tensor:
@@ -1050,27 +1078,36 @@ if HAS_TRITON:
         out_ptr,
         N,
         K,
+        rows_ptr,
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_G: tl.constexpr,
+        GATHER_ROWS: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         """W [N, K] in out's dtype, rounded as ``dequantize_affine``: ``q * scale`` and then
-        ``+ bias``, each rounded to the scales' dtype, then cast."""
+        ``+ bias``, each rounded to the scales' dtype, then cast. With GATHER_ROWS out row n
+        is W's row ``rows[n]`` (a token table's rows, `affine_embed`)."""
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
         MASK: tl.constexpr = (1 << BITS) - 1
+        wait_for_producer(PDL)  # the ids, when a decode step's sampling wrote them
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         groups = K // GROUP
         ok = (n < N)[:, None] & (g < groups)[None, :]
+        if GATHER_ROWS:
+            source = tl.load(rows_ptr + n, mask=n < N, other=0).to(tl.int64)
+        else:
+            source = n.to(tl.int64)
         word = g[:, None] * WORDS_PER_GROUP + tl.arange(0, WORDS_PER_GROUP)[None, :]
         words = tl.load(
-            packed_ptr + n.to(tl.int64)[:, None, None] * (K // CODES) + word[None, :, :],
+            packed_ptr + source[:, None, None] * (K // CODES) + word[None, :, :],
             mask=ok[:, :, None],
             other=0,
         )
-        group_at = n.to(tl.int64)[:, None] * groups + g[None, :]
+        group_at = source[:, None] * groups + g[None, :]
         scale = tl.load(scales_ptr + group_at, mask=ok, other=0)
         bias = tl.load(biases_ptr + group_at, mask=ok, other=0)
         shifts = tl.arange(0, CODES) * BITS
@@ -1553,12 +1590,19 @@ if HAS_TRITON:
         bits: int,
         group_size: int,
         dtype: torch.dtype,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        """``dequantize_affine(...).to(dtype)`` for a 2-D weight, in one kernel."""
-        n, k = packed.shape[0], packed.shape[1] * WORD_BITS // bits
+        """``dequantize_affine(...).to(dtype)`` for a 2-D weight, in one kernel; with `rows`
+        (int ids, any shape) only those rows, shaped ``[*rows.shape, K]``."""
+        k = packed.shape[1] * WORD_BITS // bits
+        ids = None if rows is None else rows.reshape(-1)
+        n = packed.shape[0] if ids is None else ids.numel()
         out = torch.empty(n, k, dtype=dtype, device=packed.device)
         block_n, block_g = 16, max(1, 128 // group_size)
+        if ids is not None:  # a token or a few: programs along the row, not across rows
+            block_n = min(block_n, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block_n), triton.cdiv(k // group_size, block_g))
+        pdl = pdl_options(out) if ids is not None else {}
         launch_kernel(
             _affine_dequantize_kernel,
             grid,
@@ -1568,13 +1612,16 @@ if HAS_TRITON:
             out,
             n,
             k,
+            packed if ids is None else ids,  # unread without GATHER_ROWS
             BITS=bits,
             GROUP=group_size,
             BLOCK_N=block_n,
             BLOCK_G=block_g,
+            GATHER_ROWS=ids is not None,
             num_warps=4,
+            **pdl,
         )
-        return out
+        return out if rows is None else out.view(*rows.shape, k)
 
     def affine_matmul_triton(
         x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int

@@ -250,12 +250,9 @@ class MLXQuantizedEmbedding(_PackedAffine):
 
     def embed(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows of ``ids``, dequantizing only those rows."""
-        # Gathered as int32 (same bits): CUDA has no uint32 index kernel.
-        packed = self.packed.view(torch.int32)[ids].view(torch.uint32)
-        rows = dequantize_affine(
-            packed, self.scales[ids], self.biases[ids], self.bits, self.group_size
+        return affine_kernels.affine_embed(
+            ids, self.packed, self.scales, self.biases, self.bits, self.group_size, dtype
         )
-        return rows.to(dtype)
 
     def head(self, x: Tensor) -> Tensor:
         return affine_kernels.affine_linear(
