@@ -61,6 +61,7 @@
 #                                                          # GEMV: checks, sweep, A/Bs, 4-bit benches
 #   OUT=/tmp/out benchmarks/gpu_suite.sh bf16-geglu        # bf16 gate/up GEMV storing the GeGLU
 #   OUT=/tmp/out benchmarks/gpu_suite.sh embed4            # 4-bit token rows by one kernel: A/Bs
+#   OUT=/tmp/out benchmarks/gpu_suite.sh fusions16         # the two above in one call (shorter)
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -368,6 +369,12 @@ stage 150 geglu-out python benchmarks/gpu_gemv_geglu_out.py
 stage 170 ab-gemma4 python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,gate-up-geglu-off --rounds 3 --check --name gemma4_bf16_geglu_store
 stage 130 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,gate-up-geglu-off --rounds 3 --check --name 12b_bf16_geglu_store
 stage 140 ab-31b python benchmarks/ab_decode.py --models 31b --variants base,gate-up-geglu-off --rounds 3 --check --name 31b_bf16_geglu_store
+elif [ "$PART" = fusions16 ]; then  # both of the above within one call: the checks, then the A/Bs
+stage 100 geglu-out python benchmarks/gpu_gemv_geglu_out.py
+stage 150 ab-gemma4 python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,gate-up-geglu-off --rounds 3 --check --name gemma4_bf16_geglu_store
+stage 110 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,gate-up-geglu-off --rounds 3 --check --name 12b_bf16_geglu_store
+stage 110 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name e4b_4bit_embed_kernel
+stage 100 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 12b_4bit_embed_kernel
 elif [ "$PART" = embed4 ]; then  # packed token tables' rows by one kernel: 4-bit A/Bs
 stage 150 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name e4b_4bit_embed_kernel
 stage 130 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 12b_4bit_embed_kernel
