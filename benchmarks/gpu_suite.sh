@@ -59,9 +59,7 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh mlp-fusions       # 4-bit MLP: norm stores x's order, GeGLU stores
 #   OUT=/tmp/out benchmarks/gpu_suite.sh unrolled-experts  # MoE experts and short rows on the unrolled
 #                                                          # GEMV: checks, sweep, A/Bs, 4-bit benches
-#   OUT=/tmp/out benchmarks/gpu_suite.sh bf16-geglu        # bf16 gate/up GEMV storing the GeGLU
 #   OUT=/tmp/out benchmarks/gpu_suite.sh embed4            # 4-bit token rows by one kernel: A/Bs
-#   OUT=/tmp/out benchmarks/gpu_suite.sh fusions16         # the two above in one call (shorter)
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -333,7 +331,7 @@ stage 90 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --context
 stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
 stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
 stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
-for m in gemma3-12b 26b-a4b e4b; do
+for m in gemma3-12b 26b-a4b; do
 stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
 elif [ "$PART" = split-sum ]; then  # 4-bit K-split partials added by their own launch: A/Bs
@@ -364,17 +362,6 @@ stage 120 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit -
 for m in gemma3-12b e4b 26b-a4b; do
 stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
-elif [ "$PART" = bf16-geglu ]; then  # the bf16 gate/up GEMV storing the GeGLU: checks, A/Bs
-stage 150 geglu-out python benchmarks/gpu_gemv_geglu_out.py
-stage 170 ab-gemma4 python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,gate-up-geglu-off --rounds 3 --check --name gemma4_bf16_geglu_store
-stage 130 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,gate-up-geglu-off --rounds 3 --check --name 12b_bf16_geglu_store
-stage 140 ab-31b python benchmarks/ab_decode.py --models 31b --variants base,gate-up-geglu-off --rounds 3 --check --name 31b_bf16_geglu_store
-elif [ "$PART" = fusions16 ]; then  # both of the above within one call: the checks, then the A/Bs
-stage 100 geglu-out python benchmarks/gpu_gemv_geglu_out.py
-stage 150 ab-gemma4 python benchmarks/ab_decode.py --models e4b,26b-a4b --variants base,gate-up-geglu-off --rounds 3 --check --name gemma4_bf16_geglu_store
-stage 110 ab-12b python benchmarks/ab_decode.py --models gemma3-12b --variants base,gate-up-geglu-off --rounds 3 --check --name 12b_bf16_geglu_store
-stage 110 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name e4b_4bit_embed_kernel
-stage 100 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 12b_4bit_embed_kernel
 elif [ "$PART" = embed4 ]; then  # packed token tables' rows by one kernel: 4-bit A/Bs
 stage 150 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name e4b_4bit_embed_kernel
 stage 130 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 12b_4bit_embed_kernel

@@ -223,15 +223,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         ),
     )
     yield (
-        "gemv of a stacked gate/up storing the GeGLU (E4B's pinned launch)",
-        lambda: gemv.gemv_triton(
-            torch.randn(1, 2560, dtype=bf16),
-            torch.randn(64, 2560, dtype=bf16),
-            config=gemv.GEMV_LAUNCHES[(20480, 2560)],
-            geglu_out=True,
-        ),
-    )
-    yield (
         "gemv geglu of a separate up",
         lambda: gemv.gemv_triton(
             x,

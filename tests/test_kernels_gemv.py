@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hearth.kernels import gemv as gemv_module
-from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
+from hearth.kernels.activation import gelu_tanh_mul_reference
 
 pytestmark = [
     pytest.mark.skipif(not gemv_module.HAS_TRITON, reason="needs triton (its interpreter)"),
@@ -111,38 +111,6 @@ def test_gemv_of_an_add_norm_input(dtype: torch.dtype, split: int) -> None:
     assert torch.equal(
         gemv_module.gemv_add_norm(x, weight, residual, norm_weight, 1e-6)[1], expected
     )
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_gemv_stores_the_geglu_of_a_stacked_gate_up(rows: int) -> None:
-    """With `geglu_out` an unsplit GEMV over a stacked gate/up weight [2I, K] pairs gate row i
-    with up row I + i in its programs and stores gelu_tanh(gate) · up: bit for bit the plain
-    GEMV (the same per-row sums) then the GeGLU kernel (both round the dots, then the GeGLU,
-    as `activation.geglu` does). I = 21 pairs leave a partial last block; K = 200 a ragged
-    last step. A K-split launch is refused; off the GPU the model's entry point declines."""
-    generator = torch.Generator().manual_seed(60 + rows)
-    pairs, k = 21, 200
-    weight = (torch.randn(2 * pairs, k, generator=generator) * 0.1).to(torch.float16)
-    x = torch.randn(rows, 1, k, generator=generator).to(torch.float16)
-    for stages in (1, 3):
-        config = {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 1, "LOOP_STAGES": stages}
-        got = gemv_module.gemv_triton(x, weight, config=config, geglu_out=True)
-        want = gelu_tanh_mul_triton(gemv_module.gemv_triton(x, weight, config=config))
-        assert got.shape == (rows, 1, pairs) and torch.equal(got, want), stages
-    with pytest.raises(ValueError, match="K split"):
-        split = {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2}
-        gemv_module.gemv_triton(x, weight, config=split, geglu_out=True)
-    assert gemv_module.gemv_geglu_out(x, weight) is None
-
-
-def test_geglu_out_launches_are_unsplit_pairs_of_rows() -> None:
-    """Every shape that takes the GeGLU store has an unsplit launch of whole gate/up pairs
-    (one row only: speculative rows keep the plain GEMV), the 12B and 31B gate/up among them."""
-    for n, k in [(30720, 3840), (43008, 5376), (20480, 2560), (4224, 2816)]:
-        launch = gemv_module.geglu_out_launch(1, n, k)
-        assert launch is not None and launch["SPLIT_K"] == 1 and launch["BLOCK_N"] % 2 == 0
-        assert gemv_module.geglu_out_launch(2, n, k) is None
-    assert gemv_module.geglu_out_launch(1, 8192, 3840) is None  # 12B qkv: cuBLAS's
 
 
 def test_gemv_keeps_leading_dims_and_runs_again_after_a_split() -> None:

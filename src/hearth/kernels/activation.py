@@ -46,16 +46,6 @@ if HAS_TRITON:
         return (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
     @triton.jit
-    def store_geglu_pairs(out_row, values, first, N, BLOCK_N: tl.constexpr):
-        """Store gelu_tanh(gate) * up [BLOCK_N / 2] at columns ``first + c`` of `out_row`,
-        from a GEMV's dots `values` [BLOCK_N] of gate and up rows in turn: each dot rounded as
-        stored, then as `gelu_tanh_mul` rounds, so the result equals the plain GEMV then the
-        GeGLU kernel bit for bit."""
-        gate, up = tl.split(tl.reshape(values.to(out_row.dtype.element_ty), [BLOCK_N // 2, 2]))
-        c = first + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_row + c, geglu(gate, up), mask=c < N)
-
-    @triton.jit
     def _gelu_tanh_mul_kernel(
         gate_ptr,
         up_ptr,

@@ -504,13 +504,23 @@ if HAS_TRITON:
     import triton.language as tl
 
     from hearth.kernels import prefetch_row_lines, prefetch_to_l2, wait_for_producer
-    from hearth.kernels.activation import store_geglu_pairs
+    from hearth.kernels.activation import geglu
 
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
     _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
     # The float 2**23 as int32 bits, passed to the GEMV at run time: were the exponent a
     # constant, ptxas would need two LOP3s (one immediate operand each) for the AND and the OR.
     TWO23_BITS = 150 << 23
+
+    @triton.jit
+    def _store_geglu_pairs(out_row, values, first, N, BLOCK_N: tl.constexpr):
+        """Store gelu_tanh(gate) * up [BLOCK_N / 2] at columns ``first + c`` of `out_row`,
+        from the dots `values` [BLOCK_N] of gate and up rows in turn: each dot rounded as
+        stored, then as `activation.gelu_tanh_mul` rounds, so the result equals the plain
+        GEMV then the GeGLU kernel bit for bit."""
+        gate, up = tl.split(tl.reshape(values.to(out_row.dtype.element_ty), [BLOCK_N // 2, 2]))
+        c = first + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_row + c, geglu(gate, up), mask=c < N)
 
     @triton.jit
     def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):
@@ -739,7 +749,7 @@ if HAS_TRITON:
         With GEGLU_OUT (no K split) the
         weight is a stacked gate/up ``[2 * I, K]``: a program's rows are gate and up rows in
         turn, ``pid_n * BLOCK_N / 2 + r // 2`` of gate (r even) or of up (r odd), and it
-        stores ``geglu(gate, up)`` into out ``[M, I]`` (`store_geglu_pairs`).
+        stores ``geglu(gate, up)`` into out ``[M, I]`` (`_store_geglu_pairs`).
 
         `row_words` and `groups` (K / codes per word, K / GROUP) are passed, not derived, so
         Triton sees the row strides' divisibility and loads 16 bytes at a time. Split s owns
@@ -844,15 +854,17 @@ if HAS_TRITON:
 
         if GEGLU_OUT:
             first = pid_n * (BLOCK_N // 2)
-            store_geglu_pairs(out_ptr, tl.sum(acc0, axis=1), first, N // 2, BLOCK_N)
+            _store_geglu_pairs(out_ptr, tl.sum(acc0, axis=1), first, N // 2, BLOCK_N)
             if M > 1:
-                store_geglu_pairs(out_ptr + stride_om, tl.sum(acc1, axis=1), first, N // 2, BLOCK_N)
+                _store_geglu_pairs(
+                    out_ptr + stride_om, tl.sum(acc1, axis=1), first, N // 2, BLOCK_N
+                )
             if M > 2:
-                store_geglu_pairs(
+                _store_geglu_pairs(
                     out_ptr + 2 * stride_om, tl.sum(acc2, axis=1), first, N // 2, BLOCK_N
                 )
             if M > 3:
-                store_geglu_pairs(
+                _store_geglu_pairs(
                     out_ptr + 3 * stride_om, tl.sum(acc3, axis=1), first, N // 2, BLOCK_N
                 )
         elif SPLIT_K == 1:
@@ -1144,7 +1156,7 @@ if HAS_TRITON:
         """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
         With GEGLU_OUT the experts are stacked gate/up [E, 2N, K] and out[r] is
         gelu_tanh(gate) * up [N]: a program's rows alternate gate row c and up row c
-        (`store_geglu_pairs`).
+        (`_store_geglu_pairs`).
         PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
         the wait (`hearth.kernels.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
         final when the router ran two launches back, else a guess that can only cost time
@@ -1179,7 +1191,7 @@ if HAS_TRITON:
         out = tl.sum(acc, axis=1)
         out_row = out_ptr + pid_r.to(tl.int64) * stride_om
         if GEGLU_OUT:
-            store_geglu_pairs(out_row, out, tl.program_id(1) * (BLOCK_N // 2), N, BLOCK_N)
+            _store_geglu_pairs(out_row, out, tl.program_id(1) * (BLOCK_N // 2), N, BLOCK_N)
         else:
             tl.store(out_row + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 

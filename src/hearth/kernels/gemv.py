@@ -145,36 +145,6 @@ def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = Non
     return cpu_linear(gelu_tanh_mul(x, up) if geglu else x, weight)  # F.linear off the CPU
 
 
-# Stacked gate/up weights that cuBLAS reads as fast as the GEMV (so not in GEMV_LAUNCHES), taken
-# by the GEMV where it stores the GeGLU itself (`gemv_geglu_out`), one launch fewer a layer:
-# the fastest unsplit launch of the wide sweep (results/gpu_gemv_bf16_sweep_wide-2026-12-05.md,
-# H200: 12B 56.4 µs against cuBLAS's 57.5, 31B 105.3 against 105.9).
-GEGLU_OUT_LAUNCHES: dict[tuple[int, int], dict[str, int]] = {
-    (30720, 3840): _unsplit_launch(8, 1024, 3),  # 12B gate/up
-    (43008, 5376): _unsplit_launch(8, 512, 4),  # 31B gate/up
-}
-
-
-def geglu_out_launch(rows: int, n: int, k: int) -> dict[str, int] | None:
-    """The launch for a stacked [n, k] gate/up weight whose GEMV stores the GeGLU: pinned for
-    one row, without a K split, an even number of rows a program (gate and up in turn)."""
-    launch = pinned_launch(rows, n, k) or (GEGLU_OUT_LAUNCHES.get((n, k)) if rows == 1 else None)
-    if launch is None or launch["SPLIT_K"] != 1 or launch["BLOCK_N"] % 2 or n % 2:
-        return None
-    return launch
-
-
-def gemv_geglu_out(x: Tensor, weight: Tensor) -> Tensor | None:
-    """``gelu_tanh_mul(x @ weight.T)`` of a stacked gate/up weight [2I, K], stored by one GEMV
-    launch on CUDA where `geglu_out_launch` has one for the shape (the GeGLU launch after it
-    goes, the same bits); None elsewhere."""
-    rows = x.numel() // x.shape[-1]
-    if not (kernel_enabled(x) and weight.dtype == x.dtype):
-        return None
-    launch = geglu_out_launch(rows, *weight.shape)
-    return None if launch is None else gemv_triton(x, weight, config=launch, geglu_out=True)
-
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -210,7 +180,6 @@ if HAS_TRITON:
         PREFETCH_LINES: tl.constexpr = 0,
         ADD_NORM: tl.constexpr = False,
         ROW_BLOCK: tl.constexpr = 16,
-        GEGLU_OUT: tl.constexpr = False,
     ):
         """out[m, n] = sum_k x'[m, k] w[n, k]; grid (blocks of N, slices of K). With GEGLU
         x' is gelu_tanh(x) * up (up_ptr: x_ptr + K for a stacked gate/up). With ADD_NORM x'
@@ -219,20 +188,11 @@ if HAS_TRITON:
         first row block stores x' at summed_ptr. LOOP_STAGES > 1 software-pipelines the K
         loop (loads of later steps in flight during this one's FMAs).
         PREFETCH_LINES > 0 asks L2 for that many lines of each weight row's slice before the
-        wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`).
-        With GEGLU_OUT (no K split) w is a stacked gate/up ``[2 * I, K]``: a program's rows
-        are gate and up rows in turn (row r: ``pid_n * BLOCK_N / 2 + r // 2`` of gate for r
-        even, of up for r odd), and it stores ``geglu(gate, up)`` into out ``[M, I]``."""
+        wait for the previous kernel (`hearth.kernels.PREFETCH_LINES`)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if GEGLU_OUT:
-            r = tl.arange(0, BLOCK_N)
-            pair = pid_n * (BLOCK_N // 2) + r // 2
-            n = pair + (r % 2) * (N // 2)
-            n_ok = pair < N // 2
-        else:
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < N
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         # Whole BLOCK_K steps per slice; the trip count is a constexpr (K is one) because
         # Triton's interpreter cannot loop to runtime bounds.
@@ -279,13 +239,7 @@ if HAS_TRITON:
 
         out_at = m[:, None] * stride_om + n[None, :]
         out_ok = m_ok[:, None] & n_ok[None, :]
-        if GEGLU_OUT:  # each dot rounded as stored, then as `gelu_tanh_mul` rounds
-            values = result.to(out_ptr.dtype.element_ty)
-            gate, up = tl.split(tl.reshape(values, [BLOCK_M, BLOCK_N // 2, 2]))
-            c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            geglu_ok = m_ok[:, None] & (c < N // 2)[None, :]
-            tl.store(out_ptr + m[:, None] * stride_om + c[None, :], geglu(gate, up), mask=geglu_ok)
-        elif SPLIT_K == 1:
+        if SPLIT_K == 1:
             tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
         else:
             # Partials [SPLIT_K, M, N] fp32; the last slice to finish sums them in order.
@@ -351,12 +305,10 @@ if HAS_TRITON:
         config: dict | None = None,
         up: Tensor | None = None,
         add_norm: AddNorm | None = None,
-        geglu_out: bool = False,
     ) -> Tensor:
         """``gemv_reference`` in one launch; `config` pins the tiles (tests, the interpreter).
         With `add_norm` x is first `add_norm.summed(x)` (see `gemv_add_norm`), which this
-        launch also stores in `add_norm.out`. With `geglu_out` (a launch without a K split)
-        it stores ``gelu_tanh_mul`` of the stacked gate/up output (`gemv_geglu_out`)."""
+        launch also stores in `add_norm.out`."""
         k = weight.shape[-1]
         width = 2 * k if geglu and up is None else k
         if x.shape[-1] != width:
@@ -369,12 +321,6 @@ if HAS_TRITON:
             up = add_norm.residual
             if up.shape != x.shape or add_norm.weight.shape != (k,):
                 raise ValueError(f"the add-norm residual and weight must match x {x.shape}")
-        if geglu_out:
-            if geglu or add_norm is not None or weight.shape[0] % 2:
-                raise ValueError("a GeGLU output takes a plain x and an even gate/up stack")
-            launch = config or (DEFAULT_CONFIG if not x.is_cuda else {})
-            if launch.get("SPLIT_K", 0) != 1:
-                raise ValueError("a GeGLU output takes a pinned launch without a K split")
         rows = x.reshape(-1, width)
         if rows.shape[0] > GEMV_MAX_ROWS:
             raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_ROWS} rows")
@@ -386,7 +332,7 @@ if HAS_TRITON:
             up_rows = up_rows if up_rows.stride(-1) == 1 else up_rows.contiguous()
         weight = weight if weight.stride(-1) == 1 else weight.contiguous()
         m, n = rows.shape[0], weight.shape[0]
-        out = torch.empty(m, n // 2 if geglu_out else n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         interpreted = not x.is_cuda
         if config is None and not interpreted:
             config = pinned_launch(m, n, k)
@@ -411,8 +357,6 @@ if HAS_TRITON:
         constants |= pdl | {"PREFETCH_LINES": prefetch_lines(pdl)}
         if add_norm is not None:
             constants |= {"ADD_NORM": True, "ROW_BLOCK": triton.next_power_of_2(k)}
-        if geglu_out:
-            constants |= {"GEGLU_OUT": True}
 
         def grid(meta: dict) -> tuple[int, int]:
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
@@ -422,4 +366,4 @@ if HAS_TRITON:
         else:
             chosen = config or DEFAULT_CONFIG
             launch_kernel(_gemv_kernel, grid(chosen), *args, **constants, **chosen)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.view(*x.shape[:-1], n)

@@ -19,7 +19,7 @@ from hearth.kernels.activation import gelu_tanh_mul
 from hearth.kernels.affine_matmul import CodesMajor
 from hearth.kernels.decode_attention import decode_attention as decode_attention_kernel
 from hearth.kernels.decode_attention import formats_of
-from hearth.kernels.gemv import gemv, gemv_geglu_out, has_pinned_launch
+from hearth.kernels.gemv import gemv, has_pinned_launch
 from hearth.kernels.norm import Partials, add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
 from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
@@ -94,10 +94,8 @@ SPLITS_TO_NORM = True
 # The pre-feed-forward add-norm stores its output codes-major where the 4-bit gate/up GEMV
 # after it reads x so (`CodesMajor`), so that GEMV's own x reorder launch goes. An A/B switch.
 NORM_STORES_CODES_MAJOR = True
-# A gate/up GEMV without a K split stores gelu_tanh(gate) · up itself (its programs pair gate
-# and up rows), so the GeGLU launch goes: a 4-bit weight's, bit-identical, and a bf16 weight's
-# at the shapes `gemv.geglu_out_launch` pins (E4B's and 26B-A4B's, bit-identical; 12B's and
-# 31B's, on cuBLAS otherwise). An A/B switch.
+# A 4-bit gate/up GEMV without a K split stores gelu_tanh(gate) · up itself (its programs
+# pair gate and up rows), so the GeGLU launch goes; the same bits. An A/B switch.
 GATE_UP_STORES_GEGLU = True
 
 
@@ -388,18 +386,10 @@ class MLP(nn.Module):
     def _hidden(self, x: torch.Tensor | CodesMajor) -> tuple[torch.Tensor, bool]:
         """gate/up's output, and whether the GeGLU is still to be applied: a packed gate/up
         whose GEMV stores gelu_tanh(gate) · up itself (GATE_UP_STORES_GEGLU) has applied it."""
-        if GATE_UP_STORES_GEGLU and (hidden := _geglu_out(self.gate_up_proj.proj, x)) is not None:
+        stores = getattr(self.gate_up_proj.proj, "geglu_out", None)
+        if GATE_UP_STORES_GEGLU and stores is not None and (hidden := stores(x)) is not None:
             return hidden, False
         return project(self.gate_up_proj.proj, x, prefer_cublas=True), True
-
-
-def _geglu_out(linear: nn.Module, x: torch.Tensor | CodesMajor) -> torch.Tensor | None:
-    """gelu_tanh_mul of a stacked gate/up projection, stored by its GPU GEMV (a packed
-    weight's, or a float weight's at a shape `gemv.geglu_out_launch` knows); else None."""
-    if is_float_linear(linear):
-        return None if isinstance(x, CodesMajor) else gemv_geglu_out(x, linear.weight)
-    stores = getattr(linear, "geglu_out", None)
-    return None if stores is None else stores(x)
 
 
 class DecoderLayer(nn.Module):
