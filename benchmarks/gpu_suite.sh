@@ -331,7 +331,7 @@ stage 90 bench-12b python -m hearth.cli bench --random gemma3-12b --hf --context
 stage 80 bench-e4b python -m hearth.cli bench --random e4b --hf --contexts 512 --prefill 512,4096 --out "$OUT/bench-e4b.md"
 stage 60 bench-26b python -m hearth.cli bench --random 26b-a4b --contexts 512 --prefill 4096 --out "$OUT/bench-26b-a4b.md"
 stage 90 bench-31b python -m hearth.cli bench --random 31b --contexts 512 --prefill 4096 --out "$OUT/bench-31b.md"
-for m in gemma3-12b 26b-a4b; do
+for m in gemma3-12b 26b-a4b e4b; do
 stage 70 bench-$m-4bit python -m hearth.cli bench --random $m --quant 4bit --contexts 512 --prefill 4096 --out "$OUT/bench-$m-4bit.md"
 done
 elif [ "$PART" = split-sum ]; then  # 4-bit K-split partials added by their own launch: A/Bs
