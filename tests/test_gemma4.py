@@ -161,6 +161,15 @@ def test_greedy_generation_follows_hf_argmax(checkpoints: Checkpoints) -> None:
     assert produced == reference[0, PROMPT - 1 : -1].argmax(dim=-1).tolist()
 
 
+def test_generation_refuses_prompt_ids_outside_the_vocabulary(checkpoints: Checkpoints) -> None:
+    """The GPU's embedding kernels read a table's rows unchecked, so ids are checked first."""
+    model = _hearth(checkpoints("ple_sharing_double_wide")[1])
+    sampler = Sampler(SamplingParams(), device=model.device)
+    for bad in (model.config.vocab_size, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+            next(generate_tokens(model, [1, bad, 2], sampler, 4, GenerationStats()))
+
+
 @pytest.mark.parametrize("name", ["kv_sharing", "k_eq_v_moe"])
 def test_bf16_runs_close_to_fp32(checkpoints: Checkpoints, name: str) -> None:
     """bf16 keeps 8 bits of mantissa: logits within 5% of the fp32 logit range.

@@ -197,6 +197,10 @@ def generate_tokens(
     """
     if not 0 <= cached_tokens < len(prompt_ids):
         raise ValueError(f"cached_tokens {cached_tokens} must leave a prompt token to prefill")
+    vocab = model.config.vocab_size
+    if (bad := next((i for i in prompt_ids if not 0 <= i < vocab), None)) is not None:
+        # Checked here: the GPU's embedding kernels read rows unchecked.
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary of {vocab}")
     device = model.device
     history = list(prompt_ids)
     prompt = torch.tensor([history[cached_tokens:]], dtype=torch.long, device=device)
