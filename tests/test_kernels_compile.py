@@ -252,6 +252,10 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 qkv, 4, 2, 64, weight[:64], weight[:64], cos, sin, 1e-6, mode
             ),
         )
+    yield (
+        "rotary tables",
+        lambda: rope.rotary_tables_triton(torch.arange(3) + 5, torch.rand(128), bf16),
+    )
     buffers = [torch.zeros(1, 2, 16, 64, dtype=bf16) for _ in range(2)]
     positions = torch.full((16,), EMPTY_POSITION)
     counter = torch.zeros((), dtype=torch.long)

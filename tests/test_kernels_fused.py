@@ -29,6 +29,8 @@ from hearth.kernels.rope import (
     ValueMode,
     norm_rope_reference,
     norm_rope_triton,
+    rotary_tables_reference,
+    rotary_tables_triton,
 )
 from hearth.kernels.router import (
     route_reference,
@@ -196,6 +198,28 @@ def test_norm_rope(mode: ValueMode, dtype: torch.dtype) -> None:
     radius = torch.hypot(sin[:, : dim // 2].double(), cos[:, : dim // 2].double())
     oracle = oracle_rope(normed, exact_angles) * torch.cat([radius, radius], -1)[:, None, :]
     close(expected[0], oracle, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_tables(dtype: torch.dtype) -> None:
+    """cos/sin tables of a chunk's positions (Gemma 4's proportional inverse frequencies: the
+    unrotated pairs' zeros give cos 1, sin 0). Oracle: the torch reference. The interpreter
+    takes numpy's fp32 cos/sin, which may differ from torch's CPU ones by an fp32 ulp (on the
+    GPU both are the same functions: benchmarks/gpu_trig_bits.py), so fp32 tables are held to
+    one ulp of |value| (+ 2^-24 near zero) and fp16 ones to an fp16 ulp (a rounding that may
+    land either side)."""
+    positions = torch.tensor([0, 1, 7, 1000, 4095, 131071])
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, 64, 2).float() / 64)
+    inv_freq[24:] = 0.0
+    want = rotary_tables_reference(positions, inv_freq, dtype)
+    got = rotary_tables_triton(positions, inv_freq, dtype)
+    ulp = torch.finfo(dtype).eps
+    for table, expected in zip(got, want, strict=True):
+        assert table.shape == expected.shape == (6, 1, 64) and table.dtype == dtype
+        bound = ulp * expected.float().abs() + 2.0**-24
+        assert ((table.float() - expected.float()).abs() <= bound).all()
+    assert torch.equal(got[0][..., 24:32], torch.ones(6, 1, 8, dtype=dtype))
+    assert torch.equal(got[1][..., 24:32], torch.zeros(6, 1, 8, dtype=dtype))
 
 
 @pytest.mark.parametrize("capacity, position", [(8, 3), (8, 13)])  # in order; wrapped ring

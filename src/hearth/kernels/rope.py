@@ -280,3 +280,68 @@ def norm_rope(
         qkv, q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, eps, value_mode,
         cache_write,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE tables: cos and sin of a chunk's positions. Eagerly each table kind is seven launches a
+# decode step (the cast, the product, the concatenation, cos, sin, two casts), none of them
+# PDL; Gemma 4 has two kinds. Here it is one launch a kind. torch's cos/sin and Triton's are
+# the same fp32 functions on the GPU (0 of 7.2 million RoPE angles differ,
+# benchmarks/gpu_trig_bits.py), so the tables are bit-identical. An A/B switch.
+ROTARY_KERNEL = True
+
+
+def rotary_tables_reference(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, 2·F] of angles ``position · inv_freq`` repeated over both halves (NeoX
+    layout), computed in fp32 and cast to `dtype`."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotary_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_tables_reference`, one kernel on CUDA."""
+    if ROTARY_KERNEL and kernel_enabled(positions):
+        return rotary_tables_triton(positions, inv_freq, dtype)
+    return rotary_tables_reference(positions, inv_freq, dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rotary_tables_kernel(
+        positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr,
+        FREQS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """Row t of cos and sin: ``cos(p_t · f_j)`` at columns j and FREQS + j."""
+        wait_for_producer(PDL)  # the positions: `start` + an arange, from the step's launches
+        token = tl.program_id(0)
+        j = tl.arange(0, BLOCK)
+        ok = j < FREQS
+        angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(
+            inv_freq_ptr + j, mask=ok, other=0.0
+        )
+        row = token.to(tl.int64) * (2 * FREQS) + j
+        cos = tl.cos(angle).to(cos_ptr.dtype.element_ty)
+        sin = tl.sin(angle).to(sin_ptr.dtype.element_ty)
+        tl.store(cos_ptr + row, cos, mask=ok)
+        tl.store(cos_ptr + row + FREQS, cos, mask=ok)
+        tl.store(sin_ptr + row, sin, mask=ok)
+        tl.store(sin_ptr + row + FREQS, sin, mask=ok)
+
+    def rotary_tables_triton(
+        positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, freqs = positions.numel(), inv_freq.numel()
+        cos = torch.empty(tokens, 1, 2 * freqs, dtype=dtype, device=positions.device)
+        sin = torch.empty_like(cos)
+        launch_kernel(_rotary_tables_kernel, (tokens,),
+            positions.reshape(-1), inv_freq.float(), cos, sin,
+            FREQS=freqs, BLOCK=triton.next_power_of_2(freqs), num_warps=1,
+            **pdl_options(positions),
+        )  # fmt: skip
+        return cos, sin

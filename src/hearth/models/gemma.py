@@ -22,7 +22,7 @@ from hearth.kernels.decode_attention import formats_of
 from hearth.kernels.gemv import gemv, has_pinned_launch
 from hearth.kernels.norm import Partials, add_rms_norm, rms_norm
 from hearth.kernels.prefill_attention import prefill_attention
-from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope
+from hearth.kernels.rope import CacheWrite, ValueMode, norm_rope, rotary_tables
 from hearth.kv.cache import DENSE, KVView, LayerCache
 from hearth.kv.static import StaticCache
 from hearth.models import gemma_native
@@ -152,9 +152,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin as [tokens, 1, head_dim] (activations are [batch, tokens, heads, dim])."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rotary_tables(positions, self.inv_freq, dtype)
 
 
 def attention_mask(
