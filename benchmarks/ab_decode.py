@@ -395,8 +395,8 @@ VARIANTS: dict[str, Patch] = {
     # 2026-12-06 (fourth session): a packed token table's rows through torch's ops (the
     # default before: ~23 launches a table a step) rather than one dequantize launch.
     "embed-torch": _set(affine_matmul, "EMBED_KERNEL", False),
-    # RoPE's cos/sin tables from torch's seven launches a kind (the default before).
-    "rotary-torch": _set(rope, "ROTARY_KERNEL", False),
+    # RoPE's cos/sin tables by one kernel a kind, not torch's seven launches (the default).
+    "rotary-kernel": _set(rope, "ROTARY_KERNEL", True),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "prefill-fusions-off": _stacked(
