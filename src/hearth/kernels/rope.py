@@ -285,7 +285,7 @@ def norm_rope(
 # ---------------------------------------------------------------------------------------------
 # RoPE tables: cos and sin of a chunk's positions. Eagerly each table kind is seven launches a
 # decode step (the cast, the product, the concatenation, cos, sin, two casts), none of them
-# PDL; Gemma and Gemma 4 have two kinds. Here it is one launch a kind. torch's cos/sin and
+# PDL; Gemma 3 and Gemma 4 have two kinds. Here it is one launch a kind. torch's cos/sin and
 # Triton's are the same fp32 functions on the GPU (0 of 7.2 million RoPE angles differ on an
 # H100, benchmarks/gpu_trig_bits.py). Off until an A/B on a GPU (variant `rotary-kernel`)
 # has timed it and checked its tables: no GPU could be started after it was written.
