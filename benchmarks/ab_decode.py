@@ -395,8 +395,9 @@ VARIANTS: dict[str, Patch] = {
     # 2026-12-06 (fourth session): a packed token table's rows through torch's ops (the
     # default before: ~23 launches a table a step) rather than one dequantize launch.
     "embed-torch": _set(affine_matmul, "EMBED_KERNEL", False),
-    # RoPE's cos/sin tables by one kernel a kind, not torch's seven launches (the default).
-    "rotary-kernel": _set(rope, "ROTARY_KERNEL", True),
+    # RoPE's cos/sin tables by torch's seven launches a kind, not one kernel (the default
+    # since its 2026-12-06 A/B as `rotary-kernel`: +0.2 to +1.1% on an H100).
+    "rotary-torch": _set(rope, "ROTARY_KERNEL", False),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "prefill-fusions-off": _stacked(

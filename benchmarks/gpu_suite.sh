@@ -367,11 +367,11 @@ elif [ "$PART" = embed4 ]; then  # packed token tables' rows by one kernel: 4-bi
 stage 150 ab-e4b-4bit python benchmarks/ab_decode.py --models e4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name e4b_4bit_embed_kernel
 stage 130 ab-12b-4bit python benchmarks/ab_decode.py --models gemma3-12b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 12b_4bit_embed_kernel
 stage 150 ab-26b-4bit python benchmarks/ab_decode.py --models 26b-a4b --quant 4bit --variants base,embed-torch --rounds 3 --check --name 26b_4bit_embed_kernel
-elif [ "$PART" = rotary ]; then  # RoPE tables by one kernel: GPU bits, A/Bs, GPU tests
+elif [ "$PART" = rotary ]; then  # RoPE tables by one kernel (on since this ran, 2026-12-06): bits, A/Bs, GPU tests
 stage 30 trig-bits python benchmarks/gpu_trig_bits.py
 for spec in "e4b 4bit" "gemma3-12b 4bit" "26b-a4b 4bit" "e4b bf16" "gemma3-12b bf16"; do
 set -- $spec
-stage 90 ab-$1-$2 python benchmarks/ab_decode.py --models $1 --quant $2 --variants base,rotary-kernel --rounds 3 --check --name ${1}_$2_rotary_kernel
+stage 90 ab-$1-$2 python benchmarks/ab_decode.py --models $1 --quant $2 --variants base,rotary-torch --rounds 3 --check --name ${1}_$2_rotary_kernel
 done
 stage 150 gpu-tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py tests/test_gemma4_kernel_path.py
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches

@@ -384,6 +384,12 @@ GEMMA4_GGUF_SHAPES = {
     "moe_intermediate_size": 32,
     "rms_norm_eps": 2**-20,
 }
+def _needs_gguf_writer() -> None:
+    """The writer takes the `gguf` package (a dependency, so CI has it); the GPU machine's
+    bare environment lacks it, and skips what writes a file there."""
+    pytest.importorskip("gguf")
+
+
 RANDOM_CONFIGS = {
     "gemma3": lambda: tiny_gemma3_config(**GGUF_SHAPES).to_dict(),
     "gemma4": lambda: tiny_gemma4_config(**GEMMA4_GGUF_SHAPES).to_dict(),
@@ -397,6 +403,7 @@ def test_random_gguf_round_trips_through_the_loader(
 ) -> None:
     """The file's logits equal those of the same random tensors given from memory, exactly:
     both are fp32 models of the same values (the file's dequantized by the reader)."""
+    _needs_gguf_writer()
     config = RANDOM_CONFIGS[family]()
     path, written = write_random_gguf(
         tmp_path / "tiny.gguf", config, minimal_tokenizer(TINY_VOCAB), ggml_type, seed=3
@@ -424,6 +431,7 @@ def tiny_gguf_with_tokenizer(
     tmp_path_factory: pytest.TempPathFactory, gemma3_tokenizer: dict[str, Any]
 ) -> Path:
     """Tiny widths, Gemma 3's real tokenizer (262144 tokens: a 17 MB Q8_0 file)."""
+    _needs_gguf_writer()
     config = tiny_gemma3_config(**GGUF_SHAPES).to_dict()
     path = tmp_path_factory.mktemp("gguf") / "tiny-real-vocab.gguf"
     return write_random_gguf(path, config, gemma3_tokenizer, "Q8_0")[0]

@@ -287,9 +287,10 @@ def norm_rope(
 # decode step (the cast, the product, the concatenation, cos, sin, two casts), none of them
 # PDL; Gemma 3 and Gemma 4 have two kinds. Here it is one launch a kind. torch's cos/sin and
 # Triton's are the same fp32 functions on the GPU (0 of 7.2 million RoPE angles differ on an
-# H100, benchmarks/gpu_trig_bits.py). Off until an A/B on a GPU (variant `rotary-kernel`)
-# has timed it and checked its tables: no GPU could be started after it was written.
-ROTARY_KERNEL = False
+# H100, benchmarks/gpu_trig_bits.py), and logits stayed bit-identical in every A/B. Decode
+# on an H100: E4B 4-bit +0.7%, 12B 4-bit +0.8%, 26B-A4B 4-bit +1.1%, E4B bf16 +0.5%, 12B
+# bf16 +0.2% (results/ab_*_rotary_kernel_h100-2026-12-06.md; variant `rotary-torch`).
+ROTARY_KERNEL = True
 
 
 def rotary_tables_reference(
