@@ -384,6 +384,8 @@ GEMMA4_GGUF_SHAPES = {
     "moe_intermediate_size": 32,
     "rms_norm_eps": 2**-20,
 }
+
+
 def _needs_gguf_writer() -> None:
     """The writer takes the `gguf` package (a dependency, so CI has it); the GPU machine's
     bare environment lacks it, and skips what writes a file there."""
