@@ -398,8 +398,6 @@ VARIANTS: dict[str, Patch] = {
     # RoPE's cos/sin tables by torch's seven launches a kind, not one kernel (the default
     # since its 2026-12-06 A/B as `rotary-kernel`: +0.2 to +1.1% on an H100).
     "rotary-torch": _set(rope, "ROTARY_KERNEL", False),
-    # Dense K/V tiles loaded before the block's positions, masked by the query's position.
-    "attn-early-loads": _set(attention, "EARLY_DENSE_LOADS", True),
     "grouped-geglu-apart": _set(gemma4, "FUSED_GROUPED_GEGLU", False),
     "prefill-slot-sum-apart": _set(gemma4, "FUSED_PREFILL_SLOT_SUM", False),
     "prefill-fusions-off": _stacked(

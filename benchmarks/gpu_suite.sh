@@ -61,7 +61,6 @@
 #                                                          # GEMV: checks, sweep, A/Bs, 4-bit benches
 #   OUT=/tmp/out benchmarks/gpu_suite.sh embed4            # 4-bit token rows by one kernel: A/Bs
 #   OUT=/tmp/out benchmarks/gpu_suite.sh rotary            # RoPE tables by one kernel: A/Bs (on since)
-#   OUT=/tmp/out benchmarks/gpu_suite.sh early-loads       # decode attention's K/V before positions: A/Bs
 set -u
 PART=${1:-kernels}
 OUT=${OUT:-benchmarks/results/tmp}
@@ -375,11 +374,6 @@ set -- $spec
 stage 90 ab-$1-$2 python benchmarks/ab_decode.py --models $1 --quant $2 --variants base,rotary-torch --rounds 3 --check --name ${1}_$2_rotary_kernel
 done
 stage 150 gpu-tests python -m pytest -q -x tests/test_static_cache.py tests/test_bench.py tests/test_gemma4_kernel_path.py
-elif [ "$PART" = early-loads ]; then  # dense K/V loaded before the positions: A/Bs, logits
-for spec in "gemma3-12b 4bit" "e4b 4bit" "26b-a4b 4bit" "gemma3-12b bf16"; do
-set -- $spec
-stage 100 ab-$1-$2 python benchmarks/ab_decode.py --models $1 --quant $2 --variants base,attn-early-loads --rounds 3 --check --name ${1}_$2_attn_early_loads
-done
 elif [ "$PART" = persistent ]; then  # run 2026-12-06 on an H100: barriers cost more than launches
 stage 400 persistent python benchmarks/gpu_persistent_chain.py
 elif [ "$PART" = grouped-sweep ]; then  # the MoE prefill's grouped matmul launches at 26B-A4B shapes

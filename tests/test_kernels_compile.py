@@ -506,23 +506,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         "decode_attention merge launch",
         attention(4, 2, 64, 256, None, config=launch(fused_merge=False)),
     )
-
-    def early_loads(run: Callable[[], object]) -> Callable[[], object]:
-        def with_early_loads() -> object:
-            saved, decode_attention.EARLY_DENSE_LOADS = decode_attention.EARLY_DENSE_LOADS, True
-            try:
-                return run()
-            finally:
-                decode_attention.EARLY_DENSE_LOADS = saved
-
-        return with_early_loads
-
-    # 12B's tiles (8 KV heads, D=256) and E4B's (2 KV heads: 16-slot blocks).
-    for kv_heads in (8, 2):
-        yield (
-            f"decode_attention dense early loads, {kv_heads} KV heads",
-            early_loads(attention(2 * kv_heads, kv_heads, 256, 256, None, 128)),
-        )
     # GQA 8 with 32 splits: the fused merge takes its splits in two chunks.
     yield (
         "decode_attention fused merge in chunks",

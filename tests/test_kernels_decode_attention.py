@@ -228,41 +228,6 @@ def test_dense_slots_never_written_may_hold_any_bits() -> None:
     torch.testing.assert_close(dirty, reference, atol=KERNEL_TOLERANCE[torch.float32], rtol=0)
 
 
-@pytest.mark.parametrize(
-    ("layout", "window"),
-    [("full", None), ("ring", 50), ("middle", 32), ("low", None), ("low", 20)],
-)
-def test_early_dense_loads_give_the_same_bits(
-    layout: str, window: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """K/V tiles loaded before the positions (`EARLY_DENSE_LOADS`) give the output the masked
-    loads give, bit for bit: a full cache partly written, a wrapped ring, a query in the
-    middle (slots past it), and slots holding positions below their index ("low", which no
-    cache writes: the kernel must read them again), with NaN and inf in unwritten slots."""
-    q, keys, values = random_qkv(1, 8, 2, 128, 64, torch.float32)
-    if layout == "full":
-        positions, query = ring_positions(128, 90), 89
-    elif layout == "ring":
-        positions, query = ring_positions(128, 300), 299
-    elif layout == "middle":
-        positions, query = torch.arange(128), 60
-    else:  # slot i holds position i // 2 for the first 80 slots
-        positions = torch.full((128,), EMPTY_POSITION, dtype=torch.long)
-        positions[:80] = torch.arange(80) // 2
-        query = 39
-    rest = (DENSE, DENSE, positions, torch.tensor(query), window, 0.125)
-    # The reference (torch) takes NaN's product with a zero weight as NaN: it gets clean planes.
-    reference = decode_attention_reference(q, [keys], [values], *rest)
-    empty = positions == EMPTY_POSITION
-    keys[:, :, empty], values[:, :, empty] = float("nan"), float("inf")
-    config = LaunchConfig(block_n=16, splits=4)
-    masked = decode_attention(q, [keys], [values], *rest, config)
-    monkeypatch.setattr(decode_attention_module, "EARLY_DENSE_LOADS", True)
-    early = decode_attention(q, [keys], [values], *rest, config)
-    assert torch.equal(early, masked)
-    torch.testing.assert_close(early, reference, atol=KERNEL_TOLERANCE[torch.float32], rtol=0)
-
-
 def test_dense_query_in_the_middle_of_the_cache() -> None:
     # Slots after the query's position (a speculative or trimmed tail) stay hidden.
     q, keys, values = random_qkv(1, 4, 1, 96, 256, torch.float32)

@@ -55,12 +55,6 @@ _WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
 # for the weights). Off: 64 slots gave E4B +0.5% but 26B-A4B -0.8% and 12B about -0.8%
 # (2026-12-05 A/B on an H100, variant attn-prefetch).
 PREFETCH_SLOTS = 0
-# Dense K and V tiles asked for before the block's positions, masked by the query's position
-# alone (slots past it hold nothing it sees), so the three loads of a block are in flight at
-# once rather than positions, then K, then V. (Masked by the slot count instead, they read a
-# static cache's empty slots: 12B -0.7 to -1.3% on 2026-12-06.) Bit-identical; off until an
-# A/B on the GPU (variant `attn-early-loads`) has timed it.
-EARLY_DENSE_LOADS = False
 
 
 @dataclass(frozen=True)
@@ -296,9 +290,6 @@ if triton is not None:
         acc,
         rows,
         visible,
-        early_keys,
-        early_values,
-        early,
         scale_log2,
         k0,
         k1,
@@ -321,7 +312,6 @@ if triton is not None:
         V_BITS: tl.constexpr,
         V_GROUP: tl.constexpr,
         PRECISION: tl.constexpr,
-        EARLY_LOADS: tl.constexpr,
     ):
         """One online-softmax step (base 2) of the query heads over a block of slots.
 
@@ -332,20 +322,9 @@ if triton is not None:
         element: q.k = sum_g s_g (q_g . levels_g) + b_g sum(q_g), and
         sum_n p_n v_n = sum_n (p_n s_n) levels_n + sum_n p_n b_n per group.
         `query_sums` holds sum(q_g) [GROUPS, BLOCK_G] for affine keys.
-        With EARLY_LOADS (dense K and V), `early_keys` and `early_values` are the block's
-        tiles already loaded for the slots in `early` (see `_split_kernel`).
         """
         dtype = query.dtype
-        if EARLY_LOADS:
-            keys = early_keys
-            values = early_values
-            # A visible slot the early loads left out (a slot holding a position below its
-            # index, which no cache writes) is read again; otherwise this costs a reduction.
-            if tl.max((visible & ~early).to(tl.int32), axis=0) > 0:
-                keys = _dense_tile(k0, rows, visible, stride_k0s, HEAD_DIM, dtype)
-                values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
-            scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
-        elif K_FORMAT == 0:
+        if K_FORMAT == 0:
             keys = _dense_tile(k0, rows, visible, stride_k0s, HEAD_DIM, dtype)
             scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
         else:
@@ -366,12 +345,7 @@ if triton is not None:
         weights = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         if V_FORMAT == 0:
-            if EARLY_LOADS:
-                # Invisible slots weigh 0 whatever they hold (NaN included): zeros, as the
-                # masked load gives, so the sum is bit for bit the same.
-                values = tl.where(visible[:, None], values, 0.0)
-            else:
-                values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
+            values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
             acc = acc * correction[:, None] + tl.dot(
                 weights.to(dtype), values, input_precision=PRECISION
             )
@@ -446,7 +420,6 @@ if triton is not None:
         MERGE_D: tl.constexpr,
         PDL: tl.constexpr,
         PREFETCH_SLOTS: tl.constexpr = 0,
-        EARLY_LOADS: tl.constexpr = False,
     ):
         """(max, sum, acc) of one split of one KV head's slots for its query heads; see
         FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`).
@@ -510,17 +483,6 @@ if triton is not None:
         for block in range(0, CHUNK, BLOCK_N):
             rows = start + block + tl.arange(0, BLOCK_N)
             row_mask = rows < slots
-            if EARLY_LOADS:
-                # Issued before the positions' load, so the three are in flight together. A
-                # slot holds a position no lower than its index (p at p, or p % capacity in
-                # a ring), so slots past the query's position hold nothing it sees.
-                early = row_mask & (rows <= qpos)
-                early_keys = _dense_tile(k0, rows, early, stride_k0s, HEAD_DIM, query.dtype)
-                early_values = _dense_tile(v0, rows, early, stride_v0s, HEAD_DIM, query.dtype)
-            else:
-                early = row_mask
-                early_keys = query  # unread
-                early_values = query
             pos = tl.load(positions + rows, mask=row_mask, other=EMPTY)
             visible = row_mask & (pos <= qpos)
             if HAS_WINDOW:
@@ -529,21 +491,19 @@ if triton is not None:
                 # Empty or out-of-window blocks cost only their positions.
                 if tl.max(visible.to(tl.int32), axis=0) > 0:
                     running_max, running_sum, acc = _attend_block(
-                        query, query_sums, running_max, running_sum, acc, rows, visible,
-                        early_keys, early_values, early, scale_log2,
+                        query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
                         k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                         v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                         HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
-                        V_FORMAT, V_BITS, V_GROUP, PRECISION, EARLY_LOADS,
+                        V_FORMAT, V_BITS, V_GROUP, PRECISION,
                     )  # fmt: skip
             else:
                 running_max, running_sum, acc = _attend_block(
-                    query, query_sums, running_max, running_sum, acc, rows, visible,
-                    early_keys, early_values, early, scale_log2,
+                    query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
                     k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
                     v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
                     HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
-                    V_FORMAT, V_BITS, V_GROUP, PRECISION, EARLY_LOADS,
+                    V_FORMAT, V_BITS, V_GROUP, PRECISION,
                 )  # fmt: skip
 
         first_head = batch * KV_HEADS * GROUPS
@@ -907,7 +867,6 @@ def decode_attention_rotated(
         MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, MERGE_CHUNKS=merge_chunks,
         MERGE_D=merge_d, num_warps=launch.num_warps, num_stages=launch.num_stages,
         **pdl, PREFETCH_SLOTS=_prefetch_slots(pdl, chunk, key_format, value_format, k0.dtype),
-        EARLY_LOADS=EARLY_DENSE_LOADS and key_format.kind == value_format.kind == "dense",
     )  # fmt: skip
     if finish != _WRITE_PARTIALS:
         return out
