@@ -185,8 +185,10 @@ def test_openai_sdk_sees_refusals_as_bad_requests(oai: openai.OpenAI) -> None:
 USER = [{"role": "user", "content": "Hi"}]
 BAD_CHAT_BODIES = [
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": USER, "tools": []}, "tools"),
-    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": USER, "n": 0}, "n"),
+    ({"messages": USER, "seed": 99999999999999999999999}, "seed"),  # issue 41 item 5
+    ({"messages": USER, "store": True}, "store"),
     ({"messages": USER, "logprobs": "yes"}, "logprobs"),
     ({"messages": USER, "colour": "blue"}, "colour"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),

@@ -8,132 +8,40 @@ decides what the "model" says and checks how each API parses and streams it.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 import pytest
-import torch
 from fastapi.testclient import TestClient
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from hearth.engine import Engine
-from hearth.server import ServerDefaults, ServerLimits, create_app
+from hearth.server import ServerDefaults, create_app
 from hearth.server.responses import ResponseStore
 from hearth.server.tools import ReplyParser, parse_gemma_arguments, parse_reply
-from tiny import save_hf, tiny_gemma4_model
+from scripted_gemma4 import (
+    ASK,
+    CALL,
+    CALL_MARKUP,
+    NO_PROMPT_CACHE,
+    THOUGHT,
+    WEATHER_TOOL,
+    last_prompt,
+    scripted_engine,
+)
+from scripted_gemma4 import say as say_text
 
-TEMPLATE_NAME = "gemma4-it.chat_template.jinja"
-NO_PROMPT_CACHE = ServerLimits(prompt_cache_size=0)
-# Gemma 4's special tokens at their real ids (gemma4-architecture.md §5).
-SPECIAL_IDS = {
-    "<pad>": 0,
-    "<eos>": 1,
-    "<bos>": 2,
-    "<unk>": 3,
-    "<|tool>": 46,
-    "<tool|>": 47,
-    "<|tool_call>": 48,
-    "<tool_call|>": 49,
-    "<|tool_response>": 50,
-    "<tool_response|>": 51,
-    '<|"|>': 52,
-    "<|think|>": 98,
-    "<|channel>": 100,
-    "<channel|>": 101,
-    "<|turn>": 105,
-    "<turn|>": 106,
-}
-VOCAB_SIZE = len(SPECIAL_IDS) + 256  # plus one token per byte: any text encodes exactly
-
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "City name"}},
-            "required": ["city"],
-        },
-    },
-}
-CALL_MARKUP = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
-CALL = f"{CALL_MARKUP}<|tool_response>"  # <|tool_response> ends generation after a call
 MALFORMED = "<|tool_call>call:get_weather{city:Paris}<tool_call|>"
-THOUGHT = "<|channel>thought\nCold, probably.<channel|>"
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def _template_path() -> Path:
-    """The real Gemma 4 template, vendored as test data (tests/data/README.md)."""
-    return Path(__file__).parent / "data" / TEMPLATE_NAME
-
-
-def _write_tokenizer(directory: Path) -> None:
-    byte_symbols = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
-    vocab = dict(SPECIAL_IDS)
-    taken = set(SPECIAL_IDS.values())
-    for token_id in range(VOCAB_SIZE):
-        if token_id not in taken:
-            vocab[next(byte_symbols)] = token_id
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL_IDS])
-    backend.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    generation = {"bos_token_id": 2, "eos_token_id": [1, 106]}
-    (directory / "generation_config.json").write_text(json.dumps(generation))
-
-
-class ScriptedModel:
-    """The real model, with its logits replaced: each step answers the next scripted id.
-
-    A call at position 0 starts a new generation (prompts here fit one prefill chunk).
-    """
-
-    def __init__(self, model: Any, end_id: int) -> None:
-        self._model = model
-        self._end_id = end_id
-        self.script: list[int] = []
-        self.prompts: list[list[int]] = []
-        self._step = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __call__(self, ids: torch.Tensor, caches: Any, start: int, **kwargs: Any) -> torch.Tensor:
-        logits = self._model(ids, caches, start=start, **kwargs)
-        if start == 0:
-            self.prompts.append(ids[0].tolist())
-            self._step = 0
-        token = self.script[self._step] if self._step < len(self.script) else self._end_id
-        self._step += 1
-        forced = torch.full_like(logits[:, -1:], -1e4)
-        forced[..., token] = 0.0
-        return forced
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    directory = tmp_path_factory.mktemp("gemma4-tools")
-    model = tiny_gemma4_model(vocab_size=VOCAB_SIZE, vocab_size_per_layer_input=VOCAB_SIZE)
-    save_hf(model, directory)
-    _write_tokenizer(directory)
-    shutil.copy(_template_path(), directory / "chat_template.jinja")
-    loaded = Engine.load(directory, dtype="float32", device="cpu", progress=False, quantize="none")
-    loaded.model = ScriptedModel(loaded.model, SPECIAL_IDS["<turn|>"])  # type: ignore[assignment]
-    return loaded
+    return scripted_engine(tmp_path_factory.mktemp("gemma4-tools"))
 
 
 @pytest.fixture(scope="module")
 def client(engine: Engine) -> Iterator[TestClient]:
-    # No prompt cache: ScriptedModel tells generations apart by a prefill from position 0.
     with TestClient(create_app(engine, limits=NO_PROMPT_CACHE)) as test_client:
         yield test_client
 
@@ -155,16 +63,11 @@ def claude(client: TestClient) -> anthropic.Anthropic:
 @pytest.fixture
 def say(engine: Engine) -> Any:
     """Script the next generations' output text (the end of turn is added)."""
-
-    def script(text: str) -> None:
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        engine.model.script = [*ids, SPECIAL_IDS["<turn|>"]]  # type: ignore[attr-defined]
-
-    return script
+    return lambda text: say_text(engine, text)
 
 
 def _last_prompt(engine: Engine) -> str:
-    return engine.tokenizer.decode(engine.model.prompts[-1])  # type: ignore[attr-defined]
+    return last_prompt(engine)
 
 
 def test_gemma_arguments_parse_nested_values() -> None:
@@ -260,19 +163,47 @@ def test_openai_reasoning_is_split(oai: openai.OpenAI, engine: Engine, say: Any)
     reply = oai.chat.completions.create(model="g", messages=ASK, reasoning_effort="high")
     assert "<|turn>system\n<|think|>" in _last_prompt(engine)
     message = reply.choices[0].message
-    assert (message.content, message.reasoning_content) == ("Bring a coat.", "Cold, probably.")  # type: ignore[attr-defined]
+    # mlx_lm.server's field name by default (its generate_response sends "reasoning").
+    assert (message.content, message.reasoning) == ("Bring a coat.", "Cold, probably.")  # type: ignore[attr-defined]
+    assert not hasattr(message, "reasoning_content")
     fields = {"chat_template_kwargs": {"enable_thinking": True}}
     chunks = list(
         oai.chat.completions.create(model="g", messages=ASK, stream=True, extra_body=fields)
     )
     deltas = [c.choices[0].delta for c in chunks]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Cold, probably."
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Cold, probably."
     assert "".join(d.content or "" for d in deltas) == "Bring a coat."
+
+
+@pytest.mark.parametrize(
+    ("field", "keys"),
+    [("reasoning_content", {"reasoning_content"}), ("both", {"reasoning", "reasoning_content"})],
+)
+def test_reasoning_field_flag_names_the_field(
+    engine: Engine, say: Any, field: Any, keys: set[str]
+) -> None:
+    """`--reasoning-field`: DeepSeek's name, which llama.cpp's server sends too, or both."""
+    defaults = ServerDefaults(reasoning_field=field)
+    with TestClient(create_app(engine, defaults, NO_PROMPT_CACHE)) as local:
+        say(f"{THOUGHT}Bring a coat.")
+        body = {"messages": ASK, "reasoning_effort": "high"}
+        message = local.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert {key for key in message if key.startswith("reasoning")} == keys
+        assert all(message[key] == "Cold, probably." for key in keys)
+        stream = local.post("/v1/chat/completions", json=body | {"stream": True}).text
+        deltas = [
+            json.loads(line[6:])["choices"][0]["delta"]
+            for line in stream.splitlines()
+            if line.startswith("data: {")
+        ]
+        for key in keys:
+            assert "".join(d.get(key, "") for d in deltas) == "Cold, probably."
 
 
 def test_bad_tool_fields_are_refused(client: TestClient) -> None:
     bodies = [
-        ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),  # no tools to call
+        ({"messages": ASK, "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
         ({"messages": ASK, "reasoning_effort": "max"}, "reasoning_effort"),
         ({"messages": ASK, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs.x"),
         ({"messages": [*ASK, {"role": "tool", "tool_call_id": "a", "content": "x"}]}, None),

@@ -196,6 +196,27 @@ def _add_serve_parser(commands: Any) -> None:
         help="refuse requests whose weights + KV cache would exceed GB (10^9 bytes)",
     )
     _add_model_options(serve)
+    _add_http_compat_options(serve)
+
+
+def _add_http_compat_options(serve: argparse.ArgumentParser) -> None:
+    """What browsers and clients see: CORS origins and the reasoning field's name."""
+    serve.add_argument(
+        "--cors-origins",
+        "--allowed-origins",  # mlx_lm.server's name
+        dest="cors_origins",
+        type=lambda text: tuple(origin for origin in text.split(",") if origin),
+        default=("*",),
+        metavar="ORIGINS",
+        help="comma-separated origins browsers may call from (default *: any; '': none)",
+    )
+    serve.add_argument(
+        "--reasoning-field",
+        choices=["reasoning", "reasoning_content", "both"],
+        default="reasoning",
+        help="the chat message field for the thought channel (default reasoning, as "
+        "mlx_lm.server; reasoning_content, as DeepSeek's API names it; or both)",
+    )
 
 
 def _add_inspect_parser(commands: Any) -> None:
@@ -456,10 +477,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     engine = _load(args.model or args.model_flag, args)
     defaults = ServerDefaults(
-        args.temp, args.top_p, args.top_k, args.min_p, args.max_tokens, args.chat_template_args
+        args.temp,
+        args.top_p,
+        args.top_k,
+        args.min_p,
+        args.max_tokens,
+        args.chat_template_args,
+        args.reasoning_field,
     )
     limits = ServerLimits(args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget)
-    serve(engine, args.host, args.port, defaults, args.log_level, limits)
+    serve(engine, args.host, args.port, defaults, args.log_level, limits, args.cors_origins)
     return 0
 
 

@@ -6,8 +6,9 @@ The pipeline per step, as in mlx-lm's ``generate_step``:
    penalty, presence penalty, frequency penalty;
 2. ``logprobs = log_softmax(logits)`` (this is what :meth:`Sampler.logprobs` reports);
 3. ``temperature == 0``: greedy argmax, no filters and no randomness;
-4. otherwise the filters in mlx-lm's ``make_sampler`` order, top_p -> min_p -> top_k, each on
-   the temperature-1 log-probabilities, and only then ``categorical(logprobs / temperature)``.
+4. otherwise the filters in mlx-lm's ``make_sampler`` order, top_p -> min_p -> XTC -> top_k,
+   each on the temperature-1 log-probabilities, and only then
+   ``categorical(logprobs / temperature)``.
 
 Every public method takes the raw model logits: ``[vocab]`` or ``[batch, vocab]``.
 """
@@ -32,8 +33,11 @@ _FLOAT_FIELDS = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "xtc_probability",
+    "xtc_threshold",
 )
 _INT_FIELDS = ("top_k", "min_tokens_to_keep", "repetition_context_size")
+_OPTIONAL_WINDOWS = ("presence_context_size", "frequency_context_size")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -55,7 +59,12 @@ class SamplingParams:
 
     ``presence_penalty`` and ``frequency_penalty`` follow OpenAI: they count every token of the
     history handed to the sampler, whereas ``repetition_penalty`` only looks at the last
-    ``repetition_context_size`` tokens.
+    ``repetition_context_size`` tokens. ``presence_context_size`` / ``frequency_context_size``
+    limit them to the last that many tokens instead (mlx-lm's windows; ``None``: all).
+
+    XTC ("exclude top choices", mlx-lm's ``apply_xtc``): with probability ``xtc_probability``
+    per step, every token above ``xtc_threshold`` except the least likely of them is removed,
+    so the sampler picks a less obvious continuation; ``xtc_special_tokens`` are never removed.
     """
 
     temperature: float = 0.0
@@ -69,6 +78,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
+    presence_context_size: int | None = None
+    frequency_context_size: int | None = None
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple[int, ...] = ()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a one-line message naming the first invalid field."""
@@ -98,7 +112,29 @@ class SamplingParams:
             self.seed is None or _is_int(self.seed),
             f"seed must be an integer or None, got {self.seed!r}",
         )
+        for name in _OPTIONAL_WINDOWS:
+            value = getattr(self, name)
+            _require(
+                value is None or (_is_int(value) and value >= 1),
+                f"{name} must be an integer >= 1 or None, got {value!r}",
+            )
+        self._validate_xtc()
         self._validate_logit_bias(vocab_size)
+
+    def _validate_xtc(self) -> None:
+        # mlx-lm's apply_xtc refuses the same ranges.
+        _require(
+            0 <= self.xtc_probability <= 1,
+            f"xtc_probability must be in [0, 1], got {self.xtc_probability}",
+        )
+        _require(
+            0 <= self.xtc_threshold <= 0.5,
+            f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}",
+        )
+        _require(
+            all(_is_int(token) and token >= 0 for token in self.xtc_special_tokens),
+            f"xtc_special_tokens must be token ids, got {self.xtc_special_tokens!r}",
+        )
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         upper = "" if vocab_size is None else f" and < vocab size {vocab_size}"
@@ -135,6 +171,9 @@ class Sampler:
         )
         # Checked per call against the vocab without touching the device.
         self._bias_id_limit = max(bias.keys(), default=-1)
+        self._xtc_spared = torch.tensor(
+            params.xtc_special_tokens, dtype=torch.long, device=self.device
+        )
 
     def process_logits(self, logits: torch.Tensor, history: History) -> torch.Tensor:
         """Logit bias and the penalties, in float32, shaped like ``logits``.
@@ -171,7 +210,7 @@ class Sampler:
             return first_argmax(rows)
         if logprobs is None:
             logprobs = rows.log_softmax(dim=-1)
-        scores, ids = self._scaled_candidates(logprobs)
+        scores, ids = self._scaled_candidates(logprobs, self._xtc_coin(rows))
         choice = _gumbel_argmax(scores, self._generator)
         return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
 
@@ -179,16 +218,33 @@ class Sampler:
         """The distribution :meth:`sample` draws from, over the whole vocabulary.
 
         One-hot on the argmax when greedy; otherwise zero outside the tokens the filters keep.
+        With XTC, the mixture of the step where it applies (weight ``xtc_probability``) and the
+        step where it does not.
         """
         rows = _as_rows(self.process_logits(logits, history))
         if self._is_greedy:
             probs = F.one_hot(rows.argmax(dim=-1), rows.shape[-1]).float()
+        elif self.params.xtc_probability > 0:
+            weight = self.params.xtc_probability
+            applied = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+            probs = weight * self._distribution(rows, applied)
+            probs += (1 - weight) * self._distribution(rows, ~applied)
         else:
-            scores, ids = self._scaled_candidates(rows.log_softmax(dim=-1))
-            probs = scores.softmax(dim=-1)
-            if ids is not None:
-                probs = torch.zeros_like(rows).scatter(-1, ids, probs)
+            probs = self._distribution(rows, None)
         return probs.reshape(logits.shape)
+
+    def _distribution(self, rows: torch.Tensor, xtc_rows: torch.Tensor | None) -> torch.Tensor:
+        scores, ids = self._scaled_candidates(rows.log_softmax(dim=-1), xtc_rows)
+        probs = scores.softmax(dim=-1)
+        return probs if ids is None else torch.zeros_like(rows).scatter(-1, ids, probs)
+
+    def _xtc_coin(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Which rows XTC applies to at this step (None: XTC is off). As mlx-lm, it applies
+        unless a uniform draw exceeds xtc_probability."""
+        if self.params.xtc_probability == 0:
+            return None
+        draws = torch.rand(rows.shape[0], generator=self._generator, device=rows.device)
+        return draws <= self.params.xtc_probability
 
     def logprobs(self, logits: torch.Tensor, history: History) -> torch.Tensor:
         """log_softmax of the processed logits: before the filters and the temperature, as
@@ -212,29 +268,66 @@ class Sampler:
 
     def _apply_penalties(self, rows: torch.Tensor, history: History) -> torch.Tensor:
         params = self.params
-        counts_whole_history = params.presence_penalty != 0 or params.frequency_penalty != 0
-        if params.repetition_penalty == 1 and not counts_whole_history:
+        windows = {
+            name: size
+            for name, active, size in (
+                ("repetition", params.repetition_penalty != 1, params.repetition_context_size),
+                ("presence", params.presence_penalty != 0, params.presence_context_size),
+                ("frequency", params.frequency_penalty != 0, params.frequency_context_size),
+            )
+            if active
+        }
+        if not windows:
             return rows
-        # Only the repetition window is needed unless presence/frequency count everything.
-        span = None if counts_whole_history else params.repetition_context_size
+        # Only the widest window is read off the history (None: all of it).
+        sizes = list(windows.values())
+        span = None if None in sizes else max(size for size in sizes if size is not None)
         tokens = _history_rows(history, rows, span)
         if tokens.shape[-1] == 0:
             return rows
-        if params.repetition_penalty != 1:
-            window = tokens[:, -params.repetition_context_size :]
+        if "repetition" in windows:
+            window = _last(tokens, params.repetition_context_size)
             rows = _apply_repetition_penalty(rows, window, params.repetition_penalty)
-        if params.presence_penalty != 0:
-            rows = _subtract_once_per_token(rows, tokens, params.presence_penalty)
-        if params.frequency_penalty != 0:
-            rows = _subtract_per_occurrence(rows, tokens, params.frequency_penalty)
+        if "presence" in windows:
+            window = _last(tokens, params.presence_context_size)
+            rows = _subtract_once_per_token(rows, window, params.presence_penalty)
+        if "frequency" in windows:
+            window = _last(tokens, params.frequency_context_size)
+            rows = _subtract_per_occurrence(rows, window, params.frequency_penalty)
         return rows
 
     def _scaled_candidates(
-        self, logprobs: torch.Tensor
+        self, logprobs: torch.Tensor, xtc_rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The filtered log-probabilities divided by the temperature, with their token ids."""
-        values, ids = self._filtered_candidates(logprobs)
+        """The filtered log-probabilities divided by the temperature, with their token ids;
+        `xtc_rows`: the rows XTC applies to at this step (None: XTC is off)."""
+        if xtc_rows is None:
+            values, ids = self._filtered_candidates(logprobs)
+        else:
+            values, ids = self._xtc_candidates(logprobs, xtc_rows)
         return values * (1.0 / self.params.temperature), ids
+
+    def _xtc_candidates(
+        self, logprobs: torch.Tensor, xtc_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """top_p, min_p, XTC, then top_k, in mlx-lm's order, on the sorted vocabulary.
+
+        XTC removes the most likely tokens, so the top_k after it is no longer the top k of
+        the whole distribution: it keeps the k most likely survivors, a prefix of the sorted
+        survivors, which is why this path sorts instead of taking the intersection below.
+        """
+        params = self.params
+        values, ids = torch.sort(logprobs, dim=-1, descending=True)
+        if params.top_p < 1:
+            values = _mask_top_p(values, params.top_p)
+        if params.min_p > 0:
+            values = _mask_min_p(values, params.min_p, params.min_tokens_to_keep, is_sorted=True)
+        spared = self._xtc_spared.to(ids.device)
+        values = _mask_xtc(values, ids, params.xtc_threshold, spared, xtc_rows)
+        if 0 < params.top_k < values.shape[-1]:
+            survivors = torch.isfinite(values).cumsum(dim=-1)
+            values = values.masked_fill(survivors > params.top_k, -math.inf)
+        return values, ids
 
     def _filtered_candidates(
         self, logprobs: torch.Tensor
@@ -293,6 +386,10 @@ def _history_rows(history: History, rows: torch.Tensor, span: int | None) -> tor
     return tokens.expand(rows.shape[0], -1)
 
 
+def _last(tokens: torch.Tensor, size: int | None) -> torch.Tensor:
+    return tokens if size is None else tokens[:, -size:]
+
+
 def _apply_repetition_penalty(
     rows: torch.Tensor, window: torch.Tensor, penalty: float
 ) -> torch.Tensor:
@@ -345,6 +442,24 @@ def _mask_min_p(
             spared = torch.topk(logprobs, keep_at_least, dim=-1).indices
             remove = remove.scatter(-1, spared, False)
     return logprobs.masked_fill(remove, -math.inf)
+
+
+def _mask_xtc(
+    sorted_logprobs: torch.Tensor,
+    ids: torch.Tensor,
+    threshold: float,
+    spared: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """XTC on the rows where it applies: of the tokens more likely than `threshold` (after the
+    earlier filters, renormalised over what they kept, as mlx-lm's softmax of the masked
+    log-probabilities is), all but the least likely are removed; `spared` ids never are."""
+    probs = sorted_logprobs.softmax(dim=-1)
+    floor = torch.where(probs > threshold, probs, math.inf).amin(dim=-1, keepdim=True)
+    remove = (probs > floor) & rows[:, None]
+    if spared.numel():
+        remove &= ~torch.isin(ids, spared)
+    return sorted_logprobs.masked_fill(remove, -math.inf)
 
 
 def _gumbel_argmax(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from hearth.generate import FINISH_LENGTH, GenerationStats
 from hearth.sampling import SamplingParams
 from hearth.server.errors import parse_request, read_json_object
-from hearth.server.schemas import MessagesRequest
+from hearth.server.schemas import AnthropicPrompt, MessagesRequest
 from hearth.server.state import (
     ChatPrompt,
     Generation,
@@ -25,7 +25,7 @@ from hearth.server.state import (
     sse_response,
     state_of,
 )
-from hearth.server.tools import Reply, ReplyParser, ReplyPart, ToolCall, parse_reply
+from hearth.server.tools import Reply, ReplyPart, ToolCall, ToolChoice
 
 router = APIRouter()
 log = logging.getLogger("hearth.server")
@@ -35,22 +35,39 @@ log = logging.getLogger("hearth.server")
 async def messages(request: Request) -> Response:
     body = parse_request(MessagesRequest, await read_json_object(request))
     state = state_of(request)
-    prompt = ChatPrompt(body.neutral_messages(), body.template_tools(), body.thinking_on())
-    ids = await state.encode_chat(prompt, "messages")
+    policy = body.tool_policy()
+    ids = await state.encode_chat(_prompt(body), "messages")
     stop = body.stop_sequences or ()
     sampling = _sampling(state, body)
     generation = state.plan(ids, body.max_tokens, sampling, stop, "messages", state.chat_stop_ids)
     message = _message(f"msg_{uuid.uuid4().hex}", body.model, len(ids))
     if body.stream:
-        return sse_response(_named_events(_events(state, generation, message, body.tools_on())))
+        return sse_response(_named_events(_events(state, generation, message, policy)))
     result = await complete(state, generation, request)
-    reply = parse_reply(result.text, body.tools_on())
+    reply = policy.parse(result.text)
     reason = _stop_reason(result.finish_reason, result.stop_sequence, bool(reply.tool_calls))
     content = _content_blocks(reply)
     return JSONResponse(
         message
         | {"content": content, "stop_reason": reason, "stop_sequence": result.stop_sequence}
         | {"usage": _usage(result.stats)}
+    )
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict[str, int]:
+    """The prompt's tokens, exactly as /v1/messages would render the same request."""
+    body = parse_request(AnthropicPrompt, await read_json_object(request))
+    ids = await state_of(request).encode_chat(_prompt(body), "messages")
+    return {"input_tokens": len(ids)}
+
+
+def _prompt(body: AnthropicPrompt) -> ChatPrompt:
+    return ChatPrompt(
+        body.neutral_messages(),
+        body.template_tools(),
+        body.thinking_on(),
+        tool_choice=body.tool_policy(),
     )
 
 
@@ -76,14 +93,21 @@ def _message(message_id: str, model: str, input_tokens: int) -> dict[str, Any]:
         "stop_reason": None,
         "stop_sequence": None,
         # Sent before the worker looks in the prompt cache: message_delta has the split.
-        "usage": {"input_tokens": input_tokens, "cache_read_input_tokens": 0, "output_tokens": 0},
+        "usage": {
+            "input_tokens": input_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 0,
+        },
     }
 
 
 def _usage(stats: GenerationStats) -> dict[str, int]:
-    """Anthropic's split: input_tokens counts only the prompt tokens not read from the cache."""
+    """Anthropic's split: input_tokens counts only the prompt tokens not read from the cache.
+    Hearth caches every prompt by itself, at no extra cost: none are counted as "creation"."""
     return {
         "input_tokens": stats.prompt_tokens - stats.cached_tokens,
+        "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": stats.cached_tokens,
         "output_tokens": stats.generated_tokens,
     }
@@ -123,11 +147,11 @@ def _content_blocks(reply: Reply) -> list[dict[str, Any]]:
 
 
 async def _events(
-    state: ServerState, generation: Generation, message: dict[str, Any], tools_on: bool
+    state: ServerState, generation: Generation, message: dict[str, Any], policy: ToolChoice
 ) -> AsyncIterator[dict[str, Any]]:
     """Anthropic's event sequence: one block per run of thinking or text, one per tool call."""
     yield {"type": "message_start", "message": message}
-    parser = ReplyParser(tools_on)
+    parser = policy.parser()
     blocks = _BlockStream()
     async for piece in pieces(state, generation):
         parts = parser.feed(piece.text)
@@ -174,8 +198,14 @@ class _BlockStream:
     def close(self) -> list[dict[str, Any]]:
         if self.open_kind is None:
             return []
+        # A thinking block ends with its signature (empty: Hearth has none to give).
+        signed = (
+            [self._delta({"type": "signature_delta", "signature": ""})]
+            if self.open_kind == "reasoning"
+            else []
+        )
         self.open_kind = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return [*signed, {"type": "content_block_stop", "index": self.index}]
 
     def finish(self) -> list[dict[str, Any]]:
         if self.index < 0:  # a reply with no content still has an (empty) text block

@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hearth.engine import Engine
 from hearth.generate import limit_decoder_slots
@@ -27,6 +29,8 @@ log = logging.getLogger("hearth.server")
 
 # nginx's code for "client closed the request": logged only, the client is gone.
 CLIENT_CLOSED_REQUEST = 499
+# mlx_lm.server's default --allowed-origins: any.
+DEFAULT_CORS_ORIGINS = ("*",)
 
 
 def model_id_of(engine: Engine) -> str:
@@ -61,13 +65,51 @@ class ServerLimits:
         return budget
 
 
+class CORSHeaders:
+    """CORS as mlx_lm.server does it, so browser apps can call Hearth: any OPTIONS request is
+    a preflight answered 204, and every response names the allowed origin (`*`, or the
+    request's Origin when it is in the list) with any method and header allowed."""
+
+    def __init__(self, app: ASGIApp, origins: Sequence[str]) -> None:
+        self.app = app
+        self.origins = tuple(origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = self._headers(Headers(scope=scope).get("origin"))
+        if scope["method"] == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+    def _headers(self, origin: str | None) -> list[tuple[bytes, bytes]]:
+        headers = [(b"access-control-allow-methods", b"*"), (b"access-control-allow-headers", b"*")]
+        if "*" in self.origins:
+            return [(b"access-control-allow-origin", b"*"), *headers]
+        if origin is not None and origin in self.origins:
+            allowed = [(b"access-control-allow-origin", origin.encode()), (b"vary", b"Origin")]
+            return allowed + headers
+        return headers
+
+
 def create_app(
     engine: Engine,
     defaults: ServerDefaults | None = None,
     limits: ServerLimits | None = None,
     worker: GenerationWorker | None = None,
+    cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
 ) -> FastAPI:
-    """The app; with no `worker` given, one is made and runs on its own thread."""
+    """The app; with no `worker` given, one is made and runs on its own thread.
+    `cors_origins`: the origins browsers may call it from (`*`: any; empty: none)."""
     limits = limits or ServerLimits()
     own_worker = worker is None
     worker = worker or GenerationWorker(engine, limits.prompt_cache())
@@ -96,6 +138,7 @@ def create_app(
     app.include_router(responses.router)
     app.state.response_store = responses.ResponseStore()
     _install_error_handlers(app)
+    app.add_middleware(CORSHeaders, origins=cors_origins)
     return app
 
 
@@ -126,12 +169,13 @@ def serve(
     defaults: ServerDefaults | None = None,
     log_level: str = "INFO",
     limits: ServerLimits | None = None,
+    cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
 ) -> None:
     """Run the server until interrupted: HTTP on a thread, the model on this (main) thread."""
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     limits = limits or ServerLimits()
     worker = GenerationWorker(engine, limits.prompt_cache())
-    app = create_app(engine, defaults, limits, worker)
+    app = create_app(engine, defaults, limits, worker, cors_origins)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower()))
     http = threading.Thread(target=server.run, name="hearth-http")
     http.start()

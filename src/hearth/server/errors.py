@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from hearth.server.schemas import UNSUPPORTED_FIELDS
+from hearth.server.schemas import UNSUPPORTED_FIELDS, FieldRefused
 
 MAX_BODY_BYTES = 10 * 2**20
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -95,12 +96,34 @@ def parse_request(model: type[ModelT], body: dict[str, Any]) -> ModelT:
         return model.model_validate(body)
     except ValidationError as error:
         raise validation_error(error) from None
+    except FieldRefused as error:
+        message = f"Invalid value for '{error.param}': {error.message}"
+        raise RequestError(message, error.param) from None
+
+
+# Names pydantic gives the members of a union (`str | list[str]`) in an error's location.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+
+
+def _field_path(loc: tuple[int | str, ...]) -> list[int | str]:
+    """An error location up to the first union member's name ("stop.list[str].0" -> "stop"):
+    the request's own field names and list indices."""
+    path: list[int | str] = []
+    for part in loc:
+        is_field = isinstance(part, int) or (
+            _FIELD_NAME.fullmatch(part) is not None and part not in _UNION_MEMBERS
+        )
+        if not is_field:
+            break
+        path.append(part)
+    return path
 
 
 def validation_error(error: ValidationError) -> RequestError:
     """The first problem pydantic found, as one line naming the field (e.g. messages.0.role)."""
     first = error.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    param = ".".join(str(part) for part in _field_path(first["loc"])) or None
     kind, message = first["type"], first["msg"]
     if kind == "extra_forbidden" and param in UNSUPPORTED_FIELDS:
         return RequestError(f"'{param}' is not supported by Hearth yet", param)

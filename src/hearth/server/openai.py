@@ -3,11 +3,12 @@ server-sent events), the model list, and the health check."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -17,8 +18,14 @@ from hearth.generate import GenerationStats, TokenLogprobs
 from hearth.sampling import SamplingParams
 from hearth.server.errors import RequestError, parse_request, read_json_object
 from hearth.server.logprobs import chat_logprobs, completion_logprobs
-from hearth.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from hearth.server.schemas import (
+    SEED_LIMIT,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+)
 from hearth.server.state import (
+    PENALTY_CONTEXT_SIZE,
     ChatPrompt,
     Completion,
     Generation,
@@ -28,7 +35,7 @@ from hearth.server.state import (
     sse_response,
     state_of,
 )
-from hearth.server.tools import ReplyParser, ReplyPart, ToolCall, parse_reply
+from hearth.server.tools import ReplyPart, ToolCall, ToolChoice
 
 T = TypeVar("T")
 log = logging.getLogger("hearth.server")
@@ -52,7 +59,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     state = state_of(request)
     if model_id != state.model_id:
-        raise RequestError(f"The model '{model_id}' does not exist", "model", status=404)
+        message = f"The model '{model_id}' does not exist"
+        raise RequestError(message, "model", status=404, code="model_not_found")
     return _model_card(state)
 
 
@@ -63,6 +71,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "created": state.created,
         "owned_by": "hearth",
         "context_window": state.context_length,
+        # No chat template of its own: chat replies will be poor (use completions).
+        "base_model": state.base_model,
     }
 
 
@@ -71,63 +81,100 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await read_json_object(request))
     state = state_of(request)
-    ids = await state.encode_chat(_chat_prompt(body), "messages")
-    sampling = _sampling(state, body)
+    policy = body.tool_policy()
+    ids = await state.encode_chat(_chat_prompt(body, policy), "messages")
     generation = state.plan(
         ids,
         body.token_limit(),
-        sampling,
+        _sampling(state, body),
         body.stop_strings(),
         "messages",
         state.chat_stop_ids,
         body.logprob_alternatives(),
+        body.limit_param(),
     )
+    generations = choices_of(generation, body.choices)
     reply = _Reply(body, state, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
-    tools_on = body.tools_on()
     if body.stream:
-        return sse_response(_data_lines(reply.chat_events(state, generation, tools_on)))
-    result = await complete(state, generation, request)
-    return JSONResponse(reply.chat_completion(result, tools_on))
+        return sse_response(_data_lines(reply.chat_events(state, generations, policy)))
+    results = [await complete(state, g, request) for g in generations]
+    return JSONResponse(reply.chat_completion(results, policy))
 
 
-def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+def _chat_prompt(body: ChatCompletionRequest, policy: ToolChoice) -> ChatPrompt:
     kwargs = body.chat_template_kwargs
     explicit = kwargs is not None and kwargs.enable_thinking is not None
     switch = "chat_template_kwargs.enable_thinking" if explicit else "reasoning_effort"
-    return ChatPrompt(body.neutral_messages(), body.template_tools(), body.thinking(), switch)
+    return ChatPrompt(
+        body.neutral_messages(),
+        body.template_tools(),
+        body.thinking(),
+        switch,
+        policy,
+        body.role_mapping,
+    )
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     body = parse_request(CompletionRequest, await read_json_object(request))
     state = state_of(request)
-    ids = await state.encode(body.prompt, "prompt")
-    generation = _plan(state, body, ids, body.token_limit(), "prompt")
+    generations: list[Generation] = []
+    echoes: list[str] = []
+    for prompt in body.prompts():
+        ids = await state.encode_prompt(prompt, "prompt")
+        # echo: the prompt's text comes first (token ids are decoded).
+        text = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(ids)
+        generations += choices_of(_plan(state, body, ids), body.choices)
+        echoes += [text if body.echo else ""] * body.choices
     reply = _Reply(body, state, "text_completion", f"cmpl-{uuid.uuid4().hex}")
     if body.stream:
-        return sse_response(_data_lines(reply.text_events(state, generation)))
-    return JSONResponse(reply.text_completion(await complete(state, generation, request)))
+        return sse_response(_data_lines(reply.text_events(state, generations, echoes)))
+    results = [await complete(state, g, request) for g in generations]
+    return JSONResponse(reply.text_completion(results, echoes))
 
 
-def _plan(
-    state: ServerState, body: OpenAIRequest, ids: list[int], limit: int | None, prompt_param: str
-) -> Generation:
-    sampling = _sampling(state, body)
-    alternatives = body.logprob_alternatives()
+def _plan(state: ServerState, body: CompletionRequest, ids: list[int]) -> Generation:
     return state.plan(
-        ids, limit, sampling, body.stop_strings(), prompt_param, top_logprobs=alternatives
+        ids,
+        body.token_limit(),
+        _sampling(state, body),
+        body.stop_strings(),
+        "prompt",
+        top_logprobs=body.logprob_alternatives(),
     )
 
 
+def choices_of(generation: Generation, n: int) -> list[Generation]:
+    """`n` independent generations of one prompt (run one after another). With a seed, choice
+    i samples with seed + i (mod 2**64): the choices differ, and a request repeats exactly."""
+    seed = generation.sampling.seed
+    if seed is None:
+        return [generation] * n
+    return [
+        dataclasses.replace(
+            generation,
+            sampling=dataclasses.replace(generation.sampling, seed=(seed + i) % SEED_LIMIT),
+        )
+        for i in range(n)
+    ]
+
+
 def _sampling(state: ServerState, body: OpenAIRequest) -> SamplingParams:
-    """Request fields first, then the server's flags, then the sampler's own defaults."""
+    """Request fields first, then the server's flags, then mlx_lm.server's defaults."""
     defaults = state.defaults
     optional: dict[str, Any] = {
-        "repetition_penalty": body.repetition_penalty,
         "repetition_context_size": body.repetition_context_size,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
+        "xtc_probability": body.xtc_probability,
+        "xtc_threshold": body.xtc_threshold,
     }
+    # mlx_lm.server takes 0 for "no repetition penalty", which is 1 here.
+    if body.repetition_penalty:
+        optional["repetition_penalty"] = body.repetition_penalty
+    if body.xtc_probability:  # as mlx_lm.server: newlines and end tokens are never excluded
+        optional["xtc_special_tokens"] = state.xtc_special_tokens
     return SamplingParams(
         temperature=_or_default(body.temperature, defaults.temperature),
         top_p=_or_default(body.top_p, defaults.top_p),
@@ -135,6 +182,8 @@ def _sampling(state: ServerState, body: OpenAIRequest) -> SamplingParams:
         min_p=_or_default(body.min_p, defaults.min_p),
         logit_bias=body.token_bias(),
         seed=body.seed,
+        presence_context_size=_or_default(body.presence_context_size, PENALTY_CONTEXT_SIZE),
+        frequency_context_size=_or_default(body.frequency_context_size, PENALTY_CONTEXT_SIZE),
         **{name: value for name, value in optional.items() if value is not None},
     )
 
@@ -152,12 +201,17 @@ def _chat_finish_reason(finish_reason: str, called_tools: bool) -> str:
     return "tool_calls" if called_tools else finish_reason
 
 
-def usage_of(stats: GenerationStats) -> dict[str, Any]:
+def usage_of(stats: Sequence[GenerationStats], per_prompt: int = 1) -> dict[str, Any]:
+    """One usage for all choices: each prompt counted once (the first of its `per_prompt`
+    choices; its prompt cache reuse too), every choice's generated tokens."""
+    firsts = stats[::per_prompt]
+    prompt_tokens = sum(s.prompt_tokens for s in firsts)
+    generated = sum(s.generated_tokens for s in stats)
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)},
     }
 
 
@@ -206,42 +260,69 @@ class _Reply:
         self.kind = kind
         self.created = int(time.time())
         self.model = body.model or state.model_id  # echoed back, as mlx_lm.server does
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.fingerprint = state.system_fingerprint
+        self.include_usage = body.include_usage()
+        self.per_prompt = body.choices
         self.tokenizer = state.engine.tokenizer
-        self._delta_templates: dict[str, _ChunkTemplate] = {}
+        self.reasoning_keys = state.defaults.reasoning_keys()
+        self._templates: dict[tuple[str, int], _ChunkTemplate] = {}
 
-    def chat_completion(self, result: Completion, tools_on: bool) -> dict[str, Any]:
-        reply = parse_reply(result.text, tools_on)
+    def chat_completion(self, results: list[Completion], policy: ToolChoice) -> dict[str, Any]:
+        choices = [self._chat_choice(index, result, policy) for index, result in enumerate(results)]
+        return self._whole(choices, results)
+
+    def _chat_choice(self, index: int, result: Completion, policy: ToolChoice) -> dict[str, Any]:
+        reply = policy.parse(result.text)
         # OpenAI sends content null when a reply is only tool calls.
         content = reply.text if reply.text or not reply.tool_calls else None
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reply.reasoning:
-            message["reasoning_content"] = reply.reasoning
+            message |= dict.fromkeys(self.reasoning_keys, reply.reasoning)
         if reply.tool_calls:
             message["tool_calls"] = [openai_tool_call(call) for call in reply.tool_calls]
+        message |= {"refusal": None, "annotations": []}
         finish = _chat_finish_reason(result.finish_reason, bool(reply.tool_calls))
         logprobs = chat_logprobs(self.tokenizer, result.logprobs or ())
-        return self._whole(result, {"message": message}, finish, logprobs)
+        return _choice(index, {"message": message}, finish, logprobs)
 
-    def text_completion(self, result: Completion) -> dict[str, Any]:
-        logprobs = None
-        if result.logprobs is not None:
-            logprobs, _ = completion_logprobs(self.tokenizer, result.logprobs)
-        return self._whole(result, {"text": result.text}, result.finish_reason, logprobs)
+    def text_completion(self, results: list[Completion], echoes: list[str]) -> dict[str, Any]:
+        choices = []
+        for index, (result, echo) in enumerate(zip(results, echoes, strict=True)):
+            logprobs = None
+            if result.logprobs is not None:
+                logprobs, _ = completion_logprobs(self.tokenizer, result.logprobs)
+            text = {"text": echo + result.text}
+            choices.append(_choice(index, text, result.finish_reason, logprobs))
+        return self._whole(choices, results)
 
-    def _whole(
-        self, result: Completion, output: dict[str, Any], finish: str, logprobs: Any
-    ) -> dict[str, Any]:
-        choice = {"index": 0, **output, "logprobs": logprobs, "finish_reason": finish}
-        return self._envelope(self.kind, [choice]) | {"usage": usage_of(result.stats)}
+    def _whole(self, choices: list[dict[str, Any]], results: list[Completion]) -> dict[str, Any]:
+        usage = usage_of([result.stats for result in results], self.per_prompt)
+        return self._envelope(self.kind, choices) | {"usage": usage}
 
     async def chat_events(
-        self, state: ServerState, generation: Generation, tools_on: bool
+        self, state: ServerState, generations: list[Generation], policy: ToolChoice
     ) -> AsyncIterator[list[str]]:
-        """The JSON of each chat chunk, a list per batch of generated pieces."""
-        # OpenAI opens every chat stream with the role and an empty content.
-        yield [_json(self._chunk(CHAT_CHUNK, "delta", {"role": "assistant", "content": ""}, None))]
-        parser = ReplyParser(tools_on)
+        """The JSON of each chat chunk, a list per batch of generated pieces; the choices one
+        after another."""
+        stats: list[GenerationStats] = []
+        for index, generation in enumerate(generations):
+            # OpenAI opens every chat stream (every choice) with the role and an empty content.
+            opening = {"role": "assistant", "content": "", "refusal": None}
+            yield [_json(self._chunk(CHAT_CHUNK, "delta", opening, None, index=index))]
+            async for events in self._chat_choice_events(state, generation, policy, index, stats):
+                yield events
+        if self.include_usage:
+            yield [self._usage_chunk(CHAT_CHUNK, stats)]
+
+    async def _chat_choice_events(
+        self,
+        state: ServerState,
+        generation: Generation,
+        policy: ToolChoice,
+        index: int,
+        stats: list[GenerationStats],
+    ) -> AsyncIterator[list[str]]:
+        parser = policy.parser()
         calls = 0
         # Tokens whose text the parser holds back go out with the next chunk sent; what is
         # left at the end (the end of turn token, say) with the finishing chunk.
@@ -255,30 +336,48 @@ class _Reply:
                     parts += parser.finish()
                 for part in parts:
                     if not unsent and part.call is None:
-                        events.append(self._delta_text(part))
+                        events.append(self._delta_text(part, index))
                     else:
                         logprobs = chat_logprobs(self.tokenizer, unsent)
-                        delta = _delta(part, calls)
-                        events.append(
-                            _json(self._chunk(CHAT_CHUNK, "delta", delta, None, logprobs))
-                        )
+                        delta = self._delta(part, calls)
+                        chunk = self._chunk(CHAT_CHUNK, "delta", delta, None, logprobs, index)
+                        events.append(_json(chunk))
                     calls += part.call is not None
                     unsent = []
                 if piece.finish_reason is not None:
                     finish = _chat_finish_reason(piece.finish_reason, calls > 0)
                     logprobs = chat_logprobs(self.tokenizer, unsent)
-                    events.append(_json(self._chunk(CHAT_CHUNK, "delta", {}, finish, logprobs)))
-                if piece.stats is not None and self.include_usage:
-                    usage = self._envelope(CHAT_CHUNK, []) | {"usage": usage_of(piece.stats)}
-                    events.append(_json(usage))
+                    chunk = self._chunk(CHAT_CHUNK, "delta", {}, finish, logprobs, index)
+                    events.append(_json(chunk))
+                if piece.stats is not None:
+                    stats.append(piece.stats)
             yield events
 
     async def text_events(
-        self, state: ServerState, generation: Generation
+        self, state: ServerState, generations: list[Generation], echoes: list[str]
     ) -> AsyncIterator[list[str]]:
-        """The JSON of each completion chunk, a list per batch of generated pieces."""
+        """The JSON of each completion chunk, a list per batch of generated pieces; the
+        choices one after another."""
+        stats: list[GenerationStats] = []
+        for index, generation in enumerate(generations):
+            if echoes[index]:
+                yield [_json(self._chunk(self.kind, "text", echoes[index], None, index=index))]
+            async for events in self._text_choice_events(state, generation, index, stats):
+                yield events
+        if self.include_usage:
+            yield [self._usage_chunk(self.kind, stats)]
+
+    async def _text_choice_events(
+        self,
+        state: ServerState,
+        generation: Generation,
+        index: int,
+        stats: list[GenerationStats],
+    ) -> AsyncIterator[list[str]]:
         offset = 0  # text_offset runs on across the stream's chunks
-        template = _ChunkTemplate(lambda text: self._chunk(self.kind, "text", text, None))
+        template = _ChunkTemplate(
+            lambda text: self._chunk(self.kind, "text", text, None, index=index)
+        )
         async for batch in pieces_batched(state, generation):
             events: list[str] = []
             for piece in batch:
@@ -291,24 +390,44 @@ class _Reply:
                             self.tokenizer, piece.logprobs, offset
                         )
                     chunk = self._chunk(
-                        self.kind, "text", piece.text, piece.finish_reason, logprobs
+                        self.kind, "text", piece.text, piece.finish_reason, logprobs, index
                     )
                     events.append(_json(chunk))
-                if piece.stats is not None and self.include_usage:
-                    usage = self._envelope(self.kind, []) | {"usage": usage_of(piece.stats)}
-                    events.append(_json(usage))
+                if piece.stats is not None:
+                    stats.append(piece.stats)
             yield events
 
-    def _delta_text(self, part: ReplyPart) -> str:
+    def _usage_chunk(self, kind: str, stats: list[GenerationStats]) -> str:
+        return _json(self._envelope(kind, []) | {"usage": usage_of(stats, self.per_prompt)})
+
+    def _delta_text(self, part: ReplyPart, index: int) -> str:
         """A text or reasoning delta without log-probabilities, from its template."""
-        key = "reasoning_content" if part.kind == "reasoning" else "content"
-        template = self._delta_templates.get(key)
+        kind = part.kind
+
+        def build(text: str) -> dict[str, Any]:
+            delta = self._text_delta(kind, text)
+            return self._chunk(CHAT_CHUNK, "delta", delta, None, index=index)
+
+        return self._template((kind, index), build).fill(part.text)
+
+    def _template(
+        self, key: tuple[str, int], build: Callable[[str], dict[str, Any]]
+    ) -> _ChunkTemplate:
+        template = self._templates.get(key)
         if template is None:
-            template = _ChunkTemplate(
-                lambda text: self._chunk(CHAT_CHUNK, "delta", {key: text}, None)
-            )
-            self._delta_templates[key] = template
-        return template.fill(part.text)
+            template = self._templates[key] = _ChunkTemplate(build)
+        return template
+
+    def _text_delta(self, kind: str, text: str) -> dict[str, Any]:
+        if kind == "reasoning":
+            return dict.fromkeys(self.reasoning_keys, text)
+        return {"content": text}
+
+    def _delta(self, part: ReplyPart, call_index: int) -> dict[str, Any]:
+        """One reply part as a chat delta; `call_index` numbers tool calls within the reply."""
+        if part.call is not None:
+            return {"tool_calls": [{"index": call_index, **openai_tool_call(part.call)}]}
+        return self._text_delta(part.kind, part.text)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -316,20 +435,25 @@ class _Reply:
             "object": kind,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
 
     def _chunk(
-        self, kind: str, key: str, content: Any, finish: str | None, logprobs: Any = None
+        self,
+        kind: str,
+        key: str,
+        content: Any,
+        finish: str | None,
+        logprobs: Any = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        choice = {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
-        chunk = self._envelope(kind, [choice])
+        chunk = self._envelope(kind, [_choice(index, {key: content}, finish, logprobs)])
         # With include_usage every chunk carries "usage": null until the final usage chunk.
         return chunk | {"usage": None} if self.include_usage else chunk
 
 
-def _delta(part: ReplyPart, index: int) -> dict[str, Any]:
-    """One reply part as a chat delta; `index` numbers tool calls within the reply."""
-    if part.call is not None:
-        return {"tool_calls": [{"index": index, **openai_tool_call(part.call)}]}
-    return {"reasoning_content" if part.kind == "reasoning" else "content": part.text}
+def _choice(
+    index: int, output: dict[str, Any], finish: str | None, logprobs: Any
+) -> dict[str, Any]:
+    return {"index": index, **output, "logprobs": logprobs, "finish_reason": finish}

@@ -28,7 +28,7 @@ from hearth.server.state import (
     sse_response,
     state_of,
 )
-from hearth.server.tools import Reply, ReplyParser, ReplyPart, ToolCall, parse_reply
+from hearth.server.tools import Reply, ReplyPart, ToolCall
 
 router = APIRouter()
 log = logging.getLogger("hearth.server")
@@ -94,23 +94,33 @@ async def create_response(request: Request) -> Response:
     state = state_of(request)
     store = store_of(request)
     conversation = _earlier(store, body.previous_response_id) + body.neutral_input()
+    policy = body.tool_policy()
     prompt = ChatPrompt(
         _instructions(body) + conversation,
         body.template_tools(),
         body.thinking(),
         "reasoning.effort",
+        policy,
     )
     ids = await state.encode_chat(prompt, "input")
     sampling = _sampling(state, body)
-    generation = state.plan(ids, body.max_output_tokens, sampling, (), "input", state.chat_stop_ids)
+    generation = state.plan(
+        ids,
+        body.max_output_tokens,
+        sampling,
+        (),
+        "input",
+        state.chat_stop_ids,
+        limit_param="max_output_tokens",
+    )
     draft = _Draft(body, state, sampling, len(ids))
     if body.stream:
         events = _stream(state, generation, draft, store, conversation)
         return sse_response(_named_events(events))
     result = await complete(state, generation, request)
-    reply = parse_reply(result.text, body.tools_on())
+    reply = policy.parse(result.text)
     items = _output_items(reply, _ItemIds.new())
-    response = draft.finished(items, result.finish_reason, result.stats)
+    response = draft.finished(items, result.finish_reason, result.stats, reply.reasoning)
     _remember(store, body, draft.id, conversation, reply)
     return JSONResponse(response)
 
@@ -228,23 +238,31 @@ class _Draft:
         self.model = body.model or state.model_id
         self.sampling = sampling
         self.prompt_tokens = prompt
+        self.tokenizer = state.engine.tokenizer
 
     def in_progress(self) -> dict[str, Any]:
         return self._object("in_progress", [], None, None)
 
     def finished(
-        self, items: list[dict[str, Any]], finish_reason: str, stats: GenerationStats
+        self,
+        items: list[dict[str, Any]],
+        finish_reason: str,
+        stats: GenerationStats,
+        reasoning: str,
     ) -> dict[str, Any]:
         cut = finish_reason == FINISH_LENGTH
         status = "incomplete" if cut else "completed"
         details = {"reason": "max_output_tokens"} if cut else None
-        return self._object(status, items, details, self._usage(stats))
+        return self._object(status, items, details, self._usage(stats, reasoning))
 
-    def _usage(self, stats: GenerationStats) -> dict[str, Any]:
+    def _usage(self, stats: GenerationStats, reasoning: str) -> dict[str, Any]:
+        # The thought's tokens, counted by encoding its text again (its markers aside).
+        thought = len(self.tokenizer.encode(reasoning, add_special_tokens=False))
         return {
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {"cached_tokens": stats.cached_tokens},
             "output_tokens": stats.generated_tokens,
+            "output_tokens_details": {"reasoning_tokens": thought if reasoning else 0},
             "total_tokens": self.prompt_tokens + stats.generated_tokens,
         }
 
@@ -268,19 +286,24 @@ class _Draft:
             "max_output_tokens": body.max_output_tokens,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": effort, "summary": None},
             "store": body.store,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
-            "tool_choice": body.tool_choice or "auto",
+            "tool_choice": _tool_choice_echo(body),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "usage": usage,
             "metadata": body.metadata or {},
         }
+
+
+def _tool_choice_echo(body: ResponsesRequest) -> Any:
+    choice = body.tool_choice or "auto"
+    return choice if isinstance(choice, str) else choice.model_dump()
 
 
 class _EventStream:
@@ -373,7 +396,7 @@ async def _stream(
     conversation: list[dict[str, Any]],
 ) -> AsyncIterator[dict[str, Any]]:
     stream = _EventStream(_ItemIds.new())
-    parser = ReplyParser(draft.body.tools_on())
+    parser = draft.body.tool_policy().parser()
     reply = Reply()
     yield stream.event("response.created", response=draft.in_progress())
     yield stream.event("response.in_progress", response=draft.in_progress())
@@ -388,7 +411,9 @@ async def _stream(
         if piece.finish_reason is not None and piece.stats is not None:
             for event in stream.finish():
                 yield event
-            response = draft.finished(stream.items, piece.finish_reason, piece.stats)
+            response = draft.finished(
+                stream.items, piece.finish_reason, piece.stats, reply.reasoning
+            )
             _remember(store, draft.body, draft.id, conversation, reply)
             # The API ends a response cut by max_output_tokens with response.incomplete.
             yield stream.event(f"response.{response['status']}", response=response)

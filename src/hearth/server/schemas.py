@@ -1,12 +1,16 @@
 """Request bodies of the OpenAI and Anthropic endpoints, as strict pydantic models.
 
-Every model forbids fields it does not declare: a field Hearth does not act on is refused with
-400 naming it, never silently ignored. Types are strict (no "5" -> 5), numbers finite.
+A field is accepted when it is absent, null, its documented default, an echo of what Hearth
+itself returned, or purely informational (metadata, user ids, cache hints); a value that asks
+for behaviour Hearth does not have is refused with a 400 naming the field. Fields no model
+declares are refused too, never silently ignored. Types are strict (no "5" -> 5), numbers
+finite. docs/server.md has the table of every field and its status.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -18,29 +22,34 @@ from pydantic import (
     model_validator,
 )
 
-from hearth.server.tools import function_tool
+from hearth.server.tools import ToolChoice, function_tool
 
-# Known OpenAI/Anthropic fields Hearth does not implement yet: refused with a specific message.
+# Known fields of peer APIs that Hearth does not implement: refused with a specific message.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "audio",
-        "best_of",
-        "echo",
-        "function_call",
-        "functions",
+        "adapters",
+        "draft_model",
+        "grammar",
         "guided_choice",
         "guided_grammar",
+        "guided_json",
         "guided_regex",
-        "modalities",
-        "parallel_tool_calls",
-        "prediction",
-        "response_format",
-        "suffix",
+        "json_schema",
         "top_logprobs",
-        "xtc_probability",
-        "xtc_threshold",
+        "web_search_options",
     }
 )
+
+# What a content part or block of these types carries, for "... are not supported" errors.
+MEDIA_KINDS = {
+    "image": "images",
+    "image_url": "images",
+    "input_image": "images",
+    "input_audio": "audio inputs",
+    "file": "files",
+    "input_file": "files",
+    "document": "documents",
+}
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
@@ -48,18 +57,53 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 Probability = Annotated[float, Field(gt=0, le=1)]
 UnitInterval = Annotated[float, Field(ge=0, le=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
 # Beyond any context window Hearth runs; the per-model limit is checked after tokenizing.
 MaxTokens = Annotated[int, Field(ge=1, le=1_048_576)]
 # Alternatives reported per token (OpenAI's limit for chat; the legacy API's `logprobs` too).
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+# OpenAI's limit on choices per request.
+MAX_CHOICES = 128
+# Seeds are 64-bit; -1 asks for a random one, as llama.cpp users expect.
+RANDOM_SEED = -1
+SEED_LIMIT = 2**64
+
+
+class FieldRefused(Exception):
+    """A whole-request check that fails on one field (pydantic would name no field for it);
+    deliberately not a ValueError, so it leaves pydantic as it is."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+def only(allowed: tuple[object, ...], message: str) -> Callable[[object], object]:
+    """A before-validator accepting only null and `allowed` values (a field accepted at its
+    default); any other value is refused with `message` (what is not supported, and what is)."""
+
+    def check(value: object) -> object:
+        # `is` for booleans: 0 == False, and a strict field must still see the int.
+        if value is not None and not any(value == ok and type(value) is type(ok) for ok in allowed):
+            raise ValueError(message)
+        return value
+
+    return check
+
+
+def refuse_media(kind: object) -> None:
+    if isinstance(kind, str) and kind in MEDIA_KINDS:
+        raise ValueError(f"{MEDIA_KINDS[kind]} are not supported by this model")
+
+
 def text_of_content(content: object) -> str:
-    """A message's text: a string, or a list of {"type": "text", "text": ...} parts joined."""
+    """A message's text: a string, or a list of text parts joined (a `refusal` part counts as
+    text: it is what an assistant said; `cache_control` is a hint some clients add)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -67,16 +111,28 @@ def text_of_content(content: object) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
+        refuse_media(kind)
+        key = {"text": "text", "refusal": "refusal"}.get(kind) if isinstance(kind, str) else None
+        if key is None:
             raise ValueError(f"only text content parts are supported, got type {kind!r}")
-        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-            raise ValueError('a text part must be exactly {"type": "text", "text": <string>}')
-        texts.append(part["text"])
+        assert isinstance(part, dict)
+        if not set(part) <= {"type", key, "cache_control"} or not isinstance(part.get(key), str):
+            raise ValueError(f'a {kind} part must be {{"type": "{kind}", "{key}": <string>}}')
+        texts.append(part[key])
     return "".join(texts)
 
 
 def optional_text_of_content(content: object) -> str | None:
     return None if content is None else text_of_content(content)
+
+
+def valid_seed(seed: int | None) -> int | None:
+    """-1 means a random seed (None); others must fit 64 bits."""
+    if seed is None or seed == RANDOM_SEED:
+        return None
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"must be -1 (random) or an integer in [0, {SEED_LIMIT - 1}]")
+    return seed
 
 
 class FunctionCall(StrictModel):
@@ -88,19 +144,31 @@ class ToolCallIn(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # present when a client rebuilds calls from stream deltas
 
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
+    name: str | None = None  # the participant's name; chat templates have no place for it
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # Echoes of a returned assistant message: earlier thoughts are dropped (the template drops
+    # them), a refusal is what the assistant said, annotations are citations to show.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     # Parts are joined before validation, so the engine only ever sees plain strings.
     _join_parts = field_validator("content", mode="before")(optional_text_of_content)
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and self.refusal is not None and self.role == "assistant":
+            self.content = self.refusal
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required unless an assistant message has tool_calls")
         if self.tool_calls and self.role != "assistant":
@@ -137,6 +205,17 @@ class FunctionTool(StrictModel):
     function: FunctionSpec
 
 
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    """OpenAI chat's `{"type": "function", "function": {"name": ...}}`: call that tool."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatTemplateKwargs(StrictModel):
     enable_thinking: bool | None = None
 
@@ -151,7 +230,21 @@ def thinking_switch(
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # padding against length side channels; none here
+
+
+class TextFormat(StrictModel):
+    """`{"type": "text"}`: plain text, the default (OpenAI's response_format, Responses'
+    text.format)."""
+
+    type: Literal["text"]
+
+
+def plain_text_format(value: object) -> object:
+    if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema"):
+        raise ValueError('structured output is not supported yet (only {"type": "text"})')
+    return value
 
 
 class OpenAIRequest(StrictModel):
@@ -165,22 +258,33 @@ class OpenAIRequest(StrictModel):
     min_p: UnitInterval | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    repetition_context_size: Annotated[int, Field(ge=1)] | None = None
+    # mlx_lm.server's default 0 means "off", as 1 does.
+    repetition_penalty: NonNegativeFloat | None = None
+    repetition_context_size: PositiveInt | None = None
     presence_penalty: Penalty | None = None
+    presence_context_size: PositiveInt | None = None
     frequency_penalty: Penalty | None = None
+    frequency_context_size: PositiveInt | None = None
+    xtc_probability: UnitInterval | None = None
+    xtc_threshold: Annotated[float, Field(ge=0, le=0.5)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    n: int | None = None
-    stream: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the caller's own tracking; no effect here
+    # Informational: tracking ids and hints that change nothing in the output.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prompt caching is automatic
+    cache_prompt: bool | None = None  # llama.cpp's cache hint; caching is automatic
+    safety_identifier: str | None = None
+    num_draft_tokens: NonNegativeInt | None = None  # mlx_lm.server's; no draft model here
+    store: bool | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError("only n=1 is supported (one choice per request)")
-        return n
+    _seed_range = field_validator("seed")(valid_seed)
+    _no_storage = field_validator("store", mode="before")(
+        only((False,), "storing completions is not supported (store: false)")
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -190,6 +294,10 @@ class OpenAIRequest(StrictModel):
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
         return bias
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -197,6 +305,9 @@ class OpenAIRequest(StrictModel):
 
     def token_bias(self) -> dict[int, float] | None:
         return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def logprob_alternatives(self) -> int | None:
         """None: no log-probabilities; else how many alternatives to report per token."""
@@ -209,9 +320,26 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None  # needs logprobs: true (declared just above)
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    role_mapping: dict[str, str] | None = None  # mlx_lm.server's, for models without a template
+    response_format: TextFormat | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None  # predicted output: a speed hint, same output
+    audio: None = None
+    functions: None = None
+    function_call: None = None
+
+    _text_modality = field_validator("modalities")(lambda value: _text_modality_only(value))
+    _no_functions = field_validator("functions", "function_call", mode="before")(
+        only((), "the legacy functions API is not supported: send tools and tool_choice")
+    )
+    _no_audio = field_validator("audio", mode="before")(
+        only((), "audio output is not supported by this model")
+    )
+    _text_format = field_validator("response_format", mode="before")(plain_text_format)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -221,9 +349,20 @@ class ChatCompletionRequest(OpenAIRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return top
 
+    @model_validator(mode="after")
+    def _named_tool_is_given(self) -> ChatCompletionRequest:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            require_tool(self.tool_choice.function.name, self.tool_names(), "tool_choice")
+        elif self.tool_choice == "required" and not self.tools:
+            raise FieldRefused("tool_choice", "tool_choice 'required' needs tools")
+        return self
+
     def token_limit(self) -> int | None:
         # The newer name wins, as in OpenAI's API (max_tokens is its deprecated alias).
         return self.max_completion_tokens or self.max_tokens
+
+    def limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def logprob_alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -231,34 +370,125 @@ class ChatCompletionRequest(OpenAIRequest):
     def neutral_messages(self) -> list[dict[str, Any]]:
         return [message.neutral(index) for index, message in enumerate(self.messages)]
 
-    def tools_on(self) -> bool:
-        # tool_choice "none": the model is not told of the tools, and calls are not parsed.
-        return bool(self.tools) and self.tool_choice != "none"
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or []]
+
+    def tool_policy(self) -> ToolChoice:
+        choice = self.tool_choice
+        parallel = self.parallel_tool_calls is not False
+        if not self.tools or choice == "none":
+            return ToolChoice(enabled=False)
+        if isinstance(choice, NamedToolChoice):
+            return ToolChoice(required=True, name=choice.function.name, parallel=parallel)
+        return ToolChoice(required=choice == "required", parallel=parallel)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if self.tools is None or self.tool_choice == "none":
+        # tool_choice "none": the model is not told of the tools, and calls are not parsed.
+        if not self.tool_policy().enabled:
             return None
-        return [tool.function.for_template() for tool in self.tools]
+        return [tool.function.for_template() for tool in self.tools or []]
 
     def thinking(self) -> bool | None:
         return thinking_switch(self.chat_template_kwargs, self.reasoning_effort)
 
 
+def _text_modality_only(modalities: list[str] | None) -> list[str] | None:
+    if modalities is not None and set(modalities) - {"text"}:
+        raise ValueError('only the "text" modality is supported by this model')
+    return modalities
+
+
+def require_tool(name: str, names: list[str], what: str) -> None:
+    if name not in names:
+        raise FieldRefused(what, f"{what} names {name!r}, which is not among the tools")
+
+
+TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
+# One prompt as text or token ids, or a batch of either: OpenAI's four shapes.
+PromptInput = str | list[str] | TokenIds | list[TokenIds]
+
+
+def _is_token_ids(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    )
+
+
+def _prompt_shape(prompt: object) -> object:
+    """One of OpenAI's four prompt shapes, none of them empty: checked up front, so a wrong
+    shape gets one clear message instead of an error per shape."""
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if _is_token_ids(prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) and p for p in prompt):
+            return prompt
+        if all(_is_token_ids(p) for p in prompt):
+            return prompt
+    raise ValueError(
+        "a prompt is a non-empty string, a list of them, a list of token ids (integers >= 0) "
+        "or a list of such lists"
+    )
+
+
 class CompletionRequest(OpenAIRequest):
-    prompt: str = Field(min_length=1)
+    prompt: PromptInput
     # The legacy API's logprobs is the number of alternatives per token (0: the token's only).
     logprobs: TopLogprobs | None = None
+    echo: bool | None = None
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+    _no_suffix = field_validator("suffix", mode="before")(
+        only(("",), "a suffix (insertion) is not supported: Hearth completes only after the prompt")
+    )
+
+    _prompt_shape = field_validator("prompt", mode="before")(lambda value: _prompt_shape(value))
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        # best_of > n would rank candidates by log-probability, which Hearth does not do.
+        if self.best_of is not None and self.best_of != self.choices:
+            message = "best_of must equal n (ranking candidates is not supported)"
+            raise FieldRefused("best_of", message)
+        if self.echo and self.logprobs is not None:
+            message = "echo with logprobs (the prompt's log-probabilities) is not supported"
+            raise FieldRefused("echo", message)
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def limit_param(self) -> str:
+        return "max_tokens"
 
     def logprob_alternatives(self) -> int | None:
         return self.logprobs
 
 
+class CacheControl(StrictModel):
+    """Anthropic's prompt-caching hint; Hearth caches prompts by itself."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
 class AnthropicText(StrictModel):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
+    citations: list[Any] | None = None  # an echo of a returned block; nothing to render
 
 
 class AnthropicToolUse(StrictModel):
@@ -266,6 +496,14 @@ class AnthropicToolUse(StrictModel):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+def _refuse_media(content: object) -> object:
+    if isinstance(content, list):
+        for block in content:
+            refuse_media(block.get("type") if isinstance(block, dict) else None)
+    return content
 
 
 class AnthropicToolResult(StrictModel):
@@ -273,6 +511,9 @@ class AnthropicToolResult(StrictModel):
     tool_use_id: str
     content: str | list[AnthropicText] = ""
     is_error: bool = False
+    cache_control: CacheControl | None = None
+
+    _no_media = field_validator("content", mode="before")(lambda value: _refuse_media(value))
 
     def text(self) -> str:
         text = (
@@ -290,10 +531,20 @@ class AnthropicThinking(StrictModel):
     type: Literal["thinking"]
     thinking: str
     signature: str = ""
+    cache_control: CacheControl | None = None
+
+
+class AnthropicRedactedThinking(StrictModel):
+    type: Literal["redacted_thinking"]
+    data: str
 
 
 AnthropicBlock = Annotated[
-    AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicThinking,
+    AnthropicText
+    | AnthropicToolUse
+    | AnthropicToolResult
+    | AnthropicThinking
+    | AnthropicRedactedThinking,
     Field(discriminator="type"),
 ]
 
@@ -301,6 +552,8 @@ AnthropicBlock = Annotated[
 class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[AnthropicBlock]
+
+    _no_media = field_validator("content", mode="before")(lambda value: _refuse_media(value))
 
     def neutral(self, index: int) -> list[dict[str, Any]]:
         """Tool results first (they answer the previous turn's calls), then the message."""
@@ -334,10 +587,21 @@ class AnthropicTool(StrictModel):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class AnthropicToolChoice(StrictModel):
-    type: Literal["auto", "none"]
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_with_tool(self) -> AnthropicToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise FieldRefused(
+                "tool_choice.name", 'a name is given with type "tool", and only then'
+            )
+        return self
 
 
 class AnthropicThinkingConfig(StrictModel):
@@ -349,24 +613,37 @@ class AnthropicMetadata(StrictModel):
     user_id: str | None = None  # the caller's tracking id; no effect on generation
 
 
-class MessagesRequest(StrictModel):
-    """POST /v1/messages (Anthropic Messages API): text, tools and thinking."""
+def _system_text(system: object) -> object:
+    """A system prompt given as text blocks (which may carry cache_control) as one string."""
+    if not isinstance(system, list):
+        return system
+    texts = []
+    for block in system:
+        if not (
+            isinstance(block, dict)
+            and block.get("type") == "text"
+            and isinstance(block.get("text"), str)
+            and set(block) <= {"type", "text", "cache_control", "citations"}
+        ):
+            raise ValueError('system blocks must be {"type": "text", "text": <string>}')
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+class AnthropicPrompt(StrictModel):
+    """What both /v1/messages and /v1/messages/count_tokens render: the conversation, the
+    system prompt, the tools and the thinking switch."""
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: MaxTokens
     system: str | None = None
-    stop_sequences: list[str] | None = None
-    temperature: NonNegativeFloat | None = None
-    top_p: Probability | None = None
-    top_k: NonNegativeInt | None = None
-    stream: bool = False
-    metadata: AnthropicMetadata | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinkingConfig | None = None
 
-    _join_system_blocks = field_validator("system", mode="before")(optional_text_of_content)
+    _join_system_blocks = field_validator("system", mode="before")(
+        lambda value: _system_text(value)
+    )
 
     @field_validator("messages")
     @classmethod
@@ -376,29 +653,63 @@ class MessagesRequest(StrictModel):
             raise ValueError("a final assistant message (prefill) is not supported yet")
         return messages
 
+    @model_validator(mode="after")
+    def _named_tool_is_given(self) -> AnthropicPrompt:
+        choice = self.tool_choice
+        names = [tool.name for tool in self.tools or []]
+        if choice is not None and choice.name is not None:
+            require_tool(choice.name, names, "tool_choice")
+        if choice is not None and choice.type == "any" and not names:
+            raise FieldRefused("tool_choice", 'tool_choice "any" needs tools')
+        return self
+
     def neutral_messages(self) -> list[dict[str, Any]]:
         system = [{"role": "system", "content": self.system}] if self.system else []
         turns = [part for i, m in enumerate(self.messages) for part in m.neutral(i)]
         return system + turns
 
-    def tools_on(self) -> bool:
-        return bool(self.tools) and not (self.tool_choice and self.tool_choice.type == "none")
+    def tool_policy(self) -> ToolChoice:
+        choice = self.tool_choice or AnthropicToolChoice(type="auto")
+        if not self.tools or choice.type == "none":
+            return ToolChoice(enabled=False)
+        parallel = not choice.disable_parallel_tool_use
+        required = choice.type in ("any", "tool")
+        return ToolChoice(required=required, name=choice.name, parallel=parallel)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if self.tools is None or (self.tool_choice and self.tool_choice.type == "none"):
+        if not self.tool_policy().enabled:
             return None
-        return [function_tool(t.name, t.description, t.input_schema) for t in self.tools]
+        tools = self.tools or []
+        return [function_tool(t.name, t.description, t.input_schema) for t in tools]
 
     def thinking_on(self) -> bool | None:
         return None if self.thinking is None else self.thinking.type == "enabled"
 
 
-class ResponsesText(StrictModel):
-    """A text part of a Responses message: input_text, or output_text sent back as history."""
+class MessagesRequest(AnthropicPrompt):
+    """POST /v1/messages (Anthropic Messages API): text, tools and thinking."""
 
-    type: Literal["input_text", "output_text"]
-    text: str
+    max_tokens: MaxTokens
+    stop_sequences: list[str] | None = None
+    temperature: NonNegativeFloat | None = None
+    top_p: Probability | None = None
+    top_k: NonNegativeInt | None = None
+    stream: bool | None = None
+    metadata: AnthropicMetadata | None = None
+    service_tier: str | None = None  # informational: one local model, one tier
+
+
+class ResponsesText(StrictModel):
+    """A text part of a Responses message: input_text, or output_text / refusal sent back."""
+
+    type: Literal["input_text", "output_text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
     annotations: list[Any] | None = None  # output_text's citations; nothing to render
+    logprobs: list[Any] | None = None  # an echo of output_text's; nothing to render
+
+    def value(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
 class ResponsesMessage(StrictModel):
@@ -408,10 +719,12 @@ class ResponsesMessage(StrictModel):
     id: str | None = None
     status: str | None = None
 
+    _no_media = field_validator("content", mode="before")(lambda value: _refuse_media(value))
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.value() for part in self.content)
 
 
 class ResponsesFunctionCall(StrictModel):
@@ -426,9 +739,16 @@ class ResponsesFunctionCall(StrictModel):
 class ResponsesFunctionOutput(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[ResponsesText]
     id: str | None = None
     status: str | None = None
+
+    _no_media = field_validator("output", mode="before")(lambda value: _refuse_media(value))
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.value() for part in self.output)
 
 
 class ResponsesReasoning(StrictModel):
@@ -466,8 +786,39 @@ class ResponsesTool(StrictModel):
     strict: bool | None = None  # accepted; arguments are not constrained to the schema
 
 
+class ResponsesNamedTool(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesReasoningConfig(StrictModel):
     effort: ReasoningEffort | None = None
+    # "auto" lets the model decide; Hearth's decision is no summary (summary: []).
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None
+
+    _auto_summary = field_validator("summary", "generate_summary", mode="before")(
+        only(("auto",), 'reasoning summaries are not produced ("auto" or null)')
+    )
+
+
+class ResponsesTextConfig(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the default; other lengths are not steered
+
+    _text_format = field_validator("format", mode="before")(plain_text_format)
+    _medium = field_validator("verbosity", mode="before")(
+        only(("medium",), 'only the default verbosity "medium" is supported')
+    )
+
+
+class ResponsesStreamOptions(StrictModel):
+    include_obfuscation: bool | None = None
+
+
+# `include` values that ask for nothing Hearth lacks: its reasoning is plain text, and earlier
+# reasoning sent back is dropped, so no encrypted copy is needed to continue a conversation.
+HARMLESS_INCLUDES = ("reasoning.encrypted_content",)
 
 
 class ResponsesRequest(StrictModel):
@@ -480,14 +831,52 @@ class ResponsesRequest(StrictModel):
     temperature: NonNegativeFloat | None = None
     top_p: Probability | None = None
     tools: list[ResponsesTool] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = None
     reasoning: ResponsesReasoningConfig | None = None
     previous_response_id: str | None = None
     store: bool = True
-    stream: bool = False
+    stream: bool | None = None
+    stream_options: ResponsesStreamOptions | None = None
     metadata: dict[str, str] | None = None  # echoed back
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None
+    text: ResponsesTextConfig | None = None
+    top_logprobs: Literal[0] | None = None
+    background: bool | None = None
+    # Informational: tracking ids and hints that change nothing in the output.
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     _easy_messages = field_validator("input", mode="before")(_messages_default_to_type_message)
+    _no_truncation = field_validator("truncation", mode="before")(
+        only(("disabled",), 'only "disabled" is supported: a prompt over the context is refused')
+    )
+    _no_logprobs = field_validator("top_logprobs", mode="before")(
+        only((0,), "log-probabilities are not supported on the Responses API yet")
+    )
+    _foreground = field_validator("background", mode="before")(
+        only((False,), "background responses are not supported (background: false)")
+    )
+
+    @field_validator("include")
+    @classmethod
+    def _harmless_includes(cls, include: list[str] | None) -> list[str] | None:
+        for item in include or []:
+            if item not in HARMLESS_INCLUDES:
+                raise ValueError(f"{item!r} is not supported (supported: {HARMLESS_INCLUDES})")
+        return include
+
+    @model_validator(mode="after")
+    def _named_tool_is_given(self) -> ResponsesRequest:
+        names = [tool.name for tool in self.tools or []]
+        if isinstance(self.tool_choice, ResponsesNamedTool):
+            require_tool(self.tool_choice.name, names, "tool_choice")
+        elif self.tool_choice == "required" and not names:
+            raise FieldRefused("tool_choice", "tool_choice 'required' needs tools")
+        return self
 
     def neutral_input(self) -> list[dict[str, Any]]:
         """The input items as neutral messages; consecutive calls join one assistant turn."""
@@ -503,17 +892,24 @@ class ResponsesRequest(StrictModel):
                 call = {"id": item.call_id, "name": item.name, "arguments": item.arguments}
                 _calling_turn(messages, source)["tool_calls"].append(call)
             elif isinstance(item, ResponsesFunctionOutput):
-                tool = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                tool = {"role": "tool", "tool_call_id": item.call_id, "content": item.text()}
                 messages.append(tool | {"source": source})
         return messages
 
-    def tools_on(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+    def tool_policy(self) -> ToolChoice:
+        choice = self.tool_choice
+        parallel = self.parallel_tool_calls is not False
+        if not self.tools or choice == "none":
+            return ToolChoice(enabled=False)
+        if isinstance(choice, ResponsesNamedTool):
+            return ToolChoice(required=True, name=choice.name, parallel=parallel)
+        return ToolChoice(required=choice == "required", parallel=parallel)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if self.tools is None or self.tool_choice == "none":
+        if not self.tool_policy().enabled:
             return None
-        return [function_tool(t.name, t.description, t.parameters) for t in self.tools]
+        tools = self.tools or []
+        return [function_tool(t.name, t.description, t.parameters) for t in tools]
 
     def thinking(self) -> bool | None:
         effort = self.reasoning.effort if self.reasoning else None

@@ -4,21 +4,29 @@ turn a parsed request into a generation the worker can run."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from hearth import __version__ as hearth_version
 from hearth.engine import Engine
 from hearth.errors import HearthError
 from hearth.generate import GenerationChunk, GenerationStats, TokenLogprobs
 from hearth.sampling import SamplingParams
 from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError
-from hearth.server.tools import TOOL_RESPONSE_START, ConversationError, template_conversation
+from hearth.server.tools import (
+    TOOL_CALL_START,
+    TOOL_RESPONSE_START,
+    ConversationError,
+    ToolChoice,
+    template_conversation,
+)
 from hearth.server.worker import GenerationWorker
 
 # Prompts up to this many characters are tokenized on the event loop (about 0.25 ms per 1000
@@ -28,6 +36,13 @@ INLINE_ENCODE_CHARS = 2048
 
 # Gemma 4 ends a turn with <turn|>, and a tool call is followed by <|tool_response>.
 CHAT_STOP_TOKENS = ("<turn|>", TOOL_RESPONSE_START)
+
+
+NO_TOOLS = ToolChoice(enabled=False)
+ReasoningField = Literal["reasoning", "reasoning_content", "both"]
+REASONING_FIELDS: tuple[ReasoningField, ...] = ("reasoning", "reasoning_content", "both")
+# mlx_lm.server's window for repetition, presence and frequency penalties.
+PENALTY_CONTEXT_SIZE = 20
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,13 @@ class ServerDefaults:
     max_tokens: int = 512
     # --chat-template-args: extra template variables; a request's own switches win.
     chat_template_args: Mapping[str, Any] = field(default_factory=dict)
+    # --reasoning-field: where chat replies put the thought channel (mlx_lm.server: reasoning).
+    reasoning_field: ReasoningField = "reasoning"
+
+    def reasoning_keys(self) -> tuple[str, ...]:
+        if self.reasoning_field == "both":
+            return ("reasoning", "reasoning_content")
+        return (self.reasoning_field,)
 
 
 @dataclass(frozen=True)
@@ -64,6 +86,9 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None = None
     enable_thinking: bool | None = None
     thinking_param: str = "thinking"  # the request field that switched thinking on
+    tool_choice: ToolChoice = NO_TOOLS
+    # mlx_lm.server's role prefixes, for a model without a chat template of its own.
+    role_mapping: Mapping[str, str] | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
@@ -92,6 +117,28 @@ class ServerState:
     def context_length(self) -> int:
         return self.engine.model.config.max_position_embeddings
 
+    @property
+    def base_model(self) -> bool:
+        """No chat template of its own: chat goes through a generic one and replies poorly."""
+        return not self.engine.tokenizer.has_own_chat_template
+
+    @property
+    def system_fingerprint(self) -> str:
+        """What produced the replies: Hearth's version, the model and how it runs (OpenAI's
+        `system_fingerprint` changes when the backend configuration does)."""
+        model = self.engine.model
+        setup = f"{hearth_version}|{self.model_id}|{model.compute_dtype}|{model.device}"
+        return f"fp_{hashlib.sha256(setup.encode()).hexdigest()[:10]}"
+
+    async def encode_prompt(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of a completion prompt: text, or token ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return await self.encode(prompt, param)
+        vocab = self.engine.model.config.vocab_size
+        if (bad := next((i for i in prompt if i >= vocab), None)) is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary of {vocab}", param)
+        return list(prompt)
+
     async def encode(self, prompt: str | list[dict[str, Any]], param: str) -> list[int]:
         """Token ids of a raw prompt or a conversation, off the event loop (templates and long
         prompts take a while)."""
@@ -107,12 +154,16 @@ class ServerState:
         return ids
 
     async def encode_chat(self, prompt: ChatPrompt, param: str) -> list[int]:
-        """Token ids of a conversation rendered with tools and the thinking switch."""
+        """Token ids of a conversation rendered with tools and the thinking switch, followed
+        by a forced tool call's opening when the request demands a call."""
         try:
             messages = template_conversation(prompt.messages)
         except ConversationError as error:
             raise RequestError(str(error), error.param) from None
         self._check_template_supports(prompt)
+        if prompt.role_mapping is not None and self.base_model:
+            text = role_mapped_prompt(prompt.messages, prompt.role_mapping)
+            return await self.encode(text, param)
         tokenizer = self.engine.tokenizer
         try:
             kwargs = {**self.defaults.chat_template_args, **prompt.template_kwargs()}
@@ -124,16 +175,33 @@ class ServerState:
             raise RequestError(str(error), param) from None
         if not ids:
             raise RequestError("the prompt is empty", param)
-        return ids
+        prefix = prompt.tool_choice.reply_prefix()
+        return ids + tokenizer.encode(prefix, add_special_tokens=False) if prefix else ids
 
     def _check_template_supports(self, prompt: ChatPrompt) -> None:
         # A template that never reads `tools` would drop them silently: refuse instead.
-        template = self.engine.tokenizer.chat_template or ""
+        tokenizer = self.engine.tokenizer
+        template = tokenizer.chat_template or ""
         if prompt.uses_tools() and "tools" not in template:
             raise RequestError("this model's chat template does not support tools", "tools")
         if prompt.enable_thinking and "enable_thinking" not in template:
             message = "this model's chat template has no thinking switch"
             raise RequestError(message, prompt.thinking_param)
+        if prompt.tool_choice.required and tokenizer.token_to_id(TOOL_CALL_START) is None:
+            # A call is forced by opening it in the prompt, in a syntax Hearth can parse.
+            raise RequestError(
+                "a required tool call needs a model with Gemma 4's tool-call syntax; "
+                "this model supports tool_choice auto and none",
+                "tool_choice",
+            )
+
+    @property
+    def xtc_special_tokens(self) -> tuple[int, ...]:
+        """The tokens XTC never removes, as mlx_lm.server picks them: the encoding of a
+        newline (with the tokenizer's special tokens) and the end-of-sequence ids."""
+        tokenizer = self.engine.tokenizer
+        newline = tokenizer.encode("\n", add_special_tokens=True)
+        return tuple(dict.fromkeys([*newline, *sorted(tokenizer.eos_ids)]))
 
     @property
     def chat_stop_ids(self) -> tuple[int, ...]:
@@ -150,9 +218,10 @@ class ServerState:
         prompt_param: str,
         stop_ids: tuple[int, ...] | None = None,
         top_logprobs: int | None = None,
+        limit_param: str = "max_tokens",
     ) -> Generation:
         """Check the prompt fits the context and the memory budget, and the sampling settings
-        are valid."""
+        are valid; `limit_param` names the request's token limit in errors."""
         room = self.context_length - len(prompt_ids)
         if room < 1:
             raise RequestError(
@@ -162,9 +231,9 @@ class ServerState:
             )
         if max_tokens is not None and max_tokens > room:
             raise RequestError(
-                f"max_tokens {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
+                f"{limit_param} {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
                 f"this model's context of {self.context_length} tokens",
-                "max_tokens",
+                limit_param,
             )
         try:
             sampling.validate(self.engine.model.config.vocab_size)
@@ -176,6 +245,16 @@ class ServerState:
         if self.memory_budget is not None:
             self.memory_budget.check(len(prompt_ids), limit)
         return Generation(prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs)
+
+
+def role_mapped_prompt(messages: list[dict[str, Any]], role_mapping: Mapping[str, str]) -> str:
+    """mlx_lm.server's prompt for a model without a chat template: each message as its role's
+    prefix, its text and the "stop" string, then the "assistant" prefix, trailing space cut."""
+    stop = role_mapping.get("stop", "")
+    turns = "".join(
+        f"{role_mapping.get(m['role'], '')}{m.get('content') or ''}{stop}" for m in messages
+    )
+    return (turns + role_mapping.get("assistant", "")).rstrip()
 
 
 def _text_size(value: Any) -> int:

@@ -201,18 +201,56 @@ def _call_or_text(markup: str) -> ReplyPart:
         return ReplyPart("text", markup)
 
 
-class ReplyParser:
-    """Generated text in, reasoning / answer text / tool calls out, as the text streams."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request lets the model do with its tools: use them or not (`enabled`), whether
+    it must call one (`required`, and `name`: which one), and whether more than one call may
+    come (`parallel`)."""
 
-    def __init__(self, parse_tools: bool) -> None:
+    enabled: bool = True
+    required: bool = False
+    name: str | None = None
+    parallel: bool = True
+
+    def reply_prefix(self) -> str:
+        """The start of a forced call, appended to the prompt: with no constrained decoding
+        the model is made to begin its reply with the call (and the tool's name, if named)."""
+        if not self.required:
+            return ""
+        return f"{TOOL_CALL_START}call:{self.name}{{" if self.name else f"{TOOL_CALL_START}call:"
+
+    def parser(self) -> ReplyParser:
+        return ReplyParser(self.enabled, None if self.parallel else 1, self.reply_prefix())
+
+    def parse(self, text: str) -> Reply:
+        """A whole reply, split as `parser` splits a stream."""
+        parser = self.parser()
+        reply = Reply()
+        for part in [*parser.feed(text), *parser.finish()]:
+            reply.add(part)
+        return reply
+
+
+class ReplyParser:
+    """Generated text in, reasoning / answer text / tool calls out, as the text streams.
+
+    `max_calls`: calls after that many are dropped (a request that disabled parallel calls).
+    `prefix`: text the reply begins with that was not generated (a forced call's opening).
+    """
+
+    def __init__(self, parse_tools: bool, max_calls: int | None = None, prefix: str = "") -> None:
         self._reasoning = ReasoningSplitter()
         self._tools = _ToolCallSplitter() if parse_tools else None
+        self._calls_left = max_calls
+        self._prefix = prefix
 
     def feed(self, text: str) -> list[ReplyPart]:
+        text, self._prefix = self._prefix + text, ""
         return self._route(self._reasoning.feed(text), final=False)
 
     def finish(self) -> list[ReplyPart]:
-        return self._route(self._reasoning.finish(), final=True)
+        parts = self.feed("") if self._prefix else []
+        return parts + self._route(self._reasoning.finish(), final=True)
 
     def _route(self, pieces: list[tuple[str, str]], final: bool) -> list[ReplyPart]:
         parts: list[ReplyPart] = []
@@ -225,7 +263,13 @@ class ReplyParser:
                 parts.extend(self._tools.feed(text))
         if final and self._tools is not None:
             parts.extend(self._tools.finish())
-        return [part for part in parts if part.text or part.call is not None]
+        return [part for part in parts if (part.text or part.call is not None) and self._keep(part)]
+
+    def _keep(self, part: ReplyPart) -> bool:
+        if part.call is None or self._calls_left is None:
+            return True
+        self._calls_left -= 1
+        return self._calls_left >= 0
 
 
 @dataclass
@@ -246,11 +290,7 @@ class Reply:
 
 
 def parse_reply(text: str, parse_tools: bool) -> Reply:
-    parser = ReplyParser(parse_tools)
-    reply = Reply()
-    for part in [*parser.feed(text), *parser.finish()]:
-        reply.add(part)
-    return reply
+    return ToolChoice(enabled=parse_tools).parse(text)
 
 
 def function_tool(name: str, description: str | None, parameters: object) -> dict[str, Any]:
