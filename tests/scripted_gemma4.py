@@ -154,6 +154,18 @@ def last_prompt(engine: Engine) -> str:
     return engine.tokenizer.decode(engine.model.prompts[-1])  # type: ignore[attr-defined]
 
 
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one intra-op thread while the tiny model serves: its matrices are 64 wide, and
+    on a busy 2-core machine each op waiting for a second thread costs milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

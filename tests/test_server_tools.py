@@ -28,6 +28,7 @@ from scripted_gemma4 import (
     THOUGHT,
     WEATHER_TOOL,
     last_prompt,
+    one_torch_thread,
     scripted_engine,
 )
 from scripted_gemma4 import say as say_text
@@ -36,8 +37,9 @@ MALFORMED = "<|tool_call>call:get_weather{city:Paris}<tool_call|>"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    return scripted_engine(tmp_path_factory.mktemp("gemma4-tools"))
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with one_torch_thread():
+        yield scripted_engine(tmp_path_factory.mktemp("gemma4-tools"))
 
 
 @pytest.fixture(scope="module")

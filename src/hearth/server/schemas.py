@@ -404,8 +404,8 @@ def require_tool(name: str, names: list[str], what: str) -> None:
 
 
 TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
-# One prompt as text or token ids, or a batch of either: OpenAI's four shapes.
-PromptInput = str | list[str] | TokenIds | list[TokenIds]
+# One prompt as text or token ids, or a batch of them: OpenAI's four shapes (mixed, as llama.cpp).
+PromptInput = str | TokenIds | list[str | TokenIds]
 
 
 def _is_token_ids(value: object) -> bool:
@@ -423,14 +423,16 @@ def _prompt_shape(prompt: object) -> object:
         return prompt
     if _is_token_ids(prompt):
         return prompt
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) and p for p in prompt):
-            return prompt
-        if all(_is_token_ids(p) for p in prompt):
-            return prompt
+    # A batch may mix text and token ids, as llama.cpp's server allows.
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all((isinstance(p, str) and p) or _is_token_ids(p) for p in prompt)
+    ):
+        return prompt
     raise ValueError(
-        "a prompt is a non-empty string, a list of them, a list of token ids (integers >= 0) "
-        "or a list of such lists"
+        "a prompt is a non-empty string, a list of token ids (integers >= 0), or a list of "
+        "such strings and lists"
     )
 
 
@@ -461,9 +463,7 @@ class CompletionRequest(OpenAIRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if isinstance(self.prompt[0], int):
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]  # type: ignore[list-item]
         return list(self.prompt)  # type: ignore[arg-type]
 
@@ -719,8 +719,6 @@ class ResponsesMessage(StrictModel):
     id: str | None = None
     status: str | None = None
 
-    _no_media = field_validator("content", mode="before")(lambda value: _refuse_media(value))
-
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -742,8 +740,6 @@ class ResponsesFunctionOutput(StrictModel):
     output: str | list[ResponsesText]
     id: str | None = None
     status: str | None = None
-
-    _no_media = field_validator("output", mode="before")(lambda value: _refuse_media(value))
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -768,10 +764,15 @@ ResponsesItem = Annotated[
 ]
 
 
-def _messages_default_to_type_message(items: object) -> object:
-    # OpenAI's "easy" input messages leave out "type": they are messages.
+def _input_items(items: object) -> object:
+    """OpenAI's "easy" input messages leave out "type": they are messages. Image and file
+    parts are refused here, before the union of input shapes would bury the reason."""
     if not isinstance(items, list):
         return items
+    for item in items:
+        if isinstance(item, dict):
+            _refuse_media(item.get("content"))
+            _refuse_media(item.get("output"))
     return [
         {"type": "message", **item} if isinstance(item, dict) and "type" not in item else item
         for item in items
@@ -850,7 +851,7 @@ class ResponsesRequest(StrictModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    _easy_messages = field_validator("input", mode="before")(_messages_default_to_type_message)
+    _easy_messages = field_validator("input", mode="before")(_input_items)
     _no_truncation = field_validator("truncation", mode="before")(
         only(("disabled",), 'only "disabled" is supported: a prompt over the context is refused')
     )
