@@ -8,6 +8,7 @@ determinism, not what the replies say.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -88,6 +89,8 @@ def test_health_and_models(base_url: str, oai: openai.OpenAI) -> None:
     models = oai.models.list().data
     assert [m.object for m in models] == ["model"]
     assert oai.models.retrieve(models[0].id).id == models[0].id
+    # The embedded model has no chat template of its own: /v1/models says so (issue 41, item 9).
+    assert models[0].base_model is True  # type: ignore[attr-defined]
 
 
 def test_completion_stops_at_a_stop_string(oai: openai.OpenAI, tokenizer: Tokenizer) -> None:
@@ -154,6 +157,72 @@ def test_seeded_sampling_is_reproducible(oai: openai.OpenAI) -> None:
     fields = {"max_tokens": 6, "temperature": 1.0, "seed": 1234, "extra_body": {"top_k": 50}}
     first, second = (_complete(oai, **fields).choices[0].text for _ in range(2))
     assert first == second
+
+
+def test_n_seeded_choices_differ_and_repeat(oai: openai.OpenAI) -> None:
+    """llama.cpp's test_consistent_result_same_seed / test_different_result_different_seed,
+    for n > 1: with a seed, choice i samples with seed + i, so the choices differ and the
+    request repeats exactly; choice 0 is what n = 1 gives."""
+    fields = {"max_tokens": 4, "temperature": 1.0, "seed": 42}
+    first = [c.text for c in _complete(oai, n=2, **fields).choices]
+    assert first[0] != first[1]
+    # Each choice is the seeded single request, which repeats exactly (seeded test above).
+    assert _complete(oai, **fields).choices[0].text == first[0]
+    assert _complete(oai, **fields | {"seed": 43}).choices[0].text == first[1]
+
+
+def test_completion_prompt_forms_agree(oai: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    """llama.cpp's test_completion_with_tokens_input: token ids, a batch, or text: the same
+    prompt gives the same greedy completion; a batch gives one choice per prompt, in order."""
+    ids = tokenizer.encode(CAPITALS)
+    text = _complete(oai, max_tokens=3).choices[0].text
+    as_ids = oai.completions.create(model="gemma", prompt=ids, max_tokens=3)
+    batch = oai.completions.create(model="gemma", prompt=[ids, CAPITALS], max_tokens=3)
+    assert as_ids.choices[0].text == text
+    assert [(c.index, c.text) for c in batch.choices] == [(0, text), (1, text)]
+    assert batch.usage is not None and batch.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_role_mapping_renders_as_mlx_lm_server(oai: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    """mlx_lm.server's convert_chat for a model without a chat template: each message as its
+    role's prefix, its text and the stop string, then the assistant prefix, stripped."""
+    mapping = {"system": "RULES: ", "user": "Q: ", "assistant": "A:", "stop": "\n"}
+    messages = [
+        {"role": "system", "content": "Answer with a city."},
+        {"role": "user", "content": "Capital of France?"},
+    ]
+    rendered = "RULES: Answer with a city.\nQ: Capital of France?\nA:"
+    chat = oai.chat.completions.create(
+        model="gemma", messages=messages, max_tokens=3, extra_body={"role_mapping": mapping}
+    )
+    plain = oai.completions.create(model="gemma", prompt=rendered, max_tokens=3)
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(tokenizer.encode(rendered))
+    assert chat.choices[0].message.content == plain.choices[0].text
+
+
+def test_empty_tools_on_a_template_without_tools(oai: openai.OpenAI) -> None:
+    # Issue 42: `tools: []` asks for no tools, so a model without tool support answers it.
+    reply = oai.chat.completions.create(model="gemma", messages=USER, tools=[], max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_xtc_excludes_the_top_choices(oai: openai.OpenAI) -> None:
+    """mlx-lm's apply_xtc end to end: with xtc_probability 1, every token above the threshold
+    but the least likely of them is removed, so top_k 1 takes that one. The expectation comes
+    from the reply's own log-probabilities: the distribution XTC saw (no other filter)."""
+    xtc = {"top_k": 1, "xtc_probability": 1.0, "xtc_threshold": 0.1}
+    reply = oai.completions.create(
+        model="gemma", prompt="I like", max_tokens=1, temperature=1.0, logprobs=20, extra_body=xtc
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.top_logprobs and logprobs.tokens
+    above = sorted(
+        (lp, text) for text, lp in logprobs.top_logprobs[0].items() if math.exp(lp) > 0.1
+    )
+    assert len(above) >= 2  # else XTC would remove nothing here
+    assert logprobs.tokens[0] == above[0][1]
+    greedy = oai.completions.create(model="gemma", prompt="I like", max_tokens=1)
+    assert greedy.choices[0].text == above[-1][1] != reply.choices[0].text
 
 
 def test_100_concurrent_requests_are_all_answered(oai: openai.OpenAI, base_url: str) -> None:

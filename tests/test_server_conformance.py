@@ -423,3 +423,31 @@ def test_responses_required_tool_and_limit_errors(oai: openai.OpenAI, engine: En
             model="g",
             input=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
         )
+
+
+def test_serve_flags_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hearth serve --cors-origins a,b --reasoning-field both` (and mlx_lm.server's name,
+    --allowed-origins): what `serve` is handed; the defaults are mlx_lm.server's."""
+    import inspect
+
+    from hearth import cli
+    from hearth.server import app
+
+    signature = inspect.signature(app.serve)
+    handed: list[dict[str, Any]] = []
+
+    def fake_serve(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        handed.append(bound.arguments)
+
+    monkeypatch.setattr(cli, "_load", lambda model, args: None)
+    monkeypatch.setattr(app, "serve", fake_serve)
+    flags = ["--cors-origins", "http://a,http://b", "--reasoning-field", "both"]
+    for argv in (flags, ["--allowed-origins", ""], []):
+        assert cli.main(["serve", *argv]) == 0
+    first, none, default = handed
+    assert first["cors_origins"] == ("http://a", "http://b")
+    assert first["defaults"].reasoning_field == "both"
+    assert none["cors_origins"] == ()
+    assert default["cors_origins"] == ("*",) and default["defaults"].reasoning_field == "reasoning"
