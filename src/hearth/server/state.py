@@ -40,7 +40,6 @@ CHAT_STOP_TOKENS = ("<turn|>", TOOL_RESPONSE_START)
 
 NO_TOOLS = ToolChoice(enabled=False)
 ReasoningField = Literal["reasoning", "reasoning_content", "both"]
-REASONING_FIELDS: tuple[ReasoningField, ...] = ("reasoning", "reasoning_content", "both")
 # mlx_lm.server's window for repetition, presence and frequency penalties.
 PENALTY_CONTEXT_SIZE = 20
 
