@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth.kernels import HAS_TRITON
+from hearth.ops import HAS_TRITON
 from hearth.quant.mlx import quantize_affine, unpack_codes
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

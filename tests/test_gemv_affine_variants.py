@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import quantize_affine, unpack_codes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth.kernels import HAS_TRITON
+from hearth.ops import HAS_TRITON
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hearth.checkpoint import open_checkpoint
-from hearth.kv.cache import layer_specs
 from hearth.kv.static import StaticCache
 from hearth.models.loading import build_model
 from test_gemma4 import CONFIGS
@@ -31,7 +30,7 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
     """20-token prefill (window 8), then decode steps whose position is a device tensor."""
     model = _model(kind, tmp_path)
     ids = torch.randint(4, 256, (1, 36), generator=torch.Generator().manual_seed(0))
-    caches = [StaticCache(64, spec.window) for spec in layer_specs(model.config)]
+    caches = [StaticCache(64, spec.window) for spec in model.cache_specs()]
     with torch.inference_mode():
         reference = model(ids)
         prefill = model(ids[:, :20], caches)
@@ -41,7 +40,7 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
 
 
 def _caches(model: Any, capacity: int = 64) -> list[StaticCache]:
-    return [StaticCache(capacity, spec.window) for spec in layer_specs(model.config)]
+    return [StaticCache(capacity, spec.window) for spec in model.cache_specs()]
 
 
 def _same_caches_then_same_steps(
@@ -138,7 +137,7 @@ def test_reset_to_zero_makes_a_cache_fresh(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_decoder_matches_eager_on_gpu(tmp_path: Path) -> None:
-    from hearth.cuda_graph import GraphDecoder
+    from hearth.runtime.graphs import GraphDecoder
 
     model = _model("gemma3", tmp_path, "cuda")
     ids = torch.randint(4, 256, (1, 300), device="cuda", generator=None)
@@ -155,14 +154,14 @@ def test_generate_loop_uses_graphs_on_gpu_with_the_same_tokens(tmp_path: Path) -
     """generate_tokens decodes through CUDA graphs on a GPU, from its own static caches or
     from given dynamic ones (a prompt-cache hit, adopted); fp32 greedy tokens must equal a
     plain eager loop's (their logits differ by summation order only, ~1e-6)."""
-    from hearth.generate import GenerationStats, generate_tokens
     from hearth.kv import make_caches
-    from hearth.sampling import Sampler, SamplingParams
+    from hearth.runtime.generate import GenerationStats, generate_tokens
+    from hearth.runtime.sampling import Sampler, SamplingParams
 
     model = _model("gemma3", tmp_path, "cuda")
     prompt = torch.randint(4, 256, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     eager: list[int] = []
-    caches = make_caches(model.config)
+    caches = make_caches(model.cache_specs())
     with torch.inference_mode():
         logits = model(torch.tensor([prompt], device="cuda"), caches)[:, -1]
         for position in range(len(prompt), len(prompt) + 40):
@@ -173,7 +172,7 @@ def test_generate_loop_uses_graphs_on_gpu_with_the_same_tokens(tmp_path: Path) -
     graphed = list(generate_tokens(model, prompt, greedy, 40, GenerationStats()))
     adopted = list(
         generate_tokens(
-            model, prompt, greedy, 40, GenerationStats(), caches=make_caches(model.config)
+            model, prompt, greedy, 40, GenerationStats(), caches=make_caches(model.cache_specs())
         )
     )
     assert graphed == eager
@@ -198,10 +197,9 @@ def test_quantized_static_caches_match_the_dynamic_ones(
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(1))
     static = [
-        StaticCache(64, spec.window, policy.codec_of(spec.index))
-        for spec in layer_specs(model.config)
+        StaticCache(64, spec.window, policy.codec_of(spec.index)) for spec in model.cache_specs()
     ]
-    dynamic = policy.make_caches(model.config)
+    dynamic = policy.make_caches(model.cache_specs())
     outputs = []
     for caches in (static, dynamic):
         with torch.inference_mode():
@@ -230,7 +228,7 @@ def test_decode_steps_writing_kv_from_the_rope_kernel_match(
     for direct in (False, True):
         if direct:  # let dense static caches hand out their buffers as on a GPU
             monkeypatch.setattr(static_module, "kernel_enabled", lambda tensor: True)
-        caches = [StaticCache(64, spec.window) for spec in layer_specs(model.config)]
+        caches = [StaticCache(64, spec.window) for spec in model.cache_specs()]
         with torch.inference_mode():
             logits = [model(ids[:, :20], caches)]
             logits += [
@@ -246,16 +244,16 @@ def test_graph_decode_over_quantized_caches_on_gpu(scheme: str, tmp_path: Path) 
     """The graph path with a quantized KV policy (static caches holding codec planes, the
     attention kernel reading them) picks the same greedy tokens as an eager loop over the
     dynamic caches of that policy (fp32; logits differ by summation order only)."""
-    from hearth.generate import GenerationStats, generate_tokens
     from hearth.kv import parse_kv_quant
-    from hearth.sampling import Sampler, SamplingParams
+    from hearth.runtime.generate import GenerationStats, generate_tokens
+    from hearth.runtime.sampling import Sampler, SamplingParams
 
     policy = parse_kv_quant(scheme, group_size=32)
     hf = tiny_gemma3_model(seed=8, head_dim=32)
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cuda", False)
     prompt = torch.randint(4, 256, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     eager: list[int] = []
-    caches = policy.make_caches(model.config)
+    caches = policy.make_caches(model.cache_specs())
     with torch.inference_mode():
         logits = model(torch.tensor([prompt], device="cuda"), caches)[:, -1]
         for position in range(len(prompt), len(prompt) + 30):
@@ -281,7 +279,7 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
     summation order and exp2, bounded at 1e-4 in tests/test_attention_kernel_path.py)."""
     import hearth.kv.static as static_module
     from hearth.kv import parse_kv_quant
-    from hearth.models import gemma
+    from hearth.layers import attention as gemma
 
     policy = parse_kv_quant(scheme, group_size=32)
     hf = tiny_gemma3_model(seed=8, head_dim=32)
@@ -296,7 +294,7 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
             monkeypatch.setattr(static_module.StaticCache, "decode_write", lambda self, p: None)
         caches = [
             StaticCache(64, spec.window, policy.codec_of(spec.index))
-            for spec in layer_specs(model.config)
+            for spec in model.cache_specs()
         ]
         with torch.inference_mode():
             logits = [model(ids[:, :20], caches)]
@@ -311,8 +309,8 @@ def test_decoders_are_reused_only_when_asked_and_when_they_fit(
 ) -> None:
     """`acquire` hands back the model's idle decoder (emptied: fresh caches, length 0) when
     reuse is on, it holds the context and has the same KV policy; a new one otherwise."""
-    from hearth import cuda_graph
     from hearth.kv import parse_kv_quant
+    from hearth.runtime import graphs as cuda_graph
 
     model = _model("gemma3", tmp_path)
     GraphDecoder = cuda_graph.GraphDecoder
@@ -343,8 +341,8 @@ def test_a_decoder_that_replaces_a_smaller_one_grows(
     request takes twice the idle one's slots, in whole 256-slot buckets, within the model's
     positions (4096 here), the slot limit and half the device's free memory beyond what the
     request needs; a new KV policy starts at its own size."""
-    from hearth import cuda_graph
     from hearth.kv import parse_kv_quant
+    from hearth.runtime import graphs as cuda_graph
 
     hf = tiny_gemma3_model(seed=8, max_position_embeddings=4096)
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
@@ -388,8 +386,8 @@ def test_a_decoder_that_replaces_a_smaller_one_grows(
 def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Which prompts a graph prefills, and at what padded length: only with graphs on, on a
     fresh decoder, one chunk long, dense caches."""
-    from hearth import cuda_graph
     from hearth.kv import parse_kv_quant
+    from hearth.runtime import graphs as cuda_graph
 
     model = _model("gemma3", tmp_path)
     decoder = cuda_graph.GraphDecoder(model, 600)
@@ -425,7 +423,7 @@ def test_prefill_graphs_match_eager_on_gpu(
     """Prompts of 13, 50 and 64 tokens (bucket 64: padded, and exact; the window is 8) from
     one reused decoder, then decode steps: logits equal the eager path's. The first prompt
     prefills eagerly (a bucket's first sighting), the second captures, the rest replay."""
-    from hearth import cuda_graph
+    from hearth.runtime import graphs as cuda_graph
 
     monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
     monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", True)
@@ -458,12 +456,12 @@ def test_decoder_prefill_continues_after_adopt(kind: str, tmp_path: Path) -> Non
     """A prompt-cache hit as generate runs it with continuation graphs: the hit's 20 tokens
     adopted from dynamic caches, its 13 new ones prefilled by the decoder after them (eagerly
     here: positions from 20 on), then decode steps: logits match a full recompute."""
-    from hearth.cuda_graph import GraphDecoder
     from hearth.kv.cache import make_caches
+    from hearth.runtime.graphs import GraphDecoder
 
     model = _model(kind, tmp_path)
     ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(5))
-    dynamic = make_caches(model.config)
+    dynamic = make_caches(model.cache_specs())
     decoder = GraphDecoder(model, 64)
     with torch.inference_mode():
         reference = model(ids)
@@ -486,14 +484,14 @@ def test_continuation_graphs_match_eager_on_gpu(
     """Prompt-cache hits of 20 tokens, then 13 (padded to 64) or 64 new tokens, prefilled by
     one reused decoder from a continuation graph (eager the first time per bucket, captured
     the second, replayed after), then decode steps: logits match a full recompute."""
-    from hearth import cuda_graph
     from hearth.kv.cache import make_caches
+    from hearth.runtime import graphs as cuda_graph
 
     monkeypatch.setattr(cuda_graph, "CONTINUATION_GRAPHS", True)
     model = _model(kind, tmp_path, "cuda")
     for attempt, new in enumerate((13, 13, 64, 13)):
         ids = torch.randint(4, 256, (1, 20 + new + 8), device="cuda")
-        dynamic = make_caches(model.config)
+        dynamic = make_caches(model.cache_specs())
         with torch.inference_mode():
             reference = model(ids)
             model(ids[:, :20], dynamic)
@@ -513,9 +511,9 @@ def test_snapshot_of_static_caches_continues_as_dynamic_caches(kind: str, tmp_pa
     """The server keeps a prompt's caches for its next turn: a graph decoder's static caches
     (a 20-token prompt; the window is 8, so the rings have wrapped) become dynamic caches
     holding the same tokens, and decoding from them matches a full recompute."""
-    from hearth.cuda_graph import GraphDecoder
     from hearth.kv.cache import make_caches
-    from hearth.server.prompt_cache import snapshot_caches
+    from hearth.kv.prompt_cache import snapshot_caches
+    from hearth.runtime.graphs import GraphDecoder
 
     model = _model(kind, tmp_path)
     ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(3))
@@ -523,7 +521,7 @@ def test_snapshot_of_static_caches_continues_as_dynamic_caches(kind: str, tmp_pa
     with torch.inference_mode():
         reference = model(ids)
         decoder.prefill(ids[:, :20])
-        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.config))
+        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.cache_specs()))
         for static, dynamic in zip(decoder.caches, snapshot, strict=True):
             assert type(dynamic).__name__ in ("DenseCache", "RotatingCache")
             assert dynamic.offset == 20
@@ -558,9 +556,9 @@ def test_prompt_cache_round_trip_through_graph_prefill_on_gpu(kind: str, tmp_pat
     """As the server runs a conversation on a GPU: a fresh prompt prefilled by the reused
     decoder (eagerly, then from a captured graph, then replayed), kept as a dynamic snapshot,
     and the next turn adopting that snapshot to decode: logits match a full recompute."""
-    from hearth.cuda_graph import GraphDecoder
     from hearth.kv.cache import make_caches
-    from hearth.server.prompt_cache import snapshot_caches
+    from hearth.kv.prompt_cache import snapshot_caches
+    from hearth.runtime.graphs import GraphDecoder
 
     model = _model(kind, tmp_path, "cuda")
     ids = torch.randint(4, 256, (1, 30), device="cuda")
@@ -569,7 +567,7 @@ def test_prompt_cache_round_trip_through_graph_prefill_on_gpu(kind: str, tmp_pat
     for _ in range(3):
         decoder = GraphDecoder.acquire(model, 64)
         first = decoder.prefill(ids[:, :20])
-        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.config))
+        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.cache_specs()))
         GraphDecoder.release(decoder)
         decoder = GraphDecoder.acquire(model, 64)
         decoder.adopt(snapshot, 20)

@@ -9,8 +9,8 @@ for chunk in engine.stream("Once upon a time"):
 
 from hearth.engine import Engine
 from hearth.errors import CheckpointError, HearthError
-from hearth.generate import GenerationChunk, GenerationStats, stream_generate
-from hearth.sampling import SamplingParams
+from hearth.runtime.generate import GenerationChunk, GenerationStats, stream_generate
+from hearth.runtime.sampling import SamplingParams
 
 load = Engine.load
 
