@@ -5,6 +5,7 @@ API parses and streams it. Also a live HTTP server on it, for clients that need 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -20,6 +21,7 @@ import uvicorn
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from hearth.engine import Engine
+from hearth.runtime.runner import ModelRunner
 from hearth.server import ServerDefaults, ServerLimits, create_app
 from tiny import save_hf, tiny_gemma4_model
 
@@ -127,8 +129,11 @@ def scripted_engine(directory: Path) -> Engine:
     _write_tokenizer(directory)
     shutil.copy(template_path(), directory / "chat_template.jinja")
     loaded = Engine.load(directory, dtype="float32", device="cpu", progress=False, quantize="none")
-    loaded.model = ScriptedModel(loaded.model, END_OF_TURN)  # type: ignore[assignment]
-    return loaded
+    scripted = ScriptedModel(loaded.model, END_OF_TURN)
+    # Every forward goes through the script: eager steps only (no native CPU layer step).
+    plan = dataclasses.replace(loaded.plan, native_layers=False)
+    runner = ModelRunner(scripted, plan, loaded.kv_policy)  # type: ignore[arg-type]
+    return dataclasses.replace(loaded, model=scripted, runner=runner)
 
 
 def script_ids(engine: Engine, *texts: str) -> list[list[int]]:

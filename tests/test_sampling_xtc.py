@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hearth.sampling import Sampler, SamplingParams
+from hearth.runtime.sampling import Sampler, SamplingParams
 
 mx = pytest.importorskip("mlx.core", reason="mlx is a dev dependency: the oracle")
 sample_utils = pytest.importorskip("mlx_lm.sample_utils", reason="mlx-lm is a dev dependency")
