@@ -5,10 +5,13 @@ API parses and streams it. Also a live HTTP server on it, for clients that need 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import json
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -134,6 +137,15 @@ def scripted_engine(directory: Path) -> Engine:
     plan = dataclasses.replace(loaded.plan, native_layers=False)
     runner = ModelRunner(scripted, plan, loaded.kv_policy)  # type: ignore[arg-type]
     return dataclasses.replace(loaded, model=scripted, runner=runner)
+
+
+@functools.cache
+def shared_engine() -> Engine:
+    """One scripted engine for all the test modules of a run (building one takes seconds); its
+    checkpoint lies in a temporary folder removed at exit. Tests script what they need."""
+    directory = tempfile.mkdtemp(prefix="hearth-scripted-gemma4-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return scripted_engine(Path(directory))
 
 
 def script_ids(engine: Engine, *texts: str) -> list[list[int]]:

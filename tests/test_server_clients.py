@@ -27,7 +27,7 @@ from scripted_gemma4 import (
     one_torch_thread,
     say,
     say_in_turn,
-    scripted_engine,
+    shared_engine,
 )
 
 CITY_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
@@ -43,9 +43,9 @@ def get_weather(city: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def engine() -> Iterator[Engine]:
     with one_torch_thread():
-        yield scripted_engine(tmp_path_factory.mktemp("gemma4-clients"))
+        yield shared_engine()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from scripted_gemma4 import (
     one_torch_thread,
     say,
     say_in_turn,
-    scripted_engine,
+    shared_engine,
 )
 
 CLAUDE_TOOL = {
@@ -46,9 +46,9 @@ SECOND_CALL = '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def engine() -> Iterator[Engine]:
     with one_torch_thread():
-        yield scripted_engine(tmp_path_factory.mktemp("gemma4-conformance"))
+        yield shared_engine()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from hearth.engine import Engine
 from hearth.server import create_app
-from scripted_gemma4 import ASK, NO_PROMPT_CACHE, WEATHER_TOOL, one_torch_thread, scripted_engine
+from scripted_gemma4 import ASK, NO_PROMPT_CACHE, WEATHER_TOOL, one_torch_thread, say, shared_engine
 
 DOCS = Path(__file__).parent.parent / "docs" / "server.md"
 PATHS = {
@@ -817,15 +817,15 @@ def test_each_row_exercises_its_status() -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def engine() -> Iterator[Engine]:
     with one_torch_thread():
-        yield scripted_engine(tmp_path_factory.mktemp("gemma4-fields"))
+        yield shared_engine()
 
 
 @pytest.fixture(scope="module")
 def client(engine: Engine) -> Iterator[TestClient]:
     # Every reply is the end of turn at once: the table is about acceptance, not output.
-    engine.model.script = []  # type: ignore[attr-defined]
+    say(engine, "")
     with TestClient(create_app(engine, limits=NO_PROMPT_CACHE)) as test_client:
         yield test_client
 

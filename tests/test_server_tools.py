@@ -29,7 +29,7 @@ from scripted_gemma4 import (
     WEATHER_TOOL,
     last_prompt,
     one_torch_thread,
-    scripted_engine,
+    shared_engine,
 )
 from scripted_gemma4 import say as say_text
 
@@ -37,9 +37,9 @@ MALFORMED = "<|tool_call>call:get_weather{city:Paris}<tool_call|>"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def engine() -> Iterator[Engine]:
     with one_torch_thread():
-        yield scripted_engine(tmp_path_factory.mktemp("gemma4-tools"))
+        yield shared_engine()
 
 
 @pytest.fixture(scope="module")
