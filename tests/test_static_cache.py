@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hearth.checkpoint import open_checkpoint
-from hearth.kv.static import StaticCache
+from hearth.kv.cache import LayerCache
 from hearth.models.loading import build_model
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.runner import ModelRunner
@@ -33,7 +33,7 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
     """20-token prefill (window 8), then decode steps whose position is a device tensor."""
     model = _model(kind, tmp_path)
     ids = torch.randint(4, 256, (1, 36), generator=torch.Generator().manual_seed(0))
-    caches = [StaticCache(64, spec.window) for spec in model.cache_specs()]
+    caches = [LayerCache.pinned_at(64, spec.window) for spec in model.cache_specs()]
     with torch.inference_mode():
         reference = model(ids)
         prefill = model(ids[:, :20], caches)
@@ -42,12 +42,12 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
     assert caches[0].offset == 36
 
 
-def _caches(model: Any, capacity: int = 64) -> list[StaticCache]:
-    return [StaticCache(capacity, spec.window) for spec in model.cache_specs()]
+def _caches(model: Any, capacity: int = 64) -> list[LayerCache]:
+    return [LayerCache.pinned_at(capacity, spec.window) for spec in model.cache_specs()]
 
 
 def _same_caches_then_same_steps(
-    model: Any, plain: list[StaticCache], padded: list[StaticCache], ids: torch.Tensor, held: int
+    model: Any, plain: list[LayerCache], padded: list[LayerCache], ids: torch.Tensor, held: int
 ) -> None:
     """Both cache lists hold `held` tokens at the same positions, values within ATOL; then,
     over the same values (the padded ones copied over), decode steps to the end of `ids`
@@ -201,7 +201,8 @@ def test_quantized_static_caches_match_the_dynamic_ones(
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(1))
     static = [
-        StaticCache(64, spec.window, policy.codec_of(spec.index)) for spec in model.cache_specs()
+        LayerCache.pinned_at(64, spec.window, policy.codec_of(spec.index))
+        for spec in model.cache_specs()
     ]
     dynamic = policy.make_caches(model.cache_specs())
     outputs = []
@@ -215,7 +216,7 @@ def test_quantized_static_caches_match_the_dynamic_ones(
     with torch.inference_mode():
         dense = model(ids)
     assert (outputs[0] - dense).abs().max() > 1e-3
-    assert static[0].signature().endswith(dynamic[0].signature().split(":", 1)[-1])
+    assert static[0].signature() == dynamic[0].signature()
 
 
 def test_decode_steps_writing_kv_from_the_rope_kernel_match(
@@ -224,7 +225,7 @@ def test_decode_steps_writing_kv_from_the_rope_kernel_match(
     """The GPU decode path where the norm + RoPE step writes K/V into the static cache
     (its torch reference here, the Triton kernel on a GPU) gives the same logits as the
     path that returns K/V and appends them."""
-    import hearth.kv.static as static_module
+    import hearth.kv.cache as static_module
 
     model = _model("gemma3", tmp_path)
     ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(4))
@@ -232,7 +233,7 @@ def test_decode_steps_writing_kv_from_the_rope_kernel_match(
     for direct in (False, True):
         if direct:  # let dense static caches hand out their buffers as on a GPU
             monkeypatch.setattr(static_module, "kernel_enabled", lambda tensor: True)
-        caches = [StaticCache(64, spec.window) for spec in model.cache_specs()]
+        caches = [LayerCache.pinned_at(64, spec.window) for spec in model.cache_specs()]
         with torch.inference_mode():
             logits = [model(ids[:, :20], caches)]
             logits += [
@@ -282,7 +283,7 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
     planes give the logits of the torch path (fp32: the affine append equals quantize_affine
     bit for bit, the TurboQuant one stores the codec's codes; the attention kernel differs by
     summation order and exp2, bounded at 1e-4 in tests/test_attention_kernel_path.py)."""
-    import hearth.kv.static as static_module
+    import hearth.kv.cache as static_module
     from hearth.kv import parse_kv_quant
     from hearth.layers import attention as gemma
 
@@ -296,9 +297,9 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
             monkeypatch.setattr(static_module, "kernel_enabled", lambda tensor: True)
             monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
             # Dense-only shortcuts stay off: this test is about the affine kernel.
-            monkeypatch.setattr(static_module.StaticCache, "decode_write", lambda self, p: None)
+            monkeypatch.setattr(static_module.LayerCache, "decode_write", lambda self, p: None)
         caches = [
-            StaticCache(64, spec.window, policy.codec_of(spec.index))
+            LayerCache.pinned_at(64, spec.window, policy.codec_of(spec.index))
             for spec in model.cache_specs()
         ]
         with torch.inference_mode():
@@ -508,11 +509,10 @@ def test_continuation_graphs_match_eager_on_gpu(
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])
-def test_snapshot_of_static_caches_continues_as_dynamic_caches(kind: str, tmp_path: Path) -> None:
-    """The server keeps a prompt's caches for its next turn: a graph decoder's static caches
-    (a 20-token prompt; the window is 8, so the rings have wrapped) become dynamic caches
-    holding the same tokens, and decoding from them matches a full recompute."""
-    from hearth.kv.cache import make_caches
+def test_snapshot_of_pinned_caches_continues_as_eager_caches(kind: str, tmp_path: Path) -> None:
+    """The server keeps a prompt's caches for its next turn: a graph decoder's pinned caches
+    (a 20-token prompt; the window is 8, so the rings have wrapped) become eager caches
+    holding the same tokens as stored, and decoding from them matches a full recompute."""
     from hearth.kv.prompt_cache import snapshot_caches
     from hearth.runtime.graphs import GraphDecoder
 
@@ -522,28 +522,31 @@ def test_snapshot_of_static_caches_continues_as_dynamic_caches(kind: str, tmp_pa
     with torch.inference_mode():
         reference = model(ids)
         decoder.prefill(ids[:, :20])
-        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.cache_specs()))
-        for static, dynamic in zip(decoder.caches, snapshot, strict=True):
-            assert type(dynamic).__name__ in ("DenseCache", "RotatingCache")
-            assert dynamic.offset == 20
-            kept = static.contents().positions
-            held = dynamic.contents().positions
-            assert sorted(held[held < 2**62].tolist()) == sorted(kept[kept < 2**62].tolist())
+        snapshot = snapshot_caches(decoder.caches)
+        for pinned, kept in zip(decoder.caches, snapshot, strict=True):
+            assert pinned.pinned and not kept.pinned
+            assert kept.offset == 20 and kept.signature() == pinned.signature()
+            before, after = pinned.contents().positions, kept.contents().positions
+            assert sorted(after[after < 2**62].tolist()) == sorted(before[before < 2**62].tolist())
         decoder.reset()  # the snapshot owns its tensors: the decoder's next request may go on
         steps = [model(ids[:, p : p + 1], snapshot, start=p) for p in range(20, 30)]
     torch.testing.assert_close(torch.cat(steps, dim=1), reference[:, 20:], atol=ATOL, rtol=0)
 
 
-def test_dynamic_caches_load_only_what_they_can_hold(tmp_path: Path) -> None:
-    """A dense cache holds positions from 0; a load goes into an empty cache only."""
-    from hearth.kv.cache import DenseCache, RotatingCache
+def test_caches_load_only_what_they_can_hold() -> None:
+    """A full-attention cache holds positions from 0; a load goes into an empty cache of the
+    same layout only."""
+    from hearth.kv.cache import LayerCache
+    from hearth.quant.kv_codecs import AffineCodec
 
-    keys = torch.randn(1, 2, 12, 4)
-    ring = RotatingCache(8)
+    keys = torch.randn(1, 2, 12, 32)
+    ring = LayerCache(8)
     ring.update_and_fetch(keys, keys.clone())
     with pytest.raises(ValueError, match="from 0, not from 4"):
-        DenseCache().load(ring.contents())  # the ring holds positions 4..11
-    again = RotatingCache(8)
+        LayerCache().load(ring.contents())  # the ring holds positions 4..11
+    with pytest.raises(ValueError, match="cannot load"):
+        LayerCache(8, AffineCodec(8, 32)).load(ring.contents())
+    again = LayerCache(8)
     again.load(ring.contents())
     assert again.offset == 12
     torch.testing.assert_close(again.contents().stored.planes[0], ring.contents().stored.planes[0])
@@ -557,7 +560,6 @@ def test_prompt_cache_round_trip_through_graph_prefill_on_gpu(kind: str, tmp_pat
     """As the server runs a conversation on a GPU: a fresh prompt prefilled by the reused
     decoder (eagerly, then from a captured graph, then replayed), kept as a dynamic snapshot,
     and the next turn adopting that snapshot to decode: logits match a full recompute."""
-    from hearth.kv.cache import make_caches
     from hearth.kv.prompt_cache import snapshot_caches
 
     model = _model(kind, tmp_path, "cuda")
@@ -568,7 +570,7 @@ def test_prompt_cache_round_trip_through_graph_prefill_on_gpu(kind: str, tmp_pat
     for _ in range(3):
         decoder = runner.acquire_decoder(64)
         first = decoder.prefill(ids[:, :20])
-        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.cache_specs()))
+        snapshot = snapshot_caches(decoder.caches)
         runner.release_decoder(decoder)
         decoder = runner.acquire_decoder(64)
         decoder.adopt(snapshot, 20)
