@@ -45,12 +45,12 @@ ENGINES = {
     "hearth fp32": ("hearth", {"dtype": "float32", "quantize": "none"}),
     "hearth bf16": ("hearth", {"dtype": "bfloat16", "quantize": "none"}),
     "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
-    # The default with its streamed weights in transparent huge pages (opt-in, hearth.native).
+    # The default with its streamed weights in transparent huge pages (opt-in, hearth.ops.native).
     "hearth bf16 + int8 weights, huge pages": (
         "hearth",
         {"dtype": "bfloat16", "quantize": "int8", "huge_pages": True},
     ),
-    # The default with Hearth's native CPU kernels turned off (hearth.native): torch ops only.
+    # The default with Hearth's native CPU kernels turned off (hearth.ops.native): torch ops only.
     "hearth bf16 + int8 weights, torch kernels only": (
         "hearth",
         {"dtype": "bfloat16", "quantize": "int8", "native": False},
@@ -106,8 +106,8 @@ def run_hearth(
         os.environ["HEARTH_HUGE_PAGES"] = "1"  # read when the model loads
     import hearth
     from hearth.bench.measure import decode_bytes
-    from hearth.generate import GenerationStats, generate_tokens
-    from hearth.sampling import Sampler, SamplingParams
+    from hearth.runtime.generate import GenerationStats, generate_tokens
+    from hearth.runtime.sampling import Sampler, SamplingParams
 
     started = time.perf_counter()
     engine = hearth.load(

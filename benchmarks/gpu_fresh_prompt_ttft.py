@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import triton
 
-from hearth import cuda_graph
 from hearth.bench.random_model import PRESETS, build_random_model
-from hearth.generate import GenerationStats, generate_tokens
 from hearth.kv import KVPolicy
-from hearth.sampling import Sampler, SamplingParams
+from hearth.runtime import graphs as cuda_graph
+from hearth.runtime.generate import GenerationStats, generate_tokens
+from hearth.runtime.sampling import Sampler, SamplingParams
 
 WARM_UP = 3  # eager, capture, one replay: the graph path's steady state
 TIMED = 7
@@ -44,7 +44,7 @@ def first_token_seconds(model, tokens: int, dynamic: bool, seed: int) -> float:
     """Seconds from a `tokens`-long random prompt to its first sampled token on the host."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, 1000, (tokens,), generator=generator).tolist()
-    caches = KVPolicy().make_caches(model.config) if dynamic else None
+    caches = KVPolicy().make_caches(model.cache_specs()) if dynamic else None
     stats = GenerationStats()
     sampler = Sampler(SamplingParams(), device=model.device)
     next(iter(generate_tokens(model, prompt, sampler, 1, stats, caches=caches)))
@@ -64,7 +64,7 @@ def hit_seconds(
     prompt = torch.randint(4, 1000, (cached + new,), generator=generator).tolist()
     caches = None
     if cached:
-        caches = KVPolicy().make_caches(model.config)
+        caches = KVPolicy().make_caches(model.cache_specs())
         with torch.inference_mode():
             model(torch.tensor([prompt[:cached]], device=model.device), caches, last_only=True)
         torch.cuda.synchronize()

@@ -34,7 +34,7 @@ PROMPT, DECODE_STEPS = 24, 10
 
 @torch.inference_mode()
 def cached_logits(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    caches = make_caches(model.config)
+    caches = make_caches(model.cache_specs())
     pieces = [model(ids[:, :prompt], caches)]
     for position in range(prompt, ids.shape[1]):
         pieces.append(model(ids[:, position : position + 1], caches, start=position))

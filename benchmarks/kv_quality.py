@@ -29,7 +29,7 @@ def teacher_forced(
     model: torch.nn.Module, policy: KVPolicy, ids: torch.Tensor
 ) -> tuple[torch.Tensor, int]:
     """Log-probs at positions PREFILL-1 .. TOKENS-2, and full-layer KV bytes per token."""
-    caches = make_caches(model.config, policy)
+    caches = make_caches(model.cache_specs(), policy)
     pieces = [model(ids[:, :PREFILL], caches)[:, -1:]]
     for start in range(PREFILL, TOKENS - 1, CHUNK):
         chunk = ids[:, start : min(start + CHUNK, TOKENS - 1)]

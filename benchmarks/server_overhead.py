@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 import hearth
-from hearth.sampling import SamplingParams
+from hearth.runtime.sampling import SamplingParams
 
 PROMPT = "The history of the printing press begins in the fifteenth century, when " * 8
 MAX_TOKENS = 64

@@ -2,50 +2,44 @@
 
 from __future__ import annotations
 
-from types import ModuleType
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from hearth import native
-from hearth.generate import prefill
 from hearth.kv.policy import KVPolicy
+from hearth.ops import native
+from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.runner import ModelRunner
 from tiny import TINY_VOCAB
 
 
-def greedy_logits(
-    model: Any, prompt_length: int, steps: int, policy: KVPolicy | None = None
-) -> tuple[list[torch.Tensor], list]:
+def greedy_logits(runner: ModelRunner, prompt_length: int, steps: int) -> tuple[list, list]:
     """Greedy decode after a random prompt: the prefill's and every step's logits, and the
     caches at the end."""
     generator = torch.Generator().manual_seed(prompt_length)
     ids = torch.randint(4, len(TINY_VOCAB), (1, prompt_length), generator=generator)
-    caches = (policy or KVPolicy()).make_caches(model.config)
+    caches = runner.new_caches()
     with torch.inference_mode():
-        logits = [prefill(model, ids, caches, step=64)]
+        logits = [runner.prefill(ids, caches, chunk=64)]
         for step in range(steps):
-            token = logits[-1].argmax(dim=-1).reshape(1, 1)
-            start = prompt_length + step
-            logits.append(model(token, caches, start=start, last_only=True)[:, -1])
+            token = int(logits[-1].argmax(dim=-1))
+            logits.append(runner.decode(token, caches, prompt_length + step))
     return logits, caches
 
 
 def native_or_module_decode(
-    native_module: ModuleType,
     model: Any,
     prompt_length: int,
     natively: bool,
-    monkeypatch: pytest.MonkeyPatch,
     policy: KVPolicy | None = None,
     steps: int = 12,
 ) -> tuple[list[torch.Tensor], list]:
-    """`greedy_logits` on the native layers of `native_module` (`gemma_native`,
-    `gemma4_native`) or, not `natively`, on the modules."""
-    with monkeypatch.context() as patch:
-        if not natively:
-            patch.setattr(native_module, "applies", lambda x, caches: False)
-        return greedy_logits(model, prompt_length, steps, policy)
+    """`greedy_logits` of a runner whose plan runs decode steps as native layers, or, not
+    `natively`, through the modules."""
+    plan = replace(ExecutionPlan.for_device(model.device), native_layers=natively)
+    return greedy_logits(ModelRunner(model, plan, policy), prompt_length, steps)
 
 
 def assert_same_caches(first: list, second: list) -> None:
@@ -71,9 +65,9 @@ def assert_native_layers_are_the_modules(
     """Logits at every step and the caches after equal bit for bit, natively and on the
     modules, with every decode layer (and no prefill) taking the native `kernel`."""
     calls = count_kernel_calls(monkeypatch, kernel)
-    expected, expected_caches = decode(model, prompt_length, False, monkeypatch)
+    expected, expected_caches = decode(model, prompt_length, False)
     assert not calls
-    got, got_caches = decode(model, prompt_length, True, monkeypatch)
+    got, got_caches = decode(model, prompt_length, True)
     assert len(calls) == (len(got) - 1) * len(model.layers)
     for step, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert torch.equal(a, b), f"step {step}"

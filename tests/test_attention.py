@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hearth.models.gemma import attention_mask, decode_attention
+from hearth.layers.attention import attention_mask, decode_attention
 
 
 def test_sliding_mask_keeps_window_keys_including_the_query() -> None:

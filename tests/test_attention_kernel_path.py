@@ -19,13 +19,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 from hearth.checkpoint import open_checkpoint  # noqa: E402
-from hearth.kernels import decode_attention as decode_attention_module  # noqa: E402
-from hearth.kernels.decode_attention import LaunchConfig  # noqa: E402
 from hearth.kv import make_caches, parse_kv_quant  # noqa: E402
-from hearth.kv.cache import layer_specs  # noqa: E402
 from hearth.kv.static import StaticCache  # noqa: E402
-from hearth.models import gemma  # noqa: E402
+from hearth.layers import attention as gemma  # noqa: E402
 from hearth.models.loading import build_model  # noqa: E402
+from hearth.ops import decode_attention as decode_attention_module  # noqa: E402
+from hearth.ops.decode_attention import LaunchConfig  # noqa: E402
 from tiny import GEMMA4_SHARING, save_hf, tiny_gemma3_model, tiny_gemma4_model  # noqa: E402
 
 # fp32 throughout: kernel and torch differ by summation order and exp2 vs exp (the kernel
@@ -38,10 +37,9 @@ PROMPT, STEPS = 20, 6
 def _caches(model: torch.nn.Module, kind: str, scheme: str) -> list:
     policy = parse_kv_quant(scheme, group_size=32)
     if kind == "dynamic":
-        return make_caches(model.config, policy)
+        return make_caches(model.cache_specs(), policy)
     return [
-        StaticCache(64, spec.window, policy.codec_of(spec.index))
-        for spec in layer_specs(model.config)
+        StaticCache(64, spec.window, policy.codec_of(spec.index)) for spec in model.cache_specs()
     ]
 
 

@@ -270,12 +270,12 @@ def test_filled_static_and_dynamic_caches_decode_alike(context: int) -> None:
     counters are set as a prefill would set them. fp32: summation order only (5e-5)."""
     from hearth.bench.measure import fill_caches
     from hearth.bench.random_model import build_random_model
-    from hearth.kv import layer_specs, make_caches
+    from hearth.kv import make_caches
     from hearth.kv.static import StaticCache
 
     model = build_random_model(tiny_gemma3_config().to_dict(), "cpu", dtype=torch.float32)
-    dynamic = make_caches(model.config)
-    static = [StaticCache(64, spec.window) for spec in layer_specs(model.config)]
+    dynamic = make_caches(model.cache_specs())
+    static = [StaticCache(64, spec.window) for spec in model.cache_specs()]
     for caches in (dynamic, static):
         torch.manual_seed(1)
         fill_caches(caches, model, context - 1)

@@ -1,4 +1,4 @@
-"""hearth.native.bf16_gemm: CPU bf16 products as fp32 GEMMs on CPUs without bf16 instructions."""
+"""hearth.ops.native.bf16_gemm: CPU bf16 products as fp32 GEMMs on CPUs without bf16 ops."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hearth.native import bf16_gemm
+from hearth.ops.native import bf16_gemm
 
 
 def test_cpu_multiplies_bf16_reads_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from hearth.generate import GenerationStats, generate_tokens
 from hearth.kv import make_caches
-from hearth.sampling import Sampler, SamplingParams
+from hearth.runtime.generate import GenerationStats, generate_tokens
+from hearth.runtime.sampling import Sampler, SamplingParams
 
 LONG_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -35,7 +35,7 @@ def test_prefill_and_decode_logits_match_hf(hearth_270m: Any, hf_270m: Any) -> N
     ids = hearth_270m.tokenizer.encode(LONG_PROMPT)
     assert len(ids) >= 64
     model = hearth_270m.model
-    caches = make_caches(model.config)
+    caches = make_caches(model.cache_specs())
     decode_steps = 16
     prompt = torch.tensor([ids[:-decode_steps]])
     with torch.inference_mode():

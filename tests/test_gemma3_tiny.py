@@ -66,7 +66,7 @@ def test_cached_prefill_and_decode_match_hf(tmp_path: Path, chunk: int) -> None:
     model = _hearth(save_hf(hf, tmp_path))
     ids = _ids(50, seed=3)
     prompt_length = 30
-    caches = make_caches(model.config)
+    caches = make_caches(model.cache_specs())
     pieces = []
     with torch.inference_mode():
         for start in range(0, prompt_length, chunk):

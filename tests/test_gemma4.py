@@ -23,14 +23,14 @@ from safetensors.torch import load_file, save_file
 from hearth.checkpoint import open_checkpoint
 from hearth.config import Gemma4Config, parse_config
 from hearth.errors import CheckpointError, UnsupportedModelError
-from hearth.generate import GenerationStats, generate_tokens
 from hearth.kv import make_caches
 from hearth.kv.footprint import KVFootprint
-from hearth.models import gemma4
+from hearth.models import cache_specs
 from hearth.models.gemma4 import Gemma4Model
-from hearth.models.gemma4_presets import GEMMA4_PRESETS
 from hearth.models.loading import build_model
-from hearth.sampling import Sampler, SamplingParams
+from hearth.models.presets import GEMMA4_PRESETS
+from hearth.runtime.generate import GenerationStats, generate_tokens
+from hearth.runtime.sampling import Sampler, SamplingParams
 from tiny import (
     FULL,
     K_EQ_V,
@@ -112,7 +112,7 @@ def _hearth(path: Path, dtype: torch.dtype = torch.float32) -> Any:
 
 def _cached_logits(model: Any, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     """Prefill of PROMPT tokens in chunks, then one cached decode step per remaining token."""
-    caches = make_caches(model.config)
+    caches = make_caches(model.cache_specs())
     pieces = []
     with torch.inference_mode():
         for start in range(0, PROMPT, chunk):
@@ -130,7 +130,7 @@ def test_forward_prefill_and_decode_match_hf(checkpoints: Checkpoints, name: str
     reference = _hf_logits(hf, ids)
     with torch.inference_mode():
         full = model(ids)
-        last = model(ids[:, :PROMPT], make_caches(model.config), last_only=True)
+        last = model(ids[:, :PROMPT], make_caches(model.cache_specs()), last_only=True)
     torch.testing.assert_close(full, reference, atol=ATOL, rtol=0)
     torch.testing.assert_close(last[:, 0], reference[:, PROMPT - 1], atol=ATOL, rtol=0)
     cached = _cached_logits(model, ids, chunk=13)
@@ -145,7 +145,7 @@ def test_sharers_read_donor_caches_across_prefill_chunks(
     hf, path = checkpoints("kv_sharing")
     model = _hearth(path)
     ids = _ids(TOTAL, seed=2)
-    assert len(make_caches(model.config)) == 4  # sharing layers 4 and 5 own no cache
+    assert len(make_caches(model.cache_specs())) == 4  # sharing layers 4 and 5 own no cache
     reference = _hf_logits(hf, ids)
     torch.testing.assert_close(_cached_logits(model, ids, chunk), reference, atol=ATOL, rtol=0)
 
@@ -182,34 +182,6 @@ def test_bf16_runs_close_to_fp32(checkpoints: Checkpoints, name: str) -> None:
     low = _cached_logits(_hearth(path, torch.bfloat16), ids, chunk=13).float()
     reference = _hf_logits(hf, ids)
     assert (low - reference).abs().max() < 0.05 * reference.abs().max()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_norms_are_the_separate_norms_bit_for_bit(
-    checkpoints: Checkpoints, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A MoE layer's norms through `moe_add_rms_norm` and `moe_combine_add_rms_norm` (on the
-    CPU their references) give the separate modules' logits exactly: same inputs, weights and
-    roundings, wired from the other end of the layer (HF parity is the test above)."""
-    _, path = checkpoints("k_eq_v_moe")
-    model = _hearth(path, dtype)
-    ids = _ids(PROMPT + 3, seed=4)
-    fused = _cached_logits(model, ids, chunk=13)
-    monkeypatch.setattr(gemma4, "FUSED_MOE_NORMS", False)
-    assert torch.equal(_cached_logits(model, ids, chunk=13), fused)
-
-
-def test_fused_per_layer_geglu_is_the_separate_kernel_bit_for_bit(
-    checkpoints: Checkpoints, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The per-layer input's GeGLU handed to its projection (on the CPU: the same torch ops)
-    gives the unfused logits exactly."""
-    _, path = checkpoints("ple_sharing_double_wide")
-    model = _hearth(path, torch.bfloat16)
-    ids = _ids(PROMPT + 3, seed=5)
-    fused = _cached_logits(model, ids, chunk=13)
-    monkeypatch.setattr(gemma4, "FUSED_PER_LAYER_GEGLU", False)
-    assert torch.equal(_cached_logits(model, ids, chunk=13), fused)
 
 
 def _edit_config(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -380,12 +352,12 @@ def test_presets_have_the_released_shapes() -> None:
     config, e2b = _meta_model("e2b")
     assert e2b.embed_tokens_per_layer.weight.shape == (262_144, 35 * 256)
     assert (config.mlp_width(14), config.mlp_width(15)) == (6144, 12288)
-    assert len(make_caches(config)) == 15
+    assert len(make_caches(cache_specs(config))) == 15
     assert (_last_owner(config, SLIDING), _last_owner(config, FULL)) == (13, 14)
     assert _qkv(e2b, 15) == {"q_proj": 8 * 256}
     config, e4b = _meta_model("e4b")
     assert e4b.embed_tokens_per_layer.weight.shape == (262_144, 42 * 256)
-    assert len(make_caches(config)) == 24
+    assert len(make_caches(cache_specs(config))) == 24
     assert (_last_owner(config, SLIDING), _last_owner(config, FULL)) == (22, 23)
     _, moe = _meta_model("26b-a4b")
     assert moe.layers[0].experts.gate_up_proj.shape == (128, 2 * 704, 2816)
@@ -393,7 +365,9 @@ def test_presets_have_the_released_shapes() -> None:
     assert _qkv(moe, 0) == {"q_proj": 16 * 256, "k_proj": 8 * 256, "v_proj": 8 * 256}
     config, dense = _meta_model("31b")
     assert _qkv(dense, 59) == {"q_proj": 32 * 512, "k_proj": 4 * 512}
-    dense_token = sum(layer.dense for layer in KVFootprint.of(config, torch.bfloat16).layers)
+    dense_token = sum(
+        layer.dense for layer in KVFootprint.of(cache_specs(config), torch.bfloat16).layers
+    )
     assert dense_token == 2 * 2 * (50 * 16 * 256 + 10 * 4 * 512)  # 50 sliding, 10 full layers
     _, unified = _meta_model("12b")
     assert _qkv(unified, 47) == {"q_proj": 16 * 512, "k_proj": 512}

@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import torch
 
-from hearth import native
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_names import canonical_name
 from hearth.checkpoint.gguf_writer import write_gguf
-from hearth.checkpoint.mapped_table import MappedBlockTable
 from hearth.config import parse_config
-from hearth.generate import GenerationStats, generate_tokens
+from hearth.layers.mapped_table import MappedBlockTable
 from hearth.models.loading import build_model
-from hearth.sampling import Sampler, SamplingParams
+from hearth.ops import native
+from hearth.runtime.generate import GenerationStats, generate_tokens
+from hearth.runtime.sampling import Sampler, SamplingParams
 from tiny import FULL, K_EQ_V, MOE, PLE, SLIDING, TINY_VOCAB, save_hf, tiny_gemma4_model
 
 # llama.cpp gives a KV-sharing layer the cache of the last owner (full) or the one before it

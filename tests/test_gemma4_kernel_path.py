@@ -6,7 +6,7 @@ forward: each layer's last add + layer scalar + next input norm, the per-layer i
 GeGLU and the add-norm before that gate, the router's input and routing, the gathered
 experts (GeGLU, weighted slot sum), the prompt's grouped experts (the GeGLU stored by the
 gate/up matmul, the slots weighted and summed by the last norm), and a MoE layer's norms fused
-into two kernels (or, with FUSED_MOE_NORMS off, apart).
+into two kernels.
 The reference is the same model on the torch path. (Attention has its own such test,
 tests/test_attention_kernel_path.py; each kernel has its own in tests/test_kernels_fused.py.)
 """
@@ -23,9 +23,11 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter path; the GPU runs the kernels itself"
 )
 
-import hearth.kernels  # noqa: E402
 from hearth.checkpoint import open_checkpoint  # noqa: E402
-from hearth.kernels import (  # noqa: E402
+from hearth.layers import experts as experts_layer  # noqa: E402
+from hearth.layers import per_layer  # noqa: E402
+from hearth.models.loading import build_model  # noqa: E402
+from hearth.ops import (  # noqa: E402
     activation,
     gemv,
     grouped_matmul,
@@ -33,8 +35,6 @@ from hearth.kernels import (  # noqa: E402
     router,
     slot_sum,
 )
-from hearth.models import gemma4  # noqa: E402
-from hearth.models.loading import build_model  # noqa: E402
 from test_gemma4 import CONFIGS  # noqa: E402
 from tiny import save_hf, tiny_gemma4_model  # noqa: E402
 
@@ -42,43 +42,29 @@ from tiny import save_hf, tiny_gemma4_model  # noqa: E402
 # sum); through the tiny models' layers and head, logits of size ~1-25 stay within 1e-4.
 ATOL = 1e-4
 PROMPT, STEPS = 20, 4
-FUSED_MODULES = (norm, activation, router, slot_sum, gemv)
+FUSED_MODULES = (norm, activation, router, slot_sum, gemv, per_layer)
 
 
 def _decode(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from hearth.kv import make_caches
 
-    caches = make_caches(model.config)
+    caches = make_caches(model.cache_specs())
     with torch.inference_mode():
         steps = [model(ids[:, :PROMPT], caches)]
         steps += [model(ids[:, p : p + 1], caches, start=p) for p in range(PROMPT, PROMPT + STEPS)]
     return torch.cat(steps, dim=1)
 
 
-@pytest.mark.parametrize(
-    ("config", "fused"),
-    [("moe", True), ("moe", False), ("ple_sharing_double_wide", True), ("ple", False)],
-)
+@pytest.mark.parametrize("config", ["moe", "ple_sharing_double_wide", "ple"])
 def test_fused_kernels_in_the_model_match_the_torch_path(
-    config: str, fused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`fused`: the MoE layer's norms in two kernels, the second also summing the experts'
-    weighted slots (at the prompt too), the experts' GeGLU stored by their gate/up GEMV (and
-    grouped matmul at the prompt), the per-layer input's
-    GeGLU inside its projection's GEMV and the add-norm before it inside its gate's GEMV
-    (else each apart)."""
-    for switch in (
-        "FUSED_MOE_NORMS",
-        "FUSED_PER_LAYER_GEGLU",
-        "FUSED_PER_LAYER_NORM",
-        "FUSED_SLOT_SUM",
-        "FUSED_EXPERT_GATE_GEGLU",
-        "FUSED_GROUPED_GEGLU",
-        "FUSED_PREFILL_SLOT_SUM",
-    ):
-        monkeypatch.setattr(gemma4, switch, fused)
+    """The MoE layer's norms in two kernels, the second also summing the experts' weighted
+    slots (at the prompt too), the experts' GeGLU stored by their gate/up GEMV (and grouped
+    matmul at the prompt), the per-layer input's GeGLU inside its projection's GEMV and the
+    add-norm before it inside its gate's GEMV."""
     # The prompt's experts as a prefill's: grouped matmuls (the decode steps stay gathered).
-    monkeypatch.setattr(gemma4, "GROUPED_EXPERTS_MIN_TOKENS", PROMPT)
+    monkeypatch.setattr(experts_layer, "GROUPED_EXPERTS_MIN_TOKENS", PROMPT)
     hf = tiny_gemma4_model(seed=11, **CONFIGS[config])
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
@@ -98,7 +84,7 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     monkeypatch.setattr(grouped_matmul, "grouped_expert_matmul_triton", counted_grouped)
     # The MoE block takes the gathered-expert path (graph-capturable decode) as on a GPU;
     # the expert GEMVs themselves stay on their torch reference.
-    monkeypatch.setattr(gemma4, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(experts_layer, "kernel_enabled", lambda tensor: True)
     for name in ("route_triton", "router_input_triton"):
         monkeypatch.setattr(router, name, _counted(getattr(router, name), launched, name))
     for name in ("moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"):
@@ -113,19 +99,17 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
         return original_combine(*args)
 
     monkeypatch.setattr(norm, "moe_combine_add_rms_norm_triton", counted_combine)
-    monkeypatch.setattr(
-        gemma4, "weighted_slot_sum", _counted(gemma4.weighted_slot_sum, launched, "slot_sum")
-    )
-    monkeypatch.setattr(
-        gemma4, "gelu_tanh_mul", _counted(gemma4.gelu_tanh_mul, launched, "gelu_tanh_mul")
-    )
-    original_experts = gemma4.float_expert_matmul
+    slot_sum_counted = _counted(experts_layer.weighted_slot_sum, launched, "slot_sum")
+    monkeypatch.setattr(experts_layer, "weighted_slot_sum", slot_sum_counted)
+    geglu_counted = _counted(experts_layer.gelu_tanh_mul, launched, "gelu_tanh_mul")
+    monkeypatch.setattr(experts_layer, "gelu_tanh_mul", geglu_counted)
+    original_experts = experts_layer.float_expert_matmul
 
     def counted_experts(x, weight, expert_ids, geglu_out=False):
         launched.append("experts with a geglu output" if geglu_out else "experts")
         return original_experts(x, weight, expert_ids, geglu_out)
 
-    monkeypatch.setattr(gemma4, "float_expert_matmul", counted_experts)
+    monkeypatch.setattr(experts_layer, "float_expert_matmul", counted_experts)
     original_gemv = gemv.gemv_triton
 
     def counted_gemv(x, weight, geglu=False, config=None, up=None, add_norm=None):
@@ -137,20 +121,14 @@ def test_fused_kernels_in_the_model_match_the_torch_path(
     got = _decode(model, ids)
     ple = "gemv geglu of a separate up"
     if config.startswith("ple"):
-        assert (ple in launched) == ("gemv add-norm" in launched) == fused, launched
-    if config == "moe" and fused:
+        assert ple in launched and "gemv add-norm" in launched, launched
+    if config == "moe":
         fused_norms = {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"}
         assert fused_norms | {"route_triton", "experts with a geglu output"} <= set(launched)
         # The prompt's rows scaled by the down matmul, summed by the combine kernel.
         assert {"grouped with a geglu output", "grouped scaling rows"} <= set(launched)
         assert "prompt slots summed" in launched and "prompt slots weighted" not in launched
         assert not {"router_input_triton", "slot_sum", "gelu_tanh_mul"} & set(launched)
-    elif config == "moe":
-        assert ple not in launched and "experts with a geglu output" not in launched
-        assert {"route_triton", "router_input_triton", "slot_sum", "gelu_tanh_mul"} <= set(launched)
-        assert {"grouped", "grouped scaling rows"} <= set(launched)
-        assert not {"prompt slots summed", "prompt slots weighted"} & set(launched)
-        assert not {"moe_add_rms_norm_triton", "moe_combine_add_rms_norm_triton"} & set(launched)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
@@ -196,33 +174,4 @@ def test_wide_projections_take_the_gemv_only_at_a_pinned_shape(
     same_shape = shapes.count(shape)
     assert rows[shape] == [1] * (STEPS * same_shape)
     assert ({qkv, gate_up} - {shape}).isdisjoint(rows)
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("prefetch_lines", [0, 8])
-def test_moe_layer_routes_before_its_dense_mlp_when_experts_are_prefetched(
-    prefetch_lines: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With the experts' L2 prefetch on (`hearth.kernels.EXPERT_PREFETCH_LINES`), a MoE
-    layer runs its router before its dense MLP, so that the ids are final two launches
-    before the gathered GEMV; either order computes the same logits (the two are
-    independent), which the torch path checks."""
-    hf = tiny_gemma4_model(seed=11, **CONFIGS["moe"])
-    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
-    ids = torch.randint(4, 256, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
-    expected = _decode(model, ids)
-
-    monkeypatch.setattr(hearth.kernels, "EXPERT_PREFETCH_LINES", prefetch_lines)
-    for module in FUSED_MODULES:
-        monkeypatch.setattr(module, "kernel_enabled", lambda tensor: True)
-    monkeypatch.setattr(gemma4, "kernel_enabled", lambda tensor: True)
-    order: list[str] = []
-    monkeypatch.setattr(router, "route_triton", _counted(router.route_triton, order, "route"))
-    for layer in model.layers:
-        layer.mlp.register_forward_pre_hook(lambda module, args: order.append("dense mlp"))
-    got = _decode(model, ids)
-    pairs = [order[i : i + 2] for i in range(0, len(order), 2)]
-    first = ["route", "dense mlp"] if prefetch_lines else ["dense mlp", "route"]
-    assert len(order) == 2 * len(model.layers) * (1 + STEPS)
-    assert all(pair == first for pair in pairs), order
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

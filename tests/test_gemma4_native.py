@@ -1,4 +1,4 @@
-"""Gemma 4 decode steps as one native call per layer (hearth/models/gemma4_native.py) against
+"""Gemma 4 decode steps as one native call per layer (hearth/runtime/native_step.py) against
 the module path they replace: the module path is the oracle here (itself checked against HF
 transformers in test_gemma4.py), and the native layers do the same operations with the same
 roundings, so logits and caches must be equal bit for bit (tolerance 0).
@@ -7,6 +7,7 @@ roundings, so logits and caches must be equal bit for bit (tolerance 0).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +17,17 @@ import torch
 from decoding import (
     assert_native_layers_are_the_modules,
     count_kernel_calls,
+    greedy_logits,
     native_or_module_decode,
 )
-from hearth import native
 from hearth.checkpoint import open_checkpoint
 from hearth.kv.policy import KVPolicy
-from hearth.kv.quantized import AffineCodec
-from hearth.models import gemma4_native
+from hearth.layers.int8 import QuantizedEmbedding, QuantizedEmbeddingHead, quantize_model
 from hearth.models.loading import build_model
-from hearth.quant.cpu import QuantizedEmbedding, QuantizedEmbeddingHead, quantize_model
+from hearth.ops import native
+from hearth.ops.plan import ExecutionPlan
+from hearth.quant.kv_codecs import AffineCodec
+from hearth.runtime.runner import ModelRunner
 from tiny import FULL, SLIDING, save_hf, tiny_gemma4_model
 
 pytestmark = pytest.mark.skipif(
@@ -71,7 +74,7 @@ def bf16_model(path: Path, weights: str) -> Any:
 
 
 # Greedy decode after a prompt, on the native layers or (not `natively`) the modules.
-decode = functools.partial(native_or_module_decode, gemma4_native, steps=DECODE_STEPS)
+decode = functools.partial(native_or_module_decode, steps=DECODE_STEPS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -103,8 +106,8 @@ def test_a_step_any_layer_cannot_take_runs_on_the_modules(
     policy = KVPolicy(per_layer={1: AffineCodec(8, 32)})
     model = bf16_model(checkpoints["ple_sharing_double_wide"], "int8")
     calls = count_kernel_calls(monkeypatch, "gemma4_decode_layer")
-    expected, _ = decode(model, 10, False, monkeypatch, policy)
-    got, _ = decode(model, 10, True, monkeypatch, policy)
+    expected, _ = decode(model, 10, False, policy)
+    got, _ = decode(model, 10, True, policy)
     assert not calls
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
@@ -115,21 +118,22 @@ def test_expert_layers_run_on_the_modules(tmp_path: Path, monkeypatch: pytest.Mo
     path = save_hf(tiny_gemma4_model(seed=9, moe_intermediate_size=32, **WIDE, **moe), tmp_path)
     model = bf16_model(path, "bf16")
     calls = count_kernel_calls(monkeypatch, "gemma4_decode_layer")
-    decode(model, 4, True, monkeypatch)
+    decode(model, 4, True)
     assert not calls
 
 
-def test_moved_weights_rebuild_the_operands(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_moved_weights_rebuild_the_operands(checkpoints: dict[str, Path]) -> None:
     model = bf16_model(checkpoints["ple_sharing_double_wide"], "bf16")
-    decode(model, 4, True, monkeypatch)  # builds every layer's operands
+    plan = ExecutionPlan.for_device("cpu")
+    native_runner = ModelRunner(model, plan)  # keeps its layers' operands between steps
+    module_runner = ModelRunner(model, replace(plan, native_layers=False))
+    greedy_logits(native_runner, 4, DECODE_STEPS)  # builds every layer's operands
     with torch.no_grad():
         layer = model.layers[4]  # a sharer with a per-layer input
         projection = layer.per_layer_projection
         projection.weight = torch.nn.Parameter(-projection.weight.clone())
         layer.layer_scalar = torch.nn.Parameter(layer.layer_scalar * 2)
-    expected, _ = decode(model, 4, False, monkeypatch)
-    got, _ = decode(model, 4, True, monkeypatch)
+    expected, _ = greedy_logits(module_runner, 4, DECODE_STEPS)
+    got, _ = greedy_logits(native_runner, 4, DECODE_STEPS)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)

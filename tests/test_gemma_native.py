@@ -1,4 +1,4 @@
-"""Gemma 3 decode layers as one native call each (hearth/models/gemma_native.py) against the
+"""Gemma 3 decode layers as one native call each (hearth/runtime/native_step.py) against the
 module path they replace: the module path is the oracle here (itself checked against HF
 transformers in test_gemma3_tiny.py), and the native layer does the same operations with the
 same roundings, so logits and caches must be equal bit for bit (tolerance 0).
@@ -7,20 +7,28 @@ same roundings, so logits and caches must be equal bit for bit (tolerance 0).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from decoding import assert_native_layers_are_the_modules, native_or_module_decode
-from hearth import native
+from decoding import (
+    assert_native_layers_are_the_modules,
+    count_kernel_calls,
+    greedy_logits,
+    native_or_module_decode,
+)
 from hearth.checkpoint import open_checkpoint
 from hearth.kv import make_caches
 from hearth.kv.policy import KVPolicy
-from hearth.kv.quantized import AffineCodec
-from hearth.models import gemma_native
+from hearth.layers.int8 import quantize_model
 from hearth.models.loading import build_model
-from hearth.quant.cpu import quantize_model
+from hearth.ops import native
+from hearth.ops.plan import ExecutionPlan
+from hearth.quant.kv_codecs import AffineCodec
+from hearth.runtime.native_step import NativeDecodeStep
+from hearth.runtime.runner import ModelRunner
 from tiny import save_hf, tiny_gemma3_model
 
 pytestmark = pytest.mark.skipif(
@@ -43,7 +51,7 @@ def bf16_model(path: Path, weights: str) -> torch.nn.Module:
 
 
 # Greedy decode after a prompt, on the native layers or (not `natively`) the modules.
-decode = functools.partial(native_or_module_decode, gemma_native, steps=DECODE_STEPS)
+decode = functools.partial(native_or_module_decode, steps=DECODE_STEPS)
 
 
 @pytest.mark.parametrize("weights", ["int8", "bf16"])
@@ -65,39 +73,32 @@ def test_native_layers_equal_the_module_path(
 def test_a_quantized_kv_layer_keeps_the_module_path(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Layer 1 stores K/V as 8-bit codes, which the native layer cannot write: that layer runs
-    # through the modules and the others natively, with the all-module path's results.
+    # Layer 1 stores K/V as 8-bit codes, which the native layer cannot write: the whole step
+    # runs through the modules (a step is native in every layer or in none).
     policy = KVPolicy(per_layer={1: AffineCodec(8, 32)})
     model = bf16_model(checkpoint, "int8")
-    layer_calls: list[int] = []
-    real = gemma_native.decode_layer
-
-    def counting(layer, *args):
-        done = real(layer, *args)
-        layer_calls.append(int(done))
-        return done
-
-    monkeypatch.setattr(gemma_native, "decode_layer", counting)
-    expected, _ = decode(model, 10, False, monkeypatch, policy)
-    got, _ = decode(model, 10, True, monkeypatch, policy)
-    assert layer_calls == [1, 0, 1, 1] * DECODE_STEPS
+    calls = count_kernel_calls(monkeypatch, "gemma3_decode_layer")
+    expected, _ = decode(model, 10, False, policy)
+    got, _ = decode(model, 10, True, policy)
+    assert not calls
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
 
 
-def test_moved_weights_rebuild_the_operands(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_moved_weights_rebuild_the_operands(checkpoint: Path) -> None:
     model = bf16_model(checkpoint, "bf16")
-    decode(model, 4, True, monkeypatch)  # builds every layer's operands
+    plan = ExecutionPlan.for_device("cpu")
+    native_runner = ModelRunner(model, plan)  # keeps its layers' operands between steps
+    module_runner = ModelRunner(model, replace(plan, native_layers=False))
+    greedy_logits(native_runner, 4, DECODE_STEPS)  # builds every layer's operands
     with torch.no_grad():
         layer = model.layers[2]
         layer.mlp.down_proj.weight = torch.nn.Parameter(-layer.mlp.down_proj.weight.clone())
         layer.pre_feedforward_layernorm.weight = torch.nn.Parameter(
             layer.pre_feedforward_layernorm.weight * 2
         )
-    expected, _ = decode(model, 4, False, monkeypatch)
-    got, _ = decode(model, 4, True, monkeypatch)
+    expected, _ = greedy_logits(module_runner, 4, DECODE_STEPS)
+    got, _ = greedy_logits(native_runner, 4, DECODE_STEPS)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
     # A round trip through fp32 keeps the Parameter object but swaps its storage (the old
@@ -108,21 +109,26 @@ def test_moved_weights_rebuild_the_operands(
     assert o_proj.weight is weight and weight.data_ptr() != old_storage.data_ptr()
     with torch.no_grad():
         weight.neg_()  # operands left on the old storage would now give other logits
-    expected, _ = decode(model, 4, False, monkeypatch)
-    got, _ = decode(model, 4, True, monkeypatch)
+    expected, _ = greedy_logits(module_runner, 4, DECODE_STEPS)
+    got, _ = greedy_logits(native_runner, 4, DECODE_STEPS)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
 
 
 def test_fp32_and_prefill_keep_the_module_path(checkpoint: Path) -> None:
     model = build_model(open_checkpoint(checkpoint), torch.float32, progress=False)
-    caches = make_caches(model.config)
-    one = torch.zeros(1, 1, 64)
-    assert not gemma_native.applies(one, caches)  # fp32
-    assert not gemma_native.applies(torch.zeros(1, 3, 64, dtype=torch.bfloat16), caches)
-    assert not gemma_native.applies(one.to(torch.bfloat16), None)
+    caches = make_caches(model.cache_specs())
+    one, three = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)
     with torch.inference_mode():
-        assert gemma_native.applies(one.to(torch.bfloat16), caches)
+        assert not NativeDecodeStep(model).applies(one, caches)  # fp32
+    bf16 = model.to(torch.bfloat16)
+    bf16.compute_dtype = torch.bfloat16
+    step = NativeDecodeStep(bf16)
+    with torch.inference_mode():
+        assert not step.applies(three, caches)  # a prefill chunk
+        assert not step.applies(one, None)
+        assert step.applies(one, caches)
+    assert not step.applies(one, caches)  # autograd would track it
 
 
 def test_gelu_table_is_torchs_gelu_of_every_bf16_number() -> None:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from hearth.generate import FINISH_LENGTH, FINISH_STOP, StopStrings
-from hearth.sampling import SamplingParams
+from hearth.runtime.generate import FINISH_LENGTH, FINISH_STOP, StopStrings
+from hearth.runtime.sampling import SamplingParams
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
@@ -50,7 +50,7 @@ def test_stop_string_finishes_with_stop(hearth_270m: Any) -> None:
 
 
 def test_cancel_ends_the_stream_without_a_final_chunk(hearth_270m: Any) -> None:
-    from hearth.generate import stream_generate
+    from hearth.runtime.generate import stream_generate
 
     ids = hearth_270m.tokenizer.encode(PROMPT)
     seen: list[Any] = []
@@ -69,7 +69,7 @@ def test_cancel_ends_the_stream_without_a_final_chunk(hearth_270m: Any) -> None:
 def test_eos_id_stops_generation(hearth_270m: Any) -> None:
     """Declaring the first greedy token an end id must stop before any text."""
     first = hearth_270m.tokenizer.encode(" Berlin", add_special_tokens=False)[0]
-    from hearth.generate import stream_generate
+    from hearth.runtime.generate import stream_generate
 
     ids = hearth_270m.tokenizer.encode(PROMPT)
     chunks = list(

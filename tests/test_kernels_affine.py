@@ -29,15 +29,12 @@ import pytest
 import torch
 
 from hearth.config import parse_config
-from hearth.kernels import affine_matmul as am
-from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
-from hearth.kernels.norm import Partials
-from hearth.models import gemma4
-from hearth.models.gemma4 import Experts
+from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
+from hearth.layers.experts import Experts
+from hearth.ops import affine_matmul as am
+from hearth.ops.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
+from hearth.ops.norm import Partials
 from hearth.quant.mlx import (
-    MLXQuantizedEmbedding,
-    MLXQuantizedExperts,
-    MLXQuantizedLinear,
     dequantize_affine,
     quantize_affine,
     unpack_codes,
@@ -199,9 +196,9 @@ def test_gemma3_4bit_decode_hands_split_partials_to_its_norms(
     throughout: the kernels and torch differ by summation order only; through the tiny
     model's layers and head, logits of size ~1-10 stay within 1e-4."""
     from hearth.checkpoint import open_checkpoint
-    from hearth.kernels import norm
     from hearth.kv import make_caches
     from hearth.models.loading import build_model
+    from hearth.ops import norm
     from tiny import save_hf, tiny_gemma3_model
 
     model = build_model(
@@ -213,7 +210,7 @@ def test_gemma3_4bit_decode_hands_split_partials_to_its_norms(
     ids = torch.randint(4, 256, (1, 9), generator=torch.Generator().manual_seed(2))
 
     def decode() -> torch.Tensor:
-        caches = make_caches(model.config)
+        caches = make_caches(model.cache_specs())
         with torch.inference_mode():
             steps = [model(ids[:, :6], caches)]
             steps += [model(ids[:, p : p + 1], caches, start=p) for p in range(6, 9)]
@@ -723,14 +720,11 @@ def _tiny_experts(bits: int | None) -> Experts:
 
 @pytest.mark.parametrize("bits", [None, 4, 8])
 @pytest.mark.parametrize("kernels", [False, True])
-@pytest.mark.parametrize("stores_geglu", [False, True])
-def test_sync_free_experts_equal_the_loop(bits, kernels, stores_geglu, monkeypatch) -> None:
+def test_sync_free_experts_equal_the_loop(bits, kernels, monkeypatch) -> None:
     """fp32 throughout, so only the summation order differs: 1e-5 relative to the output's
-    scale is ~100 eps32, room for the two chained projections' reordered sums. `stores_geglu`:
-    the gate/up GEMV (float or packed experts) stores the GeGLU, else a GeGLU launch."""
+    scale is ~100 eps32, room for the two chained projections' reordered sums (the gate/up
+    GEMV stores the GeGLU)."""
     torch.manual_seed(8)
-    monkeypatch.setattr(gemma4, "FUSED_EXPERT_GATE_GEGLU", stores_geglu)
-    monkeypatch.setattr(gemma4, "FUSED_PACKED_EXPERT_GATE_GEGLU", stores_geglu)
     experts = _tiny_experts(bits)
     x = torch.randn(5, 64)
     ids = torch.tensor([[0, 1], [1, 0], [3, 3], [2, 1], [0, 2]])

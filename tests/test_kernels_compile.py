@@ -30,7 +30,8 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 import hearth  # noqa: E402
-from hearth.kernels import (  # noqa: E402
+from hearth.kv.cache import EMPTY_POSITION  # noqa: E402
+from hearth.ops import (  # noqa: E402
     activation,
     affine_matmul,
     decode_attention,
@@ -44,10 +45,9 @@ from hearth.kernels import (  # noqa: E402
     router,
     slot_sum,
 )
-from hearth.kv.cache import EMPTY_POSITION  # noqa: E402
-from hearth.kv.quantized import AffineCodec  # noqa: E402
-from hearth.kv.turbo import TurboCodec  # noqa: E402
+from hearth.quant.kv_codecs import AffineCodec  # noqa: E402
 from hearth.quant.mlx import quantize_affine  # noqa: E402
+from hearth.quant.turbo import TurboCodec  # noqa: E402
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from hearth.kernels import decode_attention as decode_attention_module
-from hearth.kernels.decode_attention import (
+from hearth.kv.cache import EMPTY_POSITION
+from hearth.ops import decode_attention as decode_attention_module
+from hearth.ops.decode_attention import (
     _MERGE_LAST,
     _WRITE_OUTPUT,
     _WRITE_PARTIALS,
@@ -39,9 +40,8 @@ from hearth.kernels.decode_attention import (
     decode_attention_reference,
     formats_of,
 )
-from hearth.kv.cache import EMPTY_POSITION
-from hearth.kv.quantized import AffineCodec
-from hearth.kv.turbo import CODEBOOKS, GROUP, TurboCodec, random_signs
+from hearth.quant.kv_codecs import AffineCodec
+from hearth.quant.turbo import CODEBOOKS, GROUP, TurboCodec, random_signs
 
 KERNEL_TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
 ORACLE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3}

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
-from hearth.kernels.kv_write import append_token_reference, append_token_triton
-from hearth.kernels.norm import (
+from hearth.kv.cache import EMPTY_POSITION
+from hearth.ops.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
+from hearth.ops.kv_write import append_token_reference, append_token_triton
+from hearth.ops.norm import (
     Partials,
     add_rms_norm,
     add_rms_norm_reference,
@@ -24,7 +25,7 @@ from hearth.kernels.norm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from hearth.kernels.rope import (
+from hearth.ops.rope import (
     CacheWrite,
     ValueMode,
     norm_rope_reference,
@@ -32,14 +33,13 @@ from hearth.kernels.rope import (
     rotary_tables_reference,
     rotary_tables_triton,
 )
-from hearth.kernels.router import (
+from hearth.ops.router import (
     route_reference,
     route_triton,
     router_input_reference,
     router_input_triton,
 )
-from hearth.kernels.slot_sum import weighted_slot_sum_reference, weighted_slot_sum_triton
-from hearth.kv.cache import EMPTY_POSITION
+from hearth.ops.slot_sum import weighted_slot_sum_reference, weighted_slot_sum_triton
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 EPS = 1e-6
@@ -115,8 +115,8 @@ def test_add_norm_stores_its_norm_codes_major(codes_major: tuple[int, int]) -> N
     norm, each moved, the residual output unchanged. The dispatcher off the kernel path
     reorders the reference's norm. Width 96: 3 blocks of 32 (the kernel's block of 128
     holds a fourth, masked)."""
-    from hearth.kernels.affine_matmul import WORD_BITS
-    from hearth.kernels.affine_matmul import codes_major as reorder
+    from hearth.ops.affine_matmul import WORD_BITS
+    from hearth.ops.affine_matmul import codes_major as reorder
 
     residual, x = torch.randn(1, 2, 96), torch.randn(1, 2, 96).mul(3)
     weight, next_weight = torch.rand(2, 96) + 0.5
@@ -443,7 +443,7 @@ def test_pdl_launches_only_small_cuda_kernels_on_hopper(monkeypatch: pytest.Monk
     # The interpreter never sees `launch_pdl` (CPU tensors); on a GPU a decode-sized launch
     # takes it where the device has PDL (sm_90+), a long prefill's does not, nor any with
     # the kill switch off. A stand-in object plays the CUDA tensor (is_cuda, device, numel).
-    import hearth.kernels as kernels
+    import hearth.ops as kernels
 
     assert kernels.pdl_options(torch.zeros(1, 3840, device="cpu")) == {"PDL": False}
 

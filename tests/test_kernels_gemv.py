@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from hearth.kernels import gemv as gemv_module
-from hearth.kernels.activation import gelu_tanh_mul_reference
+from hearth.ops import gemv as gemv_module
+from hearth.ops.activation import gelu_tanh_mul_reference
 
 pytestmark = [
     pytest.mark.skipif(not gemv_module.HAS_TRITON, reason="needs triton (its interpreter)"),

@@ -25,12 +25,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hearth.kernels import expert_plan
-from hearth.kernels import grouped_matmul as gm
-from hearth.kernels.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
-from hearth.models import gemma4
-from hearth.models.gemma4 import GROUPED_EXPERTS_MIN_TOKENS, Experts
-from hearth.quant.mlx import MLXQuantizedExperts, pack_codes, quantize_affine, unpack_codes
+from hearth.layers import experts as experts_layer
+from hearth.layers.affine import MLXQuantizedExperts
+from hearth.layers.experts import GROUPED_EXPERTS_MIN_TOKENS, Experts
+from hearth.ops import expert_plan
+from hearth.ops import grouped_matmul as gm
+from hearth.ops.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
+from hearth.quant.mlx import pack_codes, quantize_affine, unpack_codes
 
 pytestmark = [
     pytest.mark.skipif(not gm.HAS_TRITON, reason="needs triton (its interpreter)"),
@@ -367,9 +368,8 @@ def _spy(launcher, name: str, launched: list[str]):
     return spy
 
 
-@pytest.mark.parametrize("fused_geglu", [True, False])
 @pytest.mark.parametrize("bits", [None, 4, 8])
-def test_grouped_experts_equal_the_loop(bits, fused_geglu, monkeypatch) -> None:
+def test_grouped_experts_equal_the_loop(bits, monkeypatch) -> None:
     """fp32 throughout, so only summation order differs: 1e-5 of the output's scale is ~100
     eps32, room for two chained projections' reordered sums (as for the gathered path). The
     slots' outputs (each scaled by its weight), summed here, give the same."""
@@ -378,9 +378,9 @@ def test_grouped_experts_equal_the_loop(bits, fused_geglu, monkeypatch) -> None:
     ids = _routing("ragged", 9, 4)
     x, weights = torch.randn(9, 64), torch.rand(9, 4)
     launched: list[str] = []
-    monkeypatch.setattr(gemma4, "FUSED_GROUPED_GEGLU", fused_geglu)
     monkeypatch.setattr(gm, "kernel_enabled", lambda tensor: True)
-    monkeypatch.setattr(gemma4, "gelu_tanh_mul", _spy(gemma4.gelu_tanh_mul, "geglu", launched))
+    geglu = _spy(experts_layer.gelu_tanh_mul, "geglu", launched)
+    monkeypatch.setattr(experts_layer, "gelu_tanh_mul", geglu)
     for name in ("grouped_expert_matmul_triton", "grouped_affine_expert_matmul_triton"):
         monkeypatch.setattr(gm, name, _spy(getattr(gm, name), name, launched))
     grouped = experts.forward_grouped(x, weights, ids)
@@ -388,7 +388,8 @@ def test_grouped_experts_equal_the_loop(bits, fused_geglu, monkeypatch) -> None:
     monkeypatch.undo()
     loop = experts.forward_loop(x, weights, ids)
     kind = "grouped_expert_matmul_triton" if bits is None else "grouped_affine_expert_matmul_triton"
-    one_pass = [kind] * 2 if fused_geglu and bits is None else [kind, "geglu", kind]
+    # Float experts' gate/up matmul stores the GeGLU itself; packed ones' a kernel applies it.
+    one_pass = [kind] * 2 if bits is None else [kind, "geglu", kind]
     assert launched == one_pass * 2
     tolerance = {"rtol": 0, "atol": 1e-5 * loop.abs().max().item()}
     torch.testing.assert_close(grouped, loop, **tolerance)
@@ -402,7 +403,7 @@ def test_forward_takes_the_grouped_path_for_prefill_only(bits, monkeypatch) -> N
     kernels do not read (3 bits) keep the loop."""
     experts = _experts(bits)
     taken: list[str] = []
-    monkeypatch.setattr(gemma4, "kernel_enabled", lambda tensor: True)
+    monkeypatch.setattr(experts_layer, "kernel_enabled", lambda tensor: True)
     for path in ("forward_grouped", "forward_gathered", "forward_loop"):
         monkeypatch.setattr(experts, path, lambda *args, _path=path: taken.append(_path))
     for tokens in (1, GROUPED_EXPERTS_MIN_TOKENS - 1, GROUPED_EXPERTS_MIN_TOKENS):

@@ -8,12 +8,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from hearth.kernels.kv_quantize import (
+from hearth.kv.cache import EMPTY_POSITION
+from hearth.ops.kv_quantize import (
     quantize_append_reference,
     quantize_append_triton,
 )
-from hearth.kv.cache import EMPTY_POSITION
-from hearth.kv.quantized import AffineCodec
+from hearth.quant.kv_codecs import AffineCodec
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -58,8 +58,8 @@ def test_rotation_as_a_matmul_is_the_reference(dim: int) -> None:
     """The GPU's dense-matrix rotation against kv.turbo's butterflies: fp32 rounding only.
     Each output sums D products whose magnitudes add up to ≤ √D·max|x|; with random-walk
     rounding (√D·u per term sum) that is D·u·max|x|, u = 2^-24; twice for a round trip."""
-    from hearth.kernels.hadamard import rotate_matmul, unrotate_matmul
-    from hearth.kv.turbo import rotate, unrotate
+    from hearth.ops.hadamard import rotate_matmul, unrotate_matmul
+    from hearth.quant.turbo import rotate, unrotate
 
     x = torch.randn(3, 2, dim).bfloat16()
     bound = 2 * dim * 2**-24 * x.float().abs().max()
@@ -75,9 +75,9 @@ def test_turbo_append_matches_the_codec(scheme: str, dtype: torch.dtype) -> None
     """The kernels store what TurboCodec.encode stores. σ is summed in another order, so a σ
     may differ by one fp16 ulp (and the codes of its group by one level, rarely; none seen):
     bound the σ difference at one ulp, and require ≥ 99% identical codes."""
-    from hearth.kernels.kv_quantize import turbo_append_reference, turbo_append_triton
-    from hearth.kv.turbo import TurboCodec
+    from hearth.ops.kv_quantize import turbo_append_reference, turbo_append_triton
     from hearth.quant.mlx import unpack_codes
+    from hearth.quant.turbo import TurboCodec
 
     codec = TurboCodec.parse(scheme)
     heads, dim, capacity, position = 2, 256, 8, 19
@@ -122,8 +122,8 @@ def test_turbo_append_matches_the_codec(scheme: str, dtype: torch.dtype) -> None
 @pytest.mark.parametrize("scheme", ["k8v3", "k4v3", "t4v3"])
 def test_turbo_kernels_vouch_for_themselves(scheme: str) -> None:
     """The once-per-device check the static cache runs before trusting the turbo kernels."""
-    from hearth.kernels.kv_quantize import turbo_kernel_agrees
-    from hearth.kv.turbo import TurboCodec
+    from hearth.ops.kv_quantize import turbo_kernel_agrees
+    from hearth.quant.turbo import TurboCodec
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert turbo_kernel_agrees(TurboCodec.parse(scheme), 64, torch.float32, device)
@@ -132,8 +132,8 @@ def test_turbo_kernels_vouch_for_themselves(scheme: str) -> None:
 def test_turbo_self_check_rejects_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check must fail when the kernel path stores something else than the codec: here
     a kernel whose value codes all come out zero."""
-    from hearth.kernels import kv_quantize
-    from hearth.kv.turbo import TurboCodec
+    from hearth.ops import kv_quantize
+    from hearth.quant.turbo import TurboCodec
 
     honest = kv_quantize.turbo_append_triton
 

@@ -25,15 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth.kernels import prefill_attention as pa
-from hearth.kernels.prefill_attention import (
+from hearth.kv.cache import EMPTY_POSITION
+from hearth.ops import prefill_attention as pa
+from hearth.ops.prefill_attention import (
     LaunchConfig,
     key_block_bounds,
     prefill_attention,
     prefill_attention_reference,
     prefill_attention_triton,
 )
-from hearth.kv.cache import EMPTY_POSITION
 
 triton = pytest.importorskip("triton")
 

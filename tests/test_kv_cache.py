@@ -83,7 +83,7 @@ def test_rotating_cache_logits_equal_full_recompute_past_the_window(tmp_path: Pa
     hf = tiny_gemma3_model(seed=11, layer_types=["sliding_attention"] * 4)
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
     ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(0))
-    caches = make_caches(model.config)
+    caches = make_caches(model.cache_specs())
     assert all(isinstance(c, RotatingCache) for c in caches)
     with torch.inference_mode():
         reference = model(ids)

@@ -9,9 +9,10 @@ import torch
 
 from hearth.config import parse_config
 from hearth.kv import parse_kv_quant
-from hearth.kv.cache import GROWTH_STEP, layer_specs
-from hearth.kv.footprint import KVFootprint, kv_heads, token_bytes
+from hearth.kv.cache import GROWTH_STEP
+from hearth.kv.footprint import KVFootprint, token_bytes
 from hearth.kv.policy import KVPolicy
+from hearth.models import cache_specs
 from tiny import tiny_gemma3_config, tiny_gemma4_config
 
 BF16 = torch.bfloat16
@@ -35,12 +36,12 @@ def _configs() -> dict[str, object]:
 
 def _peak_reserved(config: object, policy: KVPolicy, tokens: int, chunk: int) -> int:
     """Run `tokens` random tokens through fresh caches in chunks; the largest total."""
-    caches, specs = policy.make_caches(config), layer_specs(config)
+    caches, specs = policy.make_caches(cache_specs(config)), cache_specs(config)
     peak, done = 0, 0
     while done < tokens:
         count = min(chunk, tokens - done)
         for cache, spec in zip(caches, specs, strict=True):
-            shape = (1, kv_heads(config, spec.kind), count, spec.head_dim)
+            shape = (1, spec.kv_heads, count, spec.head_dim)
             cache.update_and_fetch(torch.randn(shape, dtype=BF16), torch.randn(shape, dtype=BF16))
         done += count
         peak = max(peak, sum(cache.reserved_bytes for cache in caches))
@@ -56,7 +57,7 @@ def test_predicted_bytes_equal_what_the_caches_allocate(
     config = _configs()[config_name]
     policy = parse_kv_quant(kv_quant, group_size=32)
     measured = _peak_reserved(config, policy, tokens, chunk=32)
-    assert KVFootprint.of(config, BF16, policy).bytes_at(tokens) == measured
+    assert KVFootprint.of(cache_specs(config), BF16, policy).bytes_at(tokens) == measured
 
 
 def test_layers_waiting_to_quantize_count_dense_until_then() -> None:
@@ -64,10 +65,10 @@ def test_layers_waiting_to_quantize_count_dense_until_then() -> None:
     policy = parse_kv_quant("4", quantize_after=20, group_size=32)
     for tokens in (10, 30):
         measured = _peak_reserved(config, policy, tokens, chunk=1)
-        assert KVFootprint.of(config, BF16, policy).bytes_at(tokens) == measured
+        assert KVFootprint.of(cache_specs(config), BF16, policy).bytes_at(tokens) == measured
     # Past the switch the dense peak still counts: more than the 4-bit caches hold at 30.
-    at_once = KVFootprint.of(config, BF16, parse_kv_quant("4", group_size=32))
-    assert KVFootprint.of(config, BF16, policy).bytes_at(30) > at_once.bytes_at(30)
+    at_once = KVFootprint.of(cache_specs(config), BF16, parse_kv_quant("4", group_size=32))
+    assert KVFootprint.of(cache_specs(config), BF16, policy).bytes_at(30) > at_once.bytes_at(30)
 
 
 def test_hand_derived_bytes_of_a_sliding_and_a_full_layer() -> None:
@@ -78,6 +79,7 @@ def test_hand_derived_bytes_of_a_sliding_and_a_full_layer() -> None:
     ring = 8 * (per_token + 8)  # the window, and an int64 position a slot
     for tokens, full_slots in ((1, 256), (256, 256), (257, 512)):
         assert (
-            KVFootprint.of(config, BF16).bytes_at(tokens) == 2 * full_slots * per_token + 2 * ring
+            KVFootprint.of(cache_specs(config), BF16).bytes_at(tokens)
+            == 2 * full_slots * per_token + 2 * ring
         )
-    assert KVFootprint.of(config, BF16).bytes_at(0) == 0
+    assert KVFootprint.of(cache_specs(config), BF16).bytes_at(0) == 0

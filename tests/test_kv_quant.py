@@ -24,14 +24,17 @@ import torch
 from hearth.checkpoint import open_checkpoint
 from hearth.config import ModelConfig, parse_config
 from hearth.kv import (
+    CacheSpec,
     KVPolicy,
-    LayerSpec,
     QuantizedCache,
     RotatingQuantizedCache,
     make_caches,
     parse_kv_quant,
 )
-from hearth.kv.turbo import (
+from hearth.models import cache_specs
+from hearth.models.loading import build_model
+from hearth.quant.mlx import pack_codes, unpack_codes
+from hearth.quant.turbo import (
     CODEBOOKS,
     decode_rotated,
     dequantize_normal,
@@ -42,8 +45,6 @@ from hearth.kv.turbo import (
     rotate,
     unrotate,
 )
-from hearth.models.loading import build_model
-from hearth.quant.mlx import pack_codes, unpack_codes
 from tiny import (
     FULL,
     GEMMA4_SHARING,
@@ -217,7 +218,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _logits_through_trim(model: Any, policy: KVPolicy, ids: torch.Tensor) -> torch.Tensor:
     """Prefill, decode to the end, trim the last token and decode it again; every step's logits."""
-    caches = make_caches(model.config, policy)
+    caches = make_caches(model.cache_specs(), policy)
 
     def decode(position: int) -> torch.Tensor:
         return model(ids[:, position : position + 1], caches, start=position)[0, 0]
@@ -244,7 +245,7 @@ def test_every_kind_tracks_dense_logits(models: dict[str, Any], model_name: str,
 
 def test_policy_quantizes_sliding_and_full_layers(models: dict[str, Any]) -> None:
     config = models["gemma4"].config
-    caches = parse_kv_quant("turbo:k4v3").make_caches(config)
+    caches = parse_kv_quant("turbo:k4v3").make_caches(cache_specs(config))
     assert len(caches) == 4  # the two KV-sharing layers read their donors' caches
     for cache in caches:
         cache.update_and_fetch(*(_kv(1, torch.float32, dim=64),) * 2)
@@ -259,7 +260,7 @@ def test_policy_quantizes_sliding_and_full_layers(models: dict[str, Any]) -> Non
 
 def test_full_only_policy_keeps_sliding_layers_dense(models: dict[str, Any]) -> None:
     config = models["gemma4"].config
-    caches = parse_kv_quant("turbo:k4v3@full").make_caches(config)
+    caches = parse_kv_quant("turbo:k4v3@full").make_caches(cache_specs(config))
     for cache in caches:
         cache.update_and_fetch(*(_kv(1, torch.float32, dim=64),) * 2)
     signatures = [c.signature() for c in caches]
@@ -289,7 +290,10 @@ def _bytes_per_head(kind: str, dim: int, element: int) -> int:
 @pytest.mark.parametrize("kind", KINDS)
 def test_bytes_per_token_equal_the_layout_arithmetic(kind: str) -> None:
     policy = parse_kv_quant(kind)
-    full, sliding = policy(LayerSpec(0, FULL, 128, None)), policy(LayerSpec(1, SLIDING, 128, 8))
+    full, sliding = (
+        policy(CacheSpec(0, FULL, 1, 128, None)),
+        policy(CacheSpec(1, SLIDING, 1, 128, 8)),
+    )
     keys = _kv(11, torch.bfloat16, dim=128)
     for cache in (full, sliding):
         cache.update_and_fetch(keys, keys)
@@ -308,7 +312,7 @@ def test_kv_config_json_sets_bits_per_layer(tmp_path: Path) -> None:
     ]
     (tmp_path / "kv_config.json").write_text(json.dumps(entries))
     config = _gemma3_config(head_dim=64)
-    caches = parse_kv_quant("config", checkpoint=tmp_path).make_caches(config)
+    caches = parse_kv_quant("config", checkpoint=tmp_path).make_caches(cache_specs(config))
     for cache in caches:
         cache.update_and_fetch(*(_kv(1, torch.float32),) * 2)
     assert [c.signature() for c in caches] == [
@@ -351,4 +355,4 @@ def test_head_dims_a_layout_cannot_store_are_refused_at_start(
     choice: str, head_dim: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=f"layer 0: .*{message}"):
-        parse_kv_quant(choice).check(_gemma3_config(head_dim=head_dim))
+        parse_kv_quant(choice).check(cache_specs(_gemma3_config(head_dim=head_dim)))

@@ -1,4 +1,4 @@
-"""The fast Triton launch (`hearth.kernels.launch`): its specialization key, and on a GPU the
+"""The fast Triton launch (`hearth.ops.launch`): its specialization key, and on a GPU the
 results of launches that must not share a compiled kernel.
 
 The key must be at least as fine as Triton's own specialization, or a launch would reuse a
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from hearth.kernels import HAS_TRITON, launch
+from hearth.ops import HAS_TRITON, launch
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 tl = pytest.importorskip("triton.language")

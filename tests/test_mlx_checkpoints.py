@@ -38,8 +38,8 @@ from torch import nn
 
 from hearth.checkpoint import open_checkpoint
 from hearth.errors import CheckpointError
+from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedLinear
 from hearth.models.loading import build_model
-from hearth.quant.mlx import MLXQuantizedEmbedding, MLXQuantizedLinear
 from test_quant_mlx import to_torch
 from tiny import TINY_VOCAB, save_hf, tiny_gemma3_model
 

@@ -39,10 +39,11 @@ from mlx_lm import convert, load
 from torch import nn
 
 from hearth.checkpoint import open_checkpoint
-from hearth.models.gemma import StackedLinear
-from hearth.models.gemma4 import Experts, Gemma4Model
+from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
+from hearth.layers.experts import Experts
+from hearth.layers.linear import StackedLinear
+from hearth.models.gemma4 import Gemma4Model
 from hearth.models.loading import build_model
-from hearth.quant.mlx import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
 from test_gemma4 import CONFIGS
 from test_mlx_checkpoints import _write_tokenizer
 from test_quant_mlx import to_torch

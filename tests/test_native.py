@@ -1,4 +1,4 @@
-"""The native int8 CPU kernel (hearth/native/kernels.c) against an fp64 oracle, its build
+"""The native int8 CPU kernel (hearth/ops/native/kernels.c) against an fp64 oracle, its build
 cache, and how Int8Linear dispatches to it.
 
 u = 2^-24 is the fp32 unit roundoff. The kernel forms each product x·q exactly in fp32 (8 + 8
@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch import nn
 
-from hearth import native
-from hearth.native import huge_pages
+from hearth.layers.int8 import Int8Linear
+from hearth.ops import native
+from hearth.ops.native import huge_pages
 from hearth.quant import cpu
-from hearth.quant.cpu import Int8Linear
 
 KERNELS = native.kernels()
 needs_native = pytest.mark.skipif(
@@ -182,7 +182,7 @@ def norm_weight(width: int, seed: int) -> torch.Tensor:
 @needs_native
 @pytest.mark.parametrize("shape", [(1, 1, 640), (3, 5, 64)])
 def test_add_rms_norm_is_the_reference_where_sums_are_exact(shape: tuple[int, ...]):
-    from hearth.kernels.norm import add_rms_norm_reference
+    from hearth.ops.norm import add_rms_norm_reference
 
     assert KERNELS is not None
     residual, x = integer_bf16(shape, seed=1), integer_bf16(shape, seed=2)
@@ -195,7 +195,7 @@ def test_add_rms_norm_is_the_reference_where_sums_are_exact(shape: tuple[int, ..
 @needs_native
 @pytest.mark.parametrize("shape", [(1, 1, 640), (3, 5, 64)])
 def test_add_rms_norm_matches_the_reference(shape: tuple[int, ...]):
-    from hearth.kernels.norm import add_rms_norm_reference, rms_norm_reference
+    from hearth.ops.norm import add_rms_norm_reference, rms_norm_reference
 
     assert KERNELS is not None
     residual, x = random_bf16(shape, seed=4) * 4, random_bf16(shape, seed=5)
@@ -220,7 +220,7 @@ def test_add_rms_norm_matches_the_reference(shape: tuple[int, ...]):
 
 @needs_native
 def test_add_rms_norm_dispatches_to_native_for_cpu_bf16():
-    from hearth.kernels.norm import add_rms_norm
+    from hearth.ops.norm import add_rms_norm
 
     assert KERNELS is not None
     residual, x = random_bf16((1, 1, 64), seed=8), random_bf16((1, 1, 64), seed=9)
@@ -243,8 +243,8 @@ def _rope_tables(tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor
     ("tokens", "q_heads", "kv_heads", "head_dim"), [(1, 4, 1, 256), (3, 4, 2, 64)]
 )
 def test_norm_rope_matches_the_reference(tokens: int, q_heads: int, kv_heads: int, head_dim: int):
-    from hearth.kernels.norm import rms_norm_reference
-    from hearth.kernels.rope import ValueMode, norm_rope, norm_rope_reference
+    from hearth.ops.norm import rms_norm_reference
+    from hearth.ops.rope import ValueMode, norm_rope, norm_rope_reference
 
     assert KERNELS is not None
     cos, sin = _rope_tables(tokens, head_dim)
@@ -293,7 +293,7 @@ def test_norm_rope_matches_the_reference(tokens: int, q_heads: int, kv_heads: in
 def test_decode_attention_matches_fp64(
     heads: int, kv_heads: int, length: int, slots: int, dim: int
 ):
-    from hearth.models.gemma import decode_attention
+    from hearth.layers.attention import decode_attention
 
     assert KERNELS is not None
     scale = dim**-0.5
@@ -413,7 +413,8 @@ def test_native_bf16_kernel_matches_fp64(rows: int, out_features: int, in_featur
 
 @needs_native
 def test_bf16_decode_steps_take_the_native_kernel():
-    from hearth.models.gemma import Embedding, project
+    from hearth.layers.embedding import Embedding
+    from hearth.layers.linear import project
 
     assert KERNELS is not None
     linear = nn.Linear(48, 20, bias=False).to(torch.bfloat16)
@@ -546,7 +547,7 @@ def test_argmax_rows_is_torch_max_indices(width: int):
 
 @needs_native
 def test_greedy_sampling_takes_the_native_argmax(monkeypatch: pytest.MonkeyPatch):
-    from hearth import sampling
+    from hearth.runtime import sampling
 
     logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(3)).round()
     calls = []

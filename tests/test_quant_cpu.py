@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hearth.quant import cpu
-from hearth.quant.cpu import (
+from hearth.layers import int8 as cpu
+from hearth.layers.int8 import (
     Int4Linear,
     Int8Linear,
     QuantizedEmbedding,

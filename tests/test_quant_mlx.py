@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from hearth.errors import CheckpointError
+from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedLinear
 from hearth.quant.mlx import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
-    MLXQuantizedEmbedding,
-    MLXQuantizedLinear,
     dequantize_affine,
     pack_codes,
     parse_quantization,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from hearth.sampling import Sampler, SamplingParams
+from hearth.runtime.sampling import Sampler, SamplingParams
 
 # Token i has probability P5[i]; ranked by probability the tokens are 0, 1, 2, 3, 4.
 P5 = [0.4, 0.3, 0.15, 0.1, 0.05]

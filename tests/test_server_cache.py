@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from hearth.server.prompt_cache import PromptCache
+from hearth.kv.prompt_cache import PromptCache
 from test_server import _free_port, _wait_until_healthy
 from test_server_tools import engine  # noqa: F401  (a fixture: the scripted Gemma 4)
 
@@ -219,9 +219,9 @@ def test_memory_budget_caps_a_gpu_decoders_slots(
 ) -> None:
     """What the budget leaves beside the weights, in tokens of K/V (hand-derived), is
     the slot limit the app gives the model's graph decoders (on a GPU: the check is patched)."""
-    from hearth import generate
-    from hearth.cuda_graph import _SLOT_LIMIT
     from hearth.kv.footprint import KVFootprint, LayerBytes
+    from hearth.runtime import generate
+    from hearth.runtime.graphs import _SLOT_LIMIT
     from hearth.server import create_app
     from hearth.server.admission import MemoryBudget
     from hearth.server.app import ServerLimits

@@ -22,8 +22,13 @@ import torch
 from fastapi.testclient import TestClient
 
 from hearth.engine import Engine
-from hearth.generate import GenerationStats, LogprobRecorder, generate_tokens, stream_generate
-from hearth.sampling import Sampler, SamplingParams
+from hearth.runtime.generate import (
+    GenerationStats,
+    LogprobRecorder,
+    generate_tokens,
+    stream_generate,
+)
+from hearth.runtime.sampling import Sampler, SamplingParams
 from hearth.server import create_app
 from test_server import CAPITALS, _free_port, _wait_until_healthy
 from test_server_tools import (  # the scripted Gemma 4 engine and its fixtures

@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import triton
 
-import hearth.kernels
-from hearth import cuda_graph
+import hearth.ops
 from hearth.bench.measure import (
     copy_bandwidth,
     decode_bytes,
@@ -41,9 +40,8 @@ from hearth.bench.measure import (
     time_prefill,
 )
 from hearth.bench.random_model import PRESETS, build_random_model
-from hearth.cuda_graph import GraphDecoder
-from hearth.generate import default_prefill_step
-from hearth.kernels import (
+from hearth.models import gemma, gemma4
+from hearth.ops import (
     activation,
     affine_matmul,
     gemv,
@@ -53,9 +51,11 @@ from hearth.kernels import (
     rope,
     router,
 )
-from hearth.kernels import decode_attention as attention
-from hearth.kernels import launch as fast_launch
-from hearth.models import gemma, gemma4
+from hearth.ops import decode_attention as attention
+from hearth.ops import launch as fast_launch
+from hearth.runtime import graphs as cuda_graph
+from hearth.runtime.generate import default_prefill_step
+from hearth.runtime.graphs import GraphDecoder
 
 Patch = Callable[[], contextlib.AbstractContextManager]
 
@@ -257,11 +257,9 @@ def _prefetch(lines: int, slots: int, affine_lines: int | None = None) -> Patch:
     """Weight lines per row (bf16 GEMVs and float experts; the affine GEMVs too unless
     `affine_lines` says otherwise) and K/V slots (decode attention) prefetched to L2."""
     return _stacked(
-        _set(hearth.kernels, "PREFETCH_LINES", lines),
-        _set(hearth.kernels, "EXPERT_PREFETCH_LINES", lines),
-        _set(
-            hearth.kernels, "AFFINE_PREFETCH_LINES", lines if affine_lines is None else affine_lines
-        ),
+        _set(hearth.ops, "PREFETCH_LINES", lines),
+        _set(hearth.ops, "EXPERT_PREFETCH_LINES", lines),
+        _set(hearth.ops, "AFFINE_PREFETCH_LINES", lines if affine_lines is None else affine_lines),
         _set(attention, "PREFETCH_SLOTS", slots),
     )
 
@@ -299,7 +297,7 @@ VARIANTS: dict[str, Patch] = {
     "grouped-m256": _set(grouped_matmul, "TALL_BLOCK_M", 256),  # taller still
     "grouped-tall-from-64": _set(grouped_matmul, "TALL_BLOCK_MIN_ROWS", 64),  # bf16 too
     "plan-torch": _set(grouped_matmul, "TRITON_PLAN", False),  # MoE plan from torch ops
-    "pdl-off": _set(hearth.kernels, "PDL", False),  # no programmatic dependent launch
+    "pdl-off": _set(hearth.ops, "PDL", False),  # no programmatic dependent launch
     "x-input-order": _set(affine_matmul, "GEMV_CODES_MAJOR_X", False),  # affine GEMV's x
     "gemv4-n32": _gemv4_rows(32),
     "gemv4-n128": _gemv4_rows(128),
@@ -334,8 +332,8 @@ VARIANTS: dict[str, Patch] = {
     "bf16-gemv-prefetch": _prefetch(16, 0, affine_lines=0),
     "affine-prefetch-1": _prefetch(8, 0, affine_lines=1),
     "affine-prefetch-2": _prefetch(8, 0, affine_lines=2),
-    "expert-prefetch-8": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 8),
-    "expert-prefetch-16": _set(hearth.kernels, "EXPERT_PREFETCH_LINES", 16),
+    "expert-prefetch-8": _set(hearth.ops, "EXPERT_PREFETCH_LINES", 8),
+    "expert-prefetch-16": _set(hearth.ops, "EXPERT_PREFETCH_LINES", 16),
     "slot-sum-apart": _set(gemma4, "FUSED_SLOT_SUM", False),  # its own launch before the norm
     "expert-gate-geglu-off": _set(gemma4, "FUSED_EXPERT_GATE_GEGLU", False),  # GeGLU launch
     "route-w4": _set(router, "ROUTE_WARPS", 4),  # the routing kernel on 4 warps, not one

@@ -10,7 +10,7 @@ for quant in 4bit 8bit; do
     echo "=== $quant prefetch=$prefetch"
     timeout 100 python - "$quant" "$prefetch" "$OUT" <<'PY' 2>&1 | grep -E '^\|' | grep -v '^|---'
 import sys
-import hearth.kernels.affine_matmul as am
+import hearth.ops.affine_matmul as am
 quant, prefetch, out = sys.argv[1], sys.argv[2] == "True", sys.argv[3]
 am.GEMV_PREFETCH_BITS = (4, 8) if prefetch else ()
 from hearth.cli import main

@@ -2,7 +2,7 @@
 
 Decode reads every weight once per token, so "GB/s effective" (weight bytes / time) shows how
 close each format gets to memory bandwidth. bf16 is timed on torch's matmul and on Hearth's
-native kernel (hearth/native/kernels.c); int8 three ways: torch's weight-only kernel
+native kernel (hearth/ops/native/kernels.c); int8 three ways: torch's weight-only kernel
 (aten._weight_int8pack_mm), the native one (which Int8Linear uses for one row where it
 builds), and the native one on weights in transparent huge pages, as
 Hearth's loader holds them. The 168 MB head streams from memory on every call; the layer shapes
@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hearth import native
-from hearth.native.huge_pages import move_into_huge_pages
-from hearth.quant import Int4Linear, Int8Linear
+from hearth.layers.int8 import Int4Linear, Int8Linear
+from hearth.ops import native
+from hearth.ops.native.huge_pages import move_into_huge_pages
 
 # (out, in): the tied Gemma 3 270M head, then MLP up/gate, MLP down, q_proj.
 SHAPES = [(262144, 640), (2048, 640), (640, 2048), (1024, 640)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gpu_gemv_bf16 import write_table
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import quantize_affine
 
 VOCAB, WIDTH, DRAWS = 4096, 2560, 3

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from gpu_gemv_bf16 import CALLS, replay_micros, write_table
-from hearth.kernels import affine_matmul as am
-from hearth.kernels.activation import gelu_tanh_mul_triton as gelu_tanh_mul
+from hearth.ops import affine_matmul as am
+from hearth.ops.activation import gelu_tanh_mul_triton as gelu_tanh_mul
 
 EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2816, 704
 DRAWS = 10

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from gpu_kernels_affine import bench_graph
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import quantize_affine
 
 DEVICE = torch.device("cuda")

@@ -17,8 +17,8 @@ import math
 import torch
 
 from gpu_gemv_bf16 import CALLS, replay_micros, write_table
-from hearth.kernels.gemv import gemv_add_norm, gemv_triton
-from hearth.kernels.norm import add_rms_norm
+from hearth.ops.gemv import gemv_add_norm, gemv_triton
+from hearth.ops.norm import add_rms_norm
 
 SHAPES = {"E4B per-layer gate": (256, 2560), "E2B per-layer gate": (256, 1536)}
 DRAWS = 10

@@ -280,7 +280,7 @@ def main() -> None:
     if args.cpu:
         print("\n".join(check(torch.device("cpu"), [(96, 512), (64, 1280)], [1, 2, 4])))
         return
-    from hearth.kernels import affine_matmul as am
+    from hearth.ops import affine_matmul as am
 
     device = torch.device("cuda")
     lines = ["| shape | launch | check | verdict |", "|---|---|---|---|"]

@@ -60,7 +60,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gpu_gemv_affine_sweep import E4B_SHAPES, L2_BYTES, SHAPES, time_graph
 from gpu_kernels_affine import COPY_BANDWIDTH, packed_weight, within_bound
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import dequantize_affine
 
 GROUP = 64

@@ -35,7 +35,7 @@ import torch
 import triton
 
 from gpu_kernels_affine import COPY_BANDWIDTH, packed_weight, within_bound
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import dequantize_affine
 
 GROUP = 64

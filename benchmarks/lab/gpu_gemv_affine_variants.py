@@ -1,7 +1,7 @@
 """Candidate designs for the batch-1 (M = 1..4) GEMV over MLX affine-packed weights.
 
 Layout as hearth.quant.mlx: packed uint32 ``[N, K * bits / 32]`` (codes LSB first), scales and
-biases ``[N, K / group]``, ``w = scale * q + bias``. hearth.kernels.affine_matmul's earlier
+biases ``[N, K / group]``, ``w = scale * q + bias``. hearth.ops.affine_matmul's earlier
 kernel (the M rows a tensor dimension of one tile; 13-26 % of the 4.2 TB/s copy bandwidth on
 an H200) lost to v1 on every shape (benchmarks/results/gpu_gemv_affine_variants-2026-12-03.md),
 and v1 became the library's GEMV, launched by its `gemv_config` heuristic: "current" below.
@@ -62,7 +62,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import dequantize_affine
 
 WORD_BITS = 32

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from hearth.kernels.activation import gelu_tanh_mul
-from hearth.kernels.gemv import gemv_reference, gemv_triton
+from hearth.ops.activation import gelu_tanh_mul
+from hearth.ops.gemv import gemv_reference, gemv_triton
 
 SHAPES = {  # (out, in) of the 12B decode step's projections
     "qkv": (8192, 3840, False),

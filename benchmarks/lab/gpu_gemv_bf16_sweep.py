@@ -1,4 +1,4 @@
-"""Launch sweep of the bf16 Triton GEMV (`hearth.kernels.gemv`) as decode runs it, in CUDA graphs.
+"""Launch sweep of the bf16 Triton GEMV (`hearth.ops.gemv`) as decode runs it, in CUDA graphs.
 
 The GEMV is autotuned, and Triton's autotuner times each config alone. The 4-bit GEMV's
 launches ranked differently when timed as decode runs them, back to back in a CUDA graph
@@ -38,7 +38,7 @@ import triton
 
 from gpu_gemv_affine_sweep import L2_BYTES, time_graph, write_report
 from gpu_kernels_affine import COPY_BANDWIDTH
-from hearth.kernels import gemv
+from hearth.ops import gemv
 
 SHAPES = [
     (3840, 4096, "12B o"),

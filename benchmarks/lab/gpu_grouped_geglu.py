@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch
 import triton
 
-from hearth.kernels import grouped_matmul as gm
-from hearth.kernels import prefill_attention as pa
-from hearth.kernels.activation import gelu_tanh_mul_triton
-from hearth.kernels.slot_sum import weighted_slot_sum
+from hearth.ops import grouped_matmul as gm
+from hearth.ops import prefill_attention as pa
+from hearth.ops.activation import gelu_tanh_mul_triton
+from hearth.ops.slot_sum import weighted_slot_sum
 from hearth.quant.mlx import pack_codes
 
 DEVICE = torch.device("cuda")

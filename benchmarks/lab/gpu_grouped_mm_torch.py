@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch
 import triton
 
-from hearth.kernels import grouped_matmul as gm
-from hearth.kernels.activation import gelu_tanh_mul_triton
+from hearth.ops import grouped_matmul as gm
+from hearth.ops.activation import gelu_tanh_mul_triton
 
 DEVICE = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch
 import triton
 
-from hearth.kernels import grouped_matmul as gm
+from hearth.ops import grouped_matmul as gm
 
 EXPERTS, HIDDEN, WIDTH, TOP_K, TOKENS = 128, 2816, 704, 8, 4096
 PROJECTIONS = {"gate/up": (2 * WIDTH, HIDDEN), "down": (HIDDEN, WIDTH)}  # N, K

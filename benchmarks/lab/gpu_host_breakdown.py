@@ -129,7 +129,7 @@ def main() -> None:
 
 def ab_launch(run: Callable[[], object], rounds: int = 7) -> str:
     """Host and wall ms of the prefill with the fast Triton launch on and off, alternating."""
-    from hearth.kernels import launch
+    from hearth.ops import launch
 
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for _ in range(rounds):
@@ -144,7 +144,7 @@ def ab_launch(run: Callable[[], object], rounds: int = 7) -> str:
         host = [t[0] for t in times[fast]]
         wall = [t[1] for t in times[fast]]
         each = ", ".join(f"{h:.1f}" for h in host)
-        name = "fast (hearth.kernels.launch)" if fast else "Triton's own"
+        name = "fast (hearth.ops.launch)" if fast else "Triton's own"
         rows.append(
             f"| {name} | {statistics.median(host):.2f} | {statistics.median(wall):.2f} | {each} |"
         )

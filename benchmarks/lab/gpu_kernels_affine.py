@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from hearth.kernels import affine_matmul as am
-from hearth.kernels.activation import gelu_tanh_mul
+from hearth.ops import affine_matmul as am
+from hearth.ops.activation import gelu_tanh_mul
 from hearth.quant.mlx import dequantize_affine, pack_codes
 
 COPY_BANDWIDTH = 4.2e12  # bytes/s, measured device-to-device copy on the H200

@@ -43,16 +43,16 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from hearth.kernels.decode_attention import (
+from hearth.kv.cache import EMPTY_POSITION
+from hearth.kv.quantized import AffineCodec
+from hearth.ops.decode_attention import (
     LaunchConfig,
     PlaneFormat,
     decode_attention,
     decode_attention_reference,
     formats_of,
 )
-from hearth.kv.cache import EMPTY_POSITION
-from hearth.kv.quantized import AffineCodec
-from hearth.kv.turbo import TurboCodec
+from hearth.quant.turbo import TurboCodec
 
 COPY_BANDWIDTH = 4.2e12  # bytes/s, measured device copy on the H200
 SHAPES = {"gemma3-12b": (16, 8, 256), "gemma4-31b-full": (32, 4, 512)}  # Hq, Hkv, D

@@ -20,8 +20,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hearth.kernels import activation, kv_write, norm, rope
 from hearth.kv.cache import EMPTY_POSITION
+from hearth.ops import activation, kv_write, norm, rope
 
 EPS = 1e-6
 DTYPE = torch.bfloat16

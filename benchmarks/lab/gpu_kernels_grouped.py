@@ -33,10 +33,11 @@ import torch
 import triton
 from torch import nn
 
-from hearth.kernels import affine_matmul as am
-from hearth.kernels import grouped_matmul as gm
+from hearth.layers.affine import MLXQuantizedExperts
 from hearth.models.gemma4 import GROUPED_EXPERTS_MIN_TOKENS, Experts
-from hearth.quant.mlx import MLXQuantizedExperts, dequantize_affine, pack_codes
+from hearth.ops import affine_matmul as am
+from hearth.ops import grouped_matmul as gm
+from hearth.quant.mlx import dequantize_affine, pack_codes
 
 BF16_PEAK = 790e12  # FLOP/s, dense bf16
 COPY_BANDWIDTH = 4.2e12  # bytes/s, measured device-to-device copy

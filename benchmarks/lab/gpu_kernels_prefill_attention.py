@@ -35,14 +35,14 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from hearth.kernels.prefill_attention import (
+from hearth.kv.cache import EMPTY_POSITION
+from hearth.ops.prefill_attention import (
     LaunchConfig,
     default_config,
     prefill_attention_reference,
     prefill_attention_triton,
     visible_keys,
 )
-from hearth.kv.cache import EMPTY_POSITION
 
 PEAK_BF16 = 790e12  # dense bf16 tensor-core FLOP/s of the H200
 # (name, Hq, Hkv, D, window, scale); scale 1.0 is Gemma 4's (q, k are RMS-normed there;

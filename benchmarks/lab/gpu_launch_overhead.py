@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hearth.bench.measure import PrefillRun
 from hearth.bench.random_model import PRESETS, build_random_model
-from hearth.kernels import wait_for_producer
+from hearth.ops import wait_for_producer
 
 CALLS = 2000
 

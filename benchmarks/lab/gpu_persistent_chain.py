@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hearth.kernels import prefetch_row_lines
+from hearth.ops import prefetch_row_lines
 
 # One decoder layer's GEMVs in order, (N, K): each reads the first K outputs of the one before.
 MODELS: dict[str, tuple[tuple[int, int], ...]] = {
@@ -306,7 +306,7 @@ def replay_micros(step: Callable[[], object], replays: int = 20) -> float:
 
 
 def model_rows(name: str, bandwidth: float) -> list[str]:
-    from hearth.kernels.gemv import gemv_triton, has_pinned_launch
+    from hearth.ops.gemv import gemv_triton, has_pinned_launch
 
     chain = Chain(MODELS[name], LAYERS, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count

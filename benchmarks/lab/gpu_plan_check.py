@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import triton
 import triton.testing
 
-from hearth.kernels import grouped_matmul as gm
+from hearth.ops import grouped_matmul as gm
 
 EXPERTS, TOP_K = 128, 8
 

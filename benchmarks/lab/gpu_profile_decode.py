@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hearth.bench.measure import PrefillRun, timed
 from hearth.bench.random_model import PRESETS, build_random_model
-from hearth.cuda_graph import GraphDecoder
+from hearth.runtime.graphs import GraphDecoder
 
 STEPS = 5
 

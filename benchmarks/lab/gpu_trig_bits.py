@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from hearth.kernels.rope import rotary_tables_reference, rotary_tables_triton
+from hearth.ops.rope import rotary_tables_reference, rotary_tables_triton
 
 
 @triton.jit

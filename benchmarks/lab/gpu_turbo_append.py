@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 import triton
 
-from hearth.kernels.kv_quantize import (
+from hearth.ops.kv_quantize import (
     turbo_append_reference,
     turbo_append_triton,
     turbo_kernel_mismatch,
 )
-from hearth.kv.turbo import TurboCodec
 from hearth.quant.mlx import unpack_codes
+from hearth.quant.turbo import TurboCodec
 
 
 def planes_for(codec: TurboCodec, kv_heads: int, dim: int, slots: int) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
 """What a launch of the library's affine GEMV costs per code, read from its sm_90 SASS: no GPU.
 
-Compiles `hearth.kernels.affine_matmul._affine_gemv_kernel` for the H200 with Triton's own
+Compiles `hearth.ops.affine_matmul._affine_gemv_kernel` for the H200 with Triton's own
 compiler (ptxas ships with Triton) at the launches given, as `_launch_gemv` specialises it
 (16-byte aligned operands, PDL on), and prints registers, stack (spills), the main loop's
 length and its instruction mix. Registers set how many programs share an SM (65536 per SM),
@@ -32,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 
 GROUP, THREADS = 64, 4 * 32
 SHARED_PER_SM = 228 * 1024

@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, "benchmarks/lab")
 import torch
 from gpu_gemv_affine_mma import _operands, mma_gemv
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 x, packed, scales, biases, _ = _operands(30720, 3840, torch.device("cuda"))
 for _ in range(3):  # compile, then the profiled launches
     am.affine_gemv_triton(x[None], packed, scales, biases, 4, 64)
@@ -31,7 +31,7 @@ torch.cuda.synchronize()
 PY
 cat >"$SCRATCH/gemv_x_order.py" <<'PY'
 import torch
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import pack_codes
 for bits in (4, 8):
     for n, k in ((30720, 3840), (3840, 15360), (12288, 3840), (3840, 4096)):

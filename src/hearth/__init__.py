@@ -7,17 +7,20 @@ for chunk in engine.stream("Once upon a time"):
     print(chunk.text, end="", flush=True)
 """
 
-from hearth.engine import Engine
+from hearth.engine import Engine, GenerationRequest
 from hearth.errors import CheckpointError, HearthError
-from hearth.generate import GenerationChunk, GenerationStats, stream_generate
-from hearth.sampling import SamplingParams
+from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.generate import GenerationChunk, GenerationStats, stream_generate
+from hearth.runtime.sampling import SamplingParams
 
 load = Engine.load
 
 __all__ = [
     "CheckpointError",
     "Engine",
+    "ExecutionPlan",
     "GenerationChunk",
+    "GenerationRequest",
     "GenerationStats",
     "HearthError",
     "SamplingParams",

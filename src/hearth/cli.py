@@ -205,6 +205,11 @@ def _add_inspect_parser(commands: Any) -> None:
     inspect.add_argument(
         "model", nargs="?", help="a GGUF file or HF directory (default: the embedded Gemma 3 270M)"
     )
+    inspect.add_argument(
+        "--plan",
+        action="store_true",
+        help="also print the execution plan: how each op runs on this machine's device",
+    )
 
 
 def _add_random_options(parser: argparse.ArgumentParser) -> None:
@@ -376,11 +381,15 @@ def run_inspect(args: argparse.Namespace) -> int:
     from hearth.summary import describe
 
     print(describe(args.model or embedded_model_path()))
+    if args.plan:
+        from hearth.summary import describe_plan
+
+        print(describe_plan())
     return 0
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    from hearth.sampling import SamplingParams
+    from hearth.runtime.sampling import SamplingParams
 
     return SamplingParams(
         temperature=args.temp,

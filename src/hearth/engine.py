@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,11 +12,14 @@ import torch
 from hearth.checkpoint import open_checkpoint
 from hearth.config import parse_config
 from hearth.embedded import embedded_model_path
-from hearth.generate import GenerationChunk, stream_generate
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
-from hearth.models import Model
+from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
+from hearth.models import Model, cache_specs
 from hearth.models.loading import build_model
-from hearth.sampling import SamplingParams
+from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.generate import GenerationChunk, stream_generate
+from hearth.runtime.runner import ModelRunner
+from hearth.runtime.sampling import SamplingParams
 from hearth.tokenizer import Tokenizer
 
 Messages = list[dict[str, Any]]
@@ -24,6 +27,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
+# mlx_lm.generate's default, shared by the library and the CLI.
+DEFAULT_MAX_TOKENS = 256
 
 
 def resolve_precision(
@@ -56,12 +61,26 @@ def resolve_precision(
     return dtype or stored_dtype or default, None
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as a face (the CLI, the server) hands it to the engine."""
+
+    prompt_ids: list[int]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
+    top_logprobs: int | None = None  # None: no log-probabilities
+
+
 @dataclass
 class Engine:
+    """A loaded model, its tokenizer and its runner: text or token ids in, text out."""
+
     model: Model
     tokenizer: Tokenizer
     path: Path
-    kv_policy: KVPolicy = field(default_factory=KVPolicy)
+    runner: ModelRunner
 
     @classmethod
     def load(
@@ -72,18 +91,20 @@ class Engine:
         progress: bool = True,
         quantize: str = "auto",
         kv_quant: str = "off",
+        plan: ExecutionPlan | None = None,
     ) -> Engine:
         """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
 
         `quantize`: "int8"/"int4" keep linear weights quantized in memory for fast CPU decode
         (bf16 compute), "none" keeps them in `dtype`, "auto" picks (see `resolve_precision`).
         `kv_quant`: the KV cache kind, `off|4|8|config|turbo[:SCHEME]` (docs/kv-cache.md),
-        checked against the model before any weight is read.
+        checked against the model before any weight is read. `plan`: how to run it (None: the
+        device's default, `ExecutionPlan.for_device`).
         """
         path = Path(model) if model is not None else embedded_model_path()
         checkpoint = open_checkpoint(path)
         kv_policy = parse_kv_quant(kv_quant, checkpoint=path if path.is_dir() else None)
-        kv_policy.check(parse_config(checkpoint.config))
+        kv_policy.check(cache_specs(parse_config(checkpoint.config)))
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -92,13 +113,22 @@ class Engine:
         dtype, weights = resolve_precision(
             checkpoint.format, device, dtype, quantize, checkpoint.stored_dtype
         )
+        plan = plan or ExecutionPlan.for_device(device)
         tokenizer = checkpoint.tokenizer()
-        model_ = build_model(checkpoint, dtype, device, progress, weights)
-        return cls(model_, tokenizer, path, kv_policy)
+        model_ = build_model(checkpoint, dtype, device, progress, weights, plan)
+        return cls(model_, tokenizer, path, ModelRunner(model_, plan, kv_policy))
+
+    @property
+    def kv_policy(self) -> KVPolicy:
+        return self.runner.kv_policy
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return self.runner.plan
 
     def new_caches(self) -> list[LayerCache]:
         """Empty KV caches of the engine's kind, one per layer that computes K/V."""
-        return self.kv_policy.make_caches(self.model.config)
+        return self.runner.new_caches()
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every tensor once (the tied table as head)."""
@@ -115,30 +145,72 @@ class Engine:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
+    def run(
+        self,
+        request: GenerationRequest,
+        cancelled: Callable[[], bool] | None = None,
+        prompt_cache: PromptCache | None = None,
+    ) -> Iterator[GenerationChunk]:
+        """Stream one request's text; the last chunk carries `finish_reason` and the stats.
+
+        With a `prompt_cache` (a server keeps one), the request starts from the caches of an
+        earlier one sharing the longest prefix with its prompt, and leaves its own (at the
+        prompt boundary) for the next before its last chunk is handed out. `cancelled` is
+        checked before each token: once true, the stream ends without a final chunk.
+        """
+        reuse = (
+            prompt_cache.take(request.prompt_ids, self.new_caches)
+            if prompt_cache is not None
+            else Reuse(None, 0)
+        )
+        boundary: list[list[LayerCache]] = []  # the caches holding exactly the prompt
+        chunks = stream_generate(
+            self.runner,
+            self.tokenizer,
+            request.prompt_ids,
+            request.sampling,
+            request.max_tokens,
+            request.stop,
+            request.stop_ids,
+            cancelled=cancelled,
+            caches=reuse.caches if self._given_caches(reuse) else None,
+            cached_tokens=reuse.cached_tokens,
+            on_prefilled=(
+                (lambda caches: boundary.append(snapshot_caches(caches, self.new_caches)))
+                if prompt_cache is not None
+                else None
+            ),
+            top_logprobs=request.top_logprobs,
+        )
+        for chunk in chunks:
+            if chunk.stats is not None and prompt_cache is not None and boundary:
+                prompt_cache.put(request.prompt_ids, boundary[0])
+            yield chunk
+
+    def _given_caches(self, reuse: Reuse) -> bool:
+        """Whether a request runs on the caches it was given. A miss with dense K/V is not:
+        on a GPU the prompt then goes straight into the graph decoder's static caches, not
+        into dynamic ones that decode would copy; quantized K/V keeps dynamic caches (a
+        snapshot of static ones would be re-encoded)."""
+        return reuse.caches is not None and (reuse.cached_tokens > 0 or not self.kv_policy.is_dense)
+
     def stream(
         self,
         prompt: str | Messages,
-        max_tokens: int = 256,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
     ) -> Iterator[GenerationChunk]:
-        ids = self.encode(prompt, chat)
-        return stream_generate(
-            self.model,
-            self.tokenizer,
-            ids,
-            sampling,
-            max_tokens,
-            stop,
-            # The loop makes the caches: static ones, decoded through CUDA graphs, on a GPU.
-            kv_policy=self.kv_policy,
+        request = GenerationRequest(
+            self.encode(prompt, chat), max_tokens, sampling or SamplingParams(), stop
         )
+        return self.run(request)
 
     def generate(
         self,
         prompt: str | Messages,
-        max_tokens: int = 256,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,

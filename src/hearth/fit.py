@@ -107,9 +107,9 @@ def plan_fit(
             f"--context {context} is past the model's {config.max_position_embeddings} positions"
         )
     policy = parse_kv_quant(kv_quant, checkpoint=checkpoint_dir)
-    policy.check(config)
+    policy.check(sized.cache_specs())
     weight_bytes = sum(tensor.nbytes for tensor in sized.state_dict().values())
-    footprint = KVFootprint.of(config, compute_dtype, policy)
+    footprint = KVFootprint.of(sized.cache_specs(), compute_dtype, policy)
     memory = usable_memory(target) if memory_gb is None else round(memory_gb * BYTES_PER_GB)
     return Fit(
         model=name,

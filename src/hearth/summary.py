@@ -11,6 +11,7 @@ import torch
 from hearth.checkpoint import open_checkpoint
 from hearth.config import ModelConfig, parse_config
 from hearth.kv.footprint import KVFootprint
+from hearth.models import cache_specs
 from hearth.quant.mlx import parse_quantization
 
 # Canonical-name fragments -> module kind, first match wins.
@@ -63,12 +64,12 @@ def _bytes(count: float) -> str:
 
 def describe(path: str | Path) -> str:
     """A human-readable summary of the checkpoint at `path`."""
-    from hearth.models.loading import _model_class
+    from hearth.models import model_class
 
     checkpoint = open_checkpoint(path)
     config = parse_config(checkpoint.config)
     with torch.device("meta"):
-        model = _model_class(config)(config, torch.bfloat16)
+        model = model_class(config)(config, torch.bfloat16)
     parameters = sum(p.numel() for p in model.parameters())
     storage = checkpoint.tensor_storage()
     by_kind: dict[str, int] = defaultdict(int)
@@ -99,7 +100,7 @@ def describe(path: str | Path) -> str:
 def _kv_summary(config: ModelConfig) -> str:
     """The dense caches' bytes at a few contexts up to the model's longest, as they allocate
     them (`hearth.kv.footprint`): sliding layers stop at their window."""
-    footprint = KVFootprint.of(config, torch.bfloat16)
+    footprint = KVFootprint.of(cache_specs(config), torch.bfloat16)
     longest = config.max_position_embeddings
     contexts = sorted({context for context in (4096, 32768, longest) if context <= longest})
     at = ", ".join(f"{_bytes(footprint.bytes_at(c))} at {c:,} tokens" for c in contexts)
@@ -124,3 +125,12 @@ def _quantization_summary(raw_config: dict[str, Any]) -> str:
     if overrides:
         text += "; per module: " + ", ".join(f"{k} x{n}" for k, n in overrides.most_common())
     return text
+
+
+def describe_plan(device: str | None = None) -> str:
+    """The execution plan a load on `device` (None: CUDA if present, else the CPU) gets."""
+    from hearth.ops.plan import ExecutionPlan
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    plan = ExecutionPlan.for_device(device).describe()
+    return "plan:\n" + "\n".join(f"  {line}" for line in plan.splitlines())

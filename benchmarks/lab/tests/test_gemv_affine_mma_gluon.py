@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from hearth.kernels import HAS_TRITON
+from hearth.ops import HAS_TRITON
 from hearth.quant.mlx import quantize_affine, unpack_codes
 
 pytestmark = pytest.mark.skipif(

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from hearth.kernels import affine_matmul as am
+from hearth.ops import affine_matmul as am
 from hearth.quant.mlx import quantize_affine, unpack_codes
 
 pytestmark = pytest.mark.skipif(

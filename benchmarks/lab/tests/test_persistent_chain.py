@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from hearth.kernels import HAS_TRITON
+from hearth.ops import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or not HAS_TRITON,

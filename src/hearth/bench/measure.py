@@ -4,7 +4,7 @@ Decode at context C: the caches are filled with C - 1 tokens of random K/V (writ
 costs nothing next to prefilling C tokens), then `steps` greedy steps run as the engine runs
 them: replayed from CUDA graphs over static caches on a GPU (dense models), eagerly over the
 growing caches otherwise. Prefill runs the prompt in the engine's chunks (4096 tokens on a
-GPU, 512 on a CPU: `generate.default_prefill_step`).
+GPU, 512 on a CPU: the plan's `prefill_chunk`).
 
 Rooflines: a decode step must read every weight it uses once (`decode_bytes`) and the K/V of
 the context (`kv_bytes`), at `bandwidth`; a prefill must do `prefill_flops`, at `peak_flops`.
@@ -23,13 +23,12 @@ import torch
 from torch import nn
 
 from hearth.config import FULL_ATTENTION, Gemma4Config, ModelConfig
-from hearth.generate import decodes_with_graphs, default_prefill_step, prefill
-from hearth.kv import DENSE, KVPolicy, LayerCache, layer_specs, make_caches
-from hearth.kv.footprint import kv_heads, token_bytes
-from hearth.models import Model
-from hearth.models.loading import _model_class
-from hearth.native.bf16_gemm import linear as cpu_linear
-from hearth.sampling import Sampler, SamplingParams
+from hearth.kv import DENSE, KVPolicy, LayerCache
+from hearth.kv.footprint import token_bytes
+from hearth.models import Model, model_class
+from hearth.ops.native.bf16_gemm import linear as cpu_linear
+from hearth.runtime.runner import ModelRunner
+from hearth.runtime.sampling import Sampler, SamplingParams
 
 WARMUP_STEPS = 2  # eager decode steps run before timing (kernel selection, allocations)
 
@@ -63,8 +62,9 @@ def _attention_layers(config: ModelConfig) -> list[tuple[int, int, int, int | No
     for kind in config.layer_types:
         gemma4 = isinstance(config, Gemma4Config)
         head_dim = config.head_dim_of(kind) if gemma4 else config.head_dim
+        kv_heads = config.kv_heads_of(kind) if gemma4 else config.num_key_value_heads
         window = None if kind == FULL_ATTENTION else config.sliding_window
-        layers.append((config.num_attention_heads, kv_heads(config, kind), head_dim, window))
+        layers.append((config.num_attention_heads, kv_heads, head_dim, window))
     return layers
 
 
@@ -90,7 +90,7 @@ def _matrix_params(config: ModelConfig) -> tuple[float, float]:
     """Multiply-adds per token: (of modules every prompt token runs through, of modules only
     the last token of each chunk reaches: the head and Gemma 4's KV-sharing layers)."""
     with torch.device("meta"):
-        model = _model_class(config)(config)
+        model = model_class(config)(config)
     first_shared = getattr(config, "first_kv_shared_layer", config.num_hidden_layers)
     moe = getattr(config, "moe", None)
     every_token = last_token = 0.0
@@ -180,30 +180,23 @@ def fill_caches(caches: list[Any], model: Model, tokens: int) -> None:
     (positions and counters included), without running the model."""
     if tokens == 0:
         return
-    config, device, dtype = model.config, model.device, model.compute_dtype
-    for cache, spec in zip(caches, layer_specs(config), strict=True):
-        if isinstance(config, Gemma4Config):
-            kv_heads = config.kv_heads_of(spec.kind)
-        else:
-            kv_heads = config.num_key_value_heads
-        shape = (1, kv_heads, tokens, spec.head_dim)
+    device, dtype = model.device, model.compute_dtype
+    for cache, spec in zip(caches, model.cache_specs(), strict=True):
+        shape = (1, spec.kv_heads, tokens, spec.head_dim)
         keys = torch.randn(shape, dtype=dtype, device=device)
         cache.update_and_fetch(keys, torch.randn_like(keys))
 
 
 @torch.inference_mode()
-def time_decode(
-    model: Model, context: int, steps: int, policy: KVPolicy | None = None
-) -> tuple[float, str]:
+def time_decode(runner: ModelRunner, context: int, steps: int) -> tuple[float, str]:
     """Seconds per greedy decode step with `context - 1` tokens already cached (in the
-    layout `policy` picks), and the path."""
-    device = model.device
-    policy = policy or KVPolicy()
-    if decodes_with_graphs(model):
-        seconds = _time_graph_decode(model, context, steps, policy)
+    runner's KV layout), and the path."""
+    model, device = runner.model, runner.device
+    if runner.decodes_with_graphs:
+        seconds = _time_graph_decode(runner, context, steps)
         release(device)  # the static caches and the graphs' memory pools
         return seconds, "CUDA graph"
-    caches: list[LayerCache] = policy.make_caches(model.config)
+    caches: list[LayerCache] = runner.new_caches()
     fill_caches(caches, model, context - 1)
     token = _random_ids(model, 1, device)
     position = context - 1
@@ -211,19 +204,18 @@ def time_decode(
     def run(count: int) -> None:
         nonlocal token, position
         for _ in range(count):
-            logits = model(token, caches, start=position, last_only=True)[:, -1]
-            token = logits.argmax(-1, keepdim=True)
+            token = runner.decode(token, caches, position).argmax(-1, keepdim=True)
             position += 1
 
     run(WARMUP_STEPS)
     return timed(device, lambda: run(steps)) / steps, "eager"
 
 
-def _time_graph_decode(model: Model, context: int, steps: int, policy: KVPolicy) -> float:
-    from hearth.cuda_graph import GraphDecoder
+def _time_graph_decode(runner: ModelRunner, context: int, steps: int) -> float:
+    from hearth.runtime.graphs import GraphDecoder
 
-    device = model.device
-    decoder = GraphDecoder(model, max_context=context + steps, policy=policy)
+    model, device = runner.model, runner.device
+    decoder = GraphDecoder(model, context + steps, runner.plan, runner.kv_policy)
     fill_caches(decoder.caches, model, context - 1)
     token = _random_ids(model, 1, device)
 
@@ -247,22 +239,21 @@ class PrefillRun:
     """A fresh prefill of `ids` as the engine runs it (a call returns the last logits);
     `path` says how the last call ran: from a prefill graph or eagerly in chunks."""
 
-    def __init__(self, model: Model, ids: torch.Tensor) -> None:
-        self.model, self.ids = model, ids
-        self.chunk = default_prefill_step(model.device)
+    def __init__(self, runner: ModelRunner, ids: torch.Tensor) -> None:
+        self.runner, self.ids = runner, ids
+        self.chunk = runner.plan.prefill_chunk
         self.path = "chunked"
 
     def __call__(self) -> torch.Tensor:
-        if not decodes_with_graphs(self.model):
-            return prefill(self.model, self.ids, make_caches(self.model.config), self.chunk)
-        from hearth.cuda_graph import GraphDecoder
-
-        # As generate_tokens gets its decoder: a reused one when REUSE_DECODERS is on.
-        decoder = GraphDecoder.acquire(self.model, self.ids.shape[1] + 1)
+        runner = self.runner
+        if not runner.decodes_with_graphs:
+            return runner.prefill(self.ids, runner.new_caches())
+        # As generate_tokens gets its decoder: the runner's, reused from request to request.
+        decoder = runner.acquire_decoder(self.ids.shape[1] + 1)
         try:
             logits = decoder.prefill(self.ids, self.chunk)
         finally:
-            GraphDecoder.release(decoder)
+            runner.release_decoder(decoder)
         bucket = decoder.graph_bucket
         self.path = "chunked" if bucket is None else f"CUDA graph, padded to {bucket}"
         return logits
@@ -282,11 +273,11 @@ PREFILL_REPEATS = 9
 
 
 @torch.inference_mode()
-def time_prefill(model: Model, tokens: int) -> tuple[float, str]:
+def time_prefill(runner: ModelRunner, tokens: int) -> tuple[float, str]:
     """Median seconds of a prefill of `tokens` random tokens (after full-size warm-ups),
     repeated while short, each run as a request's; and how it ran (graph or chunks)."""
-    device = model.device
-    run = PrefillRun(model, _random_ids(model, tokens, device))
+    device = runner.device
+    run = PrefillRun(runner, _random_ids(runner.model, tokens, device))
     warm_up(run)
     runs = [timed(device, run)]
     while len(runs) < PREFILL_REPEATS and sum(runs) < PREFILL_TIMING_SECONDS:
@@ -296,12 +287,12 @@ def time_prefill(model: Model, tokens: int) -> tuple[float, str]:
 
 
 @torch.inference_mode()
-def time_first_token(model: Model, tokens: int) -> float:
+def time_first_token(runner: ModelRunner, tokens: int) -> float:
     """Seconds from a prompt of `tokens` ids on the device to the first token id on the host:
     prefill, then greedy sampling as the generate loop does it."""
-    device = model.device
-    ids = _random_ids(model, tokens, device)
-    run = PrefillRun(model, ids)
+    device = runner.device
+    ids = _random_ids(runner.model, tokens, device)
+    run = PrefillRun(runner, ids)
     sampler = Sampler(SamplingParams(), device=device)
     history = ids[0].tolist()
     warm_up(run)
@@ -332,7 +323,7 @@ def copy_bandwidth(device: torch.device, repeats: int = 20) -> float:
 def matmul_peak(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> float:
     """FLOP/s of a large square matmul in `dtype`, the best of three timings: the prefill
     roofline's peak as this device reaches it in practice, not its data-sheet number. On a CPU
-    the product runs as Hearth's CPU prefill runs one (`hearth.native.bf16_gemm.linear`: an
+    the product runs as Hearth's CPU prefill runs one (`hearth.ops.native.bf16_gemm.linear`: an
     fp32 GEMM for bf16 where the CPU has no bf16 instructions; torch.mm in bf16 ran at ~1
     GFLOP/s on such a CPU)."""
     size = _MATMUL_SIZE[device.type]

@@ -19,18 +19,13 @@ from torch import nn
 
 from hearth.config import parse_config
 from hearth.errors import HearthError
-from hearth.models import Model
-from hearth.models.gemma import Embedding, RMSNorm
+from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
+from hearth.layers.embedding import Embedding
+from hearth.layers.norm import RMSNorm
+from hearth.models import Model, model_class
 from hearth.models.gemma4 import Experts
-from hearth.models.gemma4_presets import GEMMA4_PRESETS
-from hearth.models.loading import _model_class
-from hearth.quant.mlx import (
-    DEFAULT_GROUP_SIZE,
-    WORD_BITS,
-    MLXQuantizedEmbedding,
-    MLXQuantizedExperts,
-    MLXQuantizedLinear,
-)
+from hearth.models.presets import GEMMA4_PRESETS
+from hearth.quant.mlx import DEFAULT_GROUP_SIZE, WORD_BITS
 
 # Gemma 3 12B text shapes (google/gemma-3-12b), for comparison with llama.cpp's numbers.
 GEMMA3_12B: dict[str, Any] = {
@@ -135,7 +130,7 @@ def build_random_model(
     parsed = parse_config(config)
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = _model_class(parsed)(parsed, dtype)
+        model = model_class(parsed)(parsed, dtype)
     bits = QUANT_BITS[quant]
     if bits is not None:
         _pack_randomly(model, bits, dtype, device)

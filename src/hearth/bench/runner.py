@@ -35,9 +35,10 @@ from hearth.bench.report import (
 )
 from hearth.config import ModelConfig, parse_config
 from hearth.errors import HearthError
-from hearth.generate import default_prefill_step
 from hearth.kv import parse_kv_quant
 from hearth.models import Model
+from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
         versions=f"torch {torch.__version__}, triton {_version('triton')}",
         settings=(
             f"batch 1, {options.steps} decode steps per context, KV cache "
-            f"{', '.join(options.kv_quant)}, prefill in chunks of {default_prefill_step(device)}; "
+            f"{', '.join(options.kv_quant)}, prefill in chunks of "
+            f"{ExecutionPlan.for_device(device).prefill_chunk}; "
             f"{rooflines.note(model.compute_dtype)}"
         ),
     )
@@ -231,8 +233,9 @@ def _measure_hearth(
     layouts = list(options.kv_quant)
     for layout in layouts:
         policy = parse_kv_quant(layout)
+        runner = ModelRunner(model, kv_policy=policy)
         for context in options.contexts:
-            seconds, path = time_decode(model, context, options.steps, policy)
+            seconds, path = time_decode(runner, context, options.steps)
             kv = kv_bytes(config, context, element, policy)
             layout_name = f"KV {layout} " if layouts != ["off"] else "KV "
             mib = kv / 2**20
@@ -243,14 +246,15 @@ def _measure_hearth(
             row = Row(DECODE, context, seconds, path, work, work / rooflines.bandwidth)
             report.rows.append(row)
             progress(f"bench: decode at context {context}: {1 / seconds:,.1f} tok/s ({path})")
+    runner = ModelRunner(model)
     for tokens in options.prefill:
-        seconds, path = time_prefill(model, tokens)
-        work = prefill_flops(config, tokens, default_prefill_step(model.device))
+        seconds, path = time_prefill(runner, tokens)
+        work = prefill_flops(config, tokens, runner.plan.prefill_chunk)
         row = Row(PREFILL, tokens, seconds, path, work, work / rooflines.peak_flops)
         report.rows.append(row)
         progress(f"bench: prefill of {tokens}: {tokens / seconds:,.1f} tok/s")
     first = options.prefill[0]
-    seconds = time_first_token(model, first)
+    seconds = time_first_token(runner, first)
     report.rows.append(Row(FIRST_TOKEN, first, seconds, "prefill + greedy sample"))
     progress(f"bench: first token after {first}: {seconds * 1e3:,.1f} ms")
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hearth import native
 from hearth.checkpoint.gguf_file import GGUFFile, TensorInfo
 from hearth.checkpoint.gguf_names import ARCHITECTURES, ROPE_FREQS, canonical_name, gguf_name
-from hearth.checkpoint.mapped_table import MappedBlockTable
 from hearth.checkpoint.safetensors import expert_parts, is_layer_kv, split_expert_parts
 from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION
 from hearth.errors import CheckpointError, UnsupportedModelError
+from hearth.layers.mapped_table import MappedBlockTable
+from hearth.ops import native
 
 if TYPE_CHECKING:
     from hearth.tokenizer import Tokenizer

@@ -2,33 +2,32 @@
 
 from hearth.kv.cache import (
     DENSE,
+    CacheSpec,
     DenseCache,
     KVCodec,
     KVView,
     LayerCache,
-    LayerSpec,
     RotatingCache,
-    layer_specs,
     make_caches,
 )
 from hearth.kv.policy import KVPolicy, parse_kv_quant
-from hearth.kv.quantized import AffineCodec, QuantizedCache, RotatingQuantizedCache
-from hearth.kv.turbo import TurboCodec
+from hearth.kv.quantized import QuantizedCache, RotatingQuantizedCache
+from hearth.quant.kv_codecs import AffineCodec
+from hearth.quant.turbo import TurboCodec
 
 __all__ = [
     "DENSE",
     "AffineCodec",
+    "CacheSpec",
     "DenseCache",
     "KVCodec",
     "KVPolicy",
     "KVView",
     "LayerCache",
-    "LayerSpec",
     "QuantizedCache",
     "RotatingCache",
     "RotatingQuantizedCache",
     "TurboCodec",
-    "layer_specs",
     "make_caches",
     "parse_kv_quant",
 ]

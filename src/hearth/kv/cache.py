@@ -17,10 +17,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from hearth.config import SLIDING_ATTENTION, Gemma4Config, ModelConfig
-
-# Position of an empty slot: in the future of every query, so causality hides it.
-EMPTY_POSITION = 2**62
+from hearth.quant.kv_codecs import DENSE, EMPTY_POSITION, KVCodec
 
 
 class StoredKV(NamedTuple):
@@ -70,47 +67,6 @@ class DecodeSlot(NamedTuple):
     values: torch.Tensor
     slot: int
     length: int
-
-
-class KVCodec(Protocol):
-    """How tokens are stored: K/V [batch, kv_heads, tokens, head_dim] <-> planes.
-
-    Each plane is [batch, kv_heads, tokens, ...]; all-zero planes decode to zeros, so a
-    cache's unwritten (padding) slots read as zero.
-    """
-
-    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
-
-    def decode(
-        self, planes: Sequence[torch.Tensor], dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def signature(self) -> str: ...
-
-    def check_head_dim(self, head_dim: int) -> None:
-        """Raise ValueError if this layout cannot store vectors of `head_dim`."""
-        ...
-
-
-class DenseCodec:
-    """K and V stored as they come: the planes are the tensors attention reads."""
-
-    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return keys, values
-
-    def decode(
-        self, planes: Sequence[torch.Tensor], dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return planes[0], planes[1]
-
-    def signature(self) -> str:
-        return "dense"
-
-    def check_head_dim(self, head_dim: int) -> None:
-        return None
-
-
-DENSE = DenseCodec()
 
 
 class TokenPlanes:
@@ -448,40 +404,28 @@ def _check_empty(offset: int) -> None:
         raise ValueError("contents load into an empty cache only")
 
 
-class LayerSpec(NamedTuple):
-    """What a cache factory needs to know about one layer that stores K/V."""
+class CacheSpec(NamedTuple):
+    """What a model declares about one layer that stores K/V (`Model.cache_specs`): all a
+    cache factory, a footprint or a KV layout check needs to know of it."""
 
     index: int
     kind: str
+    kv_heads: int
     head_dim: int
-    window: int | None
+    window: int | None  # a sliding-window layer's window; None: attends to every token
 
 
-CacheFactory = Callable[[LayerSpec], LayerCache]
+CacheFactory = Callable[[CacheSpec], LayerCache]
 
 
-def layer_specs(config: ModelConfig) -> list[LayerSpec]:
-    """One spec per layer that computes K/V (Gemma 4's KV-sharing layers come last: none)."""
-    kinds = config.cache_layer_types if isinstance(config, Gemma4Config) else config.layer_types
-    return [
-        LayerSpec(
-            index,
-            kind,
-            config.head_dim_of(kind) if isinstance(config, Gemma4Config) else config.head_dim,
-            config.sliding_window if kind == SLIDING_ATTENTION else None,
-        )
-        for index, kind in enumerate(kinds)
-    ]
-
-
-def dense_cache(spec: LayerSpec) -> LayerCache:
+def dense_cache(spec: CacheSpec) -> LayerCache:
     """Rotating on sliding-window layers, dense on full-attention layers."""
     return DenseCache() if spec.window is None else RotatingCache(spec.window)
 
 
-def make_caches(config: ModelConfig, factory: CacheFactory = dense_cache) -> list[LayerCache]:
-    """One cache per layer that computes K/V, built by `factory` (e.g. a `KVPolicy`).
-
-    Gemma 4's KV-sharing layers come last and read their donor's cache, so they get none.
-    """
-    return [factory(spec) for spec in layer_specs(config)]
+def make_caches(
+    specs: Sequence[CacheSpec], factory: CacheFactory = dense_cache
+) -> list[LayerCache]:
+    """One cache per layer that stores K/V (`Model.cache_specs`), built by `factory` (e.g. a
+    `KVPolicy`)."""
+    return [factory(spec) for spec in specs]

@@ -10,12 +10,12 @@ dense K/V until `quantize_after` tokens, so those dense bytes count too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hearth.config import Gemma4Config, ModelConfig
-from hearth.kv.cache import DENSE, GROWTH_STEP, KVCodec, layer_specs
+from hearth.kv.cache import DENSE, GROWTH_STEP, CacheSpec, KVCodec
 from hearth.kv.policy import KVPolicy
 
 POSITION_BYTES = 8  # a ring slot's position, int64
@@ -25,13 +25,6 @@ def token_bytes(codec: KVCodec, kv_heads: int, head_dim: int, dtype: torch.dtype
     """Bytes of one token's K and V in `codec`'s layout (every plane, scales included)."""
     sample = torch.zeros(1, kv_heads, 1, head_dim, dtype=dtype)
     return sum(plane.nbytes for plane in codec.encode(sample, sample))
-
-
-def kv_heads(config: ModelConfig, kind: str) -> int:
-    """K/V heads of a layer of `kind` (Gemma 4's full and sliding layers differ)."""
-    if isinstance(config, Gemma4Config):
-        return config.kv_heads_of(kind)
-    return config.num_key_value_heads
 
 
 @dataclass(frozen=True)
@@ -50,12 +43,12 @@ class KVFootprint:
 
     @classmethod
     def of(
-        cls, config: ModelConfig, dtype: torch.dtype, policy: KVPolicy | None = None
+        cls, specs: Sequence[CacheSpec], dtype: torch.dtype, policy: KVPolicy | None = None
     ) -> KVFootprint:
         policy = policy or KVPolicy()
         layers = []
-        for spec in layer_specs(config):
-            heads = kv_heads(config, spec.kind)
+        for spec in specs:
+            heads = spec.kv_heads
             codec = policy.codec_of(spec.index, spec.window)
             layers.append(
                 LayerBytes(

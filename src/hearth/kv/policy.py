@@ -18,24 +18,22 @@ a head_dim a layout cannot store, so a bad choice fails at start, not at the fir
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hearth.config import ModelConfig
 from hearth.kv.cache import (
     DENSE,
+    CacheSpec,
     DenseCache,
     KVCodec,
     LayerCache,
-    LayerSpec,
     RotatingCache,
-    layer_specs,
     make_caches,
 )
-from hearth.kv.quantized import AffineCodec
-from hearth.kv.turbo import DEFAULT_SCHEME, TurboCodec
+from hearth.quant.kv_codecs import AffineCodec
+from hearth.quant.turbo import DEFAULT_SCHEME, TurboCodec
 
 KV_CONFIG_FILE = "kv_config.json"
 UNIFORM_BITS = {"4": 4, "8": 8}
@@ -66,7 +64,7 @@ class KVPolicy:
         """Every layer stores plain K/V (`--kv-quant off`)."""
         return self.codec is DENSE and not self.per_layer
 
-    def __call__(self, spec: LayerSpec) -> LayerCache:
+    def __call__(self, spec: CacheSpec) -> LayerCache:
         codec = self.codec_of(spec.index, spec.window)
         try:
             codec.check_head_dim(spec.head_dim)
@@ -76,13 +74,13 @@ class KVPolicy:
             return DenseCache(codec=codec, quantize_after=self.quantize_after)
         return RotatingCache(spec.window, codec=codec, quantize_after=self.quantize_after)
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, specs: Sequence[CacheSpec]) -> None:
         """Raise ValueError if some layer's head_dim cannot be stored in its layout."""
-        for spec in layer_specs(config):
+        for spec in specs:
             self(spec)
 
-    def make_caches(self, config: ModelConfig) -> list[LayerCache]:
-        return make_caches(config, self)
+    def make_caches(self, specs: Sequence[CacheSpec]) -> list[LayerCache]:
+        return make_caches(specs, self)
 
 
 def parse_kv_quant(

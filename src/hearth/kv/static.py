@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import torch
 
-from hearth.kernels import kernel_enabled
-from hearth.kernels.kv_quantize import KERNEL_BITS as AFFINE_APPEND_BITS
-from hearth.kernels.kv_quantize import (
+from hearth.kv.cache import DENSE, EMPTY_POSITION, CacheContents, KVCodec, KVView, StoredKV
+from hearth.kv.quantized import AffineCodec
+from hearth.ops import kernel_enabled
+from hearth.ops.kv_quantize import KERNEL_BITS as AFFINE_APPEND_BITS
+from hearth.ops.kv_quantize import (
     quantize_append_triton,
     turbo_append_triton,
     turbo_kernel_agrees,
 )
-from hearth.kernels.kv_write import append_token_triton
-from hearth.kernels.rope import CacheWrite
-from hearth.kv.cache import DENSE, EMPTY_POSITION, CacheContents, KVCodec, KVView, StoredKV
-from hearth.kv.quantized import AffineCodec
-from hearth.kv.turbo import TurboCodec
+from hearth.ops.kv_write import append_token_triton
+from hearth.ops.rope import CacheWrite
+from hearth.quant.turbo import TurboCodec
 
 
 def _as_indexable(plane: torch.Tensor) -> torch.Tensor:

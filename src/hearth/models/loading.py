@@ -10,13 +10,12 @@ from torch import nn
 from tqdm import tqdm
 
 from hearth.checkpoint import Checkpoint
-from hearth.config import Gemma3Config, ModelConfig, parse_config
+from hearth.config import ModelConfig, parse_config
 from hearth.errors import CheckpointError
-from hearth.models import Model
-from hearth.models.gemma import Embedding, Gemma3Model, StackedLinear
-from hearth.models.gemma4 import Experts, Gemma4Model
-from hearth.native import huge_pages
-from hearth.quant.cpu import (
+from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
+from hearth.layers.embedding import Embedding
+from hearth.layers.experts import Experts
+from hearth.layers.int8 import (
     QUANT_MODES,
     Int4Linear,
     Int8Linear,
@@ -24,13 +23,14 @@ from hearth.quant.cpu import (
     QuantizedEmbeddingHead,
     quantized_linear_of_parts,
 )
+from hearth.layers.linear import StackedLinear
+from hearth.models import Model, model_class
+from hearth.ops.native import huge_pages
+from hearth.ops.plan import ExecutionPlan
 from hearth.quant.mlx import (
     PACKED_TENSORS,
     AffineSpec,
     MLXQuantization,
-    MLXQuantizedEmbedding,
-    MLXQuantizedExperts,
-    MLXQuantizedLinear,
     check_packed_shapes,
     dequantize_affine,
     parse_quantization,
@@ -43,6 +43,7 @@ def build_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     quantize: str | None = None,
+    plan: ExecutionPlan | None = None,
 ) -> Model:
     """The model of `checkpoint` in `dtype` on `device`; every parameter must come from the file.
 
@@ -54,7 +55,7 @@ def build_model(
     if quantize is not None and quantization is not None:
         raise ValueError(f"{checkpoint.path} is already quantized (MLX affine): drop {quantize!r}")
     with torch.device("meta"):
-        model = _model_class(config)(config, dtype)
+        model = model_class(config)(config, dtype)
     expected = _expected_shapes(model)
     names = [name for name in checkpoint.tensor_names() if not _is_tied_head(name, config)]
     packed_modules = quantization.quantized_modules(names) if quantization else set()
@@ -101,7 +102,8 @@ def build_model(
     model.load_state_dict(_state_dict(model, loaded), assign=True, strict=True)
     loaded.clear()  # the model holds the tensors now: each can be freed once replaced below
     model = model.to(device).eval()
-    if model.device.type == "cpu" and huge_pages.enabled():
+    plan = plan or ExecutionPlan.for_device(model.device)
+    if plan.huge_pages:
         # Every decode step streams these: huge pages spare the TLB misses (opt-in, see there).
         huge_pages.move_into_huge_pages(
             [(module, name) for module in model.modules() for name in _streamed_weights(module)]
@@ -112,7 +114,7 @@ def build_model(
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor a checkpoint of `config` holds, with its shape (no memory used)."""
     with torch.device("meta"):
-        return _expected_shapes(_model_class(config)(config))
+        return _expected_shapes(model_class(config)(config))
 
 
 # Modules that the loader builds whole; their tensors join the state dict as they are.
@@ -124,10 +126,6 @@ _INSTALLED_MODULES = (
     Int4Linear,
     QuantizedEmbedding,
 )
-
-
-def _model_class(config: ModelConfig) -> type[Model]:
-    return Gemma3Model if isinstance(config, Gemma3Config) else Gemma4Model
 
 
 def _is_tied_head(name: str, config: ModelConfig) -> bool:

@@ -28,7 +28,9 @@ class MemoryBudget:
         return cls(
             round(gigabytes * BYTES_PER_GB),
             engine.weight_bytes_per_token(),  # every weight tensor once: the weights' footprint
-            KVFootprint.of(config, engine.model.compute_dtype, engine.kv_policy),
+            KVFootprint.of(
+                engine.model.cache_specs(), engine.model.compute_dtype, engine.kv_policy
+            ),
             config.max_position_embeddings,
         )
 

@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from hearth.generate import FINISH_LENGTH, GenerationStats
-from hearth.sampling import SamplingParams
+from hearth.runtime.generate import FINISH_LENGTH, GenerationStats
+from hearth.runtime.sampling import SamplingParams
 from hearth.server.errors import parse_request, read_json_object
 from hearth.server.schemas import MessagesRequest
 from hearth.server.state import (

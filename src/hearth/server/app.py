@@ -15,11 +15,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from hearth.engine import Engine
-from hearth.generate import limit_decoder_slots
+from hearth.kv.prompt_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PromptCache
 from hearth.server import anthropic, monitoring, openai, responses
 from hearth.server.admission import BYTES_PER_GB, MemoryBudget
 from hearth.server.errors import RequestError, error_response
-from hearth.server.prompt_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PromptCache
 from hearth.server.state import ClientGone, ServerDefaults, ServerState
 from hearth.server.worker import GenerationWorker
 
@@ -86,7 +85,7 @@ def create_app(
     )
     budget = limits.memory_budget(engine)
     # A GPU decoder grown for a conversation stays within what the budget leaves for K/V.
-    limit_decoder_slots(engine.model, budget.kv_token_capacity() if budget else None)
+    engine.runner.slot_limit = budget.kv_token_capacity() if budget else None
     app.state.hearth = ServerState(
         engine, worker, defaults or ServerDefaults(), model_id_of(engine), budget
     )

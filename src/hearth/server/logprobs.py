@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from hearth.generate import TokenLogprobs
+from hearth.runtime.generate import TokenLogprobs
 from hearth.tokenizer import BYTE_TOKEN, Tokenizer
 
 # OpenAI's stand-in for a probability too small to matter; also keeps -inf out of the JSON.

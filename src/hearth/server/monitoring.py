@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -51,6 +52,7 @@ def server_stats(state: ServerState) -> dict[str, Any]:
             "weight_bytes": budget.weight_bytes if budget else None,
             "max_context_tokens": budget.kv_token_capacity() if budget else None,
         },
+        "plan": asdict(state.engine.plan),
     }
 
 

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from hearth.generate import GenerationStats, TokenLogprobs
-from hearth.sampling import SamplingParams
+from hearth.runtime.generate import GenerationStats, TokenLogprobs
+from hearth.runtime.sampling import SamplingParams
 from hearth.server.errors import RequestError, parse_request, read_json_object
 from hearth.server.logprobs import chat_logprobs, completion_logprobs
 from hearth.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest

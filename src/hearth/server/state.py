@@ -14,8 +14,8 @@ from fastapi.responses import StreamingResponse
 
 from hearth.engine import Engine
 from hearth.errors import HearthError
-from hearth.generate import GenerationChunk, GenerationStats, TokenLogprobs
-from hearth.sampling import SamplingParams
+from hearth.runtime.generate import GenerationChunk, GenerationStats, TokenLogprobs
+from hearth.runtime.sampling import SamplingParams
 from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError
 from hearth.server.tools import TOOL_RESPONSE_START, ConversationError, template_conversation

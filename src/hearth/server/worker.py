@@ -5,7 +5,7 @@ One request runs at a time (the model and its caches are not shared), so fairnes
 order of the queue. A request whose client went away is cancelled between two tokens, and one
 cancelled before its turn is skipped.
 
-The decode loop is `hearth.generate.stream_generate`, with the job's cancel flag checked at
+The decode loop is `hearth.runtime.generate.stream_generate`, with the job's cancel flag checked at
 every token. Its caches come from the prompt cache (when the server has one), and go back to it
 once the request ends.
 """
@@ -20,11 +20,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from hearth.engine import Engine
-from hearth.generate import GenerationChunk, GenerationStats, stream_generate
-from hearth.kv import LayerCache
-from hearth.sampling import SamplingParams
-from hearth.server.prompt_cache import PromptCache, Reuse, snapshot_caches
+from hearth.engine import Engine, GenerationRequest
+from hearth.kv.prompt_cache import PromptCache
+from hearth.runtime.generate import GenerationChunk, GenerationStats
+from hearth.runtime.sampling import SamplingParams
 
 log = logging.getLogger("hearth.server")
 
@@ -185,51 +184,12 @@ class GenerationWorker:
                 self.counters.running = 0
 
     def _generate(self, job: GenerationJob) -> None:
-        reuse = self._caches_for(job.prompt_ids)
-        boundary: list[list[LayerCache]] = []  # the caches holding exactly the prompt
-        keep = self.prompt_cache is not None
-        # A miss with dense K/V: no caches given, so on a GPU the prompt goes straight into
-        # the graph decoder's static caches (from a prefill graph once one is captured), not
-        # into dynamic ones that decode would copy. Quantized K/V keeps dynamic caches: a
-        # snapshot of static ones would be re-encoded.
-        given = reuse.cached_tokens or not self.engine.kv_policy.is_dense
-        new_caches = self.engine.new_caches
-        chunks = stream_generate(
-            self.engine.model,
-            self.engine.tokenizer,
-            job.prompt_ids,
-            job.sampling,
-            job.max_tokens,
-            job.stop,
-            job.stop_ids,
-            cancelled=job.cancelled.is_set,
-            caches=reuse.caches if given else None,
-            cached_tokens=reuse.cached_tokens,
-            on_prefilled=(
-                (lambda caches: boundary.append(snapshot_caches(caches, new_caches)))
-                if keep
-                else None
-            ),
-            top_logprobs=job.top_logprobs,
-            kv_policy=self.engine.kv_policy,
+        request = GenerationRequest(
+            job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.stop_ids, job.top_logprobs
         )
-        for chunk in chunks:
-            if chunk.stats is not None:  # the last piece: the caches will not change again
-                self._finish(job, boundary, chunk.stats)
+        for chunk in self.engine.run(request, job.cancelled.is_set, self.prompt_cache):
+            if chunk.stats is not None:  # the last piece: counted before the client hears it
+                self.counters.count(chunk.stats)
             job.deliver(chunk)
         if job.cancelled.is_set():
             log.info("generation cancelled")
-
-    def _finish(
-        self, job: GenerationJob, boundary: list[list[LayerCache]], stats: GenerationStats
-    ) -> None:
-        """Count the generation and keep its prompt-boundary caches, before the client hears
-        it has ended (so its next turn, and /stats, find them)."""
-        self.counters.count(stats)
-        if self.prompt_cache is not None and boundary:
-            self.prompt_cache.put(job.prompt_ids, boundary[0])
-
-    def _caches_for(self, prompt_ids: list[int]) -> Reuse:
-        if self.prompt_cache is None:
-            return Reuse(self.engine.new_caches(), 0)
-        return self.prompt_cache.take(prompt_ids, self.engine.new_caches)

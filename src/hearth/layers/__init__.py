@@ -1,0 +1,1 @@
+"""Building blocks of the models: linear kinds, norms, RoPE, attention, MLP, experts."""

@@ -1,0 +1,74 @@
+"""What Gemma 3 and Gemma 4 models share: the scaled token embedding, RoPE tables per layer
+kind, the final norm, the tied head and the final logit softcap."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hearth.config import ModelConfig
+from hearth.kv.cache import CacheSpec
+from hearth.layers.embedding import Embedding
+from hearth.layers.norm import RMSNorm
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderModel(nn.Module):
+    """The ends of a decoder-only Gemma: subclasses add `layers` and the forward between."""
+
+    rotary: nn.ModuleDict
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.compute_dtype = dtype
+        self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @staticmethod
+    def specs_for(config: ModelConfig) -> list[CacheSpec]:
+        """One `CacheSpec` per layer of `config` that stores K/V, in layer order."""
+        raise NotImplementedError
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """The caches this model reads and writes: one per layer that stores K/V."""
+        return self.specs_for(self.config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' rows scaled by √hidden, which HF rounds to the table's dtype first
+        (25.25, not 25.298, in bf16 for 640)."""
+        x = self.embed_tokens.embed(input_ids, self.compute_dtype)
+        return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
+        """cos/sin of each layer kind at `positions`."""
+        return {kind: rotary(positions, dtype) for kind, rotary in self.rotary.items()}
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head over the finally normed residual, then the softcap if the config has one."""
+        tied = self.config.tie_word_embeddings
+        logits = self.embed_tokens.head(normed) if tied else self.lm_head(normed)
+        softcap = self.config.final_logit_softcapping
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    @staticmethod
+    def positions(tokens: int, start: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Absolute positions of a chunk; `start` may be a device tensor, so that a captured
+        decode step reads it at replay."""
+        return torch.arange(tokens, device=device) + start
+
+
+def last_of(x: torch.Tensor, last_index: torch.Tensor | None) -> torch.Tensor:
+    """x[:, last_index] kept as a length-1 dim (the last token when `last_index` is None)."""
+    return x[:, -1:] if last_index is None else x.index_select(1, last_index.reshape(1))

@@ -1,0 +1,1750 @@
+"""Matmuls that read MLX affine-quantized weights (``w = scale * q + bias``) where they lie.
+
+Layout (hearth.quant.mlx): packed uint32 ``[..., N, K * bits / 32]``, codes LSB first; scales
+and biases ``[..., N, K / group]``. Triton paths, each beside its torch reference:
+
+* **GEMV** (M <= 4 rows: decode, a few speculative rows): each program owns ``BLOCK_N``
+  output rows and walks its share of K a step of ``BLOCK_G`` groups at a time. A step is a
+  ``[BLOCK_N, BLOCK_G * words per group]`` tile of packed words, read where they lie; a thread
+  holds contiguous words of several rows, so each x value it loads serves all of them. The M
+  rows of x are unrolled (one accumulator each, never a tensor dimension) and share the
+  unpacked codes. A code becomes an exact float with one AND|OR and one subtraction (the
+  exponent trick): the code at bits ``[p, p + bits)`` of a word, ``p + bits <= 23``, ORed
+  with the exponent of ``2**(23 - p)`` is the float ``2**(23 - p) + code``; codes above bit 23
+  are moved down 16 first. Per group it forms ``sum(x * q)`` and applies
+  ``scale * that + bias * sum(x)``, so the scale and bias cost nothing per element. Where N
+  gives too few programs, K is split: each program stores fp32 partials and the last of a row
+  block to arrive (an acq_rel counter) adds them in split order and resets the counter (one
+  kernel, deterministic, CUDA-graph safe). The launch config comes from `gemv_config`, a
+  small heuristic fitted to H200 measurements. With `prefetch` the loop requests the next
+  step's words, scales and biases before this step's arithmetic (Triton does not
+  software-pipeline a `while` loop), keeping two steps of loads in flight per program. With
+  `codes_major_x` the launcher first copies x into `codes_major` order (a PDL Triton kernel),
+  so that the x values a thread needs for one code position are one vector load (the 4-bit
+  kernel was bound by L1 requests for x). 4-bit codes are taken as ``offset + code`` floats
+  (one LOP3 per code after one shift per pair), their offsets taken off per group from the x
+  sums: fp32 sums of ``x * (offset + code)`` with offsets 16 and 256 lose a few bits against
+  sums of ``x * code``, ~2^-16 of sum |x * w|, far below the output's rounding.
+* **Tile GEMV** (5..16 rows, and gathered experts): the rows are a tensor dimension of one
+  ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias, split-K and
+  deterministic finish; autotuned. For MoE each program row is a (token, slot) pair reading
+  only the rows of the expert that pair chose; the ids stay on the device (no sync, so CUDA
+  graphs can capture it). A float variant serves bf16 experts.
+* **Prefill** (M > 16): dequantize once with a Triton kernel that rounds exactly as
+  ``dequantize_affine`` does, then cuBLAS. Dequantizing costs ~N*K*2 bytes, small beside the
+  2*M*N*K FLOPs of a long prompt.
+
+Accumulation is fp32 everywhere. Bits 4 and 8 have kernels; other widths use the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hearth.ops import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
+from hearth.ops.activation import gelu_tanh_mul_reference
+from hearth.ops.launch import launch_kernel
+from hearth.quant import mlx as mlx_affine
+
+KERNEL_BITS = (4, 8)
+# Above this many rows the weight is dequantized once and cuBLAS runs the matmul.
+GEMV_MAX_ROWS = 16
+# Rows the GEMV kernel unrolls; 5..GEMV_MAX_ROWS rows take the tile kernel.
+UNROLLED_ROWS = 4
+WORD_BITS = 32
+MAX_SPLIT_K = 8
+# Widths whose `gemv_config` launches the register-prefetching loop (GemvConfig.prefetch).
+# End to end on an H200 (Gemma 3 12B, decode at 512): 4-bit 137.2 -> 146.2 tok/s, 8-bit
+# 186.0 -> 177.5 (benchmarks/results/gpu_gemv_prefetch_ab-2026-12-03.md).
+GEMV_PREFETCH_BITS = (4,)
+# Where `gemv_config` says so, the GEMV reads x codes-major (`codes_major`, in blocks of
+# X_BLOCK_WORDS words): per code position j, the x values of a thread's words are adjacent,
+# one vector load instead of one 2-byte load per word and j. Nsight Compute found the 4-bit
+# GEMV bound by L1 requests, most of them x loads (benchmarks/results/
+# gpu_gemv_x_order-2026-12-03.md). False turns it off everywhere (A/B runs).
+GEMV_CODES_MAJOR_X = True
+X_BLOCK_WORDS = 32
+# The reordered x's dtype (None: x's own). fp32 saves the kernel a conversion per x value it
+# loads (10% fewer instructions in the loop) but doubles the x bytes each thread loads; since
+# the folded offsets and the reorder kernel, x's own bf16 wins on an H200: 12B 4-bit decode
+# 247.5 -> 252.5 tok/s, E4B 4-bit 334.1 -> 346.7, logits bit-identical
+# (benchmarks/results/ab_4bit_folded-2026-12-03.md).
+CODES_MAJOR_DTYPE: torch.dtype | None = None
+# The reorder as a Triton kernel with programmatic dependent launch, rather than torch's copy
+# kernel (~2 µs a launch before the GEMV in the E4B 4-bit profile). A/B on an H200, logits
+# bit-identical: 12B 4-bit decode 237.6 -> 246.5 tok/s, E4B 4-bit 314.6 -> 333.6
+# (benchmarks/results/ab_4bit_next-2026-12-03.md). False: torch's copy.
+CODES_MAJOR_KERNEL = True
+# 4-bit codes as ``offset + code`` floats, the offsets taken off once per group from the x
+# sums (`_offset_codes`): one subtraction fewer per code in the GEMV's loop (sm_90 SASS: 4.05
+# -> 3.59 instructions a code). A/B on an H200: 12B 4-bit decode 233.0 -> 237.6 tok/s, E4B
+# 4-bit 310.8 -> 314.6 (same table). False: exact codes, minus their offset one by one.
+GEMV_FOLDED_OFFSETS = True
+# A K-split GEMV's partial sums added by a small launch of their own (PDL), rather than by the
+# last program of each row block to arrive (a release of its stores, an arrival count, then
+# the partials' loads: a serial tail after its own loop, longer than a launch PDL overlaps).
+# Both add the splits in split order: the same bits. A/B on an H100, logits bit-identical:
+# 4-bit decode 12B 233.5 -> 239.8 tok/s (+2.7%), E4B 336.5 -> 350.8 (+4.2%), 26B-A4B 319.4 ->
+# 332.5 (+4.1%) (benchmarks/results/ab_*_4bit_split_sum_h100-2026-12-06.md). An A/B switch.
+SPLIT_SUM_LAUNCH = True
+# Outputs a program of that launch adds: 12B's 3840 rows in 15 programs.
+SPLIT_SUM_BLOCK = 256
+# 4-bit weights of few rows whose rows are 129-511 words (K 1032-4088 at 4 bits), with a row
+# block of 16 for each SM at least, launch unsplit: 16 rows, 128-word steps, x in input order,
+# no prefetching loop, as the gathered experts do (`gathered_gemv_config`). 26B-A4B's dense
+# q/k/v, gate/up and down (gpu_gemv_affine_sweep_unsplit_26b_h100-2026-12-06.md: 8.5 µs
+# against 10.2 split 4 with its sum launch; 6.1 against 7.6), E4B's q/k/v and o, 12B's q/k/v.
+# Decode on an H100: 26B-A4B 4-bit +4.4%, E4B +1.4% (rows up to 352 words), 12B +2.2% (up to
+# 480: ab_*_4bit_short_rows*_h100-2026-12-06.md). An A/B switch.
+UNSPLIT_SHORT_ROWS = True
+# MoE decode's gathered experts through the unrolled GEMV (its loop, with a third grid axis
+# over the (token, slot) pairs; launches from `gathered_gemv_config`) rather than the tile
+# GEMV, whose generic loop read 26B-A4B's 4-bit experts at ~0.7 TB/s on an H100: 4-bit decode
+# +20.5% (ab_26b_4bit_gathered_launch_h100-2026-12-06.md). False: the tile GEMV.
+GATHERED_UNROLLED = True
+# A packed token table's rows (`affine_embed`) from the dequantize kernel gathering them: one
+# launch a table a step, not ~23 torch ops; bit-identical. An A/B switch.
+EMBED_KERNEL = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch references
+
+
+def codes_major(
+    x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS, dtype: torch.dtype | None = None
+) -> Tensor:
+    """x ``[M, K]`` reordered per block of `block_words` packed words so that, within a block,
+    the inputs of code position j of every word are adjacent: ``[M, blocks, codes, words]``,
+    element ``[m, b, j, w] = x[m, (b * block_words + w) * codes + j]`` (codes = 32 / bits),
+    cast to `dtype` (exact for a wider float) in the same copy."""
+    m, k = x.shape
+    codes = WORD_BITS // bits
+    blocks = k // (codes * block_words)
+    grouped = x.view(m, blocks, block_words, codes).transpose(2, 3)
+    # One copy kernel for the reorder and the cast (`.to` would return the strided view
+    # itself when the dtype does not change).
+    out = torch.empty(grouped.shape, dtype=dtype or x.dtype, device=x.device)
+    return out.copy_(grouped)
+
+
+def codes_major_fits(k: int, bits: int, block_words: int = X_BLOCK_WORDS) -> bool:
+    return k % (WORD_BITS // bits * block_words) == 0
+
+
+class CodesMajor(NamedTuple):
+    """x ``[..., K]`` already in `codes_major` order (`values`, ``[M, blocks, codes, words]``
+    contiguous), as a norm kernel stores it for the 4-bit GEMV after it (`reads_codes_major`):
+    the GEMV then reads it without its own reorder launch. `shape` is x's."""
+
+    values: Tensor
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def input_order(self) -> Tensor:
+        """x in input order (the reference's operand)."""
+        return self.values.transpose(2, 3).reshape(self.shape)
+
+
+class Gather(NamedTuple):
+    """The (token, slot) pairs of a gathered GEMV over MoE experts: each pair's expert id
+    (`ids`, ``[pairs]``) and x row ``pair // x_rows_per_id`` (top_k where a token's slots share
+    its row, 1 where each slot has its own)."""
+
+    ids: Tensor
+    x_rows_per_id: int
+
+
+def affine_matmul_reference(
+    x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+) -> Tensor:
+    """``x @ W.T`` with W dequantized exactly as mlx does, then cast to the activations' dtype."""
+    return F.linear(
+        x, mlx_affine.dequantize_affine(packed, scales, biases, bits, group_size).to(x.dtype)
+    )
+
+
+def affine_embed_reference(
+    ids: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+) -> Tensor:
+    """Rows `ids` of an MLX-packed token table ``[*ids.shape, K]`` in the scales' dtype,
+    dequantizing only those rows."""
+    rows = packed.view(torch.int32)[ids].view(torch.uint32)  # CUDA has no uint32 gather
+    return mlx_affine.dequantize_affine(rows, scales[ids], biases[ids], bits, group_size)
+
+
+def affine_embed(
+    ids: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """`affine_embed_reference` cast to `dtype`; on CUDA at 4 and 8 bits one kernel, bit for
+    bit (eagerly the gathers, unpacking and roundings are ~23 launches a table a step)."""
+    if EMBED_KERNEL and kernel_enabled(packed) and bits in KERNEL_BITS:
+        return affine_dequantize_triton(packed, scales, biases, bits, group_size, dtype, ids)
+    return affine_embed_reference(ids, packed, scales, biases, bits, group_size).to(dtype)
+
+
+def _slot_rows(x: Tensor, expert_ids: Tensor) -> Tensor:
+    """One input row per (token, slot) pair, ``[T * top_k, K]``: x is ``[T, K]`` (shared by a
+    token's slots, as the gate/up projection is) or ``[T, top_k, K]`` (one row per slot)."""
+    if x.dim() == 2:
+        x = x[:, None, :].expand(-1, expert_ids.shape[1], -1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def _check_expert_shapes(x: Tensor, expert_ids: Tensor) -> None:
+    if expert_ids.dim() != 2 or x.shape[0] != expert_ids.shape[0]:
+        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} must be [tokens, top_k] of x")
+    if x.dim() == 3 and x.shape[1] != expert_ids.shape[1]:
+        raise ValueError(
+            f"x {tuple(x.shape)} has a row per slot, but top_k is {expert_ids.shape[1]}"
+        )
+
+
+def affine_expert_matmul_reference(
+    x: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    expert_ids: Tensor,
+    bits: int,
+    group_size: int,
+    geglu_out: bool = False,
+) -> Tensor:
+    """``[T, top_k, N]``: each pair's input times its expert's dequantized weight ``[N, K]``;
+    with `geglu_out`, ``gelu_tanh_mul`` of it, ``[T, top_k, N / 2]``."""
+    _check_expert_shapes(x, expert_ids)
+    ids = expert_ids.reshape(-1)
+    words = packed.view(torch.int32)[ids].view(torch.uint32)  # CUDA cannot index uint32
+    weights = mlx_affine.dequantize_affine(words, scales[ids], biases[ids], bits, group_size)
+    rows = _slot_rows(x, expert_ids)
+    out = torch.bmm(weights.to(x.dtype), rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
+    return gelu_tanh_mul_reference(out) if geglu_out else out
+
+
+def float_expert_matmul_reference(
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu_out: bool = False
+) -> Tensor:
+    """``[T, top_k, N]`` of float experts ``weight [E, N, K]``, as the quantized one above.
+    With `geglu_out` the experts are a stacked gate/up and the output ``gelu_tanh_mul`` of
+    the product, ``[T, top_k, N / 2]``."""
+    _check_expert_shapes(x, expert_ids)
+    rows = _slot_rows(x, expert_ids)
+    chosen = weight[expert_ids.reshape(-1)].to(x.dtype)
+    out = torch.bmm(chosen, rows[:, :, None])[..., 0].view(*expert_ids.shape, -1)
+    return gelu_tanh_mul_reference(out) if geglu_out else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatchers: the Triton kernel on CUDA for the widths it covers, the reference otherwise
+
+
+def affine_gemv_partials(
+    x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+) -> Tensor | None:
+    """``x @ W.T``'s fp32 partial sums [splits, ..., N], not yet added, where the GPU's GEMV
+    splits K for this shape: a consumer adds them in split order, as the GEMV's own sum launch
+    would (`norm.Partials`). None where it would not split or off the GPU: use `affine_linear`."""
+    if not (kernel_enabled(x) and bits in KERNEL_BITS):
+        return None
+    return affine_gemv_partials_triton(x, packed, scales, biases, bits, group_size)
+
+
+def affine_linear(
+    x: Tensor | CodesMajor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    bits: int,
+    group_size: int,
+) -> Tensor:
+    """``x @ W.T`` of an MLX-packed W; the CPU path is the reference, bit for bit. x may be
+    `CodesMajor` where `codes_major_input` said so."""
+    if isinstance(x, CodesMajor):
+        if not kernel_enabled(x.values):
+            x = x.input_order()
+        else:
+            return affine_gemv_triton(x, packed, scales, biases, bits, group_size)
+    if kernel_enabled(x) and bits in KERNEL_BITS:
+        return affine_matmul_triton(x, packed, scales, biases, bits, group_size)
+    return affine_matmul_reference(x, packed, scales, biases, bits, group_size)
+
+
+def codes_major_input(
+    x: Tensor, packed: Tensor, bits: int, group_size: int
+) -> tuple[int, int] | None:
+    """(codes per word, words per block) where the GPU GEMV of x ``[..., K]`` by this packed
+    weight reads x `codes_major` (and so would reorder it first), for a producer to store x so
+    (`CodesMajor`) instead; None where it reads x in input order, or off the GPU."""
+    if not (kernel_enabled(x) and bits in KERNEL_BITS) or x.numel() == 0:
+        return None
+    rows = x.reshape(-1, x.shape[-1])  # only its shape is read
+    config = _unrolled_config(rows, packed, bits, group_size, None)
+    if config is None or not _reads_codes_major(config, x.shape[-1], bits):
+        return None
+    return WORD_BITS // bits, X_BLOCK_WORDS
+
+
+def _reads_codes_major(config: GemvConfig, k: int, bits: int) -> bool:
+    """Whether an unrolled launch of `config` reads x `codes_major` (else in input order)."""
+    return config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits, X_BLOCK_WORDS)
+
+
+def affine_gemv_geglu_out(
+    x: Tensor | CodesMajor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    bits: int,
+    group_size: int,
+) -> Tensor | None:
+    """``gelu_tanh(gate) · up`` of x times a stacked gate/up weight ``[2 * I, K]``, stored by
+    the GPU GEMV itself (one GeGLU launch fewer, the same bits), where that GEMV runs without
+    a K split; None elsewhere (then project and `gelu_tanh_mul`)."""
+    if not (kernel_enabled(x.values if isinstance(x, CodesMajor) else x) and bits in KERNEL_BITS):
+        return None
+    return affine_gemv_geglu_out_triton(x, packed, scales, biases, bits, group_size)
+
+
+def affine_expert_matmul(
+    x: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    biases: Tensor,
+    expert_ids: Tensor,
+    bits: int,
+    group_size: int,
+    geglu_out: bool = False,
+) -> Tensor:
+    """``[T, top_k, N]``: x ``[T, K]`` or ``[T, top_k, K]`` times the chosen experts' weights;
+    with `geglu_out`, ``gelu_tanh_mul`` of that product of stacked gate/up experts, stored by
+    the GPU's GEMV (one GeGLU launch fewer)."""
+    args = (x, packed, scales, biases, expert_ids, bits, group_size)
+    if kernel_enabled(x) and bits in KERNEL_BITS:
+        return affine_expert_matmul_triton(*args, geglu_out=geglu_out)
+    return affine_expert_matmul_reference(*args, geglu_out=geglu_out)
+
+
+def float_expert_matmul(
+    x: Tensor, weight: Tensor, expert_ids: Tensor, geglu_out: bool = False
+) -> Tensor:
+    """``[T, top_k, N]`` of float experts ``[E, N, K]``, without a host sync on CUDA; with
+    `geglu_out`, ``gelu_tanh_mul`` of the product of stacked gate/up experts ``[E, 2N, K]``,
+    stored by the kernel (the GeGLU launch goes)."""
+    if kernel_enabled(x):
+        return float_expert_matmul_triton(x, weight, expert_ids, geglu_out=geglu_out)
+    return float_expert_matmul_reference(x, weight, expert_ids, geglu_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV launch configuration
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A GEMV launch: output rows per program, groups per step, warps and K splits."""
+
+    block_n: int
+    block_g: int
+    warps: int = 4
+    split_k: int = 1
+    prefetch: bool = False  # load step s + 1 before step s's arithmetic
+    codes_major_x: bool = False  # read x reordered by `codes_major` where it fits
+    # Registers a thread may hold (ptxas's maxnreg; 0: its own choice). Fewer registers let
+    # more programs share an SM (65536 registers each): an A/B handle, not in `gemv_config`.
+    max_registers: int = 0
+    # Over 1: the whole steps every split has run in a loop Triton software-pipelines with
+    # this many stages (cp.async into shared memory), in place of `prefetch`. An A/B handle.
+    loop_stages: int = 1
+
+    def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        prefetch = " prefetch" if self.prefetch else ""
+        ordered = " x-codes-major" if self.codes_major_x else ""
+        capped = f" r{self.max_registers}" if self.max_registers else ""
+        staged = f" stages{self.loop_stages}" if self.loop_stages > 1 else ""
+        described = f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}"
+        return f"{described}{ordered}{capped}{staged}"
+
+
+H200_MULTIPROCESSORS = 132
+# Rows from which a weight counts as a vocabulary head (Gemma's tied heads are 262144 rows).
+HEAD_ROWS = 1 << 16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@lru_cache(maxsize=256)
+def gemv_config(
+    n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
+) -> GemvConfig:
+    """The GEMV launch for an ``[N, K]`` weight, fitted to the launch sweep of group-64 weights
+    at M=1 on an H200, in CUDA graphs of back-to-back calls past L2, as decode runs them
+    (benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md, ..._8bit-2026-12-03.md):
+
+    ==== ============================================ ================= =========================
+    bits shape class (measured shapes, N x K)          config            µs (previous launch's)
+    ==== ============================================ ================= =========================
+    4    N/32 blocks > 2 per SM (30720 x 3840; head)   N64 G4 w4         32.4; 202.3 (same)
+    4    fewer, rows of >= 512 words (3840 x 15360;    N32 G16 w4 split2 17.2 (35.3); 7.7 (11.8)
+         3840 x 4096)
+    4    fewer, shorter rows (8192 x 3840)             N64 G4 w4 split4  13.4 (16.4)
+    8    N/32 blocks > 2 per SM (30720 x 3840)         N32 G8 w4         38.6 (same)
+    8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G16 w4        12.6 (16.9)
+    8    fewer (3840 x 15360; 3840 x 4096)             N32 G8 w4 split4  21.6 (24.3); 8.0 (9.2)
+    ==== ============================================ ================= =========================
+
+    What the sweeps showed: a launch with few row blocks is latency bound (Nsight Compute:
+    1.8 warps per scheduler, 0.4 eligible) and gains from anything that puts more bytes in
+    flight per program. At 4 bits, 16 groups per step (a thread then holds 8 rows, so each x
+    value it loads serves 8 codes) where every split still gets two whole steps, else 64
+    rows and more splits. Splits double until the row blocks give one program per SM (two
+    where marked), each keeping at least one whole step. Other group sizes keep the packed
+    words per step, so G scales with 64 / group; they, and M > 1, are not measured. Widths in
+    GEMV_PREFETCH_BITS take the prefetching loop (8-bit lost with it in the sweep, as end to
+    end before). 4-bit launches whose row blocks fill the GPU read x codes-major (Nsight
+    Compute: 12B gate/up 68.5 -> 46.1 µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B
+    4-bit decode 164.9 -> 169.0 tok/s); a weight left unsplit only because K is short (E4B's
+    2560 x 256 per-layer projection) reads x in input order, without the reorder launch
+    before it (E4B 4-bit decode +1.3% on an H100, ab_e4b_4bit_ple_attn_h100-2026-12-06.md).
+    """
+    few = 2 * multiprocessors  # more row blocks than this fill the GPU without a K split
+    many_rows = _cdiv(n, 32) > few
+    row_words = k * bits // WORD_BITS
+    long_rows = row_words >= 4 * 128  # two 128-word steps in each of two splits
+    words_per_group = group * bits // WORD_BITS
+    short_rows = row_words > 128 and not long_rows and _cdiv(n, 16) >= multiprocessors
+    if bits == 4 and not many_rows and short_rows and UNSPLIT_SHORT_ROWS:
+        return GemvConfig(16, max(1, 128 // words_per_group))
+    # (rows per program, packed words per step, first split, programs the splits aim for)
+    if bits == 4:
+        if many_rows:
+            launch = (64, 32, 1, 0)
+        elif long_rows:
+            launch = (32, 128, 2, multiprocessors)
+        else:
+            launch = (64, 32, 2, few)
+    elif many_rows:
+        launch = (32, 128, 1, 0)
+    elif _cdiv(n, 16) > few:
+        launch = (16, 256, 1, 0)
+    else:
+        launch = (32, 128, 2, few)
+    block_n, step_words, split, programs = launch
+    block_g = max(1, step_words // words_per_group)
+    blocks = _cdiv(n, block_n)
+    if split > 1:
+        while blocks * split < programs and split < MAX_SPLIT_K:
+            split *= 2
+        # Each split gets at least one whole step of groups.
+        split = max(1, min(split, k // group // block_g))
+    return GemvConfig(
+        block_n,
+        block_g,
+        split_k=split,
+        prefetch=bits in GEMV_PREFETCH_BITS,
+        codes_major_x=bits == 4 and many_rows,
+    )
+
+
+@lru_cache(maxsize=64)
+def gathered_gemv_config(k: int, bits: int, group: int) -> GemvConfig:
+    """The unrolled GEMV's launch over gathered experts of ``[N, K]``, fitted to a sweep of
+    26B-A4B's at one token (8 experts a launch, in CUDA graphs past L2, H100:
+    benchmarks/results/gpu_gathered_gemv_sweep_h100-2026-12-06.md): steps of 128 packed words
+    at 4 bits, 128 or 256 at 8, x in input order (a codes-major x lost at 4 bits), no K split
+    (8 pairs fill the GPU), no prefetching loop:
+
+    ==== ================================== ============ ==========================
+    bits shape (N x K)                       launch       µs (`gemv_config`'s for
+                                                          the pairs' rows)
+    ==== ================================== ============ ==========================
+    4    gate/up 1408 x 2816 (352 words)     N32 G16 w4   11.5 (15.2)
+    4    down 2816 x 704 (88 words: 1 step)  N16 G16 w4   8.5 (9.4)
+    8    gate/up (704 words)                 N16 G8 w4    15.7 (17.4)
+    8    down (176 words: 1 step)            N32 G16 w4   10.3 (11.4)
+    ==== ================================== ============ ==========================
+    """
+    words_per_group = group * bits // WORD_BITS
+    row_words = k * bits // WORD_BITS
+    step_words = 128 if bits == 4 or row_words > 256 else 256
+    one_step = row_words <= step_words
+    rows_one_step, rows_more = (16, 32) if bits == 4 else (32, 16)  # rows a program
+    block_n = rows_one_step if one_step else rows_more
+    return GemvConfig(block_n, max(1, step_words // words_per_group))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from hearth.ops import prefetch_row_lines, prefetch_to_l2, wait_for_producer
+    from hearth.ops.activation import geglu
+
+    # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
+    _KERNEL_WORD_BITS = tl.constexpr(WORD_BITS)
+    # The float 2**23 as int32 bits, passed to the GEMV at run time: were the exponent a
+    # constant, ptxas would need two LOP3s (one immediate operand each) for the AND and the OR.
+    TWO23_BITS = 150 << 23
+
+    @triton.jit
+    def _store_geglu_pairs(out_row, values, first, N, BLOCK_N: tl.constexpr):
+        """Store gelu_tanh(gate) * up [BLOCK_N / 2] at columns ``first + c`` of `out_row`,
+        from the dots `values` [BLOCK_N] of gate and up rows in turn: each dot rounded as
+        stored, then as `activation.gelu_tanh_mul` rounds, so the result equals the plain
+        GEMV then the GeGLU kernel bit for bit."""
+        gate, up = tl.split(tl.reshape(values.to(out_row.dtype.element_ty), [BLOCK_N // 2, 2]))
+        c = first + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_row + c, geglu(gate, up), mask=c < N)
+
+    @triton.jit
+    def _codes_as_float(words, shift: tl.constexpr, mask: tl.constexpr):
+        """Codes at bit `shift` of int32 words, as exact fp32: ``2**23 + code`` minus ``2**23``."""
+        code = (words >> shift) & mask
+        return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _exact_codes(words, two23, J: tl.constexpr, BITS: tl.constexpr):
+        """Code J of each int32 word as exact fp32, without shifting it to bit 0: at bit P it
+        is ORed with the exponent of ``2**(23 - P)`` (one LOP3 with the AND), giving the float
+        ``2**(23 - P) + code``, and that power of two is subtracted. Codes reaching past bit 23
+        would leave the mantissa, so those are moved down 16 first (one shift per word)."""
+        MASK: tl.constexpr = (1 << BITS) - 1
+        LOWER: tl.constexpr = 16 if J * BITS + BITS > 23 else 0
+        P: tl.constexpr = J * BITS - LOWER
+        exponent = two23 - (P << 23)
+        if LOWER > 0:
+            words = words >> LOWER  # arithmetic: the sign copies land above the mask
+        values = ((words & (MASK << P)) | exponent).to(tl.float32, bitcast=True)
+        return values - exponent.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _offset_codes(words, two23, J: tl.constexpr):
+        """4-bit code J of each int32 word as the exact fp32 ``OFFSET_J + code``, with no
+        subtraction (the caller takes ``OFFSET_J * sum(x)`` off per group instead): one shift
+        per pair of codes moves code 2p to bit 15 and code 2p + 1 to bit 19, where the
+        exponent of ``2**(23 - P)`` makes them ``256 + code`` and ``16 + code``. Small offsets
+        keep fp32 sums of ``x * (offset + code)`` within a few bits of sums of ``x * code``."""
+        P: tl.constexpr = 15 if J % 2 == 0 else 19
+        SHIFT: tl.constexpr = 15 - 8 * (J // 2)  # left; negative is right
+        if SHIFT > 0:
+            words = words << SHIFT
+        elif SHIFT < 0:
+            words = words >> -SHIFT  # arithmetic: the sign copies land above the mask
+        exponent = two23 - (P << 23)
+        return ((words & (15 << P)) | exponent).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _add_row(
+        acc,
+        words,
+        scale,
+        bias,
+        two23,
+        x_row,
+        k_word,
+        k_ok,
+        BITS: tl.constexpr,
+        CODES: tl.constexpr,
+        WPG: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr,
+        X_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr,
+    ):
+        """acc ``[BLOCK_N, BLOCK_G]`` plus one x row's ``scale * sum(x q) + bias * sum(x)``
+        per (output row, group) of the step; words is ``[BLOCK_N, BLOCK_G * WPG]``. x is in
+        input order (X_BLOCK 0) or `codes_major` in blocks of X_BLOCK words."""
+        dots = tl.zeros(words.shape, tl.float32)
+        x_sums = tl.zeros(k_word.shape, tl.float32)
+        x_odd_sums = tl.zeros(k_word.shape, tl.float32)  # FOLD: x of the odd codes
+        for j in tl.static_range(CODES):
+            # Code j of every word pairs with x at k = word * CODES + j: one x slice serves
+            # every row a thread holds, and the code values every x row (the compiler CSEs them
+            # across the unrolled rows).
+            q = _offset_codes(words, two23, j) if FOLD else _exact_codes(words, two23, j, BITS)
+            if X_BLOCK == 0:
+                x_at = x_row + k_word * CODES + j
+            else:
+                x_at = x_row + (k_word // X_BLOCK) * (X_BLOCK * CODES) + j * X_BLOCK
+                x_at += k_word % X_BLOCK
+            xj = tl.load(x_at, mask=k_ok, other=0) if MASKED else tl.load(x_at)
+            xj = xj.to(tl.float32)
+            dots += q * xj[None, :]
+            if FOLD and j % 2 == 1:
+                x_odd_sums += xj
+            else:
+                x_sums += xj
+        group_dots = tl.sum(tl.reshape(dots, [BLOCK_N, BLOCK_G, WPG]), axis=2)
+        group_x = tl.sum(tl.reshape(x_sums, [BLOCK_G, WPG]), axis=1)
+        if FOLD:  # x_sums holds the even codes' x: take off 256 * those + 16 * the odd ones
+            group_odd = tl.sum(tl.reshape(x_odd_sums, [BLOCK_G, WPG]), axis=1)
+            group_dots -= (256.0 * group_x + 16.0 * group_odd)[None, :]
+            group_x += group_odd
+        return acc + (group_dots * scale + bias * group_x[None, :])
+
+    @triton.jit
+    def _load_step(
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        word_rows,
+        group_rows,
+        g0,
+        g_end,
+        WPG: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """The packed words ``[BLOCK_N, BLOCK_G * WPG]`` and fp32 scales and biases
+        ``[BLOCK_N, BLOCK_G]`` of groups ``[g0, g0 + BLOCK_G)``. MASKED only for a split's tail:
+        a mask costs a compare per element, so whole steps go without."""
+        k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
+        g = g0 + tl.arange(0, BLOCK_G)
+        word_at = packed_ptr + word_rows[:, None] + k_word[None, :]
+        group_at = group_rows[:, None] + g[None, :]
+        if MASKED:
+            words = tl.load(word_at, mask=(k_word < g_end * WPG)[None, :], other=0)
+            g_ok = (g < g_end)[None, :]
+            scale = tl.load(scales_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at, mask=g_ok, other=0).to(tl.float32)
+        else:
+            words = tl.load(word_at)
+            scale = tl.load(scales_ptr + group_at).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at).to(tl.float32)
+        return words, scale, bias
+
+    @triton.jit
+    def _gemv_step(
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        words,
+        scale,
+        bias,
+        x_ptr,
+        g0,
+        g_end,
+        stride_xm,
+        two23,
+        M: tl.constexpr,
+        BITS: tl.constexpr,
+        CODES: tl.constexpr,
+        WPG: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr,
+        X_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr,
+    ):
+        """Add the loaded groups ``[g0, g0 + BLOCK_G)`` to the M accumulators."""
+        k_word = g0 * WPG + tl.arange(0, BLOCK_G * WPG)
+        k_ok = k_word < g_end * WPG
+        acc0 = _add_row(
+            acc0, words, scale, bias, two23, x_ptr, k_word, k_ok,
+            BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+        )  # fmt: skip
+        if M > 1:
+            acc1 = _add_row(
+                acc1, words, scale, bias, two23, x_ptr + stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+            )  # fmt: skip
+        if M > 2:
+            acc2 = _add_row(
+                acc2, words, scale, bias, two23, x_ptr + 2 * stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+            )  # fmt: skip
+        if M > 3:
+            acc3 = _add_row(
+                acc3, words, scale, bias, two23, x_ptr + 3 * stride_xm, k_word, k_ok,
+                BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+            )  # fmt: skip
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _load_and_add_step(
+        acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows,
+        x_ptr, g0, g_end, stride_xm, two23, M: tl.constexpr, BITS: tl.constexpr,
+        CODES: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+        MASKED: tl.constexpr, X_BLOCK: tl.constexpr, FOLD: tl.constexpr,
+    ):  # fmt: skip
+        """`_load_step` of groups ``[g0, g0 + BLOCK_G)``, then `_gemv_step` of them."""
+        words, scale, bias = _load_step(
+            packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
+            WPG, BLOCK_G, MASKED,
+        )  # fmt: skip
+        return _gemv_step(
+            acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+            two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, MASKED, X_BLOCK, FOLD,
+        )  # fmt: skip
+
+    @triton.jit
+    def _store_row(out_ptr, acc, n, n_ok):
+        tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _affine_gemv_kernel(
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        N,
+        row_words,
+        groups,
+        split_groups,
+        stride_xm,
+        stride_om,
+        two23,
+        ids_ptr,
+        x_rows_per_id,
+        M: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        X_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr,
+        PDL: tl.constexpr,
+        STAGED_STEPS: tl.constexpr = 0,
+        LOOP_STAGES: tl.constexpr = 1,
+        PREFETCH_LINES: tl.constexpr = 0,
+        SUM_APART: tl.constexpr = False,
+        GEGLU_OUT: tl.constexpr = False,
+        GATHER: tl.constexpr = False,
+    ):
+        """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
+        With SUM_APART a K split only stores its partials (`_sum_splits_kernel` adds them).
+        With GEGLU_OUT (no K split) the
+        weight is a stacked gate/up ``[2 * I, K]``: a program's rows are gate and up rows in
+        turn, ``pid_n * BLOCK_N / 2 + r // 2`` of gate (r even) or of up (r odd), and it
+        stores ``geglu(gate, up)`` into out ``[M, I]`` (`_store_geglu_pairs`).
+
+        `row_words` and `groups` (K / codes per word, K / GROUP) are passed, not derived, so
+        Triton sees the row strides' divisibility and loads 16 bytes at a time. Split s owns
+        groups ``[s * split_groups, (s + 1) * split_groups)``, whole steps but for the last.
+        The loops are `while` loops: Triton's interpreter cannot run `range` to a run-time
+        bound. With LOOP_STAGES > 1 the first STAGED_STEPS whole steps (no split has fewer)
+        run in a `for` loop of constant trip count instead, which Triton software-pipelines;
+        the steps and their arithmetic are the same, in the same order. two23: see TWO23_BITS.
+        PREFETCH_LINES > 0 asks L2 for that many lines of each row's words, and the line of its
+        first scales and biases, before the wait for the previous kernel.
+
+        With GATHER (M = 1, no K split, no PREFETCH_LINES) grid axis 2 is a (token, slot)
+        pair r of MoE experts stacked ``[E, N, ...]``: the weight is expert ``ids[r]``
+        (``N * row_words`` words and ``N * groups`` scales apart), x row ``r // x_rows_per_id``
+        and out row r."""
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
+        WPG: tl.constexpr = GROUP // CODES  # words per group
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if GATHER:
+            wait_for_producer(PDL)  # the router wrote the ids
+            slot_pair = tl.program_id(2)
+            expert_rows = tl.load(ids_ptr + slot_pair).to(tl.int64) * N
+            packed_ptr += expert_rows * row_words
+            scales_ptr += expert_rows * groups
+            biases_ptr += expert_rows * groups
+            x_ptr += (slot_pair // x_rows_per_id).to(tl.int64) * stride_xm
+            out_ptr += slot_pair.to(tl.int64) * stride_om
+        if GEGLU_OUT:
+            r = tl.arange(0, BLOCK_N)
+            pair = pid_n * (BLOCK_N // 2) + r // 2
+            n = pair + (r % 2) * (N // 2)
+            n_ok = pair < N // 2
+        else:
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < N
+        # Rows past N read row N - 1 (no load masks) and are not stored. int32 offsets: the
+        # launcher takes this kernel only for N * row_words < 2**31.
+        n_read = tl.minimum(n, N - 1)
+        word_rows = n_read * row_words
+        group_rows = n_read * groups
+        g0 = pid_k * split_groups
+        if PREFETCH_LINES > 0 and not GATHER:  # a pair's expert is known after the wait only
+            prefetch_row_lines(packed_ptr + word_rows[:, None], g0 * WPG, row_words, PREFETCH_LINES)
+            prefetch_to_l2(scales_ptr + group_rows + g0)
+            prefetch_to_l2(biases_ptr + group_rows + g0)
+        if not GATHER:
+            wait_for_producer(PDL)
+        g_end = tl.minimum(g0 + split_groups, groups)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        whole = (g_end - g0) // BLOCK_G  # steps without masks
+        if LOOP_STAGES > 1:
+            for step in tl.range(STAGED_STEPS, num_stages=LOOP_STAGES):
+                acc0, acc1, acc2, acc3 = _load_and_add_step(
+                    acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
+                    group_rows, x_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M,
+                    BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+                )  # fmt: skip
+            g0 += STAGED_STEPS * BLOCK_G
+        elif PREFETCH and whole > 0:
+            # Register double buffering: the next step's words are requested before this
+            # step's arithmetic, so one program keeps two steps of loads in flight (a `while`
+            # loop is not software-pipelined by Triton).
+            words, scale, bias = _load_step(
+                packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0, g_end,
+                WPG, BLOCK_G, False,
+            )  # fmt: skip
+            last = g0 + (whole - 1) * BLOCK_G
+            while g0 < last:
+                next_words, next_scale, next_bias = _load_step(
+                    packed_ptr, scales_ptr, biases_ptr, word_rows, group_rows, g0 + BLOCK_G,
+                    g_end, WPG, BLOCK_G, False,
+                )  # fmt: skip
+                acc0, acc1, acc2, acc3 = _gemv_step(
+                    acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end,
+                    stride_xm, two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK,
+                    FOLD,
+                )  # fmt: skip
+                words, scale, bias = next_words, next_scale, next_bias
+                g0 += BLOCK_G
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                acc0, acc1, acc2, acc3, words, scale, bias, x_ptr, g0, g_end, stride_xm,
+                two23, M, BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+            )  # fmt: skip
+            g0 += BLOCK_G
+        while g0 + BLOCK_G <= g_end:  # without PREFETCH
+            acc0, acc1, acc2, acc3 = _load_and_add_step(
+                acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
+                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
+                BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
+            )  # fmt: skip
+            g0 += BLOCK_G
+        if g0 < g_end:
+            acc0, acc1, acc2, acc3 = _load_and_add_step(
+                acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
+                group_rows, x_ptr, g0, g_end, stride_xm, two23, M, BITS, CODES, WPG,
+                BLOCK_N, BLOCK_G, True, X_BLOCK, FOLD,
+            )  # fmt: skip
+
+        if GEGLU_OUT:
+            first = pid_n * (BLOCK_N // 2)
+            _store_geglu_pairs(out_ptr, tl.sum(acc0, axis=1), first, N // 2, BLOCK_N)
+            if M > 1:
+                _store_geglu_pairs(
+                    out_ptr + stride_om, tl.sum(acc1, axis=1), first, N // 2, BLOCK_N
+                )
+            if M > 2:
+                _store_geglu_pairs(
+                    out_ptr + 2 * stride_om, tl.sum(acc2, axis=1), first, N // 2, BLOCK_N
+                )
+            if M > 3:
+                _store_geglu_pairs(
+                    out_ptr + 3 * stride_om, tl.sum(acc3, axis=1), first, N // 2, BLOCK_N
+                )
+        elif SPLIT_K == 1:
+            _store_row(out_ptr, acc0, n, n_ok)
+            if M > 1:
+                _store_row(out_ptr + stride_om, acc1, n, n_ok)
+            if M > 2:
+                _store_row(out_ptr + 2 * stride_om, acc2, n, n_ok)
+            if M > 3:
+                _store_row(out_ptr + 3 * stride_om, acc3, n, n_ok)
+        else:
+            # Partials [SPLIT_K, M, N] fp32; the last split to arrive sums them in split order.
+            own = partial_ptr + pid_k * M * N
+            tl.store(own + n, tl.sum(acc0, axis=1), mask=n_ok)
+            if M > 1:
+                tl.store(own + N + n, tl.sum(acc1, axis=1), mask=n_ok)
+            if M > 2:
+                tl.store(own + 2 * N + n, tl.sum(acc2, axis=1), mask=n_ok)
+            if M > 3:
+                tl.store(own + 3 * N + n, tl.sum(acc3, axis=1), mask=n_ok)
+            if not SUM_APART:
+                _sum_when_last(partial_ptr, counter_ptr, out_ptr, pid_n, n, n_ok, N, stride_om,
+                               M, SPLIT_K)  # fmt: skip
+
+    @triton.jit
+    def _sum_splits(partial_ptr, out_ptr, n, n_ok, N, stride_om, M: tl.constexpr, SPLITS):
+        """out[m, n] = the SPLITS partials [SPLITS, M, N] added in split order, from fp32
+        zeros. `.cg` reads L2, where other programs' partials are, not a stale L1 line."""
+        for m in tl.static_range(M):
+            total = tl.zeros(n.shape, tl.float32)
+            for split in tl.static_range(SPLITS):
+                at = partial_ptr + (split * M + m) * N + n
+                total += tl.load(at, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + m * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _sum_when_last(
+        partial_ptr, counter_ptr, out_ptr, pid_n, n, n_ok, N, stride_om,
+        M: tl.constexpr, SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        """After a split stored its partials: the last split of row block pid_n to arrive
+        adds them all (`_sum_splits`) and resets the block's counter."""
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            _sum_splits(partial_ptr, out_ptr, n, n_ok, N, stride_om, M, SPLIT_K)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch (and replays)
+
+    @triton.jit
+    def _sum_splits_kernel(
+        partial_ptr, out_ptr, N, stride_om, M: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`_sum_splits` of BLOCK outputs a program, as a launch of its own (SPLIT_SUM_LAUNCH)."""
+        wait_for_producer(PDL)
+        n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        _sum_splits(partial_ptr, out_ptr, n, n < N, N, stride_om, M, SPLIT_K)
+
+    @triton.jit
+    def _codes_major_kernel(
+        x_ptr, out_ptr, stride_xm, K, CODES: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`codes_major` of one x row (program_id 1) in blocks of BLOCK outputs: output i of
+        the row is ``[block, j, w]`` and reads ``x[(block * BLOCK_WORDS + w) * CODES + j]``."""
+        wait_for_producer(PDL)
+        row = tl.program_id(1)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        per_block: tl.constexpr = CODES * BLOCK_WORDS
+        j = (i % per_block) // BLOCK_WORDS
+        w = i % BLOCK_WORDS
+        at = (i // per_block * BLOCK_WORDS + w) * CODES + j
+        ok = i < K
+        x = tl.load(x_ptr + row * stride_xm + at, mask=ok)
+        tl.store(out_ptr + row * K + i, x.to(out_ptr.dtype.element_ty), mask=ok)
+
+    def codes_major_triton(
+        x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """`codes_major` in one Triton launch (with PDL where the GPU has it)."""
+        m, k = x.shape
+        codes = WORD_BITS // bits
+        blocks = k // (codes * block_words)
+        out = torch.empty(m, blocks, codes, block_words, dtype=dtype or x.dtype, device=x.device)
+        block = 1024
+        launch_kernel(
+            _codes_major_kernel,
+            (triton.cdiv(k, block), m),
+            x,
+            out,
+            x.stride(0),
+            k,
+            codes,
+            block_words,
+            block,
+            **pdl_options(x),
+        )
+        return out
+
+    @triton.jit
+    def _affine_tile_gemv_kernel(
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        ids_ptr,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_om,
+        X_ROWS_PER_ID,
+        ROWS,
+        K: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        GATHER: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_KW: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """out[r, m, n] = sum_k x[row(r) + m, k] * W_r[n, k]; W_r is expert ids[r] or the weight.
+
+        Grid: (ROWS, blocks of weight rows, splits of K). Without GATHER there is one r and
+        BLOCK_M rows of x; with it each r is a (token, slot) pair with one row, x row
+        r // X_ROWS_PER_ID.
+        """
+        wait_for_producer(PDL)
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
+        WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
+        BLOCK_G: tl.constexpr = (BLOCK_KW + WORDS_PER_GROUP - 1) // WORDS_PER_GROUP
+        MASK: tl.constexpr = (1 << BITS) - 1
+        pid_r = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        row_words = K // CODES
+        groups = K // GROUP
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        if GATHER:
+            expert = tl.load(ids_ptr + pid_r).to(tl.int64)
+            packed_ptr += expert * N * row_words
+            scales_ptr += expert * N * groups
+            biases_ptr += expert * N * groups
+            x_ptr += (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
+            out_ptr += pid_r.to(tl.int64) * stride_om
+
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        word_rows = n.to(tl.int64) * row_words
+        group_rows = n.to(tl.int64) * groups
+        x_rows = m.to(tl.int64) * stride_xm
+        # This split's groups, in whole steps of BLOCK_G so that loads stay aligned. The trip
+        # count is a constexpr (K is one): Triton's interpreter cannot loop to runtime bounds.
+        STEPS: tl.constexpr = ((K // GROUP + SPLIT_K - 1) // SPLIT_K + BLOCK_G - 1) // BLOCK_G
+        g_begin = pid_k * (STEPS * BLOCK_G)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G], tl.float32)
+        for step in range(STEPS):
+            g = g_begin + step * BLOCK_G + tl.arange(0, BLOCK_G)
+            g_ok = g < groups
+            word = g[:, None] * WORDS_PER_GROUP + tl.arange(0, WORDS_PER_GROUP)[None, :]
+            words = tl.load(
+                packed_ptr + word_rows[:, None, None] + word[None, :, :],
+                mask=n_ok[:, None, None] & g_ok[None, :, None],
+                other=0,
+            )
+            group_ok = n_ok[:, None] & g_ok[None, :]
+            group_at = group_rows[:, None] + g[None, :]
+            scale = tl.load(scales_ptr + group_at, mask=group_ok, other=0).to(tl.float32)
+            bias = tl.load(biases_ptr + group_at, mask=group_ok, other=0).to(tl.float32)
+            x_ok = m_ok[:, None, None] & g_ok[None, :, None]
+            products = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G, WORDS_PER_GROUP], tl.float32)
+            x_sums = tl.zeros([BLOCK_M, BLOCK_G, WORDS_PER_GROUP], tl.float32)
+            # Code j of every word pairs with x at k = word * CODES + j.
+            for j in tl.static_range(CODES):
+                q = _codes_as_float(words, j * BITS, MASK)
+                xj = tl.load(
+                    x_ptr + x_rows[:, None, None] + (word * CODES + j)[None, :, :],
+                    mask=x_ok,
+                    other=0,
+                ).to(tl.float32)
+                products += q[None, :, :, :] * xj[:, None, :, :]
+                x_sums += xj
+            dots = tl.sum(products, axis=3)
+            acc += dots * scale[None, :, :] + bias[None, :, :] * tl.sum(x_sums, axis=2)[:, None, :]
+        result = tl.sum(acc, axis=2)
+
+        out_at = m[:, None] * stride_om + n[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            # Partials [SPLIT_K, R, M, N] fp32; the last split to finish sums them in order.
+            split_stride = tl.cast(ROWS, tl.int64) * M * N
+            own = (pid_r * M + m[:, None]).to(tl.int64) * N + n[None, :]
+            tl.store(partial_ptr + pid_k * split_stride + own, result, mask=out_ok)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            counter = counter_ptr + pid_r * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    # .cg reads L2, where the other programs' partials are, not a stale L1.
+                    total += tl.load(
+                        partial_ptr + split * split_stride + own,
+                        mask=out_ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA-graph replays)
+
+    @triton.jit
+    def _affine_dequantize_kernel(
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        out_ptr,
+        N,
+        K,
+        rows_ptr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        GATHER_ROWS: tl.constexpr = False,
+        PDL: tl.constexpr = False,
+    ):
+        """W [N, K] in out's dtype, rounded as ``dequantize_affine``: ``q * scale`` and then
+        ``+ bias``, each rounded to the scales' dtype, then cast. With GATHER_ROWS out row n
+        is W's row ``rows[n]`` (a token table's rows, `affine_embed`)."""
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
+        WORDS_PER_GROUP: tl.constexpr = GROUP // CODES
+        MASK: tl.constexpr = (1 << BITS) - 1
+        wait_for_producer(PDL)  # the ids, when a decode step's sampling wrote them
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        groups = K // GROUP
+        ok = (n < N)[:, None] & (g < groups)[None, :]
+        if GATHER_ROWS:
+            source = tl.load(rows_ptr + n, mask=n < N, other=0).to(tl.int64)
+        else:
+            source = n.to(tl.int64)
+        word = g[:, None] * WORDS_PER_GROUP + tl.arange(0, WORDS_PER_GROUP)[None, :]
+        words = tl.load(
+            packed_ptr + source[:, None, None] * (K // CODES) + word[None, :, :],
+            mask=ok[:, :, None],
+            other=0,
+        )
+        group_at = source[:, None] * groups + g[None, :]
+        scale = tl.load(scales_ptr + group_at, mask=ok, other=0)
+        bias = tl.load(biases_ptr + group_at, mask=ok, other=0)
+        shifts = tl.arange(0, CODES) * BITS
+        codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & MASK
+        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        # The product of a code (<= 8 bits) and a scale is exact in fp32: one rounding each.
+        weight = (q * scale.to(tl.float32)[:, :, None, None]).to(scale.dtype)
+        weight = (weight.to(tl.float32) + bias.to(tl.float32)[:, :, None, None]).to(scale.dtype)
+        column = word[:, :, None] * CODES + tl.arange(0, CODES)[None, None, :]
+        tl.store(
+            out_ptr + n.to(tl.int64)[:, None, None, None] * K + column[None, :, :, :],
+            weight.to(out_ptr.dtype.element_ty),
+            mask=ok[:, :, None, None],
+        )
+
+    @triton.jit
+    def _float_gather_gemv_kernel(
+        x_ptr,
+        weight_ptr,
+        ids_ptr,
+        out_ptr,
+        N,
+        stride_xm,
+        stride_om,
+        X_ROWS_PER_ID,
+        EXPERTS,
+        K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr = 0,
+        GEGLU_OUT: tl.constexpr = False,
+    ):
+        """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
+        With GEGLU_OUT the experts are stacked gate/up [E, 2N, K] and out[r] is
+        gelu_tanh(gate) * up [N]: a program's rows alternate gate row c and up row c
+        (`_store_geglu_pairs`).
+        PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
+        the wait (`hearth.ops.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
+        final when the router ran two launches back, else a guess that can only cost time
+        (clamped to the experts, and the ids are read again after the wait)."""
+        pid_r = tl.program_id(0)
+        lane = tl.arange(0, BLOCK_N)
+        if GEGLU_OUT:  # gate row c and up row N + c in turn, for outputs c of block pid_n
+            column = tl.program_id(1) * (BLOCK_N // 2) + lane // 2
+            n = column + (lane % 2) * N
+            n_ok = column < N
+            ROWS = 2 * N
+        else:
+            n = tl.program_id(1) * BLOCK_N + lane
+            n_ok = n < N
+            ROWS = N
+        if PREFETCH_LINES > 0:
+            guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
+            guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)
+            first_rows = tl.minimum(n, ROWS - 1).to(tl.int64)[:, None] * K
+            prefetch_row_lines(weight_ptr + guess * ROWS * K + first_rows, 0, K, PREFETCH_LINES)
+        wait_for_producer(PDL)
+        expert = tl.load(ids_ptr + pid_r).to(tl.int64)
+        rows = weight_ptr + expert * ROWS * K + n.to(tl.int64)[:, None] * K
+        x_row = x_ptr + (pid_r // X_ROWS_PER_ID).to(tl.int64) * stride_xm
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for step in range((K + BLOCK_K - 1) // BLOCK_K):
+            k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            xk = tl.load(x_row + k, mask=k_ok, other=0).to(tl.float32)
+            acc += w.to(tl.float32) * xk[None, :]
+        out = tl.sum(acc, axis=1)
+        out_row = out_ptr + pid_r.to(tl.int64) * stride_om
+        if GEGLU_OUT:
+            _store_geglu_pairs(out_row, out, tl.program_id(1) * (BLOCK_N // 2), N, BLOCK_N)
+        else:
+            tl.store(out_row + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    # -----------------------------------------------------------------------------------------
+    # Tile GEMV configurations (autotuned)
+
+    # Word tiles BLOCK_M * BLOCK_N * BLOCK_KW above this spill registers (fp32 products).
+    _MAX_TILE_WORDS = 4096
+    _TILE_SHAPES = ((8, 32, 4), (16, 64, 4), (32, 32, 4), (64, 32, 4), (64, 64, 8))
+    _TILE_CONFIGS = [
+        triton.Config({"BLOCK_N": n, "BLOCK_KW": kw, "SPLIT_K": split}, num_warps=warps)
+        for n, kw, warps in _TILE_SHAPES
+        for split in (1, 2, 4, MAX_SPLIT_K)
+    ]
+    # Used where there is no autotuning: Triton's CPU interpreter (tests).
+    DEFAULT_TILE_CONFIG = {"BLOCK_N": 16, "BLOCK_KW": 32, "SPLIT_K": 1}
+
+    def _multiprocessors() -> int:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    def _split_allowed(rows: int, n: int) -> bool:
+        """Split K only where N gives fewer than two programs per SM at the smallest block."""
+        return rows * triton.cdiv(n, _TILE_SHAPES[0][0]) < 2 * _multiprocessors()
+
+    def _prune_tile_configs(configs: list, named_args: dict, **kwargs: object) -> list:
+        args = {**named_args, **kwargs}
+        rows, n, block_m = args["ROWS"], args["N"], args["BLOCK_M"]
+        groups = args["K"] // args["GROUP"]
+        allowed = _split_allowed(rows, n)
+        kept = []
+        for config in configs:
+            block_n, block_kw, split = (
+                config.kwargs[k] for k in ("BLOCK_N", "BLOCK_KW", "SPLIT_K")
+            )
+            programs = rows * triton.cdiv(n, block_n)
+            if block_m * block_n * block_kw > _MAX_TILE_WORDS:
+                continue
+            if split > 1 and (not allowed or programs * split > 8 * _multiprocessors()):
+                continue
+            if split > 1 and groups < 2 * split:
+                continue
+            kept.append(config)
+        return kept or [triton.Config(DEFAULT_TILE_CONFIG, num_warps=4)]
+
+    _affine_tile_gemv_tuned = triton.autotune(
+        configs=_TILE_CONFIGS,
+        key=["N", "K", "BITS", "GROUP", "BLOCK_M", "GATHER"],
+        prune_configs_by={"early_config_prune": _prune_tile_configs},
+    )(_affine_tile_gemv_kernel)
+
+    _float_gather_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
+            for n, k, warps in ((8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8))
+        ],
+        key=["N", "K", "GEGLU_OUT"],
+    )(_float_gather_gemv_kernel)
+    DEFAULT_FLOAT_GATHER_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 64}
+
+    # Split-K arrival counters, zero between launches (the last program resets its own). Sized
+    # so that model shapes never regrow it: a CUDA graph keeps the buffer it captured.
+    _COUNTERS: dict[torch.device, Tensor] = {}
+
+    def _counters(device: torch.device, count: int) -> Tensor:
+        counters = _COUNTERS.get(device)
+        if counters is None or counters.numel() < count:
+            counters = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+            _COUNTERS[device] = counters
+        return counters
+
+    # -----------------------------------------------------------------------------------------
+    # Launchers
+
+    def _check_operands(
+        x: Tensor | CodesMajor, packed: Tensor, scales: Tensor, bits: int, group: int
+    ) -> int:
+        if bits not in KERNEL_BITS:
+            raise ValueError(f"the affine kernels cover bits {KERNEL_BITS}, not {bits}")
+        k = packed.shape[-1] * WORD_BITS // bits
+        if x.shape[-1] != k or scales.shape[-1] * group != k:
+            raise ValueError(
+                f"x has {x.shape[-1]} inputs; the weight packs {k} in groups of {group}"
+            )
+        return k
+
+    def _launch_gemv(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        out: Tensor,
+        bits: int,
+        group: int,
+        config: GemvConfig,
+        x_codes_major: bool = False,
+        add_splits: bool = True,
+        *,
+        geglu_out: bool = False,
+        gather: Gather | None = None,
+    ) -> Tensor | None:
+        """The unrolled GEMV: x ``[M <= 4, K]`` (unit stride along K) into out ``[M, N]``; with
+        `x_codes_major` x is ``codes_major(x)``, contiguous. A K-split launch returns its fp32
+        partials ``[splits * M * N]``; without `add_splits` only those, out left unwritten.
+        With `geglu_out` (no K split) it stores ``geglu(gate, up)`` of a stacked gate/up
+        weight into out ``[M, N / 2]``. With `gather` (no K split) the weight is experts
+        ``[E, N, ...]`` and out ``[pairs, N]``: one x row a pair (`Gather`)."""
+        if geglu_out and (config.split_k > 1 or packed.shape[-2] % 2):
+            raise ValueError("the GeGLU store needs an unsplit launch over stacked gate/up rows")
+        if gather is not None and config.split_k > 1:
+            raise ValueError("a gathered GEMV runs without a K split")
+        m, k = (1 if gather else x.shape[0]), x[0].numel()
+        n, row_words = packed.shape[-2:]
+        groups = k // group
+        # Whole steps per split, so that only a split's last step can need masks.
+        split_groups = triton.cdiv(triton.cdiv(groups, config.split_k), config.block_g)
+        split_groups *= config.block_g
+        # The whole steps of the shortest split (the last), for the pipelined loop (0 without
+        # it: one compiled kernel whatever the shape).
+        last_split = groups - (config.split_k - 1) * split_groups
+        staged_steps = max(0, min(split_groups, last_split)) // config.block_g
+        staged_steps = staged_steps if config.loop_stages > 1 else 0
+        blocks = triton.cdiv(n, config.block_n)
+        pdl = pdl_options(x)
+        sum_apart = config.split_k > 1 and (SPLIT_SUM_LAUNCH or not add_splits)
+        if config.split_k > 1:
+            partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
+            counters = partial if sum_apart else _counters(x.device, blocks)
+        else:
+            partial = counters = out  # unread
+        launch_kernel(
+            _affine_gemv_kernel,
+            (blocks, config.split_k, gather.ids.numel() if gather else 1),
+            x,
+            packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
+            scales,
+            biases,
+            out,
+            partial,
+            counters,
+            n,
+            row_words,
+            groups,
+            split_groups,
+            x.stride(0),
+            out.stride(0),
+            TWO23_BITS,
+            gather.ids if gather else out,  # unread without GATHER
+            gather.x_rows_per_id if gather else 1,
+            M=m,
+            BITS=bits,
+            GROUP=group,
+            BLOCK_N=config.block_n,
+            BLOCK_G=config.block_g,
+            SPLIT_K=config.split_k,
+            PREFETCH=config.prefetch,
+            X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
+            FOLD=bits == 4 and GEMV_FOLDED_OFFSETS,
+            STAGED_STEPS=staged_steps,
+            LOOP_STAGES=config.loop_stages,
+            num_warps=config.warps,
+            **({"maxnreg": config.max_registers} if config.max_registers else {}),
+            **pdl,
+            PREFETCH_LINES=0 if gather else prefetch_lines(pdl, "affine"),
+            SUM_APART=sum_apart,
+            GEGLU_OUT=geglu_out,
+            GATHER=gather is not None,
+        )
+        if sum_apart and add_splits:
+            launch_kernel(
+                _sum_splits_kernel, (triton.cdiv(n, SPLIT_SUM_BLOCK),), partial, out, n,
+                out.stride(0), M=m, SPLIT_K=config.split_k, BLOCK=SPLIT_SUM_BLOCK, **pdl,
+            )  # fmt: skip
+        return partial if config.split_k > 1 else None
+
+    def _launch_tile_gemv(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        out: Tensor,
+        bits: int,
+        group: int,
+        *,
+        ids: Tensor | None,
+        rows: int,
+        block_m: int,
+        x_rows_per_id: int,
+        config: dict | None,
+        num_warps: int = 4,
+    ) -> None:
+        """One tile-GEMV launch over `rows` grid rows (1, or the expert pairs) into `out`."""
+        m = 1 if ids is not None else x.shape[0]
+        k = x.shape[-1]
+        n = packed.shape[-2]  # weight rows: the grid's blocks, the partials' width
+        words = packed.view(torch.int32)  # same bits; Triton shifts int32 everywhere
+        interpreted = not x.is_cuda
+        split_possible = (
+            config["SPLIT_K"] > 1
+            if config is not None
+            else (not interpreted and _split_allowed(rows, n))
+        )
+        partial = torch.empty(
+            (MAX_SPLIT_K * rows * m * n) if split_possible else 1,
+            dtype=torch.float32,
+            device=x.device,
+        )
+        counters = _counters(x.device, rows * n) if split_possible else partial
+        ids_arg = ids if ids is not None else words  # unread without GATHER
+        args = (
+            x,
+            words,
+            scales,
+            biases,
+            ids_arg,
+            out,
+            partial,
+            counters,
+            m,
+            n,
+            x.stride(-2),
+            out.stride(-2),
+            x_rows_per_id,
+            rows,
+            k,
+        )
+        constants = {"BITS": bits, "GROUP": group, "BLOCK_M": block_m, "GATHER": ids is not None}
+        constants |= pdl_options(x)
+
+        def grid(meta: dict) -> tuple[int, int, int]:
+            return (rows, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+        if config is None and not interpreted:
+            launch_kernel(_affine_tile_gemv_tuned, grid, *args, **constants)
+        else:
+            chosen = config or DEFAULT_TILE_CONFIG
+            launch_kernel(
+                _affine_tile_gemv_kernel,
+                grid(chosen),
+                *args,
+                **constants,
+                **chosen,
+                num_warps=num_warps,
+            )
+
+    def affine_gemv_triton(
+        x: Tensor | CodesMajor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None = None,
+    ) -> Tensor:
+        """``x [..., K] @ W.T`` for at most GEMV_MAX_ROWS rows: the unrolled GEMV up to
+        UNROLLED_ROWS rows (launched as `gemv_config` says), the tile GEMV above (autotuned).
+        `config` pins the launch (tests); for the tile GEMV it means the same tile shape.
+        An x stored `CodesMajor` (`codes_major_input`) is read as it is, by the unrolled GEMV."""
+        rows, unrolled = _unrolled_operands(x, packed, scales, bits, group_size, config)
+        m, n = rows.shape[0], packed.shape[-2]
+        if m > GEMV_MAX_ROWS:
+            raise ValueError(f"the GEMV kernels take at most {GEMV_MAX_ROWS} rows")
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m == 0 or n == 0:
+            return out.view(*x.shape[:-1], -1)
+        operand = x if isinstance(x, CodesMajor) else rows
+        if unrolled is not None:
+            _launch_unrolled(operand, packed, scales, biases, out, bits, group_size, unrolled)
+            return out.view(*x.shape[:-1], -1)
+        if isinstance(x, CodesMajor):
+            raise ValueError("only the unrolled GEMV (at most 4 rows) reads x codes-major")
+        tile = None
+        if config is not None:
+            words_per_group = group_size * bits // WORD_BITS
+            tile = {
+                "BLOCK_N": config.block_n,
+                "BLOCK_KW": config.block_g * words_per_group,
+                "SPLIT_K": config.split_k,
+            }
+        _launch_tile_gemv(
+            rows,
+            packed,
+            scales,
+            biases,
+            out,
+            bits,
+            group_size,
+            ids=None,
+            rows=1,
+            block_m=triton.next_power_of_2(m),
+            x_rows_per_id=1,
+            config=tile,
+            num_warps=config.warps if config is not None else 4,
+        )
+        return out.view(*x.shape[:-1], -1)
+
+    def affine_gemv_partials_triton(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None = None,
+    ) -> Tensor | None:
+        """`affine_gemv_partials` in Triton (and its interpreter); `config` pins the launch."""
+        rows, config = _unrolled_operands(x, packed, scales, bits, group_size, config)
+        if config is None or config.split_k == 1:
+            return None
+        n = packed.shape[-2]
+        unwritten = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+        partial = _launch_unrolled(
+            rows, packed, scales, biases, unwritten, bits, group_size, config, add_splits=False
+        )
+        assert partial is not None
+        return partial.view(config.split_k, *x.shape[:-1], n)
+
+    def _unrolled_config(
+        rows: Tensor, packed: Tensor, bits: int, group_size: int, config: GemvConfig | None
+    ) -> GemvConfig | None:
+        """The unrolled GEMV's launch for x's `rows` [M, K] (`gemv_config`'s, unless `config`
+        pins one); None where the tile GEMV takes them: more rows, or weights whose words pass
+        the unrolled kernel's int32 offsets."""
+        (m, k), n = rows.shape, packed.shape[-2]
+        if m > UNROLLED_ROWS or n * packed.shape[-1] >= 2**31:
+            return None
+        if config is None:
+            sms = _multiprocessors() if rows.is_cuda else H200_MULTIPROCESSORS
+            config = gemv_config(n, k, bits, group_size, sms)
+        return config
+
+    def _launch_unrolled(
+        rows: Tensor | CodesMajor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        out: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig,
+        add_splits: bool = True,
+        geglu_out: bool = False,
+        gather: Gather | None = None,
+    ) -> Tensor | None:
+        """`_launch_gemv`, x first reordered codes-major where `config` asks for it (unless
+        it comes so: `CodesMajor`, then read as it is)."""
+        if isinstance(rows, CodesMajor):
+            if not _reads_codes_major(config, rows.shape[-1], bits):
+                raise ValueError("this GEMV launch reads x in input order, not codes-major")
+            x, ordered = rows.values, True
+        else:
+            x, ordered = rows, _reads_codes_major(config, rows.shape[-1], bits)
+            if ordered:
+                reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
+                x = reorder(x, bits, X_BLOCK_WORDS, dtype=CODES_MAJOR_DTYPE)
+        return _launch_gemv(
+            x, packed, scales, biases, out, bits, group_size, config, ordered, add_splits,
+            geglu_out=geglu_out, gather=gather,
+        )  # fmt: skip
+
+    def _unrolled_operands(
+        x: Tensor | CodesMajor,
+        packed: Tensor,
+        scales: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None,
+    ) -> tuple[Tensor, GemvConfig | None]:
+        """x's checked rows (`_flat_rows`) and the unrolled GEMV's launch for them, or None
+        where the tile GEMV takes them (`_unrolled_config`)."""
+        _check_operands(x, packed, scales, bits, group_size)
+        rows = _flat_rows(x)
+        return rows, _unrolled_config(rows, packed, bits, group_size, config)
+
+    def _flat_rows(x: Tensor | CodesMajor) -> Tensor:
+        """x as ``[M, K]`` (its values' rows for `CodesMajor`: only their count is read)."""
+        if isinstance(x, CodesMajor):
+            return x.values.view(x.values.shape[0], -1)
+        rows = x.reshape(-1, x.shape[-1])
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+    def affine_gemv_geglu_out_triton(
+        x: Tensor | CodesMajor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: GemvConfig | None = None,
+    ) -> Tensor | None:
+        """`affine_gemv_geglu_out` in Triton (and its interpreter); `config` pins the launch.
+        None where the launch would split K or the tile GEMV takes the rows."""
+        shape = x.shape
+        rows, config = _unrolled_operands(x, packed, scales, bits, group_size, config)
+        n = packed.shape[-2]
+        if config is None or config.split_k > 1 or n % 2:
+            return None
+        out = torch.empty(rows.shape[0], n // 2, dtype=x.dtype, device=x.device)
+        operand = x if isinstance(x, CodesMajor) else rows
+        _launch_unrolled(
+            operand, packed, scales, biases, out, bits, group_size, config, geglu_out=True
+        )  # fmt: skip
+        return out.view(*shape[:-1], n // 2)
+
+    def affine_dequantize_triton(
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        dtype: torch.dtype,
+        rows: Tensor | None = None,
+    ) -> Tensor:
+        """``dequantize_affine(...).to(dtype)`` for a 2-D weight, in one kernel; with `rows`
+        (int ids, any shape) only those rows, shaped ``[*rows.shape, K]``."""
+        k = packed.shape[1] * WORD_BITS // bits
+        ids = None if rows is None else rows.reshape(-1)
+        n = packed.shape[0] if ids is None else ids.numel()
+        out = torch.empty(n, k, dtype=dtype, device=packed.device)
+        block_n, block_g = 16, max(1, 128 // group_size)
+        if ids is not None:  # a token or a few: programs along the row, not across rows
+            block_n = min(block_n, triton.next_power_of_2(n))
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k // group_size, block_g))
+        pdl = pdl_options(out) if ids is not None else {}
+        launch_kernel(
+            _affine_dequantize_kernel,
+            grid,
+            packed.view(torch.int32),
+            scales,
+            biases,
+            out,
+            n,
+            k,
+            packed if ids is None else ids,  # unread without GATHER_ROWS
+            BITS=bits,
+            GROUP=group_size,
+            BLOCK_N=block_n,
+            BLOCK_G=block_g,
+            GATHER_ROWS=ids is not None,
+            num_warps=4,
+            **pdl,
+        )
+        return out if rows is None else out.view(*rows.shape, k)
+
+    def affine_matmul_triton(
+        x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
+    ) -> Tensor:
+        """GEMV kernel for few rows (decode); dequantize-once plus cuBLAS for many (prefill)."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        if rows <= GEMV_MAX_ROWS:
+            return affine_gemv_triton(x, packed, scales, biases, bits, group_size)
+        _check_operands(x, packed, scales, bits, group_size)
+        weight = affine_dequantize_triton(packed, scales, biases, bits, group_size, x.dtype)
+        return F.linear(x, weight)
+
+    def affine_expert_matmul_triton(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        expert_ids: Tensor,
+        bits: int,
+        group_size: int,
+        config: dict | None = None,
+        geglu_out: bool = False,
+        gemv: GemvConfig | None = None,
+    ) -> Tensor:
+        """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows: the
+        unrolled GEMV over the pairs (GATHERED_UNROLLED; `gemv` pins its launch, else
+        `gathered_gemv_config`), or the tile GEMV (`config` pins its tile). With `geglu_out`
+        (unrolled only) the experts are a stacked gate/up and the output ``gelu_tanh_mul`` of
+        the product, ``[T, top_k, N / 2]``."""
+        _check_expert_shapes(x, expert_ids)
+        k = _check_operands(x, packed, scales, bits, group_size)
+        n = packed.shape[-2]
+        pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
+        rows = _flat_rows(x)
+        ids = expert_ids.reshape(-1).contiguous()
+        x_rows_per_id = top_k if x.dim() == 2 else 1
+        unrolled_fits = n * packed.shape[-1] < 2**31  # an expert's words: int32 offsets
+        if config is None and unrolled_fits and (GATHERED_UNROLLED or geglu_out or gemv):
+            gemv = gemv or gathered_gemv_config(k, bits, group_size)
+            if geglu_out and n % 2:
+                raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
+            out = torch.empty(pairs, n // 2 if geglu_out else n, dtype=x.dtype, device=x.device)
+            if pairs:
+                gather = Gather(ids, x_rows_per_id)
+                _launch_unrolled(
+                    rows, packed, scales, biases, out, bits, group_size, gemv,
+                    geglu_out=geglu_out, gather=gather,
+                )  # fmt: skip
+            return out.view(*expert_ids.shape, -1)
+        if geglu_out:
+            raise ValueError("only the unrolled gathered GEMV stores a GeGLU")
+        out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+        _launch_tile_gemv(
+            rows,
+            packed,
+            scales,
+            biases,
+            out,
+            bits,
+            group_size,
+            ids=ids,
+            rows=pairs,
+            block_m=1,
+            x_rows_per_id=x_rows_per_id,
+            config=config,
+        )
+        return out.view(*expert_ids.shape, -1)
+
+    def float_expert_matmul_triton(
+        x: Tensor,
+        weight: Tensor,
+        expert_ids: Tensor,
+        config: dict | None = None,
+        geglu_out: bool = False,
+    ) -> Tensor:
+        """Gathered GEMV over float experts ``[E, N, K]``: ``[T, top_k, N]``; with
+        `geglu_out`, gelu_tanh_mul of the product of stacked gate/up experts, ``[.., N / 2]``."""
+        _check_expert_shapes(x, expert_ids)
+        pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
+        n, k = weight.shape[-2:]
+        if geglu_out and n % 2:
+            raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
+        rows = x.reshape(-1, k)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        width_out = n // 2 if geglu_out else n
+        out = torch.empty(pairs, width_out, dtype=x.dtype, device=x.device)
+        args = (
+            rows,
+            weight,
+            expert_ids.reshape(-1).contiguous(),
+            out,
+            width_out,
+            rows.stride(0),
+            out.stride(0),
+            top_k if x.dim() == 2 else 1,
+            weight.shape[0],
+            k,
+        )
+
+        def grid(meta: dict) -> tuple[int, int]:
+            return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
+
+        pdl = pdl_options(x)
+        switches = {
+            "PREFETCH_LINES": prefetch_lines(pdl, "experts"),
+            "GEGLU_OUT": geglu_out,
+        }
+        if config is None and x.is_cuda:
+            launch_kernel(_float_gather_tuned, grid, *args, **pdl, **switches)
+        else:
+            chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
+            launch_kernel(
+                _float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl, **switches
+            )
+        return out.view(*expert_ids.shape, -1)

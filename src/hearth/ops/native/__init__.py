@@ -1,0 +1,549 @@
+"""Hearth's native CPU kernels (``kernels.c``): built on first use, loaded with ctypes.
+
+CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. Three things
+here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05c.md, -05e):
+
+* the int8 and bf16 matrix-vector products, where torch's kernels (``aten._weight_int8pack_mm``,
+  the bf16 GEMM) stream short weight rows at about half the memory bandwidth;
+* the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
+  one call each instead of a dozen dispatched torch ops, with the same roundings;
+* a whole Gemma 3 or Gemma 4 (dense) decoder layer at one token, made of the two above
+  (``gemma3_decode_layer``, ``gemma4_decode_layer``, used by ``hearth.models.gemma_native`` and
+  ``gemma4_native``): no Python between a layer's ops;
+* at load, GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) -> bf16 and bf16 -> int8 rows, which
+  torch and numpy ran at 0.04-0.3 GB/s; for a CPU prefill, int8 -> bf16.
+
+They need a C compiler with OpenMP and an x86-64 CPU with AVX-512, or AVX2 with FMA and F16C
+(``vec16.h`` serves both); without them, ``kernels()`` is None and every caller keeps its torch
+path. ``HEARTH_NATIVE=0`` turns them off.
+
+The library is compiled once per source, compiler and CPU into ``$HEARTH_CACHE/native`` (default
+``~/.cache/hearth/native``), written to a temporary name and renamed, so concurrent processes
+never load a half-written file. torch is imported first: its libgomp is then the one the library
+binds to, and both share one OpenMP thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+log = logging.getLogger("hearth.ops.native")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+# What SOURCE includes: part of the library's identity (a change rebuilds it).
+HEADERS = (Path(__file__).with_name("vec16.h"),)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBRARIES = ("-lm",)
+# Input rows the int8 kernel takes (MAX_INPUT_ROWS in the source).
+MAX_INPUT_ROWS = 16
+DISABLE_VARIABLE = "HEARTH_NATIVE"
+COMPILE_TIMEOUT_S = 120
+
+_POINTER, _INT64, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# Entry points and their C argument types (pointers are data_ptr()s, None for NULL).
+_SIGNATURES = {
+    "hearth_int8_rows_matmul": [
+        _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT,
+    ],
+    "hearth_bf16_rows_matmul": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT],
+    "hearth_add_rms_norm": [
+        _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _FLOAT, _POINTER, _POINTER,
+    ],
+    "hearth_norm_rope": [
+        _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER,
+        _FLOAT, _POINTER, _POINTER, _POINTER,
+    ],
+    "hearth_decode_attention": [
+        _POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _FLOAT, _POINTER,
+        _INT,
+    ],
+    "hearth_gemma3_decode_layer": [
+        _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
+        _INT64, _POINTER, _INT,
+    ],
+    "hearth_gemma4_decode_layer": [
+        _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
+        _INT64, _POINTER, _POINTER, _INT,
+    ],
+    "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
+    "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
+    "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
+    "hearth_argmax_rows": [_POINTER, _INT64, _INT64, _POINTER],
+}  # fmt: skip
+# GGML block types ``blocks_to_bf16`` decodes: type id -> (values, bytes) per block.
+BLOCK_TYPES = {8: (32, 34), 2: (32, 18), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
+
+
+class DecodeLayerOperands(ctypes.Structure):
+    """A Gemma 3 layer's fixed operands for ``gemma3_decode_layer`` (``hearth_decode_layer`` in
+    the source): sizes, weight pointers (int8 with bf16 row scales, or bf16 where the scales
+    are NULL), fp32 norm weights, eps and the attention scale."""
+
+    _fields_ = [
+        *((name, _INT64) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate")),
+        *((name, _POINTER) for name in ("qkv", "o", "gate_up", "down")),
+        *((f"{name}_scales", _POINTER) for name in ("qkv", "o", "gate_up", "down")),
+        *(
+            (f"{name}_norm", _POINTER)
+            for name in ("q", "k", "post_attention", "pre_feedforward", "post_feedforward", "next")
+        ),
+        ("eps", _FLOAT),
+        ("scale", _FLOAT),
+    ]
+
+
+class Gemma4LayerOperands(ctypes.Structure):
+    """A Gemma 4 dense layer's fixed operands for ``gemma4_decode_layer`` (``hearth_gemma4_layer``
+    in the source): ``base`` as for Gemma 3 (norm weights w; no k norm on a KV-sharing layer),
+    plus how V is made (a ``ValueMode``: 0 for a KV-sharing layer), the per-layer input's gate
+    and projection (``per_layer`` 0: none) with the norm after them, and the bf16 layer
+    scalar."""
+
+    _fields_ = [
+        ("base", DecodeLayerOperands),
+        ("per_layer", _INT64),
+        ("value_mode", _INT64),
+        *(
+            (name, _POINTER)
+            for name in (
+                "per_layer_gate", "per_layer_projection", "per_layer_gate_scales",
+                "per_layer_projection_scales", "post_per_layer_norm", "layer_scalar",
+            )
+        ),
+    ]  # fmt: skip
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(f"native kernel: {what}")
+
+
+def _dense(tensor: Tensor, dtype: torch.dtype) -> bool:
+    return tensor.dtype == dtype and tensor.is_contiguous() and tensor.device.type == "cpu"
+
+
+def _layer_inputs_fit(
+    operands: DecodeLayerOperands,
+    x: Tensor,
+    normed: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    length: int,
+) -> bool:
+    """What a native decoder layer reads: bf16 x and normed [hidden], cos/sin [D], and K/V
+    planes [1, Hk, slots, D] holding at least `length` slots."""
+    dim = operands.head_dim
+    return (
+        _dense(x, torch.bfloat16)
+        and _dense(normed, torch.bfloat16)
+        and x.numel() == normed.numel() == operands.hidden
+        and _dense(cos, torch.bfloat16)
+        and _dense(sin, torch.bfloat16)
+        and cos.numel() == sin.numel() == dim
+        and keys.dtype == values.dtype == torch.bfloat16
+        and keys.shape == values.shape
+        and keys.shape[:2] == (1, operands.kv_heads)
+        and keys.shape[3] == dim
+        and attention_layout(keys, values)
+        and 0 < length <= keys.shape[2]
+    )
+
+
+def attention_layout(keys: Tensor, values: Tensor) -> bool:
+    """Whether K/V [B, Hk, slots, D] share strides that step whole rows of D: what
+    ``decode_attention`` reads (a cache buffer, or its first slots)."""
+    batch_stride, head_stride, slot_stride, element_stride = keys.stride()
+    return (
+        keys.stride() == values.stride()
+        and element_stride == 1
+        and slot_stride == keys.shape[3]
+        and batch_stride == keys.shape[1] * head_stride
+    )
+
+
+class NativeKernels:
+    """The loaded library, with typed entry points that check what they are given."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = ctypes.c_int, argtypes
+            self._functions[name] = function
+
+    def _call(self, name: str, *args: object) -> None:
+        if self._functions[name](*args) != 0:
+            raise MemoryError(f"{name} could not allocate its buffers")
+
+    def int8_rows_matmul(self, x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+        """``x [m, k] @ (qweight [n, k] * scales [n])ᵀ`` in bf16, for 1 <= m <= 16."""
+        rows, in_features = x.shape
+        out_features = qweight.shape[0]
+        _require(
+            _dense(x, torch.bfloat16)
+            and _dense(qweight, torch.int8)
+            and _dense(scales, torch.bfloat16)
+            and qweight.shape[1] == in_features
+            and scales.shape == (out_features,)
+            and 1 <= rows <= MAX_INPUT_ROWS,
+            "int8_rows_matmul takes bf16 x [1..16, k], int8 q [n, k], bf16 scales [n]",
+        )
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        self._call(
+            "hearth_int8_rows_matmul", x.data_ptr(), rows, in_features, qweight.data_ptr(),
+            scales.data_ptr(), out_features, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+    def argmax_rows(self, rows: Tensor) -> Tensor:
+        """``rows.max(dim=-1).indices`` of fp32 rows [m, n] (the first index of each row's
+        largest value, or of its first NaN), without torch's scalar scan: ~6x faster on a
+        262144-token row (44 against 268 µs on an AVX2 EPYC)."""
+        _require(
+            _dense(rows, torch.float32) and rows.dim() == 2 and rows.shape[1] >= 1,
+            "argmax_rows takes contiguous fp32 rows [m, n >= 1]",
+        )
+        out = torch.empty(rows.shape[0], dtype=torch.int64)
+        self._call("hearth_argmax_rows", rows.data_ptr(), *rows.shape, out.data_ptr())
+        return out
+
+    def blocks_to_bf16(self, type_id: int, blocks: np.ndarray, out: Tensor) -> None:
+        """GGML blocks of a type in ``BLOCK_TYPES`` (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K; uint8,
+        C-contiguous, whole blocks) -> ``out`` (bf16, one value per code): each value as the
+        `gguf` package computes it in fp32, rounded to bf16 once."""
+        values, nbytes = BLOCK_TYPES[type_id]
+        n_blocks = blocks.size // nbytes
+        _require(
+            blocks.dtype == np.uint8
+            and blocks.flags.c_contiguous
+            and blocks.size == n_blocks * nbytes
+            and _dense(out, torch.bfloat16)
+            and out.numel() == n_blocks * values,
+            "blocks_to_bf16 takes whole uint8 blocks and a bf16 output of their size",
+        )
+        self._call(
+            "hearth_blocks_to_bf16", type_id, blocks.ctypes.data, n_blocks, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def quantize_int8_rows(self, weight: Tensor, scale_floor: float) -> tuple[Tensor, Tensor]:
+        """Symmetric int8 per row of a finite bf16 ``weight`` [rows, cols]: (codes int8, bf16
+        scales), as ``hearth.quant.cpu.quantize_int8_rows`` computes them."""
+        _require(
+            _dense(weight, torch.bfloat16) and weight.dim() == 2,
+            "quantize_int8_rows takes a contiguous bf16 matrix",
+        )
+        rows, cols = weight.shape
+        codes = torch.empty(rows, cols, dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.bfloat16)
+        self._call(
+            "hearth_quantize_int8_rows", weight.data_ptr(), rows, cols, scale_floor,
+            codes.data_ptr(), scales.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return codes, scales
+
+    def int8_rows_to_bf16(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """``bf16(codes [rows, cols] * scales [rows])``, as ``(codes.float() * scales.float()
+        [:, None]).bfloat16()`` computes it (the fp32 product is exact)."""
+        rows, cols = codes.shape
+        _require(
+            _dense(codes, torch.int8) and _dense(scales, torch.bfloat16) and scales.numel() == rows,
+            "int8_rows_to_bf16 takes int8 codes [rows, cols] and bf16 scales [rows]",
+        )
+        out = torch.empty(rows, cols, dtype=torch.bfloat16)
+        self._call(
+            "hearth_int8_rows_to_bf16", codes.data_ptr(), scales.data_ptr(), rows, cols,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def bf16_rows_matmul(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``x [m, k] @ weight [n, k]ᵀ`` in bf16 (fp32 sums), for 1 <= m <= 16."""
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        _require(
+            _dense(x, torch.bfloat16)
+            and _dense(weight, torch.bfloat16)
+            and weight.shape[1] == in_features
+            and 1 <= rows <= MAX_INPUT_ROWS,
+            "bf16_rows_matmul takes bf16 x [1..16, k] and bf16 weight [n, k]",
+        )
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        self._call(
+            "hearth_bf16_rows_matmul", x.data_ptr(), rows, in_features, weight.data_ptr(),
+            out_features, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+    def add_rms_norm(
+        self,
+        residual: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        next_weight: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``residual + norm(x)·w`` and, given ``next_weight``, its norm by that (all bf16)."""
+        width = x.shape[-1]
+        _require(
+            _dense(residual, torch.bfloat16)
+            and _dense(x, torch.bfloat16)
+            and residual.shape == x.shape
+            and _dense(weight, torch.float32)
+            and weight.shape == (width,)
+            and (next_weight is None or (_dense(next_weight, torch.float32)
+                                         and next_weight.shape == (width,))),
+            "add_rms_norm takes bf16 residual and x of one shape, fp32 weights [width]",
+        )  # fmt: skip
+        summed = torch.empty_like(x)
+        normed = None if next_weight is None else torch.empty_like(x)
+        self._call(
+            "hearth_add_rms_norm", residual.data_ptr(), x.data_ptr(), x.numel() // width, width,
+            weight.data_ptr(), None if next_weight is None else next_weight.data_ptr(), eps,
+            summed.data_ptr(), None if normed is None else normed.data_ptr(),
+        )  # fmt: skip
+        return summed, normed
+
+    def norm_rope(
+        self,
+        qkv: Tensor,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        q_weight: Tensor,
+        k_weight: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k RMSNorm + RoPE and the v split of ``qkv [T, (Hq + 2·Hk)·D]`` (bf16, cos/sin
+        [T, D]): ``(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D])``."""
+        tokens, width = qkv.shape
+        _require(
+            _dense(qkv, torch.bfloat16)
+            and width == (q_heads + 2 * kv_heads) * head_dim
+            and head_dim % 2 == 0
+            and _dense(q_weight, torch.float32)
+            and _dense(k_weight, torch.float32)
+            and q_weight.shape == k_weight.shape == (head_dim,)
+            and _dense(cos, torch.bfloat16)
+            and _dense(sin, torch.bfloat16)
+            and cos.shape == sin.shape == (tokens, head_dim),
+            "norm_rope takes bf16 qkv [T, (Hq + 2 Hk) D], fp32 norm weights, bf16 cos/sin [T, D]",
+        )
+        q = torch.empty(tokens, q_heads, head_dim, dtype=torch.bfloat16)
+        k = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+        v = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+        self._call(
+            "hearth_norm_rope", qkv.data_ptr(), tokens, width, q_heads, kv_heads, head_dim,
+            q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        )  # fmt: skip
+        return q, k, v
+
+    def decode_attention(
+        self, q: Tensor, keys: Tensor, values: Tensor, scale: float, length: int
+    ) -> Tensor:
+        """One query per head, ``q [B, H, 1, D]``, over the first ``length`` keys of
+        ``keys``/``values [B, Hk, slots, D]`` (bf16): ``[B, H, 1, D]``, softmax in fp32."""
+        batch, heads, queries, dim = q.shape
+        kv_heads, slots = keys.shape[1], keys.shape[2]
+        group_stride = keys.stride(1)
+        _require(
+            _dense(q, torch.bfloat16)
+            and queries == 1
+            and keys.dtype == values.dtype == torch.bfloat16
+            and keys.shape == values.shape
+            and keys.shape[0] == batch
+            and keys.shape[3] == dim
+            and heads % kv_heads == 0
+            and attention_layout(keys, values)
+            and 1 <= length <= slots,
+            "decode_attention takes bf16 q [B, H, 1, D] and K/V [B, Hk, slots, D] with rows of D",
+        )
+        out = torch.empty_like(q)
+        self._call(
+            "hearth_decode_attention", q.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            batch * kv_heads, heads // kv_heads, dim, length, group_stride, scale, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def gemma3_decode_layer(
+        self,
+        operands: DecodeLayerOperands,
+        x: Tensor,
+        normed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        slot: int,
+        length: int,
+    ) -> None:
+        """One Gemma 3 layer at one token, in place: ``x`` (the residual stream, bf16 [hidden])
+        becomes the layer's output and ``normed`` (its input norm) that output's next norm.
+        The new K/V go into ``slot`` of ``keys``/``values`` [1, Hk, slots, D] (bf16), and
+        attention reads slots ``0..length-1``. ``operands`` must point at live tensors."""
+        _require(
+            _layer_inputs_fit(operands, x, normed, cos, sin, keys, values, length)
+            and 0 <= slot < length,
+            "gemma3_decode_layer takes bf16 x, normed [hidden], cos/sin [D], K/V [1, Hk, slots, D]",
+        )
+        self._call(
+            "hearth_gemma3_decode_layer", ctypes.byref(operands), x.data_ptr(), normed.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1),
+            slot, length, gelu_tanh_table().data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+    def gemma4_decode_layer(
+        self,
+        operands: Gemma4LayerOperands,
+        x: Tensor,
+        normed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        slot: int | None,
+        length: int,
+        per_layer_input: Tensor | None,
+    ) -> None:
+        """One Gemma 4 dense layer at one token, in place, as ``gemma3_decode_layer``. A layer
+        that owns K/V writes them into ``slot``; a KV-sharing one (``slot`` None) attends over
+        its donor's ``keys``/``values``. ``per_layer_input``: bf16 [per_layer] or None."""
+        shares = operands.value_mode == 0
+        _require(
+            _layer_inputs_fit(operands.base, x, normed, cos, sin, keys, values, length)
+            and (slot is None) == shares
+            and (shares or 0 <= slot < length)
+            and (per_layer_input is None) == (operands.per_layer == 0)
+            and (per_layer_input is None or (_dense(per_layer_input, torch.bfloat16)
+                                             and per_layer_input.numel() == operands.per_layer)),
+            "gemma4_decode_layer takes bf16 x, normed [hidden], cos/sin [D], K/V "
+            "[1, Hk, slots, D], a slot unless the layer shares K/V, its per-layer input",
+        )  # fmt: skip
+        self._call(
+            "hearth_gemma4_decode_layer", ctypes.byref(operands), x.data_ptr(),
+            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+            values.data_ptr(), keys.stride(1), -1 if slot is None else slot, length,
+            None if per_layer_input is None else per_layer_input.data_ptr(),
+            gelu_tanh_table().data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+
+@functools.cache
+def gelu_tanh_table() -> Tensor:
+    """bf16 gelu_tanh of every bf16 number, indexed by its 16-bit pattern: made by torch's own
+    ``F.gelu``, so a native GeGLU looking it up rounds exactly as torch does."""
+    patterns = torch.cat([torch.arange(0, 1 << 15), torch.arange(-(1 << 15), 0)])
+    numbers = patterns.to(torch.int16).view(torch.bfloat16)
+    return torch.nn.functional.gelu(numbers, approximate="tanh").contiguous()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def library_path(cache_dir: Path, compiler: str) -> Path:
+    """Where the library for this source, compiler and CPU lives (built or not)."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
+    ).stdout
+    key = hashlib.sha256()
+    sources = [path.read_bytes() for path in (SOURCE, *HEADERS)]
+    for part in (*sources, " ".join(FLAGS + LIBRARIES).encode(), version.encode()):
+        key.update(part)
+    key.update(f"{platform.machine()}\n{_cpu_identity()}".encode())
+    return cache_dir / f"kernels-{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path, compiler: str) -> Path:
+    """Compile the library into ``cache_dir`` unless it is there; raises on a compiler error."""
+    target = library_path(cache_dir, compiler)
+    if target.is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+        partial = Path(scratch) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        os.replace(partial, target)
+    return target
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("HEARTH_CACHE") or Path.home() / ".cache" / "hearth") / "native"
+
+
+@functools.cache
+def kernels() -> NativeKernels | None:
+    """The native kernels, built on first call; None where they cannot run here."""
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C compiler: CPU decode keeps torch's kernels")
+        return None
+    try:
+        path = build(default_cache_dir(), compiler)
+        return NativeKernels(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as error:
+        # CalledProcessError carries the compiler's message (e.g. neither AVX-512 nor AVX2).
+        detail = getattr(error, "stderr", "") or error
+        log.info("native kernels unavailable, CPU decode keeps torch's kernels: %s", detail)
+        return None
+
+
+def row_matmul(x: Tensor, weight: Tensor) -> Tensor | None:
+    """``x @ weightᵀ`` through the native bf16 kernel when ``x`` is one CPU bf16 row (a decode
+    step) and the kernels run here; None otherwise (the caller's torch path then)."""
+    if x.numel() != x.shape[-1] or not weight.is_contiguous():
+        return None
+    kernels = for_cpu_bf16(x, weight)
+    if kernels is None:
+        return None
+    y = kernels.bf16_rows_matmul(x.reshape(1, -1).contiguous(), weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def for_cpu_bf16(*tensors: Tensor) -> NativeKernels | None:
+    """The kernels when every tensor is a bf16 CPU tensor and they run here, else None; also
+    None when autograd would track any of them (the kernels have no backward)."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return kernels()

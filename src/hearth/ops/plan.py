@@ -1,0 +1,80 @@
+"""The execution plan: every choice of how to run the model on this device, in one place.
+
+A plan is built once when a model loads (`ExecutionPlan.for_device`), printed by
+`hearth inspect --plan` and `/stats`, and read by the layers and the runner; nothing else
+chooses a path. Where a kernel exists for a device (Triton on CUDA, the native C library on an
+x86-64 CPU) it runs: that is a fact of the device, not a choice. What is chosen here is how
+those kernels are combined: whole decode layers in one native call, CUDA graphs, padded
+prefill graphs and their buckets, the chunk a prompt is prefilled in.
+
+An A/B measurement builds two plans (`dataclasses.replace`) and runs one runner with each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hearth.ops import HAS_TRITON
+from hearth.ops import native as native_kernels
+from hearth.ops.native import bf16_gemm, huge_pages
+
+# Padded prompt lengths with a prefill graph each; half steps past 512 keep the padding
+# under a third of the prompt where it costs GPU time.
+PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How a model runs on one device. Fields that do not apply to the device are off."""
+
+    device: str
+    # CPU: the native C kernels (int8/bf16 rows, norm, RoPE and attention glue, argmax).
+    native_kernels: bool = False
+    # CPU: a bf16 decode step as one native call per decoder layer (`runtime.native_step`).
+    native_layers: bool = False
+    # CPU: bf16 products as fp32 GEMMs, where the CPU has no bf16 matmul instructions.
+    bf16_matmul_as_fp32: bool = False
+    # CPU: the weights a decode step streams loaded into transparent huge pages.
+    huge_pages: bool = False
+    # CUDA: decode steps replayed from CUDA graphs over static caches.
+    cuda_graphs: bool = False
+    # CUDA: a fresh one-chunk prompt prefilled from a graph per padded length (`buckets`).
+    prefill_graphs: bool = False
+    # CUDA: a prompt-cache hit's new tokens prefilled from a graph per padded length too.
+    continuation_graphs: bool = False
+    prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
+    # Full-attention caches expose their keys in views of whole buckets (a decode graph each).
+    view_bucket: int = 256
+    # Prompt tokens per forward: large chunks keep a GPU's matrix units busy; on a CPU they
+    # would spill the caches for no gain.
+    prefill_chunk: int = 512
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> ExecutionPlan:
+        """The default plan of `device`: every kernel that runs there, combined as measured
+        fastest (docs/benchmarks.md)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            graphs = HAS_TRITON
+            return cls(
+                "cuda",
+                cuda_graphs=graphs,
+                prefill_graphs=graphs,
+                continuation_graphs=graphs,
+                prefill_chunk=4096,
+            )
+        native = native_kernels.kernels() is not None
+        return cls(
+            device.type,
+            native_kernels=native,
+            native_layers=native,
+            bf16_matmul_as_fp32=device.type == "cpu" and bf16_gemm.widen_bf16_products(),
+            huge_pages=device.type == "cpu" and huge_pages.enabled(),
+        )
+
+    def describe(self) -> str:
+        """One `field: value` line per field, for `hearth inspect --plan`."""
+        width = max(len(name) for name in asdict(self))
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in asdict(self).items())

@@ -1,0 +1,1 @@
+"""The runner: the generate loop, sampling, step strategies and graph capture."""

@@ -1,0 +1,321 @@
+"""The generate loop: prefill, decode, sampling, stop ids and stop strings, streaming,
+statistics. It drives a `ModelRunner` and knows nothing about kernels or HTTP."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hearth.kv import LayerCache
+from hearth.models import Model
+from hearth.runtime.runner import ModelRunner
+from hearth.runtime.sampling import Sampler, SamplingParams
+from hearth.tokenizer import Tokenizer
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens already in the caches, not prefilled
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        prefilled = self.prompt_tokens - self.cached_tokens
+        return prefilled / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first token comes from the prefill; decode speed counts the steps after it.
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"prompt: {self.prompt_tokens} tokens, {self.prefill_tokens_per_second:.1f} tok/s | "
+            f"generation: {self.generated_tokens} tokens, "
+            f"{self.decode_tokens_per_second:.1f} tok/s | "
+            f"peak memory: {self.peak_memory_bytes / 2**30:.2f} GiB"
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability, and the most likely tokens at its step.
+
+    The distribution is log_softmax of the logits after the logit processors (bias, penalties)
+    and before the temperature and the top-p/min-p/top-k filters: `Sampler.logprobs`, the
+    numbers mlx-lm reports.
+    """
+
+    token: int
+    logprob: float
+    top_tokens: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass
+class LogprobRecorder:
+    """Asks `generate_tokens` for every token's `TokenLogprobs` with `top` alternatives (0 or
+    more); they gather in `records` until taken."""
+
+    top: int = 0
+    records: list[TokenLogprobs] = field(default_factory=list)
+
+    def record(self, logprobs: torch.Tensor, token: int) -> None:
+        """Read one step's record off the device (`logprobs`: [vocab]) in a single copy."""
+        top = min(self.top, logprobs.shape[-1])
+        values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0])
+        # Ids below 2**53 are exact in float64, so one tensor carries everything at once.
+        chosen = logprobs[token : token + 1]
+        numbers = torch.cat([chosen.double(), values.double(), ids.double()]).tolist()
+        top_ids = tuple(int(i) for i in numbers[1 + top :])
+        self.records.append(TokenLogprobs(token, numbers[0], top_ids, tuple(numbers[1 : 1 + top])))
+
+    def take(self) -> tuple[TokenLogprobs, ...]:
+        taken, self.records = tuple(self.records), []
+        return taken
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One streamed piece: new text (possibly empty) and, at the end, why generation stopped.
+
+    `logprobs` (only when asked for) holds the records of the tokens generated since the
+    previous chunk, in order: across a stream every generated token appears exactly once, also
+    those whose text is held back, cut by a stop string, or an end id (no text at all).
+    """
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
+    stats: GenerationStats | None = field(default=None, compare=False)
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocator peak on CUDA, peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kilobytes if sys.platform == "darwin" else kilobytes * 1024
+
+
+class StopStrings:
+    """Cuts text at the first stop string, holding back a tail that may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.stopped = False
+        self.matched: str | None = None
+        self._pending = ""
+
+    def feed(self, text: str) -> str:
+        """The text safe to emit; sets `stopped` (and `matched`) once a stop string is reached."""
+        self._pending += text
+        hits = [(i, stop) for stop in self.stops if (i := self._pending.find(stop)) >= 0]
+        if hits:
+            cut, self.matched = min(hits, key=lambda hit: hit[0])
+            emitted, self._pending, self.stopped = self._pending[:cut], "", True
+            return emitted
+        cut = len(self._pending) - self._longest_partial_stop()
+        emitted, self._pending = self._pending[:cut], self._pending[cut:]
+        return emitted
+
+    def flush(self) -> str:
+        rest, self._pending = self._pending, ""
+        return rest
+
+    def _longest_partial_stop(self) -> int:
+        text = self._pending
+        for size in range(min(len(text), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            if any(stop.startswith(text[-size:]) for stop in self.stops):
+                return size
+        return 0
+
+
+def as_runner(model: Model | ModelRunner) -> ModelRunner:
+    """`model`'s runner: itself if a runner, else a new one with the device's default plan."""
+    return model if isinstance(model, ModelRunner) else ModelRunner(model)
+
+
+@torch.inference_mode()
+def generate_tokens(
+    model: Model | ModelRunner,
+    prompt_ids: Sequence[int],
+    sampler: Sampler,
+    max_tokens: int,
+    stats: GenerationStats,
+    caches: list[LayerCache] | None = None,
+    prefill_step: int | None = None,
+    cached_tokens: int = 0,
+    on_prefilled: Callable[[list[LayerCache]], None] | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> Iterator[int]:
+    """Token ids, one per step, until `max_tokens`; the caller decides when to stop early.
+
+    With no `caches` given, the runner makes them in its KV policy: static ones decoded
+    through CUDA graphs where its plan says so, dynamic ones elsewhere.
+
+    `cached_tokens`: how many leading prompt tokens `caches` already hold (a prompt cache
+    hit); only the rest is prefilled, and at least one token must be left to prefill.
+    `on_prefilled` sees the caches once they hold exactly the prompt (a prompt cache keeps a
+    snapshot there). `logprobs`: records each token's log-probabilities before it is yielded
+    (None: none are computed).
+    """
+    runner = as_runner(model)
+    if not 0 <= cached_tokens < len(prompt_ids):
+        raise ValueError(f"cached_tokens {cached_tokens} must leave a prompt token to prefill")
+    vocab = runner.model.config.vocab_size
+    if (bad := next((i for i in prompt_ids if not 0 <= i < vocab), None)) is not None:
+        # Checked here: the GPU's embedding kernels read rows unchecked.
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary of {vocab}")
+    device = runner.device
+    history = list(prompt_ids)
+    prompt = torch.tensor([history[cached_tokens:]], dtype=torch.long, device=device)
+    stats.prompt_tokens = len(history)
+    stats.cached_tokens = cached_tokens
+    started = decode_started = time.perf_counter()
+    prefill_step = prefill_step or runner.plan.prefill_chunk
+    graph = (
+        runner.acquire_decoder(len(history) + max_tokens + 1)
+        if runner.decodes_with_graphs
+        else None
+    )
+    try:
+        if graph is not None and caches is None:
+            caches = graph.caches
+            logits = graph.prefill(prompt, prefill_step)
+        elif graph is not None and cached_tokens and graph.continues_hits:
+            graph.adopt(caches, cached_tokens)  # the hit first, then its new tokens
+            caches = graph.caches
+            logits = graph.prefill(prompt, prefill_step)
+        else:
+            caches = runner.new_caches() if caches is None else caches
+            logits = runner.prefill(prompt, caches, cached_tokens, prefill_step)
+        if on_prefilled is not None:
+            on_prefilled(caches)
+        if graph is not None and caches is not graph.caches:
+            graph.adopt(caches, len(history))  # given caches (a prompt cache): decode via graphs
+        readback = graph.readback() if graph is not None else None
+        sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+        for produced in range(max_tokens):
+            more = produced + 1 < max_tokens
+            if more and graph is not None and readback is not None:
+                # Queue the next step before reading this token back: the GPU never waits for
+                # the host, which reads the token while the step runs.
+                readback.start(sampled)
+                logits = graph.step(sampled.reshape(1, 1))
+                token = readback.result()
+            else:
+                token = int(sampled)
+            if logprobs is not None and distribution is not None:
+                logprobs.record(distribution.reshape(-1), token)
+            now = time.perf_counter()
+            if produced == 0:
+                stats.prefill_seconds = now - started
+                decode_started = now
+            else:
+                stats.decode_seconds = now - decode_started
+            stats.generated_tokens = produced + 1
+            history.append(token)
+            yield token
+            if more:
+                if graph is None:
+                    logits = runner.decode(token, caches, len(history) - 1)
+                sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+    finally:
+        if graph is not None:  # its caches and graphs serve the next request
+            runner.release_decoder(graph)
+
+
+def _sample(
+    sampler: Sampler, logits: torch.Tensor, history: list[int], with_logprobs: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next token on the device (no host sync) and, if asked, its logprob row."""
+    if with_logprobs:
+        return sampler.sample_with_logprobs(logits, history)
+    return sampler.sample(logits, history), None
+
+
+def stream_generate(
+    model: Model | ModelRunner,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    sampling: SamplingParams | None = None,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    stop_ids: Sequence[int] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    caches: list[LayerCache] | None = None,
+    cached_tokens: int = 0,
+    on_prefilled: Callable[[list[LayerCache]], None] | None = None,
+    top_logprobs: int | None = None,
+) -> Iterator[GenerationChunk]:
+    """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
+
+    `cached_tokens`, `on_prefilled`: see `generate_tokens`. `top_logprobs`: None computes no
+    log-probabilities; a count (0 or more) fills each chunk's `logprobs`, with that many
+    alternatives per token.
+
+    `cancelled` is checked before each token; once it returns true the stream ends at once,
+    without a final chunk (a server's client went away).
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    runner = as_runner(model)
+    sampling = sampling or SamplingParams()
+    sampling.validate(runner.model.config.vocab_size)
+    sampler = Sampler(sampling, device=runner.device)
+    end_ids = frozenset(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    detokenizer = tokenizer.detokenizer()
+    stops = StopStrings(stop)
+    stats = GenerationStats()
+    finish = FINISH_LENGTH
+    recorder = None if top_logprobs is None else LogprobRecorder(top_logprobs)
+
+    def records() -> tuple[TokenLogprobs, ...] | None:
+        return None if recorder is None else recorder.take()
+
+    tokens = generate_tokens(
+        runner,
+        prompt_ids,
+        sampler,
+        max_tokens,
+        stats,
+        caches,
+        cached_tokens=cached_tokens,
+        on_prefilled=on_prefilled,
+        logprobs=recorder,
+    )
+    for token in tokens:
+        if cancelled is not None and cancelled():
+            return
+        if token in end_ids:
+            finish = FINISH_STOP
+            break
+        text = stops.feed(detokenizer.add_token(token))
+        if text:
+            yield GenerationChunk(text, token, logprobs=records())
+        if stops.stopped:
+            finish = FINISH_STOP
+            break
+    tail = ""
+    if not stops.stopped:
+        tail = stops.feed(detokenizer.flush())
+        tail += "" if stops.stopped else stops.flush()
+        finish = FINISH_STOP if stops.stopped else finish
+    stats.peak_memory_bytes = peak_memory_bytes(runner.device)
+    yield GenerationChunk(tail, None, finish, stops.matched, stats, records())

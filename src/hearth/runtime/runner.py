@@ -1,0 +1,115 @@
+"""The model runner: one model under one execution plan and KV policy.
+
+It owns everything a run keeps besides the weights: the caches it makes, the step strategies
+(the eager forward, the native CPU layer step, the CUDA-graph decoder) and what they keep
+between requests (the idle graph decoder and its captured graphs, the native layers'
+operands). Nothing is stored on the model, so two runners of one model (an A/B of two plans)
+do not see each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.kv import KVPolicy, LayerCache
+from hearth.layers.experts import Experts
+from hearth.models import Model
+from hearth.ops import HAS_TRITON
+from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.graphs import DECODER_GROWTH, GraphDecoder, grown_slots
+from hearth.runtime.native_step import NativeDecodeStep
+
+
+class ModelRunner:
+    """Runs `model`'s forwards: prefill in chunks, decode steps by the fastest strategy the
+    plan allows, and graph decoders reused across requests."""
+
+    def __init__(
+        self,
+        model: Model,
+        plan: ExecutionPlan | None = None,
+        kv_policy: KVPolicy | None = None,
+    ) -> None:
+        self.model = model
+        self.plan = plan or ExecutionPlan.for_device(model.device)
+        self.kv_policy = kv_policy or KVPolicy()
+        self.kv_policy.check(model.cache_specs())
+        self.native = NativeDecodeStep(model) if self.plan.native_layers else None
+        # The most K/V slots a graph decoder may take beyond what its request needs (what a
+        # server's memory budget leaves for K/V); None: the model's positions.
+        self.slot_limit: int | None = None
+        self._idle: GraphDecoder | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def new_caches(self) -> list[LayerCache]:
+        """Empty caches of the runner's KV policy, one per layer that stores K/V."""
+        return self.kv_policy.make_caches(self.model.cache_specs())
+
+    @property
+    def decodes_with_graphs(self) -> bool:
+        """Whether decode runs from CUDA graphs: the plan says so, on a CUDA model whose MoE
+        blocks, if any, run on the gathered-expert kernels (the per-expert loop synchronises
+        with the host, which a graph cannot capture)."""
+        model = self.model
+        if not (self.plan.cuda_graphs and model.device.type == "cuda" and HAS_TRITON):
+            return False
+        return all(m.kernels_cover_weights for m in model.modules() if isinstance(m, Experts))
+
+    def prefill(
+        self,
+        prompt: torch.Tensor,
+        caches: list[LayerCache],
+        position: int = 0,
+        chunk: int | None = None,
+    ) -> torch.Tensor:
+        """Run `prompt` [1, T] (its first token at `position`) through the model in chunks of
+        the plan's `prefill_chunk` (or `chunk`); the last position's logits [1, V]."""
+        step = chunk or self.plan.prefill_chunk
+        last = (prompt.shape[1] - 1) // step * step
+        for start in range(0, last, step):
+            piece = prompt[:, start : start + step]
+            self.model(piece, caches, start=position + start, last_only=True)
+        return self.model(prompt[:, last:], caches, start=position + last, last_only=True)[:, -1]
+
+    def decode(self, token: int, caches: list[LayerCache], position: int) -> torch.Tensor:
+        """Logits [1, V] after `token` at `position`: one native call per layer where the plan
+        and the caches allow it, the modules otherwise."""
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        if self.native is not None and self.native.applies(ids, caches):
+            logits = self.native(ids, caches, position)
+            if logits is not None:
+                return logits[:, -1]
+        return self.model(ids, caches, start=position, last_only=True)[:, -1]
+
+    def acquire_decoder(self, max_context: int) -> GraphDecoder:
+        """A graph decoder for one request: the idle one if it is large enough (reset to empty,
+        its graphs kept), else a new one, which takes DECODER_GROWTH times the slots of an idle
+        one it replaces where that is more. Give it back with `release_decoder`."""
+        idle, self._idle = self._idle, None
+        if idle is not None and idle.max_context >= max_context:
+            idle.reset()
+            return idle
+        slots = max_context
+        if idle is not None:
+            grown = grown_slots(
+                self.model,
+                self.kv_policy,
+                max_context,
+                DECODER_GROWTH * idle.max_context,
+                self.slot_limit,
+                self.plan.view_bucket,
+            )
+            slots = max(max_context, grown)
+        del idle  # its caches go before the new ones are made
+        return GraphDecoder(self.model, slots, self.plan, self.kv_policy)
+
+    def release_decoder(self, decoder: GraphDecoder) -> None:
+        """Keep `decoder` (its caches and graphs) for the next request."""
+        self._idle = decoder
+
+    def discard_idle(self) -> None:
+        """Drop the idle decoder: the next request captures anew."""
+        self._idle = None
