@@ -46,6 +46,13 @@ def test_every_script_the_suite_runs_is_a_top_level_script_with_those_options() 
             assert f'"{option}"' in source, (script, option)
 
 
+def test_every_test_file_the_suite_runs_on_the_gpu_exists() -> None:
+    commands = _suite_commands("python -m pytest ")
+    named = [a for command in commands for a in command if a.startswith("tests/")]
+    assert named  # the pattern still finds the suite's test stage
+    assert [path for path in named if not (BENCHMARKS.parent / path).exists()] == []
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
 def test_a_top_level_script_imports_nothing_from_the_lab(script: Path) -> None:
     lab_modules = {path.stem for path in (BENCHMARKS / "lab").glob("*.py")}
