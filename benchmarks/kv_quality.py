@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import hearth
-from hearth.kv import DenseCache, KVPolicy, make_caches, parse_kv_quant
+from hearth.kv import KVPolicy, make_caches, parse_kv_quant
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TOKENS, PREFILL, CHUNK = 1024, 128, 64
@@ -34,7 +34,7 @@ def teacher_forced(
     for start in range(PREFILL, TOKENS - 1, CHUNK):
         chunk = ids[:, start : min(start + CHUNK, TOKENS - 1)]
         pieces.append(model(chunk, caches, start=start))
-    full = [cache for cache in caches if isinstance(cache, DenseCache)]
+    full = [cache for cache in caches if cache.window is None]
     per_token = sum(cache.nbytes for cache in full) // (TOKENS - 1) // len(full)
     return torch.cat(pieces, dim=1).float().log_softmax(-1)[0], per_token
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 from hearth.checkpoint import open_checkpoint  # noqa: E402
 from hearth.kv import make_caches, parse_kv_quant  # noqa: E402
-from hearth.kv.static import StaticCache  # noqa: E402
+from hearth.kv.cache import LayerCache  # noqa: E402
 from hearth.layers import attention as gemma  # noqa: E402
 from hearth.models.loading import build_model  # noqa: E402
 from hearth.ops import decode_attention as decode_attention_module  # noqa: E402
@@ -39,7 +39,8 @@ def _caches(model: torch.nn.Module, kind: str, scheme: str) -> list:
     if kind == "dynamic":
         return make_caches(model.cache_specs(), policy)
     return [
-        StaticCache(64, spec.window, policy.codec_of(spec.index)) for spec in model.cache_specs()
+        LayerCache.pinned_at(64, spec.window, policy.codec_of(spec.index))
+        for spec in model.cache_specs()
     ]
 
 

@@ -271,11 +271,11 @@ def test_filled_static_and_dynamic_caches_decode_alike(context: int) -> None:
     from hearth.bench.measure import fill_caches
     from hearth.bench.random_model import build_random_model
     from hearth.kv import make_caches
-    from hearth.kv.static import StaticCache
+    from hearth.kv.cache import LayerCache
 
     model = build_random_model(tiny_gemma3_config().to_dict(), "cpu", dtype=torch.float32)
     dynamic = make_caches(model.cache_specs())
-    static = [StaticCache(64, spec.window) for spec in model.cache_specs()]
+    static = [LayerCache.pinned_at(64, spec.window) for spec in model.cache_specs()]
     for caches in (dynamic, static):
         torch.manual_seed(1)
         fill_caches(caches, model, context - 1)

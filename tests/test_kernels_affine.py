@@ -42,7 +42,7 @@ from hearth.quant.mlx import (
 from tiny import tiny_gemma4_config
 
 # These drive the kernels through Triton's interpreter on CPU tensors (CI has no GPU); on a
-# GPU machine benchmarks/gpu_kernels_*.py checks the compiled kernels against the references.
+# GPU machine benchmarks/lab/gpu_kernels_*.py checks the compiled kernels against the references.
 _interpreter_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter tests; the GPU scripts check compiled kernels"
 )
@@ -434,10 +434,10 @@ def test_gemv_reads_x_stored_codes_major(rows, monkeypatch) -> None:
     assert am.codes_major_input(x[:, :, :640], packed[:, :80], 4, 64) is None  # 2.5 blocks
 
 
-# The H200 winners (group 64) of the launch sweeps in CUDA graphs (benchmarks/results/
-# gpu_gemv_affine_sweep-2026-12-03.md, ..._8bit-2026-12-03.md); 4-bit with the prefetching
-# loop, and x codes-major at 64 rows where it runs without a K split. (12B's 4-bit q/k/v,
-# 8192 x 3840, has since gone unsplit: SHORT_ROWS_CONFIGS.)
+# The H200 winners (group 64) of the launch sweeps in CUDA graphs (4-bit: commit 17a07a7's
+# benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md; 8-bit: ..._8bit-2026-12-03.md);
+# 4-bit with the prefetching loop, and x codes-major at 64 rows where it runs without a K
+# split. (12B's 4-bit q/k/v, 8192 x 3840, has since gone unsplit: SHORT_ROWS_CONFIGS.)
 MEASURED_CONFIGS = {
     (4, 30720, 3840): am.GemvConfig(64, 4, prefetch=True, codes_major_x=True),
     (4, 3840, 15360): am.GemvConfig(32, 16, split_k=2, prefetch=True),
@@ -467,7 +467,7 @@ def test_gemv_heuristic_picks_the_measured_winners() -> None:
 
 # The H100 sweeps' winners (2026-12-06): 26B-A4B's dense 4-bit weights of few, short rows run
 # unsplit (benchmarks/results/gpu_gemv_affine_sweep_unsplit_26b_h100-2026-12-06.md), and its
-# gathered experts as `gathered_gemv_config` says (gpu_gathered_gemv_sweep_h100-2026-12-06.md).
+# gathered experts as `gathered_gemv_config` says (benchmarks/lab/gpu_gathered_gemv_sweep.py).
 SHORT_ROWS_CONFIGS = {
     (8192, 2816): am.GemvConfig(16, 16),  # q/k/v
     (4224, 2816): am.GemvConfig(16, 16),  # gate/up

@@ -6,7 +6,7 @@ once in the interpreter at model-like shapes, its launch arguments are recorded,
 same function is compiled by Triton's real pipeline down to a Hopper cubin (ptxas ships with
 Triton; no driver is needed). Kernels with a PDL switch are compiled as the H200 launches
 them, with programmatic dependent launch on, and their PTX must hold the wait for the
-previous kernel.
+previous kernel. It takes minutes, so it runs only when asked: `pytest -m sm90`.
 """
 
 from __future__ import annotations
@@ -51,9 +51,12 @@ from hearth.quant.turbo import TurboCodec  # noqa: E402
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="records launches through the CPU interpreter"
-)
+pytestmark = [
+    pytest.mark.sm90,
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="records launches through the CPU interpreter"
+    ),
+]
 
 
 def _recorded_launches(run: Callable[[], object]) -> list[tuple[InterpretedFunction, dict]]:

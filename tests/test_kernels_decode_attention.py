@@ -47,7 +47,7 @@ KERNEL_TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
 ORACLE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 # These drive the kernels through Triton's interpreter on CPU tensors (CI has no GPU); on a
-# GPU machine benchmarks/gpu_kernels_*.py checks the compiled kernels against the references.
+# GPU machine benchmarks/lab/gpu_kernels_*.py checks the compiled kernels against the references.
 _interpreter_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter tests; the GPU scripts check compiled kernels"
 )

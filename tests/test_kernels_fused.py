@@ -205,7 +205,7 @@ def test_rotary_tables(dtype: torch.dtype) -> None:
     """cos/sin tables of a chunk's positions (Gemma 4's proportional inverse frequencies: the
     unrotated pairs' zeros give cos 1, sin 0). Oracle: the torch reference. The interpreter
     takes numpy's fp32 cos/sin, which may differ from torch's CPU ones by an fp32 ulp (on the
-    GPU both are the same functions: benchmarks/gpu_trig_bits.py), so fp32 tables are held to
+    GPU both are the same functions: benchmarks/lab/gpu_trig_bits.py), so fp32 tables are held to
     one ulp of |value| (+ 2^-24 near zero) and fp16 ones to an fp16 ulp (a rounding that may
     land either side)."""
     positions = torch.tensor([0, 1, 7, 1000, 4095, 131071])
@@ -305,7 +305,7 @@ def test_add_rms_norm_with_layer_scalar(dtype: torch.dtype) -> None:
 
 # fp16 stands in for bf16 where an output is rounded three times: Triton's interpreter casts
 # fp32 to bf16 by truncation (the GPU rounds), up to an ulp per cast; on the H200,
-# benchmarks/ab_decode.py --check finds 26B-A4B's bf16 logits bit-identical with and without
+# benchmarks/lab/ab_decode.py --check finds 26B-A4B's bf16 logits bit-identical with and without
 # the fused MoE norms.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_moe_add_rms_norm(dtype: torch.dtype) -> None:

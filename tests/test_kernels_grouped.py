@@ -14,7 +14,7 @@ Tolerances, per output y = scale * sum_k x_k w_k (scale = the optional row weigh
   Kernel vs reference has no such term: the kernel rounds the weights exactly as the reference.
 
 fp16 and fp32 stand in for bf16, whose ``tl.dot`` the interpreter computes wrongly; the GPU
-script (benchmarks/gpu_kernels_grouped.py) covers bf16 at Gemma 4 26B-A4B's shapes.
+script (benchmarks/lab/gpu_kernels_grouped.py) covers bf16 at Gemma 4 26B-A4B's shapes.
 """
 
 from __future__ import annotations

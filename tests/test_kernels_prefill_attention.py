@@ -303,6 +303,7 @@ def _aligned(arguments: dict) -> list[int]:
     ]
 
 
+@pytest.mark.sm90  # compiles for Hopper: opt-in with `pytest -m sm90`
 def test_default_tiles_compile_for_hopper_within_shared_memory() -> None:
     """Compiled by Triton's real pipeline (ptxas ships with Triton; no GPU needed) at the
     shapes that matter: D=256 sliding and D=512 full in bf16, D=512 in fp32."""

@@ -1,4 +1,5 @@
-"""Dense and rotating caches: storage arithmetic, trim, and logits against full recompute."""
+"""The layer cache, full-attention and ring: storage arithmetic, trim, and logits against full
+recompute."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from hearth.checkpoint import open_checkpoint
-from hearth.kv import DenseCache, RotatingCache, make_caches
+from hearth.kv import LayerCache, make_caches
 from hearth.models.loading import build_model
 from tiny import save_hf, tiny_gemma3_model
 
@@ -21,7 +22,7 @@ def _kv(tokens: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_dense_cache_grows_and_trims() -> None:
-    cache = DenseCache(step=4)
+    cache = LayerCache(step=4)
     cache.update_and_fetch(*_kv(6))
     view = cache.update_and_fetch(*_kv(1, start=6))
     keys, values = view.real()
@@ -37,11 +38,11 @@ def test_dense_cache_grows_and_trims() -> None:
 
 
 def test_rotating_cache_prefill_longer_than_window_returns_all_then_keeps_window() -> None:
-    cache = RotatingCache(window=4)
+    cache = LayerCache(window=4)
     view = cache.update_and_fetch(*_kv(10))
-    # The prefill attends over every new token; the mask (from positions) applies the window.
-    assert view.positions is not None
-    assert sorted(p for p in view.positions.tolist() if p < 10) == list(range(10))
+    # A fresh prompt attends over every new token, keys 0..9 in order (the mask, made from
+    # the queries' positions, applies the window).
+    assert view.positions is None and view.length == 10
     view = cache.update_and_fetch(*_kv(1, start=10))
     # A decode step on a full ring reads exactly the window, so it needs no mask.
     assert view.positions is None and view.length == 4
@@ -52,10 +53,10 @@ def test_rotating_cache_prefill_longer_than_window_returns_all_then_keeps_window
 def test_rotating_cache_prefill_attends_only_over_filled_slots() -> None:
     """Before the ring wraps, a prefill chunk's view holds the stored tokens and the new ones
     (no empty slots); once it has wrapped, the whole ring and the new ones."""
-    cache = RotatingCache(window=4, capacity=6)
+    cache = LayerCache(window=6)
     view = cache.update_and_fetch(*_kv(3))  # a fresh prompt: nothing stored yet
-    assert view.length == 3 and view.positions is not None
-    assert view.positions.tolist() == [0, 1, 2] and view.keys[0, 0, :, 0].tolist() == [0, 1, 2]
+    assert view.length == 3 and view.positions is None
+    assert view.keys[0, 0, :, 0].tolist() == [0, 1, 2]
     view = cache.update_and_fetch(*_kv(2, start=3))
     assert view.positions.tolist() == [0, 1, 2, 3, 4]
     assert view.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
@@ -66,12 +67,12 @@ def test_rotating_cache_prefill_attends_only_over_filled_slots() -> None:
 
 
 def test_rotating_cache_trim_within_and_beyond_the_ring() -> None:
-    cache = RotatingCache(window=4, capacity=6)
-    cache.update_and_fetch(*_kv(8))  # ring holds 2..7
-    cache.trim(2)  # next query at 6 needs 3..5: still held
-    view = cache.update_and_fetch(*_kv(1, start=6))
-    assert view.positions is not None
-    assert sorted(p for p in view.positions.tolist() if p < 100) == [2, 3, 4, 5, 6]
+    cache = LayerCache(window=6)
+    cache.update_and_fetch(*_kv(8))  # the ring holds 2..7
+    cache.trim(1)  # the next query at 7 needs 2..6: still held
+    cache.update_and_fetch(*_kv(1, start=7))
+    held = cache.contents().positions
+    assert sorted(p for p in held.tolist() if p < 100) == [2, 3, 4, 5, 6, 7]
     with pytest.raises(ValueError, match="no longer holds"):
         cache.trim(5)
 
@@ -84,7 +85,7 @@ def test_rotating_cache_logits_equal_full_recompute_past_the_window(tmp_path: Pa
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
     ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     caches = make_caches(model.cache_specs())
-    assert all(isinstance(c, RotatingCache) for c in caches)
+    assert all(c.window is not None for c in caches)
     with torch.inference_mode():
         reference = model(ids)
         model(ids[:, :20], caches)

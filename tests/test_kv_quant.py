@@ -23,14 +23,7 @@ import torch
 
 from hearth.checkpoint import open_checkpoint
 from hearth.config import ModelConfig, parse_config
-from hearth.kv import (
-    CacheSpec,
-    KVPolicy,
-    QuantizedCache,
-    RotatingQuantizedCache,
-    make_caches,
-    parse_kv_quant,
-)
+from hearth.kv import AffineCodec, CacheSpec, KVPolicy, LayerCache, make_caches, parse_kv_quant
 from hearth.models import cache_specs
 from hearth.models.loading import build_model
 from hearth.quant.mlx import pack_codes, unpack_codes
@@ -96,50 +89,32 @@ def test_affine_cache_reads_back_mx_dequantize_bit_for_bit(
     bits: int, group_size: int, dtype: torch.dtype
 ) -> None:
     keys, values = _kv(9, dtype), -_kv(9, dtype, seed=1)
-    cache = QuantizedCache(bits, group_size, step=8)
+    cache = LayerCache(codec=AffineCodec(bits, group_size), step=8)
     prefill = cache.update_and_fetch(keys[:, :, :8], values[:, :, :8])
-    # quantize_after=0: the prefill itself attends over exact K/V, then it is quantized.
+    # The prefill itself attends over exact K/V, then it is quantized.
     assert torch.equal(prefill.real()[0], keys[:, :, :8])
     view = cache.update_and_fetch(keys[:, :, 8:], values[:, :, 8:])
     read_keys, read_values = view.real()
     assert torch.equal(read_keys, _mlx_roundtrip(keys, bits, group_size))
     assert torch.equal(read_values, _mlx_roundtrip(values, bits, group_size))
     assert view.keys.shape[2] == 16 and not view.keys[:, :, 9:].any()  # zero padding
-    assert cache.signature() == f"affine:b{bits}:g{group_size}"
+    assert cache.signature() == f"full:affine:b{bits}:g{group_size}"
 
 
 def test_rotating_quantized_ring_holds_mx_quantized_tokens_and_trims() -> None:
     keys = _kv(10, torch.float32)
-    cache = RotatingQuantizedCache(window=4, bits=4, group_size=32, capacity=6)
+    cache = LayerCache(window=6, codec=AffineCodec(4, 32))
     cache.update_and_fetch(keys, keys)
-    cache.trim(2)  # the ring holds 4..9; the next query at 8 needs 5..7
+    cache.trim(1)  # the ring holds 4..9; the next query at 9 needs 4..8
     step = _kv(1, torch.float32, seed=5)
     view = cache.update_and_fetch(step, step)
-    assert view.positions is not None
-    expected = _mlx_roundtrip(torch.cat([keys[:, :, :8], step], dim=2), 4, 32)
-    held = [(slot, p) for slot, p in enumerate(view.positions.tolist()) if p < 100]
-    assert sorted(p for _, p in held) == [4, 5, 6, 7, 8]
-    for slot, position in held:
+    assert view.positions is None and view.length == 6  # every slot visible to the query
+    expected = _mlx_roundtrip(torch.cat([keys[:, :, :9], step], dim=2), 4, 32)
+    held = cache.contents().positions.tolist()
+    assert sorted(held) == [4, 5, 6, 7, 8, 9]
+    for slot, position in enumerate(held):
         assert torch.equal(view.keys[:, :, slot], expected[:, :, position])
-    assert cache.signature() == "rotating:affine:b4:g32"
-
-
-def test_quantize_after_stores_dense_until_the_threshold() -> None:
-    keys = _kv(12, torch.float32)
-    cache = QuantizedCache(bits=8, group_size=64, quantize_after=10)
-    view = cache.update_and_fetch(keys[:, :, :6], keys[:, :, :6])
-    view = cache.update_and_fetch(keys[:, :, 6:9], keys[:, :, 6:9])
-    assert cache.signature() == "dense" and torch.equal(view.real()[0], keys[:, :, :9])
-    assert cache.nbytes == 9 * 2 * 2 * 64 * 4
-    cache.update_and_fetch(keys[:, :, 9:10], keys[:, :, 9:10])  # reaches 10: converted
-    view = cache.update_and_fetch(keys[:, :, 10:], keys[:, :, 10:])
-    assert cache.signature() == "affine:b8:g64"
-    assert torch.equal(view.real()[0], _mlx_roundtrip(keys, 8, 64))
-    assert cache.nbytes == 12 * 2 * 2 * (64 + 2 * 4)
-
-
-# ---------------------------------------------------------------------------------------------
-# TurboQuant codec
+    assert cache.signature() == "ring:affine:b4:g32"
 
 
 def test_rotation_is_orthonormal_and_self_inverse_up_to_signs() -> None:
@@ -251,10 +226,10 @@ def test_policy_quantizes_sliding_and_full_layers(models: dict[str, Any]) -> Non
         cache.update_and_fetch(*(_kv(1, torch.float32, dim=64),) * 2)
     # Layer head_dims: sliding 32, full 64; the ring keeps its window, quantized.
     assert [c.signature() for c in caches] == [
-        "rotating:turbo:k4v3",
-        "rotating:turbo:k4v3",
-        "turbo:k4v3",
-        "rotating:turbo:k4v3",
+        "ring:turbo:k4v3",
+        "ring:turbo:k4v3",
+        "full:turbo:k4v3",
+        "ring:turbo:k4v3",
     ]
 
 
@@ -264,7 +239,7 @@ def test_full_only_policy_keeps_sliding_layers_dense(models: dict[str, Any]) -> 
     for cache in caches:
         cache.update_and_fetch(*(_kv(1, torch.float32, dim=64),) * 2)
     signatures = [c.signature() for c in caches]
-    assert signatures == ["rotating:dense", "rotating:dense", "turbo:k4v3", "rotating:dense"]
+    assert signatures == ["ring:dense", "ring:dense", "full:turbo:k4v3", "ring:dense"]
     for bad in ("off@full", "config@full", "4@ful"):
         with pytest.raises(ValueError, match="--kv-quant"):
             parse_kv_quant(bad)
@@ -316,10 +291,10 @@ def test_kv_config_json_sets_bits_per_layer(tmp_path: Path) -> None:
     for cache in caches:
         cache.update_and_fetch(*(_kv(1, torch.float32),) * 2)
     assert [c.signature() for c in caches] == [
-        "rotating:dense",
-        "affine:b8:g32",
-        "rotating:dense",
-        "affine:b4:g64",
+        "ring:dense",
+        "full:affine:b8:g32",
+        "ring:dense",
+        "full:affine:b4:g64",
     ]
 
 

@@ -57,8 +57,8 @@ def test_lru_evicts_least_recently_used_entries_to_fit_the_byte_cap() -> None:
     for prompt in prompts:
         cache.put(prompt, [_FakeCache(100)])
     assert (cache.entries, cache.nbytes) == (2, 200)  # the oldest went to make room
-    assert cache.take(prompts[0], list).cached_tokens == 0
-    assert cache.take(prompts[1], list).cached_tokens == 31  # one token left to prefill
+    assert cache.take(prompts[0]).cached_tokens == 0
+    assert cache.take(prompts[1]).cached_tokens == 31  # one token left to prefill
     cache.put([9] * 32, [_FakeCache(300)])  # bigger than the whole cap: not kept
     assert (cache.entries, cache.nbytes, cache.hits, cache.misses) == (1, 100, 1, 1)
 
@@ -68,7 +68,7 @@ def test_lru_keeps_at_most_max_entries() -> None:
     for index in range(3):
         cache.put([index] * 32, [_FakeCache(1)])
     assert cache.entries == 2
-    assert cache.take([0] * 32, list).cached_tokens == 0
+    assert cache.take([0] * 32).cached_tokens == 0
 
 
 # --- end to end --------------------------------------------------------------------------

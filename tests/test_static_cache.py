@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from hearth.checkpoint import open_checkpoint
-from hearth.kv.static import StaticCache
+from hearth.kv.cache import LayerCache
 from hearth.models.loading import build_model
+from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.runner import ModelRunner
 from test_gemma4 import CONFIGS
 from tiny import GEMMA4_SHARING, save_hf, tiny_gemma3_model, tiny_gemma4_model
 
@@ -30,7 +33,7 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
     """20-token prefill (window 8), then decode steps whose position is a device tensor."""
     model = _model(kind, tmp_path)
     ids = torch.randint(4, 256, (1, 36), generator=torch.Generator().manual_seed(0))
-    caches = [StaticCache(64, spec.window) for spec in model.cache_specs()]
+    caches = [LayerCache.pinned_at(64, spec.window) for spec in model.cache_specs()]
     with torch.inference_mode():
         reference = model(ids)
         prefill = model(ids[:, :20], caches)
@@ -39,12 +42,12 @@ def test_static_caches_match_full_recompute(kind: str, tmp_path: Path) -> None:
     assert caches[0].offset == 36
 
 
-def _caches(model: Any, capacity: int = 64) -> list[StaticCache]:
-    return [StaticCache(capacity, spec.window) for spec in model.cache_specs()]
+def _caches(model: Any, capacity: int = 64) -> list[LayerCache]:
+    return [LayerCache.pinned_at(capacity, spec.window) for spec in model.cache_specs()]
 
 
 def _same_caches_then_same_steps(
-    model: Any, plain: list[StaticCache], padded: list[StaticCache], ids: torch.Tensor, held: int
+    model: Any, plain: list[LayerCache], padded: list[LayerCache], ids: torch.Tensor, held: int
 ) -> None:
     """Both cache lists hold `held` tokens at the same positions, values within ATOL; then,
     over the same values (the padded ones copied over), decode steps to the end of `ids`
@@ -143,7 +146,8 @@ def test_graph_decoder_matches_eager_on_gpu(tmp_path: Path) -> None:
     ids = torch.randint(4, 256, (1, 300), device="cuda", generator=None)
     with torch.inference_mode():
         reference = model(ids)
-    decoder = GraphDecoder(model, max_context=512, bucket=128)
+    plan = replace(ExecutionPlan.for_device("cuda"), view_bucket=128)
+    decoder = GraphDecoder(model, 512, plan)
     logits = [decoder.prefill(ids[:, :100])]
     logits += [decoder.step(ids[:, p : p + 1]) for p in range(100, 300)]  # crosses two buckets
     torch.testing.assert_close(torch.stack(logits, dim=1), reference[:, 99:], atol=ATOL, rtol=0)
@@ -197,7 +201,8 @@ def test_quantized_static_caches_match_the_dynamic_ones(
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, "cpu", False)
     ids = torch.randint(4, 256, (1, 40), generator=torch.Generator().manual_seed(1))
     static = [
-        StaticCache(64, spec.window, policy.codec_of(spec.index)) for spec in model.cache_specs()
+        LayerCache.pinned_at(64, spec.window, policy.codec_of(spec.index))
+        for spec in model.cache_specs()
     ]
     dynamic = policy.make_caches(model.cache_specs())
     outputs = []
@@ -211,7 +216,7 @@ def test_quantized_static_caches_match_the_dynamic_ones(
     with torch.inference_mode():
         dense = model(ids)
     assert (outputs[0] - dense).abs().max() > 1e-3
-    assert static[0].signature().endswith(dynamic[0].signature().split(":", 1)[-1])
+    assert static[0].signature() == dynamic[0].signature()
 
 
 def test_decode_steps_writing_kv_from_the_rope_kernel_match(
@@ -220,7 +225,7 @@ def test_decode_steps_writing_kv_from_the_rope_kernel_match(
     """The GPU decode path where the norm + RoPE step writes K/V into the static cache
     (its torch reference here, the Triton kernel on a GPU) gives the same logits as the
     path that returns K/V and appends them."""
-    import hearth.kv.static as static_module
+    import hearth.kv.cache as static_module
 
     model = _model("gemma3", tmp_path)
     ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(4))
@@ -228,7 +233,7 @@ def test_decode_steps_writing_kv_from_the_rope_kernel_match(
     for direct in (False, True):
         if direct:  # let dense static caches hand out their buffers as on a GPU
             monkeypatch.setattr(static_module, "kernel_enabled", lambda tensor: True)
-        caches = [StaticCache(64, spec.window) for spec in model.cache_specs()]
+        caches = [LayerCache.pinned_at(64, spec.window) for spec in model.cache_specs()]
         with torch.inference_mode():
             logits = [model(ids[:, :20], caches)]
             logits += [
@@ -261,7 +266,8 @@ def test_graph_decode_over_quantized_caches_on_gpu(scheme: str, tmp_path: Path) 
             step = torch.tensor([[eager[-1]]], device="cuda")
             logits = model(step, caches, start=position)[:, -1]
     greedy = Sampler(SamplingParams(), device="cuda")
-    graphed = list(generate_tokens(model, prompt, greedy, 30, GenerationStats(), kv_policy=policy))
+    runner = ModelRunner(model, kv_policy=policy)
+    graphed = list(generate_tokens(runner, prompt, greedy, 30, GenerationStats()))
     assert graphed == eager
 
 
@@ -277,7 +283,7 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
     planes give the logits of the torch path (fp32: the affine append equals quantize_affine
     bit for bit, the TurboQuant one stores the codec's codes; the attention kernel differs by
     summation order and exp2, bounded at 1e-4 in tests/test_attention_kernel_path.py)."""
-    import hearth.kv.static as static_module
+    import hearth.kv.cache as static_module
     from hearth.kv import parse_kv_quant
     from hearth.layers import attention as gemma
 
@@ -291,9 +297,9 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
             monkeypatch.setattr(static_module, "kernel_enabled", lambda tensor: True)
             monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
             # Dense-only shortcuts stay off: this test is about the affine kernel.
-            monkeypatch.setattr(static_module.StaticCache, "decode_write", lambda self, p: None)
+            monkeypatch.setattr(static_module.LayerCache, "decode_write", lambda self, p: None)
         caches = [
-            StaticCache(64, spec.window, policy.codec_of(spec.index))
+            LayerCache.pinned_at(64, spec.window, policy.codec_of(spec.index))
             for spec in model.cache_specs()
         ]
         with torch.inference_mode():
@@ -304,34 +310,27 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=0)
 
 
-def test_decoders_are_reused_only_when_asked_and_when_they_fit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`acquire` hands back the model's idle decoder (emptied: fresh caches, length 0) when
-    reuse is on, it holds the context and has the same KV policy; a new one otherwise."""
-    from hearth.kv import parse_kv_quant
-    from hearth.runtime import graphs as cuda_graph
-
+def test_runners_reuse_their_decoder_when_it_fits(tmp_path: Path) -> None:
+    """`acquire_decoder` hands back the runner's idle decoder (emptied: fresh caches, length
+    0) when it holds the context; a new one otherwise. Runners of one model share nothing."""
     model = _model("gemma3", tmp_path)
-    GraphDecoder = cuda_graph.GraphDecoder
-    monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", False)
-    first = GraphDecoder.acquire(model, 100)
-    GraphDecoder.release(first)
-    assert GraphDecoder.acquire(model, 100) is not first  # reuse switched off
-    monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", True)
-    GraphDecoder.release(first)
-    assert GraphDecoder.acquire(model, 100) is first
+    runner = ModelRunner(model)
+    first = runner.acquire_decoder(100)
+    runner.release_decoder(first)
+    assert ModelRunner(model).acquire_decoder(100) is not first  # another runner's
+    assert runner.acquire_decoder(100) is first
     with torch.inference_mode():
         first.prefill(torch.randint(4, 256, (1, 12)))
     assert first.length == 12 and not first.caches[0].is_fresh
-    GraphDecoder.release(first)
-    again = GraphDecoder.acquire(model, 200)
+    runner.release_decoder(first)
+    again = runner.acquire_decoder(200)
     assert again is first and again.length == 0
     assert all(cache.is_fresh and cache.offset == 0 for cache in again.caches)
-    GraphDecoder.release(again)
-    assert GraphDecoder.acquire(model, 1000) is not first  # too short for this request
-    GraphDecoder.release(first)
-    assert GraphDecoder.acquire(model, 100, parse_kv_quant("8", group_size=32)) is not first
+    runner.release_decoder(again)
+    assert runner.acquire_decoder(1000) is not first  # too short for this request
+    runner.release_decoder(first)
+    runner.discard_idle()
+    assert runner.acquire_decoder(100) is not first
 
 
 def test_a_decoder_that_replaces_a_smaller_one_grows(
@@ -340,17 +339,17 @@ def test_a_decoder_that_replaces_a_smaller_one_grows(
     """A conversation's growing requests: a decoder replacing an idle one too small for its
     request takes twice the idle one's slots, in whole 256-slot buckets, within the model's
     positions (4096 here), the slot limit and half the device's free memory beyond what the
-    request needs; a new KV policy starts at its own size."""
+    request needs; a new KV policy (another runner) starts at its own size."""
     from hearth.kv import parse_kv_quant
     from hearth.runtime import graphs as cuda_graph
 
     hf = tiny_gemma3_model(seed=8, max_position_embeddings=4096)
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
-    GraphDecoder = cuda_graph.GraphDecoder
+    runner = ModelRunner(model)
 
-    def turn(needed: int, policy: Any = None) -> Any:
-        decoder = GraphDecoder.acquire(model, needed, policy)
-        GraphDecoder.release(decoder)
+    def turn(needed: int, on: ModelRunner = runner) -> Any:
+        decoder = on.acquire_decoder(needed)
+        on.release_decoder(decoder)
         return decoder
 
     first = turn(100)
@@ -359,41 +358,42 @@ def test_a_decoder_that_replaces_a_smaller_one_grows(
     assert second is not first and second.max_context == 512  # 2 x 256
     assert turn(500) is second  # the next turn fits
     assert turn(600).max_context == 1024
-    GraphDecoder.limit_slots(model, 1800)
+    runner.slot_limit = 1800
     grown = turn(1100)
     assert grown.max_context == 1792  # not 2 x 1024: whole buckets under the limit of 1800
     assert turn(1600) is grown
-    GraphDecoder.limit_slots(model, 1000)
+    runner.slot_limit = 1000
     assert turn(2200).max_context == 2304  # a limit never cuts the request's own size
-    GraphDecoder.limit_slots(model, None)
+    runner.slot_limit = None
     assert turn(2400).max_context == 4096  # not 2 x 2304: the model's 4096 positions
-    assert turn(100, parse_kv_quant("8", group_size=32)).max_context == 256
+    quantized = ModelRunner(model, kv_policy=parse_kv_quant("8", group_size=32))
+    assert turn(100, quantized).max_context == 256
     config = model.config  # fp32 K and V of the 2 full layers: the bytes one slot adds
     full_layers = config.layer_types.count("full_attention")
     slot = 2 * config.num_key_value_heads * config.head_dim * 4 * full_layers
     assert full_layers == 2 < config.num_hidden_layers  # the sliding rings take no more
     monkeypatch.setattr(cuda_graph, "device_free_bytes", lambda device: 2 * 100 * slot)
-    GraphDecoder.discard_idle(model)
+    runner.discard_idle()
     assert turn(300).max_context == 512
     assert turn(600).max_context == 768  # not 2 x 512: 600 + 100 slots, the request rounded
     monkeypatch.setattr(cuda_graph, "device_free_bytes", lambda device: 2 * 450 * slot)
-    GraphDecoder.discard_idle(model)
+    runner.discard_idle()
     assert turn(300).max_context == 512
     # 600 + 450 slots: 2 x 512 fits (every layer a slot would have allowed 600 + 225: 768).
     assert turn(600).max_context == 1024
 
 
-def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which prompts a graph prefills, and at what padded length: only with graphs on, on a
-    fresh decoder, one chunk long, dense caches."""
+def test_prefill_graph_buckets(tmp_path: Path) -> None:
+    """Which prompts a graph prefills, and at what padded length: only where the plan has
+    prefill graphs, on a fresh decoder, one chunk long, dense caches."""
     from hearth.kv import parse_kv_quant
     from hearth.runtime import graphs as cuda_graph
 
     model = _model("gemma3", tmp_path)
-    decoder = cuda_graph.GraphDecoder(model, 600)
-    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", False)
-    assert decoder._prefill_bucket(100, 512) is None  # switched off
-    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
+    graphs = ExecutionPlan("cuda", prefill_graphs=True)
+    off = cuda_graph.GraphDecoder(model, 600, replace(graphs, prefill_graphs=False))
+    assert off._prefill_bucket(100, 512) is None  # the plan has none
+    decoder = cuda_graph.GraphDecoder(model, 600, graphs)
     assert decoder._prefill_bucket(100, 512) == 128
     assert decoder._prefill_bucket(64, 512) == 64
     # Longer than the 600 slots: only the real tokens are stored, and they fit.
@@ -401,17 +401,21 @@ def test_prefill_graph_buckets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert decoder._prefill_bucket(2100, 4096) == 3072  # half steps past 512
     assert decoder._prefill_bucket(513, 512) is None  # two chunks
     decoder.length = 5
-    monkeypatch.setattr(cuda_graph, "CONTINUATION_GRAPHS", False)
     assert decoder._prefill_bucket(100, 512) is None  # not a fresh decoder (see below)
-    quantized = cuda_graph.GraphDecoder(model, 600, policy=parse_kv_quant("8", group_size=32))
+    policy = parse_kv_quant("8", group_size=32)
+    quantized = cuda_graph.GraphDecoder(model, 600, graphs, policy)
     assert quantized._prefill_bucket(100, 512) is None
     # After held tokens (a prompt-cache hit): only with continuation graphs, and only where
     # the full caches (768 slots) hold the padded chunk.
     decoder.length = 500
     assert decoder._prefill_bucket(100, 512) is None
-    monkeypatch.setattr(cuda_graph, "CONTINUATION_GRAPHS", True)
+    continuing = replace(graphs, continuation_graphs=True)
+    decoder = cuda_graph.GraphDecoder(model, 600, continuing)
+    decoder.length = 500
     assert decoder._prefill_bucket(100, 512) == 128
     assert decoder._prefill_bucket(260, 512) is None  # 500 + 512 slots would not fit
+    quantized = cuda_graph.GraphDecoder(model, 600, continuing, policy)
+    quantized.length = 500
     assert quantized._prefill_bucket(100, 512) is None
 
 
@@ -425,18 +429,17 @@ def test_prefill_graphs_match_eager_on_gpu(
     prefills eagerly (a bucket's first sighting), the second captures, the rest replay."""
     from hearth.runtime import graphs as cuda_graph
 
-    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", True)
-    monkeypatch.setattr(cuda_graph, "REUSE_DECODERS", True)
     model = _model(kind, tmp_path, "cuda")
+    runner = ModelRunner(model)  # the device's plan: prefill graphs on
     for prompt, tokens in enumerate((13, 50, 64, 13)):
         ids = torch.randint(4, 256, (1, tokens + 8), device="cuda")
         with torch.inference_mode():
             reference = model(ids)
-        decoder = cuda_graph.GraphDecoder.acquire(model, 256)
+        decoder = runner.acquire_decoder(256)
         logits = [decoder.prefill(ids[:, :tokens])]
         assert (64 in decoder._prefill_graphs) == (prompt > 0)
         logits += [decoder.step(ids[:, p : p + 1]) for p in range(tokens, tokens + 8)]
-        cuda_graph.GraphDecoder.release(decoder)
+        runner.release_decoder(decoder)
         expected = reference[:, tokens - 1 :]
         torch.testing.assert_close(torch.stack(logits, dim=1), expected, atol=ATOL, rtol=0)
     small = cuda_graph.GraphDecoder(model, 24)  # bucket 64 is longer than its 24 slots
@@ -485,33 +488,31 @@ def test_continuation_graphs_match_eager_on_gpu(
     one reused decoder from a continuation graph (eager the first time per bucket, captured
     the second, replayed after), then decode steps: logits match a full recompute."""
     from hearth.kv.cache import make_caches
-    from hearth.runtime import graphs as cuda_graph
 
-    monkeypatch.setattr(cuda_graph, "CONTINUATION_GRAPHS", True)
     model = _model(kind, tmp_path, "cuda")
+    runner = ModelRunner(model)  # the device's plan: continuation graphs on
     for attempt, new in enumerate((13, 13, 64, 13)):
         ids = torch.randint(4, 256, (1, 20 + new + 8), device="cuda")
         dynamic = make_caches(model.cache_specs())
         with torch.inference_mode():
             reference = model(ids)
             model(ids[:, :20], dynamic)
-        decoder = cuda_graph.GraphDecoder.acquire(model, 256)
+        decoder = runner.acquire_decoder(256)
         decoder.adopt(dynamic, 20)
         logits = [decoder.prefill(ids[:, 20 : 20 + new])]
         assert (64 in decoder._continuation_graphs) == (attempt > 0)
         end = 20 + new
         logits += [decoder.step(ids[:, p : p + 1]) for p in range(end, end + 8)]
-        cuda_graph.GraphDecoder.release(decoder)
+        runner.release_decoder(decoder)
         expected = reference[:, end - 1 :]
         torch.testing.assert_close(torch.stack(logits, dim=1), expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "kv_sharing"])
-def test_snapshot_of_static_caches_continues_as_dynamic_caches(kind: str, tmp_path: Path) -> None:
-    """The server keeps a prompt's caches for its next turn: a graph decoder's static caches
-    (a 20-token prompt; the window is 8, so the rings have wrapped) become dynamic caches
-    holding the same tokens, and decoding from them matches a full recompute."""
-    from hearth.kv.cache import make_caches
+def test_snapshot_of_pinned_caches_continues_as_eager_caches(kind: str, tmp_path: Path) -> None:
+    """The server keeps a prompt's caches for its next turn: a graph decoder's pinned caches
+    (a 20-token prompt; the window is 8, so the rings have wrapped) become eager caches
+    holding the same tokens as stored, and decoding from them matches a full recompute."""
     from hearth.kv.prompt_cache import snapshot_caches
     from hearth.runtime.graphs import GraphDecoder
 
@@ -521,28 +522,31 @@ def test_snapshot_of_static_caches_continues_as_dynamic_caches(kind: str, tmp_pa
     with torch.inference_mode():
         reference = model(ids)
         decoder.prefill(ids[:, :20])
-        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.cache_specs()))
-        for static, dynamic in zip(decoder.caches, snapshot, strict=True):
-            assert type(dynamic).__name__ in ("DenseCache", "RotatingCache")
-            assert dynamic.offset == 20
-            kept = static.contents().positions
-            held = dynamic.contents().positions
-            assert sorted(held[held < 2**62].tolist()) == sorted(kept[kept < 2**62].tolist())
+        snapshot = snapshot_caches(decoder.caches)
+        for pinned, kept in zip(decoder.caches, snapshot, strict=True):
+            assert pinned.pinned and not kept.pinned
+            assert kept.offset == 20 and kept.signature() == pinned.signature()
+            before, after = pinned.contents().positions, kept.contents().positions
+            assert sorted(after[after < 2**62].tolist()) == sorted(before[before < 2**62].tolist())
         decoder.reset()  # the snapshot owns its tensors: the decoder's next request may go on
         steps = [model(ids[:, p : p + 1], snapshot, start=p) for p in range(20, 30)]
     torch.testing.assert_close(torch.cat(steps, dim=1), reference[:, 20:], atol=ATOL, rtol=0)
 
 
-def test_dynamic_caches_load_only_what_they_can_hold(tmp_path: Path) -> None:
-    """A dense cache holds positions from 0; a load goes into an empty cache only."""
-    from hearth.kv.cache import DenseCache, RotatingCache
+def test_caches_load_only_what_they_can_hold() -> None:
+    """A full-attention cache holds positions from 0; a load goes into an empty cache of the
+    same layout only."""
+    from hearth.kv.cache import LayerCache
+    from hearth.quant.kv_codecs import AffineCodec
 
-    keys = torch.randn(1, 2, 12, 4)
-    ring = RotatingCache(8)
+    keys = torch.randn(1, 2, 12, 32)
+    ring = LayerCache(8)
     ring.update_and_fetch(keys, keys.clone())
     with pytest.raises(ValueError, match="from 0, not from 4"):
-        DenseCache().load(ring.contents())  # the ring holds positions 4..11
-    again = RotatingCache(8)
+        LayerCache().load(ring.contents())  # the ring holds positions 4..11
+    with pytest.raises(ValueError, match="cannot load"):
+        LayerCache(8, AffineCodec(8, 32)).load(ring.contents())
+    again = LayerCache(8)
     again.load(ring.contents())
     assert again.offset == 12
     torch.testing.assert_close(again.contents().stored.planes[0], ring.contents().stored.planes[0])
@@ -556,21 +560,20 @@ def test_prompt_cache_round_trip_through_graph_prefill_on_gpu(kind: str, tmp_pat
     """As the server runs a conversation on a GPU: a fresh prompt prefilled by the reused
     decoder (eagerly, then from a captured graph, then replayed), kept as a dynamic snapshot,
     and the next turn adopting that snapshot to decode: logits match a full recompute."""
-    from hearth.kv.cache import make_caches
     from hearth.kv.prompt_cache import snapshot_caches
-    from hearth.runtime.graphs import GraphDecoder
 
     model = _model(kind, tmp_path, "cuda")
     ids = torch.randint(4, 256, (1, 30), device="cuda")
     with torch.inference_mode():
         reference = model(ids)
+    runner = ModelRunner(model)
     for _ in range(3):
-        decoder = GraphDecoder.acquire(model, 64)
+        decoder = runner.acquire_decoder(64)
         first = decoder.prefill(ids[:, :20])
-        snapshot = snapshot_caches(decoder.caches, lambda: make_caches(model.cache_specs()))
-        GraphDecoder.release(decoder)
-        decoder = GraphDecoder.acquire(model, 64)
+        snapshot = snapshot_caches(decoder.caches)
+        runner.release_decoder(decoder)
+        decoder = runner.acquire_decoder(64)
         decoder.adopt(snapshot, 20)
         logits = [first] + [decoder.step(ids[:, p : p + 1]) for p in range(20, 30)]
-        GraphDecoder.release(decoder)
+        runner.release_decoder(decoder)
         torch.testing.assert_close(torch.stack(logits, 1), reference[:, 19:], atol=ATOL, rtol=0)

@@ -7,8 +7,9 @@ for chunk in engine.stream("Once upon a time"):
     print(chunk.text, end="", flush=True)
 """
 
-from hearth.engine import Engine
+from hearth.engine import Engine, GenerationRequest
 from hearth.errors import CheckpointError, HearthError
+from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.generate import GenerationChunk, GenerationStats, stream_generate
 from hearth.runtime.sampling import SamplingParams
 
@@ -17,7 +18,9 @@ load = Engine.load
 __all__ = [
     "CheckpointError",
     "Engine",
+    "ExecutionPlan",
     "GenerationChunk",
+    "GenerationRequest",
     "GenerationStats",
     "HearthError",
     "SamplingParams",

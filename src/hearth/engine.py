@@ -158,11 +158,7 @@ class Engine:
         prompt boundary) for the next before its last chunk is handed out. `cancelled` is
         checked before each token: once true, the stream ends without a final chunk.
         """
-        reuse = (
-            prompt_cache.take(request.prompt_ids, self.new_caches)
-            if prompt_cache is not None
-            else Reuse(None, 0)
-        )
+        reuse = prompt_cache.take(request.prompt_ids) if prompt_cache else Reuse(None, 0)
         boundary: list[list[LayerCache]] = []  # the caches holding exactly the prompt
         chunks = stream_generate(
             self.runner,
@@ -173,10 +169,10 @@ class Engine:
             request.stop,
             request.stop_ids,
             cancelled=cancelled,
-            caches=reuse.caches if self._given_caches(reuse) else None,
+            caches=reuse.caches,
             cached_tokens=reuse.cached_tokens,
             on_prefilled=(
-                (lambda caches: boundary.append(snapshot_caches(caches, self.new_caches)))
+                (lambda caches: boundary.append(snapshot_caches(caches)))
                 if prompt_cache is not None
                 else None
             ),
@@ -186,13 +182,6 @@ class Engine:
             if chunk.stats is not None and prompt_cache is not None and boundary:
                 prompt_cache.put(request.prompt_ids, boundary[0])
             yield chunk
-
-    def _given_caches(self, reuse: Reuse) -> bool:
-        """Whether a request runs on the caches it was given. A miss with dense K/V is not:
-        on a GPU the prompt then goes straight into the graph decoder's static caches, not
-        into dynamic ones that decode would copy; quantized K/V keeps dynamic caches (a
-        snapshot of static ones would be re-encoded)."""
-        return reuse.caches is not None and (reuse.cached_tokens > 0 or not self.kv_policy.is_dense)
 
     def stream(
         self,

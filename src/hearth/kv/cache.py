@@ -1,23 +1,41 @@
-"""Dense and rotating (sliding-window) KV caches, over a pluggable per-token storage codec.
+"""A layer's KV cache: slots of tokens encoded by a codec, each slot's absolute position.
 
-Tensors are laid out [batch, kv_heads, tokens, head_dim]. `update_and_fetch` stores the new
-keys/values and returns a `KVView` of what attention must read, with each key's absolute
-position so the model can build the causal and sliding-window mask without knowing the
-storage order.
+One class serves every use. A full-attention layer keeps position p in slot p; a
+sliding-window layer keeps a ring, p in slot p % capacity. Tensors are laid out
+[batch, kv_heads, slots, ...]. `update_and_fetch` stores new keys/values and returns a `KVView`
+of what attention must read, with each key's position where the order or the window needs it,
+so the model builds the causal and sliding-window mask without knowing the storage order.
 
-A `KVCodec` decides how each token is stored (plain tensors, affine codes, TurboQuant codes:
-see kv/quantized.py and kv/turbo.py); the caches own the token order (growth, ring, trim).
-Every codec encodes each token on its own, so token-axis slicing never splits a group.
+Eager (a CPU, or a GPU step outside a CUDA graph), a full layer's slots grow in steps of
+`GROWTH_STEP` as tokens come and attention reads exactly the stored tokens. Pinned (`pin`, by a
+CUDA-graph decoder), the slots are allocated once and nothing a decode step does depends on
+Python state: the write position is a device counter, and attention reads the first
+`view_length` slots (a bucket the decoder sets, so one graph serves many steps), masked by
+position. A prompt cache keeps eager caches and a graph decoder copies them into its pinned
+ones as stored: the same layout, no conversion.
+
+The first chunk stored in an empty cache (a prompt's) is attended over its exact K/V; every
+later one over K/V as stored, which for a quantized codec means decoded from its codes. At a
+GPU decode step attention reads the stored planes themselves (the decode kernel decodes them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
-from hearth.quant.kv_codecs import DENSE, EMPTY_POSITION, KVCodec
+from hearth.ops import kernel_enabled
+from hearth.ops.kv_quantize import KERNEL_BITS as AFFINE_APPEND_BITS
+from hearth.ops.kv_quantize import quantize_append_triton, turbo_append_triton, turbo_kernel_agrees
+from hearth.ops.kv_write import append_token_triton
+from hearth.ops.rope import CacheWrite
+from hearth.quant.kv_codecs import DENSE, EMPTY_POSITION, AffineCodec, KVCodec
+from hearth.quant.turbo import TurboCodec
+
+# Slots a full-attention layer's eager cache grows by: fewer, larger reallocations.
+GROWTH_STEP = 256
 
 
 class StoredKV(NamedTuple):
@@ -41,10 +59,9 @@ class KVView(NamedTuple):
 
     `keys[:, :, :length]` are real; rows past `length` are zero padding that keeps tensor
     shapes the same across decode steps (CPU matmul kernels are compiled per shape).
-    `positions` holds the absolute position of each real key; None means the keys are
-    positions 0..length-1 in order, or, for a single query, that every real key is visible.
-    `stored`: when set (a quantized static cache at a GPU decode step), keys and values are
-    None and attention reads the encoded planes instead.
+    `positions` holds the absolute position of each key; None means the keys are positions
+    0..length-1 in order, or, for a single query, that every real key is visible. `stored`:
+    when set (a GPU decode step), keys and values are None and attention reads the planes.
     """
 
     keys: torch.Tensor | None
@@ -69,341 +86,6 @@ class DecodeSlot(NamedTuple):
     length: int
 
 
-class TokenPlanes:
-    """A cache's slots, encoded: dense until `quantize_after` tokens, then in `codec`.
-
-    The switch happens after the update that reaches the threshold (so with 0, the prefill
-    attends over exact K/V and is encoded right after), by re-encoding what is stored.
-    """
-
-    def __init__(self, codec: KVCodec, quantize_after: int) -> None:
-        self.target = codec
-        self.quantize_after = quantize_after
-        self.codec: KVCodec = DENSE
-        self.planes: list[torch.Tensor] = []
-        self.dtype = torch.float32
-
-    @property
-    def capacity(self) -> int:
-        return self.planes[0].shape[2] if self.planes else 0
-
-    def reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, keep: int) -> None:
-        """Reallocate to `capacity` zero slots shaped like an encoded token, keeping `keep`."""
-        sample = self.codec.encode(keys[:, :, :1], values[:, :, :1])
-        grown = [p.new_zeros((*p.shape[:2], capacity, *p.shape[3:])) for p in sample]
-        for new, old in zip(grown, self.planes, strict=False):
-            new[:, :, :keep] = old[:, :, :keep]
-        self.planes, self.dtype = grown, values.dtype
-
-    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        encoded = self.codec.encode(keys, values)
-        for plane, part in zip(self.planes, encoded, strict=True):
-            plane[:, :, slot : slot + part.shape[2]] = part
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot decoded (unwritten ones as zeros), in the dtype K/V came in."""
-        return self.codec.decode(self.planes, self.dtype)
-
-    def roundtrip(
-        self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V as they read back once stored, for tokens attended before they are written."""
-        return self.codec.decode(self.codec.encode(keys, values), values.dtype)
-
-    def settle(self, offset: int) -> None:
-        """Switch to the target codec once `offset` tokens are stored past the threshold."""
-        if self.codec is self.target or offset < self.quantize_after or not self.planes:
-            return
-        keys, values = self.read()
-        self.codec = self.target
-        self.planes = list(self.codec.encode(keys, values))
-
-    def bytes_per_slot(self) -> int:
-        return sum(plane[:, :, :1].nbytes for plane in self.planes)
-
-    def reserved_bytes(self) -> int:
-        return sum(plane.nbytes for plane in self.planes)
-
-    @property
-    def stays_dense(self) -> bool:
-        """Whether tokens are stored as they come, now and later (the planes are K/V)."""
-        return self.codec is DENSE and self.target is DENSE
-
-    def signature(self) -> str:
-        return self.codec.signature()
-
-
-class LayerCache(Protocol):
-    offset: int
-
-    def update_and_fetch(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> KVView:
-        """Store new K/V and return what attention reads.
-
-        `positions` (device tensor [tokens]) are the new tokens' absolute positions; caches
-        that track their own offset may ignore it.
-        """
-        ...
-
-    def trim(self, tokens: int) -> None: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def signature(self) -> str:
-        """The storage layout, e.g. "dense", "affine:b4:g64", "rotating:turbo:k8v3"."""
-        ...
-
-    def contents(self) -> CacheContents:
-        """The slots as stored, with their positions (to continue in a static cache)."""
-        ...
-
-    def load(self, contents: CacheContents) -> None:
-        """Hold what another cache's `contents` hold (this one empty)."""
-        ...
-
-
-# Slots a dense cache grows by: fewer, larger reallocations as a context grows.
-GROWTH_STEP = 256
-
-
-class DenseCache:
-    """Grows in steps of `step` tokens; keys are stored in position order."""
-
-    def __init__(
-        self, step: int = GROWTH_STEP, codec: KVCodec = DENSE, quantize_after: int = 0
-    ) -> None:
-        self.step = step
-        self.offset = 0
-        self._store = TokenPlanes(codec, quantize_after)
-
-    def update_and_fetch(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> KVView:
-        end = self.offset + keys.shape[2]
-        self._grow_to(end, keys, values)
-        self._store.write(self.offset, keys, values)
-        self.offset = end
-        view = KVView(*self._store.read(), end, None)
-        self._store.settle(end)
-        return view
-
-    def takes_decode_slots(self) -> bool:
-        """Whether `decode_slot` gives room (tokens stored dense)."""
-        return self._store.stays_dense
-
-    def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
-        """Room for one more token, for a kernel to write (`sample`: K or V shaped like that
-        token); None when tokens are not stored dense. The token counts as stored."""
-        if not self.takes_decode_slots():
-            return None
-        end = self.offset + 1
-        self._grow_to(end, sample, sample)
-        keys, values = self._store.planes
-        slot, self.offset = self.offset, end
-        return DecodeSlot(keys, values, slot, end)
-
-    def _grow_to(self, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Room for slots 0..end-1, grown in whole steps (shaped like `keys`/`values`)."""
-        if end > self._store.capacity:
-            capacity = -(-end // self.step) * self.step
-            self._store.reserve(keys, values, capacity, keep=self.offset)
-
-    def trim(self, tokens: int) -> None:
-        self.offset -= min(tokens, self.offset)
-
-    def load(self, contents: CacheContents) -> None:
-        """Hold what `contents` holds (positions 0..n-1), e.g. a static cache's prompt."""
-        keys, values, first = ordered_tokens(contents)
-        if first != 0:
-            raise ValueError(f"a dense cache holds positions from 0, not from {first}")
-        _check_empty(self.offset)
-        if keys.shape[2]:
-            self.update_and_fetch(keys, values)
-
-    def contents(self) -> CacheContents:
-        planes = tuple(plane[:, :, : self.offset] for plane in self._store.planes)
-        device = planes[0].device if planes else None
-        positions = torch.arange(self.offset, device=device)
-        return CacheContents(StoredKV(planes, self._store.codec), self._store.dtype, positions)
-
-    @property
-    def nbytes(self) -> int:
-        return self._store.bytes_per_slot() * self.offset
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes allocated: the slots grown so far, stored or not."""
-        return self._store.reserved_bytes()
-
-    def signature(self) -> str:
-        return self._store.signature()
-
-
-class RotatingCache:
-    """A ring of `capacity` slots for a sliding-window layer.
-
-    A prefill longer than the ring attends over the old slots plus all new tokens at once,
-    then keeps only the newest `capacity`; positions tell the mask which slots are in window.
-    Position p always sits in slot p % capacity.
-    """
-
-    def __init__(
-        self,
-        window: int,
-        capacity: int | None = None,
-        codec: KVCodec = DENSE,
-        quantize_after: int = 0,
-    ) -> None:
-        self.window = window
-        self.capacity = capacity or window
-        if self.capacity < window:
-            raise ValueError("a rotating cache must hold at least its window")
-        self.offset = 0
-        self._store = TokenPlanes(codec, quantize_after)
-        self._positions: torch.Tensor | None = None
-
-    def update_and_fetch(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> KVView:
-        self._allocate(keys, values)
-        one = keys.shape[2] == 1
-        view = self._decode_step(keys, values) if one else self._prefill(keys, values)
-        self._store.settle(self.offset)
-        return view
-
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """The ring's slots and positions, made on first use (shaped like `keys`/`values`)."""
-        if self._positions is None:
-            self._store.reserve(keys, values, self.capacity, keep=0)
-            self._positions = torch.full(
-                (self.capacity,), EMPTY_POSITION, dtype=torch.long, device=keys.device
-            )
-
-    def _decode_step(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
-        assert self._positions is not None
-        self._write(keys, values, self.offset)
-        self.offset += 1
-        filled = min(self.offset, self.capacity)
-        ring_keys, ring_values = self._store.read()
-        if self.capacity == self.window:
-            # Every filled slot is within the window of this query: no mask needed.
-            # Slots fill in order from 0, so the filled ones are the first `filled`.
-            return KVView(ring_keys, ring_values, filled, None)
-        return KVView(ring_keys, ring_values, self.capacity, self._positions)
-
-    def takes_decode_slots(self) -> bool:
-        """Whether `decode_slot` gives room: stored dense in a ring of exactly the window
-        (where every filled slot is visible, as in `_decode_step`)."""
-        return self.capacity == self.window and self._store.stays_dense
-
-    def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
-        """Room for one more token, for a kernel to write (`sample`: K or V shaped like that
-        token); None unless `takes_decode_slots`. The token counts as stored."""
-        if not self.takes_decode_slots():
-            return None
-        self._allocate(sample, sample)
-        assert self._positions is not None
-        slot = self.offset % self.capacity
-        self._positions[slot] = self.offset
-        self.offset += 1
-        keys, values = self._store.planes
-        return DecodeSlot(keys, values, slot, min(self.offset, self.capacity))
-
-    def _prefill(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
-        assert self._positions is not None
-        count, start = keys.shape[2], self.offset
-        positions = torch.arange(start, start + count, device=keys.device)
-        ring_keys, ring_values = self._store.read()
-        # Before the ring wraps, position p sits in slot p < start and every later slot is
-        # empty: attending over the empty ones only costs time (a fresh prompt's first chunk
-        # would attend over a whole ring of them).
-        filled = min(start, self.capacity)
-        new_keys, new_values = self._store.roundtrip(keys, values)
-        all_keys = torch.cat([ring_keys[:, :, :filled], new_keys], dim=2)
-        all_values = torch.cat([ring_values[:, :, :filled], new_values], dim=2)
-        all_positions = torch.cat([self._positions[:filled], positions])
-        kept = min(count, self.capacity)
-        self._write(keys[:, :, -kept:], values[:, :, -kept:], start + count - kept)
-        self.offset += count
-        return KVView(all_keys, all_values, all_keys.shape[2], all_positions)
-
-    def _write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        """Store tokens at positions start.. (at most `capacity`), wrapping around the ring once."""
-        assert self._positions is not None
-        count, slot = keys.shape[2], start % self.capacity
-        first = min(count, self.capacity - slot)
-        for source, ring_slot, length in ((0, slot, first), (first, 0, count - first)):
-            if length == 0:
-                continue
-            part = slice(source, source + length)
-            self._store.write(ring_slot, keys[:, :, part], values[:, :, part])
-            self._positions[ring_slot : ring_slot + length] = torch.arange(
-                start + source, start + source + length, device=self._positions.device
-            )
-
-    def load(self, contents: CacheContents) -> None:
-        """Hold what `contents` holds (consecutive positions, the ring's newest `capacity`
-        kept), e.g. a static ring's prompt."""
-        keys, values, first = ordered_tokens(contents)
-        _check_empty(self.offset)
-        if keys.shape[2]:
-            self.offset = first  # the tokens go in at their own positions (slot p % capacity)
-            self.update_and_fetch(keys, values)
-
-    def trim(self, tokens: int) -> None:
-        """Drop the newest `tokens`; refused when the window needs slots already overwritten."""
-        new_offset = self.offset - min(tokens, self.offset)
-        oldest_needed = max(0, new_offset - self.window + 1)
-        oldest_kept = max(0, self.offset - self.capacity)
-        if oldest_needed < oldest_kept:
-            raise ValueError(
-                f"cannot trim {tokens} tokens: the ring of {self.capacity} no longer holds them"
-            )
-        if self._positions is not None:
-            self._positions[self._positions >= new_offset] = EMPTY_POSITION
-        self.offset = new_offset
-
-    @property
-    def nbytes(self) -> int:
-        return self._store.bytes_per_slot() * min(self.offset, self.capacity)
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes allocated: the whole ring and its positions from the first token on."""
-        positions = 0 if self._positions is None else self._positions.nbytes
-        return self._store.reserved_bytes() + positions
-
-    def contents(self) -> CacheContents:
-        assert self._positions is not None, "an empty ring"
-        stored = StoredKV(tuple(self._store.planes), self._store.codec)
-        return CacheContents(stored, self._store.dtype, self._positions)
-
-    def signature(self) -> str:
-        return f"rotating:{self._store.signature()}"
-
-
-def ordered_tokens(contents: CacheContents) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The keys and values `contents` holds, decoded, in position order, and the first
-    position; ValueError unless the positions are consecutive (what every cache holds)."""
-    (planes, codec), dtype, positions = contents
-    keys, values = codec.decode(planes, dtype)
-    filled = positions != EMPTY_POSITION
-    held, order = positions[filled].sort()
-    first = int(held[0]) if held.numel() else 0
-    expected = torch.arange(first, first + held.numel(), device=held.device)
-    if not torch.equal(held, expected):
-        raise ValueError("a cache's positions must be consecutive")
-    slots = filled.nonzero().flatten()[order]
-    return keys[:, :, slots], values[:, :, slots], first
-
-
-def _check_empty(offset: int) -> None:
-    if offset:
-        raise ValueError("contents load into an empty cache only")
-
-
 class CacheSpec(NamedTuple):
     """What a model declares about one layer that stores K/V (`Model.cache_specs`): all a
     cache factory, a footprint or a KV layout check needs to know of it."""
@@ -415,12 +97,442 @@ class CacheSpec(NamedTuple):
     window: int | None  # a sliding-window layer's window; None: attends to every token
 
 
+class LayerCache:
+    """One layer's slots: a ring of `window` slots, or full-attention slots that grow (eager)
+    or are fixed at `pin`'s capacity."""
+
+    def __init__(
+        self, window: int | None = None, codec: KVCodec = DENSE, step: int = GROWTH_STEP
+    ) -> None:
+        self.window = window
+        self.codec = codec
+        self.step = step
+        self.capacity = 0  # slots allocated (a ring: its window, from the first token on)
+        self.offset = 0  # tokens stored; the next token's position
+        self.pinned = False
+        self._pinned_capacity = 0
+        # Pinned: the full layers' slots attention reads, set by the graph decoder.
+        self.view_length = 0
+        # Set by a graph decoder around a padded first chunk: how many of the chunk's tokens
+        # are real (a device scalar, read at replay); the rest is padding, never stored.
+        self.real_tokens: torch.Tensor | None = None
+        self._planes: list[torch.Tensor] = []
+        self._dtype = torch.float32
+        self._positions: torch.Tensor | None = None
+        # The next position on the device: what a pinned cache's captured steps write at.
+        self._next: torch.Tensor | None = None
+
+    @classmethod
+    def pinned_at(
+        cls, capacity: int, window: int | None = None, codec: KVCodec = DENSE
+    ) -> LayerCache:
+        """A cache of `capacity` slots fixed from the start (see `pin`)."""
+        cache = cls(window, codec)
+        cache.pin(capacity)
+        return cache
+
+    # -- allocation
+
+    def pin(self, capacity: int) -> None:
+        """Fix the slots at `capacity` (a ring keeps its window) for a CUDA-graph decoder:
+        from now on no step reallocates or reads Python state."""
+        self.pinned = True
+        self.view_length = capacity if self.window is None else 0
+        self._pinned_capacity = capacity
+
+    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
+        """Room for `slots` slots, shaped like an encoded token of `keys`/`values`."""
+        if self.window is not None:
+            wanted = self.window
+        elif self.pinned:
+            wanted = self._pinned_capacity
+        else:
+            wanted = -(-slots // self.step) * self.step
+        if self._planes and wanted <= self.capacity:
+            return
+        sample = self.codec.encode(keys[:, :, :1], values[:, :, :1])
+        grown = [p.new_zeros((*p.shape[:2], wanted, *p.shape[3:])) for p in sample]
+        positions = torch.full((wanted,), EMPTY_POSITION, device=keys.device)
+        for new, old in zip(grown, self._planes, strict=False):
+            new[:, :, : self.capacity] = old
+        if self._positions is not None:
+            positions[: self.capacity] = self._positions
+        else:
+            self._next = torch.zeros((), dtype=torch.long, device=keys.device)
+            self._dtype = values.dtype
+        self._planes, self._positions, self.capacity = grown, positions, wanted
+
+    @property
+    def is_dense(self) -> bool:
+        return self.codec is DENSE
+
+    @property
+    def is_fresh(self) -> bool:
+        """Nothing stored since construction or `reset(0)`: the next chunk is a prompt's
+        first, attended over its exact K/V."""
+        return self.offset == 0
+
+    # -- writing
+
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
+        """Store new K/V (positions from `offset` on) and return what attention reads.
+
+        `positions` (device [tokens]): the new tokens' positions, which a captured decode step
+        reads at replay (`offset` is not updated by a replay)."""
+        count = keys.shape[2]
+        first = self.is_fresh
+        self._reserve(keys, values, self.offset + count)
+        assert self._positions is not None and self._next is not None
+        if self.real_tokens is not None and count > 1:
+            padded = self._store_padded_chunk if first else self._store_padded_continuation
+            return padded(keys, values, self.real_tokens)
+        if count == 1 and positions is not None and self._append_kernel(keys, values, positions):
+            self.offset += 1
+            return self._stored_view()
+        view = None
+        if first:
+            # Nothing is stored yet: attend over exact K/V. A fresh cache starts at position 0,
+            # so the keys are 0..count-1 in order (positions None), which lets a GPU prefill
+            # use SDPA's causal flash kernel.
+            view = KVView(keys, values, count, None)
+        elif self.window is not None and count > 1:
+            view = self._ring_prefill_view(keys, values)
+        self._write(keys, values)
+        if view is not None:
+            return view
+        if count == 1 and kernel_enabled(keys):
+            return self._stored_view()
+        return self._read_view()
+
+    def _append_kernel(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> bool:
+        """Store one token with a GPU kernel where one takes this layout (one launch for
+        ~7-150 torch ops); False where none does."""
+        if not kernel_enabled(keys):
+            return False
+        planes, slot_positions, next_position = self._planes, self._positions, self._next
+        if self.is_dense:
+            key_plane, value_plane = planes
+            append_token_triton(
+                positions, keys, values, key_plane, value_plane, slot_positions, next_position
+            )
+            return True
+        codec = self.codec
+        if isinstance(codec, TurboCodec):
+            # Checked once per device against the codec before it is trusted (before any
+            # graph capture: a graph's warm-up step runs first).
+            if not turbo_kernel_agrees(codec, keys.shape[-1], keys.dtype, str(keys.device)):
+                return False
+            turbo_append_triton(
+                positions, keys, values, planes, slot_positions, next_position, codec
+            )
+            return True
+        if isinstance(codec, AffineCodec) and codec.bits in AFFINE_APPEND_BITS:
+            quantize_append_triton(
+                positions,
+                keys,
+                values,
+                planes,
+                slot_positions,
+                next_position,
+                codec.bits,
+                codec.group_size,
+            )
+            return True
+        return False
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store tokens at positions offset.. (a ring keeps the newest `capacity` of them)."""
+        assert self._positions is not None and self._next is not None
+        count = keys.shape[2]
+        kept = min(count, self.capacity)
+        start = self._next if self.pinned else self.offset
+        new_positions = start + torch.arange(count - kept, count, device=keys.device)
+        slots = new_positions % self.capacity if self.window is not None else new_positions
+        encoded = self.codec.encode(keys[:, :, -kept:], values[:, :, -kept:])
+        for plane, part in zip(self._planes, encoded, strict=True):
+            _indexable(plane).index_copy_(2, slots, _indexable(part))
+        self._positions.index_copy_(0, slots, new_positions)
+        self._next.add_(count)
+        self.offset += count
+
+    def _ring_prefill_view(self, keys: torch.Tensor, values: torch.Tensor) -> KVView:
+        """A chunk after stored tokens on a ring: it attends over the old slots and every new
+        token at once (then keeps the newest `capacity`). Before the ring wraps, position p
+        sits in slot p < offset and every later slot is empty: those are left out."""
+        assert self._positions is not None
+        count = keys.shape[2]
+        filled = self.capacity if self.pinned else min(self.offset, self.capacity)
+        old_keys, old_values = self._decoded(filled)
+        new_keys, new_values = self._roundtrip(keys, values)
+        start = self._next if self.pinned else self.offset
+        new_positions = start + torch.arange(count, device=keys.device)
+        return KVView(
+            torch.cat([old_keys, new_keys], dim=2),
+            torch.cat([old_values, new_values], dim=2),
+            filled + count,
+            torch.cat([self._positions[:filled], new_positions]),
+        )
+
+    def _store_padded_chunk(
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor
+    ) -> KVView:
+        """A prompt's first chunk, padded past its `real` tokens, stored as if only those had
+        come: each slot takes the newest real token it would hold (on a ring, the last
+        `window` of them), every other slot zeros at an empty position. Shapes do not depend
+        on `real`, so one CUDA graph serves every prompt length up to the chunk's."""
+        assert self._positions is not None and self._next is not None
+        count = keys.shape[2]
+        # A full cache's slots past the chunk stay empty (fresh, or reset to empty); a chunk
+        # longer than the cache reaches past it only with padding (real < capacity).
+        span = self.capacity if self.window is not None else min(count, self.capacity)
+        newest = self._newest_held(span, real - 1, keys.device)
+        kept = newest >= 0
+        source = newest.clamp(0, count - 1)
+        for plane, part in zip(self._planes, self.codec.encode(keys, values), strict=True):
+            gathered = _indexable(part).index_select(2, source)
+            mask = kept.view(1, 1, span, *([1] * (part.dim() - 3)))
+            stored = torch.where(mask, gathered, torch.zeros_like(gathered))
+            _indexable(plane)[:, :, :span].copy_(stored)
+        empty = torch.full_like(newest, EMPTY_POSITION)
+        self._positions[:span].copy_(torch.where(kept, newest, empty))
+        self._next.copy_(real)
+        self.offset = count  # a placeholder until the decoder sets the real count
+        return KVView(keys, values, count, None)
+
+    def _store_padded_continuation(
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor
+    ) -> KVView:
+        """A chunk after the stored tokens (a prompt-cache hit's new ones), padded past its
+        `real` tokens: attended as the unpadded chunk would be (the padding comes after
+        every real query, so causal masking hides it), stored as if only the real tokens had
+        come. Dense planes only. A full cache needs room for the whole padded chunk (its
+        padding rows land as zeros at empty positions); a ring's slots each take the newest
+        real position they would hold, or keep their token."""
+        assert self._positions is not None and self._next is not None and self.is_dense
+        count = keys.shape[2]
+        start = self._next.clone()
+        offsets = torch.arange(count, device=keys.device)
+        new_positions = start + offsets
+        if self.window is None:
+            is_real = offsets < real
+            empty = torch.full_like(new_positions, EMPTY_POSITION)
+            for plane, part in zip(self._planes, (keys, values), strict=True):
+                mask = is_real.view(1, 1, count, 1)
+                plane.index_copy_(2, new_positions, torch.where(mask, part, torch.zeros_like(part)))
+            self._positions.index_copy_(
+                0, new_positions, torch.where(is_real, new_positions, empty)
+            )
+            self._next.add_(real)
+            return self._read_view()
+        old_keys, old_values = self._decoded(self.capacity)
+        view = KVView(
+            torch.cat([old_keys, keys], dim=2),
+            torch.cat([old_values, values], dim=2),
+            self.capacity + count,
+            torch.cat([self._positions, new_positions]),
+        )
+        newest = self._newest_held(self.capacity, start + real - 1, keys.device)
+        from_chunk = newest >= start
+        source = (newest - start).clamp(0, count - 1)
+        for plane, part in zip(self._planes, (keys, values), strict=True):
+            mask = from_chunk.view(1, 1, self.capacity, 1)
+            plane.copy_(torch.where(mask, part.index_select(2, source), plane))
+        self._positions.copy_(torch.where(from_chunk, newest, self._positions))
+        self._next.add_(real)
+        return view
+
+    def _newest_held(self, span: int, last: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """For slots 0..span-1, which hold positions s, s + capacity, ...: the newest of them
+        up to `last` (negative where none is)."""
+        slots = torch.arange(span, device=device)
+        return slots + self.capacity * torch.div(last - slots, self.capacity, rounding_mode="floor")
+
+    # -- kernels that write the cache themselves
+
+    def decode_write(self, positions: torch.Tensor) -> CacheWrite | None:
+        """Where a one-token GPU step may write its K/V directly (the fused norm + RoPE kernel
+        writes them), then call `view_after_write`; None when this cache cannot take that:
+        not yet allocated, quantized, not on the GPU, or out of slots."""
+        planes = self._planes
+        if not planes or not self.is_dense or not kernel_enabled(planes[0]):
+            return None
+        if self.window is None and not self.pinned and self.offset >= self.capacity:
+            return None  # an eager cache grows first, in `update_and_fetch`
+        assert self._positions is not None and self._next is not None
+        key_plane, value_plane = planes
+        return CacheWrite(positions, key_plane, value_plane, self._positions, self._next)
+
+    def view_after_write(self) -> KVView:
+        self.offset += 1
+        return self._stored_view()
+
+    def takes_decode_slots(self) -> bool:
+        """Whether `decode_slot` gives room: an eager cache storing K/V dense, a full layer or
+        a ring of exactly its window (where every filled slot is visible to the token)."""
+        return self.is_dense and not self.pinned
+
+    def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
+        """Room for one more token for a kernel to write (`sample`: K or V shaped like that
+        token); None unless `takes_decode_slots`. The token counts as stored."""
+        if not self.takes_decode_slots():
+            return None
+        self._reserve(sample, sample, self.offset + 1)
+        assert self._positions is not None and self._next is not None
+        position = self.offset
+        slot = position % self.capacity if self.window is not None else position
+        self._positions[slot] = position
+        self.offset = position + 1
+        keys, values = self._planes
+        return DecodeSlot(keys, values, slot, min(self.offset, self.capacity))
+
+    # -- reading
+
+    def _read_view(self) -> KVView:
+        """What a chunk after stored tokens attends over, decoded: eager, exactly the stored
+        tokens (a full layer's in position order; a ring's all visible to one query when it
+        holds just its window); pinned, the first `view_length` slots masked by position."""
+        assert self._positions is not None
+        if self.pinned:
+            length = self.capacity if self.window is not None else self.view_length
+            return KVView(*self._decoded(length), length, self._positions[:length])
+        keys, values = self._decoded(self.capacity)
+        if self.window is None:
+            return KVView(keys, values, self.offset, None)
+        filled = min(self.offset, self.capacity)
+        return KVView(keys, values, filled, None)
+
+    def _stored_view(self) -> KVView:
+        """A GPU decode step's view: the planes as stored (dense ones are K/V themselves),
+        with every slot's position, for the decode kernel."""
+        assert self._positions is not None
+        if self.window is not None:
+            length = self.capacity
+        else:
+            length = self.view_length if self.pinned else self.offset
+        positions = self._positions[:length]
+        if self.is_dense:
+            keys, values = (plane[:, :, :length] for plane in self._planes)
+            return KVView(keys, values, length, positions)
+        planes = tuple(plane[:, :, :length] for plane in self._planes)
+        return KVView(None, None, length, positions, StoredKV(planes, self.codec))
+
+    def _roundtrip(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V as they read back once stored, for tokens attended before they are written."""
+        if self.is_dense:
+            return keys, values
+        return self.codec.decode(self.codec.encode(keys, values), values.dtype)
+
+    def _decoded(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        planes = [plane[:, :, :length] for plane in self._planes]
+        return self.codec.decode(planes, self._dtype)
+
+    # -- bookkeeping
+
+    def reset(self, offset: int = 0) -> None:
+        """Forget tokens from `offset` on (a graph's warm-up step wrote one)."""
+        self.offset = offset
+        if self._next is None or self._positions is None:
+            return
+        if offset == 0:
+            self._positions.fill_(EMPTY_POSITION)  # no mask: nothing waits for the device
+        else:
+            self._positions[self._positions >= offset] = EMPTY_POSITION
+        self._next.fill_(offset)
+
+    def trim(self, tokens: int) -> None:
+        """Drop the newest `tokens`; refused when the window needs slots already overwritten."""
+        new_offset = self.offset - min(tokens, self.offset)
+        if self.window is not None:
+            oldest_needed = max(0, new_offset - self.window + 1)
+            oldest_kept = max(0, self.offset - self.capacity)
+            if oldest_needed < oldest_kept:
+                raise ValueError(
+                    f"cannot trim {tokens} tokens: the ring of {self.capacity} no longer holds them"
+                )
+        self.reset(new_offset)
+
+    def contents(self) -> CacheContents:
+        """The slots as stored, with their positions (to copy into another cache)."""
+        assert self._positions is not None, "an empty cache"
+        return CacheContents(
+            StoredKV(tuple(self._planes), self.codec), self._dtype, self._positions
+        )
+
+    def load(self, contents: CacheContents) -> None:
+        """Hold what another cache of this layout holds, copied as stored (a prompt-cache
+        hit going into a graph decoder's pinned caches, or a pinned cache's tokens kept)."""
+        source, dtype, positions = contents
+        if source.codec.signature() != self.codec.signature():
+            raise ValueError(
+                f"a {source.codec.signature()} cache cannot load into a "
+                f"{self.codec.signature()} one"
+            )
+        if self.offset:
+            raise ValueError("contents load into an empty cache only")
+        filled = positions != EMPTY_POSITION
+        newest = int(positions[filled].max()) + 1 if bool(filled.any()) else 0
+        if self.window is None and int(filled.sum()) != newest:
+            first = int(positions[filled].min())
+            raise ValueError(f"a full-attention cache holds positions from 0, not from {first}")
+        if self.window is not None and newest:
+            # A larger ring may hold more than this one: keep the newest `capacity` tokens.
+            filled &= positions >= newest - self.window
+        sample = source.codec.decode([plane[:, :, :1] for plane in source.planes], dtype)
+        self._reserve(*sample, newest)
+        assert self._positions is not None and self._next is not None
+        self._dtype = dtype
+        held = positions[filled]
+        slots = held % self.capacity if self.window is not None else held
+        for plane, part in zip(self._planes, source.planes, strict=True):
+            _indexable(plane).index_copy_(2, slots, _indexable(part)[:, :, filled])
+        self._positions.fill_(EMPTY_POSITION)
+        self._positions.index_copy_(0, slots, held)
+        self._next.fill_(newest)
+        self.offset = newest
+
+    def compacted(self) -> LayerCache:
+        """An eager copy holding just the stored tokens (a pinned cache's slots are sized for
+        a whole context): what a prompt cache keeps."""
+        copy = LayerCache(self.window, self.codec, self.step)
+        if self._positions is not None and self.offset:
+            copy.load(self.contents())
+        return copy
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tokens held (K/V as stored)."""
+        per_token = sum(plane[:, :, :1].nbytes for plane in self._planes)
+        return per_token * min(self.offset, self.capacity)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes allocated: the slots and their positions, stored or not."""
+        positions = 0 if self._positions is None else self._positions.nbytes
+        return sum(plane.nbytes for plane in self._planes) + positions
+
+    def signature(self) -> str:
+        """The storage layout, e.g. "full:dense", "ring:affine:b4:g64"."""
+        kind = "full" if self.window is None else "ring"
+        return f"{kind}:{self.codec.signature()}"
+
+
+def _indexable(plane: torch.Tensor) -> torch.Tensor:
+    """`index_copy_` has no uint32 kernel: copy packed words as int32 (same bits)."""
+    return plane.view(torch.int32) if plane.dtype == torch.uint32 else plane
+
+
 CacheFactory = Callable[[CacheSpec], LayerCache]
 
 
 def dense_cache(spec: CacheSpec) -> LayerCache:
-    """Rotating on sliding-window layers, dense on full-attention layers."""
-    return DenseCache() if spec.window is None else RotatingCache(spec.window)
+    """A cache storing K/V as they come: a ring on sliding-window layers."""
+    return LayerCache(spec.window)
 
 
 def make_caches(

@@ -1,11 +1,10 @@
 """Bytes a model's KV caches take, before any exists: what `--memory-budget` admits and
 `hearth inspect` reports.
 
-Each layer that computes K/V allocates as its eager cache does (`make_caches`): a
-full-attention layer grows in steps of `GROWTH_STEP` tokens, a sliding-window layer takes
-its whole ring (and the ring's positions) with the first token, and each token costs what
-its layer's codec stores. Gemma 4's KV-sharing layers own no cache. Quantized layers store
-dense K/V until `quantize_after` tokens, so those dense bytes count too.
+Each layer that stores K/V allocates as its eager cache does (`LayerCache`): a full-attention
+layer grows in steps of `GROWTH_STEP` slots, a sliding-window layer takes its whole ring with
+the first token, and each slot costs what its layer's codec stores plus its position.
+Gemma 4's KV-sharing layers own no cache.
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.kv.cache import DENSE, GROWTH_STEP, CacheSpec, KVCodec
+from hearth.kv.cache import GROWTH_STEP, CacheSpec
 from hearth.kv.policy import KVPolicy
+from hearth.quant.kv_codecs import DENSE, KVCodec
 
-POSITION_BYTES = 8  # a ring slot's position, int64
+POSITION_BYTES = 8  # a slot's position, int64
 
 
 def token_bytes(codec: KVCodec, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -39,7 +39,6 @@ class KVFootprint:
     """The caches' bytes as a function of the context, for one model, dtype and policy."""
 
     layers: tuple[LayerBytes, ...]
-    quantize_after: int
 
     @classmethod
     def of(
@@ -48,26 +47,25 @@ class KVFootprint:
         policy = policy or KVPolicy()
         layers = []
         for spec in specs:
-            heads = spec.kv_heads
             codec = policy.codec_of(spec.index, spec.window)
             layers.append(
                 LayerBytes(
-                    token_bytes(DENSE, heads, spec.head_dim, dtype),
-                    token_bytes(codec, heads, spec.head_dim, dtype),
+                    token_bytes(DENSE, spec.kv_heads, spec.head_dim, dtype),
+                    token_bytes(codec, spec.kv_heads, spec.head_dim, dtype),
                     spec.window,
                 )
             )
-        quantized = any(layer.stored != layer.dense for layer in layers)
-        return cls(tuple(layers), policy.quantize_after if quantized else 0)
+        return cls(tuple(layers))
 
     def bytes_at(self, tokens: int) -> int:
-        """The most bytes the caches hold on the way to `tokens` tokens of context: at
-        `tokens`, or, if quantized layers wait for `quantize_after` tokens, when they still
-        hold those dense."""
-        if tokens < self.quantize_after:
-            return self._reserved(tokens, dense=True)
-        held_dense = self._reserved(self.quantize_after, dense=True) if self.quantize_after else 0
-        return max(held_dense, self._reserved(tokens, dense=False))
+        """The bytes the caches hold at a context of `tokens` (they never shrink before)."""
+        if tokens == 0:
+            return 0
+        total = 0
+        for layer in self.layers:
+            slots = layer.window or -(-tokens // GROWTH_STEP) * GROWTH_STEP
+            total += (layer.stored + POSITION_BYTES) * slots
+        return total
 
     def longest_context(self, room_bytes: int, max_context: int) -> int:
         """The most tokens, up to `max_context`, whose caches fit in `room_bytes` (0 if none:
@@ -82,15 +80,3 @@ class KVFootprint:
             else:
                 over = middle
         return fits
-
-    def _reserved(self, tokens: int, dense: bool) -> int:
-        if tokens == 0:
-            return 0
-        total = 0
-        for layer in self.layers:
-            per_token = layer.dense if dense else layer.stored
-            if layer.window is None:
-                total += per_token * -(-tokens // GROWTH_STEP) * GROWTH_STEP
-            else:
-                total += (per_token + POSITION_BYTES) * layer.window
-        return total

@@ -10,9 +10,9 @@
   (Gemma 3 12B at 32k: 40 sliding layers hold 1,024 tokens each, 8 full ones 32,768), so
   leaving them exact costs little memory and spares their attention the decode work.
 
-Every quantized cache stores dense K/V until it holds `quantize_after` tokens (0: the
-prefill attends over exact K/V and is quantized right after it). `KVPolicy.check` rejects
-a head_dim a layout cannot store, so a bad choice fails at start, not at the first token.
+A prompt's first chunk attends over its exact K/V and is stored quantized right after it.
+`KVPolicy.check` rejects a head_dim a layout cannot store, so a bad choice fails at start,
+not at the first token.
 """
 
 from __future__ import annotations
@@ -23,16 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hearth.kv.cache import (
-    DENSE,
-    CacheSpec,
-    DenseCache,
-    KVCodec,
-    LayerCache,
-    RotatingCache,
-    make_caches,
-)
-from hearth.quant.kv_codecs import AffineCodec
+from hearth.kv.cache import CacheSpec, LayerCache, make_caches
+from hearth.quant.kv_codecs import DENSE, AffineCodec, KVCodec
 from hearth.quant.turbo import DEFAULT_SCHEME, TurboCodec
 
 KV_CONFIG_FILE = "kv_config.json"
@@ -51,7 +43,6 @@ class KVPolicy:
 
     codec: KVCodec = DENSE
     per_layer: Mapping[int, KVCodec] = field(default_factory=dict)
-    quantize_after: int = 0
     sliding_dense: bool = False  # `@full`: sliding-window layers keep dense K/V
 
     def codec_of(self, layer: int, window: int | None = None) -> KVCodec:
@@ -70,9 +61,7 @@ class KVPolicy:
             codec.check_head_dim(spec.head_dim)
         except ValueError as error:
             raise ValueError(f"--kv-quant on layer {spec.index}: {error}") from None
-        if spec.window is None:
-            return DenseCache(codec=codec, quantize_after=self.quantize_after)
-        return RotatingCache(spec.window, codec=codec, quantize_after=self.quantize_after)
+        return LayerCache(spec.window, codec)
 
     def check(self, specs: Sequence[CacheSpec]) -> None:
         """Raise ValueError if some layer's head_dim cannot be stored in its layout."""
@@ -86,29 +75,26 @@ class KVPolicy:
 def parse_kv_quant(
     choice: str,
     checkpoint: Path | None = None,
-    quantize_after: int = 0,
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> KVPolicy:
     """The policy named by a `--kv-quant` value; ValueError with the valid forms otherwise."""
-    if quantize_after < 0:
-        raise ValueError(f"quantize_after must be >= 0, got {quantize_after}")
     base = choice.removesuffix(FULL_LAYERS_ONLY)
     if base != choice:
         if base in ("off", "config"):
             raise ValueError(f"--kv-quant {choice!r}: {FULL_LAYERS_ONLY} goes after 4, 8 or turbo")
-        policy = parse_kv_quant(base, checkpoint, quantize_after, group_size)
+        policy = parse_kv_quant(base, checkpoint, group_size)
         return replace(policy, sliding_dense=True)
     kind, _, scheme = choice.partition(":")
     if choice == "off":
         return KVPolicy()
     if choice in UNIFORM_BITS:
         codec = AffineCodec(UNIFORM_BITS[choice], group_size)
-        return KVPolicy(codec, quantize_after=quantize_after)
+        return KVPolicy(codec)
     if choice == "config":
         per_layer = read_kv_config(checkpoint)
-        return KVPolicy(per_layer=per_layer, quantize_after=quantize_after)
+        return KVPolicy(per_layer=per_layer)
     if kind == "turbo" and (scheme or choice == "turbo"):
-        return KVPolicy(TurboCodec.parse(scheme or DEFAULT_SCHEME), quantize_after=quantize_after)
+        return KVPolicy(TurboCodec.parse(scheme or DEFAULT_SCHEME))
     raise ValueError(f"unknown --kv-quant {choice!r}; expected {CHOICES}")
 
 

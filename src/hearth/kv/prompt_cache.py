@@ -23,13 +23,12 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hearth.kv import LayerCache
-from hearth.kv.static import StaticCache
+from hearth.kv.cache import LayerCache
 
 DEFAULT_MAX_BYTES = 2 * 2**30
 DEFAULT_MAX_ENTRIES = 10
@@ -91,15 +90,16 @@ class PromptCache:
     def nbytes(self) -> int:
         return self._nbytes
 
-    def take(self, prompt_ids: Sequence[int], new_caches: Callable[[], list[LayerCache]]) -> Reuse:
-        """Caches for `prompt_ids`: the best entry trimmed to the shared prefix, else new ones."""
+    def take(self, prompt_ids: Sequence[int]) -> Reuse:
+        """Caches for `prompt_ids`: the best entry trimmed to the shared prefix, else none
+        (the runner makes its own)."""
         with self._lock:
             reused = self._take_longest_prefix(prompt_ids)
         if reused is not None:
             self.hits += 1
             return reused
         self.misses += 1
-        return Reuse(new_caches(), 0)
+        return Reuse(None, 0)
 
     def put(self, prompt_ids: Sequence[int], caches: list[LayerCache]) -> None:
         """Keep a finished request's caches, evicting the oldest entries to fit the limits."""
@@ -147,18 +147,11 @@ def copy_caches(caches: list[LayerCache]) -> list[LayerCache]:
         return copy.deepcopy(caches)
 
 
-def snapshot_caches(
-    caches: list[LayerCache], new_caches: Callable[[], list[LayerCache]]
-) -> list[LayerCache]:
-    """A copy of a request's caches to keep: dynamic ones as they are; static ones (a graph
-    decoder's, sized for the whole context) as `new_caches` holding just their tokens."""
-    if not any(isinstance(cache, StaticCache) for cache in caches):
-        return copy_caches(caches)
-    with torch.inference_mode():
-        snapshot = new_caches()
-        for target, source in zip(snapshot, caches, strict=True):
-            target.load(source.contents())
-    return snapshot
+def snapshot_caches(caches: list[LayerCache]) -> list[LayerCache]:
+    """Copies of a request's caches to keep, holding just their tokens as stored (a graph
+    decoder's pinned caches are sized for its whole context)."""
+    with torch.inference_mode():  # the caches' tensors were made in inference mode
+        return [cache.compacted() for cache in caches]
 
 
 def _trim_to(caches: list[LayerCache], tokens: int) -> bool:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.kv.cache import KVView, LayerCache
-from hearth.kv.static import StaticCache
 from hearth.layers.linear import StackedLinear, project, project_for_norm
 from hearth.layers.norm import RMSNorm
 from hearth.ops import kernel_enabled, native
@@ -140,8 +139,8 @@ def _kernel_decode_attention(
 def decode_write(
     cache: LayerCache | None, positions: torch.Tensor, tokens: int
 ) -> CacheWrite | None:
-    """Where a one-token step writes K/V directly: a dense static cache on the GPU."""
-    if tokens != 1 or not isinstance(cache, StaticCache):
+    """Where a one-token GPU step writes K/V directly (the norm + RoPE kernel stores them)."""
+    if tokens != 1 or cache is None:
         return None
     return cache.decode_write(positions)
 
@@ -156,7 +155,7 @@ def store_keys_values(
 ) -> KVView:
     """The view attention reads after K/V [tokens, Hk, D] were made (or written by `write`)."""
     if write is not None:
-        assert isinstance(cache, StaticCache)
+        assert cache is not None
         return cache.view_after_write()
     assert k is not None and v is not None
     k, v = (t.unflatten(0, batch_length).transpose(1, 2) for t in (k, v))

@@ -1,6 +1,6 @@
 """Append one decode token's K/V to a static cache in one launch.
 
-`StaticCache.update_and_fetch` eagerly costs ~7 launches per layer (slot arithmetic, three
+`LayerCache.update_and_fetch` eagerly costs ~7 launches per layer (slot arithmetic, three
 `index_copy_`, the counter); at batch 1 that is hundreds of launches per token. This kernel
 reads the token's absolute position from the device (so it can be captured in a CUDA graph),
 writes K and V into slot position % capacity, records the position, and sets the cache's

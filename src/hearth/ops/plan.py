@@ -78,4 +78,3 @@ class ExecutionPlan:
         """One `field: value` line per field, for `hearth inspect --plan`."""
         width = max(len(name) for name in asdict(self))
         return "\n".join(f"{name:<{width}}  {value}" for name, value in asdict(self).items())
-

@@ -6,7 +6,7 @@ captured once per key-length bucket over static caches and replayed: one launch 
 
 A short prompt's prefill is host-bound the same way. With the plan's `prefill_graphs`, a
 fresh decoder's one-chunk prompt is padded to a bucket and replayed from a graph captured for
-that bucket: the caches store only the real tokens (`StaticCache.real_tokens`) and the logits
+that bucket: the caches store only the real tokens (`LayerCache.real_tokens`) and the logits
 are those of the last real one (bit-identical to the eager prefill's). Graphs belong to their
 decoder's caches, so they pay off when the runner reuses its decoder across requests, and a
 bucket's graph is captured the second time a prompt lands in it: a one-off prompt (a CLI run)
@@ -24,7 +24,6 @@ from torch import nn
 from hearth.kv.cache import LayerCache
 from hearth.kv.footprint import KVFootprint
 from hearth.kv.policy import KVPolicy
-from hearth.kv.static import StaticCache
 from hearth.ops.plan import ExecutionPlan
 
 log = logging.getLogger("hearth.runtime.graphs")
@@ -74,7 +73,9 @@ class GraphDecoder:
         specs = model.cache_specs()
         policy.check(specs)
         self.caches = [
-            StaticCache(self.max_context, spec.window, policy.codec_of(spec.index, spec.window))
+            LayerCache.pinned_at(
+                self.max_context, spec.window, policy.codec_of(spec.index, spec.window)
+            )
             for spec in specs
         ]
         device = model.device
@@ -176,9 +177,8 @@ class GraphDecoder:
         # A continuation graph attends over the whole view (one graph whatever was held).
         self._set_view(self.max_context if held else tokens)
         graph.replay()
-        for cache in self.caches:
-            cache.mark_filled()
         self.length = held + tokens
+        self._set_offsets()
         return logits.clone()
 
     def _capture_padded(
@@ -231,11 +231,12 @@ class GraphDecoder:
 
     @torch.inference_mode()
     def adopt(self, caches: Sequence[LayerCache], length: int) -> None:
-        """Continue from dynamic caches that hold `length` tokens (e.g. a prompt-cache hit)."""
+        """Continue from caches that hold `length` tokens (e.g. a prompt-cache hit), copied
+        into this decoder's pinned ones as stored."""
         if length >= self.max_context:
             raise ValueError(f"the prompt ({length} tokens) fills the context")
-        for static, dynamic in zip(self.caches, caches, strict=True):
-            static.load(dynamic.contents())
+        for pinned, held in zip(self.caches, caches, strict=True):
+            pinned.load(held.contents())
         self.length = length
 
     @torch.inference_mode()
@@ -252,7 +253,13 @@ class GraphDecoder:
         self._position.fill_(self.length)
         graph.replay()
         self.length += 1
+        self._set_offsets()
         return logits.clone()
+
+    def _set_offsets(self) -> None:
+        """Tell the caches how many tokens a replay stored (it ran no Python)."""
+        for cache in self.caches:
+            cache.offset = self.length
 
     def _capture(self, view: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._position.fill_(self.length)
