@@ -88,13 +88,9 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
     options = {key: arguments[key] for key in LAUNCH_OPTIONS if key in arguments}
     if "PDL" in constants:  # compiled as Hopper launches it: with programmatic dependent launch
         constants["PDL"] = options["launch_pdl"] = True
-        # and with the L2 prefetch before the wait, whatever its defaults
-        if "PREFETCH_LINES" in constants and not constants.get("GATHER"):  # weight lines
-            constants["PREFETCH_LINES"] = 16  # per row (a gathered GEMV's expert is unknown)
-        if "PREFETCH_SLOTS" in constants:  # K/V slots (dense planes)
-            slots = min(64, constants["CHUNK"])
-            dense = constants["K_FORMAT"] == constants["V_FORMAT"] == 0
-            constants["PREFETCH_SLOTS"] = slots if dense else 0
+        # and with the L2 prefetch of weight lines before the wait, whatever its defaults
+        if "PREFETCH_LINES" in constants:
+            constants["PREFETCH_LINES"] = 16
     return {
         "module": kernel.fn.__module__,
         "name": kernel.fn.__name__,
@@ -125,7 +121,7 @@ for spec in json.load(sys.stdin):
         if spec["constants"].get("PDL"):  # waits for the previous kernel before anything else
             assert "griddepcontrol.wait" in ptx, "no PDL wait in the PTX"
         constants = spec["constants"]
-        if constants.get("PREFETCH_LINES") or constants.get("PREFETCH_SLOTS"):  # hints first
+        if constants.get("PREFETCH_LINES"):  # hints first
             hint = ptx.find("prefetch.global.L2")
             assert 0 <= hint < ptx.index("griddepcontrol.wait"), "no L2 prefetch before the wait"
     except Exception as error:
@@ -301,26 +297,8 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                     )
     yield (
         "codes_major reorder",
-        lambda: affine_matmul.codes_major_triton(
-            torch.randn(1, 512, dtype=bf16), 4, dtype=torch.float32
-        ),
+        lambda: affine_matmul.codes_major_triton(torch.randn(1, 512, dtype=bf16), 4),
     )
-    # A K split whose last split to arrive adds the partials (SPLIT_SUM_LAUNCH off, an A/B
-    # switch; by default a launch of their own adds them).
-    split = affine_matmul.GemvConfig(32, 2, split_k=2, prefetch=True)
-    operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)
-
-    def split_sum_last() -> None:
-        switch = affine_matmul.SPLIT_SUM_LAUNCH
-        affine_matmul.SPLIT_SUM_LAUNCH = False
-        try:
-            affine_matmul.affine_gemv_triton(
-                torch.randn(1, 256, dtype=bf16), *operands, 4, 64, split
-            )
-        finally:
-            affine_matmul.SPLIT_SUM_LAUNCH = switch
-
-    yield (f"affine gemv {split}, partials added by the last split", split_sum_last)
     # The 4-bit MLP of a decode step: gate/up reads its norm's codes-major store and stores
     # the GeGLU.
     many_rows = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True)
@@ -470,7 +448,7 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         )
 
     # Decode attention over every plane format the caches store, at the default launches:
-    # 256 slots give several splits, merged by the last one; D=256 (Gemma 3 12B) takes the
+    # 256 slots give several splits, merged by a launch of their own; D=256 (Gemma 3 12B) takes the
     # dense 8 warps x 3 stages without block skipping, and affine 64-slot blocks.
     def attention(
         heads: int,
@@ -502,15 +480,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         yield f"decode_attention {name} D=256 window", attention(4, 2, 256, 256, codec, 128)
     launch = decode_attention.LaunchConfig
     yield "decode_attention one split", attention(4, 2, 64, 256, None, config=launch(splits=1))
-    yield (
-        "decode_attention merge launch",
-        attention(4, 2, 64, 256, None, config=launch(fused_merge=False)),
-    )
-    # GQA 8 with 32 splits: the fused merge takes its splits in two chunks.
-    yield (
-        "decode_attention fused merge in chunks",
-        attention(16, 2, 64, 512, None, config=launch(block_n=16, splits=32, fused_merge=True)),
-    )
 
 
 # (N, K): Gemma 3 12B's gate/up, down and q projections, the tied head, and two small weights.
@@ -521,7 +490,7 @@ GEMV_SHAPES = (
     (262144, 3840),
     (2048, 4096),
     (512, 4096),
-    (8192, 2816),  # 26B-A4B's q/k/v: few short rows, unsplit (UNSPLIT_SHORT_ROWS)
+    (8192, 2816),  # 26B-A4B's q/k/v: few short rows, unsplit
 )
 
 
