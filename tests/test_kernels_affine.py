@@ -84,7 +84,7 @@ def _quantized(n: int, k: int, bits: int, group: int, dtype: torch.dtype, lead=(
 # last a tail (3 groups in splits of 2). None is the heuristic's own launch. The prefetching
 # loop (step s + 1 loaded before step s is added) runs 3, 1 or 0 whole steps before a tail
 # ("prefetch"), 12, 6 or 3 whole steps and no tail ("prefetch G1"), and split ("prefetch
-# split3"). The software-pipelined loop takes the same steps ("stages3", "stages2 split3").
+# split3").
 GEMV_N, GEMV_K = 21, 384
 GEMV_CONFIGS = {
     "heuristic": None,
@@ -94,8 +94,6 @@ GEMV_CONFIGS = {
     "prefetch": am.GemvConfig(16, 4, prefetch=True),
     "prefetch G1": am.GemvConfig(8, 1, prefetch=True),
     "prefetch split3": am.GemvConfig(32, 2, split_k=3, prefetch=True),
-    "stages3": am.GemvConfig(16, 4, loop_stages=3),
-    "stages2 split3": am.GemvConfig(32, 2, split_k=3, loop_stages=2),
 }
 
 
@@ -128,22 +126,6 @@ def test_gemv_matches_reference_and_oracle(bits, group, rows) -> None:
         assert got.dtype == torch.float32 and got.shape == (rows, GEMV_N), name
         _assert_close(got, oracle, magnitude, GEMV_K)
         _assert_close(got, reference, magnitude, GEMV_K, weight_eps=eps16)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_gemv_pipelined_loop_is_bit_identical(bits, group) -> None:
-    """The pipelined loop runs the same whole steps in the same order as the plain and the
-    prefetching loops: 3, 1 or 0 of them before a tail at G4, 2 per split at split3."""
-    torch.manual_seed(bits + group)
-    operands = _gemv_case(bits, group, 2, torch.float32)[0]
-    for staged, plain in (("stages3", "whole"), ("stages3", "prefetch")):
-        got = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS[staged])
-        want = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS[plain])
-        assert torch.equal(got, want), (staged, plain)
-    got = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS["stages2 split3"])
-    want = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS["split3"])
-    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -325,21 +325,12 @@ class GemvConfig:
     split_k: int = 1
     prefetch: bool = False  # load step s + 1 before step s's arithmetic
     codes_major_x: bool = False  # read x reordered by `codes_major` where it fits
-    # Registers a thread may hold (ptxas's maxnreg; 0: its own choice). Fewer registers let
-    # more programs share an SM (65536 registers each): an A/B handle, not in `gemv_config`.
-    max_registers: int = 0
-    # Over 1: the whole steps every split has run in a loop Triton software-pipelines with
-    # this many stages (cp.async into shared memory), in place of `prefetch`. An A/B handle.
-    loop_stages: int = 1
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
         prefetch = " prefetch" if self.prefetch else ""
         ordered = " x-codes-major" if self.codes_major_x else ""
-        capped = f" r{self.max_registers}" if self.max_registers else ""
-        staged = f" stages{self.loop_stages}" if self.loop_stages > 1 else ""
-        described = f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}"
-        return f"{described}{ordered}{capped}{staged}"
+        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}{ordered}"
 
 
 H200_MULTIPROCESSORS = 132
@@ -690,8 +681,6 @@ if HAS_TRITON:
         X_BLOCK: tl.constexpr,
         FOLD: tl.constexpr,
         PDL: tl.constexpr,
-        STAGED_STEPS: tl.constexpr = 0,
-        LOOP_STAGES: tl.constexpr = 1,
         GEGLU_OUT: tl.constexpr = False,
         GATHER: tl.constexpr = False,
     ):
@@ -706,9 +695,7 @@ if HAS_TRITON:
         Triton sees the row strides' divisibility and loads 16 bytes at a time. Split s owns
         groups ``[s * split_groups, (s + 1) * split_groups)``, whole steps but for the last.
         The loops are `while` loops: Triton's interpreter cannot run `range` to a run-time
-        bound. With LOOP_STAGES > 1 the first STAGED_STEPS whole steps (no split has fewer)
-        run in a `for` loop of constant trip count instead, which Triton software-pipelines;
-        the steps and their arithmetic are the same, in the same order. two23: see TWO23_BITS.
+        bound. two23: see TWO23_BITS.
 
         With GATHER (M = 1, no K split) grid axis 2 is a (token, slot)
         pair r of MoE experts stacked ``[E, N, ...]``: the weight is expert ``ids[r]``
@@ -749,15 +736,7 @@ if HAS_TRITON:
         acc2 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         whole = (g_end - g0) // BLOCK_G  # steps without masks
-        if LOOP_STAGES > 1:
-            for step in tl.range(STAGED_STEPS, num_stages=LOOP_STAGES):
-                acc0, acc1, acc2, acc3 = _load_and_add_step(
-                    acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                    group_rows, x_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M,
-                    BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
-                )  # fmt: skip
-            g0 += STAGED_STEPS * BLOCK_G
-        elif PREFETCH and whole > 0:
+        if PREFETCH and whole > 0:
             # Register double buffering: the next step's words are requested before this
             # step's arithmetic, so one program keeps two steps of loads in flight (a `while`
             # loop is not software-pipelined by Triton).
@@ -1226,11 +1205,6 @@ if HAS_TRITON:
         # Whole steps per split, so that only a split's last step can need masks.
         split_groups = triton.cdiv(triton.cdiv(groups, config.split_k), config.block_g)
         split_groups *= config.block_g
-        # The whole steps of the shortest split (the last), for the pipelined loop (0 without
-        # it: one compiled kernel whatever the shape).
-        last_split = groups - (config.split_k - 1) * split_groups
-        staged_steps = max(0, min(split_groups, last_split)) // config.block_g
-        staged_steps = staged_steps if config.loop_stages > 1 else 0
         blocks = triton.cdiv(n, config.block_n)
         pdl = pdl_options(x)
         if config.split_k > 1:
@@ -1264,10 +1238,7 @@ if HAS_TRITON:
             PREFETCH=config.prefetch,
             X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
             FOLD=bits == 4,  # `_offset_codes`: one subtraction fewer a 4-bit code
-            STAGED_STEPS=staged_steps,
-            LOOP_STAGES=config.loop_stages,
             num_warps=config.warps,
-            **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl,
             GEGLU_OUT=geglu_out,
             GATHER=gather is not None,
