@@ -8,8 +8,8 @@ here replace torch where it is slow (`benchmarks/cpu_decode.py` measures them):
 * the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
   one call each instead of a dozen dispatched torch ops, with the same roundings;
 * a whole Gemma 3 or Gemma 4 (dense) decoder layer at one token, made of the two above
-  (``gemma3_decode_layer``, ``gemma4_decode_layer``, used by ``hearth.models.gemma_native`` and
-  ``gemma4_native``): no Python between a layer's ops;
+  (``gemma3_decode_layer``, ``gemma4_decode_layer``, run by ``hearth.runtime.native_step``):
+  no Python between a layer's ops;
 * at load, GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) -> bf16 and bf16 -> int8 rows, which
   torch and numpy run at a small fraction of the memory bandwidth; for a CPU prefill, int8 ->
   bf16.
