@@ -115,11 +115,11 @@ def run_hearth(
     )
     load = time.perf_counter() - started
     sampler = Sampler(SamplingParams())
-    list(generate_tokens(engine.model, ids[:16], sampler, 4, GenerationStats()))  # warm up
+    list(generate_tokens(engine.runner, ids[:16], sampler, 4, GenerationStats()))  # warm up
     runs = []
     for _ in range(REPEATS):
         stats = GenerationStats()
-        list(generate_tokens(engine.model, ids, sampler, decode + 1, stats))
+        list(generate_tokens(engine.runner, ids, sampler, decode + 1, stats))
         runs.append((stats.prefill_tokens_per_second, stats.decode_tokens_per_second))
     return {
         "load_s": load,

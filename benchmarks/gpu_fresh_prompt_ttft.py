@@ -19,10 +19,10 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -31,56 +31,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import triton
 
 from hearth.bench.random_model import PRESETS, build_random_model
-from hearth.kv import KVPolicy
-from hearth.runtime import graphs as cuda_graph
+from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.generate import GenerationStats, generate_tokens
+from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import Sampler, SamplingParams
 
 WARM_UP = 3  # eager, capture, one replay: the graph path's steady state
 TIMED = 7
 
 
-def first_token_seconds(model, tokens: int, dynamic: bool, seed: int) -> float:
+def first_token_seconds(runner: ModelRunner, tokens: int, eager: bool, seed: int) -> float:
     """Seconds from a `tokens`-long random prompt to its first sampled token on the host."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, 1000, (tokens,), generator=generator).tolist()
-    caches = KVPolicy().make_caches(model.cache_specs()) if dynamic else None
+    caches = runner.new_caches() if eager else None
     stats = GenerationStats()
-    sampler = Sampler(SamplingParams(), device=model.device)
-    next(iter(generate_tokens(model, prompt, sampler, 1, stats, caches=caches)))
+    sampler = Sampler(SamplingParams(), device=runner.device)
+    next(iter(generate_tokens(runner, prompt, sampler, 1, stats, caches=caches)))
     return stats.prefill_seconds
 
 
 def hit_seconds(
-    model, cached: int, new: int, seed: int, continued: bool, max_tokens: int = 1
+    runner: ModelRunner, cached: int, new: int, seed: int, max_tokens: int = 1
 ) -> float:
-    """Seconds to the first token of a prompt-cache hit: `cached` tokens already in dynamic
-    caches (prefilled beforehand, as the server's entry holds them); then either `new`
-    prefilled eagerly and all copied into the graph decoder (`adopt`), or (`continued`) the
-    hit copied first and `new` prefilled after it from a continuation graph. No `cached`
-    tokens: a fresh prompt (the miss path). `max_tokens` sizes the request (the decoder it
-    needs), though only the first token is made."""
+    """Seconds to the first token of a prompt-cache hit: `cached` tokens already in eager
+    caches (prefilled beforehand, as the server's entry holds them); then, by the runner's
+    plan, either `new` prefilled eagerly and all copied into the graph decoder (`adopt`), or
+    (`continuation_graphs`) the hit copied first and `new` prefilled after it from a
+    continuation graph. No `cached` tokens: a fresh prompt (the miss path). `max_tokens`
+    sizes the request (the decoder it needs), though only the first token is made."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, 1000, (cached + new,), generator=generator).tolist()
     caches = None
     if cached:
-        caches = KVPolicy().make_caches(model.cache_specs())
+        caches = runner.new_caches()
         with torch.inference_mode():
-            model(torch.tensor([prompt[:cached]], device=model.device), caches, last_only=True)
+            runner.prefill(torch.tensor([prompt[:cached]], device=runner.device), caches)
         torch.cuda.synchronize()
     stats = GenerationStats()
-    sampler = Sampler(SamplingParams(), device=model.device)
-    with mock.patch.object(cuda_graph, "CONTINUATION_GRAPHS", continued):
-        run = generate_tokens(
-            model, prompt, sampler, max_tokens, stats, caches=caches, cached_tokens=cached
-        )
-        next(run)
-        run.close()  # gives the decoder back, as a finished request does
+    sampler = Sampler(SamplingParams(), device=runner.device)
+    run = generate_tokens(
+        runner, prompt, sampler, max_tokens, stats, caches=caches, cached_tokens=cached
+    )
+    next(run)
+    run.close()  # gives the decoder back, as a finished request does
     return stats.prefill_seconds
 
 
 def per_model(names: list[str], quant: str, rows_of: Callable[[str, Any], list[str]]) -> list[str]:
-    """`rows_of(name, model)` for each preset's random model, one on the GPU at a time."""
+    """`rows_of(name, model)` for each preset's random model, one on the GPU at a time (each
+    row builds the runners of the plans it compares)."""
     rows = []
     for name in names:
         model = build_random_model(PRESETS[name], torch.device("cuda"), quant=quant)
@@ -96,27 +96,27 @@ def shown(row: str) -> str:
 
 
 def fresh_table(models: list[str], lengths: list[int], quant: str) -> list[str]:
-    """A fresh prompt's first token, prefilled into dynamic caches (the server before) or
-    from a prefill graph into the reused decoder's static caches."""
+    """A fresh prompt's first token, prefilled into eager caches then copied into the graph
+    decoder's, or from a prefill graph into the reused decoder's pinned caches."""
     lines = [
         "",
-        "*dynamic*: prefill into new dynamic caches, then copied into the graph decoder's (the "
-        "server before); *graphs*: straight into the reused decoder's static caches, from a "
-        "prefill graph.",
+        "*eager*: prefill into new eager caches, then copied into the graph decoder's; "
+        "*graphs*: straight into the reused decoder's pinned caches, from a prefill graph.",
         "",
-        "| model | prompt tokens | dynamic (ms) | graphs (ms) | speed-up |",
+        "| model | prompt tokens | eager (ms) | graphs (ms) | speed-up |",
         "|---|---|---|---|---|",
     ]
     seeds = itertools.count(1)
 
     def rows(name: str, model) -> list[str]:
         found = []
+        runner = ModelRunner(model)
         for tokens in lengths:
             medians = []
-            for dynamic in (True, False):
+            for eager in (True, False):
                 times = []
                 for attempt in range(WARM_UP + TIMED):
-                    seconds = first_token_seconds(model, tokens, dynamic, next(seeds))
+                    seconds = first_token_seconds(runner, tokens, eager, next(seeds))
                     if attempt >= WARM_UP:
                         times.append(seconds)
                 medians.append(statistics.median(times))
@@ -136,21 +136,21 @@ def fresh_table(models: list[str], lengths: list[int], quant: str) -> list[str]:
 CHAT_FIRST, CHAT_REPLY, CHAT_MESSAGE, CHAT_MAX_TOKENS = 200, 300, 60, 512
 
 
-def chat_seconds(model, turns: int) -> list[float]:
+def chat_seconds(runner: ModelRunner, turns: int) -> list[float]:
     """First-token seconds of each turn of one conversation, as the server runs it: each turn
     after the first a hit of the previous prompt plus a reply and a message (one seed: the
     tokens do not change the timing), each request sized by the default max_tokens."""
     times, held = [], 0
     for turn in range(turns):
         new = CHAT_FIRST if turn == 0 else CHAT_REPLY + CHAT_MESSAGE
-        times.append(hit_seconds(model, held, new, 20_000, True, CHAT_MAX_TOKENS))
+        times.append(hit_seconds(runner, held, new, 20_000, CHAT_MAX_TOKENS))
         held += new
     return times
 
 
 def chat_table(models: list[str], turns: int, quant: str) -> list[str]:
-    """Each turn's first token with decoders replaced at their request's size (growth 1, as
-    before) or grown (`DECODER_GROWTH` 2), after a warm-up conversation."""
+    """Each turn's first token with decoders replaced at their request's size (the plan's
+    `decoder_growth` 1) or grown (2, the default), after a warm-up conversation."""
     lines = [
         "",
         f"## A {turns}-turn conversation",
@@ -165,10 +165,10 @@ def chat_table(models: list[str], turns: int, quant: str) -> list[str]:
 
     def rows(name: str, model) -> list[str]:
         found = []
+        plan = ExecutionPlan.for_device(model.device)
         for timed, growth in ((False, 2), (True, 1), (True, 2)):
-            cuda_graph.GraphDecoder.discard_idle(model)
-            with mock.patch.object(cuda_graph, "DECODER_GROWTH", growth):
-                times = chat_seconds(model, turns)
+            runner = ModelRunner(model, replace(plan, decoder_growth=growth))
+            times = chat_seconds(runner, turns)
             if timed:
                 cells = " | ".join(f"{t * 1e3:.1f}" for t in times)
                 found.append(shown(f"| {name} | {growth} | {cells} | {sum(times) * 1e3:.1f} |"))
@@ -195,14 +195,17 @@ def hits_table(models: list[str], pairs: list[tuple[int, int]], quant: str) -> l
 
     def rows(name: str, model) -> list[str]:
         found = []
+        continuing = ModelRunner(model)  # the device's plan: continuation graphs on
+        plan = replace(continuing.plan, continuation_graphs=False)
+        adopting = ModelRunner(model, plan)
         for cached, new in pairs:
             times: list[list[float]] = [[], [], []]
             for attempt in range(WARM_UP + TIMED):
                 seed = next(seeds)
                 runs = (
-                    hit_seconds(model, cached, new, seed, continued=False),
-                    hit_seconds(model, cached, new, seed, continued=True),
-                    first_token_seconds(model, cached + new, False, seed),
+                    hit_seconds(adopting, cached, new, seed),
+                    hit_seconds(continuing, cached, new, seed),
+                    first_token_seconds(continuing, cached + new, False, seed),
                 )
                 if attempt >= WARM_UP:
                     for column, seconds in zip(times, runs, strict=True):

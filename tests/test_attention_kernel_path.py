@@ -5,7 +5,6 @@ static quantized caches whose planes the kernel reads without decoding."""
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,6 @@ from hearth.kv import make_caches, parse_kv_quant  # noqa: E402
 from hearth.kv.cache import LayerCache  # noqa: E402
 from hearth.layers import attention as gemma  # noqa: E402
 from hearth.models.loading import build_model  # noqa: E402
-from hearth.ops import decode_attention as decode_attention_module  # noqa: E402
-from hearth.ops.decode_attention import LaunchConfig  # noqa: E402
 from tiny import GEMMA4_SHARING, save_hf, tiny_gemma3_model, tiny_gemma4_model  # noqa: E402
 
 # fp32 throughout: kernel and torch differ by summation order and exp2 vs exp (the kernel
@@ -128,39 +125,6 @@ def test_gpu_prefill_dispatch_matches_masked_sdpa(
     monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
     got = gemma.attend(q, view, positions, window, 0.25)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize(
-    ("family", "kind", "scheme"),
-    [("gemma3", "static", "off"), ("gemma3", "static", "4"), ("gemma4", "static", "turbo:t4v3")],
-)
-def test_kernel_path_with_split_merges(
-    family: str, kind: str, scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # 16-slot blocks, so every layer's call has several splits that its last split merges
-    # (the fused merge, asked for: it is off by default): the layers' calls share the
-    # arrival counters one after another, as in a decode step.
-    model, ids = _tiny_model(family, tmp_path)
-    expected = _decode(model, ids, _caches(model, kind, scheme))
-    kernel = gemma.decode_attention_kernel
-    counters = decode_attention_module._arrival_counters
-    fused = []
-
-    def counted(*args: object) -> torch.Tensor:  # asked for only by fused-merge launches
-        fused.append(1)
-        return counters(*args)
-
-    monkeypatch.setattr(gemma, "kernel_enabled", lambda tensor: True)
-    monkeypatch.setattr(
-        gemma,
-        "decode_attention_kernel",
-        partial(kernel, config=LaunchConfig(block_n=16, fused_merge=True)),
-    )
-    monkeypatch.setattr(decode_attention_module, "_arrival_counters", counted)
-    got = _decode(model, ids, _caches(model, kind, scheme))
-    assert len(fused) >= STEPS
-    assert all(not c.any() for c in decode_attention_module._COUNTERS.values())
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])

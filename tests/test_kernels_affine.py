@@ -9,7 +9,7 @@ sqrt(K) * eps32 of the sum of |x * w|, with a factor 4 of slack) and the final r
 activations' dtype (half an ulp: eps_out * |y|). The reference rounds each weight to the
 scales' dtype twice (``q * s`` then ``+ b``, as mlx does), up to one ulp of the scales' dtype
 per weight, so it may stray from the oracle by eps_scales * sum |x * w| more; kernel vs
-reference allows both. The 4-bit GEMV's default folded offsets (`GEMV_FOLDED_OFFSETS`) sum
+reference allows both. The 4-bit GEMV's folded offsets (`_offset_codes`) sum
 ``x * (256 + q)`` and take ``256 * sum(x)`` off per group, so their roundings scale with
 eps32 * 271 * sum |x| |scale| rather than with |x w|: about 20x the exact codes' error here
 (max error/bound 0.16 against 0.008 on these shapes), still inside the bound above, whose
@@ -84,7 +84,7 @@ def _quantized(n: int, k: int, bits: int, group: int, dtype: torch.dtype, lead=(
 # last a tail (3 groups in splits of 2). None is the heuristic's own launch. The prefetching
 # loop (step s + 1 loaded before step s is added) runs 3, 1 or 0 whole steps before a tail
 # ("prefetch"), 12, 6 or 3 whole steps and no tail ("prefetch G1"), and split ("prefetch
-# split3"). The software-pipelined loop takes the same steps ("stages3", "stages2 split3").
+# split3").
 GEMV_N, GEMV_K = 21, 384
 GEMV_CONFIGS = {
     "heuristic": None,
@@ -94,8 +94,6 @@ GEMV_CONFIGS = {
     "prefetch": am.GemvConfig(16, 4, prefetch=True),
     "prefetch G1": am.GemvConfig(8, 1, prefetch=True),
     "prefetch split3": am.GemvConfig(32, 2, split_k=3, prefetch=True),
-    "stages3": am.GemvConfig(16, 4, loop_stages=3),
-    "stages2 split3": am.GemvConfig(32, 2, split_k=3, loop_stages=2),
 }
 
 
@@ -131,42 +129,24 @@ def test_gemv_matches_reference_and_oracle(bits, group, rows) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_gemv_pipelined_loop_is_bit_identical(bits, group) -> None:
-    """The pipelined loop runs the same whole steps in the same order as the plain and the
-    prefetching loops: 3, 1 or 0 of them before a tail at G4, 2 per split at split3."""
-    torch.manual_seed(bits + group)
-    operands = _gemv_case(bits, group, 2, torch.float32)[0]
-    for staged, plain in (("stages3", "whole"), ("stages3", "prefetch")):
-        got = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS[staged])
-        want = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS[plain])
-        assert torch.equal(got, want), (staged, plain)
-    got = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS["stages2 split3"])
-    want = am.affine_gemv_triton(*operands, bits, group, config=GEMV_CONFIGS["split3"])
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_gemv_split_sums_in_a_launch_of_their_own_are_bit_identical(
+def test_gemv_split_sums_over_several_programs_are_bit_identical(
     bits: int, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With SPLIT_SUM_LAUNCH (the default) a K split only stores its partials and
-    `_sum_splits_kernel` adds them, in the split order the last split to arrive uses without
-    it: the same bits, whatever the splits (a tail split, an empty one). The arrival counters
-    the last split uses are back at zero after each launch."""
+    """A K split only stores its partials and `_sum_splits_kernel` adds them in split order,
+    whatever the splits (a tail split, an empty one) and however many programs the sum
+    launch has: 16 outputs a program (two over GEMV_N rows, the last partial) give the bits
+    of one program over them all."""
     torch.manual_seed(20 + bits + rows)
     operands = _gemv_case(bits, 64, rows, torch.float32)[0]
     for name in ("split2", "split3", "prefetch split3"):
         config = GEMV_CONFIGS[name]
         results = []
-        for apart in (True, False):
+        for block in (am.SPLIT_SUM_BLOCK, 16):
             with monkeypatch.context() as patch:
-                patch.setattr(am, "SPLIT_SUM_LAUNCH", apart)
-                patch.setattr(am, "SPLIT_SUM_BLOCK", 16)  # several programs over GEMV_N rows
+                patch.setattr(am, "SPLIT_SUM_BLOCK", block)
                 results.append(am.affine_gemv_triton(*operands, bits, 64, config=config))
         assert torch.equal(*results), name
-    assert not am._counters(torch.device("cpu"), 1).any()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -305,16 +285,15 @@ def test_gemv_leading_dims_and_bf16_scales() -> None:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", ["whole", "split3"])
-def test_gemv_repeats_bits_and_leaves_counters_ready(bits, rows, name) -> None:
-    """Bit for bit across launches, split or not: split partials are added in split order,
-    by whichever program arrives last, which then zeroes its counter for the next launch."""
+def test_gemv_repeats_bits(bits, rows, name) -> None:
+    """Bit for bit across launches, split or not: split partials are added in split order by
+    a launch of their own."""
     torch.manual_seed(2)
     operands, _, _ = _gemv_case(bits, 32, rows, torch.float32)
     config = GEMV_CONFIGS[name]
     first = am.affine_gemv_triton(*operands, bits, 32, config=config)
     second = am.affine_gemv_triton(*operands, bits, 32, config=config)
     assert torch.equal(first, second)
-    assert not am._counters(first.device, 1).any()
 
 
 def test_codes_major_places_each_input_by_block_code_and_word() -> None:
@@ -326,30 +305,25 @@ def test_codes_major_places_each_input_by_block_code_and_word() -> None:
         assert got.shape == (2, 512 // (32 * codes), codes, 32)
         for m, b, j, w in [(0, 0, 0, 0), (1, 0, 3, 5), (0, 1, codes - 1, 31), (1, 1, 1, 17)]:
             assert got[m, b, j, w] == x[m, (b * 32 + w) * codes + j]
-        wide = am.codes_major(x.bfloat16(), bits, dtype=torch.float32)
-        assert wide.dtype == torch.float32 and wide.is_contiguous()
-        assert torch.equal(wide, am.codes_major(x.bfloat16(), bits).float())
     assert am.codes_major_fits(512, 4) and not am.codes_major_fits(384, 4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_codes_major_kernel_equals_the_reference(bits, monkeypatch) -> None:
+def test_codes_major_kernel_equals_the_reference(bits) -> None:
     """The Triton reorder places every input where `codes_major` does, bit for bit, for a row
     stride wider than K (a view of a wider tensor), K over several 1024-output programs and
-    a partial last one, in fp32 and in x's dtype; and the GEMV reading it returns the same
-    bits as with torch's copy."""
+    a partial last one; and the GEMV reordering x with it returns the same bits as reading
+    x reordered by torch's copy (`CodesMajor`)."""
     torch.manual_seed(bits)
     wide = torch.randn(3, 3840 + 64).bfloat16()
     x = wide[:, :3840]
-    for dtype in (torch.float32, None):
-        want = am.codes_major(x, bits, dtype=dtype)
-        got = am.codes_major_triton(x, bits, dtype=dtype)
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    want = am.codes_major(x, bits)
+    got = am.codes_major_triton(x, bits)
+    assert got.dtype == want.dtype and torch.equal(got, want)
     packed, scales, biases = _quantized(40, 3840, bits, 64, torch.bfloat16)
     config = am.GemvConfig(32, 4, prefetch=True, codes_major_x=True)
-    monkeypatch.setattr(am, "CODES_MAJOR_KERNEL", False)
-    with_copy = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
-    monkeypatch.setattr(am, "CODES_MAJOR_KERNEL", True)
+    copied = am.CodesMajor(want, x.shape)
+    with_copy = am.affine_gemv_triton(copied, packed, scales, biases, bits, 64, config=config)
     with_kernel = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
     assert torch.equal(with_kernel, with_copy)
 
@@ -357,26 +331,18 @@ def test_codes_major_kernel_equals_the_reference(bits, monkeypatch) -> None:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("name", ["whole", "split3", "prefetch", "prefetch split3"])
-@pytest.mark.parametrize(
-    ("dtype", "reorder_dtype"),  # an fp32 x reordered to fp32 is the first case again
-    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)],
-)
-def test_gemv_codes_major_x_equals_input_order(
-    bits, rows, name, dtype, reorder_dtype, monkeypatch
-) -> None:
-    """Reading x codes-major (in x's dtype, or cast to fp32 by the reorder: exact either way)
-    changes only where each x value comes from, not which products are summed or in what
-    order: bit for bit the input-order result. K = 768: 4-bit rows of 96 words (3 blocks),
-    8-bit 192 (6), both with tails in the pinned configs."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_codes_major_x_equals_input_order(bits, rows, name, dtype) -> None:
+    """Reading x codes-major changes only where each x value comes from, not which products
+    are summed or in what order: bit for bit the input-order result. K = 768: 4-bit rows of
+    96 words (3 blocks), 8-bit 192 (6), both with tails in the pinned configs."""
     torch.manual_seed(bits + rows)
-    monkeypatch.setattr(am, "CODES_MAJOR_DTYPE", reorder_dtype)
     k = 768
     packed, scales, biases = _quantized(GEMV_N, k, bits, 64, torch.float16)
     x = torch.randn(rows, k).to(dtype)
     config = dataclasses.replace(GEMV_CONFIGS[name], codes_major_x=True)
-    monkeypatch.setattr(am, "GEMV_CODES_MAJOR_X", False)
-    input_order = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
-    monkeypatch.setattr(am, "GEMV_CODES_MAJOR_X", True)
+    in_order = dataclasses.replace(config, codes_major_x=False)
+    input_order = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=in_order)
     ordered = am.affine_gemv_triton(x, packed, scales, biases, bits, 64, config=config)
     assert ordered.dtype == dtype and torch.equal(ordered, input_order)
     weight = _oracle_weight(packed, scales, biases, bits)
@@ -482,7 +448,7 @@ GATHERED_CONFIGS = {
 }
 
 
-def test_gemv_heuristics_pick_the_h100_winners(monkeypatch) -> None:
+def test_gemv_heuristics_pick_the_h100_winners() -> None:
     for (n, k), config in SHORT_ROWS_CONFIGS.items():
         assert am.gemv_config(n, k, 4, 64, 132) == config, (n, k)
     assert am.gemv_config(2816, 4096, 4, 64, 132).split_k == 2  # o: rows of 512 words split
@@ -490,10 +456,6 @@ def test_gemv_heuristics_pick_the_h100_winners(monkeypatch) -> None:
     assert am.gemv_config(256, 2560, 4, 64, 132).split_k > 1  # 16 programs: too few unsplit
     for (bits, k), config in GATHERED_CONFIGS.items():
         assert am.gathered_gemv_config(k, bits, 64) == config, (bits, k)
-    am.gemv_config.cache_clear()
-    monkeypatch.setattr(am, "UNSPLIT_SHORT_ROWS", False)
-    assert am.gemv_config(8192, 2816, 4, 64, 132) == am.GemvConfig(64, 4, split_k=4, prefetch=True)
-    am.gemv_config.cache_clear()
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -91,13 +91,9 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
     options = {key: arguments[key] for key in LAUNCH_OPTIONS if key in arguments}
     if "PDL" in constants:  # compiled as Hopper launches it: with programmatic dependent launch
         constants["PDL"] = options["launch_pdl"] = True
-        # and with the L2 prefetch before the wait, whatever its defaults
-        if "PREFETCH_LINES" in constants and not constants.get("GATHER"):  # weight lines
-            constants["PREFETCH_LINES"] = 16  # per row (a gathered GEMV's expert is unknown)
-        if "PREFETCH_SLOTS" in constants:  # K/V slots (dense planes)
-            slots = min(64, constants["CHUNK"])
-            dense = constants["K_FORMAT"] == constants["V_FORMAT"] == 0
-            constants["PREFETCH_SLOTS"] = slots if dense else 0
+        # and with the L2 prefetch of weight lines before the wait, whatever its defaults
+        if "PREFETCH_LINES" in constants:
+            constants["PREFETCH_LINES"] = 16
     return {
         "module": kernel.fn.__module__,
         "name": kernel.fn.__name__,
@@ -128,7 +124,7 @@ for spec in json.load(sys.stdin):
         if spec["constants"].get("PDL"):  # waits for the previous kernel before anything else
             assert "griddepcontrol.wait" in ptx, "no PDL wait in the PTX"
         constants = spec["constants"]
-        if constants.get("PREFETCH_LINES") or constants.get("PREFETCH_SLOTS"):  # hints first
+        if constants.get("PREFETCH_LINES"):  # hints first
             hint = ptx.find("prefetch.global.L2")
             assert 0 <= hint < ptx.index("griddepcontrol.wait"), "no L2 prefetch before the wait"
     except Exception as error:
@@ -304,26 +300,8 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
                     )
     yield (
         "codes_major reorder",
-        lambda: affine_matmul.codes_major_triton(
-            torch.randn(1, 512, dtype=bf16), 4, dtype=torch.float32
-        ),
+        lambda: affine_matmul.codes_major_triton(torch.randn(1, 512, dtype=bf16), 4),
     )
-    # A K split whose last split to arrive adds the partials (SPLIT_SUM_LAUNCH off, an A/B
-    # switch; by default a launch of their own adds them).
-    split = affine_matmul.GemvConfig(32, 2, split_k=2, prefetch=True)
-    operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)
-
-    def split_sum_last() -> None:
-        switch = affine_matmul.SPLIT_SUM_LAUNCH
-        affine_matmul.SPLIT_SUM_LAUNCH = False
-        try:
-            affine_matmul.affine_gemv_triton(
-                torch.randn(1, 256, dtype=bf16), *operands, 4, 64, split
-            )
-        finally:
-            affine_matmul.SPLIT_SUM_LAUNCH = switch
-
-    yield (f"affine gemv {split}, partials added by the last split", split_sum_last)
     # The 4-bit MLP of a decode step: gate/up reads its norm's codes-major store and stores
     # the GeGLU.
     many_rows = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True)
@@ -338,15 +316,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     yield (
         "add_rms_norm storing its norm codes-major",
         lambda: norm.add_rms_norm_triton(x, x, weight, 1e-6, weight, True, None, (8, 32)),
-    )
-    # A launch with a register cap (ptxas's maxnreg), as the A/B runs launch it.
-    capped = affine_matmul.GemvConfig(64, 4, prefetch=True, codes_major_x=True, max_registers=80)
-    operands = quantize_affine(torch.randn(48, 256, dtype=bf16), 4, 64)
-    yield (
-        f"affine gemv {capped}",
-        lambda: affine_matmul.affine_gemv_triton(
-            torch.randn(1, 256, dtype=bf16), *operands, 4, 64, capped
-        ),
     )
     packed, scales, biases = quantize_affine(torch.randn(4, 48, 256, dtype=bf16), 4, 64)
     yield (
@@ -473,7 +442,7 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         )
 
     # Decode attention over every plane format the caches store, at the default launches:
-    # 256 slots give several splits, merged by the last one; D=256 (Gemma 3 12B) takes the
+    # 256 slots give several splits, merged by a launch of their own; D=256 (Gemma 3 12B) takes the
     # dense 8 warps x 3 stages without block skipping, and affine 64-slot blocks.
     def attention(
         heads: int,
@@ -505,15 +474,6 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         yield f"decode_attention {name} D=256 window", attention(4, 2, 256, 256, codec, 128)
     launch = decode_attention.LaunchConfig
     yield "decode_attention one split", attention(4, 2, 64, 256, None, config=launch(splits=1))
-    yield (
-        "decode_attention merge launch",
-        attention(4, 2, 64, 256, None, config=launch(fused_merge=False)),
-    )
-    # GQA 8 with 32 splits: the fused merge takes its splits in two chunks.
-    yield (
-        "decode_attention fused merge in chunks",
-        attention(16, 2, 64, 512, None, config=launch(block_n=16, splits=32, fused_merge=True)),
-    )
 
 
 # (N, K): Gemma 3 12B's gate/up, down and q projections, the tied head, and two small weights.
@@ -524,7 +484,7 @@ GEMV_SHAPES = (
     (262144, 3840),
     (2048, 4096),
     (512, 4096),
-    (8192, 2816),  # 26B-A4B's q/k/v: few short rows, unsplit (UNSPLIT_SHORT_ROWS)
+    (8192, 2816),  # 26B-A4B's q/k/v: few short rows, unsplit
 )
 
 
@@ -616,24 +576,18 @@ def _cp_async_counts(launches: list[Callable[[], object]]) -> list[int]:
     return [int(count) for count in result.stdout.split()]
 
 
-def test_loop_stages_pipeline_the_gemv_loops_for_hopper() -> None:
-    """With loop stages the weight tiles of the bf16 GEMV's K loop and of the 4-bit affine
-    GEMV's whole steps stream into shared memory by cp.async (Triton's pipeliner takes loads
-    that feed no dot only under a loop's num_stages); the defaults keep plain vector loads.
-    (Without the alignment a launch specializes, the loads are too narrow to pipeline.)"""
+def test_loop_stages_pipeline_the_gemv_loop_for_hopper() -> None:
+    """With loop stages the weight tiles of the bf16 GEMV's K loop stream into shared memory
+    by cp.async (Triton's pipeliner takes loads that feed no dot only under a loop's
+    num_stages); the default keeps plain vector loads. (Without the alignment a launch
+    specializes, the loads are too narrow to pipeline.)"""
     bf16 = torch.bfloat16
     x, weight = torch.randn(1, 4096, dtype=bf16), torch.randn(64, 4096, dtype=bf16)
     tiles = {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 2}
-    packed, scales, biases = quantize_affine(torch.randn(64, 4096), 4, 64)
-    affine = affine_matmul.GemvConfig(32, 16, split_k=2, prefetch=True)
     counts = _cp_async_counts(
         [
             lambda: gemv.gemv_triton(x, weight, False, tiles),
             lambda: gemv.gemv_triton(x, weight, False, {**tiles, "LOOP_STAGES": 3}),
-            lambda: affine_matmul.affine_gemv_triton(x, packed, scales, biases, 4, 64, affine),
-            lambda: affine_matmul.affine_gemv_triton(
-                x, packed, scales, biases, 4, 64, dataclasses.replace(affine, loop_stages=3)
-            ),
         ]
     )
-    assert counts[0] == counts[2] == 0 and counts[1] > 0 and counts[3] > 0, counts
+    assert counts[0] == 0 and counts[1] > 0, counts

@@ -27,7 +27,6 @@ import torch
 from hearth.kv.cache import EMPTY_POSITION
 from hearth.ops import decode_attention as decode_attention_module
 from hearth.ops.decode_attention import (
-    _MERGE_LAST,
     _WRITE_OUTPUT,
     _WRITE_PARTIALS,
     LaunchConfig,
@@ -376,99 +375,17 @@ def test_a_launch_takes_the_tiles_of_its_kv_head_count(
 
 
 def test_merge_policy() -> None:
-    default = LaunchConfig()
-    assert _finish_mode(default, 1, 2, 256) == _WRITE_OUTPUT
-    # By default the merge is a launch of its own (the fused merge measured slower).
-    assert _finish_mode(default, 32, 2, 256) == _WRITE_PARTIALS
-    assert _finish_mode(default, 32, 8, 512) == _WRITE_PARTIALS
-    assert _finish_mode(LaunchConfig(fused_merge=True), 32, 8, 512) == _MERGE_LAST
-    assert _finish_mode(LaunchConfig(fused_merge=False), 16, 2, 256) == _WRITE_PARTIALS
+    assert _finish_mode(1) == _WRITE_OUTPUT
+    # Several splits: partials, merged by a launch of their own.
+    assert _finish_mode(32) == _WRITE_PARTIALS
 
 
-def _scheme_planes(
-    scheme: str, keys: torch.Tensor, values: torch.Tensor
-) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], PlaneFormat, PlaneFormat]:
-    if scheme == "dense":
-        return [keys], [values], DENSE, DENSE
-    affine = scheme.startswith("affine")
-    codec = AffineCodec(int(scheme[-1]), 32) if affine else TurboCodec.parse(scheme)
-    key_format, value_format, key_planes = formats_of(codec)
-    planes = codec.encode(keys, values)
-    return planes[:key_planes], planes[key_planes:], key_format, value_format
-
-
-# (positions, query position, window): a wrapped ring under a sliding window (fully masked
-# blocks inside the ring), and a linear cache with an empty tail (a whole split sees nothing).
-CACHES = {
-    "ring+window": (ring_positions(96, 150), 149, 40),
-    "empty tail": (ring_positions(96, 50), 49, None),
-}
-
-
-@pytest.mark.parametrize("skip", [None, False], ids=["default-skip", "no-skip"])
-@pytest.mark.parametrize("cache", list(CACHES))
-@pytest.mark.parametrize("scheme", ["dense", "affine4", "affine8", "k4v3"])
-def test_fused_merge_matches_reference(scheme: str, cache: str, skip: bool | None) -> None:
-    # Batch 2 x 2 KV heads: four arrival counters in one launch; 16-slot blocks give 3 splits.
-    # fp32, so the 2e-5 kernel bound of the module docstring holds (summation order, exp2).
-    q, keys, values = random_qkv(2, 8, 2, 96, 64, torch.float32)
-    key_planes, value_planes, key_format, value_format = _scheme_planes(scheme, keys, values)
-    positions, query_position, window = CACHES[cache]
-    config = LaunchConfig(block_n=16, splits=4, fused_merge=True, skip_masked_blocks=skip)
-    check(
-        q, key_planes, value_planes, key_format, value_format,
-        positions, query_position, window, 64**-0.5, config,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "merge-launch"])
-def test_merge_over_several_chunks_of_splits(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A tiny merge tile: 2 splits x 4 rows x 16 dims, so the fused merge walks 4 chunks of
-    # splits (the last one half outside the 6 splits) and 4 slices of dims.
-    monkeypatch.setattr(decode_attention_module, "_MERGE_TILE", 32)
-    assert decode_attention_module._fused_merge_tiles(6, 4, 64) == (4, 2, 4, 16)
+def test_merge_launch_over_six_splits() -> None:
+    # 6 splits (not a power of two: part of the merge's split tile is empty) over a wrapped
+    # ring under a sliding window (fully masked blocks inside the ring).
     q, keys, values = random_qkv(1, 8, 2, 96, 64, torch.float32)
-    positions, query_position, window = CACHES["ring+window"]
-    config = LaunchConfig(block_n=16, splits=6, fused_merge=fused)
+    positions, query_position, window = ring_positions(96, 150), 149, 40
+    config = LaunchConfig(block_n=16, splits=6)
     check(
         q, [keys], [values], DENSE, DENSE, positions, query_position, window, 0.125, config
     )  # fmt: skip
-
-
-def _counters_are_zero() -> bool:
-    return all(not counters.any() for counters in decode_attention_module._COUNTERS.values())
-
-
-@pytest.mark.parametrize("scheme", ["dense", "k4v3"])
-def test_fused_merge_repeats_bit_identically(scheme: str) -> None:
-    # The counters are back at zero after each call, so the next call's last split merges
-    # again; the merge's order is fixed, so repeated calls agree bit for bit. Outputs are
-    # kept alive so that no call can get a previous call's output memory back.
-    q, keys, values = random_qkv(2, 8, 2, 96, 64, torch.float32)
-    key_planes, value_planes, key_format, value_format = _scheme_planes(scheme, keys, values)
-    positions, query_position, window = CACHES["ring+window"]
-    args = (q, key_planes, value_planes, key_format, value_format, positions)
-    qpos = torch.tensor(query_position)
-    config = LaunchConfig(block_n=16, splits=4, fused_merge=True)
-    outputs = []
-    for _ in range(4):
-        outputs.append(decode_attention(*args, qpos, window, 0.125, config))
-        assert _counters_are_zero()
-    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
-    reference = decode_attention_reference(*args, qpos, window, 0.125)
-    torch.testing.assert_close(outputs[0], reference, atol=KERNEL_TOLERANCE[q.dtype], rtol=0)
-
-
-def test_fused_merge_after_a_call_with_another_split_count() -> None:
-    # Calls of 3, 2, 6 and again 3 splits share the counters: each must start from zero.
-    q, keys, values = random_qkv(1, 4, 2, 96, 64, torch.float32)
-    positions, query_position, window = CACHES["empty tail"]
-    args = (q, [keys], [values], DENSE, DENSE, positions, torch.tensor(query_position))
-    reference = decode_attention_reference(*args, window, 0.125)
-    outputs = []
-    for splits in (4, 2, 6, 4):
-        config = LaunchConfig(block_n=16, splits=splits, fused_merge=True)
-        outputs.append(decode_attention(*args, window, 0.125, config))
-        assert _counters_are_zero()
-        torch.testing.assert_close(outputs[-1], reference, atol=KERNEL_TOLERANCE[q.dtype], rtol=0)
-    assert torch.equal(outputs[0], outputs[3])

@@ -28,6 +28,7 @@ from hearth.layers.int8 import (
     quantized_linear,
     quantized_linear_of_parts,
 )
+from hearth.ops import native
 
 needs_int8_kernel = pytest.mark.skipif(not cpu.HAS_INT8_KERNEL, reason="no int8 kernel")
 needs_int4_kernel = pytest.mark.skipif(not cpu.HAS_INT4_KERNEL, reason="no int4 kernel")
@@ -260,7 +261,7 @@ def test_int8_kernel_takes_misaligned_inputs() -> None:
 def test_int8_falls_back_when_in_is_not_a_multiple_of_16(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch's kernel has no K tail loop (garbage for K = 24): without the native kernel (which
     # has one, see test_native_int8_kernel_matches_reference) such layers use the reference.
-    monkeypatch.setattr(cpu, "USE_NATIVE_INT8", False)
+    monkeypatch.setattr(native, "kernels", lambda: None)  # the library did not build
     layer = Int8Linear.from_float(random_weight(32, 24, seed=7))
     assert not layer.uses_kernel
     x = torch.randn(2, 24)
@@ -269,7 +270,7 @@ def test_int8_falls_back_when_in_is_not_a_multiple_of_16(monkeypatch: pytest.Mon
 
 def test_int8_fallback_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu, "HAS_INT8_KERNEL", False)
-    monkeypatch.setattr(cpu, "USE_NATIVE_INT8", False)
+    monkeypatch.setattr(native, "kernels", lambda: None)  # the library did not build
     layer = Int8Linear.from_float(random_weight(32, 64, seed=4))
     assert not layer.uses_kernel
     x = torch.randn(2, 64)

@@ -25,10 +25,10 @@ BUDGET_GB = 0.3  # the 270M model's weights (~0.27 GB) plus about 7k tokens of K
 
 def _hand_derived_capacity(budget_bytes: int, weight_bytes: int, element_bytes: int = 2) -> int:
     """Gemma 3 270M: 15 sliding layers hold a ring of 512 slots (K and V of one KV head of 256
-    dims, and an int64 position); 3 full layers hold every token, grown 256 at a time."""
-    token = 2 * 256 * element_bytes
-    left = budget_bytes - weight_bytes - 15 * 512 * (token + 8)
-    return left // (3 * token) // 256 * 256
+    dims, and an int64 position a slot); 3 full layers hold every token, grown 256 at a time."""
+    slot = 2 * 256 * element_bytes + 8
+    left = budget_bytes - weight_bytes - 15 * 512 * slot
+    return left // (3 * slot) // 256 * 256
 
 
 slow = pytest.mark.slow
@@ -215,29 +215,26 @@ def test_memory_budget_refuses_what_cannot_fit_and_accepts_what_can(cached: str)
 
 def test_memory_budget_caps_a_gpu_decoders_slots(
     engine: Any,  # noqa: F811  (test_server_tools' scripted Gemma 4)
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What the budget leaves beside the weights, in tokens of K/V (hand-derived), is
-    the slot limit the app gives the model's graph decoders (on a GPU: the check is patched)."""
+    the slot limit the app gives the engine runner's graph decoders."""
     from hearth.kv.footprint import KVFootprint, LayerBytes
-    from hearth.runtime import generate
-    from hearth.runtime.graphs import _SLOT_LIMIT
     from hearth.server import create_app
     from hearth.server.admission import MemoryBudget
     from hearth.server.app import ServerLimits
 
-    # One full layer of 10^6 bytes a token, grown 256 tokens at a time: 6 GB hold 23 steps.
-    full_layer = KVFootprint((LayerBytes(10**6, 10**6, None),), 0)
+    # One full layer of 10^6 - 8 bytes a token and 8 of position, grown 256 tokens at a time:
+    # 6 GB hold 23 steps.
+    full_layer = KVFootprint((LayerBytes(10**6 - 8, 10**6 - 8, None),))
     assert MemoryBudget(10 * 10**9, 4 * 10**9, full_layer, 10**5).kv_token_capacity() == 5888
     assert MemoryBudget(10**9, 2 * 10**9, full_layer, 10**5).kv_token_capacity() == 0
     assert MemoryBudget(10**12, 0, full_layer, 4096).kv_token_capacity() == 4096  # positions
-    monkeypatch.setattr(generate, "decodes_with_graphs", lambda model: True)
     limits = ServerLimits(prompt_cache_bytes=0, memory_budget_gb=1.0)
     create_app(engine, limits=limits)
     budget = MemoryBudget.for_engine(engine, 1.0)
-    assert engine.model.__dict__[_SLOT_LIMIT] == budget.kv_token_capacity() > 0
+    assert engine.runner.slot_limit == budget.kv_token_capacity() > 0
     create_app(engine, limits=ServerLimits(prompt_cache_bytes=0))
-    assert engine.model.__dict__[_SLOT_LIMIT] is None
+    assert engine.runner.slot_limit is None
 
 
 def test_a_budget_counts_sliding_layers_at_their_window(hearth_270m: Any) -> None:

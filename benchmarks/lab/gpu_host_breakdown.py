@@ -30,9 +30,10 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from hearth.kv.static import StaticCache
+
 from hearth.bench.measure import PrefillRun
 from hearth.bench.random_model import PRESETS, build_random_model
-from hearth.kv.static import StaticCache
 
 seconds: dict[str, float] = defaultdict(float)
 calls: dict[str, int] = defaultdict(int)

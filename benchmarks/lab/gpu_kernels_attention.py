@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from hearth.kv.quantized import AffineCodec
 
 from hearth.kv.cache import EMPTY_POSITION
-from hearth.kv.quantized import AffineCodec
 from hearth.ops.decode_attention import (
     LaunchConfig,
     PlaneFormat,

@@ -102,13 +102,12 @@ def test_fp16_activations(variants) -> None:
     _check(got, x.double() @ weight.T, x, weight, scales)
 
 
-@pytest.mark.parametrize(("bits", "group", "rows"), [(4, 32, 4), (8, 64, 1), (8, 128, 3)])
-def test_library_gemv_is_v1(variants, bits, group, rows, monkeypatch) -> None:
-    """hearth's GEMV with exact codes is the ported v1: the same launch gives the same bits
-    (same operations in the same order), split or not. The library's 4-bit default folds its
-    offsets another way than v1-fold (offsets 256 and 16, not 2**11), so exact codes are
-    pinned here; tests/test_kernels_affine.py checks the folded default against the oracle."""
-    monkeypatch.setattr(am, "GEMV_FOLDED_OFFSETS", False)
+@pytest.mark.parametrize(("bits", "group", "rows"), [(8, 64, 1), (8, 128, 3)])
+def test_library_gemv_is_v1(variants, bits, group, rows) -> None:
+    """hearth's GEMV with exact codes (8-bit) is the ported v1: the same launch gives the same
+    bits (same operations in the same order), split or not. The library's 4-bit GEMV folds
+    its offsets another way than v1-fold (offsets 256 and 16, not 2**11);
+    tests/test_kernels_affine.py checks it against the oracle."""
     torch.manual_seed(9 + bits + rows)
     packed, scales, biases, _ = _weights(bits, group)
     x = torch.randn(rows, K)

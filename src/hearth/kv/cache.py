@@ -108,7 +108,9 @@ class LayerCache:
         self.codec = codec
         self.step = step
         self.capacity = 0  # slots allocated (a ring: its window, from the first token on)
-        self.offset = 0  # tokens stored; the next token's position
+        # Tokens stored, the next token's position; None after a padded chunk stored on the
+        # device, until read back (`offset`) or set by the graph decoder that replays it.
+        self._offset: int | None = 0
         self.pinned = False
         self._pinned_capacity = 0
         # Pinned: the full layers' slots attention reads, set by the graph decoder.
@@ -161,6 +163,18 @@ class LayerCache:
             self._next = torch.zeros((), dtype=torch.long, device=keys.device)
             self._dtype = values.dtype
         self._planes, self._positions, self.capacity = grown, positions, wanted
+
+    @property
+    def offset(self) -> int:
+        """Tokens stored: the next token's position (read from the device after a padded
+        chunk, which stores as many as its device-side count of real tokens)."""
+        if self._offset is None:
+            self._offset = 0 if self._next is None else int(self._next)
+        return self._offset
+
+    @offset.setter
+    def offset(self, tokens: int) -> None:
+        self._offset = tokens
 
     @property
     def is_dense(self) -> bool:
@@ -300,7 +314,7 @@ class LayerCache:
         empty = torch.full_like(newest, EMPTY_POSITION)
         self._positions[:span].copy_(torch.where(kept, newest, empty))
         self._next.copy_(real)
-        self.offset = count  # a placeholder until the decoder sets the real count
+        self._offset = None
         return KVView(keys, values, count, None)
 
     def _store_padded_continuation(
@@ -327,6 +341,7 @@ class LayerCache:
                 0, new_positions, torch.where(is_real, new_positions, empty)
             )
             self._next.add_(real)
+            self._offset = None
             return self._read_view()
         old_keys, old_values = self._decoded(self.capacity)
         view = KVView(
@@ -343,6 +358,7 @@ class LayerCache:
             plane.copy_(torch.where(mask, part.index_select(2, source), plane))
         self._positions.copy_(torch.where(from_chunk, newest, self._positions))
         self._next.add_(real)
+        self._offset = None
         return view
 
     def _newest_held(self, span: int, last: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -46,10 +46,6 @@ def quantize_int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
 PREFILL_ROWS = 16
 
 
-# Int8Linear uses native.kernels() when this is set and the library builds on this machine.
-USE_NATIVE_INT8 = True
-
-
 class _QuantizedLinear(nn.Module):
     """Shared forward: flatten leading dims, bf16 kernel when usable, optional bias, restore."""
 
@@ -116,7 +112,7 @@ class Int8Linear(_QuantizedLinear):
         super().__init__()
         out_features, in_features = qweight.shape
         self.uses_torch_kernel = HAS_INT8_KERNEL and in_features % INT8_KERNEL_IN_MULTIPLE == 0
-        self.uses_native = USE_NATIVE_INT8 and native.kernels() is not None
+        self.uses_native = native.kernels() is not None
         uses_kernel = self.uses_native or self.uses_torch_kernel
         self._init_common(in_features, out_features, bias, uses_kernel)
         self.register_buffer("qweight", aligned(qweight.contiguous()))

@@ -29,31 +29,18 @@ def kernel_enabled(tensor: torch.Tensor) -> bool:
 # the kernel before it in the stream is still finishing, and waits (`wait_for_producer`)
 # before it touches memory. The decode step is ~600 short kernels, and the gap between two
 # of them is of the order of a microsecond; with PDL the next kernel's launch overlaps the
-# previous one's tail. Only for small launches: a 4096-token prefill measured 1.0% slower with
-# it (results/ab_12b_prefill_pdl-2026-12-03.md). A kill switch for A/B measurements.
-PDL = True
+# previous one's tail. Only for small launches: a long prefill's kernels run long enough that
+# the gap does not show, and they measured slower with PDL.
 # Largest activation tensor (elements) whose kernels launch with PDL: a decode step's (31B's
 # stacked gate/up output is 43k) and prefill chunks of a few tokens, not long prefills.
 PDL_MAX_ELEMENTS = 1 << 17
 # With PDL a kernel's programs may be resident while the kernel before it still runs, and a
-# weight never depends on that kernel: a GEMV may ask L2 for the first this-many 128-byte
+# weight never depends on that kernel: the bf16 GEMV asks L2 for the first this-many 128-byte
 # lines of each of its weight rows before it waits (`prefetch_to_l2`), so that the DRAM
-# latency and the first bytes overlap the previous kernel's tail and the launch gap.
-# 2026-12-05 A/B (H100, bf16 decode, logits bit-identical): E4B +1.9%, 26B-A4B +2.1%, 12B
-# +0.3% at 8 lines; 16 lines gave +1.6-1.8%, 32 lines +0-1.1%
-# (`benchmarks/results/ab_*prefetch*_h100-2026-12-05.md`).
+# latency and the first bytes overlap the previous kernel's tail and the launch gap. Eight
+# lines measured fastest. The affine GEMVs (bound by instruction issue) and the gathered GEMV
+# over float experts were no faster with any, so they prefetch nothing.
 PREFETCH_LINES = 8
-# The same for the 4/8-bit affine GEMV (its words, first scales and biases): off, since it
-# cost 12B 13% and E4B 8% at 4 bits in the same A/B (the affine GEMV is issue-bound, and
-# the hints take issue slots and L2 bandwidth from its own loads); 1 and 2 lines were within
-# noise on 12B 4-bit (-0.2%, -0.1%: `ab_12b_4bit_affine_prefetch_h100-2026-12-05.md`).
-AFFINE_PREFETCH_LINES = 0
-# The same for the gathered GEMV over float experts, at the rows of the experts the router
-# picked: their ids were written two or more launches back (with this on, a MoE layer runs
-# its router before its dense MLP), and a launch that has started under PDL follows the end
-# of the launch two before it. Off: 26B-A4B decode lost 1.5% at 8 lines and 1.3% at
-# 16 against the default (2026-12-05 A/B on an H100, `ab_26b_expert_prefetch_h100-…`).
-EXPERT_PREFETCH_LINES = 0
 
 
 @functools.cache
@@ -65,27 +52,14 @@ def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
     """Launch keywords for a kernel whose first step is `wait_for_producer(PDL)`: the
     constexpr `PDL` and Triton's `launch_pdl`, on where the device supports it."""
     small = tensor.numel() <= PDL_MAX_ELEMENTS
-    on = (
-        PDL
-        and small
-        and HAS_TRITON
-        and tensor.is_cuda
-        and _device_has_pdl(tensor.device.index or 0)
-    )
+    on = small and HAS_TRITON and tensor.is_cuda and _device_has_pdl(tensor.device.index or 0)
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 
-def prefetch_lines(pdl: dict[str, bool], weights: str = "bf16") -> int:
-    """Lines per weight row a kernel launched with `pdl` (`pdl_options`) prefetches before its
-    wait, by the kind of `weights` it reads ("bf16", "affine" or "experts"): none without
-    PDL, where nothing runs before the kernel's own loads."""
-    if not pdl["PDL"]:
-        return 0
-    return {
-        "bf16": PREFETCH_LINES,
-        "affine": AFFINE_PREFETCH_LINES,
-        "experts": EXPERT_PREFETCH_LINES,
-    }[weights]
+def prefetch_lines(pdl: dict[str, bool]) -> int:
+    """Lines per weight row a bf16 GEMV launched with `pdl` (`pdl_options`) prefetches before
+    its wait: none without PDL, where nothing runs before the kernel's own loads."""
+    return PREFETCH_LINES if pdl["PDL"] else 0
 
 
 if HAS_TRITON:

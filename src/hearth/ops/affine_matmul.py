@@ -13,10 +13,12 @@ and biases ``[..., N, K / group]``. Triton paths, each beside its torch referenc
   with the exponent of ``2**(23 - p)`` is the float ``2**(23 - p) + code``; codes above bit 23
   are moved down 16 first. Per group it forms ``sum(x * q)`` and applies
   ``scale * that + bias * sum(x)``, so the scale and bias cost nothing per element. Where N
-  gives too few programs, K is split: each program stores fp32 partials and the last of a row
-  block to arrive (an acq_rel counter) adds them in split order and resets the counter (one
-  kernel, deterministic, CUDA-graph safe). The launch config comes from `gemv_config`, a
-  small heuristic fitted to H200 measurements. With `prefetch` the loop requests the next
+  gives too few programs, K is split: each program stores fp32 partials and a small launch
+  of its own (PDL) adds them in split order (deterministic, CUDA-graph safe); were the last
+  program of a row block to arrive to add them, its serial tail after the loop (a release, an
+  arrival count, the partials' loads) would outlast the launch gap PDL hides. The launch
+  config comes from `gemv_config`, a small heuristic fitted to launch sweeps. With
+  `prefetch` the loop requests the next
   step's words, scales and biases before this step's arithmetic (Triton does not
   software-pipeline a `while` loop), keeping two steps of loads in flight per program. With
   `codes_major_x` the launcher first copies x into `codes_major` order (a PDL Triton kernel),
@@ -25,11 +27,13 @@ and biases ``[..., N, K / group]``. Triton paths, each beside its torch referenc
   (one LOP3 per code after one shift per pair), their offsets taken off per group from the x
   sums: fp32 sums of ``x * (offset + code)`` with offsets 16 and 256 lose a few bits against
   sums of ``x * code``, ~2^-16 of sum |x * w|, far below the output's rounding.
-* **Tile GEMV** (5..16 rows, and gathered experts): the rows are a tensor dimension of one
-  ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias, split-K and
-  deterministic finish; autotuned. For MoE each program row is a (token, slot) pair reading
-  only the rows of the expert that pair chose; the ids stay on the device (no sync, so CUDA
-  graphs can capture it). A float variant serves bf16 experts.
+* **Gathered GEMV** (MoE decode): the unrolled GEMV with a third grid axis over the (token,
+  slot) pairs, each reading only the rows of the expert that pair chose; the ids stay on the
+  device (no sync, so CUDA graphs can capture it). A float kernel serves bf16 experts.
+* **Tile GEMV** (5..16 rows; gathered experts too large for the unrolled GEMV's int32
+  offsets): the rows are a tensor dimension of one ``[M, BLOCK_N, groups, words]`` tile,
+  with the same per-group scale and bias; autotuned. A K split's last program to arrive (an
+  acq_rel counter) adds the partials in split order and resets the counter.
 * **Prefill** (M > 16): dequantize once with a Triton kernel that rounds exactly as
   ``dequantize_affine`` does, then cuBLAS. Dequantizing costs ~N*K*2 bytes, small beside the
   2*M*N*K FLOPs of a long prompt.
@@ -47,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hearth.ops import HAS_TRITON, kernel_enabled, pdl_options, prefetch_lines
+from hearth.ops import HAS_TRITON, kernel_enabled, pdl_options
 from hearth.ops.activation import gelu_tanh_mul_reference
 from hearth.ops.launch import launch_kernel
 from hearth.quant import mlx as mlx_affine
@@ -59,79 +63,32 @@ GEMV_MAX_ROWS = 16
 UNROLLED_ROWS = 4
 WORD_BITS = 32
 MAX_SPLIT_K = 8
-# Widths whose `gemv_config` launches the register-prefetching loop (GemvConfig.prefetch).
-# End to end on an H200 (Gemma 3 12B, decode at 512): 4-bit 137.2 -> 146.2 tok/s, 8-bit
-# 186.0 -> 177.5 (benchmarks/results/gpu_gemv_prefetch_ab-2026-12-03.md).
+# Widths whose `gemv_config` launches the register-prefetching loop (GemvConfig.prefetch):
+# the 4-bit loop has too few bytes in flight without it; 8-bit measured slower with it.
 GEMV_PREFETCH_BITS = (4,)
 # Where `gemv_config` says so, the GEMV reads x codes-major (`codes_major`, in blocks of
 # X_BLOCK_WORDS words): per code position j, the x values of a thread's words are adjacent,
-# one vector load instead of one 2-byte load per word and j. Nsight Compute found the 4-bit
-# GEMV bound by L1 requests, most of them x loads (benchmarks/results/
-# gpu_gemv_x_order-2026-12-03.md). False turns it off everywhere (A/B runs).
-GEMV_CODES_MAJOR_X = True
+# one vector load instead of one 2-byte load per word and j (the 4-bit GEMV was bound by L1
+# requests, most of them x loads). A PDL Triton kernel reorders x before the GEMV, unless
+# x's producer stored it so (`CodesMajor`).
 X_BLOCK_WORDS = 32
-# The reordered x's dtype (None: x's own). fp32 saves the kernel a conversion per x value it
-# loads (10% fewer instructions in the loop) but doubles the x bytes each thread loads; since
-# the folded offsets and the reorder kernel, x's own bf16 wins on an H200: 12B 4-bit decode
-# 247.5 -> 252.5 tok/s, E4B 4-bit 334.1 -> 346.7, logits bit-identical
-# (benchmarks/results/ab_4bit_folded-2026-12-03.md).
-CODES_MAJOR_DTYPE: torch.dtype | None = None
-# The reorder as a Triton kernel with programmatic dependent launch, rather than torch's copy
-# kernel (~2 µs a launch before the GEMV in the E4B 4-bit profile). A/B on an H200, logits
-# bit-identical: 12B 4-bit decode 237.6 -> 246.5 tok/s, E4B 4-bit 314.6 -> 333.6
-# (benchmarks/results/ab_4bit_next-2026-12-03.md). False: torch's copy.
-CODES_MAJOR_KERNEL = True
-# 4-bit codes as ``offset + code`` floats, the offsets taken off once per group from the x
-# sums (`_offset_codes`): one subtraction fewer per code in the GEMV's loop (sm_90 SASS: 4.05
-# -> 3.59 instructions a code). A/B on an H200: 12B 4-bit decode 233.0 -> 237.6 tok/s, E4B
-# 4-bit 310.8 -> 314.6 (same table). False: exact codes, minus their offset one by one.
-GEMV_FOLDED_OFFSETS = True
-# A K-split GEMV's partial sums added by a small launch of their own (PDL), rather than by the
-# last program of each row block to arrive (a release of its stores, an arrival count, then
-# the partials' loads: a serial tail after its own loop, longer than a launch PDL overlaps).
-# Both add the splits in split order: the same bits. A/B on an H100, logits bit-identical:
-# 4-bit decode 12B 233.5 -> 239.8 tok/s (+2.7%), E4B 336.5 -> 350.8 (+4.2%), 26B-A4B 319.4 ->
-# 332.5 (+4.1%) (benchmarks/results/ab_*_4bit_split_sum_h100-2026-12-06.md). An A/B switch.
-SPLIT_SUM_LAUNCH = True
-# Outputs a program of that launch adds: 12B's 3840 rows in 15 programs.
+# Outputs a program of the K split's sum launch adds (`_sum_splits_kernel`): 12B's 3840 rows
+# in 15 programs.
 SPLIT_SUM_BLOCK = 256
-# 4-bit weights of few rows whose rows are 129-511 words (K 1032-4088 at 4 bits), with a row
-# block of 16 for each SM at least, launch unsplit: 16 rows, 128-word steps, x in input order,
-# no prefetching loop, as the gathered experts do (`gathered_gemv_config`). 26B-A4B's dense
-# q/k/v, gate/up and down (gpu_gemv_affine_sweep_unsplit_26b_h100-2026-12-06.md: 8.5 µs
-# against 10.2 split 4 with its sum launch; 6.1 against 7.6), E4B's q/k/v and o, 12B's q/k/v.
-# Decode on an H100: 26B-A4B 4-bit +4.4%, E4B +1.4% (rows up to 352 words), 12B +2.2% (up to
-# 480: ab_*_4bit_short_rows*_h100-2026-12-06.md). An A/B switch.
-UNSPLIT_SHORT_ROWS = True
-# MoE decode's gathered experts through the unrolled GEMV (its loop, with a third grid axis
-# over the (token, slot) pairs; launches from `gathered_gemv_config`) rather than the tile
-# GEMV, whose generic loop read 26B-A4B's 4-bit experts at ~0.7 TB/s on an H100: 4-bit decode
-# +20.5% (ab_26b_4bit_gathered_launch_h100-2026-12-06.md). False: the tile GEMV.
-GATHERED_UNROLLED = True
-# A packed token table's rows (`affine_embed`) from the dequantize kernel gathering them: one
-# launch a table a step, not ~23 torch ops; bit-identical. An A/B switch.
-EMBED_KERNEL = True
 
 
 # ---------------------------------------------------------------------------------------------
 # Torch references
 
 
-def codes_major(
-    x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS, dtype: torch.dtype | None = None
-) -> Tensor:
+def codes_major(x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS) -> Tensor:
     """x ``[M, K]`` reordered per block of `block_words` packed words so that, within a block,
     the inputs of code position j of every word are adjacent: ``[M, blocks, codes, words]``,
-    element ``[m, b, j, w] = x[m, (b * block_words + w) * codes + j]`` (codes = 32 / bits),
-    cast to `dtype` (exact for a wider float) in the same copy."""
+    element ``[m, b, j, w] = x[m, (b * block_words + w) * codes + j]`` (codes = 32 / bits)."""
     m, k = x.shape
     codes = WORD_BITS // bits
     blocks = k // (codes * block_words)
-    grouped = x.view(m, blocks, block_words, codes).transpose(2, 3)
-    # One copy kernel for the reorder and the cast (`.to` would return the strided view
-    # itself when the dtype does not change).
-    out = torch.empty(grouped.shape, dtype=dtype or x.dtype, device=x.device)
-    return out.copy_(grouped)
+    return x.view(m, blocks, block_words, codes).transpose(2, 3).contiguous()
 
 
 def codes_major_fits(k: int, bits: int, block_words: int = X_BLOCK_WORDS) -> bool:
@@ -197,7 +154,7 @@ def affine_embed(
 ) -> Tensor:
     """`affine_embed_reference` cast to `dtype`; on CUDA at 4 and 8 bits one kernel, bit for
     bit (eagerly the gathers, unpacking and roundings are ~23 launches a table a step)."""
-    if EMBED_KERNEL and kernel_enabled(packed) and bits in KERNEL_BITS:
+    if kernel_enabled(packed) and bits in KERNEL_BITS:
         return affine_dequantize_triton(packed, scales, biases, bits, group_size, dtype, ids)
     return affine_embed_reference(ids, packed, scales, biases, bits, group_size).to(dtype)
 
@@ -305,7 +262,7 @@ def codes_major_input(
 
 def _reads_codes_major(config: GemvConfig, k: int, bits: int) -> bool:
     """Whether an unrolled launch of `config` reads x `codes_major` (else in input order)."""
-    return config.codes_major_x and GEMV_CODES_MAJOR_X and codes_major_fits(k, bits, X_BLOCK_WORDS)
+    return config.codes_major_x and codes_major_fits(k, bits, X_BLOCK_WORDS)
 
 
 def affine_gemv_geglu_out(
@@ -368,21 +325,12 @@ class GemvConfig:
     split_k: int = 1
     prefetch: bool = False  # load step s + 1 before step s's arithmetic
     codes_major_x: bool = False  # read x reordered by `codes_major` where it fits
-    # Registers a thread may hold (ptxas's maxnreg; 0: its own choice). Fewer registers let
-    # more programs share an SM (65536 registers each): an A/B handle, not in `gemv_config`.
-    max_registers: int = 0
-    # Over 1: the whole steps every split has run in a loop Triton software-pipelines with
-    # this many stages (cp.async into shared memory), in place of `prefetch`. An A/B handle.
-    loop_stages: int = 1
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
         prefetch = " prefetch" if self.prefetch else ""
         ordered = " x-codes-major" if self.codes_major_x else ""
-        capped = f" r{self.max_registers}" if self.max_registers else ""
-        staged = f" stages{self.loop_stages}" if self.loop_stages > 1 else ""
-        described = f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}"
-        return f"{described}{ordered}{capped}{staged}"
+        return f"N{self.block_n} G{self.block_g} w{self.warps}{split}{prefetch}{ordered}"
 
 
 H200_MULTIPROCESSORS = 132
@@ -398,35 +346,35 @@ def _cdiv(a: int, b: int) -> int:
 def gemv_config(
     n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
 ) -> GemvConfig:
-    """The GEMV launch for an ``[N, K]`` weight, fitted to the launch sweep of group-64 weights
-    at M=1 on an H200, in CUDA graphs of back-to-back calls past L2, as decode runs them
-    (benchmarks/results/gpu_gemv_affine_sweep-2026-12-03.md, ..._8bit-2026-12-03.md):
+    """The GEMV launch for an ``[N, K]`` weight, fitted to launch sweeps of group-64 weights at
+    M=1 in CUDA graphs of back-to-back calls past L2, as decode runs them
+    (`benchmarks/gpu_gemv_affine_sweep.py`):
 
-    ==== ============================================ ================= =========================
-    bits shape class (measured shapes, N x K)          config            µs (previous launch's)
-    ==== ============================================ ================= =========================
-    4    N/32 blocks > 2 per SM (30720 x 3840; head)   N64 G4 w4         32.4; 202.3 (same)
-    4    fewer, rows of >= 512 words (3840 x 15360;    N32 G16 w4 split2 17.2 (35.3); 7.7 (11.8)
-         3840 x 4096)
-    4    fewer, shorter rows (8192 x 3840)             N64 G4 w4 split4  13.4 (16.4)
-    8    N/32 blocks > 2 per SM (30720 x 3840)         N32 G8 w4         38.6 (same)
-    8    N/16 blocks > 2 per SM (8192 x 3840)          N16 G16 w4        12.6 (16.9)
-    8    fewer (3840 x 15360; 3840 x 4096)             N32 G8 w4 split4  21.6 (24.3); 8.0 (9.2)
-    ==== ============================================ ================= =========================
+    ==== ============================================== =================================
+    bits shape class (examples, N x K)                   launch
+    ==== ============================================== =================================
+    4    N/32 row blocks > 2 per SM (30720 x 3840; head)  N64 G4, x codes-major
+    4    fewer; rows of 129-511 words, N/16 blocks >= 1   N16 G16 unsplit, x in input order,
+         per SM (8192 x 2816; 8192 x 3840)                no prefetching loop
+    4    fewer; rows of >= 512 words (3840 x 15360)       N32 G16, splits to 1 program a SM
+    4    fewer, other rows (2560 x 256)                   N64 G4, splits to 2 programs a SM
+    8    N/32 row blocks > 2 per SM (30720 x 3840)        N32 G8
+    8    N/16 row blocks > 2 per SM (8192 x 3840)         N16 G16
+    8    fewer (3840 x 15360; 3840 x 4096)                N32 G8, splits to 2 programs a SM
+    ==== ============================================== =================================
 
-    What the sweeps showed: a launch with few row blocks is latency bound (Nsight Compute:
-    1.8 warps per scheduler, 0.4 eligible) and gains from anything that puts more bytes in
-    flight per program. At 4 bits, 16 groups per step (a thread then holds 8 rows, so each x
-    value it loads serves 8 codes) where every split still gets two whole steps, else 64
-    rows and more splits. Splits double until the row blocks give one program per SM (two
-    where marked), each keeping at least one whole step. Other group sizes keep the packed
-    words per step, so G scales with 64 / group; they, and M > 1, are not measured. Widths in
-    GEMV_PREFETCH_BITS take the prefetching loop (8-bit lost with it in the sweep, as end to
-    end before). 4-bit launches whose row blocks fill the GPU read x codes-major (Nsight
-    Compute: 12B gate/up 68.5 -> 46.1 µs; gpu_gemv_x_order-2026-12-03.md) at 64 rows (12B
-    4-bit decode 164.9 -> 169.0 tok/s); a weight left unsplit only because K is short (E4B's
-    2560 x 256 per-layer projection) reads x in input order, without the reorder launch
-    before it (E4B 4-bit decode +1.3% on an H100, ab_e4b_4bit_ple_attn_h100-2026-12-06.md).
+    A launch with few row blocks is latency bound and gains from anything that puts more
+    bytes in flight per program: at 4 bits, 16 groups per step (a thread then holds 8 rows,
+    so each x value it loads serves 8 codes) where every split still gets two whole steps,
+    else 64 rows and more splits. Splits double until the row blocks give the programs
+    marked, each keeping at least one whole step. 4-bit rows too short for two such steps a
+    split, in enough row blocks of 16 to give every SM one, run unsplit: a split's partials
+    and sum launch would cost more than it gains. Other group sizes keep the packed words
+    per step, so G scales with 64 / group; they, and M > 1, are not measured. Widths in
+    GEMV_PREFETCH_BITS take the prefetching loop (all but the unsplit short rows, as the
+    gathered experts). Only 4-bit launches whose row blocks fill the GPU read x codes-major
+    (their loop was bound by L1 requests for x); the others read x in input order, saving
+    the reorder launch before them.
     """
     few = 2 * multiprocessors  # more row blocks than this fill the GPU without a K split
     many_rows = _cdiv(n, 32) > few
@@ -434,7 +382,7 @@ def gemv_config(
     long_rows = row_words >= 4 * 128  # two 128-word steps in each of two splits
     words_per_group = group * bits // WORD_BITS
     short_rows = row_words > 128 and not long_rows and _cdiv(n, 16) >= multiprocessors
-    if bits == 4 and not many_rows and short_rows and UNSPLIT_SHORT_ROWS:
+    if bits == 4 and not many_rows and short_rows:
         return GemvConfig(16, max(1, 128 // words_per_group))
     # (rows per program, packed words per step, first split, programs the splits aim for)
     if bits == 4:
@@ -470,20 +418,19 @@ def gemv_config(
 @lru_cache(maxsize=64)
 def gathered_gemv_config(k: int, bits: int, group: int) -> GemvConfig:
     """The unrolled GEMV's launch over gathered experts of ``[N, K]``, fitted to a sweep of
-    26B-A4B's at one token (8 experts a launch, in CUDA graphs past L2, H100:
-    benchmarks/results/gpu_gathered_gemv_sweep_h100-2026-12-06.md): steps of 128 packed words
-    at 4 bits, 128 or 256 at 8, x in input order (a codes-major x lost at 4 bits), no K split
-    (8 pairs fill the GPU), no prefetching loop:
+    26B-A4B's at one token (8 experts a launch, in CUDA graphs past L2:
+    `benchmarks/gpu_gathered_gemv_sweep.py`): steps of 128 packed words at 4 bits, 128 or 256
+    at 8, x in input order (a codes-major x was slower at 4 bits), no K split (8 pairs fill
+    the GPU), no prefetching loop:
 
-    ==== ================================== ============ ==========================
-    bits shape (N x K)                       launch       µs (`gemv_config`'s for
-                                                          the pairs' rows)
-    ==== ================================== ============ ==========================
-    4    gate/up 1408 x 2816 (352 words)     N32 G16 w4   11.5 (15.2)
-    4    down 2816 x 704 (88 words: 1 step)  N16 G16 w4   8.5 (9.4)
-    8    gate/up (704 words)                 N16 G8 w4    15.7 (17.4)
-    8    down (176 words: 1 step)            N32 G16 w4   10.3 (11.4)
-    ==== ================================== ============ ==========================
+    ==== ================================== ============
+    bits shape (N x K)                       launch
+    ==== ================================== ============
+    4    gate/up 1408 x 2816 (352 words)     N32 G16 w4
+    4    down 2816 x 704 (88 words: 1 step)  N16 G16 w4
+    8    gate/up (704 words)                 N16 G8 w4
+    8    down (176 words: 1 step)            N32 G16 w4
+    ==== ================================== ============
     """
     words_per_group = group * bits // WORD_BITS
     row_words = k * bits // WORD_BITS
@@ -501,7 +448,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from hearth.ops import prefetch_row_lines, prefetch_to_l2, wait_for_producer
+    from hearth.ops import wait_for_producer
     from hearth.ops.activation import geglu
 
     # Globals a kernel reads must be constexpr objects (the interpreter does not enforce it).
@@ -715,7 +662,6 @@ if HAS_TRITON:
         biases_ptr,
         out_ptr,
         partial_ptr,
-        counter_ptr,
         N,
         row_words,
         groups,
@@ -735,31 +681,23 @@ if HAS_TRITON:
         X_BLOCK: tl.constexpr,
         FOLD: tl.constexpr,
         PDL: tl.constexpr,
-        STAGED_STEPS: tl.constexpr = 0,
-        LOOP_STAGES: tl.constexpr = 1,
-        PREFETCH_LINES: tl.constexpr = 0,
-        SUM_APART: tl.constexpr = False,
         GEGLU_OUT: tl.constexpr = False,
         GATHER: tl.constexpr = False,
     ):
         """out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4; grid (blocks of N, splits of K).
-        With SUM_APART a K split only stores its partials (`_sum_splits_kernel` adds them).
-        With GEGLU_OUT (no K split) the
-        weight is a stacked gate/up ``[2 * I, K]``: a program's rows are gate and up rows in
-        turn, ``pid_n * BLOCK_N / 2 + r // 2`` of gate (r even) or of up (r odd), and it
-        stores ``geglu(gate, up)`` into out ``[M, I]`` (`_store_geglu_pairs`).
+        A K split only stores its fp32 partials (`_sum_splits_kernel` adds them). With
+        GEGLU_OUT (no K split) the weight is a stacked gate/up ``[2 * I, K]``: a program's rows
+        are gate and up rows in turn, ``pid_n * BLOCK_N / 2 + r // 2`` of gate (r even) or of
+        up (r odd), and it stores ``geglu(gate, up)`` into out ``[M, I]``
+        (`_store_geglu_pairs`).
 
         `row_words` and `groups` (K / codes per word, K / GROUP) are passed, not derived, so
         Triton sees the row strides' divisibility and loads 16 bytes at a time. Split s owns
         groups ``[s * split_groups, (s + 1) * split_groups)``, whole steps but for the last.
         The loops are `while` loops: Triton's interpreter cannot run `range` to a run-time
-        bound. With LOOP_STAGES > 1 the first STAGED_STEPS whole steps (no split has fewer)
-        run in a `for` loop of constant trip count instead, which Triton software-pipelines;
-        the steps and their arithmetic are the same, in the same order. two23: see TWO23_BITS.
-        PREFETCH_LINES > 0 asks L2 for that many lines of each row's words, and the line of its
-        first scales and biases, before the wait for the previous kernel.
+        bound. two23: see TWO23_BITS.
 
-        With GATHER (M = 1, no K split, no PREFETCH_LINES) grid axis 2 is a (token, slot)
+        With GATHER (M = 1, no K split) grid axis 2 is a (token, slot)
         pair r of MoE experts stacked ``[E, N, ...]``: the weight is expert ``ids[r]``
         (``N * row_words`` words and ``N * groups`` scales apart), x row ``r // x_rows_per_id``
         and out row r."""
@@ -790,10 +728,6 @@ if HAS_TRITON:
         word_rows = n_read * row_words
         group_rows = n_read * groups
         g0 = pid_k * split_groups
-        if PREFETCH_LINES > 0 and not GATHER:  # a pair's expert is known after the wait only
-            prefetch_row_lines(packed_ptr + word_rows[:, None], g0 * WPG, row_words, PREFETCH_LINES)
-            prefetch_to_l2(scales_ptr + group_rows + g0)
-            prefetch_to_l2(biases_ptr + group_rows + g0)
         if not GATHER:
             wait_for_producer(PDL)
         g_end = tl.minimum(g0 + split_groups, groups)
@@ -802,15 +736,7 @@ if HAS_TRITON:
         acc2 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         whole = (g_end - g0) // BLOCK_G  # steps without masks
-        if LOOP_STAGES > 1:
-            for step in tl.range(STAGED_STEPS, num_stages=LOOP_STAGES):
-                acc0, acc1, acc2, acc3 = _load_and_add_step(
-                    acc0, acc1, acc2, acc3, packed_ptr, scales_ptr, biases_ptr, word_rows,
-                    group_rows, x_ptr, g0 + step * BLOCK_G, g_end, stride_xm, two23, M,
-                    BITS, CODES, WPG, BLOCK_N, BLOCK_G, False, X_BLOCK, FOLD,
-                )  # fmt: skip
-            g0 += STAGED_STEPS * BLOCK_G
-        elif PREFETCH and whole > 0:
+        if PREFETCH and whole > 0:
             # Register double buffering: the next step's words are requested before this
             # step's arithmetic, so one program keeps two steps of loads in flight (a `while`
             # loop is not software-pipelined by Triton).
@@ -874,7 +800,7 @@ if HAS_TRITON:
             if M > 3:
                 _store_row(out_ptr + 3 * stride_om, acc3, n, n_ok)
         else:
-            # Partials [SPLIT_K, M, N] fp32; the last split to arrive sums them in split order.
+            # Partials [SPLIT_K, M, N] fp32, for `_sum_splits_kernel`.
             own = partial_ptr + pid_k * M * N
             tl.store(own + n, tl.sum(acc0, axis=1), mask=n_ok)
             if M > 1:
@@ -883,9 +809,6 @@ if HAS_TRITON:
                 tl.store(own + 2 * N + n, tl.sum(acc2, axis=1), mask=n_ok)
             if M > 3:
                 tl.store(own + 3 * N + n, tl.sum(acc3, axis=1), mask=n_ok)
-            if not SUM_APART:
-                _sum_when_last(partial_ptr, counter_ptr, out_ptr, pid_n, n, n_ok, N, stride_om,
-                               M, SPLIT_K)  # fmt: skip
 
     @triton.jit
     def _sum_splits(partial_ptr, out_ptr, n, n_ok, N, stride_om, M: tl.constexpr, SPLITS):
@@ -899,24 +822,12 @@ if HAS_TRITON:
             tl.store(out_ptr + m * stride_om + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _sum_when_last(
-        partial_ptr, counter_ptr, out_ptr, pid_n, n, n_ok, N, stride_om,
-        M: tl.constexpr, SPLIT_K: tl.constexpr,
-    ):  # fmt: skip
-        """After a split stored its partials: the last split of row block pid_n to arrive
-        adds them all (`_sum_splits`) and resets the block's counter."""
-        tl.debug_barrier()  # every thread's partials are written before the release below
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            _sum_splits(partial_ptr, out_ptr, n, n_ok, N, stride_om, M, SPLIT_K)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch (and replays)
-
-    @triton.jit
     def _sum_splits_kernel(
         partial_ptr, out_ptr, N, stride_om, M: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """`_sum_splits` of BLOCK outputs a program, as a launch of its own (SPLIT_SUM_LAUNCH)."""
+        """`_sum_splits` of BLOCK outputs a program: a K-split GEMV's finish, in a launch of
+        its own."""
         wait_for_producer(PDL)
         n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         _sum_splits(partial_ptr, out_ptr, n, n < N, N, stride_om, M, SPLIT_K)
@@ -939,14 +850,12 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * stride_xm + at, mask=ok)
         tl.store(out_ptr + row * K + i, x.to(out_ptr.dtype.element_ty), mask=ok)
 
-    def codes_major_triton(
-        x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS, dtype: torch.dtype | None = None
-    ) -> Tensor:
+    def codes_major_triton(x: Tensor, bits: int, block_words: int = X_BLOCK_WORDS) -> Tensor:
         """`codes_major` in one Triton launch (with PDL where the GPU has it)."""
         m, k = x.shape
         codes = WORD_BITS // bits
         blocks = k // (codes * block_words)
-        out = torch.empty(m, blocks, codes, block_words, dtype=dtype or x.dtype, device=x.device)
+        out = torch.empty(m, blocks, codes, block_words, dtype=x.dtype, device=x.device)
         block = 1024
         launch_kernel(
             _codes_major_kernel,
@@ -1143,22 +1052,16 @@ if HAS_TRITON:
         stride_xm,
         stride_om,
         X_ROWS_PER_ID,
-        EXPERTS,
         K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH_LINES: tl.constexpr = 0,
         GEGLU_OUT: tl.constexpr = False,
     ):
         """out[r, n] = x[r // X_ROWS_PER_ID] . weight[ids[r], n]; grid (pairs r, blocks of N).
         With GEGLU_OUT the experts are stacked gate/up [E, 2N, K] and out[r] is
         gelu_tanh(gate) * up [N]: a program's rows alternate gate row c and up row c
-        (`_store_geglu_pairs`).
-        PREFETCH_LINES > 0 asks L2 for that many lines of each of the program's rows before
-        the wait (`hearth.ops.EXPERT_PREFETCH_LINES`), at the expert read from ids then:
-        final when the router ran two launches back, else a guess that can only cost time
-        (clamped to the experts, and the ids are read again after the wait)."""
+        (`_store_geglu_pairs`)."""
         pid_r = tl.program_id(0)
         lane = tl.arange(0, BLOCK_N)
         if GEGLU_OUT:  # gate row c and up row N + c in turn, for outputs c of block pid_n
@@ -1170,11 +1073,6 @@ if HAS_TRITON:
             n = tl.program_id(1) * BLOCK_N + lane
             n_ok = n < N
             ROWS = N
-        if PREFETCH_LINES > 0:
-            guess = tl.load(ids_ptr + pid_r, cache_modifier=".cg")
-            guess = tl.minimum(tl.maximum(guess, 0), EXPERTS - 1).to(tl.int64)
-            first_rows = tl.minimum(n, ROWS - 1).to(tl.int64)[:, None] * K
-            prefetch_row_lines(weight_ptr + guess * ROWS * K + first_rows, 0, K, PREFETCH_LINES)
         wait_for_producer(PDL)
         expert = tl.load(ids_ptr + pid_r).to(tl.int64)
         rows = weight_ptr + expert * ROWS * K + n.to(tl.int64)[:, None] * K
@@ -1249,8 +1147,9 @@ if HAS_TRITON:
     )(_float_gather_gemv_kernel)
     DEFAULT_FLOAT_GATHER_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 64}
 
-    # Split-K arrival counters, zero between launches (the last program resets its own). Sized
-    # so that model shapes never regrow it: a CUDA graph keeps the buffer it captured.
+    # The tile GEMV's split-K arrival counters, zero between launches (the last program resets
+    # its own). Sized so that model shapes never regrow it: a CUDA graph keeps the buffer it
+    # captured.
     _COUNTERS: dict[torch.device, Tensor] = {}
 
     def _counters(device: torch.device, count: int) -> Tensor:
@@ -1306,19 +1205,12 @@ if HAS_TRITON:
         # Whole steps per split, so that only a split's last step can need masks.
         split_groups = triton.cdiv(triton.cdiv(groups, config.split_k), config.block_g)
         split_groups *= config.block_g
-        # The whole steps of the shortest split (the last), for the pipelined loop (0 without
-        # it: one compiled kernel whatever the shape).
-        last_split = groups - (config.split_k - 1) * split_groups
-        staged_steps = max(0, min(split_groups, last_split)) // config.block_g
-        staged_steps = staged_steps if config.loop_stages > 1 else 0
         blocks = triton.cdiv(n, config.block_n)
         pdl = pdl_options(x)
-        sum_apart = config.split_k > 1 and (SPLIT_SUM_LAUNCH or not add_splits)
         if config.split_k > 1:
             partial = torch.empty(config.split_k * m * n, dtype=torch.float32, device=x.device)
-            counters = partial if sum_apart else _counters(x.device, blocks)
         else:
-            partial = counters = out  # unread
+            partial = out  # unread
         launch_kernel(
             _affine_gemv_kernel,
             (blocks, config.split_k, gather.ids.numel() if gather else 1),
@@ -1328,7 +1220,6 @@ if HAS_TRITON:
             biases,
             out,
             partial,
-            counters,
             n,
             row_words,
             groups,
@@ -1346,18 +1237,13 @@ if HAS_TRITON:
             SPLIT_K=config.split_k,
             PREFETCH=config.prefetch,
             X_BLOCK=X_BLOCK_WORDS if x_codes_major else 0,
-            FOLD=bits == 4 and GEMV_FOLDED_OFFSETS,
-            STAGED_STEPS=staged_steps,
-            LOOP_STAGES=config.loop_stages,
+            FOLD=bits == 4,  # `_offset_codes`: one subtraction fewer a 4-bit code
             num_warps=config.warps,
-            **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl,
-            PREFETCH_LINES=0 if gather else prefetch_lines(pdl, "affine"),
-            SUM_APART=sum_apart,
             GEGLU_OUT=geglu_out,
             GATHER=gather is not None,
         )
-        if sum_apart and add_splits:
+        if config.split_k > 1 and add_splits:
             launch_kernel(
                 _sum_splits_kernel, (triton.cdiv(n, SPLIT_SUM_BLOCK),), partial, out, n,
                 out.stride(0), M=m, SPLIT_K=config.split_k, BLOCK=SPLIT_SUM_BLOCK, **pdl,
@@ -1542,8 +1428,7 @@ if HAS_TRITON:
         else:
             x, ordered = rows, _reads_codes_major(config, rows.shape[-1], bits)
             if ordered:
-                reorder = codes_major_triton if CODES_MAJOR_KERNEL else codes_major
-                x = reorder(x, bits, X_BLOCK_WORDS, dtype=CODES_MAJOR_DTYPE)
+                x = codes_major_triton(x, bits, X_BLOCK_WORDS)
         return _launch_gemv(
             x, packed, scales, biases, out, bits, group_size, config, ordered, add_splits,
             geglu_out=geglu_out, gather=gather,
@@ -1657,10 +1542,11 @@ if HAS_TRITON:
         gemv: GemvConfig | None = None,
     ) -> Tensor:
         """Gathered GEMV: ``[T, top_k, N]``, reading only the chosen experts' packed rows: the
-        unrolled GEMV over the pairs (GATHERED_UNROLLED; `gemv` pins its launch, else
-        `gathered_gemv_config`), or the tile GEMV (`config` pins its tile). With `geglu_out`
-        (unrolled only) the experts are a stacked gate/up and the output ``gelu_tanh_mul`` of
-        the product, ``[T, top_k, N / 2]``."""
+        unrolled GEMV over the pairs (`gemv` pins its launch, else `gathered_gemv_config`),
+        whose loop reads the experts far faster than the tile GEMV's generic one; the tile
+        GEMV where `config` pins its tile or an expert's words pass the unrolled GEMV's int32
+        offsets. With `geglu_out` (unrolled only) the experts are a stacked gate/up and the
+        output ``gelu_tanh_mul`` of the product, ``[T, top_k, N / 2]``."""
         _check_expert_shapes(x, expert_ids)
         k = _check_operands(x, packed, scales, bits, group_size)
         n = packed.shape[-2]
@@ -1669,7 +1555,7 @@ if HAS_TRITON:
         ids = expert_ids.reshape(-1).contiguous()
         x_rows_per_id = top_k if x.dim() == 2 else 1
         unrolled_fits = n * packed.shape[-1] < 2**31  # an expert's words: int32 offsets
-        if config is None and unrolled_fits and (GATHERED_UNROLLED or geglu_out or gemv):
+        if config is None and unrolled_fits:
             gemv = gemv or gathered_gemv_config(k, bits, group_size)
             if geglu_out and n % 2:
                 raise ValueError("a GeGLU output needs stacked gate/up experts (an even N)")
@@ -1728,23 +1614,16 @@ if HAS_TRITON:
             rows.stride(0),
             out.stride(0),
             top_k if x.dim() == 2 else 1,
-            weight.shape[0],
             k,
         )
 
         def grid(meta: dict) -> tuple[int, int]:
             return (pairs, triton.cdiv(n, meta["BLOCK_N"]))
 
-        pdl = pdl_options(x)
-        switches = {
-            "PREFETCH_LINES": prefetch_lines(pdl, "experts"),
-            "GEGLU_OUT": geglu_out,
-        }
+        constants = {**pdl_options(x), "GEGLU_OUT": geglu_out}
         if config is None and x.is_cuda:
-            launch_kernel(_float_gather_tuned, grid, *args, **pdl, **switches)
+            launch_kernel(_float_gather_tuned, grid, *args, **constants)
         else:
             chosen = config or DEFAULT_FLOAT_GATHER_CONFIG
-            launch_kernel(
-                _float_gather_gemv_kernel, grid(chosen), *args, **chosen, **pdl, **switches
-            )
+            launch_kernel(_float_gather_gemv_kernel, grid(chosen), *args, **chosen, **constants)
         return out.view(*expert_ids.shape, -1)

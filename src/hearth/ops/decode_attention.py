@@ -7,13 +7,12 @@ compile-time switches, so every cache kind is served by the same code.
 
 Work split: one program per (batch, KV head, split of the slots); it holds all query heads
 of its KV head (GQA), so each K/V byte is read once. Each split writes (max, sum, acc) in
-fp32 and counts itself in on a per-(batch, KV head) arrival counter; the program that
-arrives last merges that head's splits in split order (deterministic) and resets the
-counter, so a decode step costs one launch. Where the partials of one KV head are too large
-for one program to read quickly (many splits of wide heads), a second small kernel merges
-them instead. The number of splits depends only on shapes and the device, never on data,
-and the query position is read on the device, so a call can be captured in a CUDA graph
-and replayed as the cache fills.
+fp32 and a second small kernel merges them in split order (deterministic), one program per
+query head and slice of head_dim: a split merging its KV head's partials itself, once the
+last of them arrived, would read every split alone and was slower than the extra launch.
+A single split normalises and writes the output itself. The number of splits depends only
+on shapes and the device, never on data, and the query position is read on the device, so a
+call can be captured in a CUDA graph and replayed as the cache fills.
 
 Masking uses each slot's absolute position (`positions`, EMPTY_POSITION for empty slots):
 slot n is visible iff pos[n] <= qpos and (window is None or qpos - pos[n] < window). Every
@@ -47,13 +46,8 @@ _LOG2E = 1.4426950408889634
 # sum = 0, and exp2(m - m_new) stays 1 instead of NaN (-inf - -inf).
 _NO_SCORE = -1.0e30
 # How a split program finishes: one split normalises and writes the output; else it writes
-# its partials, and either the last split of its KV head merges them or a merge launch does.
-_WRITE_OUTPUT, _WRITE_PARTIALS, _MERGE_LAST = 0, 1, 2
-# Slots of K and of V a split may ask L2 for before it waits for the kernel before it (PDL),
-# so that its first blocks' DRAM latency overlaps that kernel (`hearth.ops.PREFETCH_LINES`
-# for the weights). Off: 64 slots gave E4B +0.5% but 26B-A4B -0.8% and 12B about -0.8%
-# (2026-12-05 A/B on an H100, variant attn-prefetch).
-PREFETCH_SLOTS = 0
+# its partials for the merge launch.
+_WRITE_OUTPUT, _WRITE_PARTIALS = 0, 1
 
 
 @dataclass(frozen=True)
@@ -108,7 +102,6 @@ class LaunchConfig:
     splits: int | None = None  # a target: slots per split are rounded to 2^k blocks
     skip_masked_blocks: bool | None = None  # branch over blocks with no visible slot
     programs_per_sm: int | None = None  # split target when `splits` is None
-    fused_merge: bool | None = None  # last split merges (True) or a merge launch (False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +138,7 @@ try:
     import triton
     import triton.language as tl
 
-    from hearth.ops import prefetch_to_l2, wait_for_producer
+    from hearth.ops import wait_for_producer
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -154,7 +147,6 @@ if triton is not None:
     NO_SCORE = tl.constexpr(_NO_SCORE)
     EMPTY = tl.constexpr(EMPTY_POSITION)
     WRITE_OUTPUT = tl.constexpr(_WRITE_OUTPUT)
-    MERGE_LAST = tl.constexpr(_MERGE_LAST)
 
     @triton.jit
     def _centroid(codes, centroids, BITS: tl.constexpr):
@@ -393,7 +385,6 @@ if triton is not None:
         part_max,
         part_sum,
         out,
-        counters,
         slots,
         splits,
         scale_log2,
@@ -413,30 +404,14 @@ if triton is not None:
         SKIP_MASKED: tl.constexpr,
         PRECISION: tl.constexpr,
         FINISH: tl.constexpr,
-        MERGE_ROWS: tl.constexpr,
-        MERGE_SPLITS: tl.constexpr,
-        MERGE_CHUNKS: tl.constexpr,
-        MERGE_D: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH_SLOTS: tl.constexpr = 0,
     ):
         """(max, sum, acc) of one split of one KV head's slots for its query heads; see
-        FINISH for what happens to them. MERGE_*: the fused merge's tiles (`_merge_splits`).
-        PREFETCH_SLOTS > 0 (dense K/V of 16-bit floats) asks L2 for the split's first slots
-        of K and V before the wait for the previous kernel, which writes one slot at most."""
+        FINISH for what happens to them."""
         batch_head = tl.program_id(0)
         split = tl.program_id(1)
         batch = batch_head // KV_HEADS
         kv_head = batch_head % KV_HEADS
-        if PREFETCH_SLOTS > 0:
-            LINE: tl.constexpr = 1024 // k0.dtype.element_ty.primitive_bitwidth
-            LINES: tl.constexpr = max(1, HEAD_DIM // 64)  # 128-byte lines of a 16-bit slot
-            slot = tl.minimum(split * CHUNK + tl.arange(0, PREFETCH_SLOTS), slots - 1)
-            line = tl.arange(0, LINES) * LINE
-            k_lines = k0 + batch * stride_k0b + kv_head * stride_k0h
-            v_lines = v0 + batch * stride_v0b + kv_head * stride_v0h
-            prefetch_to_l2(k_lines + slot[:, None] * stride_k0s + line[None, :])
-            prefetch_to_l2(v_lines + slot[:, None] * stride_v0s + line[None, :])
         wait_for_producer(PDL)
 
         group = tl.arange(0, BLOCK_G)
@@ -524,18 +499,6 @@ if triton is not None:
             tl.store(part_sum + rows_out, running_sum, mask=group_mask)
             acc_rows = (first_head + acc_heads) * splits + split
             tl.store(part_acc + acc_rows * HEAD_DIM + acc_dims, acc, mask=acc_mask)
-            if FINISH == MERGE_LAST:
-                tl.debug_barrier()  # every thread's partials are written before the release
-                arrived = tl.atomic_add(counters + batch_head, 1, sem="acq_rel")
-                if arrived == splits - 1:
-                    # All splits of this KV head are in: merge them from memory (not from
-                    # this program's registers), so the sum is the same whoever is last.
-                    _merge_splits(
-                        part_acc, part_max, part_sum, out, first_head + kv_head * GROUPS,
-                        splits, 0, GROUPS, HEAD_DIM, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS,
-                        MERGE_CHUNKS, MERGE_D,
-                    )  # fmt: skip
-                    tl.atomic_xchg(counters + batch_head, 0)  # zero for the next call / replay
 
     @triton.jit
     def _split_tile(part_max, part_sum, rows, row_ok, splits, chunk, BLOCK_S: tl.constexpr):
@@ -667,19 +630,9 @@ def _split_plan(
     return chunk, -(-slots // chunk)
 
 
-# Defaults chosen from the H200 sweeps (benchmarks/gpu_kernels_attention.py,
-# benchmarks/results/gpu_kernels_attention-2026-12-03.md).
+# Programs per SM the splits aim for where a call pins none, as the launch sweeps of
+# `benchmarks/gpu_kernels_attention.py` chose.
 PROGRAMS_PER_SM = 2
-# Largest fp32 partial accumulator of one (batch, KV head) that its last split merges itself
-# (splits x query heads per KV head x head_dim x 4 bytes); 0 turns the fused merge off. It
-# was meant to save the merge launch (~2 µs) but measured slower on the H200 everywhere
-# (12B shape, S=1024: 18.5 µs fused vs 12.9 with the launch; S=32768: 90 vs 82): the one
-# merging program reads every split alone. `LaunchConfig(fused_merge=True)` still selects it.
-FUSED_MERGE_MAX_BYTES = 0
-# Elements of one fused-merge tile (splits x rows x dims): 16 fp32 registers a thread at 4
-# warps. 4096 raised the split kernel's registers (sm_90 ptxas: k4v3 168 -> 240, t4v3 216 ->
-# 255 + spills); at 2048 they are those of the kernel without the merge.
-_MERGE_TILE = 2048
 
 
 @dataclass(frozen=True)
@@ -694,9 +647,7 @@ class _Launch:
 
 # Dense K/V read by at most this many (batch, KV head) rows of programs take 16-slot blocks
 # and 4 warps: with so few rows, smaller blocks let a short context split over more programs.
-# E4B (2 KV heads) decode +1.3% at context 512, +0.9% at 8192; taken by every model, the same
-# tiles cost 12B (8 KV heads) 0.3% and left 26B-A4B level (2026-12-05 A/Bs on an H100,
-# `ab_e4b_geglu_out_h100-…`, `ab_e4b_8k_attn_n16_h100-…`, `ab_12b_attn_n16_h100-…`).
+# With more rows (12B's 8 KV heads) the same tiles were slower.
 FEW_KV_ROWS = 2
 
 
@@ -707,19 +658,19 @@ def _default_tiles(
     `kv_rows` (batch x KV heads) rows of programs (0: unknown)."""
     kinds = (key_format.kind, value_format.kind)
     if kinds == ("affine", "affine") and key_format.bits in (4, 8) and head_dim <= 256:
-        # 2026-12-03 sweep, S=32768, D=256: N=64 w4 172 µs vs 190 (N=32); D=512 spilled (2062).
+        # 64-slot blocks beat 32 up to D=256; at D=512 they spill.
         return _Launch(64, 4, 2, True)
     if kinds != ("dense", "dense"):
-        # Decoded tiles live in registers: 32 slots x 4 warps never spilled in the sweep
-        # (64 slots spilled badly for t4v3 and at D=512), and was within ~6% of the best.
+        # Decoded tiles live in registers: 32 slots x 4 warps never spill (64 slots spill
+        # for 4-bit codebook keys with 3-bit values, and at D=512).
         return _Launch(32, 4, 2, True)
     if 0 < kv_rows <= FEW_KV_ROWS:
         return _Launch(16, 4, 3, False)
     # Dense: 32..64 slots per block; 8 warps at D=256, 4 at D=512 (fewer, fuller warps won).
     block_n = max(16, min(64, 16384 // head_dim))
     warps = 8 if head_dim == 256 else 4
-    # 2026-12-03 sweep, S=32768: no branch + 3 stages (K/V prefetched) 81 µs vs 88 at D=256,
-    # 82 vs 104 at D=512. Unskipped masked blocks cost no K/V traffic (the loads are masked).
+    # No branch and 3 stages (K/V prefetched) beat skipping masked blocks: unskipped masked
+    # blocks cost no K/V traffic (the loads are masked).
     return _Launch(block_n, warps, 3, False)
 
 
@@ -742,55 +693,9 @@ def _resolve(
     )
 
 
-def _finish_mode(config: LaunchConfig, splits: int, groups: int, head_dim: int) -> int:
-    """How the split programs finish (see _WRITE_OUTPUT): partials for the merge launch,
-    unless the config or FUSED_MERGE_MAX_BYTES asks for the fused merge."""
-    if splits == 1:
-        return _WRITE_OUTPUT
-    fused = config.fused_merge
-    if fused is None:
-        fused = splits * groups * head_dim * 4 <= FUSED_MERGE_MAX_BYTES
-    return _MERGE_LAST if fused else _WRITE_PARTIALS
-
-
-def _fused_merge_tiles(splits: int, groups: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(rows, splits, chunks of splits, dims) of the fused merge's tiles: all rows of a KV
-    head, as many splits as fit in one tile (chunks cover the rest), dims to fill it."""
-    rows = triton.next_power_of_2(groups)
-    all_splits = triton.next_power_of_2(splits)
-    per_tile = min(all_splits, max(2, _MERGE_TILE // (16 * rows)))
-    dims = min(head_dim, max(16, _MERGE_TILE // (per_tile * rows)))
-    return rows, per_tile, all_splits // per_tile, dims
-
-
-# Arrival counters of the fused merge, one per (batch, KV head) of a launch; zero between
-# launches (each launch's last programs reset theirs), so calls ordered on a stream share
-# them. Outgrown buffers stay referenced: captured graphs still point at them.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < count:
-        if counters is not None:
-            _OUTGROWN.append(counters)
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
-def _prefetch_slots(
-    pdl: dict[str, bool],
-    chunk: int,
-    key_format: PlaneFormat,
-    value_format: PlaneFormat,
-    dtype: torch.dtype,
-) -> int:
-    """Slots of K and V a split prefetches to L2 before its wait: with PDL, for dense 16-bit
-    planes only (the quantized planes' layouts differ), at most its own."""
-    dense = key_format.kind == value_format.kind == "dense" and dtype.itemsize == 2
-    return min(PREFETCH_SLOTS, chunk) if pdl["PDL"] and dense else 0
+def _finish_mode(splits: int) -> int:
+    """How the split programs finish (see _WRITE_OUTPUT): the output, or partials to merge."""
+    return _WRITE_OUTPUT if splits == 1 else _WRITE_PARTIALS
 
 
 def decode_attention_rotated(
@@ -825,11 +730,7 @@ def decode_attention_rotated(
     groups = query_heads // kv_heads
     launch = _resolve(config, head_dim, key_format, value_format, batch * kv_heads)
     chunk, splits = _split_plan(slots, batch * kv_heads, launch.block_n, q.device, config)
-    finish = _finish_mode(config, splits, groups, head_dim)
-    # Fixed when unused, so they add no compiled variants to the other paths.
-    merge_rows, merge_splits, merge_chunks, merge_d = (
-        _fused_merge_tiles(splits, groups, head_dim) if finish == _MERGE_LAST else (1, 2, 1, 16)
-    )
+    finish = _finish_mode(splits)
 
     device = q.device
     out_dtype = torch.float32 if value_format.rotated else q.dtype
@@ -838,22 +739,19 @@ def decode_attention_rotated(
     part_acc = torch.empty(partial_rows, head_dim, device=device)
     part_max = torch.empty(partial_rows, device=device)
     part_sum = torch.empty_like(part_max)
-    # Unread unless the last split merges; then one counter per program row of the grid.
-    counters = _arrival_counters(device, batch * kv_heads) if finish == _MERGE_LAST else part_max
     k0, k1, k2 = _padded(key_planes)
     v0, v1, v2 = _padded(value_planes)
     k_centroids = _centroids(key_format.bits if key_format.rotated else 1, device)
     v_centroids = _centroids(value_format.bits if value_format.rotated else 1, device)
     # fp32 operands would default to TF32 on the GPU; half types take no precision option.
     precision = "ieee" if q.dtype == torch.float32 else None
-    pdl = pdl_options(q)
     launch_kernel(_split_kernel, (batch * kv_heads, splits),
         q, q.stride(0), q.stride(1),
         _as_words(k0), k1, k2, *k0.stride()[:3], *k1.stride()[:3],
         _as_words(v0), v1, v2, *v0.stride()[:3], *v1.stride()[:3],
         k_centroids, v_centroids,
         positions, query_position, 0 if window is None else window,
-        part_acc, part_max, part_sum, out, counters,
+        part_acc, part_max, part_sum, out,
         slots, splits, scale * _LOG2E,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
         HEAD_DIM=head_dim, BLOCK_N=launch.block_n, CHUNK=chunk,
@@ -863,11 +761,9 @@ def decode_attention_rotated(
         V_GROUP=value_format.group_size,
         HAS_WINDOW=window is not None,
         SKIP_MASKED=launch.skip_masked_blocks, PRECISION=precision, FINISH=finish,
-        MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, MERGE_CHUNKS=merge_chunks,
-        MERGE_D=merge_d, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **pdl, PREFETCH_SLOTS=_prefetch_slots(pdl, chunk, key_format, value_format, k0.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_options(q),
     )  # fmt: skip
-    if finish != _WRITE_PARTIALS:
+    if finish == _WRITE_OUTPUT:
         return out
     # The merge holds every split of a BLOCK_D slice of one head at once; slices of 64
     # give enough programs to merge in one wave.

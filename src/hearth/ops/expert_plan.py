@@ -2,9 +2,9 @@
 
 `grouped_matmul.plan_experts_reference` builds the plan from torch ops (a stable argsort, a
 count per expert, three cumulative sums, gathers and a searchsorted): about twenty launches a
-layer, whose host time showed in the 26B-A4B prefill (`plan_experts` measured 230-450 µs a call
-on the H200 against ~50 µs of GPU time). Here it is three kernels, with the same result bit
-for bit (the sort is stable: pairs of one expert keep their order):
+layer, whose host time, several times their GPU time, showed in a MoE prefill. Here it is
+three kernels, with the same result bit for bit (the sort is stable: pairs of one expert keep
+their order):
 
 1. per chunk of CHUNK pairs, a count per expert (one-hot sums), and a share of the row table
    filled with the padding index;
@@ -31,10 +31,8 @@ CHUNK = 128
 CHUNK_WARPS = 8
 # Pass 2 is one program, a chain of dependent loop steps: per step, chunks' counts read and
 # tiles placed (each against every expert), on OFFSETS_WARPS warps. The row table's padding
-# is written by pass 1's programs in parallel, FILL_BLOCK entries a step. Against pass 2
-# filling it on 4 warps with 32-wide steps: pass 2 26.8 -> 25.7 µs at 4096 tokens (128
-# experts, top 8), 26B-A4B prefill +0.4%, within the rounds' spread (2026-12-05, H100,
-# `ab_26b_prefill4096_tma_plan_h100-…`): its scans of the counts are its time.
+# is written by pass 1's programs in parallel, FILL_BLOCK entries a step, which takes that
+# work off pass 2's serial chain (whose scans of the counts are most of its time).
 CHUNK_BLOCK = 64
 TILE_BLOCK = 128
 OFFSETS_WARPS = 8

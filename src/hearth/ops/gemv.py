@@ -1,7 +1,7 @@
 """Float matrix-vector products for batch-1 decode, with the MLP's GeGLU folded into the input.
 
-In the decode profile (Gemma 3 12B, H200) cuBLAS runs the wide projections (qkv, gate/up,
-the head) at 94-106% of copy bandwidth, but the two with few outputs (o_proj and down,
+In a decode profile cuBLAS runs the wide projections (qkv, gate/up, the head) at about copy
+bandwidth, but the two with few outputs (o_proj and down,
 N = hidden) it splits over K and follows with a memset and a reduce kernel per call, and
 down's input first needs its own GeGLU kernel. Here the projection is one kernel (the
 models run the GeGLU kernel first: folding it in, below, measured slower):
@@ -49,10 +49,9 @@ def _unsplit_launch(block_n: int, block_k: int, loop_stages: int) -> dict[str, i
     }
 
 
-# Launches pinned by weight shape (N, K) for one row: the fastest of the pipelined sweep on the
-# H200 (results/gpu_gemv_bf16_sweep_pipelined-2026-12-05.md: 1.14-1.88x the autotuned launch);
-# decode +3.0% on 12B (146.0 tok/s, logits bit-identical), +5.0% on E4B, +1.1% on 26B-A4B
-# (results/ab_bf16_gemv_pipelined-2026-12-05.md). Other shapes are autotuned.
+# Launches pinned by weight shape (N, K) for one row: the fastest of a sweep of pipelined
+# launches in CUDA graphs (`benchmarks/gpu_gemv_bf16_sweep.py`), faster than the autotuner's
+# pick for these shapes. Other shapes are autotuned.
 GEMV_LAUNCHES: dict[tuple[int, int], dict[str, int]] = {
     (3840, 4096): _unsplit_launch(8, 512, 4),  # 12B o
     (3840, 15360): _unsplit_launch(8, 512, 3),  # 12B down
@@ -66,11 +65,8 @@ GEMV_LAUNCHES: dict[tuple[int, int], dict[str, int]] = {
     (5376, 8192): _unsplit_launch(8, 512, 1),  # 31B o (sliding)
     (5376, 21504): _unsplit_launch(8, 512, 3),  # 31B down
     # Wide projections, which a pin moves from cuBLAS to this GEMV (`has_pinned_launch`): the
-    # shapes where the fastest launch beat cuBLAS by over 3% in CUDA graphs
-    # (results/gpu_gemv_bf16_sweep_wide-2026-12-05.md: 1.08-1.48x on E4B, 1.03-1.27x on
-    # 26B-A4B). Decode: E4B 273.7 -> 290.3 tok/s, 26B-A4B 313.2 -> 327.6
-    # (results/ab_wide_gemv-2026-12-05.md). 12B's and 31B's stay on cuBLAS (within 3%, or
-    # +0.1% end to end for 31B's global qkv).
+    # shapes where the fastest launch beat cuBLAS by over 3% in CUDA graphs. 12B's and 31B's
+    # stay on cuBLAS (within that margin).
     (3072, 2560): _unsplit_launch(8, 512, 3),  # E4B qkv (sliding)
     (6144, 2560): _unsplit_launch(16, 256, 4),  # E4B qkv (global)
     (2048, 2560): _unsplit_launch(8, 512, 4),  # E4B q (KV-sharing, sliding)

@@ -44,17 +44,13 @@ WORD_BITS = 32
 SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
 # Two warpgroups' MMA: each weight tile is read (and, packed, dequantized) once for twice
-# the rows. 26B-A4B prefill on the H200 (`results/ab_26b_*-2026-12-04.md`): +9.1% bf16 and
-# +23.7% 4-bit at 4096 tokens (256 mean rows per expert), +5.1% bf16 at 2048; at 1024 (64
-# rows) +9.9% 4-bit, -0.9% bf16. 256-row tiles were slower (-6% bf16, -40% 4-bit).
+# the rows, which pays where experts get many rows (TALL_BLOCK_MIN_ROWS); 256-row tiles were
+# slower.
 TALL_BLOCK_M = 128
 # Mean rows per expert from which LARGE_BLOCK_M (TALL_BLOCK_M) tiles pay for their padding.
 LARGE_BLOCK_MIN_ROWS = 32
 TALL_BLOCK_MIN_ROWS = 128
 TALL_BLOCK_MIN_ROWS_PACKED = 64
-# The plan from three Triton kernels (`expert_plan`) instead of ~20 torch ops. Not yet timed on
-# the GPU (benchmarks/ab_decode.py --prefill 4096 --variants base,plan-torch will).
-TRITON_PLAN = True
 
 
 @dataclass(frozen=True)
@@ -110,8 +106,9 @@ def _plan_shape(
 
 def plan_experts(expert_ids: Tensor, num_experts: int, block_m: int | None = None) -> ExpertPlan:
     """Sort the pairs of ``expert_ids [T, top_k]`` by expert into tiles of `block_m` rows: a
-    counting sort in three Triton kernels on CUDA (`expert_plan`), torch ops elsewhere."""
-    if not (TRITON_PLAN and kernel_enabled(expert_ids)) or expert_ids.numel() == 0:
+    counting sort in three Triton kernels on CUDA (`expert_plan`; ~20 torch ops otherwise),
+    torch ops elsewhere."""
+    if not kernel_enabled(expert_ids) or expert_ids.numel() == 0:
         return plan_experts_reference(expert_ids, num_experts, block_m)
     tokens, top_k, block_m, tiles = _plan_shape(expert_ids, num_experts, block_m)
     flat = expert_ids.reshape(-1)
@@ -468,11 +465,10 @@ if HAS_TRITON:
     # Launch configurations
 
     GROUP_M = 8
-    # (BLOCK_N, BLOCK_K, warps, stages) per tile height; timed on the H200 by
+    # (BLOCK_N, BLOCK_K, warps, stages) per tile height, timed by
     # benchmarks/gpu_kernels_grouped.py. Short tiles (mma.sync) want long K steps; tiles of 64+
-    # rows run on Hopper's warpgroup MMA. 256 x 64 on 8 warps with 4 stages: 26B-A4B's
-    # 4096-token gate/up 6% and down 7% faster than the autotuner's pick among the others
-    # (H100 sweep of 36 launches, `benchmarks/gpu_grouped_sweep.py`).
+    # rows run on Hopper's warpgroup MMA. 256 x 64 on 8 warps with 4 stages beat the others on
+    # 26B-A4B's long prefills in a sweep of 36 launches (`benchmarks/gpu_grouped_sweep.py`).
     _SHORT_TILES = ((64, 128, 4, 3), (128, 64, 4, 3))
     _TALL_TILES = ((128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4))
     # With GEGLU a program holds two accumulators (gate and up) and reads two weight tiles a

@@ -9,7 +9,7 @@ rounding only (~1e-7 relative; matmuls here run in full fp32: torch leaves TF32 
 them by default). The CPU path is the reference.
 
 (A Triton kernel running the butterflies in registers matched the reference bit for bit in
-the interpreter but not on the H200 at D=32; until that is understood, the matmul serves.)
+the interpreter but not on the GPU at D=32; until that is understood, the matmul serves.)
 """
 
 from __future__ import annotations

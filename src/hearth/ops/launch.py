@@ -1,11 +1,10 @@
 """Launching compiled Triton kernels for less host time than `kernel[grid](...)`.
 
 Triton's own launch binds and specializes every argument in Python, builds a cache key, and
-its C launcher calls `data_ptr()` and `cuPointerGetAttribute` for each tensor. On the H200
-host that is 26 µs for a 12-pointer kernel, against 7 µs for the compiled kernel's launcher
-given raw addresses (`benchmarks/gpu_launch_overhead.py`). An eager prefill of a short prompt
-is hundreds of such launches, and the GPU waits for them: an E4B prefill of 512 tokens
-spent 53 ms of host time on 7 ms of GPU work (`benchmarks/gpu_host_breakdown.py`).
+its C launcher calls `data_ptr()` and `cuPointerGetAttribute` for each tensor: several times
+the host time of the compiled kernel's launcher given raw addresses
+(`benchmarks/gpu_launch_overhead.py`). An eager prefill of a short prompt is hundreds of such
+launches, and the GPU waits for them (`benchmarks/gpu_host_breakdown.py`).
 
 `launch_kernel` keys each compiled kernel by what Triton specializes on, or finer: every tensor's
 dtype and 16-byte alignment, every integer's width class and whether it is 1 or a multiple
@@ -13,7 +12,7 @@ of 16, a constexpr's value, the launch options. On a hit it launches the compile
 directly with raw addresses; on a miss (a new specialization, the first call of an autotuned
 key, the interpreter) it goes through Triton and keeps the kernel Triton returns. Triton's
 check that a kernel's global values did not change is skipped: the kernels here read no
-globals that change (switches reach them as arguments).
+globals that change (every choice reaches them as an argument).
 """
 
 from __future__ import annotations
@@ -25,10 +24,6 @@ from typing import Any
 import torch
 
 from hearth.ops import HAS_TRITON
-
-# Off: every launch goes through Triton (an A/B switch, and the way back if a Triton
-# release changes the internals used here).
-FAST_LAUNCH = True
 
 Grid = Sequence[int] | Callable[[dict[str, Any]], Sequence[int]]
 
@@ -59,7 +54,7 @@ class _Signature:
 
 def launch_kernel(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, for a `triton.jit` or `triton.autotune` kernel."""
-    if not (FAST_LAUNCH and _fast_path_usable()):
+    if not _fast_path_usable():
         kernel[grid](*args, **kwargs)
         return
     given_grid, given_kwargs = grid, kwargs  # for Triton's own path, if it must take over

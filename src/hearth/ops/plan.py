@@ -47,6 +47,10 @@ class ExecutionPlan:
     prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
     # Full-attention caches expose their keys in views of whole buckets (a decode graph each).
     view_bucket: int = 256
+    # A graph decoder replacing the runner's idle one, too small for its request, takes this
+    # many times its slots: a growing conversation then captures anew a logarithmic number of
+    # times, not every turn.
+    decoder_growth: int = 2
     # Prompt tokens per forward: large chunks keep a GPU's matrix units busy; on a CPU they
     # would spill the caches for no gain.
     prefill_chunk: int = 512

@@ -40,8 +40,6 @@ _NO_SCORE = -1.0e30
 _FAR = 2**30
 _BOUNDS_CHUNK = 256  # key-block summaries scanned per step of a program's prologue
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
-# The output stored token-major (see `prefill_attention_triton`); an A/B switch.
-TOKEN_MAJOR_OUTPUT = True
 
 
 @dataclass(frozen=True)
@@ -72,11 +70,8 @@ def default_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
     if head_dim <= 256:
         return LaunchConfig(64 if wide else 128, 32 if wide else 64, 8, 2, 1)
     # D=512, bf16: 128x32 with two value splits (each program recomputes Q·Kᵀ for half the
-    # output columns, halving the fp32 accumulator). It won the kernel sweep on a 31B full
-    # layer (2176 vs 2650 µs) and, from prefill graphs (`gpu_suite.sh attn512`, H100,
-    # 2026-12-06), 4096-token prefills end to end: 26B-A4B +0.9%, 31B +1.1%, E4B +0.8%, every
-    # round above the unsplit 64x32's on the first two. (An earlier verdict against it came
-    # from single eager prefills, which spread over 43-64% of peak.)
+    # output columns, halving the fp32 accumulator): faster than the unsplit 64x32, in the
+    # kernel sweep and in long prefills from prefill graphs.
     if wide:
         return LaunchConfig(32, 32, 8, 1, 1)
     return LaunchConfig(128, 32, 8, 2, 2)
@@ -320,9 +315,7 @@ def prefill_attention_triton(
     tiles = _resolve(config, dim, q.dtype)
     # Stored token-major ([B, M, H, D], returned as its [B, H, M, D] view), the layout the
     # output projection reads: the caller's transpose and reshape are then views, not a copy.
-    shape = (batch, queries, heads, dim) if TOKEN_MAJOR_OUTPUT else (batch, heads, queries, dim)
-    out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    out = out.transpose(1, 2) if TOKEN_MAJOR_OUTPUT else out
+    out = torch.empty(batch, queries, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     if queries == 0:
         return out
     query_positions = query_positions.to(torch.int64).contiguous()

@@ -285,11 +285,8 @@ def norm_rope(
 # RoPE tables: cos and sin of a chunk's positions. Eagerly each table kind is seven launches a
 # decode step (the cast, the product, the concatenation, cos, sin, two casts), none of them
 # PDL; Gemma 3 and Gemma 4 have two kinds. Here it is one launch a kind. torch's cos/sin and
-# Triton's are the same fp32 functions on the GPU (0 of 7.2 million RoPE angles differ on an
-# H100, benchmarks/gpu_trig_bits.py), and logits stayed bit-identical in every A/B. Decode
-# on an H100: E4B 4-bit +0.7%, 12B 4-bit +0.8%, 26B-A4B 4-bit +1.1%, E4B bf16 +0.5%, 12B
-# bf16 +0.2% (results/ab_*_rotary_kernel_h100-2026-12-06.md; variant `rotary-torch`).
-ROTARY_KERNEL = True
+# Triton's are the same fp32 functions on the GPU (`benchmarks/gpu_trig_bits.py` compares
+# them angle by angle), so the tables are the reference's bit for bit.
 
 
 def rotary_tables_reference(
@@ -306,7 +303,7 @@ def rotary_tables(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_tables_reference`, one kernel on CUDA."""
-    if ROTARY_KERNEL and kernel_enabled(positions):
+    if kernel_enabled(positions):
         return rotary_tables_triton(positions, inv_freq, dtype)
     return rotary_tables_reference(positions, inv_freq, dtype)
 

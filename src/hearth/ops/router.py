@@ -25,9 +25,8 @@ from hearth.ops.norm import router_input_reference
 
 # Warps of the routing kernel. One token's 128 logits fit one warp (4 a thread), whose
 # reductions are register shuffles alone, where Triton's default 4 warps add a shared-memory
-# round and a barrier to each of its ~10 reductions. 26B-A4B decode +0.3% against 4 warps
-# (H100, 2026-12-05, `benchmarks/results/ab_26b_route_warps_h100-2026-12-05.md`); the
-# softmax sums in another order, so logits move by float rounding.
+# round and a barrier to each of its ~10 reductions. The softmax sums in another order than
+# with 4 warps, so logits move by float rounding.
 ROUTE_WARPS = 1
 
 

@@ -28,11 +28,6 @@ from hearth.ops.plan import ExecutionPlan
 
 log = logging.getLogger("hearth.runtime.graphs")
 
-# A decoder that replaces an idle one too small for its request takes this many times the
-# idle one's slots (if more than the request needs): a growing conversation then replaces its
-# decoder (caches, graphs captured anew) a logarithmic number of times, not every turn.
-DECODER_GROWTH = 2
-
 
 class TokenReadback:
     """A sampled token copied to pinned host memory without waiting for later GPU work.

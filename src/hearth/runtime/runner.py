@@ -16,7 +16,7 @@ from hearth.layers.experts import Experts
 from hearth.models import Model
 from hearth.ops import HAS_TRITON
 from hearth.ops.plan import ExecutionPlan
-from hearth.runtime.graphs import DECODER_GROWTH, GraphDecoder, grown_slots
+from hearth.runtime.graphs import GraphDecoder, grown_slots
 from hearth.runtime.native_step import NativeDecodeStep
 
 
@@ -86,8 +86,9 @@ class ModelRunner:
 
     def acquire_decoder(self, max_context: int) -> GraphDecoder:
         """A graph decoder for one request: the idle one if it is large enough (reset to empty,
-        its graphs kept), else a new one, which takes DECODER_GROWTH times the slots of an idle
-        one it replaces where that is more. Give it back with `release_decoder`."""
+        its graphs kept), else a new one, which takes the plan's `decoder_growth` times the
+        slots of an idle one it replaces where that is more. Give it back with
+        `release_decoder`."""
         idle, self._idle = self._idle, None
         if idle is not None and idle.max_context >= max_context:
             idle.reset()
@@ -98,7 +99,7 @@ class ModelRunner:
                 self.model,
                 self.kv_policy,
                 max_context,
-                DECODER_GROWTH * idle.max_context,
+                self.plan.decoder_growth * idle.max_context,
                 self.slot_limit,
                 self.plan.view_bucket,
             )

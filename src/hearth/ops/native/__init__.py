@@ -1,17 +1,18 @@
 """Hearth's native CPU kernels (``kernels.c``): built on first use, loaded with ctypes.
 
-CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. Three things
-here replace torch where it was measured slow (benchmarks/results/cpu_270m-2026-12-05c.md, -05e):
+CPU decode at batch 1 is a stream of weights plus a few hundred tiny ops per token. The kernels
+here replace torch where it is slow (`benchmarks/cpu_decode.py` measures them):
 
 * the int8 and bf16 matrix-vector products, where torch's kernels (``aten._weight_int8pack_mm``,
   the bf16 GEMM) stream short weight rows at about half the memory bandwidth;
 * the bf16 glue of a decode step (add + RMSNorm, q/k RMSNorm + RoPE, one-query attention),
   one call each instead of a dozen dispatched torch ops, with the same roundings;
 * a whole Gemma 3 or Gemma 4 (dense) decoder layer at one token, made of the two above
-  (``gemma3_decode_layer``, ``gemma4_decode_layer``, used by ``hearth.models.gemma_native`` and
-  ``gemma4_native``): no Python between a layer's ops;
+  (``gemma3_decode_layer``, ``gemma4_decode_layer``, run by ``hearth.runtime.native_step``):
+  no Python between a layer's ops;
 * at load, GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) -> bf16 and bf16 -> int8 rows, which
-  torch and numpy ran at 0.04-0.3 GB/s; for a CPU prefill, int8 -> bf16.
+  torch and numpy run at a small fraction of the memory bandwidth; for a CPU prefill, int8 ->
+  bf16.
 
 They need a C compiler with OpenMP and an x86-64 CPU with AVX-512, or AVX2 with FMA and F16C
 (``vec16.h`` serves both); without them, ``kernels()`` is None and every caller keeps its torch
@@ -212,8 +213,8 @@ class NativeKernels:
 
     def argmax_rows(self, rows: Tensor) -> Tensor:
         """``rows.max(dim=-1).indices`` of fp32 rows [m, n] (the first index of each row's
-        largest value, or of its first NaN), without torch's scalar scan: ~6x faster on a
-        262144-token row (44 against 268 µs on an AVX2 EPYC)."""
+        largest value, or of its first NaN), without torch's scalar scan: a vector maximum,
+        then the first 16-value block holding it."""
         _require(
             _dense(rows, torch.float32) and rows.dim() == 2 and rows.shape[1] >= 1,
             "argmax_rows takes contiguous fp32 rows [m, n >= 1]",

@@ -1,8 +1,7 @@
 """bf16 products on a CPU: torch's bf16 GEMM where the CPU multiplies bf16, its fp32 GEMM elsewhere.
 
 Without bf16 dot-product instructions (AVX512-BF16, AMX-BF16) torch's CPU bf16 GEMM widens
-inside its kernel and ran 6-8x slower than its fp32 GEMM on a prefill's shapes: 18-21 against
-137-153 GFLOP/s at 400 x 640 x 2048 and the like (AMD EPYC with AVX2, 2 cores, 2026-12-06).
+inside its kernel and runs several times slower than its fp32 GEMM on a prefill's shapes.
 There a bf16 product runs as the fp32 GEMM of the same numbers (widening is exact), rounded to
 bf16 once. torch's bf16 GEMM also sums in fp32 and rounds once, so the two differ only in the
 order of the sums (one bf16 step in ~1e-4 of the outputs at those shapes).

@@ -1,13 +1,10 @@
 """CPU weights in transparent huge pages (opt-in: ``HEARTH_HUGE_PAGES=1``).
 
 A CPU decode step streams every weight once. With 4 KiB pages that is a TLB miss every 4 KiB
-of weights. On our Xeon VM, 2 MiB pages let the native int8 kernel read the 168 MB head of
-Gemma 3 270M at 27–29 GB/s instead of 20–22 in one run (equal in another), and gave +4.6% decode
-end to end (`benchmarks/results/cpu_int8_gemv-2026-12-05.md`, `cpu_270m-2026-12-05d.md`), and
-+12–13% once each decoder layer was one native call (`cpu_270m-2026-12-05e.md`, `-05f`). The
-price may be paid at load: in one run on that VM the first touch of a huge page cost ~7 ms per
-MB (1.8 s for 268 MB, against 0.05 s with small pages); in the later two, nothing. Hence off by
-default for now: worth it for a long-running server, not always for a one-shot generation.
+of weights; 2 MiB pages let the native kernels read the weights faster (docs/benchmarks.md has
+the numbers). The price may be paid at load: the first touch of a huge page can cost far more
+than a small page's, depending on how fragmented the host's memory is. Hence off by default:
+worth it for a long-running server, not always for a one-shot generation.
 
 Linux backs a region with huge pages when asked (``madvise(MADV_HUGEPAGE)``) before the memory
 is first touched, so weights are copied, end to end, into one fresh region advised that way: one

@@ -526,7 +526,7 @@ int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t
 
 /* ------------------------------------------------------------------------------------------
  * One Gemma 3 decoder layer at one decode token, in a single call: the ops above in the order
- * of hearth/models/gemma.py, with the same roundings, so the result equals the module path's
+ * of hearth/models/gemma3.py, with the same roundings, so the result equals the module path's
  * bit for bit. It replaces ~30 dispatched torch ops and ctypes calls a layer (~0.3 ms of a
  * ~20 ms step on the 270M) with one call.
  */
@@ -664,7 +664,7 @@ typedef struct {
 
 /* q heads: RMSNorm by q_w, then RoPE, into q [q_heads, d]. With a value_mode, k heads: RMSNorm
  * by k_w and RoPE, and V made as value_mode says, written into slot `slot` of the cache planes
- * (hearth.kernels.rope.norm_rope_reference, one token). */
+ * (hearth.ops.rope.norm_rope_reference, one token). */
 static int gemma4_norm_rope(const hearth_gemma4_layer *gemma4, const uint16_t *qkv,
                             const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *keys,
                             uint16_t *values, int64_t head_stride, int64_t slot) {
