@@ -6,6 +6,8 @@
 #                                                  # 26B-A4B and 31B, HF transformers beside (one call)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh long      # Gemma 3 12B at 8k and 32k; KV layouts to 128k
 #   OUT=/tmp/out benchmarks/gpu_suite.sh checks    # GPU tests, bf16 parity against HF, server first tokens
+#   OUT=/tmp/out MODELS=gemma3-12b benchmarks/gpu_suite.sh revisions  # this tree against BASE
+#     (default .base/src: `git archive REV src | tar -x -C .base`, carried), bench alternating
 # Candidate kernels, sweeps, profiles and A/B runs live in benchmarks/lab/.
 set -u
 PART=${1:-headline}
@@ -46,8 +48,11 @@ checks)
   stage 130 ttft python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b
   stage 150 ttft-hits python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths 128 --hits 1024+64,1920+128,3968+128
   ;;
+revisions)
+  stage 580 revisions python benchmarks/ab_revisions.py --base "${BASE:-.base/src}" --new src --models "${MODELS:-gemma3-12b,e4b,26b-a4b}" --quant none,4bit --rounds "${ROUNDS:-1}" --out "$OUT/ab_revisions.md"
+  ;;
 *)
-  echo "unknown part: $PART (headline, long, checks)" >&2
+  echo "unknown part: $PART (headline, long, checks, revisions)" >&2
   exit 2
   ;;
 esac
