@@ -1,6 +1,6 @@
 """bf16 parity on a GPU: Hearth and HF transformers on the same tiny random checkpoints.
 
-For the tiny Gemma 3 config and each tiny Gemma 4 config of tests/test_gemma4.py, both run in
+For the tiny Gemma 3 config and each tiny Gemma 4 config of tests/models/test_gemma4.py, both run in
 bf16 on the GPU (Hearth: cached prefill + decode steps; HF: one full forward) and are compared
 with an fp32 CPU reference. bf16 rounds every op, so neither matches fp32 exactly; the check
 is that Hearth's error stays in the same range as HF's (ratio column) and small against the

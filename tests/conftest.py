@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers (tiny.py) by name
+# Tests import their helpers (tiny.py) and some of each other's fixtures by module name; the
+# folders mirror the package's layers (tests/ops, tests/models, ...).
+_TESTS = Path(__file__).parent
+sys.path[:0] = [
+    str(_TESTS),
+    *(str(folder) for folder in sorted(_TESTS.iterdir()) if folder.is_dir()),
+]
 
 # Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU), so CPU tests
 # check each kernel against its torch reference. Set before any kernel module is imported:

@@ -107,7 +107,7 @@ def test_library_gemv_is_v1(variants, bits, group, rows) -> None:
     """hearth's GEMV with exact codes (8-bit) is the ported v1: the same launch gives the same
     bits (same operations in the same order), split or not. The library's 4-bit GEMV folds
     its offsets another way than v1-fold (offsets 256 and 16, not 2**11);
-    tests/test_kernels_affine.py checks it against the oracle."""
+    tests/ops/test_affine_matmul.py checks it against the oracle."""
     torch.manual_seed(9 + bits + rows)
     packed, scales, biases, _ = _weights(bits, group)
     x = torch.randn(rows, K)

@@ -12,7 +12,7 @@ e.g. experts):
 The weight is ``w = scale * q + bias`` per group. ``mx.dequantize`` rounds twice, in the
 scales' dtype: ``q * scale`` to that dtype, then ``+ bias`` to that dtype (no fma). Torch's
 eager ``*`` and ``+`` round the same way, so ``dequantize_affine`` equals ``mx.dequantize``
-bit for bit (tests/test_quant_mlx.py); do not fuse the two ops (``addcmul``, torch.compile).
+bit for bit (tests/layers/test_mlx_affine.py); do not fuse the two ops (``addcmul``, torch.compile).
 
 ``quantize_affine`` follows the CPU kernel of ``mx.quantize`` (fp32 statistics per group,
 the scale re-fitted so that the edge of larger magnitude is exactly representable) and equals

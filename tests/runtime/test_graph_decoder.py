@@ -282,7 +282,7 @@ def test_quantized_decode_steps_through_the_append_kernel_match(
     Triton kernels (interpreted here) and attended by the decode kernel over the stored
     planes give the logits of the torch path (fp32: the affine append equals quantize_affine
     bit for bit, the TurboQuant one stores the codec's codes; the attention kernel differs by
-    summation order and exp2, bounded at 1e-4 in tests/test_attention_kernel_path.py)."""
+    summation order and exp2, bounded at 1e-4 in tests/layers/test_attention_kernel_path.py)."""
     import hearth.kv.cache as static_module
     from hearth.kv import parse_kv_quant
     from hearth.layers import attention as gemma

@@ -1,6 +1,6 @@
 """Protocol conformance on a tiny scripted Gemma 4 (the real Gemma 4 template; each test scripts
 what the "model" says): what the peers' HTTP suites check, written from reading mlx-lm's
-tests/test_server.py and llama.cpp's tools/server/tests/unit/ (test_chat_completion.py,
+tests/server/test_server.py and llama.cpp's tools/server/tests/unit/ (test_chat_completion.py,
 test_completion.py, test_compat_anthropic.py, test_compat_oai_responses.py, test_tool_call.py),
 and what the API references document. Each assertion names what it mirrors.
 """

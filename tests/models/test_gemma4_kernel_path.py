@@ -8,7 +8,8 @@ experts (GeGLU, weighted slot sum), the prompt's grouped experts (the GeGLU stor
 gate/up matmul, the slots weighted and summed by the last norm), and a MoE layer's norms fused
 into two kernels.
 The reference is the same model on the torch path. (Attention has its own such test,
-tests/test_attention_kernel_path.py; each kernel has its own in tests/test_kernels_fused.py.)
+tests/layers/test_attention_kernel_path.py; each kernel has its own in
+tests/ops/test_fused_kernels.py.)
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "k_eq_v_moe": {**K_EQ_V, **MOE_32},
 }
 TOKENS = 20
-# Hearth against HF in fp32, as tests/test_gemma4.py: op order differs, a dozen ulps of the
+# Hearth against HF in fp32, as tests/models/test_gemma4.py: op order differs, a dozen ulps of the
 # largest logit (~25).
 ATOL = 5e-5
 # llama.cpp against HF, relative to the largest |logit|: at most 1.3e-3 measured over these

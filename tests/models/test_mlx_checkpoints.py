@@ -40,7 +40,7 @@ from hearth.checkpoint import open_checkpoint
 from hearth.errors import CheckpointError
 from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedLinear
 from hearth.models.loading import build_model
-from test_quant_mlx import to_torch
+from test_mlx_affine import to_torch
 from tiny import TINY_VOCAB, save_hf, tiny_gemma3_model
 
 ATOL = 1e-5

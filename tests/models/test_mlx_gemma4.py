@@ -45,8 +45,8 @@ from hearth.layers.linear import StackedLinear
 from hearth.models.gemma4 import Gemma4Model
 from hearth.models.loading import build_model
 from test_gemma4 import CONFIGS
+from test_mlx_affine import to_torch
 from test_mlx_checkpoints import _write_tokenizer
-from test_quant_mlx import to_torch
 from tiny import TINY_VOCAB, save_hf, tiny_gemma4_model
 
 ATOL = 5e-5

@@ -1,5 +1,5 @@
 """The quantize-and-append kernel of quantized static caches equals `quantize_affine` (itself
-equal to `mx.quantize`, tests/test_quant_mlx.py) bit for bit, written to the right slot."""
+equal to `mx.quantize`, tests/layers/test_mlx_affine.py) bit for bit, written to the right slot."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-# On a GPU machine the kernel runs for real on CUDA tensors (tests/test_static_cache.py's
+# On a GPU machine the kernel runs for real on CUDA tensors (tests/runtime/test_graph_decoder.py's
 # GPU tests); this file drives it through the interpreter on CPU tensors, as CI does.
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter path; the GPU runs the kernel itself"
