@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from hearth import native
 from hearth.checkpoint import open_checkpoint
 from hearth.config import parse_config
+from hearth.devices import parse_device
 from hearth.embedded import embedded_model_path
 from hearth.generate import GenerationChunk, stream_generate
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
@@ -24,6 +26,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
+# Gemma's residual stream outgrows float16's range (65504): the 270M passes it at layer 7
+# and decodes <pad> from NaN logits. Widening it to float32 would be float32 compute.
+FLOAT16_ON_CPU = (
+    "float16 overflows Gemma's activations on the CPU (NaN logits): use --dtype bfloat16 or float32"
+)
 
 
 def resolve_precision(
@@ -39,7 +46,8 @@ def resolve_precision(
     bf16 (3x the fp32 decode speed; mean KL 0.007 nats against fp32 on the 270M model);
     anything given an explicit float dtype, and every other checkpoint, keeps that dtype.
     Without a dtype, a checkpoint computes in the dtype it is stored in (MLX-quantized ones in
-    their scales' dtype); GGUF files in fp32 on the CPU (exact) and bf16 on a GPU.
+    their scales' dtype; float16 ones in fp32 on the CPU); GGUF files in fp32 on the CPU
+    (exact) and bf16 on a GPU. float16 compute on the CPU is refused (FLOAT16_ON_CPU).
     """
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(
@@ -52,6 +60,10 @@ def resolve_precision(
         if dtype not in (None, torch.bfloat16):
             raise ValueError(f"--quantize {quantize} computes in bfloat16, not {dtype}")
         return torch.bfloat16, quantize
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError(FLOAT16_ON_CPU)
+    if device.type == "cpu" and stored_dtype == torch.float16:
+        stored_dtype = torch.float32  # widening is exact; float16 would overflow (above)
     default = torch.bfloat16 if device.type == "cuda" else torch.float32
     return dtype or stored_dtype or default, None
 
@@ -62,6 +74,7 @@ class Engine:
     tokenizer: Tokenizer
     path: Path
     kv_policy: KVPolicy = field(default_factory=KVPolicy)
+    format: str = ""  # the checkpoint's: gguf, safetensors, mlx
 
     @classmethod
     def load(
@@ -84,7 +97,7 @@ class Engine:
         checkpoint = open_checkpoint(path)
         kv_policy = parse_kv_quant(kv_quant, checkpoint=path if path.is_dir() else None)
         kv_policy.check(parse_config(checkpoint.config))
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = parse_device(device)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -92,9 +105,11 @@ class Engine:
         dtype, weights = resolve_precision(
             checkpoint.format, device, dtype, quantize, checkpoint.stored_dtype
         )
+        if device.type == "cpu":
+            native.kernels()  # built now if ever: its first build is no part of a timed run
         tokenizer = checkpoint.tokenizer()
         model_ = build_model(checkpoint, dtype, device, progress, weights)
-        return cls(model_, tokenizer, path, kv_policy)
+        return cls(model_, tokenizer, path, kv_policy, checkpoint.format)
 
     def new_caches(self) -> list[LayerCache]:
         """Empty KV caches of the engine's kind, one per layer that computes K/V."""
@@ -118,11 +133,13 @@ class Engine:
     def stream(
         self,
         prompt: str | Messages,
-        max_tokens: int = 256,
+        max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
     ) -> Iterator[GenerationChunk]:
+        """Stream the reply to `prompt`. `max_tokens` None: DEFAULT_MAX_TOKENS, shrunk to fit
+        the context; a given count that does not fit beside the prompt raises ValueError."""
         ids = self.encode(prompt, chat)
         return stream_generate(
             self.model,
@@ -138,7 +155,7 @@ class Engine:
     def generate(
         self,
         prompt: str | Messages,
-        max_tokens: int = 256,
+        max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,

@@ -16,6 +16,7 @@ import torch
 
 from hearth.kernels import HAS_TRITON
 from hearth.kv import KVPolicy, LayerCache
+from hearth.lengths import generation_limit
 from hearth.models import Model
 from hearth.sampling import Sampler, SamplingParams
 from hearth.tokenizer import Tokenizer
@@ -305,7 +306,7 @@ def stream_generate(
     tokenizer: Tokenizer,
     prompt_ids: Sequence[int],
     sampling: SamplingParams | None = None,
-    max_tokens: int = 256,
+    max_tokens: int | None = None,
     stop: Sequence[str] = (),
     stop_ids: Sequence[int] | None = None,
     cancelled: Callable[[], bool] | None = None,
@@ -321,11 +322,14 @@ def stream_generate(
     log-probabilities; a count (0 or more) fills each chunk's `logprobs`, with that many
     alternatives per token.
 
+    `max_tokens`: see `hearth.lengths.generation_limit` (None: the default, shrunk to fit).
     `cancelled` is checked before each token; once it returns true the stream ends at once,
     without a final chunk (a server's client went away).
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
+    positions = model.config.max_position_embeddings
+    max_tokens = generation_limit(len(prompt_ids), max_tokens, positions)
     sampling = sampling or SamplingParams()
     sampling.validate(model.config.vocab_size)
     sampler = Sampler(sampling, device=model.device)

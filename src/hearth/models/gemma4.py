@@ -467,11 +467,12 @@ class Gemma4DecoderLayer(nn.Module):
 
     def _per_layer_update(self, gate: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
         """per_layer_projection(gelu_tanh(gate) · per_layer_input), `gate` the per-layer input
-        gate's output; with float weights at a decode step the GeGLU runs inside the
-        projection's GEMV."""
+        gate's output; with float weights at a GPU decode step the GeGLU runs inside the
+        projection's GEMV. A CPU decode step takes the native row kernel, as the native layer
+        does (torch's GEMM sums in an order that depends on the CPU: AMX, AVX-512, AVX2)."""
         projection = self.per_layer_projection
         float_weight = is_float_linear(projection)
-        if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight:
+        if FUSED_PER_LAYER_GEGLU and NARROW_GEMV and float_weight and kernel_enabled(gate):
             return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
         return _narrow(projection, gelu_tanh_mul(gate, per_layer_input))
 

@@ -92,6 +92,7 @@ class WorkerCounters:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
+    cancelled: int = 0  # requests that ended before their generation did (client gone)
     running: int = 0  # 1 while a generation runs
 
     def count(self, stats: GenerationStats) -> None:
@@ -174,6 +175,7 @@ class GenerationWorker:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():
+                self._cancelled("before its turn")
                 continue
             self.counters.running = 1
             try:
@@ -213,12 +215,18 @@ class GenerationWorker:
             top_logprobs=job.top_logprobs,
             kv_policy=self.engine.kv_policy,
         )
+        finished = False
         for chunk in chunks:
             if chunk.stats is not None:  # the last piece: the caches will not change again
                 self._finish(job, boundary, chunk.stats)
+                finished = True
             job.deliver(chunk)
-        if job.cancelled.is_set():
-            log.info("generation cancelled")
+        if not finished:  # its request ended first: the flag is also set after a whole reply
+            self._cancelled("while generating")
+
+    def _cancelled(self, when: str) -> None:
+        self.counters.cancelled += 1
+        log.info("generation cancelled %s: its request ended (client gone or shutdown)", when)
 
     def _finish(
         self, job: GenerationJob, boundary: list[list[LayerCache]], stats: GenerationStats
