@@ -48,7 +48,7 @@ class Call:
     path: str
     body: dict | bytes
     stream: bool = False
-    end: str = ""  # the last event a full stream carries
+    ends: tuple[str, ...] = ()  # the events that end a full stream
     good: bool = True
     leave_early: bool = False  # a client that goes away after the first event
 
@@ -59,16 +59,17 @@ def _good_calls(i: int) -> list[Call]:
     return [
         Call("/v1/completions", {"prompt": prompt, "max_tokens": 3}),
         Call("/v1/completions", {"prompt": prompt, "max_tokens": 3, "stream": True}, True,
-             "data: [DONE]"),
+             ("data: [DONE]",)),
         Call("/v1/chat/completions", {"messages": user, "max_tokens": 2}),
         Call("/v1/chat/completions", {"messages": user, "max_tokens": 2, "stream": True}, True,
-             "data: [DONE]"),
+             ("data: [DONE]",)),
         Call("/v1/messages", {"messages": user, "max_tokens": 2, "model": "m"}),
         Call("/v1/messages", {"messages": user, "max_tokens": 2, "model": "m", "stream": True},
-             True, "event: message_stop"),
+             True, ("event: message_stop",)),
         Call("/v1/responses", {"input": prompt, "max_output_tokens": 2, "temperature": 0.7}),
+        # Cut at max_output_tokens, a Responses stream ends "incomplete" (OpenAI's way).
         Call("/v1/responses", {"input": prompt, "max_output_tokens": 2, "stream": True}, True,
-             "event: response.completed"),
+             ("event: response.completed", "event: response.incomplete")),
     ]  # fmt: skip
 
 
@@ -143,7 +144,7 @@ def _check(outcome: Outcome) -> str | None:
     if call.leave_early:
         return None
     if call.stream:
-        return None if text.rstrip().endswith(call.end) or call.end in text else text[-300:]
+        return None if any(end in text for end in call.ends) else text[-300:]
     body = json.loads(text)
     answered = body.get("choices") or body.get("content") or body.get("output")
     return None if answered else text[:300]
