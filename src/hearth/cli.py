@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="complete a prompt, streaming the text",
         # Both positionals in one list (split in run_generate): argparse would give a lone
-        # positional before an option to the optional MODEL, not to PROMPT.
+        # positional before an option to the optional MODEL, not to PROMPT (and see
+        # `parse_arguments`).
         usage="hearth generate [options] [MODEL] PROMPT",
     )
     generate.add_argument(
@@ -547,8 +548,21 @@ _COMMANDS = {
 }
 
 
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with generate's positionals on either side of its options: argparse
+    fills a positional list once, so `generate MODEL --temp 0 PROMPT` would leave PROMPT over."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    positional = all(not word.startswith("-") or word == "-" for word in extra)
+    if extra and args.command == "generate" and positional:
+        args.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     try:
         return _COMMANDS[args.command](args)
     except (HearthError, ValueError) as error:
