@@ -23,6 +23,7 @@ import torch
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.loader import Checkpoint
 from hearth.config import ModelConfig
+from hearth.devices import parse_device
 from hearth.embedded import embedded_model_path
 from hearth.engine import DTYPES, resolve_precision
 from hearth.errors import HearthError
@@ -99,8 +100,6 @@ def usable_memory(device: torch.device) -> int:
             raise HearthError("no CUDA device here to measure: give --memory")
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * USABLE_GPU_MEMORY)
-    if device.type != "cpu":
-        raise HearthError(f"fit knows the memory of cpu and cuda devices, not {device.type}")
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * USABLE_RAM)
 
 
@@ -121,7 +120,7 @@ def plan_fit(
 
     if dtype is not None and dtype not in DTYPES:
         raise HearthError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = parse_device(device, available=False)  # a GPU's fit is planned from anywhere
     if random is not None:
         if model is not None:
             raise HearthError("give a MODEL or --random CONFIG, not both")
