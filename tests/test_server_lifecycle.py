@@ -134,11 +134,15 @@ def test_health_stays_fast_while_huge_prompts_are_refused(server: LiveServer) ->
     done = threading.Event()
 
     def poll() -> None:
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=120) as client:
             while not done.is_set():
                 started = time.perf_counter()
-                assert client.get(f"{server.base}/health").status_code == 200
-                latencies.append(time.perf_counter() - started)
+                try:
+                    answered = client.get(f"{server.base}/health").status_code == 200
+                except httpx.HTTPError:
+                    answered = False
+                # A failed poll counts as forever: a thread's exception would go unseen.
+                latencies.append(time.perf_counter() - started if answered else float("inf"))
                 time.sleep(0.02)
 
     poller = threading.Thread(target=poll)
@@ -158,12 +162,12 @@ def test_health_stays_fast_while_huge_prompts_are_refused(server: LiveServer) ->
     finally:
         done.set()
         poller.join()
+    assert len(latencies) >= 10
+    assert max(latencies) <= 0.2, sorted(latencies)[-5:]
     for reply in replies:
         assert reply.status_code == 400, reply.text
         assert f"this model's context holds {CONTEXT}" in reply.json()["error"]["message"]
     assert "at least" in replies[0].json()["error"]["message"]  # refused from its length
-    assert len(latencies) >= 10
-    assert max(latencies) <= 0.2, sorted(latencies)[-5:]
 
 
 def _stream_in_background(server: LiveServer) -> tuple[threading.Thread, threading.Event]:

@@ -97,6 +97,9 @@ def create_app(
     app.state.hearth = ServerState(
         engine, worker, defaults or ServerDefaults(), model_id_of(engine), budget
     )
+    # Read once here (a pass over the vocabulary, ~0.3 s), not on the event loop at the first
+    # long prompt.
+    engine.tokenizer.longest_token_chars  # noqa: B018
     app.include_router(openai.router)
     app.include_router(monitoring.router)
     app.include_router(anthropic.router)
