@@ -516,12 +516,18 @@ def run_serve(args: argparse.Namespace) -> int:
         raise HearthError("give the model either as MODEL or as --model, not both")
     if args.adapter_path:
         raise HearthError("--adapter-path: LoRA adapters are not supported yet")
+    from hearth.devices import parse_device
     from hearth.server import ServerDefaults, ServerLimits, listening_socket, serve
 
-    # The port first: a taken one is refused at once, not after the model has loaded.
+    parse_device(args.device)  # a wrong name is told before the port is taken
+    # The port next: a taken one is refused at once, not after the model has loaded.
     listener = listening_socket(args.host, args.port)
     started = time.perf_counter()
-    engine = _load(args.model or args.model_flag, args)
+    try:
+        engine = _load(args.model or args.model_flag, args)
+    except BaseException:
+        listener.close()
+        raise
     load_seconds = time.perf_counter() - started
     defaults = ServerDefaults(
         args.temp, args.top_p, args.top_k, args.min_p, args.max_tokens, args.chat_template_args
