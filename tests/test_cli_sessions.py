@@ -215,7 +215,7 @@ def test_fit_counts_at_least_the_measured_peak_of_a_run(embedded_gguf: Path) -> 
     ru_maxrss, the load's peak included). fit must not count less; and not more than 25%
     more: its runtime constants are rounded up from one machine's measurement, with a
     margin for another CPU's build of torch (the Xeon peaked 5% above the EPYC)."""
-    prompt = "The capital of France is Paris. " * 60
+    prompt = "The capital of France is Paris. " * 10
     result = run("generate", "--chat", "--max-tokens", "8", prompt)
     assert result.returncode == 0, result.stderr
     stats = result.stderr.strip().splitlines()[-1]
@@ -227,14 +227,14 @@ def test_fit_counts_at_least_the_measured_peak_of_a_run(embedded_gguf: Path) -> 
 
 
 def test_bench_refuses_a_model_the_memory_cannot_hold() -> None:
-    """31B in bf16 (62 GB of weights) on this machine's CPU: refused with the numbers before
-    anything is allocated (not an allocator traceback or the OOM killer)."""
-    fit = plan_fit(random="31b", context=32768, device="cpu")
+    """Gemma 3 12B in bf16 (23.5 GB of weights) on this machine's CPU: refused with the
+    numbers before anything is allocated (not an allocator traceback or the OOM killer)."""
+    fit = plan_fit(random="gemma3-12b", context=32768, device="cpu")
     if fit.fits:
-        pytest.skip("this machine's memory holds 31B in bf16")
+        pytest.skip("this machine's memory holds Gemma 3 12B in bf16: the bench would run")
     started = time.monotonic()
-    result = run("bench", "--random", "31b", "--device", "cpu")
-    assert_usage_error(result, "31b needs", f"{fit.needed_bytes / 1e9:.3g} GB on the CPU")
+    result = run("bench", "--random", "gemma3-12b", "--device", "cpu")
+    assert_usage_error(result, "gemma3-12b needs", f"{fit.needed_bytes / 1e9:.3g} GB on the CPU")
     assert f"over the {fit.memory_bytes / 1e9:.3g} GB this machine allows" in result.stderr
     assert time.monotonic() - started < 60
 
@@ -246,8 +246,8 @@ def test_bench_refuses_a_model_the_memory_cannot_hold() -> None:
 def test_the_first_native_build_says_so_and_stays_out_of_the_timing(
     tiny: Path, tmp_path: Path
 ) -> None:
-    """A compiler that takes 3 s (it copies the library built already): one progress line
-    on stderr, and the stats' prompt time (prefill to first token) well under those 3 s."""
+    """A compiler that takes 2 s (it copies the library built already): one progress line
+    on stderr, and the stats' prompt time (prefill to first token) well under those 2 s."""
     compiler = native._compiler()
     assert compiler is not None
     built = native.library_path(native.default_cache_dir(), compiler)
@@ -256,7 +256,7 @@ def test_the_first_native_build_says_so_and_stays_out_of_the_timing(
         "#!/bin/sh\n"
         'if [ "$1" = "--version" ]; then echo "slow-cc 1"; exit 0; fi\n'
         'while [ "$1" != "-o" ]; do shift; done\n'
-        f'sleep 3; cp "{built}" "$2"\n'
+        f'sleep 2; cp "{built}" "$2"\n'
     )
     slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "CC": str(slow), "HEARTH_CACHE": str(tmp_path / "cache")}
@@ -267,4 +267,4 @@ def test_the_first_native_build_says_so_and_stays_out_of_the_timing(
     assert len(notes) == 1 and notes[0].startswith("hearth: compiling native CPU kernels")
     stats = result.stderr.strip().splitlines()[-1]
     prompt_tokens, rate = re.search(r"prompt: (\d+) tokens, ([\d.]+) tok/s", stats).groups()
-    assert int(prompt_tokens) / float(rate) < 1.5
+    assert int(prompt_tokens) / float(rate) < 1

@@ -2,7 +2,8 @@
 startup log, cancellations logged once and counted (and completed requests not), a client
 that leaves mid-body, `/health` while huge prompts are refused, and the two-stage shutdown.
 
-A live server on the embedded model, one for the module; each shutdown test starts its own.
+A live server on the embedded model, one for the module: the last test shuts it down (the
+second-signal test starts its own).
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ NO_END = {"1": -100, "106": -100}
 CONTEXT = 32768  # the embedded model's positions
 
 
+GRACE = 1  # --shutdown-timeout of the module's server, seconds
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    live = start_server(tmp_path_factory.mktemp("serve") / "serve.log", "--log-level", "INFO")
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    live = start_server(log, "--log-level", "INFO", "--shutdown-timeout", str(GRACE))
     yield live
     live.stop()
 
 
 def test_startup_logs_model_format_dtype_device_load_time_and_url(server: LiveServer) -> None:
-    log = server.log()
+    log = server.wait_for_log("listening on")  # logged once uvicorn has started
     loaded = r"model \S+/gemma-3-270m-q4_k_m\.gguf \(gguf, int8 weights, computing in bfloat16 "
     assert re.search(loaded + r"on cpu\), loaded in \d+\.\d s", log), log
     assert f"listening on http://127.0.0.1:{server.port}" in log
@@ -204,24 +209,9 @@ def _refused(server: LiveServer, within: float) -> bool:
     return False
 
 
-def test_the_first_signal_drains_then_cancels_after_the_grace(tmp_path: Path) -> None:
-    live = start_server(tmp_path / "serve.log", "--shutdown-timeout", "2")
-    try:
-        reader, _ = _stream_in_background(live)
-        signalled = time.monotonic()
-        live.process.send_signal(signal.SIGTERM)
-        live.wait_for_log("shutting down: 1 request(s) draining, cancelled after 2 s")
-        assert _refused(live, within=2)  # admits nothing new
-        assert live.process.wait(timeout=60) == 0
-        took = time.monotonic() - signalled
-        reader.join(timeout=30)
-        assert 2 <= took < 30
-        assert "generation cancelled while generating" in live.log()
-    finally:
-        live.stop()
-
-
 def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+    """While draining (for up to 600 s here), a second Ctrl-C exits at once: status 130, not
+    the drained exit's 0."""
     live = start_server(tmp_path / "serve.log", "--shutdown-timeout", "600")
     try:
         reader, _ = _stream_in_background(live)
@@ -234,3 +224,17 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
         reader.join(timeout=30)
     finally:
         live.stop()
+
+
+def test_the_first_signal_drains_then_cancels_after_the_grace(server: LiveServer) -> None:
+    """Last in the module: it shuts the module's server down."""
+    reader, _ = _stream_in_background(server)
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    server.wait_for_log(f"shutting down: 1 request(s) draining, cancelled after {GRACE} s")
+    assert _refused(server, within=2)  # admits nothing new
+    assert server.process.wait(timeout=60) == 0
+    took = time.monotonic() - signalled
+    reader.join(timeout=30)
+    assert GRACE <= took < 30
+    assert "generation cancelled while generating" in server.log()
