@@ -3,9 +3,10 @@ no two modules import each other at load time.
 
     faces (cli, server) -> engine -> runtime -> models -> layers -> kv -> ops -> quant
 
-`checkpoint` (file readers) sits between models and layers; config, errors, tokenizer and the
-embedded model's locator are leaves anyone may import. Every import counts, also those inside
-functions; for cycles only the imports that run at load time count.
+`checkpoint` (file readers) sits between models and layers; config, errors, tokenizer, the
+embedded model's locator, device names and generation lengths are leaves anyone may import.
+Every import counts, also those inside functions; for cycles only the imports that run at load
+time count.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ ROOT = Path(hearth.__file__).parent
 # Lower numbers are higher layers; a module may import its own package or any lower one.
 RANKS = {
     "cli": 0,
+    "chat": 0,
     "server": 0,
     "__main__": 0,
     "__init__": 1,  # hearth's public API: load(), Engine, SamplingParams
@@ -37,6 +39,8 @@ RANKS = {
     "errors": 9,
     "tokenizer": 9,
     "embedded": 9,
+    "devices": 9,
+    "lengths": 9,
 }
 
 

@@ -126,3 +126,31 @@ GEMMA4_SHARING = {
     "num_kv_shared_layers": 2,
     "layer_types": [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
 }
+
+
+# Joins the turns' words: a template the word-level tokenizer below can read back.
+WORDS_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
+
+def save_tiny_with_tokenizer(directory: Path, chat_template: bool = True, **overrides: Any) -> Path:
+    """`tiny_gemma3_model` saved with a word-level tokenizer over TINY_VOCAB (prompts are
+    words like "t5 t6"; BOS, EOS as in the vocabulary) and, if asked, a chat template: a
+    whole checkpoint `Engine.load` and the CLI take, with a context as short as a test needs
+    (`max_position_embeddings`)."""
+    import json
+
+    import tokenizers
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    save_hf(tiny_gemma3_model(**overrides), directory)
+    backend = tokenizers.Tokenizer(
+        WordLevel({token: i for i, token in enumerate(TINY_VOCAB)}, unk_token="<unk>")
+    )
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.save(str(directory / "tokenizer.json"))
+    config: dict[str, Any] = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True}
+    if chat_template:
+        config["chat_template"] = WORDS_CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

@@ -6,12 +6,18 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from hearth.chat import COMMANDS as CHAT_COMMANDS
 from hearth.errors import HearthError
+from hearth.lengths import DEFAULT_MAX_TOKENS
+from hearth.runtime.sampling import is_valid_seed
 
 EXIT_USAGE = 2
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+EMBEDDED = "the embedded Gemma 3 270M"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,17 +57,17 @@ probability = _bounded(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 unit_interval = _bounded(float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
 positive_float = _bounded(float, "a number > 0", lambda v: 0 < v < float("inf"))
 port_number = _bounded(int, "a port number in [1, 65535]", lambda v: 0 < v < 65536)
+seed_value = _bounded(int, "-1 (random) or an integer in [0, 2**64 - 1]", is_valid_seed)
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
-        help="compute dtype (default: float32 on CPU, bfloat16 on GPU)",
+        help="compute dtype (default: float32 on CPU, bfloat16 on GPU; float16 only on a GPU: "
+        "Gemma's activations overflow it)",
     )
-    parser.add_argument(
-        "--device", help="torch device, e.g. cpu or cuda (default: cuda if present)"
-    )
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     parser.add_argument(
         "--quantize",
         choices=["auto", "none", "int8", "int4"],
@@ -74,25 +80,49 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         default="off",
         metavar="KIND",
         help="KV cache: off (default), 8, 4, config (the checkpoint's kv_config.json), "
-        "turbo or turbo:SCHEME (k8v4, k8v3, k4v3, t4v3, k8v2; see docs/kv-cache.md)",
+        "turbo or turbo:SCHEME (k8v4, k8v3, k4v3, t4v3, k8v2; see docs/kv-cache.md). On the "
+        "CPU a compressed cache decodes 2.5-4x slower than the dense one: worth it only where "
+        "the K/V, not the weights, fill the memory (long contexts of large models)",
     )
 
 
-def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-tokens", type=positive_int, default=100, help="default 100 (as mlx_lm.generate)"
-    )
+def _add_sampling_options(parser: argparse.ArgumentParser, max_tokens_help: str) -> None:
+    parser.add_argument("--max-tokens", type=positive_int, metavar="N", help=max_tokens_help)
     parser.add_argument(
         "--temp",
         type=non_negative_float,
         default=0.0,
         help="sampling temperature; 0 is greedy (default)",
     )
-    parser.add_argument("--top-p", type=probability, default=1.0)
+    parser.add_argument(
+        "--top-p",
+        type=probability,
+        default=1.0,
+        metavar="P",
+        help="sample only from the most likely tokens whose probabilities add up to P "
+        "(default 1: all)",
+    )
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 disables")
-    parser.add_argument("--min-p", type=unit_interval, default=0.0)
-    parser.add_argument("--repetition-penalty", type=positive_float, default=1.0)
-    parser.add_argument("--seed", type=non_negative_int, help="random seed for sampling")
+    parser.add_argument(
+        "--min-p",
+        type=unit_interval,
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one (default 0: off)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=positive_float,
+        default=1.0,
+        metavar="R",
+        help="make the tokens of the last 20 less likely by R, as mlx-lm does: logits above "
+        "0 divided by R, below 0 multiplied (default 1: off; 1.1 is mild)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=seed_value,
+        help="makes sampling reproducible; -1 (as llama.cpp's) or none: a fresh random seed",
+    )
     parser.add_argument(
         "--stop",
         action="append",
@@ -106,13 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hearth", description="Run open-weight LLMs locally.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    generate = commands.add_parser("generate", help="complete a prompt, streaming the text")
+    generate = commands.add_parser(
+        "generate",
+        help="complete a prompt, streaming the text",
+        # Both positionals in one list (split in run_generate): argparse would give a lone
+        # positional before an option to the optional MODEL, not to PROMPT (and see
+        # `parse_arguments`).
+        usage="hearth generate [options] [MODEL] PROMPT",
+    )
     generate.add_argument(
         "args",
         nargs="+",
         metavar="[MODEL] PROMPT",
-        help="a GGUF file or HF directory (default: the embedded Gemma 3 270M), "
-        "then the prompt ('-' reads standard input)",
+        help=f"a GGUF file or HF directory (default: {EMBEDDED}), then the prompt ('-' reads "
+        "standard input)",
     )
     mode = generate.add_mutually_exclusive_group()
     mode.add_argument(
@@ -129,13 +166,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the prompt as is (default unless the model ships a template)",
     )
     _add_model_options(generate)
-    _add_sampling_options(generate)
+    _add_sampling_options(
+        generate,
+        f"at most N new tokens (default {DEFAULT_MAX_TOKENS}, shrunk to fit the context; a "
+        "prompt or N that does not fit is an error)",
+    )
 
-    chat = commands.add_parser("chat", help="talk with a model in the terminal")
-    chat.add_argument("model", nargs="?", help="a GGUF file or HF directory")
+    chat = commands.add_parser(
+        "chat",
+        help="talk with a model in the terminal",
+        description="A conversation through the model's chat template. Commands: "
+        f"{', '.join(CHAT_COMMANDS)}. Ctrl-C stops a reply; at the prompt it quits, as do "
+        "/exit and Ctrl-D. When the conversation outgrows the model's context, the oldest "
+        "turns are dropped (a notice says so).",
+    )
+    chat.add_argument(
+        "model",
+        nargs="?",
+        help=f"a GGUF file or HF directory (default: {EMBEDDED}, a base model: it completes "
+        "text well and chats badly)",
+    )
     chat.add_argument("--system", help="a system prompt")
     _add_model_options(chat)
-    _add_sampling_options(chat)
+    _add_sampling_options(
+        chat,
+        f"at most N tokens a reply (default {DEFAULT_MAX_TOKENS}, at most half the context); "
+        "older turns are dropped to keep room for them",
+    )
     _add_serve_parser(commands)
     _add_inspect_parser(commands)
     _add_fit_parser(commands)
@@ -169,7 +226,10 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--top-k", type=non_negative_int, default=0, help="default top_k (0: off)")
     serve.add_argument("--min-p", type=unit_interval, default=0.0, help="default min_p")
     serve.add_argument(
-        "--max-tokens", type=positive_int, default=512, help="default max_tokens (512)"
+        "--max-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"default max_tokens ({DEFAULT_MAX_TOKENS}, shrunk to fit the context)",
     )
     serve.add_argument(
         "--log-level",
@@ -194,6 +254,14 @@ def _add_serve_parser(commands: Any) -> None:
         type=positive_float,
         metavar="GB",
         help="refuse requests whose weights + KV cache would exceed GB (10^9 bytes)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, let running requests finish this long, then cancel them "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); a second Ctrl-C exits at once",
     )
     _add_model_options(serve)
     _add_http_compat_options(serve)
@@ -430,15 +498,30 @@ def _load(model: str | None, args: argparse.Namespace) -> Any:
     )
 
 
+def warn_if_base_model(engine: Any) -> None:
+    """One line on stderr when a conversation goes to a model without a chat template of its
+    own: a base model, whose chat replies are poor (the embedded 270M is one)."""
+    if not engine.tokenizer.has_own_chat_template:
+        print(
+            f"hearth: note: {engine.path.name} has no chat template of its own: it is a base "
+            "model and chat replies will be poor (`hearth generate` completes text well)",
+            file=sys.stderr,
+        )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         raise HearthError(f"expected [MODEL] PROMPT, got {len(args.args)} arguments")
     model, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
+    if model is None and os.path.exists(prompt):
+        raise HearthError(f"no prompt given: {prompt} is a path; the prompt comes after MODEL")
     if prompt == "-":
         prompt = sys.stdin.read()
     if not prompt:
         raise HearthError("the prompt is empty")
     engine = _load(model, args)
+    if args.chat:
+        warn_if_base_model(engine)
     stats = None
     for chunk in engine.stream(prompt, args.max_tokens, _sampling(args), args.stop, args.chat):
         print(chunk.text, end="", flush=True)
@@ -450,31 +533,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from hearth.chat import TerminalChat
+
     engine = _load(args.model, args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("Type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
-    while True:
-        try:
-            line = input(">>> ")
-        except EOFError:
-            print()
-            return 0
-        if line.strip() == "/exit":
-            return 0
-        if line.strip() == "/reset":
-            del messages[1 if args.system else 0 :]
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        reply = ""
-        for chunk in engine.stream(messages, args.max_tokens, _sampling(args), args.stop):
-            print(chunk.text, end="", flush=True)
-            reply += chunk.text
-        print()
-        messages.append({"role": "assistant", "content": reply})
+    warn_if_base_model(engine)
+    chat = TerminalChat(engine, args.system, args.max_tokens, _sampling(args), args.stop)
+    return chat.run()
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -482,9 +546,19 @@ def run_serve(args: argparse.Namespace) -> int:
         raise HearthError("give the model either as MODEL or as --model, not both")
     if args.adapter_path:
         raise HearthError("--adapter-path: LoRA adapters are not supported yet")
-    from hearth.server import ServerDefaults, ServerLimits, serve
+    from hearth.devices import parse_device
+    from hearth.server import ServerDefaults, ServerLimits, listening_socket, serve
 
-    engine = _load(args.model or args.model_flag, args)
+    parse_device(args.device)  # a wrong name is told before the port is taken
+    # The port next: a taken one is refused at once, not after the model has loaded.
+    listener = listening_socket(args.host, args.port)
+    started = time.perf_counter()
+    try:
+        engine = _load(args.model or args.model_flag, args)
+    except BaseException:
+        listener.close()
+        raise
+    load_seconds = time.perf_counter() - started
     defaults = ServerDefaults(
         args.temp,
         args.top_p,
@@ -495,8 +569,16 @@ def run_serve(args: argparse.Namespace) -> int:
         args.reasoning_field,
     )
     limits = ServerLimits(args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget)
-    serve(engine, args.host, args.port, defaults, args.log_level, limits, args.cors_origins)
-    return 0
+    return serve(
+        engine,
+        listener,
+        defaults,
+        args.log_level,
+        limits,
+        load_seconds=load_seconds,
+        shutdown_timeout=args.shutdown_timeout,
+        cors_origins=args.cors_origins,
+    )
 
 
 _COMMANDS = {
@@ -509,8 +591,21 @@ _COMMANDS = {
 }
 
 
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with generate's positionals on either side of its options: argparse
+    fills a positional list once, so `generate MODEL --temp 0 PROMPT` would leave PROMPT over."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    positional = all(not word.startswith("-") or word == "-" for word in extra)
+    if extra and args.command == "generate" and positional:
+        args.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     try:
         return _COMMANDS[args.command](args)
     except (HearthError, ValueError) as error:

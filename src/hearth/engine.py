@@ -11,11 +11,13 @@ import torch
 
 from hearth.checkpoint import open_checkpoint
 from hearth.config import parse_config
+from hearth.devices import parse_device
 from hearth.embedded import embedded_model_path
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
 from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
 from hearth.models import Model, cache_specs
 from hearth.models.loading import build_model
+from hearth.ops import native
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.generate import GenerationChunk, stream_generate
 from hearth.runtime.runner import ModelRunner
@@ -27,8 +29,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
-# mlx_lm.generate's default, shared by the library and the CLI.
-DEFAULT_MAX_TOKENS = 256
+# Gemma's residual stream outgrows float16's range (65504): the 270M passes it at layer 7
+# and decodes <pad> from NaN logits. Widening it to float32 would be float32 compute.
+FLOAT16_ON_CPU = (
+    "float16 overflows Gemma's activations on the CPU (NaN logits): use --dtype bfloat16 or float32"
+)
 
 
 def resolve_precision(
@@ -44,7 +49,8 @@ def resolve_precision(
     bf16 (3x the fp32 decode speed; mean KL 0.007 nats against fp32 on the 270M model);
     anything given an explicit float dtype, and every other checkpoint, keeps that dtype.
     Without a dtype, a checkpoint computes in the dtype it is stored in (MLX-quantized ones in
-    their scales' dtype); GGUF files in fp32 on the CPU (exact) and bf16 on a GPU.
+    their scales' dtype; float16 ones in fp32 on the CPU); GGUF files in fp32 on the CPU
+    (exact) and bf16 on a GPU. float16 compute on the CPU is refused (FLOAT16_ON_CPU).
     """
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(
@@ -57,6 +63,10 @@ def resolve_precision(
         if dtype not in (None, torch.bfloat16):
             raise ValueError(f"--quantize {quantize} computes in bfloat16, not {dtype}")
         return torch.bfloat16, quantize
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError(FLOAT16_ON_CPU)
+    if device.type == "cpu" and stored_dtype == torch.float16:
+        stored_dtype = torch.float32  # widening is exact; float16 would overflow (above)
     default = torch.bfloat16 if device.type == "cuda" else torch.float32
     return dtype or stored_dtype or default, None
 
@@ -66,7 +76,7 @@ class GenerationRequest:
     """One generation, as a face (the CLI, the server) hands it to the engine."""
 
     prompt_ids: list[int]
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, shrunk to fit the context
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
@@ -81,6 +91,7 @@ class Engine:
     tokenizer: Tokenizer
     path: Path
     runner: ModelRunner
+    format: str = ""  # the checkpoint's: gguf, safetensors, mlx
 
     @classmethod
     def load(
@@ -105,7 +116,7 @@ class Engine:
         checkpoint = open_checkpoint(path)
         kv_policy = parse_kv_quant(kv_quant, checkpoint=path if path.is_dir() else None)
         kv_policy.check(cache_specs(parse_config(checkpoint.config)))
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = parse_device(device)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -113,10 +124,13 @@ class Engine:
         dtype, weights = resolve_precision(
             checkpoint.format, device, dtype, quantize, checkpoint.stored_dtype
         )
+        if device.type == "cpu":
+            native.kernels()  # built now if ever: its first build is no part of a timed run
         plan = plan or ExecutionPlan.for_device(device)
         tokenizer = checkpoint.tokenizer()
         model_ = build_model(checkpoint, dtype, device, progress, weights, plan)
-        return cls(model_, tokenizer, path, ModelRunner(model_, plan, kv_policy))
+        runner = ModelRunner(model_, plan, kv_policy)
+        return cls(model_, tokenizer, path, runner, checkpoint.format)
 
     @property
     def kv_policy(self) -> KVPolicy:
@@ -186,11 +200,13 @@ class Engine:
     def stream(
         self,
         prompt: str | Messages,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
     ) -> Iterator[GenerationChunk]:
+        """Stream the reply to `prompt`. `max_tokens` None: DEFAULT_MAX_TOKENS, shrunk to fit
+        the context; a given count that does not fit beside the prompt raises ValueError."""
         request = GenerationRequest(
             self.encode(prompt, chat), max_tokens, sampling or SamplingParams(), stop
         )
@@ -199,7 +215,7 @@ class Engine:
     def generate(
         self,
         prompt: str | Messages,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,

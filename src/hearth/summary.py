@@ -28,6 +28,21 @@ _KINDS = (
 )
 
 
+# Module classes that hold a model's linear weights packed, and how to name them.
+_PACKED_KINDS = (
+    ("MLXQuantizedLinear", "MLX-packed"),
+    ("Int8Linear", "int8"),
+    ("Int4Linear", "int4"),
+)
+
+
+def held_weights(model: torch.nn.Module) -> str | None:
+    """How a loaded model holds its linear weights when not as floats: "int8", "int4",
+    "MLX-packed"; None for float weights."""
+    kinds = {type(module).__name__ for module in model.modules()}
+    return next((name for kind, name in _PACKED_KINDS if kind in kinds), None)
+
+
 def module_kind(name: str) -> str:
     return next((kind for fragment, kind in _KINDS if fragment in name), "other")
 
@@ -78,6 +93,10 @@ def describe(path: str | Path) -> str:
         by_kind[module_kind(name)] += nbytes
         types[type_name] += 1
     tied = " (tied head)" if config.tie_word_embeddings else ""
+    if checkpoint.format == "gguf":
+        quantization = _gguf_quantization(checkpoint.metadata, storage)
+    else:
+        quantization = _quantization_summary(checkpoint.config)
     lines = [
         f"model: {checkpoint.path}",
         f"format: {checkpoint.format}",
@@ -91,7 +110,7 @@ def describe(path: str | Path) -> str:
             for kind, size in sorted(by_kind.items(), key=lambda kv: -kv[1])
         ),
         "tensor types: " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
-        f"quantization: {_quantization_summary(checkpoint.config)}",
+        f"quantization: {quantization}",
         _kv_summary(config),
     ]
     return "\n".join(lines)
@@ -109,6 +128,31 @@ def _kv_summary(config: ModelConfig) -> str:
         f"KV cache in bf16: {at} ({_bytes(full)} a token on full layers; sliding layers keep "
         f"{config.sliding_window})"
     )
+
+
+# llama.cpp ORs this into general.file_type when the converter guessed the type.
+_GUESSED_FILE_TYPE = 1024
+
+
+def _gguf_quantization(metadata: dict[str, Any], storage: dict[str, tuple[Any, int, str]]) -> str:
+    """A GGUF file's quantization as llama.cpp names it (Q4_K_M, Q8_0, F16...): its
+    general.file_type, or, without one, the type that holds most of its weight bytes."""
+    import gguf
+
+    file_type = metadata.get("general.file_type")
+    if isinstance(file_type, int):
+        kind = file_type & ~_GUESSED_FILE_TYPE
+        try:
+            name = gguf.LlamaFileType(kind).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            return f"unknown (general.file_type {file_type})"
+        return f"{name} (general.file_type {file_type})"
+    by_type: Counter[str] = Counter()
+    for shape, nbytes, type_name in storage.values():
+        if len(shape) >= 2:
+            by_type[type_name] += nbytes
+    most = by_type.most_common(1)
+    return f"mostly {most[0][0]} (no general.file_type)" if most else "none"
 
 
 def _quantization_summary(raw_config: dict[str, Any]) -> str:

@@ -37,6 +37,9 @@ SPIECE_SPACE = "\u2581"  # how SentencePiece vocabularies spell a space
 END_OF_TURN = "<end_of_turn>"  # Gemma ends every chat turn with it, so generation stops there too
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) valid UTF-8
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token, one raw byte
+# Texts longer than this encode with the GIL released (tokenizers' batch call, as fast on one
+# 1 MB text, measured): the server's event loop and model thread keep running meanwhile.
+RELEASE_GIL_CHARS = 65536
 
 # GGUF token types (llama.cpp's llama_token_type).
 UNDEFINED = 0
@@ -519,7 +522,24 @@ class Tokenizer:
         return frozenset(index for index, token in added.items() if token.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > RELEASE_GIL_CHARS:
+            # The batch call releases the GIL (the single one holds it throughout).
+            batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return batch[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters a vocabulary entry spells: a token stands for at most that
+        many characters of text (byte tokens <0x..> and byte-level symbols for one byte, ▁
+        for one space)."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)))
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` from the text's length alone: refuses a prompt
+        far beyond a context without tokenizing it. It holds for normalizers that never
+        shorten a text (Gemma's replaces spaces by ▁, one for one)."""
+        return -(-len(text) // self.longest_token_chars)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -561,6 +581,10 @@ class Tokenizer:
         """Token ids of a rendered conversation, with exactly one BOS when the model wants one:
         the template's own if it writes one, else the tokenizer's."""
         prompt = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        return self.encode_rendered(prompt)
+
+    def encode_rendered(self, prompt: str) -> list[int]:
+        """Token ids of a conversation `apply_chat_template` rendered (see `encode_chat`)."""
         ids = self.encode(prompt, add_special_tokens=False)
         if self._add_bos and self._bos_id is not None and ids[:1] != [self._bos_id]:
             ids.insert(0, self._bos_id)

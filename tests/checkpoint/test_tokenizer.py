@@ -362,3 +362,32 @@ def test_gguf_files_with_one_vocabulary_share_a_cached_tokenizer(
         tokenizer = GGUFCheckpoint(tmp_path / name).tokenizer()
         assert tokenizer.encode("The capital of France is")[-1] > 0
     assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+
+
+def test_long_texts_encode_as_short_ones_do(tokenizer: Tokenizer) -> None:
+    """Past RELEASE_GIL_CHARS the batch call (which releases the GIL) encodes: the same ids
+    as the single call, special tokens or not."""
+    from hearth.tokenizer import RELEASE_GIL_CHARS
+
+    text = "Über 9 Äpfel, 日本語 and   spaces\n\tend. " * (RELEASE_GIL_CHARS // 30)
+    assert len(text) > RELEASE_GIL_CHARS
+    for special in (True, False):
+        single = tokenizer._backend.encode(text, add_special_tokens=special).ids
+        assert tokenizer.encode(text, add_special_tokens=special) == single
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The capital of France is Paris. " * 50,
+        " " * 4000,  # Gemma's longest entries are runs of 31 spaces, newlines, tabs
+        "\n" * 999 + "\t" * 777,
+        "日本語のテキスト、絵文字 🎉🎉 と記号 ✓" * 40,
+        "<start_of_turn>user\nHi<end_of_turn>\n" * 30,  # special tokens, one id each
+    ],
+)
+def test_fewest_tokens_is_a_lower_bound(tokenizer: Tokenizer, text: str) -> None:
+    """The server refuses a prompt from its length alone when this bound passes the
+    context; it must never exceed the real count (31 characters at most a token here)."""
+    assert tokenizer.longest_token_chars == 31
+    assert tokenizer.fewest_tokens(text) <= len(tokenizer.encode(text, add_special_tokens=False))

@@ -143,6 +143,8 @@ def test_inspect_describes_the_embedded_model() -> None:
     result = run("inspect")
     assert result.returncode == 0, result.stderr
     assert "architecture: gemma3_text, 18 layers" in result.stdout
+    # The embedded file is Q4_K_M (its name; llama.cpp's general.file_type 15).
+    assert "quantization: Q4_K_M (general.file_type 15)" in result.stdout
 
 
 def test_inspect_missing_model(tmp_path: Path) -> None:

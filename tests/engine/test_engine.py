@@ -29,6 +29,9 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
         ("safetensors", CPU, None, "auto", (torch.float32, None), torch.float32),
         ("safetensors", CPU, None, "int4", (torch.bfloat16, "int4"), None),
         ("gguf", CPU, None, "none", (torch.float32, None), None),
+        # float16 overflows Gemma's activations: a float16 checkpoint computes in fp32 on the
+        # CPU (an exact widening), and float16 asked for is refused (below).
+        ("safetensors", CPU, None, "auto", (torch.float32, None), torch.float16),
     ],
 )
 def test_resolve_precision(
@@ -40,6 +43,15 @@ def test_resolve_precision(
     stored: torch.dtype | None,
 ) -> None:
     assert resolve_precision(fmt, device, dtype, quantize, stored) == expected
+
+
+def test_float16_compute_on_the_cpu_is_refused() -> None:
+    """The 270M's residual stream passes float16's 65504 at layer 7 and decodes <pad> from
+    NaN logits: refused before anything loads."""
+    with pytest.raises(ValueError, match="float16 overflows Gemma's activations"):
+        resolve_precision("gguf", CPU, torch.float16, "none")
+    with pytest.raises(ValueError, match="float16 overflows"):
+        hearth.load(dtype="float16", device="cpu", progress=False)
 
 
 def test_quantize_with_a_float32_dtype_is_refused() -> None:

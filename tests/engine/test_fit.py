@@ -17,8 +17,6 @@ from hearth.fit import plan_fit
 from test_gemma4_gguf import _write, files  # noqa: F401
 from test_mlx_checkpoints import _convert, _mixed_bits, _uneven_parts, tied, untied  # noqa: F401
 
-CPU = ["--device", "cpu", "--memory", "0.3"]
-
 
 def _loaded_weight_bytes(path: Path, **options: Any) -> int:
     return Engine.load(path, device="cpu", progress=False, **options).weight_bytes_per_token()
@@ -53,18 +51,22 @@ def test_hf_and_mlx_checkpoints_weights_as_a_load_holds_them(
 def test_the_cli_answers_with_the_longest_context_and_its_exit_code(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The embedded 270M, int8 weights in bf16 with 0.3 GB: beside the weights, 15 sliding
-    rings of 512 slots (1024 bytes of K/V and an 8-byte position each) and 3 full layers of
-    1024 bytes a token, grown 256 tokens at a time."""
-    assert main(["fit", *CPU, "--context", "4096"]) == 0
+    """The embedded 270M in fp32, with 50 MB over what it holds at any context (weights,
+    runtime, workspace): beside them, 15 sliding rings of 512 slots (2048 bytes of fp32 K/V
+    and an 8-byte position each) and 3 full layers of 2048 bytes a token, grown 256 tokens
+    at a time."""
+    fixed = plan_fit(context=4096, memory_gb=100, device="cpu", dtype="float32").fixed_bytes
+    memory = (fixed + 50_000_000) / 1e9
+    cpu = ["--device", "cpu", "--dtype", "float32", "--memory", f"{memory:.9f}"]
+    assert main(["fit", *cpu, "--context", "4096"]) == 0
     out = capsys.readouterr().out
-    weights = plan_fit(context=4096, memory_gb=0.3, device="cpu").weight_bytes
-    longest = (300_000_000 - weights - 15 * 512 * 1032) // (3 * 1024) // 256 * 256
+    room = round(memory * 1e9) - fixed
+    longest = (room - 15 * 512 * 2056) // (3 * 2048) // 256 * 256
     assert f"longest context that fits: {longest:,} tokens" in out
     assert "needed: " in out and ": fits" in out
-    assert main(["fit", *CPU, "--context", str(longest + 1)]) == 1
+    assert main(["fit", *cpu, "--context", str(longest + 1)]) == 1
     assert "does not fit" in capsys.readouterr().out
-    assert main(["fit", *CPU, "--bandwidth", "20"]) == 1
+    assert main(["fit", *cpu, "--context", "32768", "--bandwidth", "20"]) == 1
     assert "tok/s" in capsys.readouterr().out
 
 
@@ -118,6 +120,10 @@ def test_a_random_model_as_bench_builds_it(quant: str, tmp_path: Path) -> None:
     assert fit.weights == ("bfloat16" if quant == "bf16" else "MLX 4-bit")
 
 
-def test_weights_over_the_memory_leave_no_context(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["fit", "--device", "cpu", "--memory", "0.2"]) == 1
-    assert "none, the weights alone are over" in capsys.readouterr().out
+def test_a_model_over_the_memory_leaves_no_context(capsys: pytest.CaptureFixture[str]) -> None:
+    """1.1 GB holds the int8 weights, the runtime and the workspace (1.01 GB), not the load's
+    peak (1.32 GB)."""
+    assert main(["fit", "--device", "cpu", "--memory", "1.1"]) == 1
+    out = capsys.readouterr().out
+    assert "loading: +0.336 GB at its peak" in out  # the 262144 x 640 table, in bf16
+    assert "none, the model alone is over" in out

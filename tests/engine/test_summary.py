@@ -41,3 +41,21 @@ def test_describe_embedded_gguf(embedded_gguf: Path) -> None:
     assert "18 layers, hidden 640, vocab 262144 (tied head)" in text
     assert "5 sliding, 1 full (x3)" in text
     assert "Q4_K x27" in text and "Q8_0 x10" in text
+
+
+def test_gguf_quantization_names_llama_cpps_file_type() -> None:
+    """general.file_type as llama.cpp names it (15: MOSTLY_Q4_K_M; 1024 marks a guess), else
+    the type holding most weight bytes (1-D norms do not count)."""
+    from hearth.summary import _gguf_quantization
+
+    storage = {
+        "embed": ((1000, 64), 36_000, "Q8_0"),
+        "mlp": ((64, 256), 9_216, "Q4_K"),
+        "norm": ((64,), 99_999, "F32"),
+    }
+    assert _gguf_quantization({"general.file_type": 15}, storage) == (
+        "Q4_K_M (general.file_type 15)"
+    )
+    assert _gguf_quantization({"general.file_type": 1024 + 7}, storage).startswith("Q8_0 ")
+    assert _gguf_quantization({"general.file_type": 0}, storage).startswith("F32 ")
+    assert _gguf_quantization({}, storage) == "mostly Q8_0 (no general.file_type)"

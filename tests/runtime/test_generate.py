@@ -89,3 +89,44 @@ def test_seeded_sampling_is_reproducible(hearth_270m: Any) -> None:
 def test_invalid_sampling_is_refused(hearth_270m: Any) -> None:
     with pytest.raises(ValueError, match="top_p"):
         hearth_270m.generate(PROMPT, sampling=SamplingParams(top_p=0.0))
+
+
+def test_one_max_tokens_default_shrunk_to_the_room_left() -> None:
+    """512 (mlx_lm.server's) for the CLI, the library and the server; shrunk to what the
+    prompt leaves of the context, while a given count is checked, never cut."""
+    from hearth.cli import build_parser
+    from hearth.lengths import DEFAULT_MAX_TOKENS, generation_limit
+    from hearth.server.state import ServerDefaults
+
+    assert DEFAULT_MAX_TOKENS == 512
+    assert build_parser().parse_args(["serve"]).max_tokens == DEFAULT_MAX_TOKENS
+    assert ServerDefaults().max_tokens == DEFAULT_MAX_TOKENS
+    assert build_parser().parse_args(["generate", "Hi"]).max_tokens is None  # the library's
+    assert generation_limit(13, None, 32768) == 512
+    assert generation_limit(32765, None, 32768) == 3
+    assert generation_limit(32765, 3, 32768) == 3
+    with pytest.raises(ValueError, match="max_tokens 4 plus the prompt's 32765 tokens"):
+        generation_limit(32765, 4, 32768)
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_max_tokens_below_one_is_refused(hearth_270m: Any, max_tokens: int) -> None:
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        hearth_270m.generate(PROMPT, max_tokens=max_tokens)
+
+
+def test_a_prompt_the_context_cannot_hold_is_refused(hearth_270m: Any) -> None:
+    """Over 40,000 tokens on a model of 32,768 positions: a ValueError before any prefill,
+    where the loop used to run on past the positions and print whitespace; and a max_tokens
+    that does not fit beside a prompt that does."""
+    from hearth.runtime.generate import stream_generate
+
+    prompt = "hello " * 40_000
+    tokens = len(hearth_270m.encode(prompt))
+    assert tokens > 40_000
+    with pytest.raises(ValueError, match=f"the prompt has {tokens} tokens; this model's context"):
+        hearth_270m.generate(prompt)
+    ids = [2] + [9259] * 32699
+    chunks = stream_generate(hearth_270m.model, hearth_270m.tokenizer, ids, max_tokens=100)
+    with pytest.raises(ValueError, match="max_tokens 100 plus the prompt's 32700 tokens"):
+        next(chunks)

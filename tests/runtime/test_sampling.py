@@ -341,7 +341,10 @@ def test_sampled_frequencies_match_the_distribution(
         ({"logit_bias": {-1: 1.0}}, "logit_bias token id must be an integer >= 0"),
         ({"logit_bias": {5: 1.0}}, "logit_bias token id must be an integer >= 0 and < vocab"),
         ({"logit_bias": {0: math.nan}}, "logit_bias for token 0 must be a finite number"),
-        ({"seed": "7"}, "seed must be an integer or None"),
+        ({"seed": "7"}, "seed must be an integer in [0, 2**64 - 1], -1 (random) or None"),
+        # torch's generators overflow past 2**64 - 1, and wrap negatives onto valid seeds.
+        ({"seed": 2**64}, "seed must be an integer in [0, 2**64 - 1]"),
+        ({"seed": -2}, "seed must be an integer in [0, 2**64 - 1]"),
     ],
 )
 def test_validate_rejects_bad_params_in_one_line(fields: dict, message: str) -> None:
@@ -353,6 +356,23 @@ def test_validate_rejects_bad_params_in_one_line(fields: dict, message: str) -> 
 def test_validate_accepts_the_defaults_and_edge_values() -> None:
     SamplingParams().validate(vocab_size=5)
     SamplingParams(top_p=1.0, min_p=1.0, top_k=0, logit_bias={4: -100.0}).validate(vocab_size=5)
+    for seed in (0, 2**64 - 1, -1):
+        Sampler(SamplingParams(seed=seed))
+
+
+def test_seed_minus_one_draws_a_fresh_seed_each_time() -> None:
+    """-1 means random (llama.cpp's convention), not torch's wrap-around of -1 onto 2**64-1:
+    two samplers draw different sequences (equal with probability 1000**-40), while two
+    with the same seed agree."""
+    logits = torch.zeros(1000)
+    params = SamplingParams(temperature=1.0, seed=-1)
+
+    def draws(sampler: Sampler) -> list[int]:
+        return [int(sampler.sample(logits, [])) for _ in range(40)]
+
+    assert draws(Sampler(params)) != draws(Sampler(params))
+    seeded = SamplingParams(temperature=1.0, seed=2**64 - 1)
+    assert draws(Sampler(seeded)) == draws(Sampler(seeded))
 
 
 def test_sampler_validates_and_checks_the_bias_against_the_vocab() -> None:

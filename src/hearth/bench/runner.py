@@ -34,6 +34,7 @@ from hearth.bench.report import (
     Row,
 )
 from hearth.config import ModelConfig, parse_config
+from hearth.devices import parse_device
 from hearth.errors import HearthError
 from hearth.kv import parse_kv_quant
 from hearth.models import Model
@@ -68,16 +69,26 @@ class _Subject:
     build: Callable[[], Model]
 
 
-def _device(name: str | None) -> torch.device:
-    try:
-        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise HearthError(f"--device {name!r} is not a torch device (cpu or cuda)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise HearthError(f"--device {name!r}: hearth bench runs on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise HearthError("--device cuda: no CUDA device is available")
-    return device
+def _check_fit(options: BenchOptions, device: torch.device) -> None:
+    """On a CPU, refuse a run the memory cannot hold before anything is allocated (the
+    allocator's failure or the OOM killer would end it midway), by `hearth fit`'s count."""
+    if device.type != "cpu":
+        return
+    from hearth.fit import plan_fit
+
+    longest = max(*options.contexts, *options.prefill)
+    fit = plan_fit(
+        options.model, longest, device=device, random=options.random, quant=options.quant
+    )
+    if not fit.fits:
+        gb = 1e9
+        raise HearthError(
+            f"{fit.model.name} needs {fit.needed_bytes / gb:.3g} GB on the CPU (weights "
+            f"{fit.weight_bytes / gb:.3g} GB, KV cache at {longest:,} tokens "
+            f"{fit.kv_bytes / gb:.3g} GB, runtime {fit.runtime_bytes / gb:.3g} GB), over the "
+            f"{fit.memory_bytes / gb:.3g} GB this machine allows (`hearth fit` says more): "
+            "try --quant 4bit, shorter --contexts and --prefill, or a GPU"
+        )
 
 
 def _subject(options: BenchOptions, device: torch.device) -> _Subject:
@@ -193,10 +204,11 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
     """Every measurement of `options`; `progress` receives a line per step."""
     if not options.contexts or not options.prefill:
         raise HearthError("--contexts and --prefill need at least one length each")
-    device = _device(options.device)
+    device = parse_device(options.device)
     subject = _subject(options, device)
     config = parse_config(subject.config)
     _check_lengths(config, options)
+    _check_fit(options, device)
     progress(f"bench: building {subject.name} on {device}")
     model = subject.build()
     rooflines = _rooflines(options, device, model.compute_dtype, progress)

@@ -37,7 +37,9 @@ def gate_after_add_norm(
 def update(
     gate: torch.Tensor, per_layer_input: torch.Tensor, projection: nn.Module
 ) -> torch.Tensor:
-    """projection(gelu_tanh(gate) · per_layer_input)."""
-    if is_float_linear(projection):
+    """projection(gelu_tanh(gate) · per_layer_input). A CPU decode step takes the native row
+    kernel, as the native layer does: torch's GEMM sums in an order that depends on the CPU
+    (AMX, AVX-512, AVX2), which would make the two paths differ."""
+    if is_float_linear(projection) and kernel_enabled(gate):
         return gemv(gate, projection.weight, geglu=True, up=per_layer_input)
     return project(projection, gelu_tanh_mul(gate, per_layer_input))

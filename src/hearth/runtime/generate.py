@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hearth.kv import LayerCache
+from hearth.lengths import generation_limit
 from hearth.models import Model
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import Sampler, SamplingParams
@@ -255,7 +256,7 @@ def stream_generate(
     tokenizer: Tokenizer,
     prompt_ids: Sequence[int],
     sampling: SamplingParams | None = None,
-    max_tokens: int = 256,
+    max_tokens: int | None = None,
     stop: Sequence[str] = (),
     stop_ids: Sequence[int] | None = None,
     cancelled: Callable[[], bool] | None = None,
@@ -270,12 +271,15 @@ def stream_generate(
     log-probabilities; a count (0 or more) fills each chunk's `logprobs`, with that many
     alternatives per token.
 
+    `max_tokens`: see `hearth.lengths.generation_limit` (None: the default, shrunk to fit).
     `cancelled` is checked before each token; once it returns true the stream ends at once,
     without a final chunk (a server's client went away).
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     runner = as_runner(model)
+    positions = runner.model.config.max_position_embeddings
+    max_tokens = generation_limit(len(prompt_ids), max_tokens, positions)
     sampling = sampling or SamplingParams()
     sampling.validate(runner.model.config.vocab_size)
     sampler = Sampler(sampling, device=runner.device)

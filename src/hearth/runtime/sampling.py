@@ -40,6 +40,16 @@ _INT_FIELDS = ("top_k", "min_tokens_to_keep", "repetition_context_size")
 _OPTIONAL_WINDOWS = ("presence_context_size", "frequency_context_size")
 
 
+# A seed of -1 draws a fresh random seed, as llama.cpp's does; torch's generators take seeds
+# in [0, 2**64 - 1] (and wrap some negative ones, which would alias valid seeds).
+RANDOM_SEED = -1
+LARGEST_SEED = 2**64 - 1
+
+
+def is_valid_seed(seed: int) -> bool:
+    return seed == RANDOM_SEED or 0 <= seed <= LARGEST_SEED
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -109,8 +119,8 @@ class SamplingParams:
             f"repetition_context_size must be >= 1, got {self.repetition_context_size}",
         )
         _require(
-            self.seed is None or _is_int(self.seed),
-            f"seed must be an integer or None, got {self.seed!r}",
+            self.seed is None or (_is_int(self.seed) and is_valid_seed(self.seed)),
+            f"seed must be an integer in [0, 2**64 - 1], -1 (random) or None, got {self.seed!r}",
         )
         for name in _OPTIONAL_WINDOWS:
             value = getattr(self, name)
@@ -160,7 +170,7 @@ class Sampler:
         self.params = params
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
-        if params.seed is None:
+        if params.seed is None or params.seed == RANDOM_SEED:
             self._generator.seed()
         else:
             self._generator.manual_seed(params.seed)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ServerDefaults", "ServerLimits", "create_app", "serve"]
+__all__ = ["ServerDefaults", "ServerLimits", "create_app", "listening_socket", "serve"]
 _HOMES = {
     "ServerDefaults": "hearth.server.state",
     "ServerLimits": "hearth.server.app",
     "create_app": "hearth.server.app",
+    "listening_socket": "hearth.server.app",
     "serve": "hearth.server.app",
 }
 

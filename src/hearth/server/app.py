@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -14,15 +17,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hearth.engine import Engine
+from hearth.errors import HearthError
 from hearth.kv.prompt_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PromptCache
 from hearth.server import anthropic, monitoring, openai, responses
 from hearth.server.admission import BYTES_PER_GB, MemoryBudget
 from hearth.server.errors import RequestError, error_response
 from hearth.server.state import ClientGone, ServerDefaults, ServerState
 from hearth.server.worker import GenerationWorker
+from hearth.summary import held_weights
 
 log = logging.getLogger("hearth.server")
 
@@ -30,6 +36,7 @@ log = logging.getLogger("hearth.server")
 CLIENT_CLOSED_REQUEST = 499
 # mlx_lm.server's default --allowed-origins: any.
 DEFAULT_CORS_ORIGINS = ("*",)
+BACKLOG = 2048  # uvicorn's default
 
 
 def model_id_of(engine: Engine) -> str:
@@ -131,6 +138,9 @@ def create_app(
     app.state.hearth = ServerState(
         engine, worker, defaults or ServerDefaults(), model_id_of(engine), budget
     )
+    # Read once here (a pass over the vocabulary, ~0.3 s), not on the event loop at the first
+    # long prompt.
+    engine.tokenizer.longest_token_chars  # noqa: B018
     app.include_router(openai.router)
     app.include_router(monitoring.router)
     app.include_router(anthropic.router)
@@ -155,34 +165,136 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def client_gone(request: Request, error: ClientGone) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(request: Request, error: ClientDisconnect) -> Response:
+        # Not a failure of ours: one line, no traceback (the reply goes nowhere).
+        log.info(
+            "%s %s: the client left before sending its whole request",
+            request.method,
+            request.url.path,
+        )
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(Exception)
     async def failed(request: Request, error: Exception) -> JSONResponse:
         log.exception("request failed")  # the traceback stays in the server's log
         return error_response(request, RequestError(f"internal error: {error}", status=500))
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, for `serve`; HearthError, one line, where the address
+    is taken or cannot be had. Listening holds the port (two bound sockets may share one):
+    connections made while the model loads wait in the backlog until the server answers."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as error:
+        raise HearthError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+        listener.listen(BACKLOG)
+    except OSError as error:
+        listener.close()
+        raise HearthError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    return listener
+
+
 def serve(
     engine: Engine,
-    host: str = "127.0.0.1",
-    port: int = 8080,
+    listener: socket.socket,
     defaults: ServerDefaults | None = None,
     log_level: str = "INFO",
     limits: ServerLimits | None = None,
+    load_seconds: float | None = None,
+    shutdown_timeout: float = 5.0,
     cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
-) -> None:
-    """Run the server until interrupted: HTTP on a thread, the model on this (main) thread."""
+) -> int:
+    """Serve on `listener` (see `listening_socket`) until interrupted: HTTP on a thread, the
+    model on this (main) thread. The exit status: 0, or 1 if the HTTP server never started.
+
+    The first SIGINT/SIGTERM stops admitting (the listener closes) and lets the requests in
+    progress run for `shutdown_timeout` seconds; those still running then are cancelled. A
+    second signal exits at once.
+    """
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     limits = limits or ServerLimits()
     worker = GenerationWorker(engine, limits.prompt_cache())
     app = create_app(engine, defaults, limits, worker, cors_origins)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower()))
-    http = threading.Thread(target=server.run, name="hearth-http")
-    http.start()
-    # Ctrl-C and SIGTERM end the generation loop; then the HTTP thread is told to finish.
+    config = uvicorn.Config(
+        app, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout
+    )
+    server = uvicorn.Server(config)
+    _log_model(engine, load_seconds)
+    http = threading.Thread(target=_serve_http, args=(server, listener, worker), name="hearth-http")
+    shutdown = _Shutdown(server, worker, shutdown_timeout)
     for signal_number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signal_number, lambda *_: worker.stop(timeout=0))
+        signal.signal(signal_number, shutdown.on_signal)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.01)
+    if server.started:
+        log.info("listening on %s", _url(listener))
     try:
-        worker.run()
+        worker.run()  # until the HTTP thread ends (shut down, or failed to start)
     finally:
         server.should_exit = True
         http.join()
+    return 0 if server.started else 1
+
+
+def _serve_http(server: uvicorn.Server, listener: socket.socket, worker: GenerationWorker) -> None:
+    try:
+        server.run(sockets=[listener])
+    except Exception as error:  # uvicorn has logged what it knows: one line here, no traceback
+        log.error("the HTTP server stopped: %s", error)
+    finally:
+        worker.stop(timeout=0)  # no HTTP server: the model's loop ends too
+
+
+class _Shutdown:
+    """What SIGINT and SIGTERM do: the first drains (see `serve`), a second exits at once."""
+
+    def __init__(self, server: uvicorn.Server, worker: GenerationWorker, grace: float) -> None:
+        self.server, self.worker, self.grace = server, worker, grace
+
+    def on_signal(self, signal_number: int, frame: object) -> None:
+        if self.server.should_exit:
+            log.warning("exiting now")
+            os._exit(128 + signal_number)
+        self.server.should_exit = True
+        log.warning(
+            "shutting down: %d request(s) draining, cancelled after %g s (Ctrl-C again exits "
+            "at once)",
+            self.worker.queue_depth,
+            self.grace,
+        )
+
+
+def _log_model(engine: Engine, load_seconds: float | None) -> None:
+    model = engine.model
+    held = held_weights(model)
+    weights = f"{held} weights, " if held else ""
+    took = "" if load_seconds is None else f", loaded in {load_seconds:.1f} s"
+    log.info(
+        "model %s (%s, %scomputing in %s on %s)%s",
+        engine.path,
+        engine.format or "checkpoint",
+        weights,
+        str(model.compute_dtype).removeprefix("torch."),
+        model.device,
+        took,
+    )
+    if not engine.tokenizer.has_own_chat_template:
+        log.warning(
+            "%s has no chat template of its own: it is a base model, and the chat endpoints' "
+            "replies will be poor (the completions endpoint suits it)",
+            engine.path.name,
+        )
+
+
+def _url(listener: socket.socket) -> str:
+    host, port = listener.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

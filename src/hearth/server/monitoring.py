@@ -37,6 +37,7 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "prompt_tokens": counters.prompt_tokens,
         "cached_tokens": counters.cached_tokens,
         "generated_tokens": counters.generated_tokens,
+        "cancelled": counters.cancelled,
         "queue_depth": worker.queue_depth,
         "prompt_cache": {
             "enabled": cache is not None,
@@ -72,6 +73,12 @@ _METRICS = (
         ("cached_tokens",),
     ),
     ("hearth_generated_tokens_total", "counter", "Tokens generated.", ("generated_tokens",)),
+    (
+        "hearth_cancelled_total",
+        "counter",
+        "Requests that ended before their generation did (client gone, or shutdown).",
+        ("cancelled",),
+    ),
     ("hearth_queue_depth", "gauge", "Requests waiting or running.", ("queue_depth",)),
     (
         "hearth_prompt_cache_hits_total",

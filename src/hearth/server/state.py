@@ -4,9 +4,10 @@ turn a parsed request into a generation the worker can run."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from hearth import __version__ as hearth_version
 from hearth.engine import Engine
 from hearth.errors import HearthError
+from hearth.lengths import DEFAULT_MAX_TOKENS
 from hearth.runtime.generate import GenerationChunk, GenerationStats, TokenLogprobs
 from hearth.runtime.sampling import SamplingParams
 from hearth.server.admission import MemoryBudget
@@ -31,7 +33,8 @@ from hearth.server.worker import GenerationWorker
 
 # Prompts up to this many characters are tokenized on the event loop (about 0.25 ms per 1000
 # characters here); longer ones on a worker thread, whose hand-off costs 0.1-5 ms on a busy
-# 2-core machine, more than a short prompt's whole encoding.
+# 2-core machine, more than a short prompt's whole encoding. A long text's encoding releases
+# the GIL (`Tokenizer.encode`), so that thread does not stall the event loop.
 INLINE_ENCODE_CHARS = 2048
 
 # Gemma 4 ends a turn with <turn|>, and a tool call is followed by <|tool_response>.
@@ -52,7 +55,7 @@ class ServerDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    max_tokens: int = 512
+    max_tokens: int = DEFAULT_MAX_TOKENS
     # --chat-template-args: extra template variables; a request's own switches win.
     chat_template_args: Mapping[str, Any] = field(default_factory=dict)
     # --reasoning-field: where chat replies put the thought channel (mlx_lm.server: reasoning).
@@ -138,19 +141,9 @@ class ServerState:
             raise RequestError(f"token id {bad} is outside the vocabulary of {vocab}", param)
         return list(prompt)
 
-    async def encode(self, prompt: str | list[dict[str, Any]], param: str) -> list[int]:
-        """Token ids of a raw prompt or a conversation, off the event loop (templates and long
-        prompts take a while)."""
-        try:
-            if _text_size(prompt) <= INLINE_ENCODE_CHARS:
-                ids = self.engine.encode(prompt, False)
-            else:
-                ids = await asyncio.to_thread(self.engine.encode, prompt, False)
-        except HearthError as error:  # e.g. a chat template that rejects the conversation
-            raise RequestError(str(error), param) from None
-        if not ids:
-            raise RequestError("the prompt is empty", param)
-        return ids
+    async def encode(self, prompt: str, param: str) -> list[int]:
+        """Token ids of a raw prompt, with the tokenizer's special tokens (BOS)."""
+        return await self._tokenize(prompt, param, self.engine.tokenizer.encode)
 
     async def encode_chat(self, prompt: ChatPrompt, param: str) -> list[int]:
         """Token ids of a conversation rendered with tools and the thinking switch, followed
@@ -164,18 +157,36 @@ class ServerState:
             text = role_mapped_prompt(prompt.messages, prompt.role_mapping)
             return await self.encode(text, param)
         tokenizer = self.engine.tokenizer
+        kwargs = {**self.defaults.chat_template_args, **prompt.template_kwargs()}
+        size = _text_size(messages) + _text_size(kwargs)
         try:
-            kwargs = {**self.defaults.chat_template_args, **prompt.template_kwargs()}
-            if _text_size(messages) + _text_size(kwargs) <= INLINE_ENCODE_CHARS:
-                ids = tokenizer.encode_chat(messages, True, **kwargs)
-            else:
-                ids = await asyncio.to_thread(tokenizer.encode_chat, messages, True, **kwargs)
-        except HearthError as error:
+            render = functools.partial(tokenizer.apply_chat_template, messages, True, **kwargs)
+            text = render() if size <= INLINE_ENCODE_CHARS else await asyncio.to_thread(render)
+        except HearthError as error:  # e.g. a chat template that rejects the conversation
             raise RequestError(str(error), param) from None
-        if not ids:
-            raise RequestError("the prompt is empty", param)
+        ids = await self._tokenize(text, param, tokenizer.encode_rendered)
         prefix = prompt.tool_choice.reply_prefix()
         return ids + tokenizer.encode(prefix, add_special_tokens=False) if prefix else ids
+
+    async def _tokenize(
+        self, text: str, param: str, encode: Callable[[str], list[int]]
+    ) -> list[int]:
+        """`encode(text)`, off the event loop when long; refused unread when the text alone is
+        longer than the context could hold (`Tokenizer.fewest_tokens`)."""
+        fewest = self.engine.tokenizer.fewest_tokens(text)
+        if fewest >= self.context_length:
+            raise RequestError(
+                f"the prompt has at least {fewest} tokens ({len(text)} characters); this "
+                f"model's context holds {self.context_length}",
+                param,
+            )
+        if len(text) <= INLINE_ENCODE_CHARS:
+            ids = encode(text)
+        else:
+            ids = await asyncio.to_thread(encode, text)
+        if not ids:
+            raise RequestError("the prompt is empty", param)
+        return ids
 
     def _check_template_supports(self, prompt: ChatPrompt) -> None:
         # A template that never reads `tools` would drop them silently: refuse instead.

@@ -91,6 +91,7 @@ class WorkerCounters:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
+    cancelled: int = 0  # requests that ended before their generation did (client gone)
     running: int = 0  # 1 while a generation runs
 
     def count(self, stats: GenerationStats) -> None:
@@ -173,6 +174,7 @@ class GenerationWorker:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():
+                self._cancelled("before its turn")
                 continue
             self.counters.running = 1
             try:
@@ -187,9 +189,15 @@ class GenerationWorker:
         request = GenerationRequest(
             job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.stop_ids, job.top_logprobs
         )
+        finished = False
         for chunk in self.engine.run(request, job.cancelled.is_set, self.prompt_cache):
             if chunk.stats is not None:  # the last piece: counted before the client hears it
                 self.counters.count(chunk.stats)
+                finished = True
             job.deliver(chunk)
-        if job.cancelled.is_set():
-            log.info("generation cancelled")
+        if not finished:  # its request ended first: the flag is also set after a whole reply
+            self._cancelled("while generating")
+
+    def _cancelled(self, when: str) -> None:
+        self.counters.cancelled += 1
+        log.info("generation cancelled %s: its request ended (client gone or shutdown)", when)

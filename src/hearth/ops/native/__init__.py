@@ -34,7 +34,9 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,7 @@ LIBRARIES = ("-lm",)
 MAX_INPUT_ROWS = 16
 DISABLE_VARIABLE = "HEARTH_NATIVE"
 COMPILE_TIMEOUT_S = 120
+BUILD_NOTE = "hearth: compiling native CPU kernels (once for this CPU and compiler)..."
 
 _POINTER, _INT64, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # Entry points and their C argument types (pointers are data_ptr()s, None for NULL).
@@ -490,16 +493,24 @@ def build(cache_dir: Path, compiler: str) -> Path:
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
-        partial = Path(scratch) / target.name
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=COMPILE_TIMEOUT_S,
-        )
-        os.replace(partial, target)
+    # Seconds of silence would look like a hang: one line on stderr, ended when done.
+    print(BUILD_NOTE, end="", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    outcome = "failed"
+    try:
+        with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+            partial = Path(scratch) / target.name
+            subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=COMPILE_TIMEOUT_S,
+            )
+            os.replace(partial, target)
+        outcome = f"done in {time.perf_counter() - started:.1f} s"
+    finally:
+        print(f" {outcome}", file=sys.stderr, flush=True)
     return target
 
 
