@@ -25,7 +25,7 @@ from hearth.engine import Engine
 from hearth.server import create_app
 from scripted_gemma4 import ASK, NO_PROMPT_CACHE, WEATHER_TOOL, one_torch_thread, say, shared_engine
 
-DOCS = Path(__file__).parent.parent / "docs" / "server.md"
+DOCS = Path(__file__).parents[2] / "docs" / "server.md"
 PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
