@@ -31,7 +31,9 @@ def test_describe_tiny_hf_checkpoint(tmp_path: Path) -> None:
     assert "format: safetensors" in text and "1 sliding, 1 full (x2)" in text
     # A layer's token: (K + V) x 2 KV heads x 32 dims x 2 bytes = 256 bytes. At 512 tokens
     # (the most): 2 full layers x 512 x 256 + 2 sliding rings x 8 slots x (256 + 8) bytes.
-    assert f"KV cache in bf16: {_bytes(2 * 512 * 256 + 2 * 8 * 264)} at 512 tokens" in text
+    # Two full layers at 512 slots and two rings of 8, each slot 256 bytes of K/V and an int64
+    # position.
+    assert f"KV cache in bf16: {_bytes(2 * 512 * 264 + 2 * 8 * 264)} at 512 tokens" in text
     assert "(512 B a token on full layers; sliding layers keep 8)" in text
     assert "tensor types: F32 x" in text
 

@@ -436,13 +436,15 @@ def test_serve_flags_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     signature = inspect.signature(app.serve)
     handed: list[dict[str, Any]] = []
 
-    def fake_serve(*args: Any, **kwargs: Any) -> None:
+    def fake_serve(*args: Any, **kwargs: Any) -> int:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         handed.append(bound.arguments)
+        return 0
 
     monkeypatch.setattr(cli, "_load", lambda model, args: None)
     monkeypatch.setattr(app, "serve", fake_serve)
+    monkeypatch.setattr(app, "listening_socket", lambda host, port: None)  # no port taken
     flags = ["--cors-origins", "http://a,http://b", "--reasoning-field", "both"]
     for argv in (flags, ["--allowed-origins", ""], []):
         assert cli.main(["serve", *argv]) == 0

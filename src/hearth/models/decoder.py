@@ -20,6 +20,7 @@ class DecoderModel(nn.Module):
     """The ends of a decoder-only Gemma: subclasses add `layers` and the forward between."""
 
     rotary: nn.ModuleDict
+    layers: nn.ModuleList
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -42,6 +43,11 @@ class DecoderModel(nn.Module):
     def cache_specs(self) -> list[CacheSpec]:
         """The caches this model reads and writes: one per layer that stores K/V."""
         return self.specs_for(self.config)
+
+    def next_norm(self, index: int) -> RMSNorm:
+        """The norm applied after layer `index`: the next layer's input norm, or the final."""
+        following = index + 1 < len(self.layers)
+        return self.layers[index + 1].input_layernorm if following else self.norm
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' rows scaled by √hidden, which HF rounds to the table's dtype first

@@ -114,11 +114,6 @@ class Gemma3Model(DecoderModel):
         tensor = tensor.to(self.compute_dtype)
         return 1.0 + tensor.float() if name.endswith("norm.weight") else tensor
 
-    def next_norm(self, index: int) -> RMSNorm:
-        """The norm applied after layer `index`: the next layer's input norm, or the final."""
-        following = index + 1 < len(self.layers)
-        return self.layers[index + 1].input_layernorm if following else self.norm
-
     def forward(
         self,
         input_ids: torch.Tensor,

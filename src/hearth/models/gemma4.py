@@ -233,11 +233,6 @@ class Gemma4Model(DecoderModel):
         tensor = tensor.to(self.compute_dtype)
         return tensor.float() if _is_norm_weight(name) else tensor
 
-    def next_norm(self, index: int) -> RMSNorm:
-        """The norm applied after layer `index`: the next layer's input norm, or the final."""
-        following = index + 1 < len(self.layers)
-        return self.layers[index + 1].input_layernorm if following else self.norm
-
     def forward(
         self,
         input_ids: torch.Tensor,
