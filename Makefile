@@ -20,7 +20,7 @@ setup-dev: setup
 	$(BIN)/pip install -q "$(TORCH)" -e ".[model,dev]"
 
 demo: setup
-	$(BIN)/hearth generate "$(PROMPT)"
+	$(BIN)/hearth generate --max-tokens 64 "$(PROMPT)"
 
 test: setup-dev
 	$(BIN)/python -m pytest -q
