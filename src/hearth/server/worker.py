@@ -228,10 +228,10 @@ class GenerationWorker:
                     scheduler.submit(_request_of(job), self._delivery(job), job.cancelled.is_set)
                 except ValueError as error:  # reported to its request
                     job.deliver(error)
-            self.counters.running = scheduler.active
-            self.counters.waiting = len(scheduler.waiting)
             if not scheduler.idle:
                 scheduler.step()
+            self.counters.running = scheduler.active
+            self.counters.waiting = len(scheduler.waiting)
 
     def _new_jobs(self, wait: bool) -> list[GenerationJob | None]:
         """The jobs queued since the last look; with `wait`, at least one (or the stop)."""
