@@ -250,6 +250,13 @@ def _add_serve_parser(commands: Any) -> None:
         help="most KV bytes the prompt cache keeps (default 2 GiB, 0: off)",
     )
     serve.add_argument(
+        "--max-concurrent",
+        type=positive_int,
+        metavar="N",
+        help="requests decoded together at most (default: 8 on a CPU; 1 on a GPU, where "
+        "decode runs from CUDA graphs one request at a time)",
+    )
+    serve.add_argument(
         "--memory-budget",
         type=positive_float,
         metavar="GB",
@@ -568,7 +575,9 @@ def run_serve(args: argparse.Namespace) -> int:
         args.chat_template_args,
         args.reasoning_field,
     )
-    limits = ServerLimits(args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget)
+    limits = ServerLimits(
+        args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget, args.max_concurrent
+    )
     return serve(
         engine,
         listener,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,10 @@ from hearth.models import Model, cache_specs
 from hearth.models.loading import build_model
 from hearth.ops import native
 from hearth.ops.plan import ExecutionPlan
-from hearth.runtime.generate import GenerationChunk, stream_generate
+from hearth.runtime.generate import GenerationChunk, GenerationRequest, stream_generate
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import SamplingParams
+from hearth.runtime.scheduler import Scheduler
 from hearth.tokenizer import Tokenizer
 
 Messages = list[dict[str, Any]]
@@ -69,18 +70,6 @@ def resolve_precision(
         stored_dtype = torch.float32  # widening is exact; float16 would overflow (above)
     default = torch.bfloat16 if device.type == "cuda" else torch.float32
     return dtype or stored_dtype or default, None
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One generation, as a face (the CLI, the server) hands it to the engine."""
-
-    prompt_ids: list[int]
-    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, shrunk to fit the context
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: Sequence[str] = ()
-    stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
-    top_logprobs: int | None = None  # None: no log-probabilities
 
 
 @dataclass
@@ -196,6 +185,19 @@ class Engine:
             if chunk.stats is not None and prompt_cache is not None and boundary:
                 prompt_cache.put(request.prompt_ids, boundary[0])
             yield chunk
+
+    def scheduler(
+        self,
+        max_running: int,
+        prompt_cache: PromptCache | None = None,
+        kv_room: int | None = None,
+        on_cancelled: Callable[[], None] | None = None,
+    ) -> Scheduler:
+        """A scheduler running many requests at once on this engine (continuous batching):
+        `submit` each, then `step` until it is idle."""
+        return Scheduler(
+            self.runner, self.tokenizer, max_running, prompt_cache, kv_room, on_cancelled
+        )
 
     def stream(
         self,

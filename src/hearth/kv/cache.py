@@ -62,6 +62,8 @@ class KVView(NamedTuple):
     `positions` holds the absolute position of each key; None means the keys are positions
     0..length-1 in order, or, for a single query, that every real key is visible. `stored`:
     when set (a GPU decode step), keys and values are None and attention reads the planes.
+    `mask`: when set (several sequences' keys side by side), which keys each query may see,
+    boolean [queries, length]; it replaces the mask made from positions.
     """
 
     keys: torch.Tensor | None
@@ -69,6 +71,7 @@ class KVView(NamedTuple):
     length: int
     positions: torch.Tensor | None
     stored: StoredKV | None = None
+    mask: torch.Tensor | None = None
 
     def real(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.keys is not None and self.values is not None, "an encoded view"

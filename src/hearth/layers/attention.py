@@ -5,6 +5,8 @@ planes as stored, SDPA's flash kernel, Triton's position-masked prefill kernel, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,12 @@ def attend(
     (dense, affine or TurboQuant) and masks by position on the device; several: the Triton
     prefill (flash) kernel over the view's exact K/V.
     """
+    if view.mask is not None:  # several sequences side by side (`SequenceBatch`)
+        keys, values = view.real()
+        grouped = q.shape[1] != keys.shape[1]
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=view.mask, scale=scale, enable_gqa=grouped
+        )
     if q.shape[2] == 1 and kernel_enabled(q):
         return _kernel_decode_attention(q, view, positions, window, scale)
     if kernel_enabled(q):
@@ -173,6 +181,43 @@ def view_mask(positions: torch.Tensor, view: KVView, window: int | None) -> torc
             return None
         key_positions = torch.arange(view.length, device=positions.device)
     return attention_mask(positions, key_positions, window)
+
+
+class SequenceBatch:
+    """One layer's caches of several sequences whose tokens one forward computes side by side,
+    each sequence's new tokens a run of the forward's tokens (`counts`, in order): each cache
+    stores its own sequence's K/V, and attention sees all their keys in one view whose mask
+    keeps every query to its own sequence (and to its causal window there)."""
+
+    def __init__(self, caches: Sequence[LayerCache], counts: Sequence[int]) -> None:
+        self.caches = list(caches)
+        self.counts = list(counts)
+
+    def decode_write(self, positions: torch.Tensor) -> None:
+        """No kernel writes several caches at once: K/V come back to `update_and_fetch`."""
+        return None
+
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
+        assert positions is not None, "a batch's tokens carry their positions"
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        masks = []
+        start = 0
+        for cache, count in zip(self.caches, self.counts, strict=True):
+            end = start + count
+            own = positions[start:end]
+            view = cache.update_and_fetch(keys[:, :, start:end], values[:, :, start:end], own)
+            parts.append(view.real())
+            mask = view_mask(own, view, cache.window)
+            masks.append(
+                mask if mask is not None else own.new_ones((count, view.length), dtype=torch.bool)
+            )
+            start = end
+        merged_keys = torch.cat([k for k, _ in parts], dim=2)
+        merged_values = torch.cat([v for _, v in parts], dim=2)
+        mask = torch.block_diag(*masks)
+        return KVView(merged_keys, merged_values, merged_keys.shape[2], None, mask=mask)
 
 
 def numbered(view: KVView) -> KVView:

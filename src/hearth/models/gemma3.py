@@ -121,14 +121,18 @@ class Gemma3Model(DecoderModel):
         start: int | torch.Tensor = 0,
         last_only: bool = False,
         last_index: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
 
         `last_index` (with `last_only`; a device scalar): the chunk's last real token, when
         the chunk is padded past it (a CUDA-graph prefill); the last token otherwise.
+        `positions` ([tokens]): each token's position, where the tokens are not one run from
+        `start` (several sequences' tokens side by side, their caches a `SequenceBatch`).
         """
         x = self.embed(input_ids)
-        positions = self.positions(input_ids.shape[1], start, input_ids.device)
+        if positions is None:
+            positions = self.positions(input_ids.shape[1], start, input_ids.device)
         ropes = self.rope_tables(positions, x.dtype)
         normed = self.layers[0].input_layernorm(x)
         for index, layer in enumerate(self.layers):

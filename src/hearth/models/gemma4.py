@@ -240,17 +240,20 @@ class Gemma4Model(DecoderModel):
         start: int | torch.Tensor = 0,
         last_only: bool = False,
         last_index: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
 
-        `last_index` (with `last_only`): the chunk's last real token, as in `Gemma3Model`.
+        `last_index` (with `last_only`): the chunk's last real token, and `positions`, as in
+        `Gemma3Model`.
 
         `caches` holds one cache per layer that computes K/V (`cache_specs`); the KV-sharing
         layers that come last read their donor's view from this same call instead.
         """
         x = self.embed(input_ids)
         per_layer = self.per_layer_inputs(input_ids, x)
-        positions = self.positions(input_ids.shape[1], start, input_ids.device)
+        if positions is None:
+            positions = self.positions(input_ids.shape[1], start, input_ids.device)
         ropes = self.rope_tables(positions, x.dtype)
         donors: dict[str, KVView] = {}
         first_shared = self.config.first_kv_shared_layer

@@ -106,6 +106,18 @@ class GenerationChunk:
     logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as a face (the CLI, the server) hands it to the engine."""
+
+    prompt_ids: list[int]
+    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, shrunk to fit the context
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
+    top_logprobs: int | None = None  # None: no log-probabilities
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: allocator peak on CUDA, peak resident set on the CPU."""
     if device.type == "cuda":
@@ -145,6 +157,53 @@ class StopStrings:
             if any(stop.startswith(text[-size:]) for stop in self.stops):
                 return size
         return 0
+
+
+class Reply:
+    """One request's tokens turned into its chunks: end ids, stop strings, the text as it
+    detokenizes, and each token's log-probabilities when asked for. `add` takes each token and
+    says whether the reply has ended; `finish` gives the last chunk."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        stop_ids: Sequence[int] | None = None,
+        top_logprobs: int | None = None,
+    ) -> None:
+        self.end_ids = frozenset(tokenizer.eos_ids if stop_ids is None else stop_ids)
+        self.detokenizer = tokenizer.detokenizer()
+        self.stops = StopStrings(stop)
+        # Asks the loop for every token's log-probabilities (None: none are computed).
+        self.recorder = None if top_logprobs is None else LogprobRecorder(top_logprobs)
+        self.finish_reason = FINISH_LENGTH
+        self.ended = False
+
+    def add(self, token: int) -> GenerationChunk | None:
+        """The chunk `token` completes, if any; sets `ended` at an end id or a stop string."""
+        if token in self.end_ids:
+            self.finish_reason, self.ended = FINISH_STOP, True
+            return None
+        text = self.stops.feed(self.detokenizer.add_token(token))
+        if self.stops.stopped:
+            self.finish_reason, self.ended = FINISH_STOP, True
+        return GenerationChunk(text, token, logprobs=self._records()) if text else None
+
+    def finish(self, stats: GenerationStats) -> GenerationChunk:
+        """The last chunk: the text held back, why the reply ended, and `stats`."""
+        tail = ""
+        stops = self.stops
+        if not stops.stopped:
+            tail = stops.feed(self.detokenizer.flush())
+            tail += "" if stops.stopped else stops.flush()
+            if stops.stopped:
+                self.finish_reason = FINISH_STOP
+        return GenerationChunk(
+            tail, None, self.finish_reason, stops.matched, stats, self._records()
+        )
+
+    def _records(self) -> tuple[TokenLogprobs, ...] | None:
+        return None if self.recorder is None else self.recorder.take()
 
 
 def as_runner(model: Model | ModelRunner) -> ModelRunner:
@@ -211,7 +270,7 @@ def generate_tokens(
         if graph is not None and caches is not graph.caches:
             graph.adopt(caches, len(history))  # given caches (a prompt cache): decode via graphs
         readback = graph.readback() if graph is not None else None
-        sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+        sampled, distribution = sample_next(sampler, logits, history, logprobs is not None)
         for produced in range(max_tokens):
             more = produced + 1 < max_tokens
             if more and graph is not None and readback is not None:
@@ -236,13 +295,13 @@ def generate_tokens(
             if more:
                 if graph is None:
                     logits = runner.decode(token, caches, len(history) - 1)
-                sampled, distribution = _sample(sampler, logits, history, logprobs is not None)
+                sampled, distribution = sample_next(sampler, logits, history, logprobs is not None)
     finally:
         if graph is not None:  # its caches and graphs serve the next request
             runner.release_decoder(graph)
 
 
-def _sample(
+def sample_next(
     sampler: Sampler, logits: torch.Tensor, history: list[int], with_logprobs: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The next token on the device (no host sync) and, if asked, its logprob row."""
@@ -283,16 +342,8 @@ def stream_generate(
     sampling = sampling or SamplingParams()
     sampling.validate(runner.model.config.vocab_size)
     sampler = Sampler(sampling, device=runner.device)
-    end_ids = frozenset(tokenizer.eos_ids if stop_ids is None else stop_ids)
-    detokenizer = tokenizer.detokenizer()
-    stops = StopStrings(stop)
+    reply = Reply(tokenizer, stop, stop_ids, top_logprobs)
     stats = GenerationStats()
-    finish = FINISH_LENGTH
-    recorder = None if top_logprobs is None else LogprobRecorder(top_logprobs)
-
-    def records() -> tuple[TokenLogprobs, ...] | None:
-        return None if recorder is None else recorder.take()
-
     tokens = generate_tokens(
         runner,
         prompt_ids,
@@ -302,24 +353,15 @@ def stream_generate(
         caches,
         cached_tokens=cached_tokens,
         on_prefilled=on_prefilled,
-        logprobs=recorder,
+        logprobs=reply.recorder,
     )
     for token in tokens:
         if cancelled is not None and cancelled():
             return
-        if token in end_ids:
-            finish = FINISH_STOP
+        chunk = reply.add(token)
+        if chunk is not None:
+            yield chunk
+        if reply.ended:
             break
-        text = stops.feed(detokenizer.add_token(token))
-        if text:
-            yield GenerationChunk(text, token, logprobs=records())
-        if stops.stopped:
-            finish = FINISH_STOP
-            break
-    tail = ""
-    if not stops.stopped:
-        tail = stops.feed(detokenizer.flush())
-        tail += "" if stops.stopped else stops.flush()
-        finish = FINISH_STOP if stops.stopped else finish
     stats.peak_memory_bytes = peak_memory_bytes(runner.device)
-    yield GenerationChunk(tail, None, finish, stops.matched, stats, records())
+    yield reply.finish(stats)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hearth.kv import KVPolicy, LayerCache
+from hearth.layers.attention import SequenceBatch
 from hearth.layers.experts import Experts
 from hearth.models import Model
 from hearth.ops import HAS_TRITON
@@ -83,6 +84,21 @@ class ModelRunner:
             if logits is not None:
                 return logits[:, -1]
         return self.model(ids, caches, start=position, last_only=True)[:, -1]
+
+    def decode_batch(
+        self, tokens: list[int], caches: list[list[LayerCache]], positions: list[int]
+    ) -> torch.Tensor:
+        """Logits [B, V] after one token of each of B sequences, each with its own caches and
+        position: one forward over the B tokens side by side (the weights read once for all);
+        a single sequence takes `decode`."""
+        if len(tokens) == 1:
+            return self.decode(tokens[0], caches[0], positions[0])
+        device = self.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        at = torch.tensor(positions, dtype=torch.long, device=device)
+        ones = [1] * len(tokens)
+        layers = [SequenceBatch(list(layer), ones) for layer in zip(*caches, strict=True)]
+        return self.model(ids, layers, positions=at)[0]
 
     def acquire_decoder(self, max_context: int) -> GraphDecoder:
         """A graph decoder for one request: the idle one if it is large enough (reset to empty,

@@ -37,6 +37,14 @@ CLIENT_CLOSED_REQUEST = 499
 # mlx_lm.server's default --allowed-origins: any.
 DEFAULT_CORS_ORIGINS = ("*",)
 BACKLOG = 2048  # uvicorn's default
+DEFAULT_MAX_CONCURRENT = 8
+
+
+def default_concurrency(engine: Engine) -> int:
+    """Requests a server runs at once unless told: 8 on a CPU (the reference system's
+    default); 1 on a GPU, whose decode runs from CUDA graphs one request at a time until the
+    batched GPU kernels exist."""
+    return 1 if engine.model.device.type == "cuda" else DEFAULT_MAX_CONCURRENT
 
 
 def model_id_of(engine: Engine) -> str:
@@ -46,11 +54,20 @@ def model_id_of(engine: Engine) -> str:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """The prompt cache's size (either limit 0 turns it off) and the optional memory budget."""
+    """The prompt cache's size (either limit 0 turns it off), the optional memory budget, and
+    how many requests run at once (None: the device's default, `default_concurrency`)."""
 
     prompt_cache_bytes: int = DEFAULT_MAX_BYTES
     prompt_cache_size: int = DEFAULT_MAX_ENTRIES
     memory_budget_gb: float | None = None
+    max_concurrent: int | None = None
+
+    def worker(self, engine: Engine) -> GenerationWorker:
+        """The worker these limits give `engine`."""
+        budget = self.memory_budget(engine)
+        room = None if budget is None else budget.budget_bytes - budget.weight_bytes
+        concurrency = self.max_concurrent or default_concurrency(engine)
+        return GenerationWorker(engine, self.prompt_cache(), concurrency, room)
 
     def prompt_cache(self) -> PromptCache | None:
         if self.prompt_cache_bytes == 0 or self.prompt_cache_size == 0:
@@ -118,7 +135,7 @@ def create_app(
     `cors_origins`: the origins browsers may call it from (`*`: any; empty: none)."""
     limits = limits or ServerLimits()
     own_worker = worker is None
-    worker = worker or GenerationWorker(engine, limits.prompt_cache())
+    worker = worker or limits.worker(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -221,7 +238,7 @@ def serve(
     """
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     limits = limits or ServerLimits()
-    worker = GenerationWorker(engine, limits.prompt_cache())
+    worker = limits.worker(engine)
     app = create_app(engine, defaults, limits, worker, cors_origins)
     config = uvicorn.Config(
         app, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout

@@ -39,6 +39,8 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "generated_tokens": counters.generated_tokens,
         "cancelled": counters.cancelled,
         "queue_depth": worker.queue_depth,
+        "running": counters.running,
+        "max_concurrent": worker.max_concurrent,
         "prompt_cache": {
             "enabled": cache is not None,
             "entries": cache.entries if cache else 0,
@@ -80,6 +82,7 @@ _METRICS = (
         ("cancelled",),
     ),
     ("hearth_queue_depth", "gauge", "Requests waiting or running.", ("queue_depth",)),
+    ("hearth_running", "gauge", "Requests admitted: prefilling or decoding.", ("running",)),
     (
         "hearth_prompt_cache_hits_total",
         "counter",

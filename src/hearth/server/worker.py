@@ -20,10 +20,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from hearth.engine import Engine, GenerationRequest
+from hearth.engine import Engine
 from hearth.kv.prompt_cache import PromptCache
-from hearth.runtime.generate import GenerationChunk, GenerationStats
+from hearth.runtime.generate import GenerationChunk, GenerationRequest, GenerationStats
 from hearth.runtime.sampling import SamplingParams
+from hearth.runtime.scheduler import Deliver
 
 log = logging.getLogger("hearth.server")
 
@@ -92,7 +93,8 @@ class WorkerCounters:
     cached_tokens: int = 0
     generated_tokens: int = 0
     cancelled: int = 0  # requests that ended before their generation did (client gone)
-    running: int = 0  # 1 while a generation runs
+    running: int = 0  # generations admitted (prefilling or decoding)
+    waiting: int = 0  # generations queued behind them
 
     def count(self, stats: GenerationStats) -> None:
         self.requests += 1
@@ -102,9 +104,22 @@ class WorkerCounters:
 
 
 class GenerationWorker:
-    def __init__(self, engine: Engine, prompt_cache: PromptCache | None = None) -> None:
+    """Runs the server's generations: with `max_concurrent` 1 one at a time, first come,
+    first served (each through `Engine.run`: on a GPU its CUDA graphs); with more, as a
+    `Scheduler` batching up to that many at once. `kv_room`: the K/V bytes the admitted
+    requests may reach together (a memory budget's room beside the weights)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_cache: PromptCache | None = None,
+        max_concurrent: int = 1,
+        kv_room: int | None = None,
+    ) -> None:
         self.engine = engine
         self.prompt_cache = prompt_cache
+        self.max_concurrent = max_concurrent
+        self.kv_room = kv_room
         self.counters = WorkerCounters()
         self._jobs: queue.Queue[GenerationJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hearth-generation", daemon=True)
@@ -125,8 +140,8 @@ class GenerationWorker:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting for their turn, plus the one running."""
-        return self._jobs.qsize() + self.counters.running
+        """Requests waiting for their turn, plus those running."""
+        return self._jobs.qsize() + self.counters.waiting + self.counters.running
 
     async def stream(
         self,
@@ -172,6 +187,9 @@ class GenerationWorker:
             job.cancelled.set()
 
     def _run(self) -> None:
+        if self.max_concurrent > 1:
+            self._run_batched()
+            return
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():
                 self._cancelled("before its turn")
@@ -186,11 +204,8 @@ class GenerationWorker:
                 self.counters.running = 0
 
     def _generate(self, job: GenerationJob) -> None:
-        request = GenerationRequest(
-            job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.stop_ids, job.top_logprobs
-        )
         finished = False
-        for chunk in self.engine.run(request, job.cancelled.is_set, self.prompt_cache):
+        for chunk in self.engine.run(_request_of(job), job.cancelled.is_set, self.prompt_cache):
             if chunk.stats is not None:  # the last piece: counted before the client hears it
                 self.counters.count(chunk.stats)
                 finished = True
@@ -198,6 +213,49 @@ class GenerationWorker:
         if not finished:  # its request ended first: the flag is also set after a whole reply
             self._cancelled("while generating")
 
+    def _run_batched(self) -> None:
+        scheduler = self.engine.scheduler(
+            self.max_concurrent,
+            self.prompt_cache,
+            self.kv_room,
+            on_cancelled=lambda: self._cancelled("while generating"),
+        )
+        while True:
+            for job in self._new_jobs(wait=scheduler.idle):
+                if job is None:
+                    return
+                try:
+                    scheduler.submit(_request_of(job), self._delivery(job), job.cancelled.is_set)
+                except ValueError as error:  # reported to its request
+                    job.deliver(error)
+            if not scheduler.idle:
+                scheduler.step()
+            self.counters.running = scheduler.active
+            self.counters.waiting = len(scheduler.waiting)
+
+    def _new_jobs(self, wait: bool) -> list[GenerationJob | None]:
+        """The jobs queued since the last look; with `wait`, at least one (or the stop)."""
+        jobs: list[GenerationJob | None] = [self._jobs.get()] if wait else []
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _delivery(self, job: GenerationJob) -> Deliver:
+        def deliver(item: GenerationChunk | BaseException) -> None:
+            if isinstance(item, GenerationChunk) and item.stats is not None:
+                self.counters.count(item.stats)  # the last piece: counted before it is handed on
+            job.deliver(item)
+
+        return deliver
+
     def _cancelled(self, when: str) -> None:
         self.counters.cancelled += 1
         log.info("generation cancelled %s: its request ended (client gone or shutdown)", when)
+
+
+def _request_of(job: GenerationJob) -> GenerationRequest:
+    return GenerationRequest(
+        job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.stop_ids, job.top_logprobs
+    )
