@@ -42,8 +42,9 @@ DEFAULT_MAX_CONCURRENT = 8
 
 def default_concurrency(engine: Engine) -> int:
     """Requests a server runs at once unless told: 8 on a CPU (the reference system's
-    default); 1 on a GPU, whose decode runs from CUDA graphs one request at a time until the
-    batched GPU kernels exist."""
+    default; a batched step of 8 gains 2.5x on a 4B model, see
+    benchmarks/results/cpu_batched_decode-2026-12-07.md); 1 on a GPU, whose decode runs from
+    CUDA graphs one request at a time until the batched GPU kernels exist."""
     return 1 if engine.model.device.type == "cuda" else DEFAULT_MAX_CONCURRENT
 
 
