@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -94,7 +93,9 @@ def gguf_decode_bytes(path: Path) -> int:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from hearth.runtime.generate import peak_resident_bytes
+
+    return peak_resident_bytes() / 2**20
 
 
 def run_hearth(

@@ -212,7 +212,7 @@ def test_a_seed_out_of_range_is_a_one_line_error() -> None:
 def test_fit_counts_at_least_the_measured_peak_of_a_run(embedded_gguf: Path) -> None:
     """`hearth generate --chat` on the embedded model (the base-model note on stderr), and
     `hearth fit` at its context against the peak resident memory the run reports (its
-    ru_maxrss, the load's peak included). fit must not count less; and not more than 25%
+    VmHWM, the load's peak included). fit must not count less; and not more than 25%
     more: its runtime constants are rounded up from one machine's measurement, with a
     margin for another CPU's build of torch (the Xeon peaked 5% above the EPYC)."""
     prompt = "The capital of France is Paris. " * 10

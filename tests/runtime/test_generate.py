@@ -130,3 +130,28 @@ def test_a_prompt_the_context_cannot_hold_is_refused(hearth_270m: Any) -> None:
     chunks = stream_generate(hearth_270m.model, hearth_270m.tokenizer, ids, max_tokens=100)
     with pytest.raises(ValueError, match="max_tokens 100 plus the prompt's 32700 tokens"):
         next(chunks)
+
+
+def test_peak_memory_is_this_process_not_its_parent() -> None:
+    """A process started by a large one reports its own peak: Linux carries ru_maxrss across
+    fork and exec, so `hearth generate` run from a big parent (a test suite, an IDE) once
+    reported the parent's peak. The parent here holds 1 GiB; the child only imports torch
+    (a few hundred MiB)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    held = torch.ones(2**30 // 4)  # 1 GiB, resident
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from hearth.runtime.generate import peak_resident_bytes; print(peak_resident_bytes())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert held.sum() > 0
+    assert int(child.stdout) < 2**30 * 0.8, child.stdout

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -122,8 +123,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: allocator peak on CUDA, peak resident set on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kilobytes if sys.platform == "darwin" else kilobytes * 1024
+    return peak_resident_bytes()
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set. On Linux, VmHWM: ru_maxrss carries a parent's peak
+    across fork and exec, so a process started by a large one would report the parent's."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kilobytes if sys.platform == "darwin" else kilobytes * 1024
+    line = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 class StopStrings:
