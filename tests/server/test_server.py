@@ -242,6 +242,60 @@ def test_100_concurrent_requests_are_all_answered(oai: openai.OpenAI, base_url: 
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
 
 
+# Counting-like prompts: the 270M continues each with clear picks (top-2 margins mostly > 1).
+SIXTEEN_PROMPTS = [
+    "1, 2, 3, 4, 5,",
+    "January, February, March,",
+    "a b c d e f",
+    "10, 20, 30, 40,",
+    "A, B, C, D,",
+    "2, 4, 6, 8,",
+    "100, 200, 300,",
+    "x1 x2 x3 x4",
+    "5, 10, 15, 20,",
+    "3, 6, 9, 12,",
+    "11, 12, 13, 14,",
+    "p1 p2 p3 p4",
+    "1000, 2000, 3000,",
+    "A1 A2 A3 A4",
+    "7, 8, 9, 10,",
+    "item1 item2 item3",
+]
+# The server computes in bf16 on the CPU: a batched step and a request alone may round a logit
+# differently by about one bf16 step (2**-8 of a logit of 16-32, i.e. up to 0.125), so a token
+# is compared only where the alone run's top two log-probs are further apart than two steps.
+NEAR_TIE = 0.25
+
+
+def test_sixteen_concurrent_streams_each_equal_its_own_sequential_answer(
+    oai: openai.OpenAI,
+) -> None:
+    """16 streaming requests at once through the openai SDK (more than the CPU default of 8
+    running: the rest wait their turn) all complete, and each streams the tokens its request
+    gives when sent alone, up to the first near tie of the alone run."""
+    fields: dict[str, Any] = {"model": "gemma", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    alone = [
+        oai.completions.create(prompt=p, **fields).choices[0].logprobs for p in SIXTEEN_PROMPTS
+    ]
+
+    def stream(prompt: str) -> list[str]:
+        chunks = oai.completions.create(prompt=prompt, stream=True, **fields)
+        return [token for chunk in chunks for token in (chunk.choices[0].logprobs.tokens or [])]
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(stream, SIXTEEN_PROMPTS))
+    compared = 0
+    for prompt, own, streamed in zip(SIXTEEN_PROMPTS, alone, together, strict=True):
+        assert len(streamed) == len(own.tokens) == 10, prompt
+        for position, top in enumerate(own.top_logprobs):
+            first, second = sorted(top.values(), reverse=True)[:2]
+            if first - second < NEAR_TIE:
+                break
+            assert streamed[position] == own.tokens[position], (prompt, position)
+            compared += 1
+    assert compared > 0.8 * 16 * 10
+
+
 def test_openai_sdk_sees_refusals_as_bad_requests(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="response_format"):
         oai.chat.completions.create(
