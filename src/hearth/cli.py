@@ -415,11 +415,30 @@ def _add_bench_parser(commands: Any) -> None:
         help="KV cache layouts decode runs over, comma-separated: off (default), 8, 4, "
         "turbo:SCHEME; e.g. off,4,turbo:k4v3",
     )
+    bench.add_argument(
+        "--concurrency",
+        type=length_list,
+        metavar="N,N,...",
+        help="instead of the batch-1 table: run N streams at once through the scheduler at each "
+        "level and report aggregate and per-stream tok/s, first-token p50/p99 and the roofline",
+    )
+    bench.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=512,
+        help="each stream's prompt with --concurrency (512)",
+    )
+    bench.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=128,
+        help="tokens each stream makes with --concurrency (128)",
+    )
     bench.add_argument("--out", metavar="FILE", help="also write the Markdown table to FILE")
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from hearth.bench import BenchOptions, render
+    from hearth.bench import BenchOptions, render, render_concurrency, run_concurrency_bench
     from hearth.bench import run_bench as bench
     from hearth.kv import parse_kv_quant
 
@@ -437,13 +456,23 @@ def run_bench(args: argparse.Namespace) -> int:
         bandwidth=args.bandwidth,
         peak_flops=args.peak_flops,
         kv_quant=tuple(args.kv_quant.split(",")),
+        concurrency=args.concurrency or (),
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
     )
     try:
         for layout in options.kv_quant:
             parse_kv_quant(layout)
     except ValueError as error:
         raise HearthError(str(error)) from None
-    table = render(bench(options, lambda line: print(line, file=sys.stderr, flush=True)))
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if options.concurrency:
+        table = render_concurrency(run_concurrency_bench(options, progress))
+    else:
+        table = render(bench(options, progress))
     print(table, end="")
     if args.out:
         try:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hearth.bench import measure
+from hearth.bench.concurrency import percentile
 from hearth.bench.llama_peer import cpu_has_amx, open_llama
 from hearth.bench.measure import kv_bytes, prefill_flops
 from hearth.bench.random_gguf import (
@@ -51,10 +52,10 @@ def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, st
     return code, captured.out, captured.err
 
 
-def _table(text: str) -> list[dict[str, str]]:
+def _table(text: str, columns: tuple[str, ...] = COLUMNS) -> list[dict[str, str]]:
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    assert tuple(header) == COLUMNS
+    assert tuple(header) == columns
     return [
         dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
         for line in lines[1:]
@@ -167,6 +168,51 @@ def test_bench_random_tiny_prints_the_table(
         bound = 0.05 + digit / 2 / roofline * 100 + 1e-9
         assert abs(_number(row["of roofline"]) - share) <= bound
     assert "Hearth / HF transformers: decode" in stdout
+
+
+CONCURRENCY_COLUMNS = (
+    "streams",
+    "aggregate tok/s",
+    "x 1 stream",
+    "per-stream decode tok/s",
+    "first token p50 / p99 ms",
+    "roofline tok/s",
+    "of roofline",
+)
+
+
+def test_bench_concurrency_reports_each_level_against_its_roofline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--concurrency 1,3`: one row per level; the roofline at c streams is c steps' worth of
+    tokens in the time one step takes to read the weights once and each stream's K/V at its
+    mean context (8 prompt + 4 new tokens: 10), by hand for the tiny config."""
+    config = _config_file(tmp_path, tiny_gemma3_config())
+    code, stdout, stderr = _bench(
+        capsys,
+        *("--random", str(config), "--device", "cpu", "--concurrency", "1,3"),
+        *("--prompt-tokens", "8", "--new-tokens", "4", "--bandwidth", str(BANDWIDTH)),
+    )
+    assert code == 0, stderr
+    assert "bench: 3 streams" in stderr
+    rows = _table(stdout, CONCURRENCY_COLUMNS)
+    assert [int(row["streams"]) for row in rows] == [1, 3]
+    weights, kv = hand_decode_bytes(0), hand_decode_bytes(10) - hand_decode_bytes(0)
+    for row in rows:
+        streams = int(row["streams"])
+        roofline = streams * BANDWIDTH / (weights + streams * kv)
+        assert _number(row["roofline tok/s"]) == pytest.approx(roofline, abs=0.5)  # integer
+        aggregate = _number(row["aggregate tok/s"])
+        assert aggregate > 0 and _number(row["per-stream decode tok/s"]) > 0
+        p50, p99 = (_number(cell) for cell in row["first token p50 / p99 ms"].split(" / "))
+        assert 0 <= p50 <= p99
+    assert rows[0]["x 1 stream"] == "1.00x"
+
+
+def test_percentile_is_the_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert percentile(values, 0.5) == 50 and percentile(values, 0.99) == 99
+    assert percentile([4, 1, 3, 2], 0.5) == 2 and percentile([7.0], 0.99) == 7.0
 
 
 def test_bench_decodes_over_a_quantized_cache(
@@ -518,6 +564,8 @@ def test_bad_inputs_exit_2_with_one_line(
         (("--random", config, "--out", str(tmp_path / "no" / "t.md"), *cpu), "does not exist"),
         ((config, "--random", config, *cpu), "not both"),
         ((str(tmp_path / "missing.gguf"), *cpu), "does not exist"),
+        (("--random", config, "--concurrency", "0,4", *cpu), "positive integers"),
+        (("--random", config, "--concurrency", "2", "--prompt-tokens", "600", *cpu), "exceed"),
         (("--random", config, "--device", "tpu"), "cpu or cuda"),
     ]
     if not torch.cuda.is_available():

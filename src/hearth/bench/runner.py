@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hearth.bench.concurrency import ConcurrencyReport, measure_concurrency
 from hearth.bench.measure import (
     copy_bandwidth,
     decode_bytes,
@@ -40,6 +41,7 @@ from hearth.kv import parse_kv_quant
 from hearth.models import Model
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.runner import ModelRunner
+from hearth.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class BenchOptions:
     bandwidth: float | None = None
     peak_flops: float | None = None
     kv_quant: Sequence[str] = ("off",)  # KV cache layouts decode runs over (`--kv-quant`)
+    # `--concurrency`: streams run together at each level, instead of the batch-1 table.
+    concurrency: Sequence[int] = ()
+    prompt_tokens: int = 512
+    new_tokens: int = 128
 
 
 @dataclass
@@ -67,16 +73,17 @@ class _Subject:
     name: str
     config: dict[str, Any]
     build: Callable[[], Model]
+    tokenizer: Callable[[], Tokenizer]
 
 
-def _check_fit(options: BenchOptions, device: torch.device) -> None:
+def _check_fit(options: BenchOptions, device: torch.device, longest: int) -> None:
     """On a CPU, refuse a run the memory cannot hold before anything is allocated (the
-    allocator's failure or the OOM killer would end it midway), by `hearth fit`'s count."""
+    allocator's failure or the OOM killer would end it midway), by `hearth fit`'s count of
+    `longest` tokens of K/V."""
     if device.type != "cpu":
         return
     from hearth.fit import plan_fit
 
-    longest = max(*options.contexts, *options.prefill)
     fit = plan_fit(
         options.model, longest, device=device, random=options.random, quant=options.quant
     )
@@ -87,7 +94,7 @@ def _check_fit(options: BenchOptions, device: torch.device) -> None:
             f"{fit.weight_bytes / gb:.3g} GB, KV cache at {longest:,} tokens "
             f"{fit.kv_bytes / gb:.3g} GB, runtime {fit.runtime_bytes / gb:.3g} GB), over the "
             f"{fit.memory_bytes / gb:.3g} GB this machine allows (`hearth fit` says more): "
-            "try --quant 4bit, shorter --contexts and --prefill, or a GPU"
+            "try --quant 4bit, shorter lengths or fewer streams, or a GPU"
         )
 
 
@@ -100,7 +107,9 @@ def _subject(options: BenchOptions, device: torch.device) -> _Subject:
             raise HearthError(f"--quant {quant!r}: choose from {', '.join(QUANT_BITS)}")
         config = resolve_config(options.random)
         name = f"{options.random} (random weights, {quant})"
-        return _Subject(name, config, lambda: build_random_model(config, device, quant))
+        return _Subject(
+            name, config, lambda: build_random_model(config, device, quant), _embedded_tokenizer
+        )
     if options.quant is not None:
         raise HearthError("--quant applies to --random models; a checkpoint keeps its weights")
     from hearth.checkpoint import open_checkpoint
@@ -113,7 +122,17 @@ def _subject(options: BenchOptions, device: torch.device) -> _Subject:
     def load() -> Model:
         return Engine.load(path, device=device, progress=False).model
 
-    return _Subject(f"{path.name} ({checkpoint.format})", checkpoint.config, load)
+    name = f"{path.name} ({checkpoint.format})"
+    return _Subject(name, checkpoint.config, load, checkpoint.tokenizer)
+
+
+def _embedded_tokenizer() -> Tokenizer:
+    """A random model's text goes through the embedded model's tokenizer (Gemma's 262,144
+    entries), as `hearth generate --random` does."""
+    from hearth.checkpoint import open_checkpoint
+    from hearth.embedded import embedded_model_path
+
+    return open_checkpoint(embedded_model_path()).tokenizer()
 
 
 def _check_lengths(config: ModelConfig, options: BenchOptions) -> None:
@@ -208,7 +227,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
     subject = _subject(options, device)
     config = parse_config(subject.config)
     _check_lengths(config, options)
-    _check_fit(options, device)
+    _check_fit(options, device, max(*options.contexts, *options.prefill))
     progress(f"bench: building {subject.name} on {device}")
     model = subject.build()
     rooflines = _rooflines(options, device, model.compute_dtype, progress)
@@ -229,6 +248,55 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None]) -> BenchRe
     release(device)
     if options.hf:
         _measure_hf(subject.config, options, device, report, progress)
+    return report
+
+
+def run_concurrency_bench(
+    options: BenchOptions, progress: Callable[[str], None]
+) -> ConcurrencyReport:
+    """`options.concurrency`'s levels of streams run together, each measured."""
+    if not options.concurrency or min(options.concurrency) < 1:
+        raise HearthError("--concurrency needs stream counts of at least 1")
+    device = parse_device(options.device)
+    subject = _subject(options, device)
+    config = parse_config(subject.config)
+    per_stream = options.prompt_tokens + options.new_tokens
+    if per_stream > config.max_position_embeddings:
+        raise HearthError(
+            f"{options.prompt_tokens} prompt plus {options.new_tokens} new tokens exceed the "
+            f"model's maximum of {config.max_position_embeddings} positions"
+        )
+    _check_fit(options, device, max(options.concurrency) * per_stream)
+    progress(f"bench: building {subject.name} on {device}")
+    model = subject.build()
+    tokenizer = subject.tokenizer()
+    bandwidth = options.bandwidth
+    if bandwidth is None:
+        bandwidth = copy_bandwidth(device)
+        progress(f"bench: copy bandwidth {_rate(bandwidth, 'B/s', 3)}")
+    runner = ModelRunner(model)
+    source = "measured copy" if options.bandwidth is None else "given"
+    report = ConcurrencyReport(
+        model=f"{subject.name}, {_precision(model)}",
+        date=datetime.date.today().isoformat(),
+        device=_device_name(device),
+        settings=(
+            f"torch {torch.__version__}. Each stream: {options.prompt_tokens} prompt tokens "
+            f"(random ids), {options.new_tokens} new tokens, greedy; streams start together. "
+            f"Roofline: weights read once per step plus each stream's K/V, at "
+            f"{_rate(bandwidth, 'B/s', 3)} ({source})."
+        ),
+    )
+    report.rows = measure_concurrency(
+        runner,
+        tokenizer,
+        config,
+        options.concurrency,
+        options.prompt_tokens,
+        options.new_tokens,
+        bandwidth,
+        progress,
+    )
     return report
 
 
