@@ -108,12 +108,13 @@ def main() -> None:
     args = parser.parse_args()
 
     stats = httpx.get(f"{args.url}/stats", timeout=10).json()
+    device = stats.get("plan", {}).get("device")
     run_level(args.url, 1, 1, 4)  # warm-up
     lines = [
         f"# `hearth serve` under load, {datetime.date.today().isoformat()}",
         "",
         f"Client on {platform.machine()}; server `/stats`: model {stats.get('model')}, "
-        f"device {stats.get('plan', {}).get('device')}, max_concurrent {stats.get('max_concurrent')}. "
+        f"device {device}, max_concurrent {stats.get('max_concurrent')}. "
         f"{args.requests} streaming chat requests per client, {args.max_tokens} new tokens each.",
         "",
         "| clients | requests/s | tok/s | first token p50 / p90 / p99 ms "
