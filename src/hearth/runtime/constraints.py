@@ -14,13 +14,15 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import xgrammar
 
 from hearth.errors import HearthError
 from hearth.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported on first use: it costs a second (and transformers) at start-up
+    import xgrammar
 
 ConstraintKind = Literal["json_schema", "json", "regex", "choice", "grammar"]
 
@@ -142,6 +144,8 @@ class OutputConstraint:
             raise ConstraintError(f"{self._what()} does not compile: {message}") from None
 
     def _build(self) -> xgrammar.Grammar:
+        import xgrammar
+
         # Compact JSON (", " and ": " only): with free whitespace a small model can spend its
         # whole budget on blank lines and never close the object.
         if self.kind == "json_schema":
@@ -237,6 +241,8 @@ def _check_keyword(keyword: str, value: Any, where: str) -> None:
 @functools.lru_cache(maxsize=8)
 def _compiler(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.GrammarCompiler:
     """xgrammar's view of `tokenizer`, padded to the model's `vocab_size` (its logits' width)."""
+    import xgrammar
+
     pieces = tokenizer.vocabulary_pieces
     hidden = tokenizer.special_ids - {tokenizer.token_to_id(t) for t in SPELLABLE_SPECIAL_TOKENS}
     # An empty piece is one xgrammar never lets a grammar spell.
@@ -253,6 +259,8 @@ def _compiler(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.GrammarCompiler
 def vocab_type_of(tokenizer: Tokenizer) -> xgrammar.VocabType:
     """How the vocabulary spells bytes: SentencePiece's ▁ and <0xNN> (Gemma), or byte-level
     symbols (GPT-2's Ġ for a space)."""
+    import xgrammar
+
     pieces = tokenizer.vocabulary_pieces
     if any(piece.startswith("\u2581") for piece in pieces[:5000]) or "<0x0A>" in pieces:
         return xgrammar.VocabType.BYTE_FALLBACK
@@ -276,6 +284,8 @@ class GrammarMatcher:
     complete; with none, the grammar's completion ends it (`terminated`)."""
 
     def __init__(self, compiled: xgrammar.CompiledGrammar, stop_ids: Sequence[int]) -> None:
+        import xgrammar
+
         self._matcher = xgrammar.GrammarMatcher(
             compiled,
             override_stop_tokens=list(stop_ids) or None,
