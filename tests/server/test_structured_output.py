@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import anthropic
@@ -30,96 +31,10 @@ from hearth.engine import Engine
 from hearth.server import create_app
 from scripted_gemma4 import ASK, NO_PROMPT_CACHE, one_torch_thread, say, shared_engine
 
-SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
-SHORT = {"type": "string", "maxLength": 8}
-POINT = {
-    "type": "object",
-    "properties": {"x": SMALL_INT, "y": SMALL_INT},
-    "required": ["x", "y"],
-}
 # Increasing difficulty: scalars, flat objects, arrays, nesting, unions, references.
-SCHEMAS: list[dict[str, Any]] = [
-    {"type": "boolean"},
-    {"enum": ["red", "green", "blue"]},
-    {"type": "integer", "minimum": -5, "maximum": 5},
-    SHORT,
-    {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-    {"type": ["string", "null"], "maxLength": 6},
-    {
-        "type": "object",
-        "properties": {"name": SHORT, "age": SMALL_INT},
-        "required": ["name", "age"],
-    },
-    {
-        "type": "object",
-        "properties": {"a": SMALL_INT, "b": SHORT, "c": {"type": "boolean"}},
-        "required": ["a"],
-    },
-    {"type": "array", "items": SMALL_INT, "minItems": 2, "maxItems": 4},
-    {"type": "array", "items": {"enum": ["x", "y", "z"]}, "minItems": 1, "maxItems": 3},
-    {
-        "type": "object",
-        "properties": {"kind": {"const": "event"}, "level": {"enum": [1, 2, 3]}},
-        "required": ["kind", "level"],
-    },
-    {
-        "type": "object",
-        "properties": {
-            "code": {"type": "string", "pattern": "^[a-z]{2}[0-9]$"},
-            "ok": {"type": "boolean"},
-        },
-        "required": ["code", "ok"],
-    },
-    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, SHORT]},
-    {
-        "type": "object",
-        "properties": {
-            "user": {
-                "type": "object",
-                "properties": {
-                    "id": {"type": "integer", "minimum": 1, "maximum": 1000},
-                    "tags": {"type": "array", "items": SHORT, "maxItems": 2},
-                },
-                "required": ["id", "tags"],
-            }
-        },
-        "required": ["user"],
-    },
-    {
-        "type": "array",
-        "items": {
-            "type": "object",
-            "properties": {"k": {"enum": ["a", "b"]}, "v": SMALL_INT},
-            "required": ["k", "v"],
-        },
-        "minItems": 1,
-        "maxItems": 2,
-    },
-    {
-        "type": "object",
-        "properties": {"a": {"type": "object", "properties": {"b": POINT}, "required": ["b"]}},
-        "required": ["a"],
-    },
-    {
-        "$defs": {"point": POINT},
-        "type": "object",
-        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
-        "required": ["start", "end"],
-    },
-    {
-        "type": "object",
-        "properties": {
-            "shape": {
-                "anyOf": [
-                    {"type": "object", "properties": {"r": SMALL_INT}, "required": ["r"]},
-                    {"type": "object", "properties": {"w": SMALL_INT}, "required": ["w"]},
-                ]
-            },
-            "label": {"anyOf": [SHORT, {"type": "null"}]},
-        },
-        "required": ["shape", "label"],
-    },
-]
+SCHEMAS: list[dict[str, Any]] = json.loads(
+    (Path(__file__).parents[1] / "data" / "structured_output_schemas.json").read_text()
+)
 
 
 class Colour(BaseModel):
@@ -134,7 +49,6 @@ class Person(BaseModel):
     home: Colour
 
 
-# With the two Pydantic models sent by `parse`, 20 schemas in all.
 PYDANTIC_MODELS: list[type[BaseModel]] = [Colour, Person]
 MAX_TOKENS = 96
 

@@ -300,8 +300,12 @@ class GrammarMatcher:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` ([V] or [1, V]) with every token the grammar forbids at -inf."""
+        return apply_bitmask(logits, self.fill_bitmask())
+
+    def fill_bitmask(self) -> torch.Tensor:
+        """The tokens allowed next, as xgrammar's bitmask (see `apply_bitmask`)."""
         self._matcher.fill_next_token_bitmask(self._bitmask)
-        return apply_bitmask(logits, self._bitmask)
+        return self._bitmask
 
     def advance(self, token: int) -> None:
         if not self._matcher.accept_token(token):
