@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hearth.runtime.constraints import ConstraintError, OutputConstraint, ebnf_literal
-from hearth.server.tools import STRING_MARK, TOOL_CALL_END, ToolChoice
+from hearth.server.tools import STRING_MARK, TOOL_CALL_END, TOOL_CALL_START, ToolChoice
 
 # Integer ranges up to this wide are spelled out as alternatives; wider ones are refused.
 MAX_ENUMERATED_RANGE = 1000
@@ -54,18 +54,18 @@ def forced_call_constraint(
     if policy.name is not None:
         functions = [f for f in functions if f["name"] == policy.name]
     writer = _GrammarWriter()
-    calls = []
+    calls = []  # each tool's call after `call:`: NAME{arguments}
     for function in functions:
         schema = function.get("parameters") or {"type": "object"}
         writer.defs = schema.get("$defs", {}) if isinstance(schema, Mapping) else {}
-        where = f"tool {function['name']!r}"
-        if policy.name is None:
-            body = writer.rule(schema, where, bare_keys=True)
-            calls.append(f"{ebnf_literal(function['name'])} {body}")
-        else:  # the prompt already opened the call with `NAME{`
-            calls.append(writer.object_rest(schema, where))
-    root = f"root ::= ({' | '.join(calls)}) {ebnf_literal(TOOL_CALL_END)}"
-    return OutputConstraint.grammar("\n".join([root, *writer.rules, _GENERIC_RULES]))
+        body = writer.object_rest(schema, f"tool {function['name']!r}")
+        calls.append(f"{ebnf_literal(function['name'] + '{')} {body}")
+    end = ebnf_literal(TOOL_CALL_END)
+    # The prompt already opened the first call with `call:` (and `NAME{` for a named tool).
+    first = f"{body} {end}" if policy.name else f"call {end}"
+    more = f"({ebnf_literal(TOOL_CALL_START + 'call:')} call {end})*" if policy.parallel else ""
+    rules = [f"root ::= {first} {more}", f"call ::= {' | '.join(calls)}", *writer.rules]
+    return OutputConstraint.grammar("\n".join([*rules, _GENERIC_RULES]))
 
 
 class _GrammarWriter:
@@ -81,7 +81,7 @@ class _GrammarWriter:
         self.rules.append(f"{name} ::= {body}")
         return name
 
-    def rule(self, schema: Any, where: str, bare_keys: bool = True) -> str:
+    def rule(self, schema: Any, where: str) -> str:
         """A rule matching values of `schema` (its name, or an inline expression)."""
         if schema is True or schema == {}:
             return "gemma_any"
