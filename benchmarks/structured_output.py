@@ -39,14 +39,20 @@ SCHEMAS = Path(__file__).resolve().parents[1] / "tests" / "data" / "structured_o
 PROMPT = "Here is the record as JSON:"
 
 
-def decode_rate(engine: Engine, constraint: OutputConstraint | None, tokens: int) -> float:
-    """Decode tokens/s of one run of exactly `tokens` tokens (no end-of-sequence stop)."""
+def decode_rate(
+    engine: Engine, constraint: OutputConstraint | None, tokens: int
+) -> tuple[float, float]:
+    """One run of exactly `tokens` tokens (no end-of-sequence stop): its decode tokens/s, and
+    the process's CPU milliseconds per token (the short prompt's prefill included), which
+    other processes on a shared machine disturb far less than the wall clock."""
     ids = engine.tokenizer.encode(PROMPT)
     request = GenerationRequest(ids, tokens, stop_ids=(), constraint=constraint)
+    cpu_started = time.process_time()
     chunks = list(engine.run(request))
+    cpu_ms = (time.process_time() - cpu_started) / tokens * 1e3
     stats = chunks[-1].stats
     assert stats is not None and stats.generated_tokens == tokens, "the run ended early"
-    return stats.decode_tokens_per_second
+    return stats.decode_tokens_per_second, cpu_ms
 
 
 def overhead(engine: Engine, tokens: int, repeats: int) -> dict[str, Any]:
@@ -55,18 +61,20 @@ def overhead(engine: Engine, tokens: int, repeats: int) -> dict[str, Any]:
     schema = {"type": "object", "properties": {"text": long_string}, "required": ["text"]}
     constraint = OutputConstraint.json_schema(schema)
     decode_rate(engine, constraint, 4)  # compiled and warm before timing
-    free, constrained = [], []
-    for _ in range(repeats):
-        free.append(decode_rate(engine, None, tokens))
-        constrained.append(decode_rate(engine, constraint, tokens))
+    runs = [
+        (decode_rate(engine, None, tokens), decode_rate(engine, constraint, tokens))
+        for _ in range(repeats)
+    ]
     # Each pair ran back to back: the median of their ratios shrugs off a pair another
     # process slowed, which the ratio of the two medians would not.
-    ratios = [a / b for a, b in zip(free, constrained, strict=True)]
     return {
-        "free": statistics.median(free),
-        "constrained": statistics.median(constrained),
-        "overhead": statistics.median(ratios) - 1,
-        "runs": list(zip(free, constrained, strict=True)),
+        "free": statistics.median(free for (free, _), _ in runs),
+        "constrained": statistics.median(rate for _, (rate, _) in runs),
+        "overhead": statistics.median(free / rate for (free, _), (rate, _) in runs) - 1,
+        "free_cpu": statistics.median(cpu for (_, cpu), _ in runs),
+        "constrained_cpu": statistics.median(cpu for _, (_, cpu) in runs),
+        "cpu_overhead": statistics.median(b / a for (_, a), (_, b) in runs) - 1,
+        "runs": runs,
         **step_parts(engine, constraint),
     }
 
@@ -132,7 +140,7 @@ def report(args: argparse.Namespace, engine: Engine) -> str:
         f"Hardware: {cpu_name()}, {torch.get_num_threads()} torch threads; "
         f"model: {engine.path.name} ({engine.model.compute_dtype}), device {engine.model.device}.",
         f"Command: `python benchmarks/structured_output.py --tokens {args.tokens} "
-        f"--repeats {args.repeats}`",
+        f"--repeats {args.repeats}" + (f" --threads {args.threads}`" if args.threads else "`"),
         "",
         "## Per-token overhead (batch 1)",
         "",
@@ -140,10 +148,11 @@ def report(args: argparse.Namespace, engine: Engine) -> str:
         "overhead is the median of the pairs' ratios (runs in "
         f"[the raw log](#raw-runs) below).",
         "",
-        "| decoding | tok/s | overhead |",
-        "|---|---|---|",
-        f"| free | {parts['free']:.1f} | |",
-        f"| JSON schema | {parts['constrained']:.1f} | {parts['overhead']:+.1%} |",
+        "| decoding | decode tok/s (wall) | overhead | CPU ms / token | overhead |",
+        "|---|---|---|---|---|",
+        f"| free | {parts['free']:.1f} | | {parts['free_cpu']:.2f} | |",
+        f"| JSON schema | {parts['constrained']:.1f} | {parts['overhead']:+.1%} | "
+        f"{parts['constrained_cpu']:.2f} | {parts['cpu_overhead']:+.1%} |",
         "",
         f"Per step: xgrammar bitmask fill {parts['fill_ms']:.3f} ms, mask applied to the "
         f"logits {parts['apply_ms']:.3f} ms.",
@@ -162,9 +171,12 @@ def report(args: argparse.Namespace, engine: Engine) -> str:
         "",
         "## Raw runs",
         "",
-        "| pair | free tok/s | constrained tok/s |",
-        "|---|---|---|",
-        *(f"| {i} | {a:.1f} | {b:.1f} |" for i, (a, b) in enumerate(parts["runs"])),
+        "| pair | free tok/s | constrained tok/s | free CPU ms/token | constrained CPU ms/token |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {i} | {a:.1f} | {b:.1f} | {a_cpu:.2f} | {b_cpu:.2f} |"
+            for i, ((a, a_cpu), (b, b_cpu)) in enumerate(parts["runs"])
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -175,8 +187,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per timed run")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each kind")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine.load(args.model, device=args.device, progress=False)
     text = report(args, engine)
     print(text)

@@ -54,11 +54,17 @@ MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
-def oai(hearth_270m: Engine) -> Iterator[openai.OpenAI]:
+def served(hearth_270m: Engine) -> Iterator[TestClient]:
+    """One in-process server on the 270M for the module (batched worker, as `hearth serve`)."""
     with TestClient(create_app(hearth_270m)) as client:
-        yield openai.OpenAI(
-            base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0
-        )
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(served: TestClient) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="unused", http_client=served, max_retries=0
+    )
 
 
 def _chat(oai: openai.OpenAI, schema: dict[str, Any], stream: bool) -> tuple[str, str]:
@@ -113,6 +119,33 @@ def test_parse_with_a_pydantic_model(oai: openai.OpenAI, model: type[BaseModel])
     assert reply.choices[0].finish_reason == "stop", message.content
     assert isinstance(message.parsed, model)
     jsonschema.validate(json.loads(message.content or ""), model.model_json_schema())
+
+
+@pytest.mark.slow
+def test_responses_and_anthropic_formats(oai: openai.OpenAI, served: TestClient) -> None:
+    """Responses' text.format (echoed back) and Anthropic's output_config.format, as
+    `messages.parse` sends it, on the same server."""
+    schema = SCHEMAS[6]
+    response = oai.responses.create(
+        model="g",
+        input="A person, as JSON.",
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema}},
+        max_output_tokens=MAX_TOKENS,
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"  # type: ignore[union-attr]
+    claude = anthropic.Anthropic(
+        base_url="http://testserver", api_key="unused", http_client=served, max_retries=0
+    )
+    parsed = claude.messages.parse(
+        model="g",
+        max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": "A colour, as JSON."}],
+        output_format=Colour,
+    )
+    assert parsed.stop_reason == "end_turn"
+    assert isinstance(parsed.parsed_output, Colour)
 
 
 @pytest.mark.slow

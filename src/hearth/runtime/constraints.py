@@ -136,12 +136,9 @@ class OutputConstraint:
         return cls("grammar", text)
 
     def to_grammar(self) -> xgrammar.Grammar:
-        """The xgrammar grammar; ConstraintError when it does not compile."""
-        try:
-            return self._build()
-        except (RuntimeError, ValueError) as error:
-            message = _XGRAMMAR_PREFIX.sub("", str(error).strip().splitlines()[0])
-            raise ConstraintError(f"{self._what()} does not compile: {message}") from None
+        """The xgrammar grammar; ConstraintError when it does not compile. Kept: a request is
+        checked when it arrives and compiled for the tokenizer when it runs."""
+        return _grammar_of(self)
 
     def _build(self) -> xgrammar.Grammar:
         import xgrammar
@@ -169,6 +166,15 @@ class OutputConstraint:
             "choice": "the choice",
             "grammar": "the grammar",
         }[self.kind]
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_of(constraint: OutputConstraint) -> xgrammar.Grammar:
+    try:
+        return constraint._build()
+    except (RuntimeError, ValueError) as error:
+        message = _XGRAMMAR_PREFIX.sub("", str(error).strip().splitlines()[0])
+        raise ConstraintError(f"{constraint._what()} does not compile: {message}") from None
 
 
 def ebnf_literal(text: str) -> str:
