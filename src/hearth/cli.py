@@ -8,11 +8,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from hearth.chat import COMMANDS as CHAT_COMMANDS
 from hearth.errors import HearthError
 from hearth.lengths import DEFAULT_MAX_TOKENS
+from hearth.runtime.constraints import OutputConstraint
 from hearth.runtime.sampling import is_valid_seed
 
 EXIT_USAGE = 2
@@ -164,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
         dest="chat",
         action="store_false",
         help="send the prompt as is (default unless the model ships a template)",
+    )
+    shape = generate.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE|JSON",
+        help="constrain the output to JSON that follows this schema (a file, or the schema "
+        "itself); docs/structured-output.md",
+    )
+    shape.add_argument(
+        "--regex", metavar="PATTERN", help="constrain the output to match this regular expression"
     )
     _add_model_options(generate)
     _add_sampling_options(
@@ -555,17 +567,36 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt:
         raise HearthError("the prompt is empty")
+    constraint = _output_constraint(args)  # checked before the model loads
     engine = _load(model, args)
     if args.chat:
         warn_if_base_model(engine)
     stats = None
-    for chunk in engine.stream(prompt, args.max_tokens, _sampling(args), args.stop, args.chat):
+    sampling = _sampling(args)
+    chunks = engine.stream(prompt, args.max_tokens, sampling, args.stop, args.chat, constraint)
+    for chunk in chunks:
         print(chunk.text, end="", flush=True)
         stats = chunk.stats or stats
     print()
     if stats is not None:
         print(stats.summary(), file=sys.stderr)
     return 0
+
+
+def _output_constraint(args: argparse.Namespace) -> OutputConstraint | None:
+    """--json-schema (a file, else the schema's text) or --regex, compiled once to refuse
+    what cannot be enforced."""
+    if args.regex is not None:
+        constraint = OutputConstraint.regex(args.regex)
+    elif args.json_schema is not None:
+        source = args.json_schema
+        if not source.lstrip().startswith(("{", "[")) and os.path.isfile(source):
+            source = Path(source).read_text()
+        constraint = OutputConstraint.json_schema(source)
+    else:
+        return None
+    constraint.to_grammar()
+    return constraint
 
 
 def run_chat(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from hearth.models import Model, cache_specs
 from hearth.models.loading import build_model
 from hearth.ops import native
 from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.constraints import OutputConstraint
 from hearth.runtime.generate import GenerationChunk, GenerationRequest, stream_generate
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import SamplingParams
@@ -180,6 +181,7 @@ class Engine:
                 else None
             ),
             top_logprobs=request.top_logprobs,
+            constraint=request.constraint,
         )
         for chunk in chunks:
             if chunk.stats is not None and prompt_cache is not None and boundary:
@@ -206,11 +208,17 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> Iterator[GenerationChunk]:
         """Stream the reply to `prompt`. `max_tokens` None: DEFAULT_MAX_TOKENS, shrunk to fit
-        the context; a given count that does not fit beside the prompt raises ValueError."""
+        the context; a given count that does not fit beside the prompt raises ValueError.
+        `constraint`: what the reply must match (a JSON schema, a regex, ...)."""
         request = GenerationRequest(
-            self.encode(prompt, chat), max_tokens, sampling or SamplingParams(), stop
+            self.encode(prompt, chat),
+            max_tokens,
+            sampling or SamplingParams(),
+            stop,
+            constraint=constraint,
         )
         return self.run(request)
 
@@ -221,7 +229,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> str:
-        return "".join(
-            chunk.text for chunk in self.stream(prompt, max_tokens, sampling, stop, chat)
-        )
+        chunks = self.stream(prompt, max_tokens, sampling, stop, chat, constraint)
+        return "".join(chunk.text for chunk in chunks)

@@ -521,6 +521,16 @@ class Tokenizer:
         added = self._backend.get_added_tokens_decoder()
         return frozenset(index for index, token in added.items() if token.special)
 
+    @cached_property
+    def vocabulary_pieces(self) -> tuple[str, ...]:
+        """Every token's vocabulary entry (as the vocabulary spells it: ▁, <0xNN>), by id;
+        "" for an id the vocabulary leaves unused."""
+        pieces = [""] * self.vocab_size
+        for piece, index in self._backend.get_vocab(with_added_tokens=True).items():
+            if index < len(pieces):
+                pieces[index] = piece
+        return tuple(pieces)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > RELEASE_GIL_CHARS:
             # The batch call releases the GIL (the single one holds it throughout).

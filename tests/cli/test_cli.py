@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -71,6 +72,28 @@ def test_generate_with_a_quantized_kv_cache(kind: str) -> None:
     assert result.stdout.startswith(" Berlin")
 
 
+def test_generate_with_a_json_schema_file(tmp_path: Path) -> None:
+    """The output validates against the schema (the `jsonschema` package is the oracle)."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "rank"],
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    result = run("generate", "--json-schema", str(path), "--max-tokens", "40", PROMPT)
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+    result = run("generate", "--regex", "[A-Z][a-z]{1,7} [0-9]{2}", "--max-tokens", "16", PROMPT)
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch("[A-Z][a-z]{1,7} [0-9]{2}", result.stdout.strip())
+
+
 def test_chat_repl_answers_and_exits(embedded_gguf: Path) -> None:
     result = run("chat", str(embedded_gguf), "--max-tokens", "5", stdin="Hello!\n/exit\n")
     assert result.returncode == 0, result.stderr
@@ -92,6 +115,11 @@ def test_chat_repl_answers_and_exits(embedded_gguf: Path) -> None:
         (["--kv-quant", "turbo:x9", PROMPT], "TurboQuant scheme"),
         (["--kv-quant", "3", PROMPT], "--kv-quant"),
         ([""], "empty"),
+        (["--regex", "(ab", PROMPT], "the regex does not compile"),
+        (["--json-schema", '{"type": "strng"}', PROMPT], "unknown type"),
+        (["--json-schema", '{"not": {}}', PROMPT], "'not'"),
+        (["--json-schema", "{oops", PROMPT], "not valid JSON"),
+        (["--json-schema", "{}", "--regex", "a", PROMPT], "not allowed with"),
     ],
 )
 def test_bad_options_are_one_line_errors(args: list[str], needle: str, capsys) -> None:

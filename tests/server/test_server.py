@@ -301,13 +301,25 @@ def test_openai_sdk_sees_refusals_as_bad_requests(oai: openai.OpenAI) -> None:
         oai.chat.completions.create(
             model="gemma",
             messages=[{"role": "user", "content": "Hi"}],
-            response_format={"type": "json_object"},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strng"}},
+            },
         )
 
 
 USER = [{"role": "user", "content": "Hi"}]
 BAD_CHAT_BODIES = [
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    (
+        {
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strng"}},
+            },
+        },
+        "response_format",
+    ),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": USER, "n": 0}, "n"),
     ({"messages": USER, "seed": 99999999999999999999999}, "seed"),  # issue 41 item 5

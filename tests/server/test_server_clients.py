@@ -4,8 +4,9 @@ langchain-openai, the `llm` CLI, openai-agents and pydantic-ai, each doing a pla
 stream and a tool round trip (the tool's result must reach the model's next prompt).
 
 Typed output (pydantic-ai's `output_type`, openai-agents' `output_type`, langchain's
-`with_structured_output`) needs structured output (`response_format` json_schema), a later
-issue: it is not tested here yet, and Hearth refuses such requests with a 400 naming the field.
+`with_structured_output`) rides on structured output (`response_format` json_schema), tested
+with the openai SDK's own `parse` in test_structured_output.py; these clients' typed modes are
+not tested here yet.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ FLAT_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
 # What a model continues a forced call's opening with: the rest of CALL_MARKUP.
 CALL_REST = CALL.removeprefix("<|tool_call>call:")
 SECOND_CALL = '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
+# A forced call's continuation within the tool's schema (it declares `city` only: the grammar
+# of a forced call allows no other argument).
+FORCED_REST = 'get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +176,8 @@ def test_completion_prompt_shapes_and_echo(client: TestClient, engine: Engine) -
 
 def test_forced_tool_call_openai(oai: openai.OpenAI, engine: Engine) -> None:
     """llama.cpp's test_tool_call (tool_choice "required"): exactly one call of the tool, no
-    content. The opening is forced in the prompt; the model continues with the arguments."""
+    content. The opening is forced in the prompt; the model continues with the arguments,
+    held by the grammar to the tool's schema (a `days` the schema lacks is cut)."""
     say(engine, CALL_REST)
     reply = oai.chat.completions.create(
         model="g", messages=ASK, tools=[WEATHER_TOOL], tool_choice="required"
@@ -181,8 +185,8 @@ def test_forced_tool_call_openai(oai: openai.OpenAI, engine: Engine) -> None:
     assert last_prompt(engine).endswith("<|tool_call>call:")
     (call,) = reply.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather" and reply.choices[0].message.content is None
-    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
-    say(engine, CALL_REST.removeprefix("get_weather{"))
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    say(engine, FORCED_REST.removeprefix("get_weather{"))
     named = {"type": "function", "function": {"name": "get_weather"}}
     reply = oai.chat.completions.create(
         model="g", messages=ASK, tools=[WEATHER_TOOL], tool_choice=named, stream=True
@@ -190,7 +194,7 @@ def test_forced_tool_call_openai(oai: openai.OpenAI, engine: Engine) -> None:
     calls = [t for chunk in reply for t in chunk.choices[0].delta.tool_calls or []]
     assert last_prompt(engine).endswith("<|tool_call>call:get_weather{")
     assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-        ("get_weather", {"city": "Paris", "days": 2})
+        ("get_weather", {"city": "Paris"})
     ]
 
 
@@ -294,7 +298,7 @@ def test_count_tokens_matches_the_prompt_messages_runs(
         "tool_choice": {"type": "tool", "name": "get_weather"},
     }
     counted = claude.messages.count_tokens(**ask)
-    say(engine, CALL_REST.removeprefix("get_weather{"))
+    say(engine, FORCED_REST.removeprefix("get_weather{"))
     reply = claude.messages.create(**ask, max_tokens=50)
     assert counted.input_tokens == len(engine.model.prompts[-1])  # type: ignore[attr-defined]
     # No prompt cache on this server: every prompt token is an input token (Anthropic's usage).
@@ -316,7 +320,7 @@ def test_anthropic_tool_choice_any_and_single_call(
 ) -> None:
     """Anthropic's tool_choice {"type": "any"} forces a tool_use; disable_parallel_tool_use
     leaves at most one (Messages API reference)."""
-    say(engine, f"{CALL_REST.removesuffix('<|tool_response>')}{SECOND_CALL}<|tool_response>")
+    say(engine, f"{FORCED_REST.removesuffix('<|tool_response>')}{SECOND_CALL}<|tool_response>")
     ask: dict[str, Any] = {"model": "g", "max_tokens": 80, "messages": ASK, "tools": [CLAUDE_TOOL]}
     both = claude.messages.create(**ask, tool_choice={"type": "any"})
     assert last_prompt(engine).endswith("<|tool_call>call:")

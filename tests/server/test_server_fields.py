@@ -187,11 +187,32 @@ def rows_for_sampling(endpoint: str) -> list[Row]:
         Row(endpoint, "store", "default only", ({"store": False},), (({"store": True}, "store"),)),
         Row(
             endpoint,
-            "guided_json, guided_regex, guided_choice, guided_grammar, grammar, json_schema, "
-            "adapters, draft_model, web_search_options",
+            "response_format, guided_json, guided_regex, guided_choice, guided_grammar, "
+            "structured_outputs",
+            "honoured",
+            (
+                {"response_format": {"type": "text"}},
+                {"response_format": None},
+                {"response_format": {"type": "json_object"}},
+                {"guided_regex": "[ab]{1,3}"},
+                {"guided_choice": ["yes", "no"]},
+                {"guided_grammar": 'root ::= "x" | "y"'},
+                {"structured_outputs": {"choice": ["yes", "no"]}},
+            ),
+            (
+                ({"guided_regex": "(ab"}, "guided_regex"),
+                ({"guided_json": {"type": "strng"}}, "guided_json"),
+                ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
+                ({"response_format": {"type": "json_schema"}}, "response_format"),
+                ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+                ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+            ),
+        ),
+        Row(
+            endpoint,
+            "grammar, json_schema, adapters, draft_model, web_search_options",
             "refused",
             refused=(
-                ({"guided_json": {}}, "guided_json"),
                 ({"grammar": "root ::= x"}, "grammar"),
                 ({"json_schema": {}}, "json_schema"),
                 ({"draft_model": "d"}, "draft_model"),
@@ -334,13 +355,6 @@ CHAT = [
         (({"reasoning_effort": "max"}, "reasoning_effort"),),
     ),
     Row("chat", "role_mapping", "honoured", ({"role_mapping": {"user": "USER: "}},)),
-    Row(
-        "chat",
-        "response_format",
-        "default only",
-        ({"response_format": {"type": "text"}}, {"response_format": None}),
-        (({"response_format": {"type": "json_object"}}, "response_format"),),
-    ),
     Row(
         "chat",
         "modalities",
@@ -516,6 +530,20 @@ MESSAGES = [
         (({"top_p": 0}, "top_p"),),
     ),
     Row("messages", "stream", "honoured", ({"stream": True}, {"stream": False})),
+    Row(
+        "messages",
+        "output_config.format, output_format",
+        "honoured",
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+            {"output_format": {"type": "json_schema", "schema": {"type": "boolean"}}},
+            {"output_config": {"format": None, "effort": None}},
+        ),
+        (
+            ({"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}}, "not"),
+            ({"output_config": {"effort": "high"}}, "output_config.effort"),
+        ),
+    ),
     Row(
         "messages",
         "metadata.user_id, service_tier",
@@ -746,16 +774,26 @@ RESPONSES = [
     ),
     Row(
         "responses",
-        "text.format, text.verbosity",
-        "default only",
-        ({"text": {"format": {"type": "text"}, "verbosity": "medium"}},),
+        "text.format",
+        "honoured",
+        (
+            {"text": {"format": {"type": "text"}}},
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+            {"text": {"format": {"type": "json_object"}}},
+        ),
         (
             (
-                {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+                {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
                 "text.format",
             ),
-            ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ),
+    ),
+    Row(
+        "responses",
+        "text.verbosity",
+        "default only",
+        ({"text": {"verbosity": "medium"}},),
+        (({"text": {"verbosity": "low"}}, "text.verbosity"),),
     ),
     Row(
         "responses",

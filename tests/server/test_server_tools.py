@@ -33,7 +33,7 @@ from scripted_gemma4 import (
 )
 from scripted_gemma4 import say as say_text
 
-MALFORMED = "<|tool_call>call:get_weather{city:Paris}<tool_call|>"
+MALFORMED = '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>'  # an unclosed string
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch
 from hearth.kv import LayerCache
 from hearth.lengths import generation_limit
 from hearth.models import Model
+from hearth.runtime.constraints import GrammarMatcher, OutputConstraint, matcher_for
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import Sampler, SamplingParams
 from hearth.tokenizer import Tokenizer
@@ -117,6 +118,7 @@ class GenerationRequest:
     stop: Sequence[str] = ()
     stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
     top_logprobs: int | None = None  # None: no log-probabilities
+    constraint: OutputConstraint | None = None  # what the text must match (None: anything)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -191,6 +193,19 @@ class Reply:
         self.finish_reason = FINISH_LENGTH
         self.ended = False
 
+    def grammar_matcher(
+        self, constraint: OutputConstraint | None, tokenizer: Tokenizer, vocab_size: int
+    ) -> GrammarMatcher | None:
+        """A matcher for `constraint` whose stop tokens are this reply's end ids."""
+        if constraint is None:
+            return None
+        return matcher_for(constraint, tokenizer, vocab_size, self.end_ids)
+
+    def check_grammar(self, matcher: GrammarMatcher | None) -> None:
+        """End the reply where its grammar is complete and no end id is left to sample."""
+        if matcher is not None and matcher.terminated and not self.ended:
+            self.finish_reason, self.ended = FINISH_STOP, True
+
     def add(self, token: int) -> GenerationChunk | None:
         """The chunk `token` completes, if any; sets `ended` at an end id or a stop string."""
         if token in self.end_ids:
@@ -235,6 +250,7 @@ def generate_tokens(
     cached_tokens: int = 0,
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
     logprobs: LogprobRecorder | None = None,
+    grammar: GrammarMatcher | None = None,
 ) -> Iterator[int]:
     """Token ids, one per step, until `max_tokens`; the caller decides when to stop early.
 
@@ -245,7 +261,7 @@ def generate_tokens(
     hit); only the rest is prefilled, and at least one token must be left to prefill.
     `on_prefilled` sees the caches once they hold exactly the prompt (a prompt cache keeps a
     snapshot there). `logprobs`: records each token's log-probabilities before it is yielded
-    (None: none are computed).
+    (None: none are computed). `grammar`: masks each step's logits and advances on its token.
     """
     runner = as_runner(model)
     if not 0 <= cached_tokens < len(prompt_ids):
@@ -282,7 +298,7 @@ def generate_tokens(
         if graph is not None and caches is not graph.caches:
             graph.adopt(caches, len(history))  # given caches (a prompt cache): decode via graphs
         readback = graph.readback() if graph is not None else None
-        sampled, distribution = sample_next(sampler, logits, history, logprobs is not None)
+        sampled, distribution = sample_next(sampler, logits, history, logprobs is not None, grammar)
         for produced in range(max_tokens):
             more = produced + 1 < max_tokens
             if more and graph is not None and readback is not None:
@@ -303,20 +319,31 @@ def generate_tokens(
                 stats.decode_seconds = now - decode_started
             stats.generated_tokens = produced + 1
             history.append(token)
+            if grammar is not None:
+                grammar.advance(token)
             yield token
             if more:
                 if graph is None:
                     logits = runner.decode(token, caches, len(history) - 1)
-                sampled, distribution = sample_next(sampler, logits, history, logprobs is not None)
+                sampled, distribution = sample_next(
+                    sampler, logits, history, logprobs is not None, grammar
+                )
     finally:
         if graph is not None:  # its caches and graphs serve the next request
             runner.release_decoder(graph)
 
 
 def sample_next(
-    sampler: Sampler, logits: torch.Tensor, history: list[int], with_logprobs: bool
+    sampler: Sampler,
+    logits: torch.Tensor,
+    history: list[int],
+    with_logprobs: bool,
+    grammar: GrammarMatcher | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The next token on the device (no host sync) and, if asked, its logprob row."""
+    """The next token on the device (no host sync) and, if asked, its logprob row; with a
+    `grammar`, among the tokens it allows (greedy or sampled alike)."""
+    if grammar is not None:
+        logits = grammar.mask(logits)
     if with_logprobs:
         return sampler.sample_with_logprobs(logits, history)
     return sampler.sample(logits, history), None
@@ -335,12 +362,14 @@ def stream_generate(
     cached_tokens: int = 0,
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
     top_logprobs: int | None = None,
+    constraint: OutputConstraint | None = None,
 ) -> Iterator[GenerationChunk]:
     """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
 
     `cached_tokens`, `on_prefilled`: see `generate_tokens`. `top_logprobs`: None computes no
     log-probabilities; a count (0 or more) fills each chunk's `logprobs`, with that many
-    alternatives per token.
+    alternatives per token. `constraint`: what the text must match; the reply ends where it
+    is complete (its end ids are allowed only there).
 
     `max_tokens`: see `hearth.lengths.generation_limit` (None: the default, shrunk to fit).
     `cancelled` is checked before each token; once it returns true the stream ends at once,
@@ -355,6 +384,7 @@ def stream_generate(
     sampling.validate(runner.model.config.vocab_size)
     sampler = Sampler(sampling, device=runner.device)
     reply = Reply(tokenizer, stop, stop_ids, top_logprobs)
+    grammar = reply.grammar_matcher(constraint, tokenizer, runner.model.config.vocab_size)
     stats = GenerationStats()
     tokens = generate_tokens(
         runner,
@@ -366,11 +396,13 @@ def stream_generate(
         cached_tokens=cached_tokens,
         on_prefilled=on_prefilled,
         logprobs=reply.recorder,
+        grammar=grammar,
     )
     for token in tokens:
         if cancelled is not None and cancelled():
             return
         chunk = reply.add(token)
+        reply.check_grammar(grammar)
         if chunk is not None:
             yield chunk
         if reply.ended:

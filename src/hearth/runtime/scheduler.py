@@ -27,6 +27,7 @@ from hearth.kv import LayerCache
 from hearth.kv.footprint import KVFootprint
 from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
 from hearth.lengths import generation_limit
+from hearth.runtime.constraints import GrammarMatcher
 from hearth.runtime.generate import (
     GenerationChunk,
     GenerationRequest,
@@ -55,6 +56,7 @@ class Sequence:
     sampler: Sampler
     reply: Reply
     reserved: int  # K/V bytes its prompt and max_tokens can reach
+    grammar: GrammarMatcher | None = None  # masks its logits row when the request is constrained
     caches: list[LayerCache] = field(default_factory=list)
     history: list[int] = field(default_factory=list)  # prompt, then the tokens made
     computed: int = 0  # leading tokens of `history` whose K/V the caches hold
@@ -128,7 +130,10 @@ class Scheduler:
             raise ValueError(
                 f"this request's K/V ({reserved} bytes) can never fit the {self.kv_room} left"
             )
-        sequence = Sequence(request, deliver, cancelled, max_tokens, sampler, reply, reserved)
+        grammar = reply.grammar_matcher(request.constraint, self.tokenizer, vocab)
+        sequence = Sequence(
+            request, deliver, cancelled, max_tokens, sampler, reply, reserved, grammar
+        )
         self.waiting.append(sequence)
 
     def step(self) -> None:
@@ -211,7 +216,7 @@ class Scheduler:
         """Sample `sequence`'s next token from its logits [1, V] and hand its text on."""
         recorder = sequence.reply.recorder
         sampled, distribution = sample_next(
-            sequence.sampler, logits, sequence.history, recorder is not None
+            sequence.sampler, logits, sequence.history, recorder is not None, sequence.grammar
         )
         token = int(sampled)
         if recorder is not None and distribution is not None:
@@ -226,7 +231,10 @@ class Scheduler:
         sequence.stats.generated_tokens = sequence.produced
         sequence.history.append(token)
         sequence.next_token = token
+        if sequence.grammar is not None:
+            sequence.grammar.advance(token)
         chunk = sequence.reply.add(token)
+        sequence.reply.check_grammar(sequence.grammar)
         if chunk is not None:
             sequence.deliver(chunk)
         if sequence.reply.ended or sequence.produced >= sequence.max_tokens:

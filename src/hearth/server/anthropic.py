@@ -22,6 +22,7 @@ from hearth.server.state import (
     ServerState,
     complete,
     pieces,
+    reply_constraint,
     sse_response,
     state_of,
 )
@@ -39,7 +40,18 @@ async def messages(request: Request) -> Response:
     ids = await state.encode_chat(_prompt(body), "messages")
     stop = body.stop_sequences or ()
     sampling = _sampling(state, body)
-    generation = state.plan(ids, body.max_tokens, sampling, stop, "messages", state.chat_stop_ids)
+    constraint = reply_constraint(
+        body.output_constraint, "output_config.format", policy, body.template_tools()
+    )
+    generation = state.plan(
+        ids,
+        body.max_tokens,
+        sampling,
+        stop,
+        "messages",
+        state.chat_stop_ids,
+        constraint=constraint,
+    )
     message = _message(f"msg_{uuid.uuid4().hex}", body.model, len(ids))
     if body.stream:
         return sse_response(_named_events(_events(state, generation, message, policy)))

@@ -32,6 +32,7 @@ from hearth.server.state import (
     ServerState,
     complete,
     pieces_batched,
+    reply_constraint,
     sse_response,
     state_of,
 )
@@ -83,6 +84,9 @@ async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     policy = body.tool_policy()
     ids = await state.encode_chat(_chat_prompt(body, policy), "messages")
+    constraint = reply_constraint(
+        body.output_constraint, _constraint_field(body), policy, body.template_tools()
+    )
     generation = state.plan(
         ids,
         body.token_limit(),
@@ -92,6 +96,7 @@ async def chat_completions(request: Request) -> Response:
         state.chat_stop_ids,
         body.logprob_alternatives(),
         body.limit_param(),
+        constraint,
     )
     generations = choices_of(generation, body.choices)
     reply = _Reply(body, state, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
@@ -99,6 +104,19 @@ async def chat_completions(request: Request) -> Response:
         return sse_response(_data_lines(reply.chat_events(state, generations, policy)))
     results = [await complete(state, g, request) for g in generations]
     return JSONResponse(reply.chat_completion(results, policy))
+
+
+def _constraint_field(body: OpenAIRequest) -> str:
+    """The field that set the request's output constraint, for error messages."""
+    given = body.model_fields_set & {
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    }
+    return min(given) if given else "response_format"
 
 
 def _chat_prompt(body: ChatCompletionRequest, policy: ToolChoice) -> ChatPrompt:
@@ -142,6 +160,7 @@ def _plan(state: ServerState, body: CompletionRequest, ids: list[int]) -> Genera
         body.stop_strings(),
         "prompt",
         top_logprobs=body.logprob_alternatives(),
+        constraint=body.output_constraint,
     )
 
 

@@ -25,6 +25,7 @@ from hearth.server.state import (
     ServerState,
     complete,
     pieces,
+    reply_constraint,
     sse_response,
     state_of,
 )
@@ -112,6 +113,9 @@ async def create_response(request: Request) -> Response:
         "input",
         state.chat_stop_ids,
         limit_param="max_output_tokens",
+        constraint=reply_constraint(
+            body.output_constraint, "text.format", policy, body.template_tools()
+        ),
     )
     draft = _Draft(body, state, sampling, len(ids))
     if body.stream:
@@ -294,11 +298,18 @@ class _Draft:
             "top_p": self.sampling.top_p,
             "tool_choice": _tool_choice_echo(body),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format_echo(body)},
             "truncation": "disabled",
             "usage": usage,
             "metadata": body.metadata or {},
         }
+
+
+def _format_echo(body: ResponsesRequest) -> dict[str, Any]:
+    text_format = body.text.format if body.text else None
+    if text_format is None:
+        return {"type": "text"}
+    return text_format.model_dump(by_alias=True, exclude_none=True)
 
 
 def _tool_choice_echo(body: ResponsesRequest) -> Any:

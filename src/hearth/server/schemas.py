@@ -17,11 +17,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from hearth.runtime.constraints import ConstraintError, OutputConstraint
 from hearth.server.tools import ToolChoice, function_tool
 
 # Known fields of peer APIs that Hearth does not implement: refused with a specific message.
@@ -30,10 +32,6 @@ UNSUPPORTED_FIELDS = frozenset(
         "adapters",
         "draft_model",
         "grammar",
-        "guided_choice",
-        "guided_grammar",
-        "guided_json",
-        "guided_regex",
         "json_schema",
         "top_logprobs",
         "web_search_options",
@@ -234,17 +232,98 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # padding against length side channels; none here
 
 
-class TextFormat(StrictModel):
-    """`{"type": "text"}`: plain text, the default (OpenAI's response_format, Responses'
-    text.format)."""
+def checked_constraint(param: str, build: Callable[[], OutputConstraint]) -> OutputConstraint:
+    """`build()`, compiled once to find what cannot be enforced: refused naming `param`."""
+    try:
+        constraint = build()
+        constraint.to_grammar()
+    except ConstraintError as error:
+        raise FieldRefused(param, f"{param}: {error}") from None
+    return constraint
 
-    type: Literal["text"]
+
+def one_constraint(given: dict[str, OutputConstraint | None]) -> OutputConstraint | None:
+    """The one constraint among the fields that may set one (field name -> its constraint);
+    two at once conflict, and are refused naming the second."""
+    named = [(param, constraint) for param, constraint in given.items() if constraint is not None]
+    if len(named) > 1:
+        first, second = named[0][0], named[1][0]
+        raise FieldRefused(second, f"{first} and {second} both constrain the output: send one")
+    return named[0][1] if named else None
 
 
-def plain_text_format(value: object) -> object:
-    if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema"):
-        raise ValueError('structured output is not supported yet (only {"type": "text"})')
-    return value
+class JsonSchemaFormat(StrictModel):
+    """OpenAI chat's `response_format.json_schema` (what `chat.completions.parse` sends)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # always enforced here
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: plain text (the default), any JSON object, or JSON that
+    follows a schema; the last two constrain decoding."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+    def constraint(self, param: str) -> OutputConstraint | None:
+        if self.type == "json_object":
+            return OutputConstraint.any_json()
+        if self.json_schema is None:
+            return None
+        schema = True if self.json_schema.schema_ is None else self.json_schema.schema_
+        return checked_constraint(param, lambda: OutputConstraint.json_schema(schema))
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (the newer spelling of its guided_* fields): one of them."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> OutputConstraint | None:
+        given = self.model_dump(by_alias=True, exclude_none=True)
+        if len(given) > 1:
+            raise FieldRefused("structured_outputs", "structured_outputs takes one of its fields")
+        return guided_constraint(
+            "structured_outputs",
+            self.json_,
+            self.regex,
+            self.choice,
+            self.grammar,
+            bool(self.json_object),
+        )
+
+
+def guided_constraint(
+    param: str,
+    json_schema: object = None,
+    regex: str | None = None,
+    choice: list[str] | None = None,
+    grammar: str | None = None,
+    json_object: bool = False,
+) -> OutputConstraint | None:
+    """The constraint of vLLM's guided_* fields (or structured_outputs), at most one given."""
+    if json_schema is not None:
+        return checked_constraint(param, lambda: OutputConstraint.json_schema(json_schema))
+    if regex is not None:
+        return checked_constraint(param, lambda: OutputConstraint.regex(regex))
+    if choice is not None:
+        return checked_constraint(param, lambda: OutputConstraint.choice(choice))
+    if grammar is not None:
+        return checked_constraint(param, lambda: OutputConstraint.grammar(grammar))
+    return OutputConstraint.any_json() if json_object else None
 
 
 class OpenAIRequest(StrictModel):
@@ -280,6 +359,13 @@ class OpenAIRequest(StrictModel):
     safety_identifier: str | None = None
     num_draft_tokens: NonNegativeInt | None = None  # mlx_lm.server's; no draft model here
     store: bool | None = None
+    # Constrained decoding: OpenAI's field, and vLLM's that clients send for the rest.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     _seed_range = field_validator("seed")(valid_seed)
     _no_storage = field_validator("store", mode="before")(
@@ -309,6 +395,34 @@ class OpenAIRequest(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    _constraint: OutputConstraint | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> OpenAIRequest:
+        response_format = self.response_format
+        structured = self.structured_outputs
+        guided = {
+            "guided_json": guided_constraint("guided_json", json_schema=self.guided_json),
+            "guided_regex": guided_constraint("guided_regex", regex=self.guided_regex),
+            "guided_choice": guided_constraint("guided_choice", choice=self.guided_choice),
+            "guided_grammar": guided_constraint("guided_grammar", grammar=self.guided_grammar),
+        }
+        self._constraint = one_constraint(
+            {
+                "response_format": response_format.constraint("response_format")
+                if response_format
+                else None,
+                **guided,
+                "structured_outputs": structured.constraint() if structured else None,
+            }
+        )
+        return self
+
+    @property
+    def output_constraint(self) -> OutputConstraint | None:
+        """What the output must match, from whichever one field asks for it (None: free)."""
+        return self._constraint
+
     def logprob_alternatives(self) -> int | None:
         """None: no log-probabilities; else how many alternatives to report per token."""
         raise NotImplementedError
@@ -325,7 +439,6 @@ class ChatCompletionRequest(OpenAIRequest):
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     role_mapping: dict[str, str] | None = None  # mlx_lm.server's, for models without a template
-    response_format: TextFormat | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None  # predicted output: a speed hint, same output
     audio: None = None
@@ -339,7 +452,6 @@ class ChatCompletionRequest(OpenAIRequest):
     _no_audio = field_validator("audio", mode="before")(
         only((), "audio output is not supported by this model")
     )
-    _text_format = field_validator("response_format", mode="before")(plain_text_format)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -686,8 +798,25 @@ class AnthropicPrompt(StrictModel):
         return None if self.thinking is None else self.thinking.type == "enabled"
 
 
+class AnthropicOutputFormat(StrictModel):
+    """Anthropic's structured output: `{"type": "json_schema", "schema": {...}}`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(StrictModel):
+    format: AnthropicOutputFormat | None = None
+    effort: None = None
+
+    _no_effort = field_validator("effort", mode="before")(
+        only((), "effort levels are not supported (the model's thinking switch is `thinking`)")
+    )
+
+
 class MessagesRequest(AnthropicPrompt):
-    """POST /v1/messages (Anthropic Messages API): text, tools and thinking."""
+    """POST /v1/messages (Anthropic Messages API): text, tools, thinking and structured output
+    (`output_config.format`, and the beta's `output_format`)."""
 
     max_tokens: MaxTokens
     stop_sequences: list[str] | None = None
@@ -697,6 +826,30 @@ class MessagesRequest(AnthropicPrompt):
     stream: bool | None = None
     metadata: AnthropicMetadata | None = None
     service_tier: str | None = None  # informational: one local model, one tier
+    output_config: AnthropicOutputConfig | None = None
+    output_format: AnthropicOutputFormat | None = None
+
+    _constraint: OutputConstraint | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _output_format_constraint(self) -> MessagesRequest:
+        config_format = self.output_config.format if self.output_config else None
+        formats = {"output_config.format": config_format, "output_format": self.output_format}
+        self._constraint = one_constraint(
+            {
+                param: checked_constraint(
+                    param, lambda given=given: OutputConstraint.json_schema(given.schema_)
+                )
+                if given is not None
+                else None
+                for param, given in formats.items()
+            }
+        )
+        return self
+
+    @property
+    def output_constraint(self) -> OutputConstraint | None:
+        return self._constraint
 
 
 class ResponsesText(StrictModel):
@@ -803,11 +956,34 @@ class ResponsesReasoningConfig(StrictModel):
     )
 
 
-class ResponsesTextConfig(StrictModel):
-    format: TextFormat | None = None
-    verbosity: Literal["medium"] | None = None  # the default; other lengths are not steered
+class ResponsesFormat(StrictModel):
+    """Responses' `text.format`: OpenAI chat's response_format with json_schema's fields
+    flattened into it."""
 
-    _text_format = field_validator("format", mode="before")(plain_text_format)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # always enforced here
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponsesFormat:
+        if (self.type == "json_schema") != (self.schema_ is not None):
+            raise ValueError('schema is given with type "json_schema", and only then')
+        return self
+
+    def constraint(self) -> OutputConstraint | None:
+        if self.type == "json_object":
+            return OutputConstraint.any_json()
+        if self.schema_ is None:
+            return None
+        schema = self.schema_
+        return checked_constraint("text.format", lambda: OutputConstraint.json_schema(schema))
+
+
+class ResponsesTextConfig(StrictModel):
+    format: ResponsesFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the default; other lengths are not steered
     _medium = field_validator("verbosity", mode="before")(
         only(("medium",), 'only the default verbosity "medium" is supported')
     )
@@ -870,6 +1046,14 @@ class ResponsesRequest(StrictModel):
                 raise ValueError(f"{item!r} is not supported (supported: {HARMLESS_INCLUDES})")
         return include
 
+    _constraint: OutputConstraint | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _text_format_constraint(self) -> ResponsesRequest:
+        text_format = self.text.format if self.text else None
+        self._constraint = text_format.constraint() if text_format else None
+        return self
+
     @model_validator(mode="after")
     def _named_tool_is_given(self) -> ResponsesRequest:
         names = [tool.name for tool in self.tools or []]
@@ -878,6 +1062,11 @@ class ResponsesRequest(StrictModel):
         elif self.tool_choice == "required" and not names:
             raise FieldRefused("tool_choice", "tool_choice 'required' needs tools")
         return self
+
+    @property
+    def output_constraint(self) -> OutputConstraint | None:
+        """text.format's constraint (None: free text)."""
+        return self._constraint
 
     def neutral_input(self) -> list[dict[str, Any]]:
         """The input items as neutral messages; consecutive calls join one assistant turn."""

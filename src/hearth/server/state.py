@@ -18,10 +18,12 @@ from hearth import __version__ as hearth_version
 from hearth.engine import Engine
 from hearth.errors import HearthError
 from hearth.lengths import DEFAULT_MAX_TOKENS
+from hearth.runtime.constraints import ConstraintError, OutputConstraint
 from hearth.runtime.generate import GenerationChunk, GenerationStats, TokenLogprobs
 from hearth.runtime.sampling import SamplingParams
 from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError
+from hearth.server.tool_grammar import forced_call_constraint
 from hearth.server.tools import (
     TOOL_CALL_START,
     TOOL_RESPONSE_START,
@@ -77,6 +79,7 @@ class Generation:
     stop: tuple[str, ...]
     stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
     top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per token
+    constraint: OutputConstraint | None = None  # what the text must match (None: anything)
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ class ServerState:
         stop_ids: tuple[int, ...] | None = None,
         top_logprobs: int | None = None,
         limit_param: str = "max_tokens",
+        constraint: OutputConstraint | None = None,
     ) -> Generation:
         """Check the prompt fits the context and the memory budget, and the sampling settings
         are valid; `limit_param` names the request's token limit in errors."""
@@ -254,7 +258,29 @@ class ServerState:
         limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
         if self.memory_budget is not None:
             self.memory_budget.check(len(prompt_ids), limit)
-        return Generation(prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs)
+        return Generation(
+            prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs, constraint
+        )
+
+
+def reply_constraint(
+    output: OutputConstraint | None,
+    output_param: str,
+    policy: ToolChoice,
+    tools: list[dict[str, Any]] | None,
+) -> OutputConstraint | None:
+    """What a chat reply must match: the request's output format (`output`, from the field
+    `output_param`), or the grammar of the tool call its tool_choice forces; not both."""
+    try:
+        forced = forced_call_constraint(policy, tools)
+        if forced is not None:
+            forced.to_grammar()
+    except ConstraintError as error:
+        raise RequestError(f"tool_choice: {error}", "tool_choice") from None
+    if forced is not None and output is not None:
+        message = f"tool_choice forces a tool call and {output_param} a format: send one"
+        raise RequestError(message, "tool_choice")
+    return forced or output
 
 
 def role_mapped_prompt(messages: list[dict[str, Any]], role_mapping: Mapping[str, str]) -> str:
@@ -336,6 +362,7 @@ def pieces(state: ServerState, generation: Generation) -> AsyncIterator[Generati
         generation.stop,
         generation.stop_ids,
         generation.top_logprobs,
+        generation.constraint,
     )
 
 
@@ -350,6 +377,7 @@ def pieces_batched(
         generation.stop,
         generation.stop_ids,
         generation.top_logprobs,
+        generation.constraint,
     )
 
 

@@ -3,7 +3,11 @@ text (whole or streamed), and shape conversations with tool calls and results fo
 template.
 
 Arguments use Gemma's syntax: bare keys, strings wrapped in `<|"|>…<|"|>`, JSON numbers and
-literals, nested `{}` and `[]`. A call that does not parse is kept as plain text.
+literals, nested `{}` and `[]`. Parsing is tolerant of what models write instead (the corpus
+in tests/server/test_tool_parsing.py): JSON strings and quoted keys, a bare word for a string,
+`call:NAME(key=value)`, a call with no opening tag at the start of the answer, a missing end
+tag, bare JSON `{"name": …, "arguments": {…}}` as the whole answer. A call that still does not
+parse is kept as plain text.
 """
 
 from __future__ import annotations
@@ -22,9 +26,16 @@ STRING_MARK = '<|"|>'
 # Ends generation after a call: the model would go on to imagine the tool's answer.
 TOOL_RESPONSE_START = "<|tool_response>"
 
-_BARE_KEY = re.compile(r"[^\s:,{}\[\]<]+")
-_LITERAL = re.compile(r"[^\s,{}\[\]]+")
-_CALL_NAME = re.compile(r"call:([^\s{}]+)\{")
+_BARE_KEY = re.compile(r"[^\s:=,{}()\[\]<\"]+")
+# A bare value runs to the next separator: a number, a JSON literal, or an unquoted word.
+_LITERAL = re.compile(r"[^,{}()\[\]]+")
+_CALL_NAME = re.compile(r"call:([^\s{}()]+)\s*([{(])")
+CALL_WITHOUT_TAG = "call:"
+_UNUSED = re.compile(r"<unused\d+>")
+_PARTIAL_UNUSED = re.compile(r"<(u(n(u(s(e(d\d*)?)?)?)?)?)?$")
+# The closers a model writes in place of <tool_call|>.
+_CLOSERS = {"{": "}", "(": ")"}
+_JSON = json.JSONDecoder()
 
 
 class MalformedToolCall(ValueError):
@@ -57,11 +68,25 @@ class _GemmaValue:
         self._skip_spaces()
         if self.text.startswith(STRING_MARK, self.pos):
             return self._string()
+        if self.text.startswith('"', self.pos):
+            return self._json_string()
         if self._take("{"):
             return self._object()
         if self._take("["):
             return self._array()
         return self._literal()
+
+    def read_arguments(self) -> dict[str, Any]:
+        """`{…}` (or, as some replies write it, `(…)`) as a dict, and nothing after it."""
+        self._skip_spaces()
+        opener = self.text[self.pos : self.pos + 1]
+        if opener not in _CLOSERS:
+            raise MalformedToolCall("arguments must be one {...} object")
+        self.pos += 1
+        value = self._object(_CLOSERS[opener])
+        if not self.at_end():
+            raise MalformedToolCall("text after the arguments")
+        return value
 
     def at_end(self) -> bool:
         self._skip_spaces()
@@ -75,15 +100,23 @@ class _GemmaValue:
         self.pos = end + len(STRING_MARK)
         return self.text[start:end]
 
-    def _object(self) -> dict[str, Any]:
+    def _json_string(self) -> str:
+        try:
+            value, self.pos = _JSON.raw_decode(self.text, self.pos)
+        except json.JSONDecodeError:
+            raise MalformedToolCall("unterminated string") from None
+        return value
+
+    def _object(self, closer: str = "}") -> dict[str, Any]:
         result: dict[str, Any] = {}
-        if self._take("}"):
+        if self._take(closer):
             return result
         while True:
             key = self._key()
-            self._expect(":")
+            if not self._take(":"):
+                self._expect("=")  # call:NAME(key=value)
             result[key] = self.read()
-            if self._take("}"):
+            if self._take(closer):
                 return result
             self._expect(",")
 
@@ -101,14 +134,18 @@ class _GemmaValue:
         self._skip_spaces()
         if self.text.startswith(STRING_MARK, self.pos):  # the template quotes nested keys
             return self._string()
+        if self.text.startswith('"', self.pos):  # JSON's quoted keys
+            return self._json_string()
         return self._match(_BARE_KEY, "a key")
 
     def _literal(self) -> Any:
-        token = self._match(_LITERAL, "a value")
+        token = self._match(_LITERAL, "a value").strip()
+        if STRING_MARK in token or not token:
+            raise MalformedToolCall(f"not a value: {token!r}")
         try:
             return json.loads(token)  # numbers, true, false, null
         except json.JSONDecodeError:
-            raise MalformedToolCall(f"not a value: {token!r}") from None
+            return token  # an unquoted word: the string the model meant
 
     def _match(self, pattern: re.Pattern[str], what: str) -> str:
         self._skip_spaces()
@@ -135,21 +172,32 @@ class _GemmaValue:
 
 
 def parse_gemma_arguments(text: str) -> dict[str, Any]:
-    """`{key:value,…}` in Gemma's syntax as a JSON-ready dict."""
-    reader = _GemmaValue(text)
-    value = reader.read()
-    if not isinstance(value, dict) or not reader.at_end():
-        raise MalformedToolCall("arguments must be one {...} object")
-    return value
+    """`{key:value,…}` in Gemma's syntax (or JSON, or between parentheses) as a dict."""
+    return _GemmaValue(text).read_arguments()
 
 
 def parse_tool_call(markup: str) -> ToolCall:
-    """One `<|tool_call>call:NAME{…}<tool_call|>` span."""
+    """One `<|tool_call>call:NAME{…}<tool_call|>` span (either tag may be missing)."""
     body = markup.removeprefix(TOOL_CALL_START).removesuffix(TOOL_CALL_END).strip()
     match = _CALL_NAME.match(body)
     if match is None:
         raise MalformedToolCall("expected call:NAME{...}")
-    return ToolCall(match.group(1), parse_gemma_arguments(body[match.end() - 1 :]))
+    return ToolCall(match.group(1), parse_gemma_arguments(body[match.start(2) :]))
+
+
+def parse_json_call(text: str) -> ToolCall:
+    """A whole answer that is a call written as bare JSON: `{"name": …, "arguments": {…}}`
+    (or "parameters")."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise MalformedToolCall("not JSON") from None
+    if not isinstance(value, dict) or set(value) - {"name", "arguments", "parameters", "type"}:
+        raise MalformedToolCall("not a call")
+    arguments = value.get("arguments", value.get("parameters"))
+    if not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
+        raise MalformedToolCall("not a call")
+    return ToolCall(value["name"], arguments)
 
 
 PartKind = Literal["reasoning", "text", "tool_call"]
@@ -164,34 +212,81 @@ class ReplyPart:
 
 class _ToolCallSplitter:
     """Answer text in, text and tool calls out; a partial `<|tool_call>` is held back and a
-    call's markup is buffered until its end marker."""
+    call's markup is buffered until its end marker (or the next call's start, or the end).
+
+    At the start of the answer (and after each call), `call:` without its tag opens a call too,
+    and a `{` holds the whole answer back: bare JSON may be a call (decided at the end).
+    """
 
     def __init__(self) -> None:
         self._pending = ""
+        self._at_start = True  # only whitespace since the answer began or the last call
+        self._json = False  # holding a whole answer that began with "{"
 
     def feed(self, text: str) -> list[ReplyPart]:
         self._pending += text
         parts: list[ReplyPart] = []
-        while True:
+        while self._pending and not self._json:
+            if self._at_start and not self._open_untagged_call():
+                return parts
             start = self._pending.find(TOOL_CALL_START)
             if start < 0:
                 safe = len(self._pending) - partial_marker_length(self._pending, TOOL_CALL_START)
                 parts.append(ReplyPart("text", self._pending[:safe]))
                 self._pending = self._pending[safe:]
                 return parts
-            end = self._pending.find(TOOL_CALL_END, start)
+            end = self._call_end(start)
             if end < 0:
                 parts.append(ReplyPart("text", self._pending[:start]))
                 self._pending = self._pending[start:]
                 return parts
+            if self._pending.startswith(TOOL_CALL_END, end):
+                end += len(TOOL_CALL_END)
             parts.append(ReplyPart("text", self._pending[:start]))
-            parts.append(_call_or_text(self._pending[start : end + len(TOOL_CALL_END)]))
-            self._pending = self._pending[end + len(TOOL_CALL_END) :]
+            parts.append(_call_or_text(self._pending[start:end]))
+            self._pending = self._pending[end:]
+            self._at_start = True
+        return parts
 
     def finish(self) -> list[ReplyPart]:
-        """An unfinished call (or a partial marker) is plain text."""
+        """The rest: bare JSON or a call missing its end tag, if they parse; else text."""
         rest, self._pending = self._pending, ""
-        return [ReplyPart("text", rest)]
+        if self._json:
+            try:
+                return [ReplyPart("tool_call", call=parse_json_call(rest))]
+            except MalformedToolCall:
+                return [ReplyPart("text", rest)]
+        start = rest.find(TOOL_CALL_START)
+        if start < 0:
+            return [ReplyPart("text", rest)]
+        return [ReplyPart("text", rest[:start]), _call_or_text(rest[start:])]
+
+    def _open_untagged_call(self) -> bool:
+        """At the answer's start: decide what it opens. False while that cannot be told yet."""
+        head = self._pending.lstrip()
+        if not head or (CALL_WITHOUT_TAG.startswith(head) and head != CALL_WITHOUT_TAG):
+            return False  # whitespace, or a partial "call:": wait for more
+        if head.startswith(CALL_WITHOUT_TAG):
+            self._pending = TOOL_CALL_START + head
+        elif head.startswith("{"):
+            self._json = True
+            return False
+        self._at_start = False
+        return True
+
+    def _call_end(self, start: int) -> int:
+        """Where the call opened at `start` ends: at its end tag, or where the next call's
+        tag begins (a call left unclosed); -1 until one is there."""
+        after = start + len(TOOL_CALL_START)
+        ends = [
+            found
+            for found in (
+                self._pending.find(TOOL_CALL_END, after),
+                self._pending.find(TOOL_CALL_START, after),
+            )
+            if found >= 0
+        ]
+        return min(ends, default=-1)
 
 
 def _call_or_text(markup: str) -> ReplyPart:
@@ -239,18 +334,30 @@ class ReplyParser:
     """
 
     def __init__(self, parse_tools: bool, max_calls: int | None = None, prefix: str = "") -> None:
-        self._reasoning = ReasoningSplitter()
+        self._reasoning = ReasoningSplitter(TOOL_CALL_START if parse_tools else None)
         self._tools = _ToolCallSplitter() if parse_tools else None
         self._calls_left = max_calls
         self._prefix = prefix
+        self._unused = ""  # a tail that may be the start of an <unusedNN> token
 
     def feed(self, text: str) -> list[ReplyPart]:
         text, self._prefix = self._prefix + text, ""
-        return self._route(self._reasoning.feed(text), final=False)
+        return self._route(self._reasoning.feed(self._without_unused(text)), final=False)
 
     def finish(self) -> list[ReplyPart]:
-        parts = self.feed("") if self._prefix else []
+        parts = self.feed("") if self._prefix or self._unused else []
+        rest, self._unused = self._unused, ""
+        parts += self._route(self._reasoning.feed(rest), final=False) if rest else []
         return parts + self._route(self._reasoning.finish(), final=True)
+
+    def _without_unused(self, text: str) -> str:
+        """`text` without Gemma's <unusedNN> tokens, which a confused model repeats in floods;
+        a tail that may still become one is held for the next piece."""
+        text = _UNUSED.sub("", self._unused + text)
+        partial = _PARTIAL_UNUSED.search(text)
+        cut = partial.start() if partial else len(text)
+        text, self._unused = text[:cut], text[cut:]
+        return text
 
     def _route(self, pieces: list[tuple[str, str]], final: bool) -> list[ReplyPart]:
         parts: list[ReplyPart] = []

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hearth.engine import Engine
 from hearth.kv.prompt_cache import PromptCache
+from hearth.runtime.constraints import OutputConstraint
 from hearth.runtime.generate import GenerationChunk, GenerationRequest, GenerationStats
 from hearth.runtime.sampling import SamplingParams
 from hearth.runtime.scheduler import Deliver
@@ -38,6 +39,7 @@ class GenerationJob:
     stop_ids: tuple[int, ...] | None
     top_logprobs: int | None  # None: no log-probabilities
     loop: asyncio.AbstractEventLoop
+    constraint: OutputConstraint | None = None  # what the text must match (None: anything)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Items handed over by the worker thread, taken by the request's task. One wake-up of the
     # event loop per burst, not per item: a wake-up is a syscall plus a loop iteration on the
@@ -151,13 +153,14 @@ class GenerationWorker:
         stop: Sequence[str],
         stop_ids: tuple[int, ...] | None = None,
         top_logprobs: int | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """The pieces of one generation, in order, ending with the one that has finish_reason.
 
         Leaving the iteration early (client gone, task cancelled) cancels the generation.
         """
         batches = self.stream_batches(
-            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs
+            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, constraint
         )
         try:
             async for batch in batches:
@@ -174,11 +177,14 @@ class GenerationWorker:
         stop: Sequence[str],
         stop_ids: tuple[int, ...] | None = None,
         top_logprobs: int | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> AsyncIterator[list[GenerationChunk]]:
         """As `stream`, but all the pieces ready at once come together (a stream writes them
         in one send: the model never waits for a token, the client gets no extra delay)."""
         loop = asyncio.get_running_loop()
-        job = GenerationJob(prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, loop)
+        job = GenerationJob(
+            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, loop, constraint
+        )
         self._jobs.put(job)
         try:
             async for batch in job.batches():
@@ -257,5 +263,11 @@ class GenerationWorker:
 
 def _request_of(job: GenerationJob) -> GenerationRequest:
     return GenerationRequest(
-        job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.stop_ids, job.top_logprobs
+        job.prompt_ids,
+        job.max_tokens,
+        job.sampling,
+        job.stop,
+        job.stop_ids,
+        job.top_logprobs,
+        job.constraint,
     )
