@@ -293,7 +293,7 @@ class StructuredOutputs(StrictModel):
     grammar: str | None = None
 
     def constraint(self) -> OutputConstraint | None:
-        given = self.model_dump(by_alias=True, exclude_none=True)
+        given = [v for v in self.model_dump(exclude_none=True).values() if v is not False]
         if len(given) > 1:
             raise FieldRefused("structured_outputs", "structured_outputs takes one of its fields")
         return guided_constraint(
