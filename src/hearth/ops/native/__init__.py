@@ -83,12 +83,22 @@ _SIGNATURES = {
         _INT64, _POINTER, _POINTER, _INT,
     ],
     "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
+    "hearth_blocks_to_f32": [_INT, _POINTER, _INT64, _POINTER, _INT],
+    "hearth_blocks_gemv": [
+        _INT, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT,
+    ],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
     "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
     "hearth_argmax_rows": [_POINTER, _INT64, _INT64, _POINTER],
 }  # fmt: skip
 # GGML block types ``blocks_to_bf16`` decodes: type id -> (values, bytes) per block.
 BLOCK_TYPES = {8: (32, 34), 2: (32, 18), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
+# GGML block types ``blocks_to_f32`` and ``blocks_gemv`` compute on: type id -> (values, bytes)
+# per block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
+STORED_BLOCK_TYPES = {
+    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+}  # fmt: skip
 
 
 class DecodeLayerOperands(ctypes.Structure):
@@ -243,6 +253,48 @@ class NativeKernels:
         self._call(
             "hearth_blocks_to_bf16", type_id, blocks.ctypes.data, n_blocks, out.data_ptr(),
             torch.get_num_threads(),
+        )  # fmt: skip
+
+    def blocks_to_f32(self, type_id: int, blocks: Tensor, out: Tensor) -> None:
+        """GGML blocks of a type in ``STORED_BLOCK_TYPES`` (uint8, contiguous, whole blocks)
+        -> ``out`` (fp32, contiguous, one value per code), bit for bit as the `gguf` package
+        dequantizes them."""
+        values, nbytes = STORED_BLOCK_TYPES[type_id]
+        n_blocks = blocks.numel() // nbytes
+        _require(
+            _dense(blocks, torch.uint8)
+            and blocks.numel() == n_blocks * nbytes
+            and _dense(out, torch.float32)
+            and out.numel() == n_blocks * values,
+            "blocks_to_f32 takes whole uint8 blocks and an fp32 output of their size",
+        )
+        self._call(
+            "hearth_blocks_to_f32", type_id, blocks.data_ptr(), n_blocks, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def blocks_gemv(self, type_id: int, x: Tensor, blocks: Tensor, out: Tensor) -> None:
+        """``out [m, n] = x [m, k] @ Wᵀ`` for fp32 x (1 <= m <= 16) and W [n, k] the exact fp32
+        values of GGML blocks ``blocks`` [n, k / values · bytes] (uint8, contiguous); fp32
+        sums. ``out`` may be a column slice of a wider fp32 matrix (rows at any stride)."""
+        values, nbytes = STORED_BLOCK_TYPES[type_id]
+        rows, in_features = x.shape
+        out_features = blocks.shape[0]
+        _require(
+            _dense(x, torch.float32)
+            and 1 <= rows <= MAX_INPUT_ROWS
+            and in_features % values == 0
+            and _dense(blocks, torch.uint8)
+            and blocks.shape == (out_features, in_features // values * nbytes)
+            and out.dtype == torch.float32
+            and out.device.type == "cpu"
+            and out.shape == (rows, out_features)
+            and out.stride(1) == 1,
+            "blocks_gemv takes fp32 x [1..16, k], uint8 blocks [n, row bytes], fp32 out [m, n]",
+        )
+        self._call(
+            "hearth_blocks_gemv", type_id, x.data_ptr(), rows, in_features, blocks.data_ptr(),
+            out_features, out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
 
     def quantize_int8_rows(self, weight: Tensor, scale_floor: float) -> tuple[Tensor, Tensor]:
