@@ -147,6 +147,7 @@ class GGUFFile:
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         data_start = -(-cursor.position // alignment) * alignment
         self.tensors = {info.name: self._place(info, data_start) for info in raw_infos}
+        self._check_extents()
 
     @staticmethod
     def _read_tensor_info(cursor: _Cursor) -> TensorInfo:
@@ -164,6 +165,11 @@ class GGUFFile:
             raise CheckpointError(
                 f"{self.path}: tensor {info.name} has unknown type {info.type_id}"
             ) from None
+        if info.shape and info.shape[-1] % block:
+            raise CheckpointError(
+                f"{self.path}: tensor {info.name} has rows of {info.shape[-1]} values, not whole "
+                f"{GGMLQuantizationType(info.type_id).name} blocks of {block}"
+            )
         nbytes = math.prod(info.shape) // block * block_bytes
         start = data_start + info.start
         if start + nbytes > len(self._map):
@@ -172,6 +178,21 @@ class GGUFFile:
                 f"the file has {len(self._map):,}"
             )
         return TensorInfo(info.name, info.shape, info.type_id, start, nbytes)
+
+    def _check_extents(self) -> None:
+        """Each tensor's bytes (its type and shape's) end before the next tensor's begin: a
+        tensor whose stored size disagrees with its type and shape overlaps its successor."""
+        from gguf import GGMLQuantizationType
+
+        placed = sorted(self.tensors.values(), key=lambda info: info.start)
+        for info, following in zip(placed, placed[1:], strict=False):
+            if info.start + info.nbytes > following.start:
+                kind = GGMLQuantizationType(info.type_id).name
+                raise CheckpointError(
+                    f"{self.path}: tensor {info.name} ({kind}, shape {info.shape}) takes "
+                    f"{info.nbytes:,} bytes, but only {following.start - info.start:,} lie "
+                    f"before the next tensor, {following.name}"
+                )
 
     def raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes, shaped [rows, bytes per row] as `gguf.quants.dequantize` wants."""
