@@ -141,7 +141,9 @@ def main() -> None:
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        hardware = (
+            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        )
     lines = [
         f"# Throughput under concurrency, {datetime.date.today()}",
         "",

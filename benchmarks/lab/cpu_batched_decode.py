@@ -48,8 +48,10 @@ def main() -> None:
             together.append(time.perf_counter() - started)
             position += 2
         a, t = statistics.median(alone), statistics.median(together)
-        print(f"B={batch}: {batch} batch-1 steps {a * 1e3:.1f} ms, one batched step "
-              f"{t * 1e3:.1f} ms, speed-up {a / t:.2f}x")
+        print(
+            f"B={batch}: {batch} batch-1 steps {a * 1e3:.1f} ms, one batched step "
+            f"{t * 1e3:.1f} ms, speed-up {a / t:.2f}x"
+        )
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

@@ -197,7 +197,7 @@ def _loaded(
     )
     sized = build_model(_MetaTensors(checkpoint), compute_dtype, "meta", False, cpu_quant)
     if cpu_quant == STORED_BLOCKS:
-        weights = "GGUF blocks as stored"
+        weights = "as-stored GGUF"
     elif cpu_quant is not None:
         weights = cpu_quant
     elif parse_quantization(checkpoint.config) is not None:

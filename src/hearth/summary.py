@@ -31,6 +31,7 @@ _KINDS = (
 
 # Module classes that hold a model's linear weights packed, and how to name them.
 _PACKED_KINDS = (
+    ("GGUFLinear", "as-stored GGUF"),
     ("MLXQuantizedLinear", "MLX-packed"),
     ("Int8Linear", "int8"),
     ("Int4Linear", "int4"),
@@ -38,8 +39,8 @@ _PACKED_KINDS = (
 
 
 def held_weights(model: torch.nn.Module) -> str | None:
-    """How a loaded model holds its linear weights when not as floats: "int8", "int4",
-    "MLX-packed"; None for float weights."""
+    """How a loaded model holds its linear weights when not as floats: "as-stored GGUF",
+    "int8", "int4", "MLX-packed"; None for float weights."""
     kinds = {type(module).__name__ for module in model.modules()}
     return next((name for kind, name in _PACKED_KINDS if kind in kinds), None)
 

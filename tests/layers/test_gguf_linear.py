@@ -13,8 +13,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_blocks_data import random_blocks
 
+from gguf_blocks_data import random_blocks
 from hearth.layers import gguf as gguf_layers
 from hearth.layers.gguf import GGUFEmbeddingHead, GGUFLinear
 from hearth.ops import native
@@ -59,9 +59,10 @@ def test_native_blocks_to_f32_and_gemv_per_type(type_id: int) -> None:
 
 
 def _stacked_layer() -> tuple[GGUFLinear, torch.Tensor]:
-    """A q/k/v-like stack of parts of four types (rows not a multiple of the kernel's)."""
+    """A q/k/v-like stack of parts of four types, two adjacent ones alike (rows not a multiple
+    of the kernel's)."""
     parts, weights = [], []
-    for type_id, rows in ((6, 37), (8, 16), (12, 21), (14, 8)):
+    for type_id, rows in ((6, 37), (8, 16), (8, 5), (12, 21), (14, 8)):
         raw = random_blocks(type_id, rows=rows, cols=IN_FEATURES, seed=rows)
         parts.append((type_id, torch.from_numpy(raw)))
         weights.append(_expected(type_id, raw))
@@ -80,13 +81,13 @@ def test_stacked_linear_decode_and_prefill_within_the_bound(
         monkeypatch.setattr(native, "kernels", lambda: None)
     monkeypatch.setattr(gguf_layers, "TILE_BYTES", 8 * 4 * IN_FEATURES)
     layer, weight = _stacked_layer()
-    assert layer.out_features == 82
+    assert (layer.type_ids, layer.part_rows) == ([6, 8, 12, 14], [37, 21, 21, 8])
     assert torch.equal(layer.dequantize().view(torch.int32), weight.view(torch.int32))
     generator = torch.Generator().manual_seed(1)
     for rows in (1, 3, 40):
         x = torch.randn(1, rows, IN_FEATURES, generator=generator)
         y = layer(x)
-        assert y.shape == (1, rows, 82) and y.dtype == torch.float32
+        assert y.shape == (1, rows, 87) and y.dtype == torch.float32
         assert _within_accumulation_bound(y[0], x[0], weight)
     assert layer(x.bfloat16()).dtype == torch.bfloat16  # computes in fp32, returns x's dtype
 

@@ -50,7 +50,8 @@ def test_the_default_cpu_load_computes_on_the_files_blocks(default_engine: Engin
     assert isinstance(model.embed_tokens, GGUFEmbeddingHead)
     layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.proj, GGUFLinear)
-    assert layer.self_attn.qkv_proj.proj.type_ids == [6, 6, 8]  # q, k Q5_0; v Q8_0
+    qkv = layer.self_attn.qkv_proj.proj
+    assert (qkv.type_ids, qkv.part_rows) == ([6, 8], [1024 + 256, 256])  # q, k Q5_0; v Q8_0
     assert isinstance(layer.mlp.down_proj, GGUFLinear)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
 
@@ -70,14 +71,14 @@ def test_logits_equal_hf_fp32_on_the_same_file(
 
 
 @pytest.mark.parametrize(("text", "chat"), PROMPTS, ids=[p[0][:16] for p in PROMPTS])
-def test_greedy_tokens_equal_hf(default_engine: Engine, hf_270m: Any, text: str, chat: bool) -> None:
+def test_greedy_tokens_equal_hf(
+    default_engine: Engine, hf_270m: Any, text: str, chat: bool
+) -> None:
     """40 greedy tokens, each HF's argmax given the ones before (one HF forward per prompt)."""
     prompt = default_engine.encode(text, chat=chat)
     sampler = Sampler(SamplingParams(temperature=0))
     stats = GenerationStats()
-    produced = list(
-        generate_tokens(default_engine.runner, prompt, sampler, GREEDY_TOKENS, stats)
-    )
+    produced = list(generate_tokens(default_engine.runner, prompt, sampler, GREEDY_TOKENS, stats))
     reference = _hf_logits(hf_270m, prompt + produced)
     assert produced == reference[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
     if text.startswith("In July 1969"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_blocks_data import random_blocks
 
+from gguf_blocks_data import random_blocks
 from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
 
 

@@ -7,6 +7,7 @@ quantization formats (block sizes, dequantization) to the `gguf` package.
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import struct
@@ -185,7 +186,7 @@ class GGUFFile:
         from gguf import GGMLQuantizationType
 
         placed = sorted(self.tensors.values(), key=lambda info: info.start)
-        for info, following in zip(placed, placed[1:], strict=False):
+        for info, following in itertools.pairwise(placed):
             if info.start + info.nbytes > following.start:
                 kind = GGMLQuantizationType(info.type_id).name
                 raise CheckpointError(

@@ -40,6 +40,7 @@ class GGUFLinear(nn.Module):
 
     W may be several parts stacked along the output dim (a q/k/v or gate/up stack), each of its
     own type: `parts` is (GGML type id, uint8 blocks [rows, bytes per row]) in output order.
+    Adjacent parts of one type are held as one segment (`type_ids`, `part_rows`).
     """
 
     def __init__(self, parts: Sequence[tuple[int, Tensor]], in_features: int) -> None:
@@ -47,8 +48,6 @@ class GGUFLinear(nn.Module):
         if not parts:
             raise ValueError("GGUFLinear needs at least one part")
         self.in_features = in_features
-        self.type_ids: list[int] = []
-        self.part_rows: list[int] = []
         for index, (type_id, blocks) in enumerate(parts):
             block = BLOCK_FORMATS[type_id]
             if (
@@ -61,13 +60,24 @@ class GGUFLinear(nn.Module):
                     f"part {index}: {block.name} rows of {in_features} values are "
                     f"{in_features // block.values * block.nbytes} bytes, got {tuple(blocks.shape)}"
                 )
+        # Adjacent parts of one type become one segment: one kernel call at a decode step.
+        segments: list[tuple[int, list[Tensor]]] = []
+        for type_id, blocks in parts:
+            if segments and segments[-1][0] == type_id:
+                segments[-1][1].append(blocks)
+            else:
+                segments.append((type_id, [blocks]))
+        self.type_ids: list[int] = []
+        self.part_rows: list[int] = []
+        for index, (type_id, pieces) in enumerate(segments):
+            joined = pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
             self.type_ids.append(type_id)
-            self.part_rows.append(blocks.shape[0])
-            self.register_buffer(f"blocks_{index}", blocks.contiguous())
+            self.part_rows.append(joined.shape[0])
+            self.register_buffer(f"blocks_{index}", joined)
         self.out_features = sum(self.part_rows)
 
     def parts(self) -> list[tuple[int, Tensor]]:
-        """(type id, blocks) of each part, in output order."""
+        """(type id, blocks) of each segment, in output order."""
         return [(t, getattr(self, f"blocks_{i}")) for i, t in enumerate(self.type_ids)]
 
     def dequantize(self) -> Tensor:
