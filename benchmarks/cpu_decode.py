@@ -42,15 +42,20 @@ TEXT = (
 ) * 20
 
 ENGINES = {
+    # The default for a GGUF file on the CPU: its blocks as stored, fp32 activations (exact).
+    "hearth fp32 + GGUF blocks as stored (default)": (
+        "hearth",
+        {"dtype": None, "quantize": "auto"},
+    ),
     "hearth fp32": ("hearth", {"dtype": "float32", "quantize": "none"}),
     "hearth bf16": ("hearth", {"dtype": "bfloat16", "quantize": "none"}),
     "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
-    # The default with its streamed weights in transparent huge pages (opt-in, hearth.ops.native).
+    # The int8 opt-in with its streamed weights in transparent huge pages (hearth.ops.native).
     "hearth bf16 + int8 weights, huge pages": (
         "hearth",
         {"dtype": "bfloat16", "quantize": "int8", "huge_pages": True},
     ),
-    # The default with Hearth's native CPU kernels turned off (hearth.ops.native): torch ops only.
+    # The int8 opt-in with Hearth's native CPU kernels off (hearth.ops.native): torch ops only.
     "hearth bf16 + int8 weights, torch kernels only": (
         "hearth",
         {"dtype": "bfloat16", "quantize": "int8", "native": False},

@@ -319,12 +319,9 @@ class GGUFCheckpoint:
         info = self._tensor_info(gguf_name(name, self.architecture))
         quant_type = gguf.GGMLQuantizationType(info.type_id)
         if info.type_id in BLOCK_FORMATS:
-            raw = self._file.raw(info)
             if not copy:
-                return info.type_id, raw
-            rows = np.array(raw)
-            self._file.release(info)
-            return info.type_id, rows
+                return info.type_id, self._file.raw(info)
+            return info.type_id, self._file.copy(info)
         if quant_type in _FLOAT_TYPES:
             return None
         supported = ", ".join(block.name for block in BLOCK_FORMATS.values())

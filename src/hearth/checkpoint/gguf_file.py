@@ -50,6 +50,8 @@ _NUMPY = {
 }
 _STRING, _ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")  # a string's byte count
+# `GGUFFile.copy` copies this many bytes at a time before dropping their pages.
+_COPY_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -200,13 +202,30 @@ class GGUFFile:
         row_bytes = info.nbytes // max(1, math.prod(info.shape[:-1]))
         return self._map[info.start : info.start + info.nbytes].reshape(-1, row_bytes)
 
+    def copy(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes copied out of the file ([rows, bytes per row], as `raw`), a few
+        MiB at a time with each part's pages dropped once copied: a load holds the copy, not
+        the copy plus the file's pages of it (178 MB of the 270M's token table)."""
+        raw = self.raw(info)
+        out = np.empty_like(raw)
+        rows = max(1, _COPY_BYTES // max(1, raw.shape[1]))
+        for first in range(0, raw.shape[0], rows):
+            out[first : first + rows] = raw[first : first + rows]
+            start = info.start + first * raw.shape[1]
+            self._drop(start, min(info.start + info.nbytes, start + rows * raw.shape[1]))
+        return out
+
     def release(self, info: TensorInfo) -> None:
         """Drop the tensor's pages from this process's resident memory once it has been read
         (they stay in the page cache): a load then holds the model, not the model plus the
         file. Pages shared with a neighbouring tensor are dropped too and read again if used."""
+        self._drop(info.start, min(info.start + info.nbytes, len(self._map)))
+
+    def _drop(self, start: int, end: int) -> None:
+        """Drop the pages of bytes start..end from this process's resident memory (the page
+        holding `start` included)."""
         if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = info.start - info.start % mmap.PAGESIZE
-        end = min(info.start + info.nbytes, len(self._map))
+        start -= start % mmap.PAGESIZE
         if end > start:
             self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
