@@ -944,6 +944,10 @@ typedef const int8_t *(*block_unpacker)(const uint8_t *block, unpacked_block *u)
 typedef struct {
     int64_t values, bytes, group;
     block_unpacker unpack;
+    /* w = step * q with no offset and the product exact in fp32 (fp16 d times a scale of at
+     * most 6 bits, times a code of at most 8 bits: Q8_0, Q4_0, Q5_0, Q3_K): then
+     * sum x * w = step * sum x * q, each group's sum formed on the codes and scaled once. */
+    int exact_product;
 } block_format;
 
 /* Unpacking runs 16 bytes at a time in SSE registers (SSSE3: both ISAs of vec16.h have it). */
@@ -1158,16 +1162,16 @@ static inline const int8_t *unpack_q6_k(const uint8_t *block, unpacked_block *u)
 /* The format of GGML type `type`; 0 when handled here, -1 otherwise. */
 static int block_format_of(int type, block_format *f) {
     switch (type) {
-    case GGML_Q4_0: *f = (block_format){32, 18, 32, unpack_q4_0}; return 0;
-    case GGML_Q4_1: *f = (block_format){32, 20, 32, unpack_q4_1}; return 0;
-    case GGML_Q5_0: *f = (block_format){32, 22, 32, unpack_q5_0}; return 0;
-    case GGML_Q5_1: *f = (block_format){32, 24, 32, unpack_q5_1}; return 0;
-    case GGML_Q8_0: *f = (block_format){32, 34, 32, unpack_q8_0}; return 0;
-    case GGML_Q2_K: *f = (block_format){256, 84, 16, unpack_q2_k}; return 0;
-    case GGML_Q3_K: *f = (block_format){256, 110, 16, unpack_q3_k}; return 0;
-    case GGML_Q4_K: *f = (block_format){256, 144, 32, unpack_q4_k}; return 0;
-    case GGML_Q5_K: *f = (block_format){256, 176, 32, unpack_q5_k}; return 0;
-    case GGML_Q6_K: *f = (block_format){256, 210, 16, unpack_q6_k}; return 0;
+    case GGML_Q4_0: *f = (block_format){32, 18, 32, unpack_q4_0, 1}; return 0;
+    case GGML_Q4_1: *f = (block_format){32, 20, 32, unpack_q4_1, 0}; return 0;
+    case GGML_Q5_0: *f = (block_format){32, 22, 32, unpack_q5_0, 1}; return 0;
+    case GGML_Q5_1: *f = (block_format){32, 24, 32, unpack_q5_1, 0}; return 0;
+    case GGML_Q8_0: *f = (block_format){32, 34, 32, unpack_q8_0, 1}; return 0;
+    case GGML_Q2_K: *f = (block_format){256, 84, 16, unpack_q2_k, 0}; return 0;
+    case GGML_Q3_K: *f = (block_format){256, 110, 16, unpack_q3_k, 1}; return 0;
+    case GGML_Q4_K: *f = (block_format){256, 144, 32, unpack_q4_k, 0}; return 0;
+    case GGML_Q5_K: *f = (block_format){256, 176, 32, unpack_q5_k, 0}; return 0;
+    case GGML_Q6_K: *f = (block_format){256, 210, 16, unpack_q6_k, 0}; return 0;
     default: return -1;
     }
 }
@@ -1198,14 +1202,56 @@ int hearth_blocks_to_f32(int type, const uint8_t *blocks, int64_t n_blocks, floa
     return 0;
 }
 
+/* A block's contribution to one input row's dot product, computed from its bytes in registers
+ * (no int8 buffer): where the unpacking, not the memory, bounds the GEMV. AVX-512 only (its
+ * 32-bit lanes and mask registers unpack 16 codes in two instructions); NULL elsewhere, and
+ * the unpacked-buffer path runs. Same sums as that path's exact-product form. */
+typedef void (*block_dot_fn)(const uint8_t *block, const float *x, vec16 *even, vec16 *odd);
+#if VEC16_REGISTERS >= 32
+/* Q4_0 / Q5_0: d * sum x * q over the 32 values, q = nibble (| fifth bit) - bias. */
+static inline __attribute__((always_inline)) void nibble_block_dot(
+    const uint8_t *qs, uint32_t high, int fives, float d, const float *x, vec16 *even,
+    vec16 *odd) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
+    __m512i low = _mm512_and_si512(bytes, nibble), upper = _mm512_srli_epi32(bytes, 4);
+    if (fives) { /* q = nibble - 16 where the fifth bit is clear, else the nibble */
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        low = _mm512_mask_sub_epi32(low, (__mmask16)~high, low, sixteen);
+        upper = _mm512_mask_sub_epi32(upper, (__mmask16)~(high >> 16), upper, sixteen);
+    } else {
+        const __m512i eight = _mm512_set1_epi32(8);
+        low = _mm512_sub_epi32(low, eight);
+        upper = _mm512_sub_epi32(upper, eight);
+    }
+    __m512 part = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_cvtepi32_ps(low));
+    part = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_cvtepi32_ps(upper), part);
+    *even = _mm512_fmadd_ps(part, _mm512_set1_ps(d), *even);
+    (void)odd;
+}
+static void dot_q4_0(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
+    nibble_block_dot(block + 2, 0, 0, half_at(block), x, even, odd);
+}
+static void dot_q5_0(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
+    uint32_t high;
+    memcpy(&high, block + 2, sizeof high);
+    nibble_block_dot(block + 6, high, 1, half_at(block), x, even, odd);
+}
+#define DIRECT_DOT_Q4_0 dot_q4_0
+#define DIRECT_DOT_Q5_0 dot_q5_0
+#else
+#define DIRECT_DOT_Q4_0 NULL
+#define DIRECT_DOT_Q5_0 NULL
+#endif
+
 /* y[i * ldy + r] = sum_k x[i, k] * w[r, k] for input rows i < m (fp32, [m, k] contiguous) and
  * weight rows first <= r < last of format `f` (each row k / values whole blocks, rows
  * contiguous): fp32 products and sums, 16 lanes, two accumulators at one input row. Inlined
  * into one function per type (below) with `f` a constant, so that the unpacking and the group
  * arithmetic are compiled for it (an OpenMP region would pass `f` as data: no inlining). */
 static inline __attribute__((always_inline)) void blocks_gemv_rows(
-    const block_format f, const float *x, int64_t m, int64_t k, const uint8_t *w,
-    int64_t first, int64_t last, float *y, int64_t ldy) {
+    const block_format f, const block_dot_fn direct, const float *x, int64_t m, int64_t k,
+    const uint8_t *w, int64_t first, int64_t last, float *y, int64_t ldy) {
     const int64_t blocks_per_row = k / f.values, row_bytes = blocks_per_row * f.bytes;
     unpacked_block u;
     for (int64_t r = first; r < last; ++r) {
@@ -1214,8 +1260,27 @@ static inline __attribute__((always_inline)) void blocks_gemv_rows(
             vec16 even = vec16_zero(), odd = vec16_zero();
             for (int64_t b = 0; b < blocks_per_row; ++b) {
                 _mm_prefetch((const char *)row + b * f.bytes + PREFETCH_BYTES, _MM_HINT_T0);
-                const int8_t *codes = f.unpack(row + b * f.bytes, &u);
                 const float *xb = x + b * f.values;
+                if (direct != NULL) {
+                    direct(row + b * f.bytes, xb, &even, &odd);
+                    continue;
+                }
+                const int8_t *codes = f.unpack(row + b * f.bytes, &u);
+                if (f.exact_product) {
+                    for (int64_t g = 0; g < f.values / f.group; ++g) {
+                        vec16 part = vec16_zero();
+                        for (int64_t j = g * f.group; j < (g + 1) * f.group; j += 16) {
+                            part = vec16_fmadd(vec16_load_f32(xb + j, 16),
+                                               vec16_load_i8(codes + j, 16), part);
+                        }
+                        if (g % 2 == 0) {
+                            even = vec16_fmadd(part, vec16_set1(u.step[g]), even);
+                        } else {
+                            odd = vec16_fmadd(part, vec16_set1(u.step[g]), odd);
+                        }
+                    }
+                    continue;
+                }
                 for (int64_t j = 0; j < f.values; j += 32) {
                     even = vec16_fmadd(vec16_load_f32(xb + j, 16),
                                        block_weights(codes, &u, f.group, j), even);
@@ -1248,22 +1313,22 @@ static inline __attribute__((always_inline)) void blocks_gemv_rows(
 
 typedef void (*gemv_rows_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int64_t,
                              float *, int64_t);
-#define BLOCK_GEMV(NAME, VALUES, BYTES, GROUP)                                                  \
+#define BLOCK_GEMV(NAME, VALUES, BYTES, GROUP, EXACT, DIRECT)                                   \
     static void gemv_##NAME(const float *x, int64_t m, int64_t k, const uint8_t *w,             \
                             int64_t first, int64_t last, float *y, int64_t ldy) {              \
-        const block_format f = {VALUES, BYTES, GROUP, unpack_##NAME};                          \
-        blocks_gemv_rows(f, x, m, k, w, first, last, y, ldy);                                  \
+        const block_format f = {VALUES, BYTES, GROUP, unpack_##NAME, EXACT};                   \
+        blocks_gemv_rows(f, DIRECT, x, m, k, w, first, last, y, ldy);                          \
     }
-BLOCK_GEMV(q4_0, 32, 18, 32)
-BLOCK_GEMV(q4_1, 32, 20, 32)
-BLOCK_GEMV(q5_0, 32, 22, 32)
-BLOCK_GEMV(q5_1, 32, 24, 32)
-BLOCK_GEMV(q8_0, 32, 34, 32)
-BLOCK_GEMV(q2_k, 256, 84, 16)
-BLOCK_GEMV(q3_k, 256, 110, 16)
-BLOCK_GEMV(q4_k, 256, 144, 32)
-BLOCK_GEMV(q5_k, 256, 176, 32)
-BLOCK_GEMV(q6_k, 256, 210, 16)
+BLOCK_GEMV(q4_0, 32, 18, 32, 1, DIRECT_DOT_Q4_0)
+BLOCK_GEMV(q4_1, 32, 20, 32, 0, NULL)
+BLOCK_GEMV(q5_0, 32, 22, 32, 1, DIRECT_DOT_Q5_0)
+BLOCK_GEMV(q5_1, 32, 24, 32, 0, NULL)
+BLOCK_GEMV(q8_0, 32, 34, 32, 1, NULL)
+BLOCK_GEMV(q2_k, 256, 84, 16, 0, NULL)
+BLOCK_GEMV(q3_k, 256, 110, 16, 1, NULL)
+BLOCK_GEMV(q4_k, 256, 144, 32, 0, NULL)
+BLOCK_GEMV(q5_k, 256, 176, 32, 0, NULL)
+BLOCK_GEMV(q6_k, 256, 210, 16, 0, NULL)
 
 /* Weight rows per unit of a thread's work: whole cache lines of output, enough rows to
  * amortise the call. */
