@@ -84,6 +84,13 @@ _SIGNATURES = {
     ],
     "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
     "hearth_blocks_to_f32": [_INT, _POINTER, _INT64, _POINTER, _INT],
+    "hearth_add_rms_norm_f32": [
+        _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _FLOAT, _POINTER, _POINTER,
+    ],
+    "hearth_norm_rope_f32": [
+        _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER,
+        _FLOAT, _POINTER, _POINTER, _POINTER,
+    ],
     "hearth_blocks_gemv": [
         _INT, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT,
     ],
@@ -375,6 +382,71 @@ class NativeKernels:
         )  # fmt: skip
         return summed, normed
 
+    def add_rms_norm_f32(
+        self,
+        residual: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        next_weight: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``residual + norm(x)·w`` and, given ``next_weight``, its norm by that, all fp32."""
+        width = x.shape[-1]
+        _require(
+            _dense(residual, torch.float32)
+            and _dense(x, torch.float32)
+            and residual.shape == x.shape
+            and _dense(weight, torch.float32)
+            and weight.shape == (width,)
+            and (next_weight is None or (_dense(next_weight, torch.float32)
+                                         and next_weight.shape == (width,))),
+            "add_rms_norm_f32 takes fp32 residual and x of one shape, fp32 weights [width]",
+        )  # fmt: skip
+        summed = torch.empty_like(x)
+        normed = None if next_weight is None else torch.empty_like(x)
+        self._call(
+            "hearth_add_rms_norm_f32", residual.data_ptr(), x.data_ptr(), x.numel() // width,
+            width, weight.data_ptr(), None if next_weight is None else next_weight.data_ptr(),
+            eps, summed.data_ptr(), None if normed is None else normed.data_ptr(),
+        )  # fmt: skip
+        return summed, normed
+
+    def norm_rope_f32(
+        self,
+        qkv: Tensor,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        q_weight: Tensor,
+        k_weight: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``norm_rope`` in fp32: q, k RMSNorm + RoPE and the v split of ``qkv [T, width]``."""
+        tokens, width = qkv.shape
+        _require(
+            _dense(qkv, torch.float32)
+            and width == (q_heads + 2 * kv_heads) * head_dim
+            and head_dim % 2 == 0
+            and _dense(q_weight, torch.float32)
+            and _dense(k_weight, torch.float32)
+            and q_weight.shape == k_weight.shape == (head_dim,)
+            and _dense(cos, torch.float32)
+            and _dense(sin, torch.float32)
+            and cos.shape == sin.shape == (tokens, head_dim),
+            "norm_rope_f32 takes fp32 qkv [T, (Hq + 2 Hk) D], norm weights [D], cos/sin [T, D]",
+        )
+        q = torch.empty(tokens, q_heads, head_dim)
+        k = torch.empty(tokens, kv_heads, head_dim)
+        v = torch.empty(tokens, kv_heads, head_dim)
+        self._call(
+            "hearth_norm_rope_f32", qkv.data_ptr(), tokens, width, q_heads, kv_heads, head_dim,
+            q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        )  # fmt: skip
+        return q, k, v
+
     def norm_rope(
         self,
         qkv: Tensor,
@@ -601,6 +673,19 @@ def row_matmul(x: Tensor, weight: Tensor) -> Tensor | None:
         return None
     y = kernels.bf16_rows_matmul(x.reshape(1, -1).contiguous(), weight)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def for_cpu_fp32_row(*tensors: Tensor) -> NativeKernels | None:
+    """The kernels when every tensor is an fp32 CPU tensor, the first one row (a decode step's
+    token), and they run here; else None (also under autograd). Prefills keep torch's ops."""
+    first = tensors[0]
+    if first.numel() != first.shape[-1]:
+        return None
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return kernels()
 
 
 def for_cpu_bf16(*tensors: Tensor) -> NativeKernels | None:

@@ -1364,3 +1364,81 @@ int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uin
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * fp32 decode glue (a CPU fp32 step, e.g. on GGUF blocks kept as stored): the ops of
+ * hearth/ops/norm.py and rope.py's references in fp32, one call instead of a dozen torch ops.
+ * Products and sums are rounded one at a time as torch's eager ops round them (no contraction);
+ * only the order of the mean's sum differs (a last-bit effect).
+ */
+
+/* out = (x * inverse_rms(x)) * w for one row of h fp32 values (w NULL: no weight). */
+NO_FMA static void rms_norm_row_f32(const float *x, const float *w, int64_t h, float eps,
+                                    float *out) {
+    const float scale = inverse_rms(x, h, eps);
+    for (int64_t j = 0; j < h; ++j) {
+        const float normed = x[j] * scale;
+        out[j] = w == NULL ? normed : normed * w[j];
+    }
+}
+
+/* summed = residual + norm(x) * w; normed = norm(summed) * w_next (skipped when normed is NULL).
+ * All of [rows, h] fp32, contiguous; w, w_next fp32 [h]. Returns -1 when memory runs out. */
+NO_FMA int hearth_add_rms_norm_f32(const float *residual, const float *x, int64_t rows,
+                                   int64_t h, const float *w, const float *w_next, float eps,
+                                   float *summed, float *normed) {
+    float *row = malloc(sizeof(float) * (size_t)h);
+    if (row == NULL) {
+        return -1;
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+        rms_norm_row_f32(x + i * h, w, h, eps, row);
+        for (int64_t j = 0; j < h; ++j) {
+            summed[i * h + j] = residual[i * h + j] + row[j];
+        }
+        if (normed != NULL) {
+            rms_norm_row_f32(summed + i * h, w_next, h, eps, normed + i * h);
+        }
+    }
+    free(row);
+    return 0;
+}
+
+/* Rotate-half RoPE on one normed fp32 head with fp32 cos/sin [d]: x * cos + rotate_half(x) * sin,
+ * rotate_half(x) = (-x2, x1), each product rounded, then their sum. */
+NO_FMA static void rope_row_f32(const float *x, const float *cos, const float *sin, int64_t d,
+                                float *out) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < d; ++j) {
+        const float rotated = j < half ? -x[j + half] : x[j - half];
+        const float straight = x[j] * cos[j];
+        const float turned = rotated * sin[j];
+        out[j] = straight + turned;
+    }
+}
+
+/* As hearth_norm_rope, in fp32: q and k heads of qkv [tokens, width] get RMSNorm (q_w / k_w,
+ * fp32 [d]) then RoPE with that token's cos/sin [tokens, d]; v heads are copied. */
+int hearth_norm_rope_f32(const float *qkv, int64_t tokens, int64_t width, int64_t q_heads,
+                         int64_t kv_heads, int64_t d, const float *q_w, const float *k_w,
+                         const float *cos, const float *sin, float eps, float *q, float *k,
+                         float *v) {
+    float *normed = malloc(sizeof(float) * (size_t)d);
+    if (normed == NULL) {
+        return -1;
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *source = qkv + t * width;
+        for (int64_t head = 0; head < q_heads + kv_heads; ++head) {
+            const int is_q = head < q_heads;
+            rms_norm_row_f32(source + head * d, is_q ? q_w : k_w, d, eps, normed);
+            float *target = is_q ? q + (t * q_heads + head) * d
+                                 : k + (t * kv_heads + head - q_heads) * d;
+            rope_row_f32(normed, cos + t * d, sin + t * d, d, target);
+        }
+        memcpy(v + t * kv_heads * d, source + (q_heads + kv_heads) * d,
+               sizeof(float) * (size_t)(kv_heads * d));
+    }
+    free(normed);
+    return 0;
+}
