@@ -83,3 +83,26 @@ def test_greedy_tokens_equal_hf(
     assert produced == reference[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
     if text.startswith("In July 1969"):
         assert default_engine.tokenizer.decode(produced).startswith(" landed on the moon.")
+
+
+def test_bf16_compute_on_stored_blocks_falls_back_from_the_native_layer_step(
+    embedded_gguf: Path,
+) -> None:
+    """`--dtype bfloat16` keeps the blocks as stored (the products still fp32 on exact
+    weights); the native bf16 layer step, which reads int8 or bf16 weights only, declines
+    every step without changing anything, and the modules run it."""
+    from hearth.runtime.native_step import NativeDecodeStep
+
+    engine = Engine.load(embedded_gguf, device="cpu", progress=False, dtype="bfloat16")
+    assert engine.model.compute_dtype == torch.bfloat16
+    assert isinstance(engine.model.layers[0].mlp.down_proj, GGUFLinear)
+    caches = engine.new_caches()
+    step = NativeDecodeStep(engine.model)
+    ids = torch.tensor([[2]])
+    with torch.inference_mode():
+        assert step.applies(ids, caches)
+        assert step(ids, caches, 0) is None
+    prompt = engine.encode("In July 1969, Neil Armstrong", chat=False)
+    sampler = Sampler(SamplingParams(temperature=0))
+    produced = list(generate_tokens(engine.runner, prompt, sampler, 4, GenerationStats()))
+    assert len(produced) == 4
