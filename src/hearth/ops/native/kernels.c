@@ -1237,11 +1237,36 @@ static void dot_q5_0(const uint8_t *block, const float *x, vec16 *even, vec16 *o
     memcpy(&high, block + 2, sizeof high);
     nibble_block_dot(block + 6, high, 1, half_at(block), x, even, odd);
 }
+/* Q4_K: w = fl(fl(step * q) - offset) per group of 32, 16 nibbles a step. */
+static void dot_q4_k(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
+    unpacked_block u;
+    k_steps(block, &u);
+    const uint8_t *qs = block + 16;
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
+    for (int pair = 0; pair < 4; ++pair) {
+        const __m512 low_step = _mm512_set1_ps(u.step[2 * pair]);
+        const __m512 low_offset = _mm512_set1_ps(u.offset[2 * pair]);
+        const __m512 high_step = _mm512_set1_ps(u.step[2 * pair + 1]);
+        const __m512 high_offset = _mm512_set1_ps(u.offset[2 * pair + 1]);
+        for (int half = 0; half < 2; ++half) {
+            const __m512i bytes = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(qs + 32 * pair + 16 * half)));
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble));
+            const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+            const __m512 low_w = _mm512_sub_ps(_mm512_mul_ps(low, low_step), low_offset);
+            const __m512 high_w = _mm512_sub_ps(_mm512_mul_ps(high, high_step), high_offset);
+            *even = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 16 * half), low_w, *even);
+            *odd = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 32 + 16 * half), high_w, *odd);
+        }
+    }
+}
 #define DIRECT_DOT_Q4_0 dot_q4_0
 #define DIRECT_DOT_Q5_0 dot_q5_0
+#define DIRECT_DOT_Q4_K dot_q4_k
 #else
 #define DIRECT_DOT_Q4_0 NULL
 #define DIRECT_DOT_Q5_0 NULL
+#define DIRECT_DOT_Q4_K NULL
 #endif
 
 /* y[i * ldy + r] = sum_k x[i, k] * w[r, k] for input rows i < m (fp32, [m, k] contiguous) and
@@ -1326,7 +1351,7 @@ BLOCK_GEMV(q5_1, 32, 24, 32, 0, NULL)
 BLOCK_GEMV(q8_0, 32, 34, 32, 1, NULL)
 BLOCK_GEMV(q2_k, 256, 84, 16, 0, NULL)
 BLOCK_GEMV(q3_k, 256, 110, 16, 1, NULL)
-BLOCK_GEMV(q4_k, 256, 144, 32, 0, NULL)
+BLOCK_GEMV(q4_k, 256, 144, 32, 0, DIRECT_DOT_Q4_K)
 BLOCK_GEMV(q5_k, 256, 176, 32, 0, NULL)
 BLOCK_GEMV(q6_k, 256, 210, 16, 0, NULL)
 
