@@ -53,7 +53,8 @@ def main() -> None:
         agree = (reference.argmax(-1) == ours.argmax(-1)).float().mean().item()
         weights = "GGUF blocks as stored" if quantize == "auto" else f"{quantize} weights"
         name = dtype if quantize == "none" else f"{dtype} + {weights}"
-        rows.append(f"| {name} | {kl:.4f} | {agree:.1%} | {perplexity(ours, ids):.2f} |")
+        shown = f"{kl:.4f}" if kl >= 1e-4 else f"{kl:.1e}"  # the exact path's is ~1e-6
+        rows.append(f"| {name} | {shown} | {agree:.1%} | {perplexity(ours, ids):.2f} |")
     table = (
         "\n".join(
             [
