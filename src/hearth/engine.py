@@ -98,8 +98,9 @@ class Engine:
     ) -> Engine:
         """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
 
-        `quantize`: "int8"/"int4" keep linear weights quantized in memory for fast CPU decode
-        (bf16 compute), "none" keeps them in `dtype`, "auto" picks (see `resolve_precision`).
+        `quantize`: "auto" keeps a GGUF file's blocks as stored on the CPU (exact weights, fp32
+        unless `dtype` says otherwise; see `resolve_precision`), "int8"/"int4" re-quantize linear
+        weights to Hearth's grids (bf16 compute), "none" keeps every tensor in `dtype`.
         `kv_quant`: the KV cache kind, `off|4|8|config|turbo[:SCHEME]` (docs/kv-cache.md),
         checked against the model before any weight is read. `plan`: how to run it (None: the
         device's default, `ExecutionPlan.for_device`).
