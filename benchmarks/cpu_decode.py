@@ -41,15 +41,20 @@ TEXT = (
 ) * 20
 
 ENGINES = {
+    # The default for a GGUF file on the CPU: its blocks as stored, fp32 activations (exact).
+    "hearth fp32 + GGUF blocks as stored (default)": (
+        "hearth",
+        {"dtype": None, "quantize": "auto"},
+    ),
     "hearth fp32": ("hearth", {"dtype": "float32", "quantize": "none"}),
     "hearth bf16": ("hearth", {"dtype": "bfloat16", "quantize": "none"}),
     "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
-    # The default with its streamed weights in transparent huge pages (opt-in, hearth.ops.native).
+    # The int8 opt-in with its streamed weights in transparent huge pages (hearth.ops.native).
     "hearth bf16 + int8 weights, huge pages": (
         "hearth",
         {"dtype": "bfloat16", "quantize": "int8", "huge_pages": True},
     ),
-    # The default with Hearth's native CPU kernels turned off (hearth.ops.native): torch ops only.
+    # The int8 opt-in with Hearth's native CPU kernels off (hearth.ops.native): torch ops only.
     "hearth bf16 + int8 weights, torch kernels only": (
         "hearth",
         {"dtype": "bfloat16", "quantize": "int8", "native": False},
@@ -170,7 +175,10 @@ def run_llama_cpp(
     from hearth.bench.llama_peer import open_llama
 
     started = time.perf_counter()
-    llm = open_llama(path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, logits_all=False)
+    threads = int(os.environ.get("HEARTH_BENCH_THREADS", "2"))
+    llm = open_llama(
+        path, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False, logits_all=False
+    )
     load = time.perf_counter() - started
     llm.eval(ids[:16])  # warm up
     prefill, seconds = float("inf"), float("inf")
@@ -194,6 +202,9 @@ def run_llama_cpp(
 
 
 def one(name: str, path: Path, prompt_tokens: int, decode: int) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("HEARTH_BENCH_THREADS", "2")))
     kind, options = ENGINES[name]
     ids = prompt_ids(path, prompt_tokens)
     runner = {"hearth": run_hearth, "hf": run_hf, "llama_cpp": run_llama_cpp}[kind]
@@ -234,7 +245,11 @@ def main() -> None:
     parser.add_argument("--model", help="a GGUF file (default: the embedded Gemma 3 270M)")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
+    parser.add_argument(
+        "--threads", type=int, default=2, help="threads of every engine (torch's, llama.cpp's)"
+    )
     args = parser.parse_args()
+    os.environ["HEARTH_BENCH_THREADS"] = str(args.threads)  # the engines' subprocesses read it
     path = model_path(args.model)
     if args.one:
         one(args.one, path, args.prompt_tokens, args.decode_tokens)
@@ -267,7 +282,7 @@ def main() -> None:
     header = [
         f"# CPU, {path.name} — {datetime.date.today().isoformat()}",
         "",
-        f"Machine: {cpu_model()}, {torch.get_num_threads()} "
+        f"Machine: {cpu_model()}, {args.threads} "
         f"threads, torch {torch.__version__}, Python {platform.python_version()}; "
         f"copy bandwidth {bandwidth:.1f} GB/s. Prompt {args.prompt_tokens} tokens, "
         f"{args.decode_tokens} greedy decode tokens; best of {REPEATS} runs per engine.",

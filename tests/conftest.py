@@ -45,7 +45,10 @@ def embedded_gguf() -> Path:
 def hearth_270m(embedded_gguf: Path) -> Any:
     import hearth
 
-    return hearth.load(embedded_gguf, dtype="float32", device="cpu", progress=False)
+    """Every tensor dequantized to fp32 values (`--quantize none`): the exact reference."""
+    return hearth.load(
+        embedded_gguf, dtype="float32", device="cpu", progress=False, quantize="none"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -74,8 +74,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["auto", "none", "int8", "int4"],
         default="auto",
-        help="CPU weight quantization in memory (computes in bfloat16); auto: int8 for GGUF "
-        "files on the CPU unless --dtype float32/float16 is given",
+        help="how weights are held: auto keeps a GGUF file's blocks as stored on the CPU and "
+        "computes on them exactly (float32 unless --dtype bfloat16); int8/int4 re-quantize "
+        "them to Hearth's own grid (CPU, bfloat16 compute; a second rounding); none "
+        "dequantizes every tensor to --dtype",
     )
     parser.add_argument(
         "--kv-quant",

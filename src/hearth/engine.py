@@ -16,7 +16,7 @@ from hearth.embedded import embedded_model_path
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
 from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
 from hearth.models import Model, cache_specs
-from hearth.models.loading import build_model
+from hearth.models.loading import STORED_BLOCKS, build_model
 from hearth.ops import native
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.constraints import OutputConstraint
@@ -45,28 +45,31 @@ def resolve_precision(
     quantize: str,
     stored_dtype: torch.dtype | None = None,
 ) -> tuple[torch.dtype, str | None]:
-    """The compute dtype and CPU weight quantization a load uses.
+    """The compute dtype and how a load holds the weights (None: as values in that dtype).
 
-    "auto": a quantized GGUF file on the CPU keeps its weights int8 in memory and computes in
-    bf16 (3x the fp32 decode speed; mean KL 0.007 nats against fp32 on the 270M model);
-    anything given an explicit float dtype, and every other checkpoint, keeps that dtype.
-    Without a dtype, a checkpoint computes in the dtype it is stored in (MLX-quantized ones in
-    their scales' dtype; float16 ones in fp32 on the CPU); GGUF files in fp32 on the CPU
-    (exact) and bf16 on a GPU. float16 compute on the CPU is refused (FLOAT16_ON_CPU).
+    "auto": a GGUF file on the CPU keeps its quantized blocks as stored ("stored",
+    `hearth.layers.gguf`): every product sees the file's exact weights, in fp32 unless a dtype
+    is given; every other checkpoint keeps its values. "int8"/"int4" re-quantize the weights to
+    Hearth's own grids (bf16 compute): an explicit opt-in, since that second rounding changes
+    answers (mean KL 0.007 nats against fp32 on the 270M model, 7x bf16's). Without a dtype, a
+    checkpoint computes in the dtype it is stored in (MLX-quantized ones in their scales' dtype;
+    float16 ones in fp32 on the CPU); GGUF files in fp32 on the CPU (exact) and bf16 on a GPU.
+    float16 compute on the CPU is refused (FLOAT16_ON_CPU).
     """
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(
             f"unknown quantize {quantize!r} (choose from {', '.join(QUANTIZE_CHOICES)})"
         )
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError(FLOAT16_ON_CPU)
     if quantize == "auto":
-        cpu_gguf = checkpoint_format == "gguf" and device.type == "cpu"
-        quantize = "int8" if cpu_gguf and dtype in (None, torch.bfloat16) else "none"
+        if checkpoint_format == "gguf" and device.type == "cpu":
+            return dtype or torch.float32, STORED_BLOCKS
+        quantize = "none"
     if quantize != "none":
         if dtype not in (None, torch.bfloat16):
             raise ValueError(f"--quantize {quantize} computes in bfloat16, not {dtype}")
         return torch.bfloat16, quantize
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError(FLOAT16_ON_CPU)
     if device.type == "cpu" and stored_dtype == torch.float16:
         stored_dtype = torch.float32  # widening is exact; float16 would overflow (above)
     default = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -96,8 +99,9 @@ class Engine:
     ) -> Engine:
         """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
 
-        `quantize`: "int8"/"int4" keep linear weights quantized in memory for fast CPU decode
-        (bf16 compute), "none" keeps them in `dtype`, "auto" picks (see `resolve_precision`).
+        `quantize`: "auto" keeps a GGUF file's blocks as stored on the CPU (exact weights, fp32
+        unless `dtype` says otherwise; see `resolve_precision`), "int8"/"int4" re-quantize linear
+        weights to Hearth's grids (bf16 compute), "none" keeps every tensor in `dtype`.
         `kv_quant`: the KV cache kind, `off|4|8|config|turbo[:SCHEME]` (docs/kv-cache.md),
         checked against the model before any weight is read. `plan`: how to run it (None: the
         device's default, `ExecutionPlan.for_device`).

@@ -30,7 +30,7 @@ from hearth.errors import HearthError
 from hearth.kv.footprint import KVFootprint
 from hearth.kv.policy import parse_kv_quant
 from hearth.models import Model
-from hearth.models.loading import build_model
+from hearth.models.loading import STORED_BLOCKS, build_model
 from hearth.ops.plan import ExecutionPlan
 from hearth.quant.mlx import parse_quantization
 
@@ -196,7 +196,9 @@ def _loaded(
         checkpoint.format, device, DTYPES.get(dtype or ""), quantize, checkpoint.stored_dtype
     )
     sized = build_model(_MetaTensors(checkpoint), compute_dtype, "meta", False, cpu_quant)
-    if cpu_quant is not None:
+    if cpu_quant == STORED_BLOCKS:
+        weights = "as-stored GGUF"
+    elif cpu_quant is not None:
         weights = cpu_quant
     elif parse_quantization(checkpoint.config) is not None:
         weights = "MLX-packed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ _KINDS = (
 
 # Module classes that hold a model's linear weights packed, and how to name them.
 _PACKED_KINDS = (
+    ("GGUFLinear", "as-stored GGUF"),
     ("MLXQuantizedLinear", "MLX-packed"),
     ("Int8Linear", "int8"),
     ("Int4Linear", "int4"),
@@ -37,8 +39,8 @@ _PACKED_KINDS = (
 
 
 def held_weights(model: torch.nn.Module) -> str | None:
-    """How a loaded model holds its linear weights when not as floats: "int8", "int4",
-    "MLX-packed"; None for float weights."""
+    """How a loaded model holds its linear weights when not as floats: "as-stored GGUF",
+    "int8", "int4", "MLX-packed"; None for float weights."""
     kinds = {type(module).__name__ for module in model.modules()}
     return next((name for kind, name in _PACKED_KINDS if kind in kinds), None)
 
@@ -111,9 +113,37 @@ def describe(path: str | Path) -> str:
         ),
         "tensor types: " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
         f"quantization: {quantization}",
+        *(_gguf_memory(storage) if checkpoint.format == "gguf" else []),
         _kv_summary(config),
     ]
     return "\n".join(lines)
+
+
+def _gguf_memory(storage: dict[str, tuple[tuple[int, ...], int, str]]) -> list[str]:
+    """Per GGML type: its tensors and the bytes they take in memory on each device, as a
+    default load holds them. The CPU keeps the block types Hearth computes on as stored (the
+    file's bytes) and widens float tensors to fp32; a GPU dequantizes every tensor to bf16."""
+    from hearth.quant.gguf_blocks import BLOCK_FORMATS
+
+    as_stored = {block.name for block in BLOCK_FORMATS.values()}
+    rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for shape, nbytes, type_name in storage.values():
+        values = math.prod(shape)
+        row = rows[type_name]
+        row[0] += 1
+        row[1] += nbytes
+        row[2] += nbytes if type_name in as_stored else 4 * values
+        row[3] += 2 * values
+    lines = ["in memory by tensor type (CPU: blocks as stored, floats in fp32; GPU: bf16):"]
+    for type_name, (count, stored, cpu, gpu) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        lines.append(
+            f"  {type_name}: {count} tensors, {_bytes(stored)} stored; "
+            f"CPU {_bytes(cpu)}, GPU {_bytes(gpu)}"
+        )
+    total_cpu = sum(row[2] for row in rows.values())
+    total_gpu = sum(row[3] for row in rows.values())
+    lines.append(f"  all: CPU {_bytes(total_cpu)}, GPU {_bytes(total_gpu)}")
+    return lines
 
 
 def _kv_summary(config: ModelConfig) -> str:

@@ -1,4 +1,4 @@
-"""Engine precision choices, and the default (int8 weights) path against the exact fp32 one."""
+"""Engine precision choices, and the int8 opt-in path against the exact fp32 one."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
         ("safetensors", CPU, None, "auto", (torch.bfloat16, None), torch.bfloat16),
         ("safetensors", CPU, torch.float32, "auto", (torch.float32, None), torch.bfloat16),
         ("safetensors", CUDA, None, "auto", (torch.float16, None), torch.float16),
-        ("gguf", CPU, None, "auto", (torch.bfloat16, "int8"), None),
-        ("gguf", CPU, torch.bfloat16, "auto", (torch.bfloat16, "int8"), None),
-        ("gguf", CPU, torch.float32, "auto", (torch.float32, None), None),
+        # A GGUF file on the CPU keeps its blocks as stored (fp32 unless a dtype is given);
+        # the int8 re-grid only when asked for.
+        ("gguf", CPU, None, "auto", (torch.float32, "stored"), None),
+        ("gguf", CPU, torch.bfloat16, "auto", (torch.bfloat16, "stored"), None),
+        ("gguf", CPU, torch.float32, "auto", (torch.float32, "stored"), None),
+        ("gguf", CPU, None, "int8", (torch.bfloat16, "int8"), None),
         ("gguf", CUDA, None, "auto", (torch.bfloat16, None), None),
         ("safetensors", CPU, None, "auto", (torch.float32, None), torch.float32),
         ("safetensors", CPU, None, "int4", (torch.bfloat16, "int4"), None),
@@ -62,17 +65,17 @@ def test_quantize_with_a_float32_dtype_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def default_engine(embedded_gguf: Path) -> Any:
-    return hearth.load(embedded_gguf, device="cpu", progress=False)
+def int8_engine(embedded_gguf: Path) -> Any:
+    return hearth.load(embedded_gguf, device="cpu", progress=False, quantize="int8")
 
 
-def test_default_cpu_engine_keeps_weights_int8(default_engine: Any, hearth_270m: Any) -> None:
+def test_int8_cpu_engine_keeps_weights_int8(int8_engine: Any, hearth_270m: Any) -> None:
     """int8 weights + int8 tied table: about 1 byte per weight instead of 4."""
-    assert default_engine.model.compute_dtype == torch.bfloat16
-    assert default_engine.weight_bytes_per_token() < 0.3 * hearth_270m.weight_bytes_per_token()
+    assert int8_engine.model.compute_dtype == torch.bfloat16
+    assert int8_engine.weight_bytes_per_token() < 0.3 * hearth_270m.weight_bytes_per_token()
 
 
-def test_default_engine_stays_close_to_fp32(default_engine: Any, hearth_270m: Any) -> None:
+def test_int8_engine_stays_close_to_fp32(int8_engine: Any, hearth_270m: Any) -> None:
     """Mean KL(fp32 || int8) over 256 tokens of English below 0.02 nats.
 
     Requantizing the GGUF blocks to int8 per row and computing in bf16 measured 0.007 over
@@ -83,10 +86,10 @@ def test_default_engine_stays_close_to_fp32(default_engine: Any, hearth_270m: An
     ids = torch.tensor([hearth_270m.tokenizer.encode(text)[:256]])
     with torch.inference_mode():
         exact = hearth_270m.model(ids).float().log_softmax(-1)
-        fast = default_engine.model(ids).float().log_softmax(-1)
+        fast = int8_engine.model(ids).float().log_softmax(-1)
     kl = (exact.exp() * (exact - fast)).sum(-1).mean().item()
     assert kl < 0.02
-    assert default_engine.generate(
+    assert int8_engine.generate(
         "The capital of France is Paris. The capital of Germany is", max_tokens=3
     ).startswith(" Berlin")
 

@@ -61,3 +61,27 @@ def test_gguf_quantization_names_llama_cpps_file_type() -> None:
     assert _gguf_quantization({"general.file_type": 1024 + 7}, storage).startswith("Q8_0 ")
     assert _gguf_quantization({"general.file_type": 0}, storage).startswith("F32 ")
     assert _gguf_quantization({}, storage) == "mostly Q8_0 (no general.file_type)"
+
+
+def test_describe_shows_each_gguf_type_in_memory_per_device(embedded_gguf: Path) -> None:
+    """Per GGML type, against the `gguf` package's reader: the stored bytes (what a default
+    CPU load keeps for block types; F32 stays 4 bytes a value) and 2 bytes a value on a GPU."""
+    from collections import defaultdict
+
+    import gguf
+
+    stored: dict[str, int] = defaultdict(int)
+    values: dict[str, int] = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
+    for tensor in gguf.GGUFReader(embedded_gguf).tensors:
+        name = tensor.tensor_type.name
+        stored[name] += int(tensor.n_bytes)
+        values[name] += int(tensor.n_elements)
+        counts[name] += 1
+    text = describe(embedded_gguf)
+    assert "in memory by tensor type (CPU: blocks as stored, floats in fp32; GPU: bf16):" in text
+    for name in ("Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"):
+        size = _bytes(stored[name])
+        line = f"  {name}: {counts[name]} tensors, {size} stored; CPU {size}, "
+        assert line + f"GPU {_bytes(2 * values[name])}" in text
+    assert f"  all: CPU {_bytes(sum(stored.values()))}, GPU " in text

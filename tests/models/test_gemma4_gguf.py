@@ -233,8 +233,8 @@ def test_sharers_kv_weights_in_the_file_are_skipped(files: Files, tmp_path: Path
 
 @pytest.mark.parametrize("name", ["ple_sharing_double_wide", "k_eq_v_moe"])
 def test_cli_generates_from_a_gemma4_gguf(files: Files, name: str) -> None:
-    """The default CPU path for a GGUF (int8 weights, bf16 compute) end to end. This per-layer
-    table's rows (6 layers x 8) are not whole int8 groups, so it stays in bf16."""
+    """The default CPU path for a GGUF (blocks as stored, fp32 compute) end to end; these F32
+    files' weights load as fp32 values."""
     _, _, path = files(name)
     result = _generate(path)
     assert result.returncode == 0, result.stderr
@@ -245,7 +245,7 @@ def test_cli_generates_from_a_gemma4_gguf(files: Files, name: str) -> None:
     native.kernels() is None, reason="no C compiler with OpenMP, or neither AVX-512 nor AVX2"
 )
 def test_int8_load_leaves_the_per_layer_table_in_the_file(files: Files, tmp_path: Path) -> None:
-    """With int8 weights (the CPU default for GGUF), a per-layer table stored in blocks the
+    """With int8 weights (`--quantize int8`), a per-layer table stored in blocks the
     native kernels decode stays in the file: each looked-up row is the file's value rounded to
     bf16, as the gguf package dequantizes it; the model generates from it."""
     _, directory, _ = files("ple")  # 4 layers x 8: rows of one Q8_0 block

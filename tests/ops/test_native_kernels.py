@@ -560,3 +560,52 @@ def test_greedy_sampling_takes_the_native_argmax(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(native.NativeKernels, "argmax_rows", counted)
     picked = sampling.Sampler(sampling.SamplingParams()).sample(logits, [])
     assert calls and torch.equal(picked, logits.argmax(dim=-1))
+
+
+# fp32 glue: torch forms the mean of squares in its own order. Summing h = 640 squares in any
+# order moves it by at most γ_h ≈ h·2⁻²⁴ = 3.8e-5 relative, the inverse square root halves that,
+# and three more roundings follow: every value within 2.5e-5 of the largest |value|.
+FP32_RELATIVE = 2.5e-5
+
+
+@needs_native
+def test_fp32_add_rms_norm_matches_the_reference_and_dispatches_for_one_row():
+    from hearth.ops.norm import add_rms_norm, add_rms_norm_reference
+
+    assert KERNELS is not None
+    generator = torch.Generator().manual_seed(21)
+    residual, x = torch.randn(2, 1, 1, 640, generator=generator)
+    weight, next_weight = torch.rand(2, 640, generator=generator) + 0.5
+    summed, normed = KERNELS.add_rms_norm_f32(residual, x, weight, 1e-6, next_weight)
+    expected_summed, expected_normed = add_rms_norm_reference(
+        residual, x, weight, 1e-6, next_weight, True
+    )
+    assert expected_normed is not None and normed is not None
+    for got, expected in ((summed, expected_summed), (normed, expected_normed)):
+        assert ((got - expected).abs() <= FP32_RELATIVE * expected.abs().max()).all()
+    dispatched = add_rms_norm(residual, x, weight, 1e-6, next_weight, normalize_next=True)
+    assert all(torch.equal(a, b) for a, b in zip(dispatched, (summed, normed), strict=True))
+    many = torch.randn(1, 3, 640, generator=generator)  # a prefill keeps the reference
+    got = add_rms_norm(many, many, weight, 1e-6, next_weight, normalize_next=True)
+    reference = add_rms_norm_reference(many, many, weight, 1e-6, next_weight, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
+
+
+@needs_native
+def test_fp32_norm_rope_matches_the_reference_and_dispatches_for_one_token():
+    from hearth.ops.rope import ValueMode, norm_rope, norm_rope_reference
+
+    assert KERNELS is not None
+    q_heads, kv_heads, head_dim = 4, 1, 256
+    cos, sin = (table.float() for table in _rope_tables(1, head_dim))
+    generator = torch.Generator().manual_seed(22)
+    q_weight, k_weight = torch.rand(2, head_dim, generator=generator) + 0.5
+    qkv = torch.randn(1, (q_heads + 2 * kv_heads) * head_dim, generator=generator)
+    args = (q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, 1e-6)
+    got = KERNELS.norm_rope_f32(qkv, *args)
+    expected = norm_rope_reference(qkv, *args, ValueMode.RAW)
+    for a, b in zip(got[:2], expected[:2], strict=True):
+        assert b is not None and ((a - b).abs() <= FP32_RELATIVE * b.abs().max()).all()
+    assert expected[2] is not None and torch.equal(got[2], expected[2])  # v is a copy
+    dispatched = norm_rope(qkv, *args, ValueMode.RAW)
+    assert all(torch.equal(a, b) for a, b in zip(dispatched, got, strict=True))

@@ -46,7 +46,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 def test_startup_logs_model_format_dtype_device_load_time_and_url(server: LiveServer) -> None:
     log = server.wait_for_log("listening on")  # logged once uvicorn has started
-    loaded = r"model \S+/gemma-3-270m-q4_k_m\.gguf \(gguf, int8 weights, computing in bfloat16 "
+    loaded = (
+        r"model \S+/gemma-3-270m-q4_k_m\.gguf \(gguf, as-stored GGUF weights, computing "
+        r"in float32 "
+    )
     assert re.search(loaded + r"on cpu\), loaded in \d+\.\d s", log), log
     assert f"listening on http://127.0.0.1:{server.port}" in log
     # The embedded model has no chat template of its own (issue 41, item 9).

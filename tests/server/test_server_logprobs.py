@@ -58,7 +58,7 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Started before any test of the module, so it loads while the oracle model does."""
     port = _free_port()
-    # fp32 (so no int8 weights): the same model the test's oracle runs.
+    # fp32 (the file's exact weights, as stored): the same model the test's oracle runs.
     command = [sys.executable, "-m", "hearth.cli", "serve", "--port", str(port)]
     flags = ["--dtype", "float32", "--log-level", "WARNING"]
     process = subprocess.Popen([*command, *flags], stderr=subprocess.DEVNULL)

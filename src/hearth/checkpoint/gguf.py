@@ -34,6 +34,8 @@ _GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 _GEMMA4_LOCAL_ROPE_BASE = 10_000.0
 # llama.cpp's converter marks Gemma 4's unrotated frequency pairs with this factor.
 _UNROTATED_FACTOR = 1e30
+# GGML types that hold plain numbers, not blocks: loaded as values.
+_FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16
 
 
 def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
@@ -303,6 +305,30 @@ class GGUFCheckpoint:
         if info is None or info.type_id not in native.BLOCK_TYPES or native.kernels() is None:
             return None
         return MappedBlockTable(self._file.raw(info), info.type_id, info.shape[-1])
+
+    def stored_blocks(self, name: str, copy: bool = True) -> tuple[int, np.ndarray] | None:
+        """(GGML type id, rows of blocks [rows, bytes per row]) of the canonical tensor `name`
+        where its type is one Hearth computes on as stored (`hearth.quant.gguf_blocks`); None
+        for a float tensor (F32, F16, BF16), which loads as values. `copy`: the bytes copied
+        out of the file once (its pages then dropped), else a view of the memory map. Any other
+        quantized type is refused, naming the tensor."""
+        import gguf
+
+        from hearth.quant.gguf_blocks import BLOCK_FORMATS
+
+        info = self._tensor_info(gguf_name(name, self.architecture))
+        quant_type = gguf.GGMLQuantizationType(info.type_id)
+        if info.type_id in BLOCK_FORMATS:
+            if not copy:
+                return info.type_id, self._file.raw(info)
+            return info.type_id, self._file.copy(info)
+        if quant_type in _FLOAT_TYPES:
+            return None
+        supported = ", ".join(block.name for block in BLOCK_FORMATS.values())
+        raise UnsupportedModelError(
+            f"{self.path}: tensor {info.name} uses {quant_type.name}, which Hearth does not "
+            f"compute on as stored (it does {supported}); --quantize none dequantizes it instead"
+        )
 
     def _dequantize(self, info: TensorInfo, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raw = self._file.raw(info)  # [rows, bytes per row], memory-mapped

@@ -7,6 +7,7 @@ quantization formats (block sizes, dequantization) to the `gguf` package.
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import struct
@@ -49,6 +50,8 @@ _NUMPY = {
 }
 _STRING, _ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")  # a string's byte count
+# `GGUFFile.copy` copies this many bytes at a time before dropping their pages.
+_COPY_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class GGUFFile:
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         data_start = -(-cursor.position // alignment) * alignment
         self.tensors = {info.name: self._place(info, data_start) for info in raw_infos}
+        self._check_extents()
 
     @staticmethod
     def _read_tensor_info(cursor: _Cursor) -> TensorInfo:
@@ -164,6 +168,11 @@ class GGUFFile:
             raise CheckpointError(
                 f"{self.path}: tensor {info.name} has unknown type {info.type_id}"
             ) from None
+        if info.shape and info.shape[-1] % block:
+            raise CheckpointError(
+                f"{self.path}: tensor {info.name} has rows of {info.shape[-1]} values, not whole "
+                f"{GGMLQuantizationType(info.type_id).name} blocks of {block}"
+            )
         nbytes = math.prod(info.shape) // block * block_bytes
         start = data_start + info.start
         if start + nbytes > len(self._map):
@@ -173,18 +182,50 @@ class GGUFFile:
             )
         return TensorInfo(info.name, info.shape, info.type_id, start, nbytes)
 
+    def _check_extents(self) -> None:
+        """Each tensor's bytes (its type and shape's) end before the next tensor's begin: a
+        tensor whose stored size disagrees with its type and shape overlaps its successor."""
+        from gguf import GGMLQuantizationType
+
+        placed = sorted(self.tensors.values(), key=lambda info: info.start)
+        for info, following in itertools.pairwise(placed):
+            if info.start + info.nbytes > following.start:
+                kind = GGMLQuantizationType(info.type_id).name
+                raise CheckpointError(
+                    f"{self.path}: tensor {info.name} ({kind}, shape {info.shape}) takes "
+                    f"{info.nbytes:,} bytes, but only {following.start - info.start:,} lie "
+                    f"before the next tensor, {following.name}"
+                )
+
     def raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes, shaped [rows, bytes per row] as `gguf.quants.dequantize` wants."""
         row_bytes = info.nbytes // max(1, math.prod(info.shape[:-1]))
         return self._map[info.start : info.start + info.nbytes].reshape(-1, row_bytes)
 
+    def copy(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes copied out of the file ([rows, bytes per row], as `raw`), a few
+        MiB at a time with each part's pages dropped once copied: a load holds the copy, not
+        the copy plus the file's pages of it (178 MB of the 270M's token table)."""
+        raw = self.raw(info)
+        out = np.empty_like(raw)
+        rows = max(1, _COPY_BYTES // max(1, raw.shape[1]))
+        for first in range(0, raw.shape[0], rows):
+            out[first : first + rows] = raw[first : first + rows]
+            start = info.start + first * raw.shape[1]
+            self._drop(start, min(info.start + info.nbytes, start + rows * raw.shape[1]))
+        return out
+
     def release(self, info: TensorInfo) -> None:
         """Drop the tensor's pages from this process's resident memory once it has been read
         (they stay in the page cache): a load then holds the model, not the model plus the
         file. Pages shared with a neighbouring tensor are dropped too and read again if used."""
+        self._drop(info.start, min(info.start + info.nbytes, len(self._map)))
+
+    def _drop(self, start: int, end: int) -> None:
+        """Drop the pages of bytes start..end from this process's resident memory (the page
+        holding `start` included)."""
         if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = info.start - info.start % mmap.PAGESIZE
-        end = min(info.start + info.nbytes, len(self._map))
+        start -= start % mmap.PAGESIZE
         if end > start:
             self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -15,6 +15,7 @@ from hearth.errors import CheckpointError
 from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
 from hearth.layers.embedding import Embedding
 from hearth.layers.experts import Experts
+from hearth.layers.gguf import GGUFEmbeddingHead, GGUFLinear, GGUFLookupTable
 from hearth.layers.int8 import (
     QUANT_MODES,
     Int4Linear,
@@ -59,7 +60,11 @@ def build_model(
     expected = _expected_shapes(model)
     names = [name for name in checkpoint.tensor_names() if not _is_tied_head(name, config)]
     packed_modules = quantization.quantized_modules(names) if quantization else set()
-    streamed = _StreamedQuantization(model, quantize, checkpoint) if quantize is not None else None
+    streamed: _StreamedQuantization | _StoredBlockWeights | None = None
+    if quantize == STORED_BLOCKS:
+        streamed = _StoredBlockWeights(model, checkpoint, torch.device(device))
+    elif quantize is not None:
+        streamed = _StreamedQuantization(model, quantize, checkpoint)
     in_file = streamed.in_file if streamed is not None else frozenset()
     loaded: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
@@ -119,6 +124,9 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # Modules that the loader builds whole; their tensors join the state dict as they are.
 _INSTALLED_MODULES = (
+    GGUFLinear,
+    GGUFEmbeddingHead,
+    GGUFLookupTable,
     MLXQuantizedLinear,
     MLXQuantizedEmbedding,
     MLXQuantizedExperts,
@@ -346,6 +354,77 @@ class _StreamedQuantization:
             else:
                 # Stacked parts (q/k/v, gate/up) are quantized apart and their codes stacked.
                 self.modules[path] = quantized_linear_of_parts(parts, self.mode)
+
+    def install(self, model: nn.Module) -> None:
+        for path, module in self.modules.items():
+            model.set_submodule(path, module)
+
+
+# `build_model`'s `quantize` value for GGUF blocks kept as stored (`hearth.layers.gguf`).
+STORED_BLOCKS = "stored"
+
+
+class _StoredBlockWeights:
+    """GGUF weights computed on as the file stores them: every linear layer whose parts are
+    all of a block type `hearth.quant.gguf_blocks` knows (and the tied table) keeps its blocks,
+    copied out of the file once; Gemma 4's per-layer table stays in the file's memory map.
+    Float tensors (F32/F16/BF16) load as values; the loader never reads the kept ones.
+    """
+
+    def __init__(self, model: Model, checkpoint: Checkpoint, device: torch.device) -> None:
+        if getattr(checkpoint, "stored_blocks", None) is None:
+            raise ValueError(f"{checkpoint.path} is not a GGUF file: it has no stored blocks")
+        self._checkpoint = checkpoint
+        # On the meta device (a fit's sizing) the blocks are shapes only: nothing is read.
+        self._sizing = device.type == "meta"
+        self.modules: dict[str, nn.Module] = {}
+        self.consumed: set[str] = set()
+        stacked = {s.target: s for s in _stacks(model) if s.packed_kind is MLXQuantizedLinear}
+        present = set(checkpoint.tensor_names())
+        for path, module in model.named_modules():
+            if not isinstance(module, nn.Linear) or module.bias is not None:
+                continue
+            stack = stacked.get(path)
+            names = [f"{p}.weight" for p in stack.parts] if stack else [f"{path}.weight"]
+            # A name the file lacks (an untied lm_head) is left for the loader to report.
+            if not all(name in present for name in names):
+                continue
+            parts = [self._blocks(name) for name in names]
+            if any(part is None for part in parts):
+                continue  # float weights: loaded as values
+            self.modules[path] = GGUFLinear(parts, module.in_features)  # type: ignore[arg-type]
+            self.consumed.update(names)
+        if model.config.tie_word_embeddings:
+            table = self._blocks("embed_tokens.weight")
+            if table is not None:
+                head = GGUFLinear([table], model.config.hidden_size)
+                self.modules["embed_tokens"] = GGUFEmbeddingHead(head)
+                self.consumed.add("embed_tokens.weight")
+        per_layer = "embed_tokens_per_layer.weight"
+        table_module = getattr(model, "embed_tokens_per_layer", None)
+        if table_module is not None and per_layer in present:
+            mapped = checkpoint.stored_blocks(per_layer, copy=False)  # type: ignore[attr-defined]
+            if mapped is not None:
+                type_id, rows = mapped
+                width = table_module.embedding_dim
+                self.modules["embed_tokens_per_layer"] = GGUFLookupTable(rows, type_id, width)
+                self.consumed.add(per_layer)
+        self.in_file = frozenset(self.consumed)
+
+    def _blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
+        """(type id, blocks) of a checkpoint weight kept as stored; None for float values."""
+        stored_blocks = self._checkpoint.stored_blocks  # type: ignore[attr-defined]
+        if self._sizing:
+            found = stored_blocks(name, copy=False)
+            if found is None:
+                return None
+            type_id, rows = found
+            return type_id, torch.empty(rows.shape, dtype=torch.uint8, device="meta")
+        found = stored_blocks(name)
+        return None if found is None else (found[0], torch.from_numpy(found[1]))
+
+    def take(self, name: str, loaded: dict[str, torch.Tensor]) -> None:
+        """Nothing to do as tensors stream in: the kept weights were taken at the start."""
 
     def install(self, model: nn.Module) -> None:
         for path, module in self.modules.items():

@@ -430,6 +430,19 @@ def add_rms_norm(
             residual.contiguous(), x.contiguous(), weight, eps,
             next_weight if normalize_next else None,
         )  # fmt: skip
+    if (
+        scale is None
+        and weight is not None
+        and weight.dtype == torch.float32
+        and (next_weight is not None or not normalize_next)
+        and residual.shape == x.shape
+        and (kernels := native.for_cpu_fp32_row(x, residual)) is not None
+    ):
+        # A CPU fp32 decode step: one native call, the reference's ops in fp32.
+        return kernels.add_rms_norm_f32(
+            residual.contiguous(), x.contiguous(), weight.contiguous(), eps,
+            next_weight.contiguous() if normalize_next and next_weight is not None else None,
+        )  # fmt: skip
     return add_rms_norm_reference(residual, x, weight, eps, next_weight, normalize_next, scale)
 
 

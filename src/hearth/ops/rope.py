@@ -273,6 +273,21 @@ def norm_rope(
             qkv.contiguous(), q_heads, kv_heads, head_dim, q_weight, k_weight,
             cos.contiguous(), sin.contiguous(), eps,
         )  # fmt: skip
+    elif (
+        value_mode == ValueMode.RAW
+        and k_weight is not None
+        and cache_write is None
+        and qkv.dim() == 2
+        and qkv.shape[0] == 1
+        and qkv.shape[1] == (q_heads + 2 * kv_heads) * head_dim
+        and q_weight.dtype == k_weight.dtype == torch.float32
+        and (kernels := native.for_cpu_fp32_row(qkv, cos, sin)) is not None
+    ):
+        # A CPU fp32 decode step: one native call, the reference's ops in fp32.
+        return kernels.norm_rope_f32(
+            qkv.contiguous(), q_heads, kv_heads, head_dim, q_weight.contiguous(),
+            k_weight.contiguous(), cos.contiguous(), sin.contiguous(), eps,
+        )  # fmt: skip
     else:
         run = norm_rope_reference
     return run(

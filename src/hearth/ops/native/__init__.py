@@ -83,12 +83,29 @@ _SIGNATURES = {
         _INT64, _POINTER, _POINTER, _INT,
     ],
     "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
+    "hearth_blocks_to_f32": [_INT, _POINTER, _INT64, _POINTER, _INT],
+    "hearth_add_rms_norm_f32": [
+        _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _FLOAT, _POINTER, _POINTER,
+    ],
+    "hearth_norm_rope_f32": [
+        _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER,
+        _FLOAT, _POINTER, _POINTER, _POINTER,
+    ],
+    "hearth_blocks_gemv": [
+        _INT, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT,
+    ],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
     "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
     "hearth_argmax_rows": [_POINTER, _INT64, _INT64, _POINTER],
 }  # fmt: skip
 # GGML block types ``blocks_to_bf16`` decodes: type id -> (values, bytes) per block.
 BLOCK_TYPES = {8: (32, 34), 2: (32, 18), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
+# GGML block types ``blocks_to_f32`` and ``blocks_gemv`` compute on: type id -> (values, bytes)
+# per block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
+STORED_BLOCK_TYPES = {
+    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+}  # fmt: skip
 
 
 class DecodeLayerOperands(ctypes.Structure):
@@ -245,6 +262,48 @@ class NativeKernels:
             torch.get_num_threads(),
         )  # fmt: skip
 
+    def blocks_to_f32(self, type_id: int, blocks: Tensor, out: Tensor) -> None:
+        """GGML blocks of a type in ``STORED_BLOCK_TYPES`` (uint8, contiguous, whole blocks)
+        -> ``out`` (fp32, contiguous, one value per code), bit for bit as the `gguf` package
+        dequantizes them."""
+        values, nbytes = STORED_BLOCK_TYPES[type_id]
+        n_blocks = blocks.numel() // nbytes
+        _require(
+            _dense(blocks, torch.uint8)
+            and blocks.numel() == n_blocks * nbytes
+            and _dense(out, torch.float32)
+            and out.numel() == n_blocks * values,
+            "blocks_to_f32 takes whole uint8 blocks and an fp32 output of their size",
+        )
+        self._call(
+            "hearth_blocks_to_f32", type_id, blocks.data_ptr(), n_blocks, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def blocks_gemv(self, type_id: int, x: Tensor, blocks: Tensor, out: Tensor) -> None:
+        """``out [m, n] = x [m, k] @ Wᵀ`` for fp32 x (1 <= m <= 16) and W [n, k] the exact fp32
+        values of GGML blocks ``blocks`` [n, k / values · bytes] (uint8, contiguous); fp32
+        sums. ``out`` may be a column slice of a wider fp32 matrix (rows at any stride)."""
+        values, nbytes = STORED_BLOCK_TYPES[type_id]
+        rows, in_features = x.shape
+        out_features = blocks.shape[0]
+        _require(
+            _dense(x, torch.float32)
+            and 1 <= rows <= MAX_INPUT_ROWS
+            and in_features % values == 0
+            and _dense(blocks, torch.uint8)
+            and blocks.shape == (out_features, in_features // values * nbytes)
+            and out.dtype == torch.float32
+            and out.device.type == "cpu"
+            and out.shape == (rows, out_features)
+            and out.stride(1) == 1,
+            "blocks_gemv takes fp32 x [1..16, k], uint8 blocks [n, row bytes], fp32 out [m, n]",
+        )
+        self._call(
+            "hearth_blocks_gemv", type_id, x.data_ptr(), rows, in_features, blocks.data_ptr(),
+            out_features, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+
     def quantize_int8_rows(self, weight: Tensor, scale_floor: float) -> tuple[Tensor, Tensor]:
         """Symmetric int8 per row of a finite bf16 ``weight`` [rows, cols]: (codes int8, bf16
         scales), as ``hearth.quant.cpu.quantize_int8_rows`` computes them."""
@@ -322,6 +381,71 @@ class NativeKernels:
             summed.data_ptr(), None if normed is None else normed.data_ptr(),
         )  # fmt: skip
         return summed, normed
+
+    def add_rms_norm_f32(
+        self,
+        residual: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        next_weight: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``residual + norm(x)·w`` and, given ``next_weight``, its norm by that, all fp32."""
+        width = x.shape[-1]
+        _require(
+            _dense(residual, torch.float32)
+            and _dense(x, torch.float32)
+            and residual.shape == x.shape
+            and _dense(weight, torch.float32)
+            and weight.shape == (width,)
+            and (next_weight is None or (_dense(next_weight, torch.float32)
+                                         and next_weight.shape == (width,))),
+            "add_rms_norm_f32 takes fp32 residual and x of one shape, fp32 weights [width]",
+        )  # fmt: skip
+        summed = torch.empty_like(x)
+        normed = None if next_weight is None else torch.empty_like(x)
+        self._call(
+            "hearth_add_rms_norm_f32", residual.data_ptr(), x.data_ptr(), x.numel() // width,
+            width, weight.data_ptr(), None if next_weight is None else next_weight.data_ptr(),
+            eps, summed.data_ptr(), None if normed is None else normed.data_ptr(),
+        )  # fmt: skip
+        return summed, normed
+
+    def norm_rope_f32(
+        self,
+        qkv: Tensor,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        q_weight: Tensor,
+        k_weight: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``norm_rope`` in fp32: q, k RMSNorm + RoPE and the v split of ``qkv [T, width]``."""
+        tokens, width = qkv.shape
+        _require(
+            _dense(qkv, torch.float32)
+            and width == (q_heads + 2 * kv_heads) * head_dim
+            and head_dim % 2 == 0
+            and _dense(q_weight, torch.float32)
+            and _dense(k_weight, torch.float32)
+            and q_weight.shape == k_weight.shape == (head_dim,)
+            and _dense(cos, torch.float32)
+            and _dense(sin, torch.float32)
+            and cos.shape == sin.shape == (tokens, head_dim),
+            "norm_rope_f32 takes fp32 qkv [T, (Hq + 2 Hk) D], norm weights [D], cos/sin [T, D]",
+        )
+        q = torch.empty(tokens, q_heads, head_dim)
+        k = torch.empty(tokens, kv_heads, head_dim)
+        v = torch.empty(tokens, kv_heads, head_dim)
+        self._call(
+            "hearth_norm_rope_f32", qkv.data_ptr(), tokens, width, q_heads, kv_heads, head_dim,
+            q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        )  # fmt: skip
+        return q, k, v
 
     def norm_rope(
         self,
@@ -549,6 +673,19 @@ def row_matmul(x: Tensor, weight: Tensor) -> Tensor | None:
         return None
     y = kernels.bf16_rows_matmul(x.reshape(1, -1).contiguous(), weight)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def for_cpu_fp32_row(*tensors: Tensor) -> NativeKernels | None:
+    """The kernels when every tensor is an fp32 CPU tensor, the first one row (a decode step's
+    token), and they run here; else None (also under autograd). Prefills keep torch's ops."""
+    first = tensors[0]
+    if first.numel() != first.shape[-1]:
+        return None
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return kernels()
 
 
 def for_cpu_bf16(*tensors: Tensor) -> NativeKernels | None:

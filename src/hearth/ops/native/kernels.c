@@ -918,3 +918,552 @@ int hearth_int8_rows_to_bf16(const int8_t *codes, const uint16_t *scales, int64_
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * GGML blocks computed on as stored (hearth.layers.gguf): decode GEMV with fp32 activations and
+ * fp32 dequantization of whole rows (a prefill's tiles), for every type of
+ * hearth/quant/gguf_blocks.py. Each block unpacks into int8 codes and, per group of 16 or 32
+ * values, an fp32 step and offset: w = fl(fl(step * q) - offset), the `gguf` package's value
+ * (offset 0 for the symmetric types; x - 0 = x). Where a type has an offset, step * q is exact
+ * (at most 17 + 5 significant bits), so a compiler contracting the two into one FMA cannot
+ * change w; the dot products then add fma(x, w) in fp32.
+ */
+enum { GGML_Q4_1 = 3, GGML_Q5_1 = 7, GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q5_K = 13 };
+#define BLOCK_MAX_VALUES 256
+#define BLOCK_MAX_GROUPS 16
+
+typedef struct {
+    int8_t codes[BLOCK_MAX_VALUES];
+    float step[BLOCK_MAX_GROUPS];
+    float offset[BLOCK_MAX_GROUPS];
+} unpacked_block;
+
+/* Fills `u` from `block`; returns the codes (u->codes, or the block's own int8 codes). */
+typedef const int8_t *(*block_unpacker)(const uint8_t *block, unpacked_block *u);
+
+typedef struct {
+    int64_t values, bytes, group;
+    block_unpacker unpack;
+    /* w = step * q with no offset and the product exact in fp32 (fp16 d times a scale of at
+     * most 6 bits, times a code of at most 8 bits: Q8_0, Q4_0, Q5_0, Q3_K): then
+     * sum x * w = step * sum x * q, each group's sum formed on the codes and scaled once. */
+    int exact_product;
+} block_format;
+
+/* Unpacking runs 16 bytes at a time in SSE registers (SSSE3: both ISAs of vec16.h have it). */
+
+/* 16 bytes: low nibbles -> low[0..15], high nibbles -> high[0..15], each minus `bias`. */
+static inline void nibbles16(const uint8_t *qs, int bias, int8_t *low, int8_t *high) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0f), offset = _mm_set1_epi8((char)bias);
+    _mm_storeu_si128((__m128i *)low, _mm_sub_epi8(_mm_and_si128(bytes, mask), offset));
+    _mm_storeu_si128((__m128i *)high,
+                     _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), offset));
+}
+
+/* Byte i = 0x10 where bit i of `bits` is set, else 0 (i = 0..15). */
+static inline __m128i bits_as_fifth16(uint32_t bits) {
+    const __m128i spread = _mm_shuffle_epi8(
+        _mm_set1_epi16((short)bits), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i select = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select),
+                         _mm_set1_epi8(0x10));
+}
+
+/* Byte i = 0x10 where bit `bit` of bytes[i] is set, else 0 (16 bytes). */
+static inline __m128i bit_as_fifth16(const uint8_t *bytes, int bit) {
+    const __m128i select = _mm_set1_epi8((char)(1 << bit));
+    const __m128i set = _mm_cmpeq_epi8(
+        _mm_and_si128(_mm_loadu_si128((const __m128i *)bytes), select), select);
+    return _mm_and_si128(set, _mm_set1_epi8(0x10));
+}
+
+/* 16 bytes of nibbles plus 32 fifth bits (bit i of `high` for value i): values 0-15 from the
+ * low nibbles, 16-31 from the high ones, minus `bias`. */
+static inline void fives32(const uint8_t *qs, uint32_t high, int bias, int8_t *codes) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0f), offset = _mm_set1_epi8((char)bias);
+    const __m128i low = _mm_or_si128(_mm_and_si128(bytes, mask), bits_as_fifth16(high));
+    const __m128i upper = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                                       bits_as_fifth16(high >> 16));
+    _mm_storeu_si128((__m128i *)codes, _mm_sub_epi8(low, offset));
+    _mm_storeu_si128((__m128i *)(codes + 16), _mm_sub_epi8(upper, offset));
+}
+
+static inline void unpack_nibbles16(const uint8_t *qs, int bias, int8_t *codes) {
+    nibbles16(qs, bias, codes, codes + 16);
+}
+
+static inline void unpack_fives(const uint8_t *qs, uint32_t high, int bias, int8_t *codes) {
+    fives32(qs, high, bias, codes);
+}
+
+static inline const int8_t *unpack_q8_0(const uint8_t *block, unpacked_block *u) {
+    u->step[0] = half_at(block);
+    u->offset[0] = 0.0f;
+    return (const int8_t *)(block + 2);
+}
+
+static inline const int8_t *unpack_q4_0(const uint8_t *block, unpacked_block *u) {
+    u->step[0] = half_at(block);
+    u->offset[0] = 0.0f;
+    unpack_nibbles16(block + 2, 8, u->codes);
+    return u->codes;
+}
+
+static inline const int8_t *unpack_q4_1(const uint8_t *block, unpacked_block *u) {
+    u->step[0] = half_at(block);
+    u->offset[0] = -half_at(block + 2); /* d * q + m */
+    unpack_nibbles16(block + 4, 0, u->codes);
+    return u->codes;
+}
+
+static inline const int8_t *unpack_q5_0(const uint8_t *block, unpacked_block *u) {
+    uint32_t high;
+    memcpy(&high, block + 2, sizeof high);
+    u->step[0] = half_at(block);
+    u->offset[0] = 0.0f;
+    unpack_fives(block + 6, high, 16, u->codes);
+    return u->codes;
+}
+
+static inline const int8_t *unpack_q5_1(const uint8_t *block, unpacked_block *u) {
+    uint32_t high;
+    memcpy(&high, block + 4, sizeof high);
+    u->step[0] = half_at(block);
+    u->offset[0] = -half_at(block + 2);
+    unpack_fives(block + 8, high, 0, u->codes);
+    return u->codes;
+}
+
+/* Q2_K (84 bytes): 16 bytes of (4-bit scale, 4-bit min), 64 of 2-bit codes (each 32 bytes:
+ * four shifts of 32 values), fp16 d, dmin. Groups of 16: (d * scale) * q - dmin * min. */
+static inline const int8_t *unpack_q2_k(const uint8_t *block, unpacked_block *u) {
+    const float d = half_at(block + 80), dmin = half_at(block + 82);
+    for (int g = 0; g < 16; ++g) {
+        u->step[g] = d * (float)(block[g] & 0x0f);
+        u->offset[g] = dmin * (float)(block[g] >> 4);
+    }
+    const uint8_t *qs = block + 16;
+    for (int half = 0; half < 2; ++half) {
+        for (int shift = 0; shift < 4; ++shift) {
+            for (int i = 0; i < 32; ++i) {
+                u->codes[128 * half + 32 * shift + i] = (int8_t)((qs[32 * half + i] >> (2 * shift)) & 3);
+            }
+        }
+    }
+    return u->codes;
+}
+
+/* Q3_K (110 bytes): 32 bytes of high-bit masks, 64 of 2-bit codes, 12 of 6-bit scales, fp16 d.
+ * Groups of 16: (d * (scale - 32)) * (low - 4 * !high). */
+static inline const int8_t *unpack_q3_k(const uint8_t *block, unpacked_block *u) {
+    const uint8_t *hmask = block, *qs = block + 32, *packed = block + 96;
+    const float d = half_at(block + 108);
+    for (int g = 0; g < 16; ++g) {
+        const int low = (packed[g % 8] >> (4 * (g / 8))) & 0x0f;
+        const int high = (packed[8 + g % 4] >> (2 * (g / 4))) & 0x03;
+        u->step[g] = d * (float)((low | (high << 4)) - 32);
+        u->offset[g] = 0.0f;
+    }
+    for (int half = 0; half < 2; ++half) {
+        for (int shift = 0; shift < 4; ++shift) {
+            const int index = 4 * half + shift; /* which of hmask's 8 bits */
+            for (int i = 0; i < 32; ++i) {
+                const int low = (qs[32 * half + i] >> (2 * shift)) & 3;
+                const int missing = ((hmask[i] >> index) & 1) ^ 1;
+                u->codes[32 * index + i] = (int8_t)(low - 4 * missing);
+            }
+        }
+    }
+    return u->codes;
+}
+
+/* Q4_K / Q5_K's eight 6-bit (scale, min) pairs -> steps and offsets of groups of 32. */
+static void k_steps(const uint8_t *block, unpacked_block *u) {
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const uint8_t *packed = block + 4;
+    for (int j = 0; j < 8; ++j) {
+        int scale, min;
+        if (j < 4) {
+            scale = packed[j] & 0x3f;
+            min = packed[j + 4] & 0x3f;
+        } else {
+            scale = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 2) & 0x30);
+            min = (packed[j + 4] >> 4) | ((packed[j] >> 2) & 0x30);
+        }
+        u->step[j] = d * (float)scale;
+        u->offset[j] = dmin * (float)min;
+    }
+}
+
+static inline const int8_t *unpack_q4_k(const uint8_t *block, unpacked_block *u) {
+    k_steps(block, u);
+    const uint8_t *qs = block + 16;
+    for (int pair = 0; pair < 4; ++pair) {
+        for (int half = 0; half < 2; ++half) {
+            nibbles16(qs + 32 * pair + 16 * half, 0, u->codes + 64 * pair + 16 * half,
+                      u->codes + 64 * pair + 32 + 16 * half);
+        }
+    }
+    return u->codes;
+}
+
+static inline const int8_t *unpack_q5_k(const uint8_t *block, unpacked_block *u) {
+    k_steps(block, u);
+    const uint8_t *qh = block + 16, *qs = block + 48;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int pair = 0; pair < 4; ++pair) {
+        for (int half = 0; half < 2; ++half) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 32 * pair + 16 * half));
+            const __m128i low = _mm_or_si128(_mm_and_si128(bytes, mask),
+                                             bit_as_fifth16(qh + 16 * half, 2 * pair));
+            const __m128i high = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                                              bit_as_fifth16(qh + 16 * half, 2 * pair + 1));
+            _mm_storeu_si128((__m128i *)(u->codes + 64 * pair + 16 * half), low);
+            _mm_storeu_si128((__m128i *)(u->codes + 64 * pair + 32 + 16 * half), high);
+        }
+    }
+    return u->codes;
+}
+
+/* Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
+ * values), fp16 d: (d * scale) * (q - 32), in llama.cpp's interleaving. */
+static inline const int8_t *unpack_q6_k(const uint8_t *block, unpacked_block *u) {
+    const uint8_t *ql = block, *qh = block + 128;
+    const int8_t *scales = (const int8_t *)(block + 192);
+    const float d = half_at(block + 208);
+    for (int g = 0; g < 16; ++g) {
+        u->step[g] = d * (float)scales[g];
+        u->offset[g] = 0.0f;
+    }
+    const __m128i nibble = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(0x03);
+    const __m128i bias = _mm_set1_epi8(32);
+    for (int half = 0; half < 2; ++half) {
+        for (int group = 0; group < 4; ++group) { /* 32 values each */
+            const uint8_t *low = ql + 64 * half + 32 * (group % 2);
+            const int low_shift = 4 * (group / 2), high_shift = 2 * group;
+            for (int part = 0; part < 2; ++part) {
+                const __m128i l = _mm_and_si128(
+                    _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(low + 16 * part)), low_shift),
+                    nibble);
+                const __m128i h = _mm_and_si128(
+                    _mm_srli_epi16(
+                        _mm_loadu_si128((const __m128i *)(qh + 32 * half + 16 * part)), high_shift),
+                    two);
+                const __m128i q = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(h, 4)), bias);
+                _mm_storeu_si128((__m128i *)(u->codes + 128 * half + 32 * group + 16 * part), q);
+            }
+        }
+    }
+    return u->codes;
+}
+
+/* The format of GGML type `type`; 0 when handled here, -1 otherwise. */
+static int block_format_of(int type, block_format *f) {
+    switch (type) {
+    case GGML_Q4_0: *f = (block_format){32, 18, 32, unpack_q4_0, 1}; return 0;
+    case GGML_Q4_1: *f = (block_format){32, 20, 32, unpack_q4_1, 0}; return 0;
+    case GGML_Q5_0: *f = (block_format){32, 22, 32, unpack_q5_0, 1}; return 0;
+    case GGML_Q5_1: *f = (block_format){32, 24, 32, unpack_q5_1, 0}; return 0;
+    case GGML_Q8_0: *f = (block_format){32, 34, 32, unpack_q8_0, 1}; return 0;
+    case GGML_Q2_K: *f = (block_format){256, 84, 16, unpack_q2_k, 0}; return 0;
+    case GGML_Q3_K: *f = (block_format){256, 110, 16, unpack_q3_k, 1}; return 0;
+    case GGML_Q4_K: *f = (block_format){256, 144, 32, unpack_q4_k, 0}; return 0;
+    case GGML_Q5_K: *f = (block_format){256, 176, 32, unpack_q5_k, 0}; return 0;
+    case GGML_Q6_K: *f = (block_format){256, 210, 16, unpack_q6_k, 0}; return 0;
+    default: return -1;
+    }
+}
+
+/* The 16 weights at value j of an unpacked block (groups of `group` values). */
+static inline vec16 block_weights(const int8_t *codes, const unpacked_block *u, int64_t group,
+                                  int64_t j) {
+    const vec16 q = vec16_load_i8(codes + j, 16);
+    const int64_t g = j / group;
+    return vec16_sub(vec16_mul(q, vec16_set1(u->step[g])), vec16_set1(u->offset[g]));
+}
+
+/* n_blocks blocks of `type` -> fp32 values in order. Returns -1 for a type not handled here. */
+int hearth_blocks_to_f32(int type, const uint8_t *blocks, int64_t n_blocks, float *out,
+                         int threads) {
+    block_format f;
+    if (block_format_of(type, &f) != 0) {
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        unpacked_block u;
+        const int8_t *codes = f.unpack(blocks + b * f.bytes, &u);
+        for (int64_t j = 0; j < f.values; j += 16) {
+            vec16_store_f32(out + b * f.values + j, block_weights(codes, &u, f.group, j), 16);
+        }
+    }
+    return 0;
+}
+
+/* A block's contribution to one input row's dot product, computed from its bytes in registers
+ * (no int8 buffer): where the unpacking, not the memory, bounds the GEMV. AVX-512 only (its
+ * 32-bit lanes and mask registers unpack 16 codes in two instructions); NULL elsewhere, and
+ * the unpacked-buffer path runs. Same sums as that path's exact-product form. */
+typedef void (*block_dot_fn)(const uint8_t *block, const float *x, vec16 *even, vec16 *odd);
+#if VEC16_REGISTERS >= 32
+/* Q4_0 / Q5_0: d * sum x * q over the 32 values, q = nibble (| fifth bit) - bias. */
+static inline __attribute__((always_inline)) void nibble_block_dot(
+    const uint8_t *qs, uint32_t high, int fives, float d, const float *x, vec16 *even,
+    vec16 *odd) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
+    __m512i low = _mm512_and_si512(bytes, nibble), upper = _mm512_srli_epi32(bytes, 4);
+    if (fives) { /* q = nibble - 16 where the fifth bit is clear, else the nibble */
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        low = _mm512_mask_sub_epi32(low, (__mmask16)~high, low, sixteen);
+        upper = _mm512_mask_sub_epi32(upper, (__mmask16)~(high >> 16), upper, sixteen);
+    } else {
+        const __m512i eight = _mm512_set1_epi32(8);
+        low = _mm512_sub_epi32(low, eight);
+        upper = _mm512_sub_epi32(upper, eight);
+    }
+    __m512 part = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_cvtepi32_ps(low));
+    part = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_cvtepi32_ps(upper), part);
+    *even = _mm512_fmadd_ps(part, _mm512_set1_ps(d), *even);
+    (void)odd;
+}
+static void dot_q4_0(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
+    nibble_block_dot(block + 2, 0, 0, half_at(block), x, even, odd);
+}
+static void dot_q5_0(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
+    uint32_t high;
+    memcpy(&high, block + 2, sizeof high);
+    nibble_block_dot(block + 6, high, 1, half_at(block), x, even, odd);
+}
+/* Q4_K: w = fl(fl(step * q) - offset) per group of 32, 16 nibbles a step. */
+static void dot_q4_k(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
+    unpacked_block u;
+    k_steps(block, &u);
+    const uint8_t *qs = block + 16;
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
+    for (int pair = 0; pair < 4; ++pair) {
+        const __m512 low_step = _mm512_set1_ps(u.step[2 * pair]);
+        const __m512 low_offset = _mm512_set1_ps(u.offset[2 * pair]);
+        const __m512 high_step = _mm512_set1_ps(u.step[2 * pair + 1]);
+        const __m512 high_offset = _mm512_set1_ps(u.offset[2 * pair + 1]);
+        for (int half = 0; half < 2; ++half) {
+            const __m512i bytes = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(qs + 32 * pair + 16 * half)));
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble));
+            const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+            const __m512 low_w = _mm512_sub_ps(_mm512_mul_ps(low, low_step), low_offset);
+            const __m512 high_w = _mm512_sub_ps(_mm512_mul_ps(high, high_step), high_offset);
+            *even = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 16 * half), low_w, *even);
+            *odd = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 32 + 16 * half), high_w, *odd);
+        }
+    }
+}
+#define DIRECT_DOT_Q4_0 dot_q4_0
+#define DIRECT_DOT_Q5_0 dot_q5_0
+#define DIRECT_DOT_Q4_K dot_q4_k
+#else
+#define DIRECT_DOT_Q4_0 NULL
+#define DIRECT_DOT_Q5_0 NULL
+#define DIRECT_DOT_Q4_K NULL
+#endif
+
+/* y[i * ldy + r] = sum_k x[i, k] * w[r, k] for input rows i < m (fp32, [m, k] contiguous) and
+ * weight rows first <= r < last of format `f` (each row k / values whole blocks, rows
+ * contiguous): fp32 products and sums, 16 lanes, two accumulators at one input row. Inlined
+ * into one function per type (below) with `f` a constant, so that the unpacking and the group
+ * arithmetic are compiled for it (an OpenMP region would pass `f` as data: no inlining). */
+static inline __attribute__((always_inline)) void blocks_gemv_rows(
+    const block_format f, const block_dot_fn direct, const float *x, int64_t m, int64_t k,
+    const uint8_t *w, int64_t first, int64_t last, float *y, int64_t ldy) {
+    const int64_t blocks_per_row = k / f.values, row_bytes = blocks_per_row * f.bytes;
+    unpacked_block u;
+    for (int64_t r = first; r < last; ++r) {
+        const uint8_t *row = w + r * row_bytes;
+        if (m == 1) {
+            vec16 even = vec16_zero(), odd = vec16_zero();
+            for (int64_t b = 0; b < blocks_per_row; ++b) {
+                _mm_prefetch((const char *)row + b * f.bytes + PREFETCH_BYTES, _MM_HINT_T0);
+                const float *xb = x + b * f.values;
+                if (direct != NULL) {
+                    direct(row + b * f.bytes, xb, &even, &odd);
+                    continue;
+                }
+                const int8_t *codes = f.unpack(row + b * f.bytes, &u);
+                if (f.exact_product) {
+                    for (int64_t g = 0; g < f.values / f.group; ++g) {
+                        vec16 part = vec16_zero();
+                        for (int64_t j = g * f.group; j < (g + 1) * f.group; j += 16) {
+                            part = vec16_fmadd(vec16_load_f32(xb + j, 16),
+                                               vec16_load_i8(codes + j, 16), part);
+                        }
+                        if (g % 2 == 0) {
+                            even = vec16_fmadd(part, vec16_set1(u.step[g]), even);
+                        } else {
+                            odd = vec16_fmadd(part, vec16_set1(u.step[g]), odd);
+                        }
+                    }
+                    continue;
+                }
+                for (int64_t j = 0; j < f.values; j += 32) {
+                    even = vec16_fmadd(vec16_load_f32(xb + j, 16),
+                                       block_weights(codes, &u, f.group, j), even);
+                    odd = vec16_fmadd(vec16_load_f32(xb + j + 16, 16),
+                                      block_weights(codes, &u, f.group, j + 16), odd);
+                }
+            }
+            y[r] = vec16_sum(vec16_add(even, odd));
+            continue;
+        }
+        vec16 acc[MAX_INPUT_ROWS];
+        for (int64_t i = 0; i < m; ++i) {
+            acc[i] = vec16_zero();
+        }
+        for (int64_t b = 0; b < blocks_per_row; ++b) {
+            const int8_t *codes = f.unpack(row + b * f.bytes, &u);
+            for (int64_t j = 0; j < f.values; j += 16) {
+                const vec16 weights = block_weights(codes, &u, f.group, j);
+                for (int64_t i = 0; i < m; ++i) {
+                    acc[i] = vec16_fmadd(vec16_load_f32(x + i * k + b * f.values + j, 16),
+                                         weights, acc[i]);
+                }
+            }
+        }
+        for (int64_t i = 0; i < m; ++i) {
+            y[i * ldy + r] = vec16_sum(acc[i]);
+        }
+    }
+}
+
+typedef void (*gemv_rows_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int64_t,
+                             float *, int64_t);
+#define BLOCK_GEMV(NAME, VALUES, BYTES, GROUP, EXACT, DIRECT)                                   \
+    static void gemv_##NAME(const float *x, int64_t m, int64_t k, const uint8_t *w,             \
+                            int64_t first, int64_t last, float *y, int64_t ldy) {              \
+        const block_format f = {VALUES, BYTES, GROUP, unpack_##NAME, EXACT};                   \
+        blocks_gemv_rows(f, DIRECT, x, m, k, w, first, last, y, ldy);                          \
+    }
+BLOCK_GEMV(q4_0, 32, 18, 32, 1, DIRECT_DOT_Q4_0)
+BLOCK_GEMV(q4_1, 32, 20, 32, 0, NULL)
+BLOCK_GEMV(q5_0, 32, 22, 32, 1, DIRECT_DOT_Q5_0)
+BLOCK_GEMV(q5_1, 32, 24, 32, 0, NULL)
+BLOCK_GEMV(q8_0, 32, 34, 32, 1, NULL)
+BLOCK_GEMV(q2_k, 256, 84, 16, 0, NULL)
+BLOCK_GEMV(q3_k, 256, 110, 16, 1, NULL)
+BLOCK_GEMV(q4_k, 256, 144, 32, 0, DIRECT_DOT_Q4_K)
+BLOCK_GEMV(q5_k, 256, 176, 32, 0, NULL)
+BLOCK_GEMV(q6_k, 256, 210, 16, 0, NULL)
+
+/* Weight rows per unit of a thread's work: whole cache lines of output, enough rows to
+ * amortise the call. */
+#define GEMV_ROWS_PER_UNIT 16
+
+/* The GEMV above for GGML type `type` over all n weight rows, split among `threads`. Returns -1
+ * for a type not handled here or m outside 1..MAX_INPUT_ROWS. */
+int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                       int64_t n, float *y, int64_t ldy, int threads) {
+    block_format f;
+    if (block_format_of(type, &f) != 0 || m < 1 || m > MAX_INPUT_ROWS || k % f.values != 0) {
+        return -1;
+    }
+    gemv_rows_fn rows;
+    switch (type) {
+    case GGML_Q4_0: rows = gemv_q4_0; break;
+    case GGML_Q4_1: rows = gemv_q4_1; break;
+    case GGML_Q5_0: rows = gemv_q5_0; break;
+    case GGML_Q5_1: rows = gemv_q5_1; break;
+    case GGML_Q8_0: rows = gemv_q8_0; break;
+    case GGML_Q2_K: rows = gemv_q2_k; break;
+    case GGML_Q3_K: rows = gemv_q3_k; break;
+    case GGML_Q4_K: rows = gemv_q4_k; break;
+    case GGML_Q5_K: rows = gemv_q5_k; break;
+    default: rows = gemv_q6_k; break;
+    }
+    const int64_t units = (n + GEMV_ROWS_PER_UNIT - 1) / GEMV_ROWS_PER_UNIT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t first = unit * GEMV_ROWS_PER_UNIT;
+        const int64_t last = first + GEMV_ROWS_PER_UNIT < n ? first + GEMV_ROWS_PER_UNIT : n;
+        rows(x, m, k, w, first, last, y, ldy);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * fp32 decode glue (a CPU fp32 step, e.g. on GGUF blocks kept as stored): the ops of
+ * hearth/ops/norm.py and rope.py's references in fp32, one call instead of a dozen torch ops.
+ * Products and sums are rounded one at a time as torch's eager ops round them (no contraction);
+ * only the order of the mean's sum differs (a last-bit effect).
+ */
+
+/* out = (x * inverse_rms(x)) * w for one row of h fp32 values (w NULL: no weight). */
+NO_FMA static void rms_norm_row_f32(const float *x, const float *w, int64_t h, float eps,
+                                    float *out) {
+    const float scale = inverse_rms(x, h, eps);
+    for (int64_t j = 0; j < h; ++j) {
+        const float normed = x[j] * scale;
+        out[j] = w == NULL ? normed : normed * w[j];
+    }
+}
+
+/* summed = residual + norm(x) * w; normed = norm(summed) * w_next (skipped when normed is NULL).
+ * All of [rows, h] fp32, contiguous; w, w_next fp32 [h]. Returns -1 when memory runs out. */
+NO_FMA int hearth_add_rms_norm_f32(const float *residual, const float *x, int64_t rows,
+                                   int64_t h, const float *w, const float *w_next, float eps,
+                                   float *summed, float *normed) {
+    float *row = malloc(sizeof(float) * (size_t)h);
+    if (row == NULL) {
+        return -1;
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+        rms_norm_row_f32(x + i * h, w, h, eps, row);
+        for (int64_t j = 0; j < h; ++j) {
+            summed[i * h + j] = residual[i * h + j] + row[j];
+        }
+        if (normed != NULL) {
+            rms_norm_row_f32(summed + i * h, w_next, h, eps, normed + i * h);
+        }
+    }
+    free(row);
+    return 0;
+}
+
+/* Rotate-half RoPE on one normed fp32 head with fp32 cos/sin [d]: x * cos + rotate_half(x) * sin,
+ * rotate_half(x) = (-x2, x1), each product rounded, then their sum. */
+NO_FMA static void rope_row_f32(const float *x, const float *cos, const float *sin, int64_t d,
+                                float *out) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < d; ++j) {
+        const float rotated = j < half ? -x[j + half] : x[j - half];
+        const float straight = x[j] * cos[j];
+        const float turned = rotated * sin[j];
+        out[j] = straight + turned;
+    }
+}
+
+/* As hearth_norm_rope, in fp32: q and k heads of qkv [tokens, width] get RMSNorm (q_w / k_w,
+ * fp32 [d]) then RoPE with that token's cos/sin [tokens, d]; v heads are copied. */
+int hearth_norm_rope_f32(const float *qkv, int64_t tokens, int64_t width, int64_t q_heads,
+                         int64_t kv_heads, int64_t d, const float *q_w, const float *k_w,
+                         const float *cos, const float *sin, float eps, float *q, float *k,
+                         float *v) {
+    float *normed = malloc(sizeof(float) * (size_t)d);
+    if (normed == NULL) {
+        return -1;
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *source = qkv + t * width;
+        for (int64_t head = 0; head < q_heads + kv_heads; ++head) {
+            const int is_q = head < q_heads;
+            rms_norm_row_f32(source + head * d, is_q ? q_w : k_w, d, eps, normed);
+            float *target = is_q ? q + (t * q_heads + head) * d
+                                 : k + (t * kv_heads + head - q_heads) * d;
+            rope_row_f32(normed, cos + t * d, sin + t * d, d, target);
+        }
+        memcpy(v + t * kv_heads * d, source + (q_heads + kv_heads) * d,
+               sizeof(float) * (size_t)(kv_heads * d));
+    }
+    free(normed);
+    return 0;
+}

@@ -41,6 +41,7 @@ static inline vec16 vec16_load_i8(const int8_t *p, int64_t count) {
 static inline vec16 vec16_fmadd(vec16 a, vec16 b, vec16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec16 vec16_add(vec16 a, vec16 b) { return _mm512_add_ps(a, b); }
 static inline vec16 vec16_mul(vec16 a, vec16 b) { return _mm512_mul_ps(a, b); }
+static inline vec16 vec16_sub(vec16 a, vec16 b) { return _mm512_sub_ps(a, b); }
 static inline vec16 vec16_div(vec16 a, vec16 b) { return _mm512_div_ps(a, b); }
 static inline vec16 vec16_max(vec16 a, vec16 b) { return _mm512_max_ps(a, b); }
 static inline vec16 vec16_min(vec16 a, vec16 b) { return _mm512_min_ps(a, b); }
@@ -157,6 +158,9 @@ static inline vec16 vec16_add(vec16 a, vec16 b) {
 }
 static inline vec16 vec16_mul(vec16 a, vec16 b) {
     return vec16_pair(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi));
+}
+static inline vec16 vec16_sub(vec16 a, vec16 b) {
+    return vec16_pair(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi));
 }
 static inline vec16 vec16_div(vec16 a, vec16 b) {
     return vec16_pair(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi));

@@ -1,0 +1,170 @@
+"""Projections and token tables over GGUF weights kept as the file stores them.
+
+A GGUF file's quantized blocks are loaded once, byte for byte, and never rounded again: every
+product sees the weight `gguf.quants.dequantize` gives, in fp32 (`hearth.quant.gguf_blocks`).
+A decode step (up to 16 input rows) runs the native block GEMV on the blocks themselves; a
+prefill dequantizes a tile of rows at a time into an fp32 buffer and runs a real GEMM on it.
+Activations are fp32 in the products whatever the model's compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from hearth.ops import native
+from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
+
+# A prefill dequantizes this many fp32 bytes of weight rows at a time: a tile that stays in the
+# L2 cache while the GEMM reads it, and bounds the memory of a large table's head.
+TILE_BYTES = 2 << 20
+
+
+def dequantize_rows(type_id: int, blocks: Tensor) -> Tensor:
+    """fp32 values of stored rows (uint8 [rows, bytes per row]): the native decoder where it
+    runs, else torch's (the same bits)."""
+    block = BLOCK_FORMATS[type_id]
+    kernels = native.kernels()
+    if kernels is None or blocks.device.type != "cpu":
+        return dequantize_blocks(type_id, blocks)
+    out = torch.empty(blocks.shape[0], blocks.shape[1] // block.nbytes * block.values)
+    kernels.blocks_to_f32(type_id, blocks.contiguous(), out)
+    return out
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ Wᵀ with W [out, in] the exact fp32 values of GGML blocks held as stored.
+
+    W may be several parts stacked along the output dim (a q/k/v or gate/up stack), each of its
+    own type: `parts` is (GGML type id, uint8 blocks [rows, bytes per row]) in output order.
+    Adjacent parts of one type are held as one segment (`type_ids`, `part_rows`).
+    """
+
+    def __init__(self, parts: Sequence[tuple[int, Tensor]], in_features: int) -> None:
+        super().__init__()
+        if not parts:
+            raise ValueError("GGUFLinear needs at least one part")
+        self.in_features = in_features
+        for index, (type_id, blocks) in enumerate(parts):
+            block = BLOCK_FORMATS[type_id]
+            if (
+                blocks.dtype != torch.uint8
+                or blocks.dim() != 2
+                or in_features % block.values
+                or blocks.shape[1] != in_features // block.values * block.nbytes
+            ):
+                raise ValueError(
+                    f"part {index}: {block.name} rows of {in_features} values are "
+                    f"{in_features // block.values * block.nbytes} bytes, got {tuple(blocks.shape)}"
+                )
+        # Adjacent parts of one type become one segment: one kernel call at a decode step.
+        segments: list[tuple[int, list[Tensor]]] = []
+        for type_id, blocks in parts:
+            if segments and segments[-1][0] == type_id:
+                segments[-1][1].append(blocks)
+            else:
+                segments.append((type_id, [blocks]))
+        self.type_ids: list[int] = []
+        self.part_rows: list[int] = []
+        for index, (type_id, pieces) in enumerate(segments):
+            joined = pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
+            self.type_ids.append(type_id)
+            self.part_rows.append(joined.shape[0])
+            self.register_buffer(f"blocks_{index}", joined)
+        self.out_features = sum(self.part_rows)
+
+    def parts(self) -> list[tuple[int, Tensor]]:
+        """(type id, blocks) of each segment, in output order."""
+        return [(t, getattr(self, f"blocks_{i}")) for i, t in enumerate(self.type_ids)]
+
+    def dequantize(self) -> Tensor:
+        """The whole weight [out, in] in fp32 (for tests and references; a large table's is big)."""
+        return torch.cat([dequantize_rows(t, blocks) for t, blocks in self.parts()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2d = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        y = torch.empty(x2d.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        kernels = native.kernels() if x.device.type == "cpu" else None
+        decode = kernels is not None and x2d.shape[0] <= native.MAX_INPUT_ROWS
+        first = 0
+        for (type_id, blocks), rows in zip(self.parts(), self.part_rows, strict=True):
+            out = y[:, first : first + rows]
+            if decode:
+                assert kernels is not None
+                kernels.blocks_gemv(type_id, x2d, blocks, out)
+            else:
+                self._tiled_matmul(type_id, x2d, blocks, out)
+            first += rows
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _tiled_matmul(self, type_id: int, x2d: Tensor, blocks: Tensor, out: Tensor) -> None:
+        """out = x2d @ Wᵀ for many input rows: W dequantized a tile of rows at a time."""
+        tile = max(1, TILE_BYTES // (4 * self.in_features))
+        for start in range(0, blocks.shape[0], tile):
+            weights = dequantize_rows(type_id, blocks[start : start + tile])
+            out[:, start : start + len(weights)] = x2d @ weights.T
+
+    @property
+    def nbytes(self) -> int:
+        return sum(blocks.nbytes for _, blocks in self.parts())
+
+    def extra_repr(self) -> str:
+        types = ", ".join(BLOCK_FORMATS[t].name for t in self.type_ids)
+        return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
+
+
+class GGUFEmbeddingHead(nn.Module):
+    """The tied token table and output head as one GGUFLinear [vocab, hidden] held once: `embed`
+    decodes only the looked-up rows, `head` is the block GEMV (or tiled GEMM) over all rows."""
+
+    def __init__(self, table: GGUFLinear) -> None:
+        super().__init__()
+        if len(table.type_ids) != 1:
+            raise ValueError("a token table is one part of one type")
+        self.table = table
+
+    def embed(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        ((type_id, blocks),) = self.table.parts()
+        rows = dequantize_rows(type_id, blocks[ids.reshape(-1)])
+        return rows.reshape(*ids.shape, self.table.in_features).to(dtype)
+
+    def head(self, x: Tensor) -> Tensor:
+        return self.table(x)
+
+    def dequantize(self) -> Tensor:
+        return self.table.dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+
+class GGUFLookupTable(nn.Module):
+    """A lookup-only table (Gemma 4's per-layer inputs) left in the file's memory map: each
+    lookup decodes the picked rows' blocks to their exact fp32 values. The file must stay in
+    place while the model runs; the table costs page cache, not process memory."""
+
+    def __init__(self, rows: np.ndarray, type_id: int, width: int) -> None:
+        super().__init__()
+        block = BLOCK_FORMATS[type_id]
+        if rows.shape[1] != width // block.values * block.nbytes or width % block.values:
+            raise ValueError(f"{block.name} rows of {width} values do not fit {rows.shape}")
+        self.rows = rows
+        self.type_id = type_id
+        self.width = width
+
+    def embed(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        picked = torch.from_numpy(np.ascontiguousarray(self.rows[ids.reshape(-1).cpu().numpy()]))
+        values = dequantize_rows(self.type_id, picked)
+        return values.reshape(*ids.shape, self.width).to(device=ids.device, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # in the file's page cache, not in this process's memory
+
+    def extra_repr(self) -> str:
+        name = BLOCK_FORMATS[self.type_id].name
+        return f"rows={self.rows.shape[0]}, width={self.width}, type={name} (mapped)"
