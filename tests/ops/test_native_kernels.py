@@ -576,7 +576,7 @@ def test_fp32_add_rms_norm_matches_the_reference_and_dispatches_for_one_row():
     generator = torch.Generator().manual_seed(21)
     residual, x = torch.randn(2, 1, 1, 640, generator=generator)
     weight, next_weight = torch.rand(2, 640, generator=generator) + 0.5
-    summed, normed = KERNELS.add_rms_norm_f32(residual, x, weight, 1e-6, next_weight)
+    summed, normed = KERNELS.add_rms_norm(residual, x, weight, 1e-6, next_weight)
     expected_summed, expected_normed = add_rms_norm_reference(
         residual, x, weight, 1e-6, next_weight, True
     )

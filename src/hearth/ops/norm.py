@@ -439,7 +439,7 @@ def add_rms_norm(
         and (kernels := native.for_cpu_fp32_row(x, residual)) is not None
     ):
         # A CPU fp32 decode step: one native call, the reference's ops in fp32.
-        return kernels.add_rms_norm_f32(
+        return kernels.add_rms_norm(
             residual.contiguous(), x.contiguous(), weight.contiguous(), eps,
             next_weight.contiguous() if normalize_next and next_weight is not None else None,
         )  # fmt: skip

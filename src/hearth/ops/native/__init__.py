@@ -361,53 +361,27 @@ class NativeKernels:
         eps: float,
         next_weight: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        """``residual + norm(x)·w`` and, given ``next_weight``, its norm by that (all bf16)."""
-        width = x.shape[-1]
+        """``residual + norm(x)·w`` and, given ``next_weight``, its norm by that: residual and x
+        both bf16 or both fp32 (the results in their dtype), the weights fp32."""
+        width, dtype = x.shape[-1], x.dtype
         _require(
-            _dense(residual, torch.bfloat16)
-            and _dense(x, torch.bfloat16)
+            dtype in (torch.bfloat16, torch.float32)
+            and _dense(residual, dtype)
+            and _dense(x, dtype)
             and residual.shape == x.shape
             and _dense(weight, torch.float32)
             and weight.shape == (width,)
             and (next_weight is None or (_dense(next_weight, torch.float32)
                                          and next_weight.shape == (width,))),
-            "add_rms_norm takes bf16 residual and x of one shape, fp32 weights [width]",
+            "add_rms_norm takes bf16 or fp32 residual and x of one shape, fp32 weights [width]",
         )  # fmt: skip
+        entry = "hearth_add_rms_norm" if dtype == torch.bfloat16 else "hearth_add_rms_norm_f32"
         summed = torch.empty_like(x)
         normed = None if next_weight is None else torch.empty_like(x)
         self._call(
-            "hearth_add_rms_norm", residual.data_ptr(), x.data_ptr(), x.numel() // width, width,
+            entry, residual.data_ptr(), x.data_ptr(), x.numel() // width, width,
             weight.data_ptr(), None if next_weight is None else next_weight.data_ptr(), eps,
             summed.data_ptr(), None if normed is None else normed.data_ptr(),
-        )  # fmt: skip
-        return summed, normed
-
-    def add_rms_norm_f32(
-        self,
-        residual: Tensor,
-        x: Tensor,
-        weight: Tensor,
-        eps: float,
-        next_weight: Tensor | None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``residual + norm(x)·w`` and, given ``next_weight``, its norm by that, all fp32."""
-        width = x.shape[-1]
-        _require(
-            _dense(residual, torch.float32)
-            and _dense(x, torch.float32)
-            and residual.shape == x.shape
-            and _dense(weight, torch.float32)
-            and weight.shape == (width,)
-            and (next_weight is None or (_dense(next_weight, torch.float32)
-                                         and next_weight.shape == (width,))),
-            "add_rms_norm_f32 takes fp32 residual and x of one shape, fp32 weights [width]",
-        )  # fmt: skip
-        summed = torch.empty_like(x)
-        normed = None if next_weight is None else torch.empty_like(x)
-        self._call(
-            "hearth_add_rms_norm_f32", residual.data_ptr(), x.data_ptr(), x.numel() // width,
-            width, weight.data_ptr(), None if next_weight is None else next_weight.data_ptr(),
-            eps, summed.data_ptr(), None if normed is None else normed.data_ptr(),
         )  # fmt: skip
         return summed, normed
 
