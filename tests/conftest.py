@@ -42,6 +42,15 @@ def embedded_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def embedded_gguf_reader(embedded_gguf: Path) -> Any:
+    """The `gguf` package's reader of the embedded file: an oracle for its metadata and tensor
+    layout (~10 s to parse, so read once)."""
+    import gguf
+
+    return gguf.GGUFReader(embedded_gguf)
+
+
+@pytest.fixture(scope="session")
 def hearth_270m(embedded_gguf: Path) -> Any:
     import hearth
 

@@ -16,8 +16,8 @@ from hearth.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
-def reader(embedded_gguf: Path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(embedded_gguf)
+def reader(embedded_gguf_reader: gguf.GGUFReader) -> gguf.GGUFReader:
+    return embedded_gguf_reader
 
 
 def test_metadata_equals_gguf_reader(embedded_gguf: Path, reader: gguf.GGUFReader) -> None:

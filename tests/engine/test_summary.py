@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hearth.summary import _bytes, _layer_pattern, describe, module_kind
 from tiny import save_hf, tiny_gemma3_model
@@ -63,17 +64,17 @@ def test_gguf_quantization_names_llama_cpps_file_type() -> None:
     assert _gguf_quantization({}, storage) == "mostly Q8_0 (no general.file_type)"
 
 
-def test_describe_shows_each_gguf_type_in_memory_per_device(embedded_gguf: Path) -> None:
+def test_describe_shows_each_gguf_type_in_memory_per_device(
+    embedded_gguf: Path, embedded_gguf_reader: Any
+) -> None:
     """Per GGML type, against the `gguf` package's reader: the stored bytes (what a default
     CPU load keeps for block types; F32 stays 4 bytes a value) and 2 bytes a value on a GPU."""
     from collections import defaultdict
 
-    import gguf
-
     stored: dict[str, int] = defaultdict(int)
     values: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
-    for tensor in gguf.GGUFReader(embedded_gguf).tensors:
+    for tensor in embedded_gguf_reader.tensors:
         name = tensor.tensor_type.name
         stored[name] += int(tensor.n_bytes)
         values[name] += int(tensor.n_elements)
