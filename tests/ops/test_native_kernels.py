@@ -602,7 +602,7 @@ def test_fp32_norm_rope_matches_the_reference_and_dispatches_for_one_token():
     q_weight, k_weight = torch.rand(2, head_dim, generator=generator) + 0.5
     qkv = torch.randn(1, (q_heads + 2 * kv_heads) * head_dim, generator=generator)
     args = (q_heads, kv_heads, head_dim, q_weight, k_weight, cos, sin, 1e-6)
-    got = KERNELS.norm_rope_f32(qkv, *args)
+    got = KERNELS.norm_rope(qkv, *args)
     expected = norm_rope_reference(qkv, *args, ValueMode.RAW)
     for a, b in zip(got[:2], expected[:2], strict=True):
         assert b is not None and ((a - b).abs() <= FP32_RELATIVE * b.abs().max()).all()

@@ -284,7 +284,7 @@ def norm_rope(
         and (kernels := native.for_cpu_fp32_row(qkv, cos, sin)) is not None
     ):
         # A CPU fp32 decode step: one native call, the reference's ops in fp32.
-        return kernels.norm_rope_f32(
+        return kernels.norm_rope(
             qkv.contiguous(), q_heads, kv_heads, head_dim, q_weight.contiguous(),
             k_weight.contiguous(), cos.contiguous(), sin.contiguous(), eps,
         )  # fmt: skip

@@ -385,42 +385,6 @@ class NativeKernels:
         )  # fmt: skip
         return summed, normed
 
-    def norm_rope_f32(
-        self,
-        qkv: Tensor,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        q_weight: Tensor,
-        k_weight: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        eps: float,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``norm_rope`` in fp32: q, k RMSNorm + RoPE and the v split of ``qkv [T, width]``."""
-        tokens, width = qkv.shape
-        _require(
-            _dense(qkv, torch.float32)
-            and width == (q_heads + 2 * kv_heads) * head_dim
-            and head_dim % 2 == 0
-            and _dense(q_weight, torch.float32)
-            and _dense(k_weight, torch.float32)
-            and q_weight.shape == k_weight.shape == (head_dim,)
-            and _dense(cos, torch.float32)
-            and _dense(sin, torch.float32)
-            and cos.shape == sin.shape == (tokens, head_dim),
-            "norm_rope_f32 takes fp32 qkv [T, (Hq + 2 Hk) D], norm weights [D], cos/sin [T, D]",
-        )
-        q = torch.empty(tokens, q_heads, head_dim)
-        k = torch.empty(tokens, kv_heads, head_dim)
-        v = torch.empty(tokens, kv_heads, head_dim)
-        self._call(
-            "hearth_norm_rope_f32", qkv.data_ptr(), tokens, width, q_heads, kv_heads, head_dim,
-            q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps,
-            q.data_ptr(), k.data_ptr(), v.data_ptr(),
-        )  # fmt: skip
-        return q, k, v
-
     def norm_rope(
         self,
         qkv: Tensor,
@@ -433,26 +397,31 @@ class NativeKernels:
         sin: Tensor,
         eps: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k RMSNorm + RoPE and the v split of ``qkv [T, (Hq + 2·Hk)·D]`` (bf16, cos/sin
-        [T, D]): ``(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D])``."""
+        """q, k RMSNorm + RoPE and the v split of ``qkv [T, (Hq + 2·Hk)·D]`` (qkv, cos/sin
+        [T, D] all bf16 or all fp32; norm weights fp32): ``(q [T, Hq, D], k [T, Hk, D],
+        v [T, Hk, D])`` in qkv's dtype."""
         tokens, width = qkv.shape
+        dtype = qkv.dtype
         _require(
-            _dense(qkv, torch.bfloat16)
+            dtype in (torch.bfloat16, torch.float32)
+            and _dense(qkv, dtype)
             and width == (q_heads + 2 * kv_heads) * head_dim
             and head_dim % 2 == 0
             and _dense(q_weight, torch.float32)
             and _dense(k_weight, torch.float32)
             and q_weight.shape == k_weight.shape == (head_dim,)
-            and _dense(cos, torch.bfloat16)
-            and _dense(sin, torch.bfloat16)
+            and _dense(cos, dtype)
+            and _dense(sin, dtype)
             and cos.shape == sin.shape == (tokens, head_dim),
-            "norm_rope takes bf16 qkv [T, (Hq + 2 Hk) D], fp32 norm weights, bf16 cos/sin [T, D]",
+            "norm_rope takes bf16 or fp32 qkv [T, (Hq + 2 Hk) D] and cos/sin [T, D] of that "
+            "dtype, fp32 norm weights [D]",
         )
-        q = torch.empty(tokens, q_heads, head_dim, dtype=torch.bfloat16)
-        k = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
-        v = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+        entry = "hearth_norm_rope" if dtype == torch.bfloat16 else "hearth_norm_rope_f32"
+        q = torch.empty(tokens, q_heads, head_dim, dtype=dtype)
+        k = torch.empty(tokens, kv_heads, head_dim, dtype=dtype)
+        v = torch.empty(tokens, kv_heads, head_dim, dtype=dtype)
         self._call(
-            "hearth_norm_rope", qkv.data_ptr(), tokens, width, q_heads, kv_heads, head_dim,
+            entry, qkv.data_ptr(), tokens, width, q_heads, kv_heads, head_dim,
             q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps,
             q.data_ptr(), k.data_ptr(), v.data_ptr(),
         )  # fmt: skip
