@@ -4,7 +4,8 @@ no two modules import each other at load time.
     faces (cli, server) -> engine -> runtime -> models -> layers -> kv -> ops -> quant
 
 `checkpoint` (file readers) sits between models and layers; config, errors, tokenizer, the
-embedded model's locator, device names and generation lengths are leaves anyone may import.
+embedded model's locator, device names, generation lengths and media decoding are leaves
+anyone may import.
 Every import counts, also those inside functions; for cycles only the imports that run at load
 time count.
 """
@@ -41,6 +42,7 @@ RANKS = {
     "embedded": 9,
     "devices": 9,
     "lengths": 9,
+    "media": 9,
 }
 
 

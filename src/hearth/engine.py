@@ -127,6 +127,12 @@ class Engine:
         return cls(model_, tokenizer, path, runner, checkpoint.format)
 
     @property
+    def modalities(self) -> tuple[str, ...]:
+        """What a prompt may hold for this model: "text", and "image"/"audio" where its
+        checkpoint has that tower (a model lists them in `media_kinds`)."""
+        return ("text", *getattr(self.model, "media_kinds", ()))
+
+    @property
     def kv_policy(self) -> KVPolicy:
         return self.runner.kv_policy
 
