@@ -15,12 +15,18 @@ from hearth.devices import parse_device
 from hearth.embedded import embedded_model_path
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
 from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
+from hearth.media import Audio, Image, MediaError
 from hearth.models import Model, cache_specs
 from hearth.models.loading import STORED_BLOCKS, build_model
 from hearth.ops import native
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.constraints import OutputConstraint
-from hearth.runtime.generate import GenerationChunk, GenerationRequest, stream_generate
+from hearth.runtime.generate import (
+    GenerationChunk,
+    GenerationRequest,
+    PromptMedia,
+    stream_generate,
+)
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import SamplingParams
 from hearth.runtime.scheduler import Scheduler
@@ -147,6 +153,22 @@ class Engine:
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every tensor once (the tied table as head)."""
         return sum(t.nbytes for t in self.model.state_dict().values())
+
+    def expand_media(
+        self, ids: list[int], media: Sequence[Image | Audio]
+    ) -> tuple[list[int], tuple[PromptMedia, ...]]:
+        """A rendered prompt's ids with each media placeholder (the chat template writes one
+        token per image or clip, in the order of `media`) expanded into the model's soft tokens.
+
+        Raises MediaError for a kind of input the model does not take."""
+        for item in media:
+            kind = "image" if isinstance(item, Image) else "audio"
+            if kind not in self.modalities:
+                takes = ", ".join(self.modalities)
+                raise MediaError(f"{self.path.name} takes no {kind} input (it takes: {takes})")
+        if not media:
+            return ids, ()
+        return self.model.expand_media(ids, media)
 
     def encode(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: messages always go through the chat template; text only

@@ -14,6 +14,7 @@ import torch
 
 from hearth.kv import LayerCache
 from hearth.lengths import generation_limit
+from hearth.media import Audio, Image
 from hearth.models import Model
 from hearth.runtime.constraints import GrammarMatcher, OutputConstraint, matcher_for
 from hearth.runtime.runner import ModelRunner
@@ -109,6 +110,15 @@ class GenerationChunk:
 
 
 @dataclass(frozen=True)
+class PromptMedia:
+    """One image or audio clip in a prompt: its soft tokens are `prompt_ids[start:start+length]`."""
+
+    start: int
+    length: int
+    item: Image | Audio
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation, as a face (the CLI, the server) hands it to the engine."""
 
@@ -119,6 +129,7 @@ class GenerationRequest:
     stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
     top_logprobs: int | None = None  # None: no log-probabilities
     constraint: OutputConstraint | None = None  # what the text must match (None: anything)
+    media: tuple[PromptMedia, ...] = ()  # the prompt's images and audio, in order
 
 
 def peak_memory_bytes(device: torch.device) -> int:
