@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from hearth.engine import Engine
 from hearth.server import create_app
-from scripted_gemma4 import ASK, NO_PROMPT_CACHE, one_torch_thread, say, shared_engine
+from scripted_gemma4 import ASK, NO_PROMPT_CACHE, THOUGHT, one_torch_thread, say, shared_engine
 
 # Increasing difficulty: scalars, flat objects, arrays, nesting, unions, references.
 SCHEMAS: list[dict[str, Any]] = json.loads(
@@ -321,3 +321,74 @@ def test_unenforceable_tool_schema_and_conflicts_are_400s(gemma4_client: TestCli
     conflict = body | {"tools": TOOLS, "response_format": {"type": "json_object"}}
     reply = gemma4_client.post("/v1/chat/completions", json=conflict)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
+
+
+# --- thinking, then the constrained answer --------------------------------------------------
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_a_format_applies_after_the_thought_when_thinking_is_on(
+    gemma4: Engine, gemma4_client: TestClient
+) -> None:
+    """With thinking on, the scripted model thinks in its channel, then answers: the thought is
+    free text (no grammar could accept "Cold, probably."), the answer is held to the schema.
+    The scripted answer is prose, so the JSON is what the grammar forced, checked against the
+    schema by jsonschema; the reasoning is exactly what the model thought."""
+    say(gemma4, THOUGHT + "Sure: Paris!")
+    oai = _openai_for(gemma4_client)
+    chat = oai.chat.completions.create(
+        model="g",
+        messages=ASK,  # type: ignore[arg-type]
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": CITY_SCHEMA},
+        },
+        reasoning_effort="high",
+        max_tokens=64,
+    )
+    message = chat.choices[0].message
+    assert message.reasoning == "Cold, probably."  # type: ignore[attr-defined]
+    jsonschema.validate(json.loads(message.content or ""), CITY_SCHEMA)
+
+    # Thinking off (the template closes an empty channel itself): the reply cannot open one,
+    # so it holds no reasoning, and the grammar starts at its first token.
+    say(gemma4, THOUGHT + "Sure: Paris!")
+    chat = oai.chat.completions.create(
+        model="g",
+        messages=ASK,  # type: ignore[arg-type]
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": CITY_SCHEMA},
+        },
+        max_tokens=64,
+    )
+    message = chat.choices[0].message
+    assert getattr(message, "reasoning", None) is None
+    jsonschema.validate(json.loads(message.content or ""), CITY_SCHEMA)
+
+
+def test_a_thought_cannot_end_the_reply(gemma4: Engine, gemma4_client: TestClient) -> None:
+    """A model that would end its turn inside the thought goes on: the end of turn is masked in
+    the channel (the scripted model's second token is `<turn|>`; the first allowed token, an
+    empty <pad>, is taken instead), and the answer after the channel is held to the schema."""
+    say(gemma4, '<|channel><turn|>thought\nCold, probably.<channel|>{"city": "Rome"}')
+    claude = anthropic.Anthropic(
+        base_url="http://testserver", api_key="unused", http_client=gemma4_client, max_retries=0
+    )
+    message = claude.messages.create(
+        model="g",
+        max_tokens=64,
+        messages=ASK,  # type: ignore[arg-type]
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        output_config={"format": {"type": "json_schema", "schema": CITY_SCHEMA}},  # type: ignore[call-arg]
+    )
+    assert message.stop_reason == "end_turn"
+    thinking, text = message.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "Cold, probably.")  # type: ignore[union-attr]
+    assert json.loads(text.text) == {"city": "Rome"}  # type: ignore[union-attr]

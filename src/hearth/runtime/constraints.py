@@ -9,6 +9,7 @@ does not enforce is refused (`ConstraintError`) instead of being silently ignore
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -29,6 +30,8 @@ ConstraintKind = Literal["json_schema", "json", "regex", "choice", "grammar"]
 # Special tokens a grammar may spell: Gemma 4's tool-call markup. Every other special token
 # (turn markers, <unusedNN>, image tokens) is kept out of constrained output.
 SPELLABLE_SPECIAL_TOKENS = ('<|"|>', "<|tool_call>", "<tool_call|>")
+# Gemma 4's thought channel, which a constraint `after_thought` lets a reply open first.
+THOUGHT_MARKS = ("<|channel>", "<channel|>")
 
 # JSON schema keywords xgrammar enforces, and those that only annotate.
 ENFORCED_KEYWORDS = frozenset(
@@ -97,11 +100,18 @@ class ConstraintError(HearthError, ValueError):
 @dataclass(frozen=True)
 class OutputConstraint:
     """What generated text must match. `source`: the schema as JSON text, the regex, or the
-    grammar (EBNF when it has `::=` rules, else Lark); `choices`: the strings of a choice."""
+    grammar (EBNF when it has `::=` rules, else Lark); `choices`: the strings of a choice.
+    `after_thought`: the reply may first think, free, in Gemma 4's thought channel
+    (`<|channel>…<channel|>`); what follows the channel must match."""
 
     kind: ConstraintKind
     source: str = ""
     choices: tuple[str, ...] = ()
+    after_thought: bool = False
+
+    def after_thinking(self) -> OutputConstraint:
+        """This constraint on the answer that follows a thought channel."""
+        return dataclasses.replace(self, after_thought=True)
 
     @classmethod
     def json_schema(cls, schema: object) -> OutputConstraint:
@@ -280,6 +290,10 @@ def compile_constraint(
     constraint: OutputConstraint, tokenizer: Tokenizer, vocab_size: int
 ) -> xgrammar.CompiledGrammar:
     """`constraint` compiled for `tokenizer` (cached: a schema sent again costs nothing)."""
+    if constraint.after_thought:  # the same grammar: compiled once for both
+        return compile_constraint(
+            dataclasses.replace(constraint, after_thought=False), tokenizer, vocab_size
+        )
     grammar = constraint.to_grammar()
     return _compiler(tokenizer, vocab_size).compile_grammar(grammar)
 
@@ -287,9 +301,18 @@ def compile_constraint(
 class GrammarMatcher:
     """One request's place in its grammar: masks each step's logits and advances on the token
     taken. `stop_ids`: the tokens that end the request, allowed only where the grammar is
-    complete; with none, the grammar's completion ends it (`terminated`)."""
+    complete; with none, the grammar's completion ends it (`terminated`).
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, stop_ids: Sequence[int]) -> None:
+    `thought` (the ids opening and closing a thought channel): the first token may open the
+    channel instead of starting the grammar; inside it every token but a stop id is allowed
+    (a reply cannot end mid-thought), and the grammar starts after the close."""
+
+    def __init__(
+        self,
+        compiled: xgrammar.CompiledGrammar,
+        stop_ids: Sequence[int],
+        thought: tuple[int, int] | None = None,
+    ) -> None:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(
@@ -299,6 +322,11 @@ class GrammarMatcher:
         )
         vocab_size = compiled.tokenizer_info.vocab_size
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self._stop_ids = list(stop_ids)
+        self._thought = thought
+        self._phase: Literal["may_think", "thinking", "answer"] = (
+            "may_think" if thought is not None else "answer"
+        )
 
     @property
     def terminated(self) -> bool:
@@ -306,7 +334,15 @@ class GrammarMatcher:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` ([V] or [1, V]) with every token the grammar forbids at -inf."""
-        return apply_bitmask(logits, self.fill_bitmask())
+        if self._phase == "thinking":
+            free = logits.float().clone()
+            free[..., self._stop_ids] = -torch.inf
+            return free
+        masked = apply_bitmask(logits, self.fill_bitmask())
+        if self._phase == "may_think" and self._thought is not None:
+            opening = self._thought[0]
+            masked[..., opening] = logits[..., opening].float()
+        return masked
 
     def fill_bitmask(self) -> torch.Tensor:
         """The tokens allowed next, as xgrammar's bitmask (see `apply_bitmask`)."""
@@ -314,6 +350,16 @@ class GrammarMatcher:
         return self._bitmask
 
     def advance(self, token: int) -> None:
+        if self._thought is not None and self._phase != "answer":
+            opening, closing = self._thought
+            if self._phase == "may_think" and token == opening:
+                self._phase = "thinking"
+                return
+            if self._phase == "thinking":
+                if token == closing:
+                    self._phase = "answer"
+                return
+            self._phase = "answer"
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"token {token} was sampled against its grammar")
 
@@ -342,4 +388,9 @@ def matcher_for(
 ) -> GrammarMatcher:
     """A fresh matcher for one request (compiling the grammar on first use)."""
     compiled = compile_constraint(constraint, tokenizer, vocab_size)
-    return GrammarMatcher(compiled, sorted(stop_ids))
+    thought = None
+    if constraint.after_thought:
+        opening, closing = (tokenizer.token_to_id(mark) for mark in THOUGHT_MARKS)
+        if opening is not None and closing is not None:  # else the model has no such channel
+            thought = (opening, closing)
+    return GrammarMatcher(compiled, sorted(stop_ids), thought)

@@ -41,7 +41,11 @@ async def messages(request: Request) -> Response:
     stop = body.stop_sequences or ()
     sampling = _sampling(state, body)
     constraint = reply_constraint(
-        body.output_constraint, "output_config.format", policy, body.template_tools()
+        body.output_constraint,
+        "output_config.format",
+        policy,
+        body.template_tools(),
+        body.thinking_on(),
     )
     generation = state.plan(
         ids,

@@ -85,7 +85,11 @@ async def chat_completions(request: Request) -> Response:
     policy = body.tool_policy()
     ids = await state.encode_chat(_chat_prompt(body, policy), "messages")
     constraint = reply_constraint(
-        body.output_constraint, _constraint_field(body), policy, body.template_tools()
+        body.output_constraint,
+        _constraint_field(body),
+        policy,
+        body.template_tools(),
+        body.thinking(),
     )
     generation = state.plan(
         ids,

@@ -114,7 +114,7 @@ async def create_response(request: Request) -> Response:
         state.chat_stop_ids,
         limit_param="max_output_tokens",
         constraint=reply_constraint(
-            body.output_constraint, "text.format", policy, body.template_tools()
+            body.output_constraint, "text.format", policy, body.template_tools(), body.thinking()
         ),
     )
     draft = _Draft(body, state, sampling, len(ids))

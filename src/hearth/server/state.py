@@ -268,9 +268,12 @@ def reply_constraint(
     output_param: str,
     policy: ToolChoice,
     tools: list[dict[str, Any]] | None,
+    thinking: bool | None = None,
 ) -> OutputConstraint | None:
     """What a chat reply must match: the request's output format (`output`, from the field
-    `output_param`), or the grammar of the tool call its tool_choice forces; not both."""
+    `output_param`), or the grammar of the tool call its tool_choice forces; not both. With
+    `thinking` on, a format applies after the thought channel (a forced call's opening is
+    already in the prompt, so it is not preceded by a thought)."""
     try:
         forced = forced_call_constraint(policy, tools)
         if forced is not None:
@@ -280,6 +283,8 @@ def reply_constraint(
     if forced is not None and output is not None:
         message = f"tool_choice forces a tool call and {output_param} a format: send one"
         raise RequestError(message, "tool_choice")
+    if output is not None and thinking:
+        return output.after_thinking()
     return forced or output
 
 
