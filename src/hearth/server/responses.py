@@ -103,7 +103,7 @@ async def create_response(request: Request) -> Response:
         "reasoning.effort",
         policy,
     )
-    ids = await state.encode_chat(prompt, "input")
+    ids, media = await state.encode_chat_with_media(prompt, "input")
     sampling = _sampling(state, body)
     generation = state.plan(
         ids,
@@ -116,6 +116,7 @@ async def create_response(request: Request) -> Response:
         constraint=reply_constraint(
             body.output_constraint, "text.format", policy, body.template_tools()
         ),
+        media=media,
     )
     draft = _Draft(body, state, sampling, len(ids))
     if body.stream:
