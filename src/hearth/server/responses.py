@@ -55,7 +55,8 @@ class ResponseStore:
         self.bytes = 0
 
     def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(messages, ensure_ascii=False).encode())
+        # An image or audio part counts as its fields (the base64 or URL the request sent).
+        size = len(json.dumps(messages, ensure_ascii=False, default=vars).encode())
         if size > self.max_bytes:  # it could never fit: keep the others
             return
         self._drop_expired()
