@@ -611,6 +611,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise HearthError("--image and --audio need the chat template: leave out --raw")
     media = read_media_args(args)  # a bad file is told before the model loads
     engine = _load(model, args)
+    if media:
+        from hearth.media.parts import kind_of, refuse_untaken
+
+        refuse_untaken([kind_of(item) for item in media], engine.modalities, engine.path.name)
     if args.chat or media:
         warn_if_base_model(engine)
     stats = None
