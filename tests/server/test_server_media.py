@@ -17,7 +17,9 @@ import dataclasses
 import hashlib
 import io
 import struct
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import anthropic
@@ -345,6 +347,42 @@ def test_fetching_when_allowed_still_refuses_the_servers_own_networks(
     assert "a loopback address" in loopback["message"]
     assert "a link-local address" in metadata["message"]
     assert recorder.media == []
+
+
+class _ImageFiles(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = {"/a.png": PNG_A, "/b.png": PNG_B}.get(self.path)
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_urls_are_fetched_when_allowed(engine: Engine, recorder: Recorder) -> None:
+    """An http URL in a chat image_url and an Anthropic url source, served by a loopback
+    server: `trust_first_hop` (test only) lets the request reach it past the SSRF guard."""
+    files = ThreadingHTTPServer(("127.0.0.1", 0), _ImageFiles)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    policy = FetchPolicy(allowed=True, trust_first_hop=True)
+    try:
+        with TestClient(create_app(engine, limits=NO_PROMPT_CACHE, fetch=policy)) as client:
+            chat = {"messages": [{"role": "user", "content": [_image(f"{base}/a.png"), TEXT]}]}
+            reply = client.post("/v1/chat/completions", json={"model": "g", **chat})
+            assert reply.status_code == 200, reply.text
+            source = {"type": "url", "url": f"{base}/b.png"}
+            blocks = [{"type": "image", "source": source}, TEXT]
+            turn = {"role": "user", "content": blocks}
+            body = {"model": "g", "max_tokens": 4, "messages": [turn]}
+            assert client.post("/v1/messages", json=body).status_code == 200
+    finally:
+        files.shutdown()
+        files.server_close()
+    assert_image(recorder.media[0][0], PNG_A, None)
+    assert_image(recorder.media[1][0], PNG_B, None)
 
 
 @pytest.fixture(scope="module")

@@ -110,24 +110,30 @@ def refusal(address: IPAddress) -> str | None:
     return next((name for name, failed in checks if failed), None)
 
 
-def public_address(host: str, port: int) -> str:
-    """The address to connect to for `host`: every address it resolves to must be public (a
+def public_addresses(host: str, port: int) -> list[str]:
+    """The addresses to connect to for `host`: every address it resolves to must be public (a
     name that also resolves to a private one could be switched to it between two lookups)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as error:
-        raise MediaError(f"cannot resolve the host {host}: {error}") from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    if not addresses:
-        raise MediaError(f"the host {host} has no address")
+    addresses = _resolve(host, port)
     for address in addresses:
-        reason = refusal(address)
+        reason = refusal(ipaddress.ip_address(address))
         if reason is not None:
             raise MediaError(
                 f"refused to fetch from {host}: it resolves to {address}, a {reason} address "
                 "(only public addresses are fetched)"
             )
-    return str(addresses[0])
+    return addresses
+
+
+def _resolve(host: str, port: int) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        raise MediaError(f"cannot resolve the host {host}: {error}") from None
+    # Without the scope of a link-local IPv6 address (fe80::1%eth0): it is refused anyway.
+    addresses = list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
+    if not addresses:
+        raise MediaError(f"the host {host} has no address")
+    return addresses
 
 
 def fetch(url: str, policy: FetchPolicy) -> bytes:
@@ -155,13 +161,13 @@ def _get(url: str, policy: FetchPolicy, deadline: float, trusted: bool) -> bytes
         port = parts.port or (443 if https else 80)
     except ValueError:
         raise MediaError(f"the URL {url!r} has a bad port") from None
-    address = _resolve_any(host, port) if trusted else public_address(host, port)
+    addresses = _resolve(host, port) if trusted else public_addresses(host, port)
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
     connection = None
     try:
-        connection = _pinned_connection(host, port, address, https, _remaining(deadline))
+        connection = _pinned_connection(host, port, addresses, https, _remaining(deadline))
         connection.request("GET", path, headers={"User-Agent": "hearth", "Accept": "*/*"})
         response = connection.getresponse()
         if response.status in REDIRECT_STATUSES:
@@ -181,23 +187,22 @@ def _get(url: str, policy: FetchPolicy, deadline: float, trusted: bool) -> bytes
             connection.close()
 
 
-def _resolve_any(host: str, port: int) -> str:
-    try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
-    except socket.gaierror as error:
-        raise MediaError(f"cannot resolve the host {host}: {error}") from None
-
-
 def _pinned_connection(
-    host: str, port: int, address: str, https: bool, timeout: float
+    host: str, port: int, addresses: list[str], https: bool, timeout: float
 ) -> http.client.HTTPConnection:
     """A connection to `host` (its Host header, TLS name and certificate check) whose socket
-    goes to `address`, the one that was checked, without a second lookup."""
+    goes to one of `addresses`, those that were checked, without a second lookup."""
     kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
     connection = kind(host, port, timeout=timeout)
 
     def connect_to_checked(target: tuple[str, int], *args: Any, **kwargs: Any) -> socket.socket:
-        return socket.create_connection((address, target[1]), *args, **kwargs)
+        failure: OSError | None = None
+        for address in addresses:  # in the resolver's order, as socket.create_connection does
+            try:
+                return socket.create_connection((address, target[1]), *args, **kwargs)
+            except OSError as error:
+                failure = error
+        raise failure or OSError(f"{host} has no address")
 
     # http.client opens its socket through this attribute (plain and TLS connections alike).
     connection._create_connection = connect_to_checked  # type: ignore[attr-defined]
