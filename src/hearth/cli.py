@@ -95,19 +95,18 @@ IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # the soft-token budgets Gemma 4's im
 
 def _add_media_options(parser: argparse.ArgumentParser, inputs: bool) -> None:
     """--image-max-tokens and --allow-fetch; with `inputs`, --image/--audio too."""
-    if inputs:
-        for kind in ("image", "audio"):
-            parser.add_argument(
-                f"--{kind}",
-                dest="media",
-                action="append",
-                type=lambda value, kind=kind: (kind, value),
-                default=[],
-                metavar="FILE",
-                help=f"an {kind} the prompt shows the model (repeatable; images and audio go "
-                "before the prompt's text, in the order given; an http(s) URL needs "
-                "--allow-fetch)",
-            )
+    inputs_help = {"image": "an image to show the model", "audio": "audio for the model to hear"}
+    for kind, what in inputs_help.items() if inputs else ():
+        parser.add_argument(
+            f"--{kind}",
+            dest="media",
+            action="append",
+            type=lambda value, kind=kind: (kind, value),
+            default=[],
+            metavar="FILE",
+            help=f"{what} (repeatable; images and audio go before the prompt's text, in the "
+            "order given; an http(s) URL needs --allow-fetch)",
+        )
     parser.add_argument(
         "--image-max-tokens",
         type=int,

@@ -121,10 +121,12 @@ def text_of_content(content: object) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        refuse_media(kind, "in this message (only in user messages)")
+        refuse_media(kind)
         key = {"text": "text", "refusal": "refusal"}.get(kind) if isinstance(kind, str) else None
         if key is None:
-            raise ValueError(f"only text content parts are supported, got type {kind!r}")
+            raise ValueError(
+                f"a content part's type is text, refusal, image_url or input_audio, not {kind!r}"
+            )
         assert isinstance(part, dict)
         if not set(part) <= {"type", key, "cache_control"} or not isinstance(part.get(key), str):
             raise ValueError(f'a {kind} part must be {{"type": "{kind}", "{key}": <string>}}')
