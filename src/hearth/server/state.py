@@ -173,11 +173,15 @@ class ServerState:
             raise RequestError(str(error), error.param) from None
         self._check_template_supports(prompt)
         # A kind the model lacks is refused before anything is fetched or decoded.
-        check_taken(media_sources(messages), self.engine.modalities, self.model_id)
-        messages, media = await read_media(messages, self.fetch, self.defaults.image_max_tokens)
+        sources = media_sources(messages)
+        check_taken(sources, self.engine.modalities, self.model_id)
         if prompt.role_mapping is not None and self.base_model:
+            if sources:
+                message = "role_mapping renders text only: images and audio need a chat template"
+                raise RequestError(message, "role_mapping")
             text = role_mapped_prompt(prompt.messages, prompt.role_mapping)
-            return await self.encode(text, param)
+            return await self.encode(text, param), ()
+        messages, media = await read_media(messages, self.fetch, self.defaults.image_max_tokens)
         tokenizer = self.engine.tokenizer
         kwargs = {**self.defaults.chat_template_args, **prompt.template_kwargs()}
         size = _text_size(messages) + _text_size(kwargs)
