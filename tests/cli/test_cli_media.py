@@ -21,7 +21,7 @@ from PIL import Image as PILImage
 
 from hearth import cli
 from hearth.chat import TerminalChat
-from hearth.media import Audio, Image
+from hearth.media import MAX_MEDIA_BYTES, Audio, Image
 from hearth.media.fetch import FetchPolicy
 from hearth.runtime.generate import GenerationChunk, GenerationRequest, PromptMedia
 from hearth.runtime.sampling import SamplingParams
@@ -43,6 +43,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
     for name, data in contents.values():
         (folder / name).write_bytes(data)
+    with (folder / "huge.png").open("wb") as huge:  # sparse: one byte past the limit
+        huge.truncate(MAX_MEDIA_BYTES + 1)
+    contents["huge"] = ("huge.png", b"")
     return {key: folder / name for key, (name, _) in contents.items()}
 
 
@@ -53,6 +56,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         (["--image", "{corrupt}"], ["corrupt.png: the image is not in a format"]),
         (["--audio", "{truncated}"], ["truncated.wav: the audio could not be decoded"]),
         (["--image", "https://example.com/cat.png"], ["--allow-fetch"]),
+        (["--image", "{huge}"], [f"has {MAX_MEDIA_BYTES + 1} bytes; at most {MAX_MEDIA_BYTES}"]),
         (["--image", "{image}", "--raw"], ["leave out --raw"]),
         (["--image-max-tokens", "100"], ["--image-max-tokens", "invalid choice"]),
     ],
