@@ -255,6 +255,11 @@ def serve(
     )
     server = uvicorn.Server(config)
     _log_model(engine, load_seconds)
+    log.info(
+        "inputs: %s; image and audio URLs %s",
+        ", ".join(engine.modalities),
+        "fetched (public addresses only)" if fetch and fetch.allowed else "not fetched",
+    )
     http = threading.Thread(target=_serve_http, args=(server, listener, worker), name="hearth-http")
     shutdown = _Shutdown(server, worker, shutdown_timeout)
     for signal_number in (signal.SIGINT, signal.SIGTERM):
