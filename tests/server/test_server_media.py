@@ -67,7 +67,7 @@ TEXT = {"type": "text", "text": "What do you see and hear?"}
 
 @dataclasses.dataclass
 class Recorder:
-    """What `expand_media` was given and what the worker was handed."""
+    """What the engine's `expand_media` was given and what the worker was handed."""
 
     media: list[list[Image | Audio]] = dataclasses.field(default_factory=list)
     requests: list[GenerationRequest] = dataclasses.field(default_factory=list)
@@ -91,7 +91,7 @@ def recorder(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     tower to encode them with."""
     record = Recorder()
     monkeypatch.setattr(engine.model, "media_kinds", ("image", "audio"), raising=False)
-    monkeypatch.setattr(engine.model, "expand_media", record.expand, raising=False)
+    monkeypatch.setattr(engine, "expand_media", record.expand)
     request_of = worker_module._request_of
 
     def recorded(job: Any) -> GenerationRequest:
