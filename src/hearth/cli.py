@@ -90,6 +90,39 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # the soft-token budgets Gemma 4's images take
+
+
+def _add_media_options(parser: argparse.ArgumentParser, inputs: bool) -> None:
+    """--image-max-tokens and --allow-fetch; with `inputs`, --image/--audio too."""
+    inputs_help = {"image": "an image to show the model", "audio": "audio for the model to hear"}
+    for kind, what in inputs_help.items() if inputs else ():
+        parser.add_argument(
+            f"--{kind}",
+            dest="media",
+            action="append",
+            type=lambda value, kind=kind: (kind, value),
+            default=[],
+            metavar="FILE",
+            help=f"{what} (repeatable; images and audio go before the prompt's text, in the "
+            "order given; an http(s) URL needs --allow-fetch)",
+        )
+    parser.add_argument(
+        "--image-max-tokens",
+        type=int,
+        choices=IMAGE_BUDGETS,
+        metavar="N",
+        help="soft tokens an image may take: 70, 140, 280, 560 or 1120 (default: the "
+        "model's, 280 for Gemma 4; more reads finer detail, e.g. text)",
+    )
+    parser.add_argument(
+        "--allow-fetch",
+        action="store_true",
+        help="fetch images and audio from http(s) URLs (off by default; never from "
+        "loopback, private or link-local addresses; data: URLs need no flag)",
+    )
+
+
 def _add_sampling_options(parser: argparse.ArgumentParser, max_tokens_help: str) -> None:
     parser.add_argument("--max-tokens", type=positive_int, metavar="N", help=max_tokens_help)
     parser.add_argument(
@@ -180,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--regex", metavar="PATTERN", help="constrain the output to match this regular expression"
     )
     _add_model_options(generate)
+    _add_media_options(generate, inputs=True)
     _add_sampling_options(
         generate,
         f"at most N new tokens (default {DEFAULT_MAX_TOKENS}, shrunk to fit the context; a "
@@ -202,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--system", help="a system prompt")
     _add_model_options(chat)
+    _add_media_options(chat, inputs=False)
     _add_sampling_options(
         chat,
         f"at most N tokens a reply (default {DEFAULT_MAX_TOKENS}, at most half the context); "
@@ -285,6 +320,7 @@ def _add_serve_parser(commands: Any) -> None:
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); a second Ctrl-C exits at once",
     )
     _add_model_options(serve)
+    _add_media_options(serve, inputs=False)
     _add_http_compat_options(serve)
 
 
@@ -570,12 +606,28 @@ def run_generate(args: argparse.Namespace) -> int:
     if not prompt:
         raise HearthError("the prompt is empty")
     constraint = _output_constraint(args)  # checked before the model loads
+    if args.media and args.chat is False:
+        raise HearthError("--image and --audio need the chat template: leave out --raw")
+    media = read_media_args(args)  # a bad file is told before the model loads
     engine = _load(model, args)
-    if args.chat:
+    if media:
+        from hearth.media.parts import kind_of, refuse_untaken
+
+        refuse_untaken([kind_of(item) for item in media], engine.modalities, engine.path.name)
+    if args.chat or media:
         warn_if_base_model(engine)
     stats = None
     sampling = _sampling(args)
-    chunks = engine.stream(prompt, args.max_tokens, sampling, args.stop, args.chat, constraint)
+    if media:
+        from hearth.chat import media_request
+        from hearth.media.parts import media_part
+
+        content = [*map(media_part, media), {"type": "text", "text": prompt}]
+        messages = [{"role": "user", "content": content}]
+        request = media_request(engine, messages, args.max_tokens, sampling, args.stop, constraint)
+        chunks = engine.run(request)
+    else:
+        chunks = engine.stream(prompt, args.max_tokens, sampling, args.stop, args.chat, constraint)
     for chunk in chunks:
         print(chunk.text, end="", flush=True)
         stats = chunk.stats or stats
@@ -583,6 +635,22 @@ def run_generate(args: argparse.Namespace) -> int:
     if stats is not None:
         print(stats.summary(), file=sys.stderr)
     return 0
+
+
+def read_media_args(args: argparse.Namespace) -> list[Any]:
+    """The decoded --image and --audio inputs, in the order given."""
+    from hearth.chat import read_media_file
+
+    policy = _fetch_policy(args)
+    return [
+        read_media_file(kind, value, policy, args.image_max_tokens) for kind, value in args.media
+    ]
+
+
+def _fetch_policy(args: argparse.Namespace) -> Any:
+    from hearth.media.fetch import FetchPolicy
+
+    return FetchPolicy(allowed=args.allow_fetch)
 
 
 def _output_constraint(args: argparse.Namespace) -> OutputConstraint | None:
@@ -606,7 +674,15 @@ def run_chat(args: argparse.Namespace) -> int:
 
     engine = _load(args.model, args)
     warn_if_base_model(engine)
-    chat = TerminalChat(engine, args.system, args.max_tokens, _sampling(args), args.stop)
+    chat = TerminalChat(
+        engine,
+        args.system,
+        args.max_tokens,
+        _sampling(args),
+        args.stop,
+        _fetch_policy(args),
+        args.image_max_tokens,
+    )
     return chat.run()
 
 
@@ -636,6 +712,7 @@ def run_serve(args: argparse.Namespace) -> int:
         args.max_tokens,
         args.chat_template_args,
         args.reasoning_field,
+        args.image_max_tokens,
     )
     limits = ServerLimits(
         args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget, args.max_concurrent
@@ -649,6 +726,7 @@ def run_serve(args: argparse.Namespace) -> int:
         load_seconds=load_seconds,
         shutdown_timeout=args.shutdown_timeout,
         cors_origins=args.cors_origins,
+        fetch=_fetch_policy(args),
     )
 
 

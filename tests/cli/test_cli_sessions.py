@@ -144,7 +144,7 @@ def test_chat_at_the_terminal(embedded_gguf: Path) -> None:
     session.process.send_signal(signal.SIGINT)
     assert session.finish() == 0, session.text()
     err = session.err.decode()
-    assert "/help   list these commands" in err and "/exit" in err
+    assert "/help       list these commands" in err and "/image PATH" in err and "/exit" in err
     assert "bye (Ctrl-C during a reply stops just the reply" in err
 
 

@@ -368,7 +368,9 @@ def test_anthropic_image_is_refused_clearly(client: TestClient) -> None:
     messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
     reply = client.post("/v1/messages", json={"model": "g", "max_tokens": 5, "messages": messages})
     assert reply.status_code == 400
-    assert reply.json()["error"]["message"].endswith("images are not supported by this model")
+    message = reply.json()["error"]["message"]
+    assert message.startswith("messages.0.content.0.source.data: ")  # the block at fault
+    assert "images are not supported by this model" in message
 
 
 # --- Responses -----------------------------------------------------------------------------

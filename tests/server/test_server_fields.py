@@ -71,6 +71,7 @@ ECHOED_REPLY = {
 CACHED = {"cache_control": {"type": "ephemeral"}}
 TOOL_USE = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+RESPONSES_IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,AA=="}
 
 
 def after(reply: dict[str, Any]) -> dict[str, Any]:
@@ -657,7 +658,7 @@ RESPONSES = [
         ),
         (
             (
-                {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+                {"input": [{"role": "user", "content": [RESPONSES_IMAGE]}]},
                 "images are not supported",
             ),
             ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),

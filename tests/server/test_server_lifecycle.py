@@ -54,6 +54,8 @@ def test_startup_logs_model_format_dtype_device_load_time_and_url(server: LiveSe
     assert f"listening on http://127.0.0.1:{server.port}" in log
     # The embedded model has no chat template of its own (issue 41, item 9).
     assert "gemma-3-270m-q4_k_m.gguf has no chat template of its own: it is a base model" in log
+    # What prompts may hold, and that media URLs are not fetched without --allow-fetch.
+    assert "inputs: text; image and audio URLs not fetched" in log
 
 
 def test_a_taken_port_is_refused_at_once_before_the_model_loads(server: LiveServer) -> None:

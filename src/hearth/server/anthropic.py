@@ -37,7 +37,7 @@ async def messages(request: Request) -> Response:
     body = parse_request(MessagesRequest, await read_json_object(request))
     state = state_of(request)
     policy = body.tool_policy()
-    ids = await state.encode_chat(_prompt(body), "messages")
+    ids, media = await state.encode_chat_with_media(_prompt(body), "messages")
     stop = body.stop_sequences or ()
     sampling = _sampling(state, body)
     constraint = reply_constraint(
@@ -55,6 +55,7 @@ async def messages(request: Request) -> Response:
         "messages",
         state.chat_stop_ids,
         constraint=constraint,
+        media=media,
     )
     message = _message(f"msg_{uuid.uuid4().hex}", body.model, len(ids))
     if body.stream:

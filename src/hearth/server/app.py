@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hearth.engine import Engine
 from hearth.errors import HearthError
 from hearth.kv.prompt_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PromptCache
+from hearth.media.fetch import FetchPolicy
 from hearth.server import anthropic, monitoring, openai, responses
 from hearth.server.admission import BYTES_PER_GB, MemoryBudget
 from hearth.server.errors import RequestError, error_response
@@ -131,9 +132,11 @@ def create_app(
     limits: ServerLimits | None = None,
     worker: GenerationWorker | None = None,
     cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
+    fetch: FetchPolicy | None = None,
 ) -> FastAPI:
     """The app; with no `worker` given, one is made and runs on its own thread.
-    `cors_origins`: the origins browsers may call it from (`*`: any; empty: none)."""
+    `cors_origins`: the origins browsers may call it from (`*`: any; empty: none). `fetch`:
+    whether image and audio URLs are fetched (default: no; data: URLs always work)."""
     limits = limits or ServerLimits()
     own_worker = worker is None
     worker = worker or limits.worker(engine)
@@ -154,7 +157,12 @@ def create_app(
     # A GPU decoder grown for a conversation stays within what the budget leaves for K/V.
     engine.runner.slot_limit = budget.kv_token_capacity() if budget else None
     app.state.hearth = ServerState(
-        engine, worker, defaults or ServerDefaults(), model_id_of(engine), budget
+        engine,
+        worker,
+        defaults or ServerDefaults(),
+        model_id_of(engine),
+        budget,
+        fetch=fetch or FetchPolicy(),
     )
     # Read once here (a pass over the vocabulary, ~0.3 s), not on the event loop at the first
     # long prompt.
@@ -229,6 +237,7 @@ def serve(
     load_seconds: float | None = None,
     shutdown_timeout: float = 5.0,
     cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
+    fetch: FetchPolicy | None = None,
 ) -> int:
     """Serve on `listener` (see `listening_socket`) until interrupted: HTTP on a thread, the
     model on this (main) thread. The exit status: 0, or 1 if the HTTP server never started.
@@ -240,12 +249,17 @@ def serve(
     logging.basicConfig(level=log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     limits = limits or ServerLimits()
     worker = limits.worker(engine)
-    app = create_app(engine, defaults, limits, worker, cors_origins)
+    app = create_app(engine, defaults, limits, worker, cors_origins, fetch)
     config = uvicorn.Config(
         app, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout
     )
     server = uvicorn.Server(config)
     _log_model(engine, load_seconds)
+    log.info(
+        "inputs: %s; image and audio URLs %s",
+        ", ".join(engine.modalities),
+        "fetched (public addresses only)" if fetch and fetch.allowed else "not fetched",
+    )
     http = threading.Thread(target=_serve_http, args=(server, listener, worker), name="hearth-http")
     shutdown = _Shutdown(server, worker, shutdown_timeout)
     for signal_number in (signal.SIGINT, signal.SIGTERM):

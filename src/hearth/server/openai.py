@@ -74,6 +74,16 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "context_window": state.context_length,
         # No chat template of its own: chat replies will be poor (use completions).
         "base_model": state.base_model,
+        # What prompts may hold, in OpenRouter's shape (docs/media.md).
+        "architecture": _architecture(state.engine.modalities),
+    }
+
+
+def _architecture(modalities: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "modality": "+".join(modalities) + "->text",
+        "input_modalities": list(modalities),
+        "output_modalities": ["text"],
     }
 
 
@@ -83,7 +93,7 @@ async def chat_completions(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await read_json_object(request))
     state = state_of(request)
     policy = body.tool_policy()
-    ids = await state.encode_chat(_chat_prompt(body, policy), "messages")
+    ids, media = await state.encode_chat_with_media(_chat_prompt(body, policy), "messages")
     constraint = reply_constraint(
         body.output_constraint,
         _constraint_field(body),
@@ -101,6 +111,7 @@ async def chat_completions(request: Request) -> Response:
         body.logprob_alternatives(),
         body.limit_param(),
         constraint,
+        media,
     )
     generations = choices_of(generation, body.choices)
     reply = _Reply(body, state, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")

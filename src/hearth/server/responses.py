@@ -55,7 +55,8 @@ class ResponseStore:
         self.bytes = 0
 
     def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(messages, ensure_ascii=False).encode())
+        # An image or audio part counts as its fields (the base64 or URL the request sent).
+        size = len(json.dumps(messages, ensure_ascii=False, default=vars).encode())
         if size > self.max_bytes:  # it could never fit: keep the others
             return
         self._drop_expired()
@@ -103,7 +104,7 @@ async def create_response(request: Request) -> Response:
         "reasoning.effort",
         policy,
     )
-    ids = await state.encode_chat(prompt, "input")
+    ids, media = await state.encode_chat_with_media(prompt, "input")
     sampling = _sampling(state, body)
     generation = state.plan(
         ids,
@@ -116,6 +117,7 @@ async def create_response(request: Request) -> Response:
         constraint=reply_constraint(
             body.output_constraint, "text.format", policy, body.template_tools(), body.thinking()
         ),
+        media=media,
     )
     draft = _Draft(body, state, sampling, len(ids))
     if body.stream:

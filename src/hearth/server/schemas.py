@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -23,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from hearth.media import Audio, Image, decode_audio, decode_image
+from hearth.media.fetch import FetchPolicy, decode_base64, read_media_url
 from hearth.runtime.constraints import ConstraintError, OutputConstraint
 from hearth.server.tools import ToolChoice, function_tool
 
@@ -38,16 +41,19 @@ UNSUPPORTED_FIELDS = frozenset(
     }
 )
 
-# What a content part or block of these types carries, for "... are not supported" errors.
+# Files and documents are refused wherever a part or block may appear.
+FILE_KINDS = {"file": "files", "input_file": "files", "document": "documents"}
+# Images and audio go in user messages only (each API's own rule): refused elsewhere.
 MEDIA_KINDS = {
     "image": "images",
     "image_url": "images",
     "input_image": "images",
     "input_audio": "audio inputs",
-    "file": "files",
-    "input_file": "files",
-    "document": "documents",
 }
+# OpenAI's image detail levels as soft-token budgets (docs/media.md); "auto" (or none) leaves
+# the server's default.
+DETAIL_BUDGETS: dict[str, int | None] = {"low": 70, "auto": None, "high": 1120, "original": 1120}
+ImageDetail = Literal["auto", "low", "high", "original"]
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
@@ -94,9 +100,15 @@ def only(allowed: tuple[object, ...], message: str) -> Callable[[object], object
     return check
 
 
-def refuse_media(kind: object) -> None:
-    if isinstance(kind, str) and kind in MEDIA_KINDS:
-        raise ValueError(f"{MEDIA_KINDS[kind]} are not supported by this model")
+def refuse_media(kind: object, where: str | None = None) -> None:
+    """Refuse a file part anywhere, and an image or audio part `where` (e.g. "in tool
+    results") when given: None means images and audio may appear here."""
+    if not isinstance(kind, str):
+        return
+    if kind in FILE_KINDS:
+        raise ValueError(f"{FILE_KINDS[kind]} are not supported (images and audio are)")
+    if where is not None and kind in MEDIA_KINDS:
+        raise ValueError(f"{MEDIA_KINDS[kind]} are not supported {where}")
 
 
 def text_of_content(content: object) -> str:
@@ -112,7 +124,9 @@ def text_of_content(content: object) -> str:
         refuse_media(kind)
         key = {"text": "text", "refusal": "refusal"}.get(kind) if isinstance(kind, str) else None
         if key is None:
-            raise ValueError(f"only text content parts are supported, got type {kind!r}")
+            raise ValueError(
+                f"a content part's type is text, refusal, image_url or input_audio, not {kind!r}"
+            )
         assert isinstance(part, dict)
         if not set(part) <= {"type", key, "cache_control"} or not isinstance(part.get(key), str):
             raise ValueError(f'a {kind} part must be {{"type": "{kind}", "{key}": <string>}}')
@@ -133,6 +147,103 @@ def valid_seed(seed: int | None) -> int | None:
     return seed
 
 
+@dataclass(frozen=True)
+class MediaSource:
+    """One image or audio part as the request gave it (nothing is read or decoded while the
+    body is parsed): a URL (data: or http(s)) or base64 text; `param` is where it sits in the
+    request, for errors. Neutral messages carry it as a part `{"type": "media", ...}`."""
+
+    kind: Literal["image", "audio"]
+    param: str
+    url: str | None = None
+    data: str | None = None
+    max_tokens: int | None = None  # the request's image budget (None: the server's)
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "media", "source": self}
+
+    def decode(self, policy: FetchPolicy, default_budget: int | None) -> Image | Audio:
+        """Read (from the URL or the base64 text) and decode; MediaError names the problem."""
+        if self.url is not None:
+            data = read_media_url(self.url, policy)
+        else:
+            data = decode_base64(self.data or "", policy.max_bytes)
+        if self.kind == "audio":
+            return decode_audio(data)
+        budget = self.max_tokens if self.max_tokens is not None else default_budget
+        return decode_image(data, budget)
+
+
+class ImageUrl(StrictModel):
+    url: str
+    detail: ImageDetail | None = None
+
+
+class ChatTextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a caching hint some clients add
+
+
+class ChatImagePart(StrictModel):
+    """OpenAI chat's image: a data: or http(s) URL and a detail level."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl | str  # some clients send the URL alone
+    cache_control: dict[str, Any] | None = None
+
+    def source(self, param: str) -> MediaSource:
+        image = self.image_url
+        if isinstance(image, str):
+            image = ImageUrl(url=image)
+        budget = DETAIL_BUDGETS[image.detail] if image.detail else None
+        return MediaSource("image", f"{param}.image_url", url=image.url, max_tokens=budget)
+
+
+class InputAudio(StrictModel):
+    data: str  # base64
+    format: str  # OpenAI's "wav" or "mp3"; the decoder reads the file's own header
+
+
+class ChatAudioPart(StrictModel):
+    """OpenAI's audio input (chat, and the Responses API's content part of the same shape)."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+    cache_control: dict[str, Any] | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # a caching hint; caching is automatic
+
+    def source(self, param: str) -> MediaSource:
+        return MediaSource("audio", f"{param}.input_audio.data", data=self.input_audio.data)
+
+
+ChatPart = Annotated[ChatTextPart | ChatImagePart | ChatAudioPart, Field(discriminator="type")]
+
+
+def chat_content(content: object) -> object:
+    """Text parts are joined (the engine sees a string); a list with images or audio stays a
+    list of parts, validated as such."""
+    if isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") in ("image_url", "input_audio")
+        for part in content
+    ):
+        for part in content:
+            refuse_media(part.get("type") if isinstance(part, dict) else None)
+        return content
+    return optional_text_of_content(content)
+
+
+def neutral_parts(parts: list[Any], param: str) -> list[dict[str, Any]]:
+    """Validated text, image and audio parts as neutral content parts, in order."""
+    neutral = []
+    for index, part in enumerate(parts):
+        if hasattr(part, "source"):
+            neutral.append(part.source(f"{param}.{index}").part())
+        else:
+            neutral.append({"type": "text", "text": part.text})
+    return neutral
+
+
 class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -147,7 +258,7 @@ class ToolCallIn(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: str | list[ChatPart] | None = None
     name: str | None = None  # the participant's name; chat templates have no place for it
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -160,8 +271,8 @@ class ChatMessage(StrictModel):
     audio: None = None
     function_call: None = None
 
-    # Parts are joined before validation, so the engine only ever sees plain strings.
-    _join_parts = field_validator("content", mode="before")(optional_text_of_content)
+    # Text parts are joined before validation: the engine sees a string unless there is media.
+    _join_parts = field_validator("content", mode="before")(chat_content)
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
@@ -171,12 +282,17 @@ class ChatMessage(StrictModel):
             raise ValueError("content is required unless an assistant message has tool_calls")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if isinstance(self.content, list) and self.role != "user":
+            raise ValueError("images and audio go in user messages")
         return self
 
     def neutral(self, index: int) -> dict[str, Any]:
         # Chat templates know "system", not OpenAI's newer "developer" alias for it.
         role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": self.content}
+        content = self.content
+        if isinstance(content, list):
+            content = neutral_parts(content, f"messages.{index}.content")
+        message: dict[str, Any] = {"role": role, "content": content}
         message["source"] = f"messages.{index}"
         if self.tool_calls:
             message["tool_calls"] = [
@@ -611,11 +727,40 @@ class AnthropicToolUse(StrictModel):
     cache_control: CacheControl | None = None
 
 
-def _refuse_media(content: object) -> object:
+def _refuse_media(content: object, where: str | None = None) -> object:
+    """Files refused in a list of blocks or parts; images and audio too when `where` says."""
     if isinstance(content, list):
         for block in content:
-            refuse_media(block.get("type") if isinstance(block, dict) else None)
+            refuse_media(block.get("type") if isinstance(block, dict) else None, where)
     return content
+
+
+class AnthropicImageSource(StrictModel):
+    """An image block's source: base64 data (with its media type) or a URL."""
+
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # the decoder reads the file's own header
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _data_or_url(self) -> AnthropicImageSource:
+        if self.type == "base64" and (self.data is None or self.url is not None):
+            raise ValueError('a "base64" source has data (and no url)')
+        if self.type == "url" and (self.url is None or self.data is not None):
+            raise ValueError('a "url" source has a url (and no data)')
+        return self
+
+
+class AnthropicImage(StrictModel):
+    type: Literal["image"]
+    source: AnthropicImageSource
+    cache_control: CacheControl | None = None
+
+    def media(self, param: str) -> MediaSource:
+        given = self.source
+        where = f"{param}.source.{'data' if given.type == 'base64' else 'url'}"
+        return MediaSource("image", where, url=given.url, data=given.data)
 
 
 class AnthropicToolResult(StrictModel):
@@ -625,7 +770,9 @@ class AnthropicToolResult(StrictModel):
     is_error: bool = False
     cache_control: CacheControl | None = None
 
-    _no_media = field_validator("content", mode="before")(lambda value: _refuse_media(value))
+    _no_media = field_validator("content", mode="before")(
+        lambda value: _refuse_media(value, "in tool results")
+    )
 
     def text(self) -> str:
         text = (
@@ -653,6 +800,7 @@ class AnthropicRedactedThinking(StrictModel):
 
 AnthropicBlock = Annotated[
     AnthropicText
+    | AnthropicImage
     | AnthropicToolUse
     | AnthropicToolResult
     | AnthropicThinking
@@ -667,6 +815,13 @@ class AnthropicMessage(StrictModel):
 
     _no_media = field_validator("content", mode="before")(lambda value: _refuse_media(value))
 
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> AnthropicMessage:
+        blocks = self.content if isinstance(self.content, list) else []
+        if self.role != "user" and any(isinstance(b, AnthropicImage) for b in blocks):
+            raise ValueError("images go in user messages")
+        return self
+
     def neutral(self, index: int) -> list[dict[str, Any]]:
         """Tool results first (they answer the previous turn's calls), then the message."""
         source = f"messages.{index}"
@@ -680,7 +835,17 @@ class AnthropicMessage(StrictModel):
             for b in blocks
             if isinstance(b, AnthropicToolResult)
         ]
-        text = "".join(b.text for b in blocks if isinstance(b, AnthropicText))
+        text: str | list[dict[str, Any]] = "".join(
+            b.text for b in blocks if isinstance(b, AnthropicText)
+        )
+        if any(isinstance(b, AnthropicImage) for b in blocks):
+            text = [
+                b.media(f"{source}.content.{i}").part()
+                if isinstance(b, AnthropicImage)
+                else {"type": "text", "text": b.text}
+                for i, b in enumerate(blocks)
+                if isinstance(b, AnthropicImage | AnthropicText)
+            ]
         calls = [
             {"id": b.id, "name": b.name, "arguments": json.dumps(b.input)}
             for b in blocks
@@ -865,17 +1030,61 @@ class ResponsesText(StrictModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+class ResponsesImage(StrictModel):
+    """An input_image part: `image_url` an http(s) or data: URL."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: None = None
+    detail: ImageDetail | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # a caching hint; caching is automatic
+
+    _no_files = field_validator("file_id", mode="before")(
+        only((), "uploaded files are not supported: send image_url (an http(s) or data: URL)")
+    )
+
+    @model_validator(mode="after")
+    def _has_url(self) -> ResponsesImage:
+        if self.image_url is None:
+            raise ValueError("an input_image needs image_url (an http(s) or data: URL)")
+        return self
+
+    def source(self, param: str) -> MediaSource:
+        budget = DETAIL_BUDGETS[self.detail] if self.detail else None
+        return MediaSource("image", f"{param}.image_url", url=self.image_url, max_tokens=budget)
+
+
+ResponsesPart = Annotated[
+    ResponsesText | ResponsesImage | ChatAudioPart, Field(discriminator="type")
+]
+
+
 class ResponsesMessage(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ResponsesText]
+    content: str | list[ResponsesPart]
     id: str | None = None
     status: str | None = None
 
-    def text(self) -> str:
+    @model_validator(mode="after")
+    def _media_from_the_user(self) -> ResponsesMessage:
+        parts = self.content if isinstance(self.content, list) else []
+        if self.role != "user" and any(not isinstance(p, ResponsesText) for p in parts):
+            raise ValueError("images and audio go in user messages")
+        return self
+
+    def neutral_content(self, param: str) -> str | list[dict[str, Any]]:
+        """The text, or with images or audio the parts in order (text parts as text)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.value() for part in self.content)
+        if all(isinstance(part, ResponsesText) for part in self.content):
+            return "".join(part.value() for part in self.content)  # type: ignore[union-attr]
+        return [
+            {"type": "text", "text": part.value()}
+            if isinstance(part, ResponsesText)
+            else part.source(f"{param}.{index}").part()
+            for index, part in enumerate(self.content)
+        ]
 
 
 class ResponsesFunctionCall(StrictModel):
@@ -918,14 +1127,15 @@ ResponsesItem = Annotated[
 
 
 def _input_items(items: object) -> object:
-    """OpenAI's "easy" input messages leave out "type": they are messages. Image and file
-    parts are refused here, before the union of input shapes would bury the reason."""
+    """OpenAI's "easy" input messages leave out "type": they are messages. File parts (and
+    images in function outputs) are refused here, before the union of input shapes would bury
+    the reason."""
     if not isinstance(items, list):
         return items
     for item in items:
         if isinstance(item, dict):
             _refuse_media(item.get("content"))
-            _refuse_media(item.get("output"))
+            _refuse_media(item.get("output"), "in function call outputs")
     return [
         {"type": "message", **item} if isinstance(item, dict) and "type" not in item else item
         for item in items
@@ -1077,7 +1287,8 @@ class ResponsesRequest(StrictModel):
             source = f"input.{index}"
             if isinstance(item, ResponsesMessage):
                 role = "system" if item.role == "developer" else item.role
-                messages.append({"role": role, "content": item.text(), "source": source})
+                content = item.neutral_content(f"{source}.content")
+                messages.append({"role": role, "content": content, "source": source})
             elif isinstance(item, ResponsesFunctionCall):
                 call = {"id": item.call_id, "name": item.name, "arguments": item.arguments}
                 _calling_turn(messages, source)["tool_calls"].append(call)

@@ -18,11 +18,14 @@ from hearth import __version__ as hearth_version
 from hearth.engine import Engine
 from hearth.errors import HearthError
 from hearth.lengths import DEFAULT_MAX_TOKENS
+from hearth.media import MediaError
+from hearth.media.fetch import FetchPolicy
 from hearth.runtime.constraints import ConstraintError, OutputConstraint
-from hearth.runtime.generate import GenerationChunk, GenerationStats, TokenLogprobs
+from hearth.runtime.generate import GenerationChunk, GenerationStats, PromptMedia, TokenLogprobs
 from hearth.runtime.sampling import SamplingParams
 from hearth.server.admission import MemoryBudget
 from hearth.server.errors import RequestError
+from hearth.server.media import check_taken, media_sources, read_media
 from hearth.server.tool_grammar import forced_call_constraint
 from hearth.server.tools import (
     TOOL_CALL_START,
@@ -62,6 +65,9 @@ class ServerDefaults:
     chat_template_args: Mapping[str, Any] = field(default_factory=dict)
     # --reasoning-field: where chat replies put the thought channel (mlx_lm.server: reasoning).
     reasoning_field: ReasoningField = "reasoning"
+    # --image-max-tokens: an image's soft-token budget where a request sets none (None: the
+    # model's own default).
+    image_max_tokens: int | None = None
 
     def reasoning_keys(self) -> tuple[str, ...]:
         if self.reasoning_field == "both":
@@ -80,6 +86,7 @@ class Generation:
     stop_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-sequence ids
     top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per token
     constraint: OutputConstraint | None = None  # what the text must match (None: anything)
+    media: tuple[PromptMedia, ...] = ()  # the prompt's images and audio, in order
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class ServerState:
     model_id: str
     memory_budget: MemoryBudget | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    fetch: FetchPolicy = field(default_factory=FetchPolicy)  # media URLs: off unless allowed
 
     @property
     def context_length(self) -> int:
@@ -149,16 +157,31 @@ class ServerState:
         return await self._tokenize(prompt, param, self.engine.tokenizer.encode)
 
     async def encode_chat(self, prompt: ChatPrompt, param: str) -> list[int]:
+        """Token ids of a conversation (see `encode_chat_with_media`)."""
+        ids, _ = await self.encode_chat_with_media(prompt, param)
+        return ids
+
+    async def encode_chat_with_media(
+        self, prompt: ChatPrompt, param: str
+    ) -> tuple[list[int], tuple[PromptMedia, ...]]:
         """Token ids of a conversation rendered with tools and the thinking switch, followed
-        by a forced tool call's opening when the request demands a call."""
+        by a forced tool call's opening when the request demands a call; with its images and
+        audio read, decoded, and their placeholders expanded to the model's soft tokens."""
         try:
             messages = template_conversation(prompt.messages)
         except ConversationError as error:
             raise RequestError(str(error), error.param) from None
         self._check_template_supports(prompt)
+        # A kind the model lacks is refused before anything is fetched or decoded.
+        sources = media_sources(messages)
+        check_taken(sources, self.engine.modalities, self.model_id)
         if prompt.role_mapping is not None and self.base_model:
+            if sources:
+                message = "role_mapping renders text only: images and audio need a chat template"
+                raise RequestError(message, "role_mapping")
             text = role_mapped_prompt(prompt.messages, prompt.role_mapping)
-            return await self.encode(text, param)
+            return await self.encode(text, param), ()
+        messages, media = await read_media(messages, self.fetch, self.defaults.image_max_tokens)
         tokenizer = self.engine.tokenizer
         kwargs = {**self.defaults.chat_template_args, **prompt.template_kwargs()}
         size = _text_size(messages) + _text_size(kwargs)
@@ -168,8 +191,14 @@ class ServerState:
         except HearthError as error:  # e.g. a chat template that rejects the conversation
             raise RequestError(str(error), param) from None
         ids = await self._tokenize(text, param, tokenizer.encode_rendered)
+        try:
+            ids, spans = self.engine.expand_media(ids, media)
+        except MediaError as error:
+            raise RequestError(str(error), param) from None
         prefix = prompt.tool_choice.reply_prefix()
-        return ids + tokenizer.encode(prefix, add_special_tokens=False) if prefix else ids
+        if prefix:
+            ids = ids + tokenizer.encode(prefix, add_special_tokens=False)
+        return ids, spans
 
     async def _tokenize(
         self, text: str, param: str, encode: Callable[[str], list[int]]
@@ -233,6 +262,7 @@ class ServerState:
         top_logprobs: int | None = None,
         limit_param: str = "max_tokens",
         constraint: OutputConstraint | None = None,
+        media: tuple[PromptMedia, ...] = (),
     ) -> Generation:
         """Check the prompt fits the context and the memory budget, and the sampling settings
         are valid; `limit_param` names the request's token limit in errors."""
@@ -259,7 +289,7 @@ class ServerState:
         if self.memory_budget is not None:
             self.memory_budget.check(len(prompt_ids), limit)
         return Generation(
-            prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs, constraint
+            prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs, constraint, media
         )
 
 
@@ -368,6 +398,7 @@ def pieces(state: ServerState, generation: Generation) -> AsyncIterator[Generati
         generation.stop_ids,
         generation.top_logprobs,
         generation.constraint,
+        generation.media,
     )
 
 
@@ -383,6 +414,7 @@ def pieces_batched(
         generation.stop_ids,
         generation.top_logprobs,
         generation.constraint,
+        generation.media,
     )
 
 

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from hearth.engine import Engine
 from hearth.kv.prompt_cache import PromptCache
 from hearth.runtime.constraints import OutputConstraint
-from hearth.runtime.generate import GenerationChunk, GenerationRequest, GenerationStats
+from hearth.runtime.generate import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationStats,
+    PromptMedia,
+)
 from hearth.runtime.sampling import SamplingParams
 from hearth.runtime.scheduler import Deliver
 
@@ -40,6 +45,7 @@ class GenerationJob:
     top_logprobs: int | None  # None: no log-probabilities
     loop: asyncio.AbstractEventLoop
     constraint: OutputConstraint | None = None  # what the text must match (None: anything)
+    media: tuple[PromptMedia, ...] = ()  # the prompt's images and audio, in order
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Items handed over by the worker thread, taken by the request's task. One wake-up of the
     # event loop per burst, not per item: a wake-up is a syscall plus a loop iteration on the
@@ -154,13 +160,14 @@ class GenerationWorker:
         stop_ids: tuple[int, ...] | None = None,
         top_logprobs: int | None = None,
         constraint: OutputConstraint | None = None,
+        media: tuple[PromptMedia, ...] = (),
     ) -> AsyncIterator[GenerationChunk]:
         """The pieces of one generation, in order, ending with the one that has finish_reason.
 
         Leaving the iteration early (client gone, task cancelled) cancels the generation.
         """
         batches = self.stream_batches(
-            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, constraint
+            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, constraint, media
         )
         try:
             async for batch in batches:
@@ -178,12 +185,13 @@ class GenerationWorker:
         stop_ids: tuple[int, ...] | None = None,
         top_logprobs: int | None = None,
         constraint: OutputConstraint | None = None,
+        media: tuple[PromptMedia, ...] = (),
     ) -> AsyncIterator[list[GenerationChunk]]:
         """As `stream`, but all the pieces ready at once come together (a stream writes them
         in one send: the model never waits for a token, the client gets no extra delay)."""
         loop = asyncio.get_running_loop()
         job = GenerationJob(
-            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, loop, constraint
+            prompt_ids, max_tokens, sampling, stop, stop_ids, top_logprobs, loop, constraint, media
         )
         self._jobs.put(job)
         try:
@@ -270,4 +278,5 @@ def _request_of(job: GenerationJob) -> GenerationRequest:
         job.stop_ids,
         job.top_logprobs,
         job.constraint,
+        job.media,
     )
