@@ -18,6 +18,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +28,25 @@ import pytest
 import torch
 
 from hearth.checkpoint import open_checkpoint
+from hearth.engine import Engine
+from hearth.kv import make_caches
+from hearth.kv.prompt_cache import PromptCache, common_prefix_length
 from hearth.media import Image, MediaError, content_digest
 from hearth.media.image import image_patches, resized_size, soft_token_count
 from hearth.models.loading import build_model
+from hearth.runtime.generate import GenerationRequest, PromptMedia, soft_tokens
+from hearth.runtime.runner import ModelRunner
+from hearth.runtime.sampling import SamplingParams
+from scripted_gemma4 import SPECIAL_IDS, VOCAB_SIZE, template_path
 from tiny import FULL, PLE, SLIDING, randomise_gemma4, save_hf, tiny_gemma4_config
 
 TOWER_ATOL = 2e-5
 LOGITS_ATOL = 1.2e-4
-IMAGE_TOKEN, BOI, EOI = 250, 251, 252
+# The scripted Gemma 4 tokenizer's specials and bytes, then the three image tokens.
+BOI, IMAGE_TOKEN, EOI = VOCAB_SIZE, VOCAB_SIZE + 1, VOCAB_SIZE + 2
+IMAGE_SPECIALS = {"<|image>": BOI, "<|image|>": IMAGE_TOKEN, "<image|>": EOI}
+VOCAB = VOCAB_SIZE + 3
+DECODE_STEPS = 10
 PATCH, POOLING = 4, 3  # tiny patches keep the tower's inputs small; the maths is HF's
 
 
@@ -70,6 +83,8 @@ def _hf_model(**text_overrides: Any) -> Any:
     )
     text = tiny_gemma4_config(
         **{
+            "vocab_size": VOCAB,
+            "vocab_size_per_layer_input": VOCAB,
             "attention_k_eq_v": True,
             "num_global_key_value_heads": 1,
             "use_bidirectional_attention": "vision",
@@ -102,10 +117,32 @@ def _hf_model(**text_overrides: Any) -> Any:
     return model
 
 
+def _write_tokenizer(directory: Path) -> None:
+    """Gemma 4's specials at their ids, one token per byte, and the image tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = {**SPECIAL_IDS, **IMAGE_SPECIALS}
+    symbols = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    vocab = dict(specials)
+    taken = set(specials.values())
+    vocab.update({next(symbols): i for i in range(VOCAB) if i not in taken})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, normalized=False) for t in specials])
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(template_path().read_text())
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """PLE on, k_eq_v full layers twice as wide as sliding ones, bidirectional images."""
     hf = _hf_model(**PLE, layer_types=[SLIDING, FULL, SLIDING, FULL])
-    return hf, save_hf(hf, tmp_path_factory.mktemp("vision"))
+    path = save_hf(hf, tmp_path_factory.mktemp("vision"))
+    _write_tokenizer(path)
+    return hf, path
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +205,159 @@ def test_tower_equals_hf(checkpoint: tuple[Any, Path], model: Any, size: Any, bu
         soft = model.embed_media(image).embeddings
     assert soft.shape == reference.shape == (model.soft_token_count(image), 64)
     torch.testing.assert_close(soft, reference, atol=TOWER_ATOL, rtol=0)
+
+
+def _hf_inputs(ids: list[int], images: list[Image]) -> dict[str, torch.Tensor]:
+    """HF's model inputs for an expanded prompt: pixels and positions of each image (each
+    padded to its own budget, then to the longest) and the token types."""
+    processed = [_hf_pixels(image, image.max_tokens or 280) for image in images]
+    longest = max(p["pixel_values"].shape[1] for p in processed)
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        extra = longest - t.shape[1]
+        return torch.nn.functional.pad(t, (0, 0, 0, extra), value=value)
+
+    tensor = torch.tensor([ids])
+    return {
+        "input_ids": tensor,
+        "pixel_values": torch.cat([pad(p["pixel_values"], 0.0) for p in processed]),
+        "image_position_ids": torch.cat([pad(p["image_position_ids"], -1) for p in processed]),
+        "mm_token_type_ids": (tensor == IMAGE_TOKEN).long(),
+    }
+
+
+def _hf_greedy(hf: Any, ids: list[int], images: list[Image]) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy continuation of DECODE_STEPS tokens (each from an uncached forward over
+    the whole sequence) and the logits [positions, vocab] of that final sequence."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(DECODE_STEPS):
+            logits = hf(**_hf_inputs(ids, images)).logits[0]
+            ids.append(int(logits[-1].argmax()))
+        return ids, hf(**_hf_inputs(ids, images)).logits[0]
+
+
+def _prompt(model: Any, images: list[Image]) -> tuple[list[int], Any]:
+    """A rendered-prompt shape: text, each image's placeholder, text; expanded by the model."""
+    ids = [2, 105, *range(120, 126)]
+    for index, _ in enumerate(images):
+        ids += [10, 10, IMAGE_TOKEN, 10, 10, 130 + index]
+    ids += [106, 105, 140, 141]
+    return model.expand_media(ids, images)
+
+
+IMAGES = [_image(40, 28, seed=1, budget=70), _image(17, 30, seed=2, budget=70)]
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_image_prompt_logits_equal_hf_through_prefill_and_decode(
+    checkpoint: tuple[Any, Path], model: Any, chunk: int
+) -> None:
+    """Two images (70 soft tokens each, window 8) in a prompt prefilled whole or in chunks of
+    16 (whose ends move off the images), then 10 cached decode steps teacher-forced with HF's
+    greedy tokens: every logit of the prompt's last position and the steps equals HF's."""
+    hf, _ = checkpoint
+    ids, spans = _prompt(model, IMAGES)
+    assert [ids[start - 1] for start, _, _ in spans] == [BOI, BOI]
+    assert [ids[start + length] for start, length, _ in spans] == [EOI, EOI]
+    tokens, reference = _hf_greedy(hf, ids, IMAGES)
+    prompt = len(ids)
+    runner = ModelRunner(model)
+    media = GenerationRequest(ids, media=_media(spans)).media
+    with torch.inference_mode():
+        soft = soft_tokens(runner, media)
+        full = model(torch.tensor([tokens]), soft=soft)[0]
+        caches = make_caches(model.cache_specs())
+        rows = [runner.prefill(torch.tensor([ids]), caches, 0, chunk, soft)[0]]
+        for position in range(prompt, len(tokens) - 1):
+            rows.append(runner.decode(tokens[position], caches, position)[0])
+    torch.testing.assert_close(full, reference, atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(rows), reference[prompt - 1 : -1], atol=LOGITS_ATOL, rtol=0
+    )
+
+
+def _media(spans: Any) -> Any:
+    return tuple(PromptMedia(start, length, item) for start, length, item in spans)
+
+
+def test_bidirectional_mask_matters(checkpoint: tuple[Any, Path], model: Any) -> None:
+    """The same prompt with the images attending causally moves the logits past the
+    tolerance many times over: the comparison above can tell the masks apart."""
+    hf, _ = checkpoint
+    ids, spans = _prompt(model, IMAGES[:1])
+    _, reference = _hf_greedy(hf, ids, IMAGES[:1])
+    runner = ModelRunner(model)
+    with torch.inference_mode():
+        soft = soft_tokens(runner, _media(spans))
+        causal = [dataclasses.replace(s, bidirectional=False) for s in soft]
+        logits = model(torch.tensor([ids]), soft=causal)[0]
+    assert (logits - reference[: len(ids)]).abs().max() > 100 * LOGITS_ATOL
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: tuple[Any, Path]) -> Engine:
+    return Engine.load(checkpoint[1], dtype="float32", device="cpu", progress=False)
+
+
+def _messages(*images: Image) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "Look at this picture:"}]
+    parts += [{"type": "image", "image": image} for image in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
+
+
+def test_engine_generates_hf_greedy_tokens_from_chat_messages(
+    checkpoint: tuple[Any, Path], engine: Engine
+) -> None:
+    """`Engine.stream` renders the real template, expands the image and decodes HF's tokens;
+    the scheduler (the server's path) decodes the same."""
+    hf, _ = checkpoint
+    assert engine.modalities == ("text", "image")
+    messages = _messages(IMAGES[0])
+    ids, media = engine.expand_media(engine.encode(messages), [IMAGES[0]])
+    expected, _ = _hf_greedy(hf, ids, [IMAGES[0]])
+    greedy = SamplingParams(temperature=0.0)
+    stop_ids: tuple[int, ...] = ()
+    chunks = list(
+        engine.run(GenerationRequest(ids, DECODE_STEPS, greedy, stop_ids=stop_ids, media=media))
+    )
+    assert [c.token for c in chunks if c.token is not None] == expected[len(ids) :]
+    streamed = engine.generate(messages, DECODE_STEPS, greedy)
+    assert streamed == engine.tokenizer.decode(expected[len(ids) :])
+    scheduler = engine.scheduler(2)
+    got: list[Any] = []
+    request = GenerationRequest(ids, DECODE_STEPS, greedy, stop_ids=stop_ids, media=media)
+    scheduler.submit(request, got.append, lambda: False)
+    while not scheduler.idle:
+        scheduler.step()
+    assert [c.token for c in got if c.token is not None] == expected[len(ids) :]
+
+
+def test_prompt_cache_keys_images_on_content(engine: Engine) -> None:
+    """The same image again hits (past the image); a different image of the same size, whose
+    placeholder ids are the same, shares no key past its first soft token. (Its request then
+    misses: the tiny model's window of 8 cannot trim back that far.)"""
+    cache = PromptCache()
+    greedy = SamplingParams(temperature=0.0)
+    other = _image(40, 28, seed=9, budget=70)
+
+    def request(image: Image) -> GenerationRequest:
+        ids, media = engine.expand_media(engine.encode(_messages(image)), [image])
+        return GenerationRequest(ids, 2, greedy, stop_ids=(), media=media)
+
+    def run(image: Image) -> Any:
+        chunks = list(engine.run(request(image), prompt_cache=cache))
+        return chunks[-1].stats, [c.token for c in chunks if c.token is not None]
+
+    first, second = request(IMAGES[0]), request(other)
+    span = first.media[0]
+    assert first.prompt_ids == second.prompt_ids  # the placeholders alone cannot tell them apart
+    assert common_prefix_length(first.cache_ids, second.cache_ids) == span.start
+    same = dataclasses.replace(IMAGES[0], pixels=IMAGES[0].pixels.copy())
+    assert request(same).cache_ids == first.cache_ids
+    stats, tokens = run(IMAGES[0])
+    assert stats.cached_tokens == 0
+    again, tokens_again = run(same)
+    assert again.cached_tokens == len(first.prompt_ids) - 1 and tokens_again == tokens
+    different, _ = run(other)
+    assert different.cached_tokens == 0
