@@ -277,6 +277,33 @@ def test_image_prompt_logits_equal_hf_through_prefill_and_decode(
     )
 
 
+def test_causal_images_with_kv_sharing_equal_hf(tmp_path: Path) -> None:
+    """E2B's shape: no bidirectional images, PLE and KV-sharing layers (which run the last
+    position only at a prefill): the prompt's last logits and 10 decode steps equal HF's."""
+    hf = _hf_model(
+        **PLE,
+        use_bidirectional_attention=None,
+        attention_k_eq_v=False,
+        num_hidden_layers=5,
+        num_kv_shared_layers=2,
+        layer_types=[SLIDING, FULL, SLIDING, SLIDING, FULL],
+    )
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
+    ids, spans = _prompt(model, IMAGES[:1])
+    tokens, reference = _hf_greedy(hf, ids, IMAGES[:1])
+    runner = ModelRunner(model)
+    with torch.inference_mode():
+        soft = soft_tokens(runner, _media(spans))
+        assert not model.config.bidirectional_vision
+        caches = make_caches(model.cache_specs())
+        rows = [runner.prefill(torch.tensor([ids]), caches, 0, 16, soft)[0]]
+        for position in range(len(ids), len(tokens) - 1):
+            rows.append(runner.decode(tokens[position], caches, position)[0])
+    torch.testing.assert_close(
+        torch.stack(rows), reference[len(ids) - 1 : -1], atol=LOGITS_ATOL, rtol=0
+    )
+
+
 def _media(spans: Any) -> Any:
     return tuple(PromptMedia(start, length, item) for start, length, item in spans)
 
