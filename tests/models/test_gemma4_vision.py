@@ -389,3 +389,20 @@ def test_prompt_cache_keys_images_on_content(engine: Engine) -> None:
     assert again.cached_tokens == len(first.prompt_ids) - 1 and tokens_again == tokens
     different, _ = run(other)
     assert different.cached_tokens == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decoding_of_an_image_prompt_matches_the_cpu(
+    checkpoint: tuple[Any, Path], engine: Engine
+) -> None:
+    """On a GPU the prompt with an image prefills eagerly (kernels, the bidirectional mask by
+    SDPA) and decodes from CUDA graphs: HF's greedy tokens, as on the CPU."""
+    hf, path = checkpoint
+    gpu = Engine.load(path, dtype="float32", device="cuda", progress=False)
+    assert gpu.runner.decodes_with_graphs
+    ids, media = gpu.expand_media(gpu.encode(_messages(*IMAGES)), IMAGES)
+    expected, _ = _hf_greedy(hf, ids, IMAGES)
+    request = GenerationRequest(ids, DECODE_STEPS, SamplingParams(temperature=0.0), stop_ids=())
+    request = dataclasses.replace(request, media=media)
+    chunks = list(gpu.run(request))
+    assert [c.token for c in chunks if c.token is not None] == expected[len(ids) :]

@@ -1,0 +1,184 @@
+"""Time to first token of an image prompt: Hearth against HF transformers, random bf16 weights at
+real shapes (Gemma 4 E4B and 31B with their vision towers), one model on the GPU at a time.
+
+The prompt is a 1680x1536 image at the 1120 budget (exactly 1120 soft tokens, 10080 patches)
+between a few text tokens. Hearth's time runs from the decoded image to the first sampled
+token on the host (preprocessing, tower, prefill); HF's from the processor's tensors to its
+first token (its own preprocessing not counted), one forward with a cache, as users call it.
+
+    OUT=/tmp/out python benchmarks/gpu_image_ttft.py --models e4b,31b
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hearth.bench.random_model import PRESETS, build_random_model
+from hearth.media import Image
+from hearth.models.gemma4_vision import ClippedLinear
+from hearth.runtime.generate import GenerationStats, PromptMedia, generate_tokens
+from hearth.runtime.runner import ModelRunner
+from hearth.runtime.sampling import Sampler, SamplingParams
+
+# The towers' shapes (gemma4-architecture.md §4.1).
+VISION = {
+    "e4b": {
+        "num_hidden_layers": 16,
+        "hidden_size": 768,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "head_dim": 64,
+        "intermediate_size": 3072,
+        "use_clipped_linears": True,
+    },
+    "31b": {
+        "num_hidden_layers": 27,
+        "hidden_size": 1152,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 72,
+        "intermediate_size": 4304,
+        "standardize": True,
+    },
+}
+BIDIRECTIONAL = {"e4b": None, "31b": "vision"}
+BOI, IMAGE_TOKEN, EOI = 255_999, 258_880, 258_882
+IMAGE_SIZE, BUDGET = (1680, 1536), 1120
+WARM_UP, TIMED = 2, 5
+
+
+def config_of(name: str) -> dict[str, Any]:
+    text = {**PRESETS[name], "use_bidirectional_attention": BIDIRECTIONAL[name]}
+    return {
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "patch_size": 16,
+            "pooling_kernel_size": 3,
+            "position_embedding_size": 10240,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+            **VISION[name],
+        },
+        "image_token_id": IMAGE_TOKEN,
+        "boi_token_id": BOI,
+        "eoi_token_id": EOI,
+        "tie_word_embeddings": True,
+    }
+
+
+def random_image(seed: int) -> Image:
+    from PIL import Image as PILImage
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*IMAGE_SIZE[::-1], 3), np.uint8)
+    return Image(PILImage.fromarray(pixels, "RGB"), f"{seed:064x}", BUDGET)
+
+
+def prompt_ids() -> list[int]:
+    return [2, 105, *range(1000, 1010), IMAGE_TOKEN, *range(1010, 1020), 106, 105]
+
+
+def hearth_seconds(name: str, device: torch.device) -> list[float]:
+    model = build_random_model(config_of(name), device)
+    for module in model.modules():  # random clips of ones would clamp everything to 1
+        if isinstance(module, ClippedLinear) and module.clipped:
+            for bound, value in (("input_min", -1e4), ("input_max", 1e4)):
+                getattr(module, bound).data.fill_(value)
+            for bound, value in (("output_min", -1e4), ("output_max", 1e4)):
+                getattr(module, bound).data.fill_(value)
+    runner = ModelRunner(model)
+    times = []
+    for attempt in range(WARM_UP + TIMED):
+        image = random_image(attempt)
+        ids, spans = model.expand_media(prompt_ids(), [image])
+        assert spans[0][1] == BUDGET
+        media = tuple(PromptMedia(*span) for span in spans)
+        stats = GenerationStats()
+        sampler = Sampler(SamplingParams(temperature=0.0), device=device)
+        run = generate_tokens(runner, ids, sampler, 1, stats, media=media)
+        next(run)
+        run.close()
+        if attempt >= WARM_UP:
+            times.append(stats.prefill_seconds)
+    del runner, model
+    torch.cuda.empty_cache()
+    return times
+
+
+def hf_seconds(name: str, device: torch.device) -> list[float] | str:
+    try:
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+        from transformers.models.gemma4.image_processing_pil_gemma4 import (
+            Gemma4ImageProcessorPil,
+        )
+    except ImportError as error:
+        return f"unavailable: {error}"
+    config = config_of(name)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Gemma4ForConditionalGeneration(Gemma4Config(**config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    processor = Gemma4ImageProcessorPil(max_soft_tokens=BUDGET)
+    ids = [2, 105, *range(1000, 1010), BOI, *[IMAGE_TOKEN] * BUDGET, EOI]
+    ids += [*range(1010, 1020), 106, 105]
+    tensor = torch.tensor([ids], device=device)
+    times = []
+    for attempt in range(WARM_UP + TIMED):
+        inputs = processor(images=[random_image(attempt).pixels], return_tensors="pt")
+        pixels = inputs["pixel_values"].to(device)
+        positions = inputs["image_position_ids"].to(device)
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            out = model(
+                input_ids=tensor,
+                pixel_values=pixels,
+                image_position_ids=positions,
+                mm_token_type_ids=(tensor == IMAGE_TOKEN).long(),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            int(out.logits[0, -1].argmax())
+        if attempt >= WARM_UP:
+            times.append(time.perf_counter() - begin)
+    del model
+    torch.cuda.empty_cache()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="e4b,31b")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(device), flush=True)
+    print("| model | image tokens | Hearth TTFT (ms) | HF TTFT (ms) | HF / Hearth |")
+    print("|---|---|---|---|---|")
+    for name in args.models.split(","):
+        ours = statistics.median(hearth_seconds(name, device))
+        theirs = hf_seconds(name, device)
+        if isinstance(theirs, str):
+            print(f"| {name} | {BUDGET} | {ours * 1e3:.1f} | {theirs} | |", flush=True)
+            continue
+        peer = statistics.median(theirs)
+        print(
+            f"| {name} | {BUDGET} | {ours * 1e3:.1f} | {peer * 1e3:.1f} | {peer / ours:.2f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
