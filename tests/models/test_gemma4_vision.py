@@ -391,6 +391,27 @@ def test_prompt_cache_keys_images_on_content(engine: Engine) -> None:
     assert different.cached_tokens == 0
 
 
+def test_a_config_with_a_tower_the_file_lacks_loads_as_text(
+    checkpoint: tuple[Any, Path], model: Any, tmp_path: Path
+) -> None:
+    """mlx-lm's conversions keep the multimodal config.json and drop the towers: such a
+    checkpoint loads as a text model, with the same text weights."""
+    from safetensors.torch import load_file, save_file
+
+    _, path = checkpoint
+    for file in path.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(path / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if "vision" not in k}
+    assert len(kept) < len(tensors)
+    save_file(kept, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    text = build_model(open_checkpoint(tmp_path), torch.float32, progress=False)
+    assert text.media_kinds == () and text.config.vision is None
+    ids = torch.tensor([[2, 105, 120, 121, 122]])
+    with torch.inference_mode():
+        torch.testing.assert_close(text(ids), model(ids), atol=0, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decoding_of_an_image_prompt_matches_the_cpu(
     checkpoint: tuple[Any, Path], engine: Engine
