@@ -1,12 +1,16 @@
-"""Time to first token of an image prompt: Hearth against HF transformers, random bf16 weights at
-real shapes (Gemma 4 E4B and 31B with their vision towers), one model on the GPU at a time.
+"""Time to first token of an image prompt: Hearth against HF transformers, random weights at
+real shapes (Gemma 4 E4B and 31B with their vision towers, bf16 on a GPU), one model on the
+device at a time; on a CPU, `--models small` (a 4-layer text model of width 512 and a 4-layer
+tower of width 256, fp32) at a 280-token image.
 
-The prompt is a 1680x1536 image at the 1120 budget (exactly 1120 soft tokens, 10080 patches)
-between a few text tokens. Hearth's time runs from the decoded image to the first sampled
-token on the host (preprocessing, tower, prefill); HF's from the processor's tensors to its
-first token (its own preprocessing not counted), one forward with a cache, as users call it.
+The GPU prompt is a 1680x1536 image at the 1120 budget (exactly 1120 soft tokens, 10080
+patches) between a few text tokens. Hearth's time runs from the decoded image to the first
+sampled token on the host (preprocessing, tower, prefill); HF's from the processor's tensors
+to its first token (its own preprocessing not counted), one forward with a cache, as users
+call it.
 
-    OUT=/tmp/out python benchmarks/gpu_image_ttft.py --models e4b,31b
+    python benchmarks/gpu_image_ttft.py --models e4b,31b
+    python benchmarks/gpu_image_ttft.py --models small --device cpu
 """
 
 from __future__ import annotations
@@ -50,15 +54,34 @@ VISION = {
         "intermediate_size": 4304,
         "standardize": True,
     },
+    "small": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 1024,
+        "use_clipped_linears": True,
+    },
 }
-BIDIRECTIONAL = {"e4b": None, "31b": "vision"}
+SMALL_TEXT = {
+    **PRESETS["e4b"],
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_kv_shared_layers": 0,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "hidden_size_per_layer_input": 0,
+}
+BIDIRECTIONAL = {"e4b": None, "31b": "vision", "small": "vision"}
 BOI, IMAGE_TOKEN, EOI = 255_999, 258_880, 258_882
-IMAGE_SIZE, BUDGET = (1680, 1536), 1120
+SIZES = {"cuda": ((1680, 1536), 1120), "cpu": ((960, 672), 280)}  # (width, height), budget
 WARM_UP, TIMED = 2, 5
 
 
 def config_of(name: str) -> dict[str, Any]:
-    text = {**PRESETS[name], "use_bidirectional_attention": BIDIRECTIONAL[name]}
+    text = {**(SMALL_TEXT if name == "small" else PRESETS[name])}
+    text["use_bidirectional_attention"] = BIDIRECTIONAL[name]
     return {
         "model_type": "gemma4",
         "text_config": text,
@@ -77,11 +100,26 @@ def config_of(name: str) -> dict[str, Any]:
     }
 
 
-def random_image(seed: int) -> Image:
+def random_image(seed: int, device: torch.device) -> Image:
     from PIL import Image as PILImage
 
-    pixels = np.random.default_rng(seed).integers(0, 256, (*IMAGE_SIZE[::-1], 3), np.uint8)
-    return Image(PILImage.fromarray(pixels, "RGB"), f"{seed:064x}", BUDGET)
+    (width, height), budget = SIZES[device.type]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+    return Image(PILImage.fromarray(pixels, "RGB"), f"{seed:064x}", budget)
+
+
+def dtype_of(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def prompt_ids() -> list[int]:
@@ -89,7 +127,7 @@ def prompt_ids() -> list[int]:
 
 
 def hearth_seconds(name: str, device: torch.device) -> list[float]:
-    model = build_random_model(config_of(name), device)
+    model = build_random_model(config_of(name), device, dtype=dtype_of(device))
     for module in model.modules():  # random clips of ones would clamp everything to 1
         if isinstance(module, ClippedLinear) and module.clipped:
             for bound, value in (("input_min", -1e4), ("input_max", 1e4)):
@@ -99,9 +137,9 @@ def hearth_seconds(name: str, device: torch.device) -> list[float]:
     runner = ModelRunner(model)
     times = []
     for attempt in range(WARM_UP + TIMED):
-        image = random_image(attempt)
+        image = random_image(attempt, device)
         ids, spans = model.expand_media(prompt_ids(), [image])
-        assert spans[0][1] == BUDGET
+        assert spans[0][1] == image.max_tokens
         media = tuple(PromptMedia(*span) for span in spans)
         stats = GenerationStats()
         sampler = Sampler(SamplingParams(temperature=0.0), device=device)
@@ -111,7 +149,7 @@ def hearth_seconds(name: str, device: torch.device) -> list[float]:
         if attempt >= WARM_UP:
             times.append(stats.prefill_seconds)
     del runner, model
-    torch.cuda.empty_cache()
+    release(device)
     return times
 
 
@@ -125,22 +163,23 @@ def hf_seconds(name: str, device: torch.device) -> list[float] | str:
         return f"unavailable: {error}"
     config = config_of(name)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype_of(device))
     try:
         with torch.device(device):
             model = Gemma4ForConditionalGeneration(Gemma4Config(**config)).eval()
     finally:
         torch.set_default_dtype(previous)
-    processor = Gemma4ImageProcessorPil(max_soft_tokens=BUDGET)
-    ids = [2, 105, *range(1000, 1010), BOI, *[IMAGE_TOKEN] * BUDGET, EOI]
+    budget = SIZES[device.type][1]
+    processor = Gemma4ImageProcessorPil(max_soft_tokens=budget)
+    ids = [2, 105, *range(1000, 1010), BOI, *[IMAGE_TOKEN] * budget, EOI]
     ids += [*range(1010, 1020), 106, 105]
     tensor = torch.tensor([ids], device=device)
     times = []
     for attempt in range(WARM_UP + TIMED):
-        inputs = processor(images=[random_image(attempt).pixels], return_tensors="pt")
+        inputs = processor(images=[random_image(attempt, device).pixels], return_tensors="pt")
         pixels = inputs["pixel_values"].to(device)
         positions = inputs["image_position_ids"].to(device)
-        torch.cuda.synchronize()
+        synchronize(device)
         begin = time.perf_counter()
         with torch.inference_mode():
             out = model(
@@ -155,27 +194,30 @@ def hf_seconds(name: str, device: torch.device) -> list[float] | str:
         if attempt >= WARM_UP:
             times.append(time.perf_counter() - begin)
     del model
-    torch.cuda.empty_cache()
+    release(device)
     return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="e4b,31b")
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    device = torch.device("cuda")
-    print(torch.cuda.get_device_name(device), flush=True)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        print(torch.cuda.get_device_name(device), flush=True)
+    budget = SIZES[device.type][1]
     print("| model | image tokens | Hearth TTFT (ms) | HF TTFT (ms) | HF / Hearth |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
         ours = statistics.median(hearth_seconds(name, device))
         theirs = hf_seconds(name, device)
         if isinstance(theirs, str):
-            print(f"| {name} | {BUDGET} | {ours * 1e3:.1f} | {theirs} | |", flush=True)
+            print(f"| {name} | {budget} | {ours * 1e3:.1f} | {theirs} | |", flush=True)
             continue
         peer = statistics.median(theirs)
         print(
-            f"| {name} | {BUDGET} | {ours * 1e3:.1f} | {peer * 1e3:.1f} | {peer / ours:.2f}x |",
+            f"| {name} | {budget} | {ours * 1e3:.1f} | {peer * 1e3:.1f} | {peer / ours:.2f}x |",
             flush=True,
         )
 

@@ -41,9 +41,18 @@ class ClippedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.clipped:
             return project(self.linear, x)
-        x = torch.clamp(x, self.input_min.to(x.dtype), self.input_max.to(x.dtype))
-        y = project(self.linear, x)
-        return torch.clamp(y, self.output_min.to(y.dtype), self.output_max.to(y.dtype))
+        x = _clamp(x, self.input_min, self.input_max)
+        return _clamp(project(self.linear, x), self.output_min, self.output_max)
+
+
+def _clamp(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """x clamped to [low, high] as HF does (bounds in x's dtype). On the CPU the bounds go as
+    numbers, which torch clamps ~2x faster than with tensor bounds; on a GPU reading them would
+    wait for the device."""
+    low, high = low.to(x.dtype), high.to(x.dtype)
+    if x.device.type == "cpu":
+        return torch.clamp(x, low.item(), high.item())
+    return torch.clamp(x, low, high)
 
 
 def axial_rope_tables(
@@ -105,14 +114,13 @@ class VisionAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(patches, self.kv_heads, self.head_dim))
         v = rms_norm(self.v_proj(x).view(patches, self.kv_heads, self.head_dim), None, self.eps)
         q, k = apply_axial_rope(q, cos, sin), apply_axial_rope(k, cos, sin)
+        # [1, heads, patches, dim]: with a batch dim the CPU takes SDPA's flash kernel (5x
+        # faster at 2520 patches than the 3-D call).
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            scale=1.0,
-            enable_gqa=self.heads != self.kv_heads,
+            q, k, v, scale=1.0, enable_gqa=self.heads != self.kv_heads
         )
-        return self.o_proj(out.transpose(0, 1).reshape(patches, -1))
+        return self.o_proj(out[0].transpose(0, 1).reshape(patches, -1))
 
 
 class VisionMLP(nn.Module):
