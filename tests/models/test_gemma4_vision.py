@@ -361,7 +361,9 @@ def test_engine_generates_hf_greedy_tokens_from_chat_messages(
     assert [c.token for c in got if c.token is not None] == expected[len(ids) :]
 
 
-def test_prompt_cache_keys_images_on_content(engine: Engine) -> None:
+def test_prompt_cache_keys_images_on_content(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same image again hits (past the image); a different image of the same size, whose
     placeholder ids are the same, shares no key past its first soft token. (Its request then
     misses: the tiny model's window of 8 cannot trim back that far.)"""
@@ -385,8 +387,14 @@ def test_prompt_cache_keys_images_on_content(engine: Engine) -> None:
     assert request(same).cache_ids == first.cache_ids
     stats, tokens = run(IMAGES[0])
     assert stats.cached_tokens == 0
+    encoded: list[Any] = []
+    embed_media = engine.model.embed_media
+    monkeypatch.setattr(
+        engine.model, "embed_media", lambda item: encoded.append(item) or embed_media(item)
+    )
     again, tokens_again = run(same)
     assert again.cached_tokens == len(first.prompt_ids) - 1 and tokens_again == tokens
+    assert encoded == []  # the hit holds the image: its tower does not run
     different, _ = run(other)
     assert different.cached_tokens == 0
 
