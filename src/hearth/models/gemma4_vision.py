@@ -171,9 +171,8 @@ class PatchEmbedder(nn.Module):
         )
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        weight = self.input_proj.weight
-        x = project(self.input_proj, (2 * (pixels - 0.5)).to(weight.dtype))
-        table = self.position_embedding_table
+        table = self.position_embedding_table  # in the compute dtype, whatever the linear's
+        x = project(self.input_proj, (2 * (pixels - 0.5)).to(table.dtype))
         return x + (table[0][positions[:, 0]] + table[1][positions[:, 1]])
 
 
