@@ -227,15 +227,32 @@ def _hf_inputs(ids: list[int], images: list[Image]) -> dict[str, torch.Tensor]:
     }
 
 
-def _hf_greedy(hf: Any, ids: list[int], images: list[Image]) -> tuple[list[int], torch.Tensor]:
-    """HF's greedy continuation of DECODE_STEPS tokens (each from an uncached forward over
-    the whole sequence) and the logits [positions, vocab] of that final sequence."""
-    ids = list(ids)
+def _hf_logits(hf: Any, ids: list[int], images: list[Image]) -> torch.Tensor:
+    """HF's logits [positions, vocab] of one uncached forward over `ids`."""
     with torch.no_grad():
-        for _ in range(DECODE_STEPS):
-            logits = hf(**_hf_inputs(ids, images)).logits[0]
-            ids.append(int(logits[-1].argmax()))
-        return ids, hf(**_hf_inputs(ids, images)).logits[0]
+        return hf(**_hf_inputs(ids, images)).logits[0]
+
+
+def _assert_hf_greedy(reference: torch.Tensor, prompt: int, tokens: list[int]) -> None:
+    """`tokens` (after a prompt of `prompt` ids) are HF's greedy picks: at each step, the
+    argmax of HF's logits over the prompt and the tokens before it."""
+    assert reference[prompt - 1 : prompt - 1 + len(tokens)].argmax(-1).tolist() == tokens
+
+
+def _cached_greedy(
+    runner: ModelRunner, ids: list[int], soft: Any, chunk: int
+) -> tuple[list[int], torch.Tensor]:
+    """Hearth's greedy continuation through its caches: the prompt prefilled in chunks of
+    `chunk`, then DECODE_STEPS decode steps; the tokens, and the logits of the prompt's last
+    position and of each step [DECODE_STEPS + 1, vocab]."""
+    caches = make_caches(runner.model.cache_specs())
+    tokens: list[int] = []
+    with torch.inference_mode():
+        rows = [runner.prefill(torch.tensor([ids]), caches, 0, chunk, soft)[0]]
+        for position in range(len(ids), len(ids) + DECODE_STEPS):
+            tokens.append(int(rows[-1].argmax()))
+            rows.append(runner.decode(tokens[-1], caches, position)[0])
+    return tokens, torch.stack(rows)
 
 
 def _prompt(model: Any, images: list[Image]) -> tuple[list[int], Any]:
@@ -255,27 +272,23 @@ def test_image_prompt_logits_equal_hf_through_prefill_and_decode(
     checkpoint: tuple[Any, Path], model: Any, chunk: int
 ) -> None:
     """Two images (70 soft tokens each, window 8) in a prompt prefilled whole or in chunks of
-    16 (whose ends move off the images), then 10 cached decode steps teacher-forced with HF's
-    greedy tokens: every logit of the prompt's last position and the steps equals HF's."""
+    16 (whose ends move off the images), then 10 greedy cached decode steps: the tokens are
+    HF's greedy picks, and the logits of the prompt's last position and of every step equal
+    those of HF's forward over prompt and tokens, as do those of Hearth's uncached forward."""
     hf, _ = checkpoint
     ids, spans = _prompt(model, IMAGES)
     assert [ids[start - 1] for start, _, _ in spans] == [BOI, BOI]
     assert [ids[start + length] for start, length, _ in spans] == [EOI, EOI]
-    tokens, reference = _hf_greedy(hf, ids, IMAGES)
-    prompt = len(ids)
     runner = ModelRunner(model)
-    media = GenerationRequest(ids, media=_media(spans)).media
     with torch.inference_mode():
-        soft = soft_tokens(runner, media)
-        full = model(torch.tensor([tokens]), soft=soft)[0]
-        caches = make_caches(model.cache_specs())
-        rows = [runner.prefill(torch.tensor([ids]), caches, 0, chunk, soft)[0]]
-        for position in range(prompt, len(tokens) - 1):
-            rows.append(runner.decode(tokens[position], caches, position)[0])
+        soft = soft_tokens(runner, _media(spans))
+    tokens, rows = _cached_greedy(runner, ids, soft, chunk)
+    reference = _hf_logits(hf, ids + tokens, IMAGES)
+    _assert_hf_greedy(reference, len(ids), tokens)
+    torch.testing.assert_close(rows, reference[len(ids) - 1 :], atol=LOGITS_ATOL, rtol=0)
+    with torch.inference_mode():
+        full = model(torch.tensor([ids + tokens]), soft=soft)[0]
     torch.testing.assert_close(full, reference, atol=LOGITS_ATOL, rtol=0)
-    torch.testing.assert_close(
-        torch.stack(rows), reference[prompt - 1 : -1], atol=LOGITS_ATOL, rtol=0
-    )
 
 
 def test_causal_images_with_kv_sharing_equal_hf(tmp_path: Path) -> None:
@@ -291,18 +304,14 @@ def test_causal_images_with_kv_sharing_equal_hf(tmp_path: Path) -> None:
     )
     model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
     ids, spans = _prompt(model, IMAGES[:1])
-    tokens, reference = _hf_greedy(hf, ids, IMAGES[:1])
     runner = ModelRunner(model)
+    assert not model.config.bidirectional_vision
     with torch.inference_mode():
         soft = soft_tokens(runner, _media(spans))
-        assert not model.config.bidirectional_vision
-        caches = make_caches(model.cache_specs())
-        rows = [runner.prefill(torch.tensor([ids]), caches, 0, 16, soft)[0]]
-        for position in range(len(ids), len(tokens) - 1):
-            rows.append(runner.decode(tokens[position], caches, position)[0])
-    torch.testing.assert_close(
-        torch.stack(rows), reference[len(ids) - 1 : -1], atol=LOGITS_ATOL, rtol=0
-    )
+    tokens, rows = _cached_greedy(runner, ids, soft, 16)
+    reference = _hf_logits(hf, ids + tokens, IMAGES[:1])
+    _assert_hf_greedy(reference, len(ids), tokens)
+    torch.testing.assert_close(rows, reference[len(ids) - 1 :], atol=LOGITS_ATOL, rtol=0)
 
 
 def _media(spans: Any) -> Any:
@@ -314,7 +323,7 @@ def test_bidirectional_mask_matters(checkpoint: tuple[Any, Path], model: Any) ->
     tolerance many times over: the comparison above can tell the masks apart."""
     hf, _ = checkpoint
     ids, spans = _prompt(model, IMAGES[:1])
-    _, reference = _hf_greedy(hf, ids, IMAGES[:1])
+    reference = _hf_logits(hf, ids, IMAGES[:1])
     runner = ModelRunner(model)
     with torch.inference_mode():
         soft = soft_tokens(runner, _media(spans))
@@ -343,22 +352,18 @@ def test_engine_generates_hf_greedy_tokens_from_chat_messages(
     assert engine.modalities == ("text", "image")
     messages = _messages(IMAGES[0])
     ids, media = engine.expand_media(engine.encode(messages), [IMAGES[0]])
-    expected, _ = _hf_greedy(hf, ids, [IMAGES[0]])
     greedy = SamplingParams(temperature=0.0)
-    stop_ids: tuple[int, ...] = ()
-    chunks = list(
-        engine.run(GenerationRequest(ids, DECODE_STEPS, greedy, stop_ids=stop_ids, media=media))
-    )
-    assert [c.token for c in chunks if c.token is not None] == expected[len(ids) :]
-    streamed = engine.generate(messages, DECODE_STEPS, greedy)
-    assert streamed == engine.tokenizer.decode(expected[len(ids) :])
+    request = GenerationRequest(ids, DECODE_STEPS, greedy, stop_ids=(), media=media)
+    tokens = [c.token for c in engine.run(request) if c.token is not None]
+    assert len(tokens) == DECODE_STEPS
+    _assert_hf_greedy(_hf_logits(hf, ids + tokens, [IMAGES[0]]), len(ids), tokens)
+    assert engine.generate(messages, DECODE_STEPS, greedy) == engine.tokenizer.decode(tokens)
     scheduler = engine.scheduler(2)
     got: list[Any] = []
-    request = GenerationRequest(ids, DECODE_STEPS, greedy, stop_ids=stop_ids, media=media)
     scheduler.submit(request, got.append, lambda: False)
     while not scheduler.idle:
         scheduler.step()
-    assert [c.token for c in got if c.token is not None] == expected[len(ids) :]
+    assert [c.token for c in got if c.token is not None] == tokens
 
 
 def test_prompt_cache_keys_images_on_content(
