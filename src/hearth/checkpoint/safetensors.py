@@ -21,18 +21,27 @@ if TYPE_CHECKING:
 
 # Prefixes of the text decoder in the layouts we read, longest first.
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-# Towers and buffers a text-only runtime skips.
+# Towers Hearth does not run yet. The vision tower and `embed_vision` load (canonical names
+# `vision_tower.*`, `embed_vision.*`: HF's `model.` prefix dropped, mlx-vlm's kept as they are).
 _SKIPPED_PREFIXES = (
-    "vision_tower.",
     "multi_modal_projector.",
     "audio_tower.",
-    "embed_vision.",
     "embed_audio.",
-    "model.vision_tower.",
     "model.multi_modal_projector.",
     "model.audio_tower.",
-    "model.embed_vision.",
     "model.embed_audio.",
+)
+# A multimodal config.json's top-level fields that the model reads beside its text_config.
+_MULTIMODAL_KEYS = (
+    "vision_config",
+    "audio_config",
+    "image_token_id",
+    "boi_token_id",
+    "eoi_token_id",
+    "audio_token_id",
+    "boa_token_id",
+    "eoa_token_id",
+    "eoa_token_index",
 )
 # K/V tensors of a layer; Gemma 4's KV-sharing layers never read theirs, which releases keep.
 _LAYER_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
@@ -170,8 +179,9 @@ class SafetensorsCheckpoint:
         text = config.get("text_config")
         if isinstance(text, dict):
             text = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-            # MLX (and HF quantizers) keep the quantization at the top level.
-            for key in ("quantization", "quantization_config"):
+            # MLX (and HF quantizers) keep the quantization at the top level, and the towers'
+            # configs and media token ids live there too.
+            for key in ("quantization", "quantization_config", *_MULTIMODAL_KEYS):
                 if key in config:
                     text[key] = config[key]
             config = text
