@@ -22,17 +22,22 @@ if TYPE_CHECKING:
 # Prefixes of the text decoder in the layouts we read, longest first.
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 # Towers and buffers a text-only runtime skips.
+# The audio tower and `embed_audio` load (canonical names `audio_tower.*`, `embed_audio.*`).
 _SKIPPED_PREFIXES = (
     "vision_tower.",
     "multi_modal_projector.",
-    "audio_tower.",
     "embed_vision.",
-    "embed_audio.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
-    "model.audio_tower.",
     "model.embed_vision.",
-    "model.embed_audio.",
+)
+# Fields of a multimodal config.json that the model reads beside its `text_config`.
+_MULTIMODAL_FIELDS = (
+    "audio_config",
+    "audio_token_id",
+    "boa_token_id",
+    "eoa_token_id",
+    "eoa_token_index",
 )
 # K/V tensors of a layer; Gemma 4's KV-sharing layers never read theirs, which releases keep.
 _LAYER_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
@@ -171,7 +176,7 @@ class SafetensorsCheckpoint:
         if isinstance(text, dict):
             text = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
             # MLX (and HF quantizers) keep the quantization at the top level.
-            for key in ("quantization", "quantization_config"):
+            for key in ("quantization", "quantization_config", *_MULTIMODAL_FIELDS):
                 if key in config:
                     text[key] = config[key]
             config = text

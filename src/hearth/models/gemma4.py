@@ -31,6 +31,7 @@ from hearth.layers.norm import (
 )
 from hearth.layers.rope import ProportionalRotaryEmbedding
 from hearth.models.decoder import DecoderModel, Rope, last_of
+from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower, MultimodalEmbedder
 
 
 def _value_mode(config: Gemma4Config, layer: int) -> ValueMode:
@@ -211,6 +212,17 @@ class Gemma4Model(DecoderModel):
             self.per_layer_projection_norm = RMSNorm(
                 config.hidden_size_per_layer_input, config.rms_norm_eps
             )
+        if config.audio is not None:
+            self.audio_tower = Gemma4AudioTower(config.audio)
+            self.embed_audio = MultimodalEmbedder(
+                config.audio.output_proj_dims, config.hidden_size, config.audio.rms_norm_eps
+            )
+
+    def audio_encoder(self) -> Gemma4AudioEncoder | None:
+        """What turns a clip into this model's soft tokens, if it has an audio tower."""
+        if self.config.audio is None:
+            return None
+        return Gemma4AudioEncoder(self.audio_tower, self.embed_audio)
 
     @staticmethod
     def specs_for(config: Gemma4Config) -> list[CacheSpec]:
