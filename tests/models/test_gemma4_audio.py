@@ -1,0 +1,170 @@
+"""Gemma 4's audio tower against HF transformers: a tiny random Gemma4ForConditionalGeneration
+with an audio tower, saved with `save_pretrained`, loaded through Hearth's reader.
+
+Compared: `Gemma4AudioEncoder.encode(audio)` (Hearth's features, tower, `embed_audio`) with
+HF's extractor + `get_audio_features`, the rows its mask keeps, in fp32. Tolerance 3e-6
+absolute on outputs of magnitude up to ~4.3: Hearth runs HF's ops in HF's order except the
+attention contractions (einsum against HF's batched matmuls) and RMSNorm (torch's fused
+`rms_norm` against HF's pow(−½)), which may reorder fp32 sums and roundings by an ulp; the
+measured max is 7.2e-7 (1.5 ulp at 4; most clips match bit for bit; Intel Xeon,
+2026-12-07), the tolerance about four times that. A window one key wider, no clipping, or
+HF's default softcap moves outputs by 8e-2 to 1.9 (`test_clips_and_softcap_bind`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+from hearth.checkpoint import open_checkpoint
+from hearth.media import Audio, MediaError
+from hearth.models.gemma4_audio import Gemma4AudioEncoder
+from hearth.models.loading import build_model
+from tiny import K_EQ_V, randomise_gemma4, save_hf, tiny_gemma4_config
+
+ATOL = 3e-6
+
+# Tower windows: HF's default (chunks of 12, 12 keys back, none ahead) and a small chunk
+# with keys ahead, where the relative shift and mask differ most from a plain band.
+AUDIO_WINDOWS: dict[str, dict[str, Any]] = {
+    "default_window": {},
+    "right_context": {
+        "attention_chunk_size": 4,
+        "attention_context_left": 6,
+        "attention_context_right": 3,
+    },
+}
+# Sample counts: 2 soft tokens; 24 (two whole chunks of 12); 25 and 37 (a partial chunk).
+LENGTHS = [1_000, 15_361, 16_000, 23_457]
+
+
+def tiny_audio_model(seed: int = 0, **audio_overrides: Any) -> Any:
+    """An fp32 HF Gemma4ForConditionalGeneration with a two-layer audio tower.
+
+    The text model has a full-layer head dim twice the sliding one and k_eq_v on. In the
+    tower, norms are randomised (HF sets them to one), `per_dim_scale` too (HF: zero), the
+    linears get std 0.2 so that attention logits reach the softcap (set to 5), and every
+    clipped linear gets finite bounds that clamp part of its inputs and outputs.
+    """
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration
+
+    audio = Gemma4AudioConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        # The mel axis is 128 / 4 = 32 wide after subsampling; HF sizes the projection
+        # from the first channel count / 4, so that count must be 128.
+        subsampling_conv_channels=[128, 8],
+        output_proj_dims=24,
+        attention_logit_cap=5.0,
+        **audio_overrides,
+    )
+    config = Gemma4Config(
+        text_config=tiny_gemma4_config(**K_EQ_V).to_dict(), audio_config=audio.to_dict()
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    randomise_gemma4(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if "audio_tower" not in name and "embed_audio" not in name:
+                continue
+            bound = torch.empty(()).uniform_(0.6, 1.2, generator=generator).item()
+            if name.endswith("per_dim_scale"):
+                tensor.normal_(0.0, 1.0, generator=generator)
+            elif name.endswith("input_min") or name.endswith("input_max"):
+                tensor.fill_(bound * 2 * (1 if name.endswith("max") else -1))
+            elif name.endswith("output_min") or name.endswith("output_max"):
+                tensor.fill_(bound * (1 if name.endswith("max") else -1))
+            elif name.endswith(("linear.weight", "relative_k_proj.weight", "projection.weight")):
+                tensor.normal_(0.0, 0.2, generator=generator)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(AUDIO_WINDOWS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(HF model, Hearth's audio encoder of the saved checkpoint)."""
+    hf = tiny_audio_model(**AUDIO_WINDOWS[request.param])
+    path = save_hf(hf, tmp_path_factory.mktemp(request.param))
+    model = build_model(open_checkpoint(path), torch.float32, progress=False)
+    encoder = model.audio_encoder()
+    assert isinstance(encoder, Gemma4AudioEncoder)
+    return hf, encoder
+
+
+def _clip(length: int) -> Audio:
+    rng = np.random.default_rng(length)
+    return Audio((rng.standard_normal(length) * 0.3).astype(np.float32), f"clip{length}")
+
+
+def _hf_encode(hf: Any, audio: Audio) -> torch.Tensor:
+    inputs = Gemma4AudioFeatureExtractor()([audio.samples], return_tensors="pt")
+    with torch.no_grad():
+        out = hf.model.get_audio_features(
+            inputs["input_features"], inputs["input_features_mask"], return_dict=True
+        )
+    return out.pooler_output[out.attention_mask]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_tower_output_equals_hf(checkpoint: tuple[Any, Gemma4AudioEncoder], length: int):
+    hf, encoder = checkpoint
+    audio = _clip(length)
+    reference = _hf_encode(hf, audio)
+    ours = encoder.encode(audio)
+    assert ours.shape == (encoder.soft_tokens(audio), 64) == reference.shape
+    torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+
+
+def test_clips_and_softcap_bind(checkpoint: tuple[Any, Gemma4AudioEncoder]):
+    """The test model exercises what it checks: without the clip bounds, or with HF's
+    softcap of 50, the tower's output moves by far more than the tolerance."""
+    hf, encoder = checkpoint
+    audio = _clip(16_000)
+    reference = _hf_encode(hf, audio)
+    tower = encoder.tower
+    clipped = [m for m in tower.modules() if getattr(m, "clipped", False)]
+    attention = [layer.self_attn for layer in tower.layers]
+    try:
+        for module in clipped:
+            module.clipped = False
+        assert (encoder.encode(audio) - reference).abs().max() > 1e-2
+    finally:
+        for module in clipped:
+            module.clipped = True
+    try:
+        for module in attention:
+            module.softcap = 50.0
+        assert (encoder.encode(audio) - reference).abs().max() > 1e-2
+    finally:
+        for module in attention:
+            module.softcap = 5.0
+
+
+def test_short_and_long_clips(checkpoint: tuple[Any, Gemma4AudioEncoder]):
+    """Under 161 samples a clip has no whole frame: no soft token (HF's count is 0 too);
+    over 30 s it is refused, as `decode_audio` refuses it."""
+    _, encoder = checkpoint
+    short = Audio(np.zeros(160, np.float32), "short")
+    assert encoder.soft_tokens(short) == 0
+    assert encoder.encode(short).shape == (0, 64)
+    long = Audio(np.zeros(30 * 16_000 + 1, np.float32), "long")
+    with pytest.raises(MediaError, match="at most 30 s"):
+        encoder.soft_tokens(long)
+
+
+def test_text_only_load_of_multimodal_checkpoint_has_no_tower(tmp_path: Path):
+    """A checkpoint without `audio_config` builds no tower: nothing to encode with."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    config = Gemma4Config(text_config=tiny_gemma4_config().to_dict())
+    path = save_hf(Gemma4ForConditionalGeneration(config).eval(), tmp_path)
+    model = build_model(open_checkpoint(path), torch.float32, progress=False)
+    assert model.audio_encoder() is None
+    assert not any(name.startswith("audio_tower.") for name, _ in model.named_parameters())
