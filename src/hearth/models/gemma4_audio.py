@@ -278,6 +278,7 @@ class MultimodalEmbedder(nn.Module):
     def __init__(self, in_features: int, text_hidden: int, eps: float) -> None:
         super().__init__()
         self.embedding_projection = nn.Linear(in_features, text_hidden, bias=False)
+        self.text_hidden = text_hidden
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,10 +314,11 @@ class Gemma4AudioEncoder:
     @torch.inference_mode()
     def encode(self, audio: Audio) -> torch.Tensor:
         frames = self.features(_checked_samples(audio))
-        weight = self.embedder.embedding_projection.weight
+        # the output projection keeps a float weight under any --quantize (it has a bias)
+        like = self.tower.output_proj.weight
         if len(frames) == 0:  # under 10 ms: no soft token
-            return weight.new_zeros(0, weight.shape[0])
-        features = torch.from_numpy(frames).to(weight.device)
+            return like.new_zeros(0, self.embedder.text_hidden)
+        features = torch.from_numpy(frames).to(like.device)
         return self.embedder(self.tower(features))
 
 

@@ -312,7 +312,8 @@ class _StreamedQuantization:
         self._parts: dict[str, list[str]] = {}
         stacked = {s.target: s for s in _stacks(model) if s.packed_kind is MLXQuantizedLinear}
         for path, module in model.named_modules():
-            if isinstance(module, nn.Linear):
+            # int8/int4 modules have no bias: a biased linear (the audio tower's output) stays.
+            if isinstance(module, nn.Linear) and module.bias is None:
                 stack = stacked.get(path)
                 parts = [f"{p}.weight" for p in stack.parts] if stack else [f"{path}.weight"]
                 self._parts[path] = parts
