@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -107,7 +108,8 @@ def main() -> None:
             out = hf_tower(features, mask, return_dict=True)
             return hf_embedder(out.last_hidden_state)[out.attention_mask]
 
-    print(f"Gemma 4 audio tower (E4B sizes, random weights), {args.dtype}, {_hardware(args.device)}")
+    hardware = _hardware(args.device)
+    print(f"Gemma 4 audio tower (E4B sizes, random weights), {args.dtype}, {hardware}")
     print()
     print("| clip | soft tokens | Hearth s | HF s | HF / Hearth | max abs diff |")
     print("|---|---|---|---|---|---|")
@@ -115,8 +117,8 @@ def main() -> None:
         rng = np.random.default_rng(0)
         samples = (rng.standard_normal(int(seconds * AUDIO_SAMPLE_RATE)) * 0.3).astype(np.float32)
         audio = Audio(samples, "bench")
-        ours = _median_seconds(lambda: encoder.encode(audio), args.repeats, args.device)
-        theirs = _median_seconds(lambda: hf_encode(samples), args.repeats, args.device)
+        ours = _median_seconds(partial(encoder.encode, audio), args.repeats, args.device)
+        theirs = _median_seconds(partial(hf_encode, samples), args.repeats, args.device)
         diff = (encoder.encode(audio).float() - hf_encode(samples).float()).abs().max().item()
         print(
             f"| {seconds:g} s | {encoder.soft_tokens(audio)} | {ours:.3f} | {theirs:.3f} "

@@ -152,6 +152,28 @@ class Gemma4AudioConfig:
 
 
 @dataclass(frozen=True)
+class Gemma4VisionConfig:
+    """Gemma 4's vision tower (HF `Gemma4VisionConfig`) and the prompt tokens around an image."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float  # the axial 2-D RoPE's base
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    use_clipped_linears: bool
+    standardize: bool
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+
+@dataclass(frozen=True)
 class Gemma4Config:
     """Gemma 4 text decoder (HF `Gemma4TextConfig` meanings; see docs/gemma4.md).
 
@@ -183,6 +205,10 @@ class Gemma4Config:
     tie_word_embeddings: bool
     model_type: str = "gemma4_text"
     audio: Gemma4AudioConfig | None = None  # the audio tower, when the checkpoint has one
+    vision: Gemma4VisionConfig | None = None  # the vision tower, when the checkpoint has one
+    pad_token_id: int = 0  # what per-layer inputs read at soft-token positions
+    # Image soft tokens attend to their whole image on sliding layers (26B, 31B).
+    bidirectional_vision: bool = False
 
     @property
     def first_kv_shared_layer(self) -> int:
@@ -376,6 +402,41 @@ def _gemma4_audio(config: Mapping[str, Any]) -> Gemma4AudioConfig | None:
     )
 
 
+def _gemma4_vision(config: Mapping[str, Any]) -> Gemma4VisionConfig | None:
+    """The vision tower of a multimodal config, or of its text config that carries the
+    tower's fields beside it (HF's defaults for absent fields)."""
+    vision = config.get("vision_config")
+    if vision is None:
+        return None
+    if not isinstance(vision, dict):
+        raise CheckpointError("config field 'vision_config' must be an object")
+    if vision.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedModelError("the vision tower's activation must be gelu_pytorch_tanh")
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise UnsupportedModelError("the vision tower's RoPE must be 'axial'")
+    heads = _field(vision, "num_attention_heads", int, 12)
+    hidden = _field(vision, "hidden_size", int, 768)
+    return Gemma4VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=_field(vision, "intermediate_size", int, 3072),
+        num_hidden_layers=_field(vision, "num_hidden_layers", int, 16),
+        num_attention_heads=heads,
+        num_key_value_heads=_field(vision, "num_key_value_heads", int, heads),
+        head_dim=_field(vision, "head_dim", int, 64),
+        rms_norm_eps=_field(vision, "rms_norm_eps", float, 1e-6),
+        rope_theta=_field(rope, "rope_theta", float, 100.0),
+        patch_size=_field(vision, "patch_size", int, 16),
+        pooling_kernel_size=_field(vision, "pooling_kernel_size", int, 3),
+        position_embedding_size=_field(vision, "position_embedding_size", int, 10 * 1024),
+        use_clipped_linears=_field(vision, "use_clipped_linears", bool, False),
+        standardize=_field(vision, "standardize", bool, False),
+        image_token_id=_field(config, "image_token_id", int, 258_880),
+        boi_token_id=_field(config, "boi_token_id", int, 255_999),
+        eoi_token_id=_field(config, "eoi_token_id", int, 258_882),
+    )
+
+
 def gemma4_config(config: dict[str, Any]) -> Gemma4Config:
     text = _gemma4_text(config)
     if text.get("use_bidirectional_attention") == "all":
@@ -412,6 +473,9 @@ def gemma4_config(config: dict[str, Any]) -> Gemma4Config:
         max_position_embeddings=_field(text, "max_position_embeddings", int, 131_072),
         tie_word_embeddings=_field(text, "tie_word_embeddings", bool, True),
         audio=_gemma4_audio(config),
+        vision=_gemma4_vision(config),
+        pad_token_id=_field(text, "pad_token_id", int, 0),
+        bidirectional_vision=text.get("use_bidirectional_attention") == "vision",
     )
 
 

@@ -16,6 +16,7 @@ from hearth.embedded import embedded_model_path
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
 from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
 from hearth.media import Audio, Image, MediaError
+from hearth.media.image import checkpoint_image_tokens
 from hearth.models import Model, cache_specs
 from hearth.models.loading import STORED_BLOCKS, build_model
 from hearth.ops import native
@@ -82,6 +83,20 @@ def resolve_precision(
     return dtype or stored_dtype or default, None
 
 
+def media_of(prompt: str | Messages) -> list[Image | Audio]:
+    """The images and audio of a conversation's content parts, in order."""
+    if not isinstance(prompt, list):
+        return []
+    found: list[Image | Audio] = []
+    for message in prompt:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image", "audio") and isinstance(part.get(kind), Image | Audio):
+                found.append(part[kind])
+    return found
+
+
 @dataclass
 class Engine:
     """A loaded model, its tokenizer and its runner: text or token ids in, text out."""
@@ -129,6 +144,8 @@ class Engine:
         plan = plan or ExecutionPlan.for_device(device)
         tokenizer = checkpoint.tokenizer()
         model_ = build_model(checkpoint, dtype, device, progress, weights, plan)
+        if path.is_dir() and (budget := checkpoint_image_tokens(path)) is not None:
+            model_.default_image_tokens = budget  # type: ignore[union-attr]
         runner = ModelRunner(model_, plan, kv_policy)
         return cls(model_, tokenizer, path, runner, checkpoint.format)
 
@@ -168,7 +185,8 @@ class Engine:
                 raise MediaError(f"{self.path.name} takes no {kind} input (it takes: {takes})")
         if not media:
             return ids, ()
-        return self.model.expand_media(ids, media)
+        expanded, spans = self.model.expand_media(ids, media)  # type: ignore[union-attr]
+        return expanded, tuple(PromptMedia(start, length, item) for start, length, item in spans)
 
     def encode(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: messages always go through the chat template; text only
@@ -194,7 +212,8 @@ class Engine:
         prompt boundary) for the next before its last chunk is handed out. `cancelled` is
         checked before each token: once true, the stream ends without a final chunk.
         """
-        reuse = prompt_cache.take(request.prompt_ids) if prompt_cache else Reuse(None, 0)
+        keys = request.cache_ids  # media soft tokens keyed on their content
+        reuse = prompt_cache.take(keys) if prompt_cache else Reuse(None, 0)
         boundary: list[list[LayerCache]] = []  # the caches holding exactly the prompt
         chunks = stream_generate(
             self.runner,
@@ -214,10 +233,11 @@ class Engine:
             ),
             top_logprobs=request.top_logprobs,
             constraint=request.constraint,
+            media=request.media,
         )
         for chunk in chunks:
             if chunk.stats is not None and prompt_cache is not None and boundary:
-                prompt_cache.put(request.prompt_ids, boundary[0])
+                prompt_cache.put(keys, boundary[0])
             yield chunk
 
     def scheduler(
@@ -244,13 +264,17 @@ class Engine:
     ) -> Iterator[GenerationChunk]:
         """Stream the reply to `prompt`. `max_tokens` None: DEFAULT_MAX_TOKENS, shrunk to fit
         the context; a given count that does not fit beside the prompt raises ValueError.
-        `constraint`: what the reply must match (a JSON schema, a regex, ...)."""
+        `constraint`: what the reply must match (a JSON schema, a regex, ...). Messages may
+        hold image and audio parts (`{"type": "image", "image": Image}`); a kind the model
+        does not take raises MediaError."""
+        ids, media = self.expand_media(self.encode(prompt, chat), media_of(prompt))
         request = GenerationRequest(
-            self.encode(prompt, chat),
+            ids,
             max_tokens,
             sampling or SamplingParams(),
             stop,
             constraint=constraint,
+            media=media,
         )
         return self.run(request)
 

@@ -272,7 +272,7 @@ def _add_sharer_kv_weights(path: Path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def test_multimodal_checkpoint_skips_towers_and_sharer_kv(tmp_path: Path) -> None:
+def test_multimodal_checkpoint_skips_audio_tower_and_sharer_kv(tmp_path: Path) -> None:
     hf = _tiny_multimodal(SHARING)
     path = save_hf(hf, tmp_path)
     _add_sharer_kv_weights(path)

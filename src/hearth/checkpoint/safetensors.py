@@ -21,19 +21,20 @@ if TYPE_CHECKING:
 
 # Prefixes of the text decoder in the layouts we read, longest first.
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-# Towers and buffers a text-only runtime skips.
-# The audio tower and `embed_audio` load (canonical names `audio_tower.*`, `embed_audio.*`).
+# Tensors Hearth does not read. The vision and audio towers and their `embed_*` projections
+# load (canonical names `vision_tower.*`, `embed_vision.*`, `audio_tower.*`, `embed_audio.*`:
+# HF's `model.` prefix dropped, mlx-vlm's kept as they are).
 _SKIPPED_PREFIXES = (
-    "vision_tower.",
     "multi_modal_projector.",
-    "embed_vision.",
-    "model.vision_tower.",
     "model.multi_modal_projector.",
-    "model.embed_vision.",
 )
-# Fields of a multimodal config.json that the model reads beside its `text_config`.
-_MULTIMODAL_FIELDS = (
+# A multimodal config.json's top-level fields that the model reads beside its text_config.
+_MULTIMODAL_KEYS = (
+    "vision_config",
     "audio_config",
+    "image_token_id",
+    "boi_token_id",
+    "eoi_token_id",
     "audio_token_id",
     "boa_token_id",
     "eoa_token_id",
@@ -175,8 +176,9 @@ class SafetensorsCheckpoint:
         text = config.get("text_config")
         if isinstance(text, dict):
             text = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-            # MLX (and HF quantizers) keep the quantization at the top level.
-            for key in ("quantization", "quantization_config", *_MULTIMODAL_FIELDS):
+            # MLX (and HF quantizers) keep the quantization at the top level, and the towers'
+            # configs and media token ids live there too.
+            for key in ("quantization", "quantization_config", *_MULTIMODAL_KEYS):
                 if key in config:
                     text[key] = config[key]
             config = text

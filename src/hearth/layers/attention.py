@@ -22,13 +22,23 @@ from hearth.ops.prefill_attention import prefill_attention
 from hearth.ops.rope import CacheWrite, ValueMode, norm_rope
 from hearth.quant.kv_codecs import DENSE
 
+Blocks = tuple[tuple[int, int], ...]  # [start, end) position runs that see each other whole
+
 
 def attention_mask(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int | None,
+    blocks: Blocks = (),
 ) -> torch.Tensor:
-    """Boolean [queries, keys]: causal, and within `window` keys (q − k < window) if given."""
+    """Boolean [queries, keys]: causal, or both in one of `blocks` (an image's soft tokens),
+    and within `window` keys (q − k < window) if given, as HF composes Gemma 4's sliding mask."""
     distance = query_positions[:, None] - key_positions[None, :]
     allowed = distance >= 0
+    for start, end in blocks:
+        in_query = (query_positions >= start) & (query_positions < end)
+        in_key = (key_positions >= start) & (key_positions < end)
+        allowed |= in_query[:, None] & in_key[None, :]
     if window is not None:
         allowed &= distance < window
     return allowed
@@ -63,14 +73,29 @@ def decode_attention(
 
 
 def attend(
-    q: torch.Tensor, view: KVView, positions: torch.Tensor, window: int | None, scale: float
+    q: torch.Tensor,
+    view: KVView,
+    positions: torch.Tensor,
+    window: int | None,
+    scale: float,
+    blocks: Blocks = (),
 ) -> torch.Tensor:
     """q [batch, heads, queries, dim] over a cache view; softmax in fp32, GQA by grouping.
 
     One query on the GPU: the Triton decode kernel, which reads the cache's planes as stored
     (dense, affine or TurboQuant) and masks by position on the device; several: the Triton
-    prefill (flash) kernel over the view's exact K/V.
+    prefill (flash) kernel over the view's exact K/V. With `blocks` (a prompt's images seen
+    whole): SDPA under the explicit mask.
     """
+    if blocks:
+        key_positions = view.positions
+        if key_positions is None:
+            key_positions = torch.arange(view.length, device=q.device)
+        keys, values = view.real()
+        mask = attention_mask(positions, key_positions[: view.length], window, blocks)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+        )
     if view.mask is not None:  # several sequences side by side (`SequenceBatch`)
         keys, values = view.real()
         grouped = q.shape[1] != keys.shape[1]
@@ -277,9 +302,10 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cache: LayerCache | None,
         shared: KVView | None = None,
+        blocks: Blocks = (),
     ) -> tuple[torch.Tensor | Partials, KVView]:
         """The output (for the layer's add-norm: `project_for_norm`) and the K/V view attended
-        over, which KV-sharing layers get as `shared`."""
+        over, which KV-sharing layers get as `shared`; `blocks`: see `attention_mask`."""
         batch, length, _ = x.shape
         cos, sin = rope
         write = decode_write(cache, positions, batch * length) if shared is None else None
@@ -301,6 +327,6 @@ class Attention(nn.Module):
             view = shared
         else:
             view = store_keys_values(cache, write, k, v, positions, (batch, length))
-        out = attend(q, view, positions, self.window, self.scale)
+        out = attend(q, view, positions, self.window, self.scale, blocks)
         heads = out.transpose(1, 2).reshape(batch, length, -1)
         return project_for_norm(self.o_proj, heads), view

@@ -4,6 +4,7 @@ kind, the final norm, the tied head and the final logit softcap."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,6 +15,20 @@ from hearth.layers.embedding import Embedding
 from hearth.layers.norm import RMSNorm
 
 Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SoftTokens:
+    """Rows that stand in for the embeddings of a run of prompt tokens: one image's (or
+    clip's) soft tokens, computed by its tower before the prompt is prefilled."""
+
+    start: int  # the absolute position of the first
+    embeddings: torch.Tensor  # [tokens, hidden] in the model's compute dtype
+    bidirectional: bool = False  # its tokens see each other on the layers where the model says
+
+    @property
+    def end(self) -> int:
+        return self.start + self.embeddings.shape[0]
 
 
 class DecoderModel(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config
 from hearth.kv.cache import CacheSpec, KVView, LayerCache
 from hearth.layers import per_layer
-from hearth.layers.attention import Attention, ValueMode, numbered
+from hearth.layers.attention import Attention, Blocks, ValueMode, numbered
 from hearth.layers.embedding import Embedding
 from hearth.layers.experts import Experts, Router
 from hearth.layers.linear import CodesMajor, ordered_input, project
@@ -30,8 +30,11 @@ from hearth.layers.norm import (
     moe_combine_add_rms_norm,
 )
 from hearth.layers.rope import ProportionalRotaryEmbedding
-from hearth.models.decoder import DecoderModel, Rope, last_of
-from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower, MultimodalEmbedder
+from hearth.media import Audio, Image, MediaError
+from hearth.media.image import DEFAULT_IMAGE_TOKENS, image_patches, soft_token_count
+from hearth.models.decoder import DecoderModel, Rope, SoftTokens, last_of
+from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower
+from hearth.models.gemma4_vision import Gemma4VisionModel, MultimodalEmbedder
 
 
 def _value_mode(config: Gemma4Config, layer: int) -> ValueMode:
@@ -93,14 +96,16 @@ class Gemma4DecoderLayer(nn.Module):
         shared: KVView | None,
         per_layer_input: torch.Tensor | None,
         next_norm: RMSNorm,
+        blocks: Blocks = (),
     ) -> tuple[torch.Tensor, torch.Tensor, KVView]:
         """The residual stream after this layer, its norm by `next_norm` (the next layer's
-        input norm, or the final norm) and the K/V view attended over.
+        input norm, or the final norm) and the K/V view attended over. `blocks`: position
+        runs (images) whose tokens see each other whole on this layer.
 
         `normed_input` is `input_layernorm(x)`, computed by the layer before with its last
         residual add: each norm here is fused with the add (and the layer scalar) before it.
         """
-        attended, view = self.self_attn(normed_input, rope, positions, cache, shared)
+        attended, view = self.self_attn(normed_input, rope, positions, cache, shared, blocks)
         if self.has_moe and per_layer_input is None:
             return (*self._moe_feed_forward(x, attended, next_norm), view)
         order = None if self.has_moe else self.mlp.input_order(x)
@@ -186,9 +191,13 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4Model(DecoderModel):
-    """Scaled embedding (+ per-layer inputs), decoder layers, final norm, tied head, softcap."""
+    """Scaled embedding (+ per-layer inputs), decoder layers, final norm, tied head, softcap;
+    with a vision tower, images' soft tokens in place of their placeholder tokens' rows."""
 
     config: Gemma4Config
+    media_kinds: tuple[str, ...] = ()
+    # Soft tokens of an image whose request names no budget (the checkpoint's processor's).
+    default_image_tokens: int = DEFAULT_IMAGE_TOKENS
 
     def __init__(self, config: Gemma4Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, dtype)
@@ -212,17 +221,24 @@ class Gemma4Model(DecoderModel):
             self.per_layer_projection_norm = RMSNorm(
                 config.hidden_size_per_layer_input, config.rms_norm_eps
             )
+        if config.vision is not None:
+            self.vision_tower = Gemma4VisionModel(config.vision)
+            self.embed_vision = MultimodalEmbedder(
+                config.vision.hidden_size, config.hidden_size, config.vision.rms_norm_eps
+            )
+            self.media_kinds = ("image",)
         if config.audio is not None:
             self.audio_tower = Gemma4AudioTower(config.audio)
             self.embed_audio = MultimodalEmbedder(
                 config.audio.output_proj_dims, config.hidden_size, config.audio.rms_norm_eps
             )
+            self.media_kinds = (*self.media_kinds, "audio")
 
     def audio_encoder(self) -> Gemma4AudioEncoder | None:
         """What turns a clip into this model's soft tokens, if it has an audio tower."""
         if self.config.audio is None:
             return None
-        return Gemma4AudioEncoder(self.audio_tower, self.embed_audio)
+        return Gemma4AudioEncoder(self.audio_tower, self.embed_audio, self.config.hidden_size)
 
     @staticmethod
     def specs_for(config: Gemma4Config) -> list[CacheSpec]:
@@ -253,6 +269,7 @@ class Gemma4Model(DecoderModel):
         last_only: bool = False,
         last_index: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        soft: Sequence[SoftTokens] = (),
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
 
@@ -261,8 +278,15 @@ class Gemma4Model(DecoderModel):
 
         `caches` holds one cache per layer that computes K/V (`cache_specs`); the KV-sharing
         layers that come last read their donor's view from this same call instead.
+
+        `soft` (one sequence, `start` an int): media soft tokens whose rows replace those of
+        the chunk's tokens at their positions, as HF merges them; a bidirectional run must lie
+        wholly inside the chunk or outside it.
         """
         x = self.embed(input_ids)
+        blocks: Blocks = ()
+        if soft:
+            x, input_ids, blocks = self._place_soft_tokens(x, input_ids, int(start), soft)
         per_layer = self.per_layer_inputs(input_ids, x)
         if positions is None:
             positions = self.positions(input_ids.shape[1], start, input_ids.device)
@@ -293,10 +317,115 @@ class Gemma4Model(DecoderModel):
                 None if owns_kv else donors[layer.layer_type],
                 None if per_layer is None else per_layer[:, :, index],
                 self.next_norm(index),
+                blocks if layer.layer_type == SLIDING_ATTENTION else (),
             )
             if owns_kv:  # the last owner of each type is the donor of the sharers of that type
                 donors[layer.layer_type] = view
         return self.logits(last_of(normed, last_index) if last_only else normed)
+
+    def _place_soft_tokens(
+        self, x: torch.Tensor, input_ids: torch.Tensor, start: int, soft: Sequence[SoftTokens]
+    ) -> tuple[torch.Tensor, torch.Tensor, Blocks]:
+        """The chunk's rows with soft tokens in place (not scaled by √hidden), its ids with
+        the pad id there (HF's per-layer inputs read the pad token's row at media positions),
+        and the bidirectional runs it holds, on Gemma 4 only on sliding layers (HF's
+        `create_masks_for_vision_model`: full layers stay causal)."""
+        x, input_ids = x.clone(), input_ids.clone()
+        end = start + x.shape[1]
+        blocks = []
+        for item in soft:
+            low, high = max(item.start, start), min(item.end, end)
+            if low >= high:
+                continue
+            rows = item.embeddings[low - item.start : high - item.start]
+            x[:, low - start : high - start] = rows.to(x.dtype)
+            input_ids[:, low - start : high - start] = self.config.pad_token_id
+            if item.bidirectional and self.config.bidirectional_vision:
+                if (low, high) != (item.start, item.end):
+                    raise ValueError("a prefill chunk splits an image that attends bidirectionally")
+                blocks.append((item.start, item.end))
+        return x, input_ids, tuple(blocks)
+
+    def expand_media(
+        self, ids: list[int], media: Sequence[Image | Audio]
+    ) -> tuple[list[int], list[tuple[int, int, Image | Audio]]]:
+        """`ids` with each media placeholder (in the order of `media`) expanded as HF's
+        processor does (an image: `<|image>`, its soft tokens, `<image|>`), and each item's
+        (start, length) of soft tokens."""
+        placeholders = self._media_tokens()
+        expanded: list[int] = []
+        spans: list[tuple[int, int, Image | Audio]] = []
+        items = iter(media)
+        for token in ids:
+            kind = placeholders.get(token)
+            if kind is None:
+                expanded.append(token)
+                continue
+            item = next(items, None)
+            if item is None:
+                raise MediaError(f"the prompt has more {kind} placeholders than {kind}s given")
+            given = "image" if isinstance(item, Image) else "audio"
+            if given != kind:
+                raise MediaError(f"the prompt's next placeholder is for {kind}, not {given}")
+            begin, soft_id, end = self._wrapping(kind)
+            count = self.soft_token_count(item)
+            expanded.append(begin)
+            spans.append((len(expanded), count, item))
+            expanded.extend([soft_id] * count)
+            expanded.append(end)
+        if next(items, None) is not None:
+            raise MediaError("the prompt has fewer media placeholders than images and audio given")
+        return expanded, spans
+
+    def _media_tokens(self) -> dict[int, str]:
+        """The placeholder token of each media kind the model takes."""
+        vision, audio = self.config.vision, self.config.audio
+        tokens = {} if vision is None else {vision.image_token_id: "image"}
+        if audio is not None:
+            tokens[audio.audio_token_id] = "audio"
+        return tokens
+
+    def _wrapping(self, kind: str) -> tuple[int, int, int]:
+        """(begin, soft token, end) ids of an item of `kind`."""
+        vision, audio = self.config.vision, self.config.audio
+        if kind == "audio":
+            assert audio is not None
+            return audio.boa_token_id, audio.audio_token_id, audio.eoa_token_id
+        assert kind == "image" and vision is not None
+        return vision.boi_token_id, vision.image_token_id, vision.eoi_token_id
+
+    def soft_token_count(self, item: Image | Audio) -> int:
+        """How many soft tokens `item` takes in a prompt."""
+        if isinstance(item, Audio):
+            return self._audio_encoder().soft_tokens(item)
+        vision = self.config.vision
+        if vision is None:
+            raise MediaError("this model takes no image input")
+        budget = item.max_tokens or self.default_image_tokens
+        return soft_token_count(item.size, budget, vision.patch_size, vision.pooling_kernel_size)
+
+    def embed_media(self, item: Image | Audio) -> SoftTokens:
+        """`item`'s soft tokens [count, hidden] in the text embedding space (position 0: the
+        caller places them), bidirectional where the model's images are; audio is causal."""
+        if isinstance(item, Audio):
+            soft = self._audio_encoder().encode(item)
+            return SoftTokens(0, soft.to(self.compute_dtype))
+        vision = self.config.vision
+        if vision is None:
+            raise MediaError("this model takes no image input")
+        budget = item.max_tokens or self.default_image_tokens
+        patches = image_patches(item, budget, vision.patch_size, vision.pooling_kernel_size)
+        device = self.device
+        pixels = torch.from_numpy(patches.pixels).to(device)
+        positions = torch.from_numpy(patches.positions).to(device)
+        soft = self.embed_vision(self.vision_tower(pixels, positions))
+        return SoftTokens(0, soft.to(self.compute_dtype), self.config.bidirectional_vision)
+
+    def _audio_encoder(self) -> Gemma4AudioEncoder:
+        encoder = self.audio_encoder()
+        if encoder is None:
+            raise MediaError("this model takes no audio input")
+        return encoder
 
     def per_layer_inputs(
         self, input_ids: torch.Tensor, embedded: torch.Tensor

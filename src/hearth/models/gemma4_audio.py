@@ -17,6 +17,7 @@ cannot carry them back, so they change nothing at real positions.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -27,9 +28,10 @@ from torch import nn
 from hearth.config import Gemma4AudioConfig
 from hearth.layers.clipped import ClippedLinear
 from hearth.layers.linear import project
-from hearth.layers.norm import RMSNorm, rms_norm
+from hearth.layers.norm import RMSNorm
 from hearth.media import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, Audio, MediaError
 from hearth.media.audio import LogMelExtractor
+from hearth.models.gemma4_vision import MultimodalEmbedder
 
 # HF builds the tower's feed-forward and block norms with Gemma4RMSNorm's default epsilon,
 # not the config's (which the light convolution and subsampling norms use).
@@ -271,20 +273,6 @@ class Gemma4AudioTower(nn.Module):
         return window & (key >= 0) & (key < time) & (query < time)
 
 
-class MultimodalEmbedder(nn.Module):
-    """HF's `Gemma4MultimodalEmbedder`: a weightless RMSNorm, then a projection into the text
-    hidden size (no √hidden scale: soft tokens replace embedding rows as they are)."""
-
-    def __init__(self, in_features: int, text_hidden: int, eps: float) -> None:
-        super().__init__()
-        self.embedding_projection = nn.Linear(in_features, text_hidden, bias=False)
-        self.text_hidden = text_hidden
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.embedding_projection, rms_norm(x, None, self.eps), wide=True)
-
-
 class Gemma4AudioEncoder:
     """A clip to its soft-token embeddings [soft_tokens(audio), text hidden]: features, the
     tower and `embed_audio`. The modules are the model's (`Gemma4Model.audio_tower`,
@@ -294,18 +282,20 @@ class Gemma4AudioEncoder:
         self,
         tower: Gemma4AudioTower,
         embedder: MultimodalEmbedder,
+        text_hidden: int,
         features: LogMelExtractor | None = None,
     ) -> None:
         self.tower = tower
         self.embedder = embedder
-        self.features = features or LogMelExtractor()
+        self.text_hidden = text_hidden
+        self.features = features or _default_features()
 
     @classmethod
     def create(cls, config: Gemma4AudioConfig, text_hidden: int) -> Gemma4AudioEncoder:
         """An encoder with freshly initialised modules (tests, benchmarks)."""
         tower = Gemma4AudioTower(config)
         embedder = MultimodalEmbedder(config.output_proj_dims, text_hidden, config.rms_norm_eps)
-        return cls(tower, embedder)
+        return cls(tower, embedder, text_hidden)
 
     def soft_tokens(self, audio: Audio) -> int:
         """How many soft tokens `encode(audio)` returns: HF's processor count."""
@@ -317,9 +307,15 @@ class Gemma4AudioEncoder:
         # the output projection keeps a float weight under any --quantize (it has a bias)
         like = self.tower.output_proj.weight
         if len(frames) == 0:  # under 10 ms: no soft token
-            return like.new_zeros(0, self.embedder.text_hidden)
+            return like.new_zeros(0, self.text_hidden)
         features = torch.from_numpy(frames).to(like.device)
         return self.embedder(self.tower(features))
+
+
+@functools.cache
+def _default_features() -> LogMelExtractor:
+    """HF's extractor settings, which the released checkpoints use (window and bank made once)."""
+    return LogMelExtractor()
 
 
 def _checked_samples(audio: Audio) -> np.ndarray:

@@ -3,19 +3,21 @@ statistics. It drives a `ModelRunner` and knows nothing about kernels or HTTP.""
 
 from __future__ import annotations
 
+import hashlib
 import resource
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from hearth.kv import LayerCache
 from hearth.lengths import generation_limit
-from hearth.media import Audio, Image
+from hearth.media import Audio, Image, MediaError
 from hearth.models import Model
+from hearth.models.decoder import SoftTokens
 from hearth.runtime.constraints import GrammarMatcher, OutputConstraint, matcher_for
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import Sampler, SamplingParams
@@ -130,6 +132,45 @@ class GenerationRequest:
     top_logprobs: int | None = None  # None: no log-probabilities
     constraint: OutputConstraint | None = None  # what the text must match (None: anything)
     media: tuple[PromptMedia, ...] = ()  # the prompt's images and audio, in order
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The prompt as the prompt cache keys it: `media_cache_ids`."""
+        return media_cache_ids(self.prompt_ids, self.media)
+
+
+# Soft-token keys: -1 - (content hash << _INDEX_BITS | index), below every real token id.
+_INDEX_BITS = 12
+_HASH_BITS = 48
+
+
+def media_cache_ids(prompt_ids: Sequence[int], media: Sequence[PromptMedia]) -> list[int]:
+    """`prompt_ids` with each media item's soft tokens replaced by keys derived from its
+    content (digest, budget, token count) and index: the placeholder ids are the same for
+    every image, so two different images never share a prefix, and the same image again does.
+    """
+    ids = list(prompt_ids)
+    for span in media:
+        budget = getattr(span.item, "max_tokens", None)
+        name = f"{span.item.digest}/{budget}/{span.length}".encode()
+        content = int.from_bytes(hashlib.sha256(name).digest()[: _HASH_BITS // 8], "big")
+        for index in range(span.length):
+            ids[span.start + index] = -1 - (content << _INDEX_BITS | index % (1 << _INDEX_BITS))
+    return ids
+
+
+def soft_tokens(runner: ModelRunner, media: Sequence[PromptMedia]) -> list[SoftTokens]:
+    """Each media item's soft tokens from the model's tower for it, placed at its span."""
+    placed = []
+    for span in media:
+        encoded = runner.model.embed_media(span.item)  # type: ignore[union-attr]
+        if encoded.embeddings.shape[0] != span.length:
+            raise MediaError(
+                f"the prompt holds {span.length} soft tokens for an item the model encodes "
+                f"into {encoded.embeddings.shape[0]}"
+            )
+        placed.append(replace(encoded, start=span.start))
+    return placed
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -262,6 +303,7 @@ def generate_tokens(
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
     logprobs: LogprobRecorder | None = None,
     grammar: GrammarMatcher | None = None,
+    media: Sequence[PromptMedia] = (),
 ) -> Iterator[int]:
     """Token ids, one per step, until `max_tokens`; the caller decides when to stop early.
 
@@ -273,6 +315,8 @@ def generate_tokens(
     `on_prefilled` sees the caches once they hold exactly the prompt (a prompt cache keeps a
     snapshot there). `logprobs`: records each token's log-probabilities before it is yielded
     (None: none are computed). `grammar`: masks each step's logits and advances on its token.
+    `media`: the prompt's images and audio, encoded by their towers before the prefill, which
+    then runs eagerly (the graph prefills take token ids only).
     """
     runner = as_runner(model)
     if not 0 <= cached_tokens < len(prompt_ids):
@@ -294,16 +338,17 @@ def generate_tokens(
         else None
     )
     try:
-        if graph is not None and caches is None:
+        soft = soft_tokens(runner, media) if media else []
+        if graph is not None and caches is None and not soft:
             caches = graph.caches
             logits = graph.prefill(prompt, prefill_step)
-        elif graph is not None and cached_tokens and graph.continues_hits:
+        elif graph is not None and cached_tokens and graph.continues_hits and not soft:
             graph.adopt(caches, cached_tokens)  # the hit first, then its new tokens
             caches = graph.caches
             logits = graph.prefill(prompt, prefill_step)
         else:
             caches = runner.new_caches() if caches is None else caches
-            logits = runner.prefill(prompt, caches, cached_tokens, prefill_step)
+            logits = runner.prefill(prompt, caches, cached_tokens, prefill_step, soft)
         if on_prefilled is not None:
             on_prefilled(caches)
         if graph is not None and caches is not graph.caches:
@@ -374,11 +419,12 @@ def stream_generate(
     on_prefilled: Callable[[list[LayerCache]], None] | None = None,
     top_logprobs: int | None = None,
     constraint: OutputConstraint | None = None,
+    media: Sequence[PromptMedia] = (),
 ) -> Iterator[GenerationChunk]:
     """Stream text as it is generated; the last chunk carries `finish_reason` and the stats.
 
-    `cached_tokens`, `on_prefilled`: see `generate_tokens`. `top_logprobs`: None computes no
-    log-probabilities; a count (0 or more) fills each chunk's `logprobs`, with that many
+    `cached_tokens`, `on_prefilled`, `media`: see `generate_tokens`. `top_logprobs`: None
+    computes no log-probabilities; a count (0 or more) fills each chunk's `logprobs`, with that many
     alternatives per token. `constraint`: what the text must match; the reply ends where it
     is complete (its end ids are allowed only there).
 
@@ -408,6 +454,7 @@ def stream_generate(
         on_prefilled=on_prefilled,
         logprobs=reply.recorder,
         grammar=grammar,
+        media=media,
     )
     for token in tokens:
         if cancelled is not None and cancelled():

@@ -9,12 +9,15 @@ do not see each other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hearth.kv import KVPolicy, LayerCache
 from hearth.layers.attention import SequenceBatch
 from hearth.layers.experts import Experts
 from hearth.models import Model
+from hearth.models.decoder import SoftTokens
 from hearth.ops import HAS_TRITON
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.graphs import GraphDecoder, grown_slots
@@ -65,15 +68,24 @@ class ModelRunner:
         caches: list[LayerCache],
         position: int = 0,
         chunk: int | None = None,
+        soft: list[SoftTokens] | None = None,
     ) -> torch.Tensor:
         """Run `prompt` [1, T] (its first token at `position`) through the model in chunks of
-        the plan's `prefill_chunk` (or `chunk`); the last position's logits [1, V]."""
+        the plan's `prefill_chunk` (or `chunk`); the last position's logits [1, V].
+
+        `soft`: media soft tokens at their absolute positions; a chunk never splits one that
+        attends bidirectionally (`chunk_end`)."""
         step = chunk or self.plan.prefill_chunk
-        last = (prompt.shape[1] - 1) // step * step
-        for start in range(0, last, step):
-            piece = prompt[:, start : start + step]
-            self.model(piece, caches, start=position + start, last_only=True)
-        return self.model(prompt[:, last:], caches, start=position + last, last_only=True)[:, -1]
+        end = position + prompt.shape[1]
+        extra = {"soft": soft} if soft else {}
+        start = position
+        while True:
+            stop = chunk_end(start, end, step, soft or ())
+            piece = prompt[:, start - position : stop - position]
+            logits = self.model(piece, caches, start=start, last_only=True, **extra)
+            if stop == end:
+                return logits[:, -1]
+            start = stop
 
     def decode(self, token: int, caches: list[LayerCache], position: int) -> torch.Tensor:
         """Logits [1, V] after `token` at `position`: one native call per layer where the plan
@@ -130,3 +142,14 @@ class ModelRunner:
     def discard_idle(self) -> None:
         """Drop the idle decoder: the next request captures anew."""
         self._idle = None
+
+
+def chunk_end(start: int, end: int, step: int, soft: Sequence[SoftTokens]) -> int:
+    """Where a prefill chunk from `start` ends: `step` tokens on, moved back to the start of
+    a bidirectional run of soft tokens it would split (or on to that run's end, if the run
+    begins at `start` and outgrows the step), since each must see its whole run at once."""
+    cut = min(start + step, end)
+    for run in soft:
+        if run.bidirectional and run.start < cut < run.end:
+            cut = run.start if run.start > start else run.end
+    return cut

@@ -27,6 +27,7 @@ from hearth.kv import LayerCache
 from hearth.kv.footprint import KVFootprint
 from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
 from hearth.lengths import generation_limit
+from hearth.models.decoder import SoftTokens
 from hearth.runtime.constraints import GrammarMatcher
 from hearth.runtime.generate import (
     GenerationChunk,
@@ -35,8 +36,9 @@ from hearth.runtime.generate import (
     Reply,
     peak_memory_bytes,
     sample_next,
+    soft_tokens,
 )
-from hearth.runtime.runner import ModelRunner
+from hearth.runtime.runner import ModelRunner, chunk_end
 from hearth.runtime.sampling import Sampler
 from hearth.tokenizer import Tokenizer
 
@@ -63,6 +65,7 @@ class Sequence:
     produced: int = 0
     next_token: int | None = None  # made, not yet fed to the model
     boundary: list[LayerCache] | None = None  # the caches at the prompt, for the prompt cache
+    soft: list[SoftTokens] | None = None  # the media's soft tokens, encoded at the first chunk
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
@@ -171,7 +174,7 @@ class Scheduler:
         self.waiting.popleft()
         reuse = Reuse(None, 0)
         if self.prompt_cache is not None:
-            reuse = self.prompt_cache.take(sequence.prompt_ids)
+            reuse = self.prompt_cache.take(sequence.request.cache_ids)
         sequence.caches = reuse.caches if reuse.caches is not None else self.runner.new_caches()
         sequence.computed = reuse.cached_tokens
         sequence.history = list(sequence.prompt_ids)
@@ -185,16 +188,20 @@ class Scheduler:
         """The next chunk of the prompt; after the last, its first token."""
         runner = self.runner
         chunk = runner.plan.prefill_chunk
+        if sequence.soft is None:
+            sequence.soft = soft_tokens(runner, sequence.request.media)
         start = sequence.computed
-        piece = sequence.history[start : start + chunk]
+        end = chunk_end(start, len(sequence.prompt_ids), chunk, sequence.soft)
+        piece = sequence.history[start:end]
         ids = torch.tensor([piece], dtype=torch.long, device=runner.device)
-        logits = runner.prefill(ids, sequence.caches, start, chunk)
+        logits = runner.prefill(ids, sequence.caches, start, end - start, sequence.soft)
         sequence.computed = start + len(piece)
         if sequence.computed < len(sequence.prompt_ids):
             return
         self._prefilling = None
         if self.prompt_cache is not None:
             sequence.boundary = snapshot_caches(sequence.caches)
+        sequence.soft = None  # freed
         self.running.append(sequence)
         self._take_token(sequence, logits)
 
@@ -244,7 +251,7 @@ class Scheduler:
         """The last chunk, after the prompt's caches went to the prompt cache."""
         self._remove(sequence)
         if self.prompt_cache is not None and sequence.boundary is not None:
-            self.prompt_cache.put(sequence.prompt_ids, sequence.boundary)
+            self.prompt_cache.put(sequence.request.cache_ids, sequence.boundary)
         sequence.stats.peak_memory_bytes = peak_memory_bytes(self.runner.device)
         sequence.deliver(sequence.reply.finish(sequence.stats))
 

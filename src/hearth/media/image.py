@@ -1,0 +1,102 @@
+"""Gemma 4's image preprocessing: pure maths on a decoded image (HF's
+`Gemma4ImageProcessorPil`).
+
+An image is resized, keeping its aspect ratio, to the largest size whose sides are multiples
+of patch · pooling pixels (48) and whose patches fit the soft-token budget (budget · pooling²
+patches of 16x16); Pillow's bicubic filter on the 8-bit RGB values, as HF's PIL processor
+resizes. Pixels are scaled to [0, 1] (x/255 in float64, then float32), cut into patches whose
+values run (row in patch, column in patch, channel), each with its (x, y) = (column, row) in
+the patch grid. HF pads the patches to the budget with position (−1, −1); the tower masks
+those out, so none are made here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hearth.media import Image, MediaError
+
+IMAGE_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # what Gemma 4 was trained with
+DEFAULT_IMAGE_TOKENS = 280
+
+
+def check_budget(budget: int) -> None:
+    if budget not in IMAGE_TOKEN_BUDGETS:
+        choices = ", ".join(str(b) for b in IMAGE_TOKEN_BUDGETS)
+        raise MediaError(f"an image's soft-token budget must be one of {choices}, not {budget}")
+
+
+def resized_size(
+    width: int, height: int, budget: int, patch: int = 16, pooling: int = 3
+) -> tuple[int, int]:
+    """(width, height) an image of this size is resized to for `budget` soft tokens."""
+    check_budget(budget)
+    max_patches = budget * pooling**2
+    side = patch * pooling
+    scale = math.sqrt(max_patches * patch**2 / (width * height))
+    target_w = math.floor(scale * width / side) * side
+    target_h = math.floor(scale * height / side) * side
+    longest = (max_patches // pooling**2) * side
+    # A very thin image: its short side takes one pooled row, its long side as the ratio says.
+    if target_h == 0 and target_w == 0:
+        raise MediaError(f"the image ({width}x{height}) is too small to cut into patches")
+    if target_h == 0:
+        target_h, target_w = side, min(math.floor(width / height) * side, longest)
+    elif target_w == 0:
+        target_w, target_h = side, min(math.floor(height / width) * side, longest)
+    if target_w * target_h > max_patches * patch**2:
+        raise MediaError(f"the image ({width}x{height}) cannot fit {budget} soft tokens")
+    return target_w, target_h
+
+
+def soft_token_count(size: tuple[int, int], budget: int, patch: int = 16, pooling: int = 3) -> int:
+    """Soft tokens of an image of `size` (width, height) under `budget`."""
+    width, height = resized_size(*size, budget, patch, pooling)
+    return (width // patch) * (height // patch) // pooling**2
+
+
+@dataclass(frozen=True)
+class ImagePatches:
+    """One image cut into patches: `pixels` [patches, patch² · 3] float32 in [0, 1] and
+    `positions` [patches, 2] int64 (x, y), the grid's rows in order."""
+
+    pixels: np.ndarray
+    positions: np.ndarray
+    grid: tuple[int, int]  # (columns, rows) of patches
+
+
+def image_patches(image: Image, budget: int, patch: int = 16, pooling: int = 3) -> ImagePatches:
+    """`image` resized for `budget` soft tokens, scaled to [0, 1] and cut into patches."""
+    from PIL import Image as PILImage
+
+    width, height = resized_size(*image.size, budget, patch, pooling)
+    pixels = image.pixels
+    if (width, height) != image.size:
+        pixels = pixels.resize((width, height), resample=PILImage.Resampling.BICUBIC)  # type: ignore[attr-defined]
+    values = (np.asarray(pixels, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
+    columns, rows = width // patch, height // patch
+    cut = values.reshape(rows, patch, columns, patch, 3).transpose(0, 2, 1, 3, 4)
+    flat = np.ascontiguousarray(cut.reshape(rows * columns, patch * patch * 3))
+    xs, ys = np.meshgrid(np.arange(columns), np.arange(rows), indexing="xy")
+    positions = np.stack([xs, ys], axis=-1).reshape(-1, 2).astype(np.int64)
+    return ImagePatches(flat, positions, (columns, rows))
+
+
+def checkpoint_image_tokens(directory: Path) -> int | None:
+    """The soft-token budget a checkpoint's processor config names (`max_soft_tokens` in
+    processor_config.json or preprocessor_config.json), if any."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            config = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue
+        processor = config.get("image_processor", config)
+        budget = processor.get("max_soft_tokens") if isinstance(processor, dict) else None
+        if isinstance(budget, int) and budget in IMAGE_TOKEN_BUDGETS:
+            return budget
+    return None
