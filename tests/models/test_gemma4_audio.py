@@ -13,6 +13,7 @@ HF's default softcap moves outputs by 8e-2 to 1.9 (`test_clips_and_softcap_bind`
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,12 @@ import torch
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
 from hearth.checkpoint import open_checkpoint
+from hearth.kv import make_caches
 from hearth.media import Audio, MediaError
 from hearth.models.gemma4_audio import Gemma4AudioEncoder
 from hearth.models.loading import build_model
+from hearth.runtime.generate import PromptMedia, soft_tokens
+from hearth.runtime.runner import ModelRunner
 from tiny import K_EQ_V, randomise_gemma4, save_hf, tiny_gemma4_config
 
 ATOL = 3e-6
@@ -41,12 +45,15 @@ AUDIO_WINDOWS: dict[str, dict[str, Any]] = {
 }
 # Sample counts: 2 soft tokens; 24 (two whole chunks of 12); 25 and 37 (a partial chunk).
 LENGTHS = [1_000, 15_361, 16_000, 23_457]
+_OUTER_FIELDS = ("audio_token_id", "boa_token_id", "eoa_token_index")
 
 
-def tiny_audio_model(seed: int = 0, **audio_overrides: Any) -> Any:
+def tiny_audio_model(seed: int = 0, text: dict[str, Any] | None = None, **overrides: Any) -> Any:
     """An fp32 HF Gemma4ForConditionalGeneration with a two-layer audio tower.
 
-    The text model has a full-layer head dim twice the sliding one and k_eq_v on. In the
+    The text model has a full-layer head dim twice the sliding one and k_eq_v on (plus
+    `text`'s fields); `overrides` go to the audio config, or to the outer config where they
+    are its fields (the audio token ids). In the
     tower, norms are randomised (HF sets them to one), `per_dim_scale` too (HF: zero), the
     linears get std 0.2 so that attention logits reach the softcap (set to 5), and every
     clipped linear gets finite bounds that clamp part of its inputs and outputs.
@@ -62,10 +69,12 @@ def tiny_audio_model(seed: int = 0, **audio_overrides: Any) -> Any:
         subsampling_conv_channels=[128, 8],
         output_proj_dims=24,
         attention_logit_cap=5.0,
-        **audio_overrides,
+        **{k: v for k, v in overrides.items() if k not in _OUTER_FIELDS},
     )
     config = Gemma4Config(
-        text_config=tiny_gemma4_config(**K_EQ_V).to_dict(), audio_config=audio.to_dict()
+        text_config=tiny_gemma4_config(**K_EQ_V, **(text or {})).to_dict(),
+        audio_config=audio.to_dict(),
+        **{k: v for k, v in overrides.items() if k in _OUTER_FIELDS},
     )
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(config).eval()
@@ -184,3 +193,125 @@ def test_int8_load_keeps_the_float_output_projection(tmp_path: Path):
     audio = _clip(16_000)
     ours = encoder.encode(audio).float()
     torch.testing.assert_close(ours, _hf_encode(hf, audio), atol=0.3, rtol=0)
+
+
+# Audio prompts through the text model. The tiny vocabulary's last three ids stand for
+# `<|audio>`, `<|audio|>` and `<audio|>`.
+BOA, AUDIO_TOKEN, EOA = 253, 254, 255
+DECODE_STEPS = 10
+# Logits: 1.2e-4 absolute (MULTIMODAL_ATOL of test_gemma4.py: the same HF path, where
+# text-only prompts measured 5.8e-5), on logits up to ~25. Soft tokens at the wrong
+# positions, scaled by √hidden, or per-layer inputs read at the audio token's id move them by
+# more than 1e-2 (`test_audio_soft_tokens_matter`).
+LOGITS_ATOL = 1.2e-4
+
+
+@pytest.fixture(scope="module")
+def audio_lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """(HF model, Hearth model): PLE on, k_eq_v full layers twice as wide as sliding ones."""
+    hf = tiny_audio_model(
+        seed=5,
+        text={"hidden_size_per_layer_input": 8},
+        audio_token_id=AUDIO_TOKEN,
+        boa_token_id=BOA,
+        eoa_token_index=EOA,
+    )
+    path = save_hf(hf, tmp_path_factory.mktemp("audio_lm"))
+    return hf, build_model(open_checkpoint(path), torch.float32, progress=False)
+
+
+def _hf_audio_logits(hf: Any, ids: list[int], clips: list[Audio]) -> torch.Tensor:
+    """HF's logits [positions, vocab] for an expanded prompt with its clips (the extractor
+    pads them to the longest as HF's processor does)."""
+    inputs = Gemma4AudioFeatureExtractor()([clip.samples for clip in clips], return_tensors="pt")
+    with torch.no_grad():
+        return hf(
+            input_ids=torch.tensor([ids]),
+            input_features=inputs["input_features"],
+            input_features_mask=inputs["input_features_mask"],
+        ).logits[0]
+
+
+def _hf_audio_greedy(hf: Any, ids: list[int], clips: list[Audio]) -> tuple[list[int], Any]:
+    """HF's greedy continuation of DECODE_STEPS tokens and the final sequence's logits."""
+    ids = list(ids)
+    for _ in range(DECODE_STEPS):
+        ids.append(int(_hf_audio_logits(hf, ids, clips)[-1].argmax()))
+    return ids, _hf_audio_logits(hf, ids, clips)
+
+
+CLIPS = [_clip(9_000), _clip(4_321)]
+
+
+def _audio_prompt(model: Any, clips: list[Audio]) -> tuple[list[int], Any]:
+    """A rendered-prompt shape: text, each clip's one `<|audio|>`, text; expanded."""
+    ids = [2, 105, *range(120, 126)]
+    for index, _ in enumerate(clips):
+        ids += [10, AUDIO_TOKEN, 10, 130 + index]
+    ids += [106, 105, 140, 141]
+    return model.expand_media(ids, clips)
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_audio_prompt_logits_equal_hf_through_prefill_and_decode(
+    audio_lm: tuple[Any, Any], chunk: int
+) -> None:
+    """Two clips (14 and 7 soft tokens) in a prompt prefilled whole or in chunks of 16 (which
+    split a clip: audio attends causally, so a chunk may end inside it), then 10 cached
+    decode steps teacher-forced with HF's greedy tokens: the uncached logits of the whole
+    sequence, the prompt's last position and every step equal HF's."""
+    hf, model = audio_lm
+    ids, spans = _audio_prompt(model, CLIPS)
+    assert [length for _, length, _ in spans] == [14, 7]
+    assert [ids[start - 1] for start, _, _ in spans] == [BOA, BOA]
+    assert [ids[start + length] for start, length, _ in spans] == [EOA, EOA]
+    tokens, reference = _hf_audio_greedy(hf, ids, CLIPS)
+    runner = ModelRunner(model)
+    media = tuple(PromptMedia(start, length, item) for start, length, item in spans)
+    with torch.inference_mode():
+        soft = soft_tokens(runner, media)
+        full = model(torch.tensor([tokens]), soft=soft)[0]
+        caches = make_caches(model.cache_specs())
+        rows = [runner.prefill(torch.tensor([ids]), caches, 0, chunk, soft)[0]]
+        for position in range(len(ids), len(tokens) - 1):
+            rows.append(runner.decode(tokens[position], caches, position)[0])
+    torch.testing.assert_close(full, reference, atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(rows), reference[len(ids) - 1 : -1], atol=LOGITS_ATOL, rtol=0
+    )
+
+
+def test_audio_soft_tokens_matter(audio_lm: tuple[Any, Any]) -> None:
+    """The comparison can fail: the prompt with the clips' soft tokens swapped, or scaled by
+    √hidden as token rows are, moves the logits far past the tolerance."""
+    hf, model = audio_lm
+    ids, spans = _audio_prompt(model, CLIPS[:1])
+    reference = _hf_audio_logits(hf, ids, CLIPS[:1])
+    runner = ModelRunner(model)
+    media = tuple(PromptMedia(start, length, item) for start, length, item in spans)
+    with torch.inference_mode():
+        (soft,) = soft_tokens(runner, media)
+        scaled = dataclasses.replace(soft, embeddings=soft.embeddings * 8.0)
+        reversed_rows = dataclasses.replace(soft, embeddings=soft.embeddings.flip(0))
+        for wrong in (scaled, reversed_rows):
+            logits = model(torch.tensor([ids]), soft=[wrong])[0]
+            assert (logits - reference).abs().max() > 100 * LOGITS_ATOL
+        right = model(torch.tensor([ids]), soft=[soft])[0]
+    torch.testing.assert_close(right, reference, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_audio_on_a_model_without_the_tower_is_refused(tmp_path: Path) -> None:
+    hf = tiny_audio_model(seed=1)
+    model = build_model(open_checkpoint(save_hf(hf, tmp_path)), torch.float32, progress=False)
+    assert model.media_kinds == ("audio",)
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text_only = Gemma4ForConditionalGeneration(
+        Gemma4Config(text_config=tiny_gemma4_config().to_dict())
+    ).eval()
+    bare = build_model(
+        open_checkpoint(save_hf(text_only, tmp_path / "bare")), torch.float32, progress=False
+    )
+    assert bare.media_kinds == ()
+    with pytest.raises(MediaError, match="no audio input"):
+        bare.soft_token_count(_clip(1_000))
