@@ -60,18 +60,28 @@ def _hearth_encoder(hf_config, text_hidden: int, hf_tower, hf_embedder, dtype, d
     return encoder
 
 
-def _median_seconds(run: Callable[[], torch.Tensor], repeats: int, device: str) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+def _seconds(run: Callable[[], torch.Tensor], device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _interleaved_medians(
+    runs: tuple[Callable[[], torch.Tensor], ...], repeats: int, device: str
+) -> list[float]:
+    """Each run's median time, the runs alternating so that a busy spell of a shared machine
+    falls on both alike; one warm-up each first."""
+    for run in runs:
         run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for index, run in enumerate(runs):
+            times[index].append(_seconds(run, device))
+    return [statistics.median(column) for column in times]
 
 
 def _hardware(device: str) -> str:
@@ -117,8 +127,11 @@ def main() -> None:
         rng = np.random.default_rng(0)
         samples = (rng.standard_normal(int(seconds * AUDIO_SAMPLE_RATE)) * 0.3).astype(np.float32)
         audio = Audio(samples, "bench")
-        ours = _median_seconds(partial(encoder.encode, audio), args.repeats, args.device)
-        theirs = _median_seconds(partial(hf_encode, samples), args.repeats, args.device)
+        ours, theirs = _interleaved_medians(
+            (partial(encoder.encode, audio), partial(hf_encode, samples)),
+            args.repeats,
+            args.device,
+        )
         diff = (encoder.encode(audio).float() - hf_encode(samples).float()).abs().max().item()
         print(
             f"| {seconds:g} s | {encoder.soft_tokens(audio)} | {ours:.3f} | {theirs:.3f} "
