@@ -9,6 +9,8 @@ within a tolerance.
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import soundfile
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
 from hearth.media import AUDIO_SAMPLE_RATE, decode_audio
-from hearth.media.audio import LogMelExtractor, LogMelSettings
+from hearth.media.audio import LogMelExtractor, LogMelSettings, checkpoint_audio_settings
 
 
 def _hf_soft_tokens(mask: np.ndarray) -> int:
@@ -110,3 +112,25 @@ def test_one_soft_token_per_40_ms():
     assert extractor.soft_tokens(30 * AUDIO_SAMPLE_RATE) == 750
     assert extractor.soft_tokens(AUDIO_SAMPLE_RATE) == 25
     assert extractor.soft_tokens(160) == 0
+
+
+def test_checkpoint_processor_config_sets_the_features(tmp_path: Path):
+    """A checkpoint's saved extractor (preprocessor_config.json as HF writes it, or nested in
+    processor_config.json) gives the features HF's extractor loaded from it gives."""
+    hf = Gemma4AudioFeatureExtractor(preemphasis=0.97, mel_floor=1e-4)
+    hf.save_pretrained(tmp_path / "flat")
+    saved = json.loads((tmp_path / "flat" / "preprocessor_config.json").read_text())
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "processor_config.json").write_text(
+        json.dumps({"feature_extractor": saved, "image_processor": {}})
+    )
+    samples = (np.random.default_rng(3).standard_normal(3_000) * 0.2).astype(np.float32)
+    loaded = Gemma4AudioFeatureExtractor.from_pretrained(tmp_path / "flat")
+    hf_features, _ = _hf(loaded, samples)
+    for directory in (tmp_path / "flat", nested):
+        settings = checkpoint_audio_settings(directory)
+        assert settings is not None and settings.preemphasis == 0.97
+        features, _ = LogMelExtractor(settings).features_and_mask(samples)
+        np.testing.assert_array_equal(features, hf_features)
+    assert checkpoint_audio_settings(tmp_path) is None

@@ -21,9 +21,11 @@ function of the samples.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -204,3 +206,20 @@ class LogMelExtractor:
 
 def _per_bin(values: tuple[float, ...] | None, bins: int) -> np.ndarray | None:
     return None if values is None else np.asarray(values, dtype=np.float64).reshape(1, bins)
+
+
+def checkpoint_audio_settings(directory: Path) -> LogMelSettings | None:
+    """The feature settings a checkpoint's processor config names (the `feature_extractor`
+    of processor_config.json, or a preprocessor_config.json of Gemma 4's extractor), if any."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            config = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(config, dict):
+            continue
+        extractor = config.get("feature_extractor", config)
+        kind = extractor.get("feature_extractor_type") if isinstance(extractor, dict) else None
+        if kind == "Gemma4AudioFeatureExtractor":
+            return LogMelSettings.from_hf(extractor)
+    return None

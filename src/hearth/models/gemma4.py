@@ -31,6 +31,7 @@ from hearth.layers.norm import (
 )
 from hearth.layers.rope import ProportionalRotaryEmbedding
 from hearth.media import Audio, Image, MediaError
+from hearth.media.audio import LogMelExtractor
 from hearth.media.image import DEFAULT_IMAGE_TOKENS, image_patches, soft_token_count
 from hearth.models.decoder import DecoderModel, Rope, SoftTokens, last_of
 from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower
@@ -198,6 +199,8 @@ class Gemma4Model(DecoderModel):
     media_kinds: tuple[str, ...] = ()
     # Soft tokens of an image whose request names no budget (the checkpoint's processor's).
     default_image_tokens: int = DEFAULT_IMAGE_TOKENS
+    # A clip's features as the checkpoint's processor config sets them (None: HF's defaults).
+    audio_features: LogMelExtractor | None = None
 
     def __init__(self, config: Gemma4Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, dtype)
@@ -238,7 +241,9 @@ class Gemma4Model(DecoderModel):
         """What turns a clip into this model's soft tokens, if it has an audio tower."""
         if self.config.audio is None:
             return None
-        return Gemma4AudioEncoder(self.audio_tower, self.embed_audio, self.config.hidden_size)
+        return Gemma4AudioEncoder(
+            self.audio_tower, self.embed_audio, self.config.hidden_size, self.audio_features
+        )
 
     @staticmethod
     def specs_for(config: Gemma4Config) -> list[CacheSpec]:
