@@ -314,7 +314,7 @@ class Gemma4AudioEncoder:
 
 @functools.cache
 def _default_features() -> LogMelExtractor:
-    """HF's extractor settings, which the released checkpoints use (window and bank made once)."""
+    """HF's default extractor settings (window and mel bank made once)."""
     return LogMelExtractor()
 
 
