@@ -315,3 +315,17 @@ def test_audio_on_a_model_without_the_tower_is_refused(tmp_path: Path) -> None:
     assert bare.media_kinds == ()
     with pytest.raises(MediaError, match="no audio input"):
         bare.soft_token_count(_clip(1_000))
+
+
+def test_checkpoint_without_tower_weights_loads_as_text(tmp_path: Path) -> None:
+    """mlx-lm's conversions keep the multimodal config.json (with `audio_config`) but drop the
+    towers' weights: such a checkpoint loads as a text model that takes no audio."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf(tiny_audio_model(seed=2), tmp_path)
+    file = path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(file).items() if "audio" not in k}
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = build_model(open_checkpoint(path), torch.float32, progress=False)
+    assert model.audio_encoder() is None
+    assert model.media_kinds == ()

@@ -28,6 +28,15 @@ class ClippedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.clipped:
             return project(self.linear, x, wide=True)
-        x = torch.clamp(x, self.input_min.to(x.dtype), self.input_max.to(x.dtype))
-        y = project(self.linear, x, wide=True)
-        return torch.clamp(y, self.output_min.to(y.dtype), self.output_max.to(y.dtype))
+        x = _clamp(x, self.input_min, self.input_max)
+        return _clamp(project(self.linear, x, wide=True), self.output_min, self.output_max)
+
+
+def _clamp(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """x clamped to [low, high] as HF does (bounds in x's dtype). On the CPU the bounds go as
+    numbers, which torch clamps ~2x faster than with tensor bounds; on a GPU reading them would
+    wait for the device."""
+    low, high = low.to(x.dtype), high.to(x.dtype)
+    if x.device.type == "cpu":
+        return torch.clamp(x, low.item(), high.item())
+    return torch.clamp(x, low, high)

@@ -82,14 +82,13 @@ class VisionAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(patches, self.kv_heads, self.head_dim))
         v = rms_norm(self.v_proj(x).view(patches, self.kv_heads, self.head_dim), None, self.eps)
         q, k = apply_axial_rope(q, cos, sin), apply_axial_rope(k, cos, sin)
+        # [1, heads, patches, dim]: with a batch dim the CPU takes SDPA's flash kernel (5x
+        # faster at 2520 patches than the 3-D call).
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            scale=1.0,
-            enable_gqa=self.heads != self.kv_heads,
+            q, k, v, scale=1.0, enable_gqa=self.heads != self.kv_heads
         )
-        return self.o_proj(out.transpose(0, 1).reshape(patches, -1))
+        return self.o_proj(out[0].transpose(0, 1).reshape(patches, -1))
 
 
 class VisionMLP(nn.Module):
@@ -140,9 +139,8 @@ class PatchEmbedder(nn.Module):
         )
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        weight = self.input_proj.weight
-        x = project(self.input_proj, (2 * (pixels - 0.5)).to(weight.dtype))
-        table = self.position_embedding_table
+        table = self.position_embedding_table  # in the compute dtype, whatever the linear's
+        x = project(self.input_proj, (2 * (pixels - 0.5)).to(table.dtype))
         return x + (table[0][positions[:, 0]] + table[1][positions[:, 1]])
 
 

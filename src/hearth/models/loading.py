@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def build_model(
     MLX-quantized modules stay packed (their scales and biases keep the file's dtype, so their
     weights dequantize exactly as mlx's); every other tensor is cast to `dtype`.
     """
-    config = parse_config(checkpoint.config)
+    config = _without_absent_towers(parse_config(checkpoint.config), checkpoint)
     quantization = parse_quantization(checkpoint.config)
     if quantize is not None and quantization is not None:
         raise ValueError(f"{checkpoint.path} is already quantized (MLX affine): drop {quantize!r}")
@@ -114,6 +115,17 @@ def build_model(
             [(module, name) for module in model.modules() for name in _streamed_weights(module)]
         )
     return model
+
+
+def _without_absent_towers(config: ModelConfig, checkpoint: Checkpoint) -> ModelConfig:
+    """`config` without the towers the file has no weights for: mlx-lm's conversions keep the
+    multimodal config.json but drop the towers' weights, and load as text models."""
+    names = checkpoint.tensor_names()
+    for field, prefix in (("vision", "vision_tower."), ("audio", "audio_tower.")):
+        tower = getattr(config, field, None)
+        if tower is not None and not any(name.startswith(prefix) for name in names):
+            config = dataclasses.replace(config, **{field: None})  # type: ignore[type-var]
+    return config
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -159,10 +159,15 @@ def media_cache_ids(prompt_ids: Sequence[int], media: Sequence[PromptMedia]) -> 
     return ids
 
 
-def soft_tokens(runner: ModelRunner, media: Sequence[PromptMedia]) -> list[SoftTokens]:
-    """Each media item's soft tokens from the model's tower for it, placed at its span."""
+def soft_tokens(
+    runner: ModelRunner, media: Sequence[PromptMedia], cached_tokens: int = 0
+) -> list[SoftTokens]:
+    """Each media item's soft tokens from the model's tower for it, placed at its span; none
+    for the items wholly within the `cached_tokens` a prompt-cache hit already holds."""
     placed = []
     for span in media:
+        if span.start + span.length <= cached_tokens:
+            continue
         encoded = runner.model.embed_media(span.item)  # type: ignore[union-attr]
         if encoded.embeddings.shape[0] != span.length:
             raise MediaError(
@@ -338,7 +343,7 @@ def generate_tokens(
         else None
     )
     try:
-        soft = soft_tokens(runner, media) if media else []
+        soft = soft_tokens(runner, media, cached_tokens) if media else []
         if graph is not None and caches is None and not soft:
             caches = graph.caches
             logits = graph.prefill(prompt, prefill_step)

@@ -189,7 +189,7 @@ class Scheduler:
         runner = self.runner
         chunk = runner.plan.prefill_chunk
         if sequence.soft is None:
-            sequence.soft = soft_tokens(runner, sequence.request.media)
+            sequence.soft = soft_tokens(runner, sequence.request.media, sequence.computed)
         start = sequence.computed
         end = chunk_end(start, len(sequence.prompt_ids), chunk, sequence.soft)
         piece = sequence.history[start:end]
