@@ -50,7 +50,8 @@ class SubsampleBlock(nn.Module):
         x = self.conv(x)  # [channels, time, mel]
         norm = self.norm
         channels_last = x.permute(1, 2, 0).float()
-        normed = F.layer_norm(channels_last, norm.normalized_shape, norm.weight, None, norm.eps)
+        weight = norm.weight.float()  # fp32 as loaded; a benchmark's random one may not be
+        normed = F.layer_norm(channels_last, norm.normalized_shape, weight, None, norm.eps)
         return torch.relu(normed.to(x.dtype)).permute(2, 0, 1)
 
 
