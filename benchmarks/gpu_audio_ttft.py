@@ -5,7 +5,8 @@ real shapes (Gemma 4 E4B with its audio tower, bf16 on a GPU); on a CPU, `--mode
 The prompt is 30 s of audio (750 soft tokens, the most Gemma 4 takes) between a few text
 tokens. Hearth's time runs from the decoded samples to the first sampled token on the host
 (log-mel features, tower, prefill); HF's from its extractor's tensors to its first token
-(features not counted), one forward with a cache, as users call it.
+(features not counted), one forward with a cache, as users call it. Both models are on the
+device at once and their attempts alternate.
 
     python benchmarks/gpu_audio_ttft.py --models e4b
     python benchmarks/gpu_audio_ttft.py --models small --device cpu
@@ -17,6 +18,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +92,8 @@ def prompt_ids() -> list[int]:
     return [2, 105, *range(1000, 1010), AUDIO_TOKEN, *range(1010, 1020), 106, 105]
 
 
-def hearth_seconds(name: str, device: torch.device) -> list[float]:
+def hearth_run(name: str, device: torch.device) -> Callable[[int], float]:
+    """Hearth's model; the returned call times one prompt's first token (clip `seed`)."""
     model = build_random_model(config_of(name), device, dtype=dtype_of(device))
     for module in model.modules():  # random clips of ones would clamp everything to ±1
         if isinstance(module, ClippedLinear) and module.clipped:
@@ -98,25 +101,24 @@ def hearth_seconds(name: str, device: torch.device) -> list[float]:
                 getattr(module, f"input_{bound}").data.fill_(value)
                 getattr(module, f"output_{bound}").data.fill_(value)
     runner = ModelRunner(model)
-    times = []
-    for attempt in range(WARM_UP + TIMED):
-        clip = random_clip(attempt)
+
+    def run(seed: int) -> float:
+        clip = random_clip(seed)
         ids, spans = model.expand_media(prompt_ids(), [clip])
         assert spans[0][1] == 750
         media = tuple(PromptMedia(*span) for span in spans)
         stats = GenerationStats()
         sampler = Sampler(SamplingParams(temperature=0.0), device=device)
-        run = generate_tokens(runner, ids, sampler, 1, stats, media=media)
-        next(run)
-        run.close()
-        if attempt >= WARM_UP:
-            times.append(stats.prefill_seconds)
-    del runner, model
-    release(device)
-    return times
+        tokens = generate_tokens(runner, ids, sampler, 1, stats, media=media)
+        next(tokens)
+        tokens.close()
+        return stats.prefill_seconds
+
+    return run
 
 
-def hf_seconds(name: str, device: torch.device) -> list[float] | str:
+def hf_run(name: str, device: torch.device) -> Callable[[int], float] | str:
+    """HF's model, or why there is none; the call times one forward to the first token."""
     try:
         from transformers import Gemma4Config, Gemma4ForConditionalGeneration
         from transformers.models.gemma4.feature_extraction_gemma4 import (
@@ -135,9 +137,9 @@ def hf_seconds(name: str, device: torch.device) -> list[float] | str:
     ids = [2, 105, *range(1000, 1010), BOA, *[AUDIO_TOKEN] * 750, EOA]
     ids += [*range(1010, 1020), 106, 105]
     tensor = torch.tensor([ids], device=device)
-    times = []
-    for attempt in range(WARM_UP + TIMED):
-        inputs = extractor([random_clip(attempt).samples], return_tensors="pt")
+
+    def run(seed: int) -> float:
+        inputs = extractor([random_clip(seed).samples], return_tensors="pt")
         features = inputs["input_features"].to(device, dtype_of(device))
         mask = inputs["input_features_mask"].to(device)
         synchronize(device)
@@ -151,11 +153,9 @@ def hf_seconds(name: str, device: torch.device) -> list[float] | str:
                 logits_to_keep=1,
             )
             int(out.logits[0, -1].argmax())
-        if attempt >= WARM_UP:
-            times.append(time.perf_counter() - begin)
-    del model
-    release(device)
-    return times
+        return time.perf_counter() - begin
+
+    return run
 
 
 def main() -> None:
@@ -169,17 +169,28 @@ def main() -> None:
     print("| model | audio | Hearth TTFT (ms) | HF TTFT (ms) | HF / Hearth |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        ours = statistics.median(hearth_seconds(name, device))
-        theirs = hf_seconds(name, device)
+        ours = hearth_run(name, device)
+        theirs = hf_run(name, device)
+        # Attempts alternate, so that a busy spell of a shared machine falls on both alike.
+        times: tuple[list[float], list[float]] = ([], [])
+        for attempt in range(WARM_UP + TIMED):
+            for index, run in enumerate((ours, theirs)):
+                if callable(run):
+                    seconds = run(attempt)
+                    if attempt >= WARM_UP:
+                        times[index].append(seconds)
+        hearth = statistics.median(times[0])
         if isinstance(theirs, str):
-            print(f"| {name} | {SECONDS:g} s | {ours * 1e3:.1f} | {theirs} | |", flush=True)
-            continue
-        peer = statistics.median(theirs)
-        print(
-            f"| {name} | {SECONDS:g} s | {ours * 1e3:.1f} | {peer * 1e3:.1f} "
-            f"| {peer / ours:.2f}x |",
-            flush=True,
-        )
+            print(f"| {name} | {SECONDS:g} s | {hearth * 1e3:.1f} | {theirs} | |", flush=True)
+        else:
+            peer = statistics.median(times[1])
+            print(
+                f"| {name} | {SECONDS:g} s | {hearth * 1e3:.1f} | {peer * 1e3:.1f} "
+                f"| {peer / hearth:.2f}x |",
+                flush=True,
+            )
+        del ours, theirs
+        release(device)
 
 
 if __name__ == "__main__":
