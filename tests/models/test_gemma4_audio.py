@@ -329,3 +329,28 @@ def test_checkpoint_without_tower_weights_loads_as_text(tmp_path: Path) -> None:
     model = build_model(open_checkpoint(path), torch.float32, progress=False)
     assert model.audio_encoder() is None
     assert model.media_kinds == ()
+
+
+def test_mlx_vlm_conv_layouts_load(tmp_path: Path) -> None:
+    """mlx-vlm re-lays the tower's convolution weights channels-last ([out, kH, kW, in],
+    [out, k, in]) and roots tensors without HF's `model.`: the reader puts them back, and
+    the tower's output is HF's as from the HF layout."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny_audio_model(seed=4)
+    path = save_hf(hf, tmp_path)
+    file = path / "model.safetensors"
+    relaid = {}
+    for name, tensor in load_file(file).items():
+        if name.endswith(".conv.weight"):
+            tensor = tensor.permute(0, 2, 3, 1)
+        elif name.endswith("depthwise_conv1d.weight"):
+            tensor = tensor.permute(0, 2, 1)
+        if name.startswith("model.audio_tower.") or name.startswith("model.embed_audio."):
+            name = name.removeprefix("model.")
+        relaid[name] = tensor.contiguous()
+    save_file(relaid, file, metadata={"format": "pt"})
+    encoder = build_model(open_checkpoint(path), torch.float32, progress=False).audio_encoder()
+    assert encoder is not None
+    audio = _clip(16_000)
+    torch.testing.assert_close(encoder.encode(audio), _hf_encode(hf, audio), atol=ATOL, rtol=0)
