@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hearth.bench.random_model import PRESETS, build_random_model
+from hearth.layers.clipped import ClippedLinear
 from hearth.media import Image
 from hearth.media.image import image_patches
-from hearth.models.gemma4_vision import ClippedLinear
 from hearth.runtime.generate import GenerationStats, PromptMedia, generate_tokens
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import Sampler, SamplingParams

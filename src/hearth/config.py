@@ -127,6 +127,31 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class Gemma4AudioConfig:
+    """Gemma 4's Conformer audio tower (HF `Gemma4AudioConfig`) and the prompt tokens around
+    a clip's soft tokens."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    subsampling_conv_channels: tuple[int, int]
+    conv_kernel_size: int
+    residual_weight: float
+    attention_chunk_size: int
+    attention_context_left: int
+    attention_context_right: int
+    attention_logit_cap: float
+    attention_invalid_logits_value: float
+    use_clipped_linears: bool
+    rms_norm_eps: float
+    gradient_clipping: float
+    output_proj_dims: int
+    audio_token_id: int
+    boa_token_id: int
+    eoa_token_id: int
+
+
+@dataclass(frozen=True)
 class Gemma4VisionConfig:
     """Gemma 4's vision tower (HF `Gemma4VisionConfig`) and the prompt tokens around an image."""
 
@@ -179,6 +204,7 @@ class Gemma4Config:
     max_position_embeddings: int
     tie_word_embeddings: bool
     model_type: str = "gemma4_text"
+    audio: Gemma4AudioConfig | None = None  # the audio tower, when the checkpoint has one
     vision: Gemma4VisionConfig | None = None  # the vision tower, when the checkpoint has one
     pad_token_id: int = 0  # what per-layer inputs read at soft-token positions
     # Image soft tokens attend to their whole image on sliding layers (26B, 31B).
@@ -337,6 +363,45 @@ def _gemma4_text(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
 
 
+def _gemma4_audio(config: Mapping[str, Any]) -> Gemma4AudioConfig | None:
+    """The audio tower of a multimodal config (HF's defaults for absent fields), or None."""
+    audio = config.get("audio_config")
+    if audio is None:
+        return None
+    if not isinstance(audio, dict):
+        raise CheckpointError("config field 'audio_config' must be an object")
+    if audio.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError("the audio tower's activation must be silu")
+    channels = tuple(_field(audio, "subsampling_conv_channels", list, [128, 32]))
+    if len(channels) != 2:
+        raise UnsupportedModelError("the audio tower must have two subsampling convolutions")
+    return Gemma4AudioConfig(
+        hidden_size=_field(audio, "hidden_size", int, 1024),
+        num_hidden_layers=_field(audio, "num_hidden_layers", int, 12),
+        num_attention_heads=_field(audio, "num_attention_heads", int, 8),
+        subsampling_conv_channels=(int(channels[0]), int(channels[1])),
+        conv_kernel_size=_field(audio, "conv_kernel_size", int, 5),
+        residual_weight=_field(audio, "residual_weight", float, 0.5),
+        attention_chunk_size=_field(audio, "attention_chunk_size", int, 12),
+        attention_context_left=_field(audio, "attention_context_left", int, 13),
+        attention_context_right=_field(audio, "attention_context_right", int, 0),
+        attention_logit_cap=_field(audio, "attention_logit_cap", float, 50.0),
+        attention_invalid_logits_value=_field(
+            audio, "attention_invalid_logits_value", float, -1.0e9
+        ),
+        use_clipped_linears=_field(audio, "use_clipped_linears", bool, True),
+        rms_norm_eps=_field(audio, "rms_norm_eps", float, 1e-6),
+        gradient_clipping=_field(audio, "gradient_clipping", float, 1e10),
+        output_proj_dims=_field(audio, "output_proj_dims", int, 1536),
+        audio_token_id=_field(config, "audio_token_id", int, 258_881),
+        boa_token_id=_field(config, "boa_token_id", int, 256_000),
+        # HF's config names it `eoa_token_index`; releases write `eoa_token_id`.
+        eoa_token_id=_field(
+            config, "eoa_token_id", int, _field(config, "eoa_token_index", int, 258_883)
+        ),
+    )
+
+
 def _gemma4_vision(config: Mapping[str, Any]) -> Gemma4VisionConfig | None:
     """The vision tower of a multimodal config, or of its text config that carries the
     tower's fields beside it (HF's defaults for absent fields)."""
@@ -407,6 +472,7 @@ def gemma4_config(config: dict[str, Any]) -> Gemma4Config:
         final_logit_softcapping=_optional_field(text, "final_logit_softcapping", float),
         max_position_embeddings=_field(text, "max_position_embeddings", int, 131_072),
         tie_word_embeddings=_field(text, "tie_word_embeddings", bool, True),
+        audio=_gemma4_audio(config),
         vision=_gemma4_vision(config),
         pad_token_id=_field(text, "pad_token_id", int, 0),
         bidirectional_vision=text.get("use_bidirectional_attention") == "vision",

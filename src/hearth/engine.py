@@ -16,6 +16,7 @@ from hearth.embedded import embedded_model_path
 from hearth.kv import KVPolicy, LayerCache, parse_kv_quant
 from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
 from hearth.media import Audio, Image, MediaError
+from hearth.media.audio import LogMelExtractor, checkpoint_audio_settings
 from hearth.media.image import checkpoint_image_tokens
 from hearth.models import Model, cache_specs
 from hearth.models.loading import STORED_BLOCKS, build_model
@@ -146,6 +147,8 @@ class Engine:
         model_ = build_model(checkpoint, dtype, device, progress, weights, plan)
         if path.is_dir() and (budget := checkpoint_image_tokens(path)) is not None:
             model_.default_image_tokens = budget  # type: ignore[union-attr]
+        if path.is_dir() and (audio := checkpoint_audio_settings(path)) is not None:
+            model_.audio_features = LogMelExtractor(audio)  # type: ignore[union-attr]
         runner = ModelRunner(model_, plan, kv_policy)
         return cls(model_, tokenizer, path, runner, checkpoint.format)
 

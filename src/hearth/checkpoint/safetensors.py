@@ -21,15 +21,12 @@ if TYPE_CHECKING:
 
 # Prefixes of the text decoder in the layouts we read, longest first.
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-# Towers Hearth does not run yet. The vision tower and `embed_vision` load (canonical names
-# `vision_tower.*`, `embed_vision.*`: HF's `model.` prefix dropped, mlx-vlm's kept as they are).
+# Tensors Hearth does not read. The vision and audio towers and their `embed_*` projections
+# load (canonical names `vision_tower.*`, `embed_vision.*`, `audio_tower.*`, `embed_audio.*`:
+# HF's `model.` prefix dropped, mlx-vlm's kept as they are).
 _SKIPPED_PREFIXES = (
     "multi_modal_projector.",
-    "audio_tower.",
-    "embed_audio.",
     "model.multi_modal_projector.",
-    "model.audio_tower.",
-    "model.embed_audio.",
 )
 # A multimodal config.json's top-level fields that the model reads beside its text_config.
 _MULTIMODAL_KEYS = (
@@ -128,6 +125,22 @@ def _meta_tensor(handle: Any, name: str) -> torch.Tensor:
     if stored not in _STORED_DTYPES:
         raise CheckpointError(f"tensor {name} has the unsupported dtype {stored}")
     return torch.empty(tuple(piece.get_shape()), dtype=_STORED_DTYPES[stored], device="meta")
+
+
+def torch_conv_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An audio-tower convolution weight in torch's layout: mlx-vlm stores Conv2d weights as
+    [out, kH, kW, in] and depthwise Conv1d ones as [out, k, in], told apart from torch's
+    [out, in, 3, 3] and [out, 1, k] by their shapes (the tower's 3x3 kernels, and its inputs of
+    1 or 128 channels, never 3)."""
+    if not name.startswith("audio_tower."):
+        return tensor
+    shape = tuple(tensor.shape)
+    conv2d = name.endswith(".conv.weight") and len(shape) == 4
+    if conv2d and shape[1:3] == (3, 3) and shape[3] != 3:
+        return tensor.permute(0, 3, 1, 2)
+    if name.endswith("depthwise_conv1d.weight") and len(shape) == 3 and shape[1] != 1:
+        return tensor.permute(0, 2, 1)
+    return tensor
 
 
 def split_expert_parts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -263,7 +276,7 @@ class SafetensorsCheckpoint:
                         raise CheckpointError(
                             f"{file}: tensor {name} is corrupt: {error}"
                         ) from None
-                    yield from split_expert_parts(canonical, tensor)
+                    yield from split_expert_parts(canonical, torch_conv_layout(canonical, tensor))
 
     @cached_property
     def quantized_dtype(self) -> torch.dtype | None:

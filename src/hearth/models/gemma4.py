@@ -31,8 +31,10 @@ from hearth.layers.norm import (
 )
 from hearth.layers.rope import ProportionalRotaryEmbedding
 from hearth.media import Audio, Image, MediaError
+from hearth.media.audio import LogMelExtractor
 from hearth.media.image import DEFAULT_IMAGE_TOKENS, image_patches, soft_token_count
 from hearth.models.decoder import DecoderModel, Rope, SoftTokens, last_of
+from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower
 from hearth.models.gemma4_vision import Gemma4VisionModel, MultimodalEmbedder
 
 
@@ -197,6 +199,8 @@ class Gemma4Model(DecoderModel):
     media_kinds: tuple[str, ...] = ()
     # Soft tokens of an image whose request names no budget (the checkpoint's processor's).
     default_image_tokens: int = DEFAULT_IMAGE_TOKENS
+    # A clip's features as the checkpoint's processor config sets them (None: HF's defaults).
+    audio_features: LogMelExtractor | None = None
 
     def __init__(self, config: Gemma4Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, dtype)
@@ -226,6 +230,20 @@ class Gemma4Model(DecoderModel):
                 config.vision.hidden_size, config.hidden_size, config.vision.rms_norm_eps
             )
             self.media_kinds = ("image",)
+        if config.audio is not None:
+            self.audio_tower = Gemma4AudioTower(config.audio)
+            self.embed_audio = MultimodalEmbedder(
+                config.audio.output_proj_dims, config.hidden_size, config.audio.rms_norm_eps
+            )
+            self.media_kinds = (*self.media_kinds, "audio")
+
+    def audio_encoder(self) -> Gemma4AudioEncoder | None:
+        """What turns a clip into this model's soft tokens, if it has an audio tower."""
+        if self.config.audio is None:
+            return None
+        return Gemma4AudioEncoder(
+            self.audio_tower, self.embed_audio, self.config.hidden_size, self.audio_features
+        )
 
     @staticmethod
     def specs_for(config: Gemma4Config) -> list[CacheSpec]:
@@ -366,29 +384,40 @@ class Gemma4Model(DecoderModel):
 
     def _media_tokens(self) -> dict[int, str]:
         """The placeholder token of each media kind the model takes."""
-        vision = self.config.vision
-        return {} if vision is None else {vision.image_token_id: "image"}
+        vision, audio = self.config.vision, self.config.audio
+        tokens = {} if vision is None else {vision.image_token_id: "image"}
+        if audio is not None:
+            tokens[audio.audio_token_id] = "audio"
+        return tokens
 
     def _wrapping(self, kind: str) -> tuple[int, int, int]:
         """(begin, soft token, end) ids of an item of `kind`."""
-        vision = self.config.vision
+        vision, audio = self.config.vision, self.config.audio
+        if kind == "audio":
+            assert audio is not None
+            return audio.boa_token_id, audio.audio_token_id, audio.eoa_token_id
         assert kind == "image" and vision is not None
         return vision.boi_token_id, vision.image_token_id, vision.eoi_token_id
 
     def soft_token_count(self, item: Image | Audio) -> int:
         """How many soft tokens `item` takes in a prompt."""
+        if isinstance(item, Audio):
+            return self._audio_encoder().soft_tokens(item)
         vision = self.config.vision
-        if not isinstance(item, Image) or vision is None:
-            raise MediaError("this model takes no audio input")
+        if vision is None:
+            raise MediaError("this model takes no image input")
         budget = item.max_tokens or self.default_image_tokens
         return soft_token_count(item.size, budget, vision.patch_size, vision.pooling_kernel_size)
 
     def embed_media(self, item: Image | Audio) -> SoftTokens:
         """`item`'s soft tokens [count, hidden] in the text embedding space (position 0: the
-        caller places them), bidirectional where the model's images are."""
+        caller places them), bidirectional where the model's images are; audio is causal."""
+        if isinstance(item, Audio):
+            soft = self._audio_encoder().encode(item)
+            return SoftTokens(0, soft.to(self.compute_dtype))
         vision = self.config.vision
-        if not isinstance(item, Image) or vision is None:
-            raise MediaError("this model takes no audio input")
+        if vision is None:
+            raise MediaError("this model takes no image input")
         budget = item.max_tokens or self.default_image_tokens
         patches = image_patches(item, budget, vision.patch_size, vision.pooling_kernel_size)
         device = self.device
@@ -396,6 +425,12 @@ class Gemma4Model(DecoderModel):
         positions = torch.from_numpy(patches.positions).to(device)
         soft = self.embed_vision(self.vision_tower(pixels, positions))
         return SoftTokens(0, soft.to(self.compute_dtype), self.config.bidirectional_vision)
+
+    def _audio_encoder(self) -> Gemma4AudioEncoder:
+        encoder = self.audio_encoder()
+        if encoder is None:
+            raise MediaError("this model takes no audio input")
+        return encoder
 
     def per_layer_inputs(
         self, input_ids: torch.Tensor, embedded: torch.Tensor

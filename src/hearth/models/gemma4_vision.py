@@ -13,46 +13,14 @@ attention and pooling, so they change nothing but the order of some fp32 sums.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hearth.config import Gemma4VisionConfig
+from hearth.layers.clipped import ClippedLinear
 from hearth.layers.linear import project
 from hearth.layers.norm import RMSNorm, rms_norm
-
-
-class ClippedLinear(nn.Module):
-    """A linear layer without bias whose input and output are clamped to scalars from the
-    checkpoint (`use_clipped_linears`), else a plain linear; the weight sits in `.linear`."""
-
-    def __init__(self, in_features: int, out_features: int, clipped: bool) -> None:
-        super().__init__()
-        self.linear = nn.Linear(in_features, out_features, bias=False)
-        self.clipped = clipped
-        if clipped:
-            self.input_min = nn.Parameter(torch.tensor(-math.inf))
-            self.input_max = nn.Parameter(torch.tensor(math.inf))
-            self.output_min = nn.Parameter(torch.tensor(-math.inf))
-            self.output_max = nn.Parameter(torch.tensor(math.inf))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.clipped:
-            return project(self.linear, x)
-        x = _clamp(x, self.input_min, self.input_max)
-        return _clamp(project(self.linear, x), self.output_min, self.output_max)
-
-
-def _clamp(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """x clamped to [low, high] as HF does (bounds in x's dtype). On the CPU the bounds go as
-    numbers, which torch clamps ~2x faster than with tensor bounds; on a GPU reading them would
-    wait for the device."""
-    low, high = low.to(x.dtype), high.to(x.dtype)
-    if x.device.type == "cpu":
-        return torch.clamp(x, low.item(), high.item())
-    return torch.clamp(x, low, high)
 
 
 def axial_rope_tables(

@@ -118,12 +118,14 @@ def build_model(
 
 
 def _without_absent_towers(config: ModelConfig, checkpoint: Checkpoint) -> ModelConfig:
-    """`config` without its vision tower where the file has none: mlx-lm's conversions keep
-    the multimodal config.json but drop the towers' weights, and load as text models."""
-    vision = getattr(config, "vision", None)
-    if vision is None or any(n.startswith("vision_tower.") for n in checkpoint.tensor_names()):
-        return config
-    return dataclasses.replace(config, vision=None)  # type: ignore[type-var]
+    """`config` without the towers the file has no weights for: mlx-lm's conversions keep the
+    multimodal config.json but drop the towers' weights, and load as text models."""
+    names = checkpoint.tensor_names()
+    for field, prefix in (("vision", "vision_tower."), ("audio", "audio_tower.")):
+        tower = getattr(config, field, None)
+        if tower is not None and not any(name.startswith(prefix) for name in names):
+            config = dataclasses.replace(config, **{field: None})  # type: ignore[type-var]
+    return config
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -322,7 +324,8 @@ class _StreamedQuantization:
         self._parts: dict[str, list[str]] = {}
         stacked = {s.target: s for s in _stacks(model) if s.packed_kind is MLXQuantizedLinear}
         for path, module in model.named_modules():
-            if isinstance(module, nn.Linear):
+            # int8/int4 modules have no bias: a biased linear (the audio tower's output) stays.
+            if isinstance(module, nn.Linear) and module.bias is None:
                 stack = stacked.get(path)
                 parts = [f"{p}.weight" for p in stack.parts] if stack else [f"{path}.weight"]
                 self._parts[path] = parts
