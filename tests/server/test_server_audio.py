@@ -2,7 +2,7 @@
 and audio towers of tests/models/test_gemma4_audio_engine.py (HF transformers'
 Gemma4ForConditionalGeneration, E2B/E4B-shaped, saved and read back): the OpenAI SDK sends a
 PNG as a data URL and a WAV as `input_audio`, and the reply's tokens are HF's greedy tokens
-for the same decoded inputs. Skipped until the audio model is in the tree.
+for the same decoded inputs.
 
 The reply's log-probability records name every generated token (special ones included), which
 are compared with HF's up to the first token that ends a chat turn. As in that module, another
@@ -23,13 +23,11 @@ import pytest
 import soundfile
 from fastapi.testclient import TestClient
 
+import test_gemma4_audio_engine as audio_model
 from hearth.engine import Engine
 from hearth.media import decode_audio, decode_image
 from hearth.server import create_app
 
-audio_model = pytest.importorskip(
-    "test_gemma4_audio_engine", reason="the Gemma 4 audio model lands apart"
-)
 pytestmark = pytest.mark.slow
 
 checkpoint = audio_model.checkpoint  # the module's fixture: the HF model and its saved directory

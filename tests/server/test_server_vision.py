@@ -2,12 +2,12 @@
 tests/models/test_gemma4_vision.py (HF transformers' Gemma4ForConditionalGeneration, saved and
 read back): the OpenAI SDK sends a PNG as a data URL, the server decodes it, the real Gemma 4
 template renders it, the engine expands and encodes it, and the reply's tokens are HF's greedy
-tokens for the same image and prompt. Skipped until the vision model is in the tree.
+tokens for the same image and prompt.
 
-The oracle is HF's uncached greedy continuation (`_hf_greedy`), compared token for token and
-log-probability for log-probability (the reply's log-probability records name every generated
-token, special ones included: a random model's text may be all channel markers the reply
-parser removes) up to the first token that ends a chat turn; the prompt length (usage) equals
+The oracle is HF's greedy continuation (one uncached HF forward per step), compared token for
+token and log-probability for log-probability (the reply's log-probability records name every
+generated token, special ones included: a random model's text may be all channel markers the
+reply parser removes) up to the first token that ends a chat turn; the prompt length (usage) equals
 the engine's own expansion of the same decoded image."""
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+import test_gemma4_vision as vision
 from hearth.engine import Engine
 from hearth.media import decode_image
 from hearth.server import create_app
 
-vision = pytest.importorskip("test_gemma4_vision", reason="the Gemma 4 vision model lands apart")
 pytestmark = pytest.mark.slow
 
 PROMPT = "What is it?"
@@ -77,7 +77,10 @@ def test_a_chat_image_reply_is_hfs_greedy_reply(
     image = decode_image(png, 70)
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, content[1]]}]
     ids, _ = engine.expand_media(engine.encode(messages), [image])
-    expected, logits = vision._hf_greedy(hf, ids, [image])
+    expected = list(ids)
+    for _ in range(vision.DECODE_STEPS):
+        logits = vision._hf_logits(hf, expected, [image])
+        expected.append(int(logits[-1].argmax()))
     ends = set(engine.tokenizer.eos_ids) | {vision.SPECIAL_IDS["<turn|>"]}
     tokens = []
     for token in expected[len(ids) :]:
