@@ -458,3 +458,12 @@ def test_cuda_graph_decoding_of_an_image_prompt_matches_the_cpu(
     on_cpu = [c.token for c in engine.run(request) if c.token is not None]
     on_gpu = [c.token for c in gpu.run(request) if c.token is not None]
     assert len(on_gpu) == DECODE_STEPS and on_gpu == on_cpu
+
+
+def test_placeholders_and_images_must_pair_up(model: Any) -> None:
+    with pytest.raises(MediaError, match="fewer media placeholders"):
+        model.expand_media([2, 120, 121], [IMAGES[0]])
+    with pytest.raises(MediaError, match="more image placeholders"):
+        model.expand_media([2, IMAGE_TOKEN, 120, IMAGE_TOKEN], [IMAGES[0]])
+    with pytest.raises(MediaError, match="one of 70, 140, 280, 560, 1120"):
+        model.expand_media([2, IMAGE_TOKEN], [_image(40, 28, budget=100)])
