@@ -171,8 +171,11 @@ class Engine:
         return self.runner.new_caches()
 
     def weight_bytes_per_token(self) -> int:
-        """Bytes of weights one decode step reads: every tensor once (the tied table as head)."""
-        return sum(t.nbytes for t in self.model.state_dict().values())
+        """Bytes of weights one decode step reads: every tensor once (the tied table as head),
+        the media towers aside (they run at a prefill only)."""
+        towers = ("vision_tower.", "embed_vision.")
+        state = self.model.state_dict()
+        return sum(t.nbytes for name, t in state.items() if not name.startswith(towers))
 
     def expand_media(
         self, ids: list[int], media: Sequence[Image | Audio]

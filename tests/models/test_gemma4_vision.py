@@ -33,7 +33,12 @@ from hearth.engine import Engine
 from hearth.kv import make_caches
 from hearth.kv.prompt_cache import PromptCache, common_prefix_length
 from hearth.media import Image, MediaError, content_digest
-from hearth.media.image import image_patches, resized_size, soft_token_count
+from hearth.media.image import (
+    checkpoint_image_tokens,
+    image_patches,
+    resized_size,
+    soft_token_count,
+)
 from hearth.models.loading import build_model
 from hearth.runtime.generate import GenerationRequest, PromptMedia, soft_tokens
 from hearth.runtime.runner import ModelRunner
@@ -186,6 +191,20 @@ def test_preprocessing_equals_hf_processor(size: tuple[int, int], budget: int) -
 def test_budget_is_checked() -> None:
     with pytest.raises(MediaError, match="one of 70, 140, 280, 560, 1120"):
         resized_size(100, 100, 300)
+
+
+def test_default_budget_comes_from_the_processor_config(tmp_path: Path) -> None:
+    """HF's processor_config.json nests the image processor; older preprocessor_config.json
+    files do not; a budget Gemma 4 does not take is ignored (280 then applies)."""
+    assert checkpoint_image_tokens(tmp_path) is None
+    nested = {"image_processor": {"max_soft_tokens": 1120}}
+    (tmp_path / "processor_config.json").write_text(json.dumps(nested))
+    assert checkpoint_image_tokens(tmp_path) == 1120
+    (tmp_path / "processor_config.json").unlink()
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 70}))
+    assert checkpoint_image_tokens(tmp_path) == 70
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 300}))
+    assert checkpoint_image_tokens(tmp_path) is None
 
 
 def _hf_tower(hf: Any, image: Image, budget: int) -> torch.Tensor:
@@ -439,3 +458,12 @@ def test_cuda_graph_decoding_of_an_image_prompt_matches_the_cpu(
     on_cpu = [c.token for c in engine.run(request) if c.token is not None]
     on_gpu = [c.token for c in gpu.run(request) if c.token is not None]
     assert len(on_gpu) == DECODE_STEPS and on_gpu == on_cpu
+
+
+def test_placeholders_and_images_must_pair_up(model: Any) -> None:
+    with pytest.raises(MediaError, match="fewer media placeholders"):
+        model.expand_media([2, 120, 121], [IMAGES[0]])
+    with pytest.raises(MediaError, match="more image placeholders"):
+        model.expand_media([2, IMAGE_TOKEN, 120, IMAGE_TOKEN], [IMAGES[0]])
+    with pytest.raises(MediaError, match="one of 70, 140, 280, 560, 1120"):
+        model.expand_media([2, IMAGE_TOKEN], [_image(40, 28, budget=100)])
