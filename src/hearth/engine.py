@@ -173,7 +173,7 @@ class Engine:
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every tensor once (the tied table as head),
         the media towers aside (they run at a prefill only)."""
-        towers = ("vision_tower.", "embed_vision.")
+        towers = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
         state = self.model.state_dict()
         return sum(t.nbytes for name, t in state.items() if not name.startswith(towers))
 
