@@ -76,20 +76,24 @@ def template_path() -> Path:
     return Path(__file__).parent / "data" / TEMPLATE_NAME
 
 
-def _write_tokenizer(directory: Path) -> None:
+def write_byte_tokenizer(directory: Path, specials: dict[str, int], vocab_size: int) -> None:
+    """A tokenizer with `specials` at their ids and one token per byte in the other ids below
+    `vocab_size` (any text encodes exactly), as tokenizer.json and tokenizer_config.json."""
     byte_symbols = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
-    vocab = dict(SPECIAL_IDS)
-    taken = set(SPECIAL_IDS.values())
-    for token_id in range(VOCAB_SIZE):
-        if token_id not in taken:
-            vocab[next(byte_symbols)] = token_id
+    vocab = dict(specials)
+    taken = set(specials.values())
+    vocab.update({next(byte_symbols): i for i in range(vocab_size) if i not in taken})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL_IDS])
+    backend.add_special_tokens([AddedToken(t, normalized=False) for t in specials])
     backend.save(str(directory / "tokenizer.json"))
     config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _write_tokenizer(directory: Path) -> None:
+    write_byte_tokenizer(directory, SPECIAL_IDS, VOCAB_SIZE)
     generation = {"bos_token_id": 2, "eos_token_id": [1, 106]}
     (directory / "generation_config.json").write_text(json.dumps(generation))
 

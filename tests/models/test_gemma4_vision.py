@@ -43,7 +43,7 @@ from hearth.models.loading import build_model
 from hearth.runtime.generate import GenerationRequest, PromptMedia, soft_tokens
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import SamplingParams
-from scripted_gemma4 import SPECIAL_IDS, VOCAB_SIZE, template_path
+from scripted_gemma4 import SPECIAL_IDS, VOCAB_SIZE, template_path, write_byte_tokenizer
 from tiny import FULL, PLE, SLIDING, randomise_gemma4, save_hf, tiny_gemma4_config
 
 TOWER_ATOL = 1e-6
@@ -124,21 +124,8 @@ def _hf_model(**text_overrides: Any) -> Any:
 
 
 def _write_tokenizer(directory: Path) -> None:
-    """Gemma 4's specials at their ids, one token per byte, and the image tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    specials = {**SPECIAL_IDS, **IMAGE_SPECIALS}
-    symbols = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
-    vocab = dict(specials)
-    taken = set(specials.values())
-    vocab.update({next(symbols): i for i in range(VOCAB) if i not in taken})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, normalized=False) for t in specials])
-    backend.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    """Gemma 4's specials at their ids, one token per byte, the image tokens, the template."""
+    write_byte_tokenizer(directory, {**SPECIAL_IDS, **IMAGE_SPECIALS}, VOCAB)
     (directory / "chat_template.jinja").write_text(template_path().read_text())
 
 
