@@ -7,6 +7,7 @@ determinism, not what the replies say.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import socket
@@ -24,6 +25,7 @@ import pytest
 
 from hearth.checkpoint import open_checkpoint
 from hearth.embedded import embedded_model_path
+from hearth.media import MAX_MEDIA_BYTES
 from hearth.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -357,13 +359,24 @@ def test_bad_chat_fields_are_refused_by_name(base_url: str, body: dict, param: s
         (b'["prompt"]', 400),  # not an object
         (b'{"prompt": "\xff"}', 400),  # not UTF-8
         (b'{"prompt": "x", "temperature": NaN}', 400),  # not JSON either
-        (b'{"prompt": "' + b"a" * (11 * 2**20) + b'"}', 413),
+        (b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}', 413),
     ],
 )
 def test_malformed_bodies_are_refused(base_url: str, content: bytes, status: int) -> None:
     reply = httpx.post(f"{base_url}/v1/completions", content=content)
     assert reply.status_code == status
     assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_holding_the_largest_media_file_is_read(base_url: str) -> None:
+    """A 20 MiB file as a base64 data URL (27 MiB of body) is read, not refused as too large:
+    the text-only model then refuses the image itself (400, naming the part)."""
+    data = base64.b64encode(bytes(MAX_MEDIA_BYTES)).decode()
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+    body = {"model": "gemma", "messages": [{"role": "user", "content": [image]}]}
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "messages.0.content.0.image_url"
 
 
 def test_unknown_path_gets_an_error_body(base_url: str) -> None:

@@ -12,7 +12,9 @@ from pydantic import BaseModel, ValidationError
 
 from hearth.server.schemas import UNSUPPORTED_FIELDS, FieldRefused
 
-MAX_BODY_BYTES = 10 * 2**20
+# A request body: room for the largest media file (MAX_MEDIA_BYTES) as base64 (4/3 as many
+# bytes), beside its text.
+MAX_BODY_BYTES = 32 * 2**20
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # Anthropic names its error types after the status; OpenAI's bodies use invalid_request_error.
