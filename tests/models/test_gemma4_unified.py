@@ -35,9 +35,10 @@ import pytest
 import torch
 
 from hearth.checkpoint import open_checkpoint
-from hearth.config import Gemma4UnifiedVisionConfig, parse_config
+from hearth.config import Gemma4UnifiedAudioConfig, Gemma4UnifiedVisionConfig, parse_config
 from hearth.kv import make_caches
-from hearth.media import Image, content_digest
+from hearth.media import Audio, Image, content_digest
+from hearth.media.audio import waveform_frames
 from hearth.media.image import soft_token_count, unified_image_patches
 from hearth.models.loading import build_model
 from hearth.runtime.generate import PromptMedia, soft_tokens
@@ -48,7 +49,9 @@ from tiny import FULL, SLIDING, randomise_gemma4, save_hf
 EMBEDDER_ATOL = 1e-6
 LOGITS_ATOL = 1.2e-4
 BOI, IMAGE_TOKEN, EOI = VOCAB_SIZE, VOCAB_SIZE + 1, VOCAB_SIZE + 2
-VOCAB = VOCAB_SIZE + 3
+BOA, AUDIO_TOKEN, EOA = VOCAB_SIZE + 3, VOCAB_SIZE + 4, VOCAB_SIZE + 5
+VOCAB = VOCAB_SIZE + 6
+FRAME = 40  # samples per audio soft token (640 in the release)
 DECODE_STEPS = 10
 PATCH = 4  # 12-pixel model patches keep the inputs small; the maths is HF's
 
@@ -87,10 +90,13 @@ def _hf_model(**text_overrides: Any) -> Any:
     config = Gemma4UnifiedConfig(
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),
-        audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=40).to_dict(),
+        audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=FRAME).to_dict(),
         image_token_id=IMAGE_TOKEN,
         boi_token_id=BOI,
         eoi_token_id=EOI,
+        audio_token_id=AUDIO_TOKEN,
+        boa_token_id=BOA,
+        eoa_token_index=EOA,
     )
     torch.manual_seed(5)
     model = Gemma4UnifiedForConditionalGeneration(config).eval()
@@ -131,7 +137,7 @@ def test_config_maps_onto_gemma4(checkpoint: tuple[Any, Path]) -> None:
     assert config.sliding_window == text.sliding_window
     assert config.bidirectional_vision
     assert config.vision == Gemma4UnifiedVisionConfig(PATCH, 3, 48, 32, 1e-6, IMAGE_TOKEN, BOI, EOI)
-    assert config.audio is not None and config.audio.samples_per_token == 40
+    assert config.audio == Gemma4UnifiedAudioConfig(FRAME, 1e-6, AUDIO_TOKEN, BOA, EOA)
 
 
 def test_unified_defaults_apply_to_absent_fields() -> None:
@@ -284,14 +290,11 @@ def _hf_generate(hf: Any, ids: list[int], images: list[Image]) -> tuple[list[int
         min_new_tokens=DECODE_STEPS + 1,
         eos_token_id=None,
         pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     with torch.no_grad():
-        out = hf.generate(
-            **_hf_inputs(ids, images),
-            generation_config=greedy,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        out = hf.generate(**_hf_inputs(ids, images), generation_config=greedy)
     tokens = out.sequences[0, len(ids) :].tolist()
     return tokens[:DECODE_STEPS], torch.cat(out.logits)
 
@@ -373,15 +376,104 @@ def test_the_mask_is_hfs_forward_mask(
 
 
 def test_checkpoint_without_the_embedder_loads_as_text(tmp_path: Path) -> None:
-    """A config naming the vision embedder whose file lacks its tensors (as mlx-lm's text
-    conversions keep config.json whole) loads as text."""
+    """A config naming the image and audio embedders whose file lacks their tensors (as
+    mlx-lm's text conversions keep config.json whole) loads as text."""
     from safetensors.torch import load_file, save_file
 
     hf = _hf_model()
     path = save_hf(hf, tmp_path)
     tensors = load_file(path / "model.safetensors")
-    kept = {k: v for k, v in tensors.items() if "vision" not in k}
+    kept = {k: v for k, v in tensors.items() if "vision" not in k and "audio" not in k}
     save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
-    assert json.loads((path / "config.json").read_text())["vision_config"] is not None
+    config = json.loads((path / "config.json").read_text())
+    assert config["vision_config"] is not None and config["audio_config"] is not None
     model = build_model(open_checkpoint(path), torch.float32, progress=False)
-    assert model.config.vision is None and model.media_kinds == ()
+    assert model.config.vision is None and model.config.audio is None
+    assert model.media_kinds == ()
+
+
+def _audio(samples: int, seed: int = 0) -> Audio:
+    rng = np.random.default_rng(seed)
+    wave = (0.5 * np.sin(np.arange(samples) * 0.05) + rng.normal(0, 0.1, samples)).astype(
+        np.float32
+    )
+    return Audio(wave, content_digest(wave.tobytes()))
+
+
+def _hf_frames(audio: Audio, frame: int) -> Any:
+    from transformers.models.gemma4_unified.feature_extraction_gemma4_unified import (
+        Gemma4UnifiedAudioFeatureExtractor,
+    )
+
+    extractor = Gemma4UnifiedAudioFeatureExtractor(
+        feature_size=frame, audio_samples_per_token=frame
+    )
+    return extractor(audio.samples, return_tensors="pt")
+
+
+@pytest.mark.parametrize("samples", [1, 639, 640, 641, 16_123])
+def test_audio_frames_equal_hf_extractor(samples: int) -> None:
+    """Exact: the same zero padding and the same float32 samples, one soft token a frame."""
+    audio = _audio(samples)
+    reference = _hf_frames(audio, 640)
+    frames = waveform_frames(audio.samples, 640)
+    assert int(reference["input_features_mask"][0].sum()) == len(frames) == -(-samples // 640)
+    assert np.array_equal(reference["input_features"][0].numpy(), frames)
+
+
+def test_audio_embedding_equals_hf(checkpoint: tuple[Any, Path], model: Any) -> None:
+    """`embed_audio` of the frames; 1e-6 absolute, as for the image embedder (one RMSNorm
+    and one Linear, the same fp32 ops); the soft tokens stay causal."""
+    hf, _ = checkpoint
+    audio = _audio(1000)
+    inputs = _hf_frames(audio, FRAME)
+    with torch.no_grad():
+        reference = hf.model.get_audio_features(
+            inputs["input_features"], inputs["input_features_mask"], return_dict=True
+        ).pooler_output[0]
+    with torch.inference_mode():
+        soft = model.embed_media(audio)
+    assert not soft.bidirectional
+    assert soft.embeddings.shape == reference.shape == (model.soft_token_count(audio), 64)
+    torch.testing.assert_close(soft.embeddings, reference, atol=EMBEDDER_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_image_and_audio_prompt_equals_hf_through_prefill_and_decode(
+    checkpoint: tuple[Any, Path], model: Any, chunk: int
+) -> None:
+    """An image (bidirectional) then a clip of 50 frames (causal) in one prompt, prefilled
+    whole or in chunks of 16, then 10 greedy cached decode steps: HF's generate tokens and
+    its logits at each step (LOGITS_ATOL, as above)."""
+    from transformers import GenerationConfig
+
+    hf, _ = checkpoint
+    image, audio = IMAGES[0], _audio(50 * FRAME - 7, seed=3)
+    placeholders = [2, 105, 120, 10, IMAGE_TOKEN, 10, 121, AUDIO_TOKEN, 10, 106, 105, 140]
+    ids, spans = model.expand_media(placeholders, [image, audio])
+    assert ids.count(AUDIO_TOKEN) == 50 and ids[spans[1][0] - 1] == BOA
+    frames = _hf_frames(audio, FRAME)
+    inputs = _hf_inputs(ids, [image])
+    greedy = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=DECODE_STEPS + 1,
+        min_new_tokens=DECODE_STEPS + 1,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        out = hf.generate(
+            **inputs,
+            input_features=frames["input_features"],
+            input_features_mask=frames["input_features_mask"],
+            generation_config=greedy,
+        )
+    hf_tokens = out.sequences[0, len(ids) : len(ids) + DECODE_STEPS].tolist()
+    runner = ModelRunner(model)
+    with torch.inference_mode():
+        soft = soft_tokens(runner, _media(spans))
+    tokens, rows = _cached_greedy(runner, ids, soft, chunk)
+    assert tokens == hf_tokens
+    torch.testing.assert_close(rows, torch.cat(out.logits), atol=LOGITS_ATOL, rtol=0)

@@ -46,7 +46,7 @@ from hearth.media.image import (
 )
 from hearth.models.decoder import DecoderModel, Rope, SoftTokens, last_of
 from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower
-from hearth.models.gemma4_unified import UnifiedVisionEmbedder
+from hearth.models.gemma4_unified import UnifiedAudioEncoder, UnifiedVisionEmbedder
 from hearth.models.gemma4_vision import Gemma4VisionModel, MultimodalEmbedder
 
 
@@ -257,15 +257,21 @@ class Gemma4Model(DecoderModel):
                 audio.output_proj_dims, config.hidden_size, audio.rms_norm_eps
             )
             self.media_kinds = (*self.media_kinds, "audio")
-        elif audio is not None:  # 12B: raw frames; its weights load, audio input is not wired yet
+        elif audio is not None:  # 12B: no tower, raw frames
             self.embed_audio = MultimodalEmbedder(
                 audio.samples_per_token, config.hidden_size, audio.rms_norm_eps
             )
+            self.media_kinds = (*self.media_kinds, "audio")
 
-    def audio_encoder(self) -> Gemma4AudioEncoder | None:
-        """What turns a clip into this model's soft tokens, if it has an audio tower."""
-        if not isinstance(self.config.audio, Gemma4AudioConfig):
+    def audio_encoder(self) -> Gemma4AudioEncoder | UnifiedAudioEncoder | None:
+        """What turns a clip into this model's soft tokens, if it takes audio."""
+        audio = self.config.audio
+        if audio is None:
             return None
+        if not isinstance(audio, Gemma4AudioConfig):
+            return UnifiedAudioEncoder(
+                self.embed_audio, audio.samples_per_token, self.compute_dtype
+            )
         return Gemma4AudioEncoder(
             self.audio_tower, self.embed_audio, self.config.hidden_size, self.audio_features
         )
@@ -415,7 +421,7 @@ class Gemma4Model(DecoderModel):
         """The placeholder token of each media kind the model takes."""
         vision, audio = self.config.vision, self.config.audio
         tokens = {} if vision is None else {vision.image_token_id: "image"}
-        if audio is not None and "audio" in self.media_kinds:
+        if audio is not None:
             tokens[audio.audio_token_id] = "audio"
         return tokens
 
@@ -460,7 +466,7 @@ class Gemma4Model(DecoderModel):
             soft = self.embed_vision(self.vision_tower(pixels, positions))
         return SoftTokens(0, soft.to(self.compute_dtype), self.config.bidirectional_vision)
 
-    def _audio_encoder(self) -> Gemma4AudioEncoder:
+    def _audio_encoder(self) -> Gemma4AudioEncoder | UnifiedAudioEncoder:
         encoder = self.audio_encoder()
         if encoder is None:
             raise MediaError("this model takes no audio input")

@@ -1,4 +1,4 @@
-"""The 12B "unified" Gemma 4's encoder-free image embedder (spec:
+"""The 12B "unified" Gemma 4's encoder-free image embedder and audio encoder (spec:
 shared/reference/gemma4-architecture.md §4.1, HF `Gemma4UnifiedVisionEmbedder`).
 
 There is no vision transformer: each soft token is one (patch · pooling)² square of raw pixels
@@ -7,15 +7,22 @@ a learned row of the x table and one of the y table for the square's place in th
 last LayerNorm. `embed_vision` (a weightless RMSNorm and a Linear, `MultimodalEmbedder`) then
 maps it into the text embedding space. The LayerNorms are torch's (ε 1e-5, with bias), as HF's.
 Parameter names follow HF's checkpoint (`vision_embedder.*`).
+
+Audio has no tower either: each 640-sample frame of the 16 kHz clip goes through `embed_audio`
+(the same RMSNorm and Linear) as one soft token, causal in the prompt.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
 
 from hearth.config import Gemma4UnifiedVisionConfig
+from hearth.media import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, Audio, MediaError
+from hearth.media.audio import waveform_frames
+from hearth.models.gemma4_vision import MultimodalEmbedder
 
 _LAYER_NORM_EPS = 1e-5  # torch's nn.LayerNorm default, which HF's embedder keeps
 
@@ -49,3 +56,34 @@ def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return functional.layer_norm(
         x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps
     )
+
+
+class UnifiedAudioEncoder:
+    """A clip to its soft-token embeddings [soft_tokens(audio), text hidden]: raw frames
+    through the model's `embed_audio` (HF's `Gemma4UnifiedModel.get_audio_features`)."""
+
+    def __init__(
+        self, embedder: MultimodalEmbedder, samples_per_token: int, dtype: torch.dtype
+    ) -> None:
+        self.embedder = embedder
+        self.samples_per_token = samples_per_token
+        self.dtype = dtype
+
+    def soft_tokens(self, audio: Audio) -> int:
+        """One per frame, the last one zero-padded: HF's processor count."""
+        return -(-len(_checked_samples(audio)) // self.samples_per_token)
+
+    @torch.inference_mode()
+    def encode(self, audio: Audio) -> torch.Tensor:
+        frames = waveform_frames(_checked_samples(audio), self.samples_per_token)
+        device = self.embedder.embedding_projection.weight.device
+        return self.embedder(torch.from_numpy(frames).to(device, self.dtype))
+
+
+def _checked_samples(audio: Audio) -> np.ndarray:
+    samples = audio.samples
+    if len(samples) > MAX_AUDIO_SECONDS * AUDIO_SAMPLE_RATE:
+        raise MediaError(
+            f"the audio lasts {audio.seconds:.1f} s; at most {MAX_AUDIO_SECONDS:.0f} s are accepted"
+        )
+    return samples
