@@ -36,14 +36,16 @@ import torch
 
 from hearth.checkpoint import open_checkpoint
 from hearth.config import Gemma4UnifiedAudioConfig, Gemma4UnifiedVisionConfig, parse_config
+from hearth.engine import Engine
 from hearth.kv import make_caches
 from hearth.media import Audio, Image, content_digest
 from hearth.media.audio import waveform_frames
 from hearth.media.image import soft_token_count, unified_image_patches
 from hearth.models.loading import build_model
-from hearth.runtime.generate import PromptMedia, soft_tokens
+from hearth.runtime.generate import GenerationRequest, PromptMedia, soft_tokens
 from hearth.runtime.runner import ModelRunner
-from scripted_gemma4 import VOCAB_SIZE
+from hearth.runtime.sampling import SamplingParams
+from scripted_gemma4 import SPECIAL_IDS, VOCAB_SIZE, template_path, write_byte_tokenizer
 from tiny import FULL, SLIDING, randomise_gemma4, save_hf
 
 EMBEDDER_ATOL = 1e-6
@@ -52,6 +54,14 @@ BOI, IMAGE_TOKEN, EOI = VOCAB_SIZE, VOCAB_SIZE + 1, VOCAB_SIZE + 2
 BOA, AUDIO_TOKEN, EOA = VOCAB_SIZE + 3, VOCAB_SIZE + 4, VOCAB_SIZE + 5
 VOCAB = VOCAB_SIZE + 6
 FRAME = 40  # samples per audio soft token (640 in the release)
+MEDIA_SPECIALS = {
+    "<|image>": BOI,
+    "<|image|>": IMAGE_TOKEN,
+    "<image|>": EOI,
+    "<|audio>": BOA,
+    "<|audio|>": AUDIO_TOKEN,
+    "<audio|>": EOA,
+}
 DECODE_STEPS = 10
 PATCH = 4  # 12-pixel model patches keep the inputs small; the maths is HF's
 
@@ -115,8 +125,13 @@ def _hf_model(**text_overrides: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """Also Gemma 4's tokenizer specials, one token per byte, the media tokens and the real
+    chat template, for the engine."""
     hf = _hf_model()
-    return hf, save_hf(hf, tmp_path_factory.mktemp("unified"))
+    path = save_hf(hf, tmp_path_factory.mktemp("unified"))
+    write_byte_tokenizer(path, {**SPECIAL_IDS, **MEDIA_SPECIALS}, VOCAB)
+    (path / "chat_template.jinja").write_text(template_path().read_text())
+    return hf, path
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +294,9 @@ def _prompt(model: Any, images: list[Image]) -> tuple[list[int], Any]:
     return model.expand_media(ids, images)
 
 
-def _hf_generate(hf: Any, ids: list[int], images: list[Image]) -> tuple[list[int], torch.Tensor]:
+def _hf_generate(
+    hf: Any, ids: list[int], images: list[Image], audio: Audio | None = None
+) -> tuple[list[int], torch.Tensor]:
     """HF's greedy continuation (cached prefill and DECODE_STEPS steps, its generate masks):
     the tokens and the raw logits of the prompt's last position and of each step."""
     from transformers import GenerationConfig
@@ -293,10 +310,15 @@ def _hf_generate(hf: Any, ids: list[int], images: list[Image]) -> tuple[list[int
         output_logits=True,
         return_dict_in_generate=True,
     )
+    inputs = _hf_inputs(ids, images)
+    if audio is not None:
+        frames = _hf_frames(audio, FRAME)
+        inputs["input_features"] = frames["input_features"]
+        inputs["input_features_mask"] = frames["input_features_mask"]
     with torch.no_grad():
-        out = hf.generate(**_hf_inputs(ids, images), generation_config=greedy)
-    tokens = out.sequences[0, len(ids) :].tolist()
-    return tokens[:DECODE_STEPS], torch.cat(out.logits)
+        out = hf.generate(**inputs, generation_config=greedy)
+    tokens = out.sequences[0, len(ids) : len(ids) + DECODE_STEPS].tolist()
+    return tokens, torch.cat(out.logits)
 
 
 def _cached_greedy(runner: ModelRunner, ids: list[int], soft: Any, chunk: int) -> Any:
@@ -445,35 +467,47 @@ def test_image_and_audio_prompt_equals_hf_through_prefill_and_decode(
     """An image (bidirectional) then a clip of 50 frames (causal) in one prompt, prefilled
     whole or in chunks of 16, then 10 greedy cached decode steps: HF's generate tokens and
     its logits at each step (LOGITS_ATOL, as above)."""
-    from transformers import GenerationConfig
 
     hf, _ = checkpoint
     image, audio = IMAGES[0], _audio(50 * FRAME - 7, seed=3)
     placeholders = [2, 105, 120, 10, IMAGE_TOKEN, 10, 121, AUDIO_TOKEN, 10, 106, 105, 140]
     ids, spans = model.expand_media(placeholders, [image, audio])
     assert ids.count(AUDIO_TOKEN) == 50 and ids[spans[1][0] - 1] == BOA
-    frames = _hf_frames(audio, FRAME)
-    inputs = _hf_inputs(ids, [image])
-    greedy = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=DECODE_STEPS + 1,
-        min_new_tokens=DECODE_STEPS + 1,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs,
-            input_features=frames["input_features"],
-            input_features_mask=frames["input_features_mask"],
-            generation_config=greedy,
-        )
-    hf_tokens = out.sequences[0, len(ids) : len(ids) + DECODE_STEPS].tolist()
+    hf_tokens, hf_rows = _hf_generate(hf, ids, [image], audio)
     runner = ModelRunner(model)
     with torch.inference_mode():
         soft = soft_tokens(runner, _media(spans))
     tokens, rows = _cached_greedy(runner, ids, soft, chunk)
     assert tokens == hf_tokens
-    torch.testing.assert_close(rows, torch.cat(out.logits), atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(rows, hf_rows, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_engine_generates_hf_greedy_tokens_from_chat_messages(
+    checkpoint: tuple[Any, Path],
+) -> None:
+    """`Engine.run` renders the real chat template, expands an image and a clip and decodes
+    HF's greedy tokens; the scheduler (the server's path) decodes the same."""
+    hf, path = checkpoint
+    engine = Engine.load(path, dtype="float32", device="cpu", progress=False)
+    assert engine.modalities == ("text", "image", "audio")
+    image, audio = IMAGES[1], _audio(30 * FRAME, seed=4)
+    parts = [
+        {"type": "text", "text": "Look and listen:"},
+        {"type": "image", "image": image},
+        {"type": "audio", "audio": audio},
+        {"type": "text", "text": "What is it?"},
+    ]
+    messages = [{"role": "user", "content": parts}]
+    ids, media = engine.expand_media(engine.encode(messages), [image, audio])
+    assert [ids[span.start - 1] for span in media] == [BOI, BOA]
+    assert [span.length for span in media] == [engine.model.soft_token_count(image), 30]
+    expected, _ = _hf_generate(hf, ids, [image], audio)
+    greedy = SamplingParams(temperature=0.0)
+    request = GenerationRequest(ids, DECODE_STEPS, greedy, stop_ids=(), media=media)
+    assert [c.token for c in engine.run(request) if c.token is not None] == expected
+    scheduler = engine.scheduler(2)
+    got: list[Any] = []
+    scheduler.submit(request, got.append, lambda: False)
+    while not scheduler.idle:
+        scheduler.step()
+    assert [c.token for c in got if c.token is not None] == expected
