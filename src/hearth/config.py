@@ -499,8 +499,13 @@ def _unified_text(text: Mapping[str, Any]) -> Mapping[str, Any]:
     for field in ("hidden_size_per_layer_input", "enable_moe_block"):
         if text.get(field):
             raise UnsupportedModelError(f"a gemma4_unified text config has no {field!r}")
-    unified = {**_UNIFIED_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
-    return {**unified, "hidden_size_per_layer_input": 0, "enable_moe_block": False}
+    # Absent fields only: an explicit null (e.g. causal images) keeps its meaning.
+    return {
+        **_UNIFIED_TEXT_DEFAULTS,
+        **text,
+        "hidden_size_per_layer_input": 0,
+        "enable_moe_block": False,
+    }
 
 
 def _gemma4_unified_vision(config: Mapping[str, Any]) -> Gemma4UnifiedVisionConfig | None:

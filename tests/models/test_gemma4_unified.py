@@ -157,7 +157,7 @@ def test_config_maps_onto_gemma4(checkpoint: tuple[Any, Path]) -> None:
 
 def test_unified_defaults_apply_to_absent_fields() -> None:
     """HF's unified text defaults (window 1024, 30 layers, bidirectional images) fill fields a
-    config.json leaves out, not Gemma 4's (window 512, one of them required)."""
+    config.json leaves out, not Gemma 4's (window 512, one of them required); a null stays."""
     from transformers import Gemma4UnifiedTextConfig
 
     defaults = Gemma4UnifiedTextConfig()
@@ -166,6 +166,9 @@ def test_unified_defaults_apply_to_absent_fields() -> None:
     assert config.num_hidden_layers == defaults.num_hidden_layers
     assert config.hidden_size == defaults.hidden_size
     assert config.bidirectional_vision and config.vision is None
+    causal = {"use_bidirectional_attention": None}
+    config = parse_config({"model_type": "gemma4_unified", "text_config": causal})
+    assert not config.bidirectional_vision and not config.unbounded_image_blocks
 
 
 def test_text_prompt_logits_equal_hf(checkpoint: tuple[Any, Path], model: Any) -> None:
