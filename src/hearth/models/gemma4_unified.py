@@ -6,7 +6,7 @@ There is no vision transformer: each soft token is one (patch · pooling)² squa
 a learned row of the x table and one of the y table for the square's place in the grid, and a
 last LayerNorm. `embed_vision` (a weightless RMSNorm and a Linear, `MultimodalEmbedder`) then
 maps it into the text embedding space. The LayerNorms are torch's (ε 1e-5, with bias), as HF's.
-Parameter names follow HF's checkpoint (`vision_embedder.*`).
+Parameter names follow HF's checkpoint (`vision_embedder.*`; mlx-vlm's conversion keeps them).
 
 Audio has no tower either: each 640-sample frame of the 16 kHz clip goes through `embed_audio`
 (the same RMSNorm and Linear) as one soft token, causal in the prompt.
@@ -43,8 +43,8 @@ class UnifiedVisionEmbedder(nn.Module):
         self.pos_norm = nn.LayerNorm(width, eps=_LAYER_NORM_EPS)
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        dtype = self.patch_dense.weight.dtype
-        x = _layer_norm(self.patch_ln1, pixels.to(dtype))
+        # The table's dtype is the model's (a quantized patch_dense may hold no float weight).
+        x = _layer_norm(self.patch_ln1, pixels.to(self.pos_embedding.dtype))
         x = _layer_norm(self.patch_ln2, self.patch_dense(x))
         table = self.pos_embedding
         x = x + (table[positions[:, 0], 0] + table[positions[:, 1], 1]).to(x.dtype)
