@@ -174,6 +174,39 @@ class Gemma4VisionConfig:
 
 
 @dataclass(frozen=True)
+class Gemma4UnifiedVisionConfig:
+    """The 12B "unified" model's encoder-free image embedder (HF `Gemma4UnifiedVisionConfig`):
+    (patch · pooling)² · 3 raw pixels per soft token, LayerNorm, Linear to `mm_embed_dim`,
+    LayerNorm, + learned x and y position rows, LayerNorm, then `embed_vision`."""
+
+    patch_size: int
+    pooling_kernel_size: int
+    mm_embed_dim: int
+    mm_posemb_size: int  # rows of each of the x and y position tables
+    rms_norm_eps: float
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    @property
+    def model_patch_size(self) -> int:
+        """The side of one soft token's square of pixels (48 in the release)."""
+        return self.patch_size * self.pooling_kernel_size
+
+
+@dataclass(frozen=True)
+class Gemma4UnifiedAudioConfig:
+    """The 12B "unified" model's audio input (HF `Gemma4UnifiedAudioConfig`): raw 16 kHz frames
+    of `samples_per_token` samples, each projected by `embed_audio` into one soft token."""
+
+    samples_per_token: int
+    rms_norm_eps: float
+    audio_token_id: int
+    boa_token_id: int
+    eoa_token_id: int
+
+
+@dataclass(frozen=True)
 class Gemma4Config:
     """Gemma 4 text decoder (HF `Gemma4TextConfig` meanings; see docs/gemma4.md).
 
@@ -204,11 +237,16 @@ class Gemma4Config:
     max_position_embeddings: int
     tie_word_embeddings: bool
     model_type: str = "gemma4_text"
-    audio: Gemma4AudioConfig | None = None  # the audio tower, when the checkpoint has one
-    vision: Gemma4VisionConfig | None = None  # the vision tower, when the checkpoint has one
+    # The audio tower (or the unified model's frame embedder), when the checkpoint has one.
+    audio: Gemma4AudioConfig | Gemma4UnifiedAudioConfig | None = None
+    # The vision tower (or the unified model's encoder-free embedder), when the checkpoint has one.
+    vision: Gemma4VisionConfig | Gemma4UnifiedVisionConfig | None = None
     pad_token_id: int = 0  # what per-layer inputs read at soft-token positions
     # Image soft tokens attend to their whole image on sliding layers (26B, 31B).
     bidirectional_vision: bool = False
+    # The unified 12B as HF runs it: an image's block on every layer, not bounded by the window
+    # (HF's `Gemma4UnifiedModel.forward` passes the blocks to every mask, as Gemma 3 does).
+    unbounded_image_blocks: bool = False
 
     @property
     def first_kv_shared_layer(self) -> int:
@@ -352,13 +390,32 @@ def _check_kv_sharing(layer_types: tuple[str, ...], shared: int) -> None:
             )
 
 
+# The 12B "unified" model: its multimodal config, and its text config (as the safetensors
+# reader flattens a multimodal config.json).
+_UNIFIED_TYPES = ("gemma4_unified", "gemma4_unified_text")
+# HF's `Gemma4UnifiedTextConfig` defaults where they differ from Gemma 4's or where Gemma 4 has
+# none; its decoder has no per-layer inputs and no MoE block.
+_UNIFIED_TEXT_DEFAULTS = {
+    "vocab_size": 262_144,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "sliding_window": 1024,
+    "max_position_embeddings": 262_144,
+    "use_bidirectional_attention": "vision",
+}
+
+
 def _gemma4_text(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The text decoder's fields: the config itself, or `text_config` of a multimodal one."""
-    if config.get("model_type") != "gemma4":
+    model_type = config.get("model_type")
+    if model_type not in ("gemma4", "gemma4_unified"):
         return config
     text = config.get("text_config")
     if not isinstance(text, dict):
-        raise CheckpointError("config of model_type 'gemma4' lacks a 'text_config' object")
+        raise CheckpointError(f"config of model_type {model_type!r} lacks a 'text_config' object")
     # The multimodal config holds the tying flag for the whole model.
     return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
 
@@ -437,8 +494,60 @@ def _gemma4_vision(config: Mapping[str, Any]) -> Gemma4VisionConfig | None:
     )
 
 
+def _unified_text(text: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A unified text config as Gemma 4 text fields: its own defaults, no PLE, no MoE."""
+    for field in ("hidden_size_per_layer_input", "enable_moe_block"):
+        if text.get(field):
+            raise UnsupportedModelError(f"a gemma4_unified text config has no {field!r}")
+    # Absent fields only: an explicit null (e.g. causal images) keeps its meaning.
+    return {
+        **_UNIFIED_TEXT_DEFAULTS,
+        **text,
+        "hidden_size_per_layer_input": 0,
+        "enable_moe_block": False,
+    }
+
+
+def _gemma4_unified_vision(config: Mapping[str, Any]) -> Gemma4UnifiedVisionConfig | None:
+    vision = config.get("vision_config")
+    if vision is None:
+        return None
+    if not isinstance(vision, dict):
+        raise CheckpointError("config field 'vision_config' must be an object")
+    return Gemma4UnifiedVisionConfig(
+        patch_size=_field(vision, "patch_size", int, 16),
+        pooling_kernel_size=_field(vision, "pooling_kernel_size", int, 3),
+        mm_embed_dim=_field(vision, "mm_embed_dim", int, 3840),
+        mm_posemb_size=_field(vision, "mm_posemb_size", int, 1120),
+        rms_norm_eps=_field(vision, "rms_norm_eps", float, 1e-6),
+        image_token_id=_field(config, "image_token_id", int, 258_880),
+        boi_token_id=_field(config, "boi_token_id", int, 255_999),
+        eoi_token_id=_field(config, "eoi_token_id", int, 258_882),
+    )
+
+
+def _gemma4_unified_audio(config: Mapping[str, Any]) -> Gemma4UnifiedAudioConfig | None:
+    audio = config.get("audio_config")
+    if audio is None:
+        return None
+    if not isinstance(audio, dict):
+        raise CheckpointError("config field 'audio_config' must be an object")
+    return Gemma4UnifiedAudioConfig(
+        samples_per_token=_field(audio, "audio_embed_dim", int, 640),
+        rms_norm_eps=_field(audio, "rms_norm_eps", float, 1e-6),
+        audio_token_id=_field(config, "audio_token_id", int, 258_881),
+        boa_token_id=_field(config, "boa_token_id", int, 256_000),
+        eoa_token_id=_field(
+            config, "eoa_token_id", int, _field(config, "eoa_token_index", int, 258_883)
+        ),
+    )
+
+
 def gemma4_config(config: dict[str, Any]) -> Gemma4Config:
+    unified = config.get("model_type") in _UNIFIED_TYPES
     text = _gemma4_text(config)
+    if unified:
+        text = _unified_text(text)
     if text.get("use_bidirectional_attention") == "all":
         raise UnsupportedModelError("use_bidirectional_attention 'all' is not supported")
     layers = _field(text, "num_hidden_layers", int)
@@ -472,10 +581,12 @@ def gemma4_config(config: dict[str, Any]) -> Gemma4Config:
         final_logit_softcapping=_optional_field(text, "final_logit_softcapping", float),
         max_position_embeddings=_field(text, "max_position_embeddings", int, 131_072),
         tie_word_embeddings=_field(text, "tie_word_embeddings", bool, True),
-        audio=_gemma4_audio(config),
-        vision=_gemma4_vision(config),
+        model_type="gemma4_unified" if unified else "gemma4_text",
+        audio=_gemma4_unified_audio(config) if unified else _gemma4_audio(config),
+        vision=_gemma4_unified_vision(config) if unified else _gemma4_vision(config),
         pad_token_id=_field(text, "pad_token_id", int, 0),
         bidirectional_vision=text.get("use_bidirectional_attention") == "vision",
+        unbounded_image_blocks=unified and text.get("use_bidirectional_attention") == "vision",
     )
 
 
@@ -486,6 +597,8 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "gemma3": gemma3_config,
     "gemma4_text": gemma4_config,
     "gemma4": gemma4_config,
+    "gemma4_unified_text": gemma4_config,
+    "gemma4_unified": gemma4_config,
 }
 
 

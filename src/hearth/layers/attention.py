@@ -30,16 +30,21 @@ def attention_mask(
     key_positions: torch.Tensor,
     window: int | None,
     blocks: Blocks = (),
+    window_bounds_blocks: bool = True,
 ) -> torch.Tensor:
     """Boolean [queries, keys]: causal, or both in one of `blocks` (an image's soft tokens),
-    and within `window` keys (q − k < window) if given, as HF composes Gemma 4's sliding mask."""
+    and within `window` keys (q − k < window) if given, as HF composes Gemma 4's sliding mask.
+    Without `window_bounds_blocks` the window bounds only the causal part and a block is seen
+    whole (HF's `gemma4_unified` forward, Gemma 3's composition)."""
     distance = query_positions[:, None] - key_positions[None, :]
     allowed = distance >= 0
+    if window is not None and not window_bounds_blocks:
+        allowed &= distance < window
     for start, end in blocks:
         in_query = (query_positions >= start) & (query_positions < end)
         in_key = (key_positions >= start) & (key_positions < end)
         allowed |= in_query[:, None] & in_key[None, :]
-    if window is not None:
+    if window is not None and window_bounds_blocks:
         allowed &= distance < window
     return allowed
 
@@ -79,6 +84,7 @@ def attend(
     window: int | None,
     scale: float,
     blocks: Blocks = (),
+    window_bounds_blocks: bool = True,
 ) -> torch.Tensor:
     """q [batch, heads, queries, dim] over a cache view; softmax in fp32, GQA by grouping.
 
@@ -92,7 +98,9 @@ def attend(
         if key_positions is None:
             key_positions = torch.arange(view.length, device=q.device)
         keys, values = view.real()
-        mask = attention_mask(positions, key_positions[: view.length], window, blocks)
+        mask = attention_mask(
+            positions, key_positions[: view.length], window, blocks, window_bounds_blocks
+        )
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         )
@@ -274,8 +282,10 @@ class Attention(nn.Module):
         scale: float,
         window: int | None,
         value_mode: ValueMode = ValueMode.RAW,
+        window_bounds_blocks: bool = True,
     ) -> None:
         super().__init__()
+        self.window_bounds_blocks = window_bounds_blocks  # see `attention_mask`
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -327,6 +337,6 @@ class Attention(nn.Module):
             view = shared
         else:
             view = store_keys_values(cache, write, k, v, positions, (batch, length))
-        out = attend(q, view, positions, self.window, self.scale, blocks)
+        out = attend(q, view, positions, self.window, self.scale, blocks, self.window_bounds_blocks)
         heads = out.transpose(1, 2).reshape(batch, length, -1)
         return project_for_norm(self.o_proj, heads), view

@@ -223,3 +223,13 @@ def checkpoint_audio_settings(directory: Path) -> LogMelSettings | None:
         if kind == "Gemma4AudioFeatureExtractor":
             return LogMelSettings.from_hf(extractor)
     return None
+
+
+def waveform_frames(samples: np.ndarray, samples_per_token: int) -> np.ndarray:
+    """The 12B unified model's audio features (HF's `Gemma4UnifiedAudioFeatureExtractor`): the
+    samples zero-padded to whole frames and cut into rows of `samples_per_token` (640 = 40 ms
+    at 16 kHz), float32 [frames, samples_per_token]; each row becomes one soft token."""
+    count = -(-len(samples) // samples_per_token)
+    frames = np.zeros(count * samples_per_token, dtype=np.float32)
+    frames[: len(samples)] = samples
+    return frames.reshape(count, samples_per_token)

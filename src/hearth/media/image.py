@@ -72,13 +72,33 @@ class ImagePatches:
 
 def image_patches(image: Image, budget: int, patch: int = 16, pooling: int = 3) -> ImagePatches:
     """`image` resized for `budget` soft tokens, scaled to [0, 1] and cut into patches."""
+    return _cut(_resized_values(image, budget, patch, pooling), patch)
+
+
+def unified_image_patches(
+    image: Image, budget: int, patch: int = 16, pooling: int = 3
+) -> ImagePatches:
+    """The 12B unified model's patches (HF's `Gemma4UnifiedImageProcessor`): the same resize
+    and scale, cut into squares of patch · pooling pixels (one per soft token) whose values run
+    (row, column, channel) over the square, with their (x, y) places in the grid of squares.
+    HF cuts 16-pixel patches and merges each 3x3 group; the values and order are the same."""
+    return _cut(_resized_values(image, budget, patch, pooling), patch * pooling)
+
+
+def _resized_values(image: Image, budget: int, patch: int, pooling: int) -> np.ndarray:
+    """[height, width, 3] float32 in [0, 1] of `image` resized for `budget` soft tokens."""
     from PIL import Image as PILImage
 
     width, height = resized_size(*image.size, budget, patch, pooling)
     pixels = image.pixels
     if (width, height) != image.size:
         pixels = pixels.resize((width, height), resample=PILImage.Resampling.BICUBIC)  # type: ignore[attr-defined]
-    values = (np.asarray(pixels, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
+    return (np.asarray(pixels, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
+
+
+def _cut(values: np.ndarray, patch: int) -> ImagePatches:
+    """[height, width, 3] values cut into `patch`-sided squares, the grid's rows in order."""
+    height, width = values.shape[:2]
     columns, rows = width // patch, height // patch
     cut = values.reshape(rows, patch, columns, patch, 3).transpose(0, 2, 1, 3, 4)
     flat = np.ascontiguousarray(cut.reshape(rows * columns, patch * patch * 3))

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hearth.config import FULL_ATTENTION, SLIDING_ATTENTION, Gemma4Config
+from hearth.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    Gemma4AudioConfig,
+    Gemma4Config,
+    Gemma4UnifiedVisionConfig,
+)
 from hearth.kv.cache import CacheSpec, KVView, LayerCache
 from hearth.layers import per_layer
 from hearth.layers.attention import Attention, Blocks, ValueMode, numbered
@@ -32,9 +38,15 @@ from hearth.layers.norm import (
 from hearth.layers.rope import ProportionalRotaryEmbedding
 from hearth.media import Audio, Image, MediaError
 from hearth.media.audio import LogMelExtractor
-from hearth.media.image import DEFAULT_IMAGE_TOKENS, image_patches, soft_token_count
+from hearth.media.image import (
+    DEFAULT_IMAGE_TOKENS,
+    image_patches,
+    soft_token_count,
+    unified_image_patches,
+)
 from hearth.models.decoder import DecoderModel, Rope, SoftTokens, last_of
 from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower
+from hearth.models.gemma4_unified import UnifiedAudioEncoder, UnifiedVisionEmbedder
 from hearth.models.gemma4_vision import Gemma4VisionModel, MultimodalEmbedder
 
 
@@ -66,6 +78,7 @@ class Gemma4DecoderLayer(nn.Module):
             1.0,
             config.sliding_window if kind == SLIDING_ATTENTION else None,
             _value_mode(config, layer),
+            window_bounds_blocks=not config.unbounded_image_blocks,
         )
         self.mlp = MLP(hidden, config.mlp_width(layer))
         self.input_layernorm = RMSNorm(hidden, eps)
@@ -224,23 +237,41 @@ class Gemma4Model(DecoderModel):
             self.per_layer_projection_norm = RMSNorm(
                 config.hidden_size_per_layer_input, config.rms_norm_eps
             )
-        if config.vision is not None:
-            self.vision_tower = Gemma4VisionModel(config.vision)
+        vision = config.vision
+        if isinstance(vision, Gemma4UnifiedVisionConfig):  # 12B: no tower, raw patches
+            self.vision_embedder = UnifiedVisionEmbedder(vision)
             self.embed_vision = MultimodalEmbedder(
-                config.vision.hidden_size, config.hidden_size, config.vision.rms_norm_eps
+                vision.mm_embed_dim, config.hidden_size, vision.rms_norm_eps
             )
             self.media_kinds = ("image",)
-        if config.audio is not None:
-            self.audio_tower = Gemma4AudioTower(config.audio)
+        elif vision is not None:
+            self.vision_tower = Gemma4VisionModel(vision)
+            self.embed_vision = MultimodalEmbedder(
+                vision.hidden_size, config.hidden_size, vision.rms_norm_eps
+            )
+            self.media_kinds = ("image",)
+        audio = config.audio
+        if isinstance(audio, Gemma4AudioConfig):
+            self.audio_tower = Gemma4AudioTower(audio)
             self.embed_audio = MultimodalEmbedder(
-                config.audio.output_proj_dims, config.hidden_size, config.audio.rms_norm_eps
+                audio.output_proj_dims, config.hidden_size, audio.rms_norm_eps
+            )
+            self.media_kinds = (*self.media_kinds, "audio")
+        elif audio is not None:  # 12B: no tower, raw frames
+            self.embed_audio = MultimodalEmbedder(
+                audio.samples_per_token, config.hidden_size, audio.rms_norm_eps
             )
             self.media_kinds = (*self.media_kinds, "audio")
 
-    def audio_encoder(self) -> Gemma4AudioEncoder | None:
-        """What turns a clip into this model's soft tokens, if it has an audio tower."""
-        if self.config.audio is None:
+    def audio_encoder(self) -> Gemma4AudioEncoder | UnifiedAudioEncoder | None:
+        """What turns a clip into this model's soft tokens, if it takes audio."""
+        audio = self.config.audio
+        if audio is None:
             return None
+        if not isinstance(audio, Gemma4AudioConfig):
+            return UnifiedAudioEncoder(
+                self.embed_audio, audio.samples_per_token, self.compute_dtype
+            )
         return Gemma4AudioEncoder(
             self.audio_tower, self.embed_audio, self.config.hidden_size, self.audio_features
         )
@@ -322,19 +353,23 @@ class Gemma4Model(DecoderModel):
                 None if owns_kv else donors[layer.layer_type],
                 None if per_layer is None else per_layer[:, :, index],
                 self.next_norm(index),
-                blocks if layer.layer_type == SLIDING_ATTENTION else (),
+                blocks if self._blocks_on(layer.layer_type) else (),
             )
             if owns_kv:  # the last owner of each type is the donor of the sharers of that type
                 donors[layer.layer_type] = view
         return self.logits(last_of(normed, last_index) if last_only else normed)
+
+    def _blocks_on(self, layer_type: str) -> bool:
+        """Whether images attend bidirectionally on layers of this type: on sliding layers
+        (HF's `create_masks_for_vision_model`), on every layer for the unified 12B."""
+        return layer_type == SLIDING_ATTENTION or self.config.unbounded_image_blocks
 
     def _place_soft_tokens(
         self, x: torch.Tensor, input_ids: torch.Tensor, start: int, soft: Sequence[SoftTokens]
     ) -> tuple[torch.Tensor, torch.Tensor, Blocks]:
         """The chunk's rows with soft tokens in place (not scaled by √hidden), its ids with
         the pad id there (HF's per-layer inputs read the pad token's row at media positions),
-        and the bidirectional runs it holds, on Gemma 4 only on sliding layers (HF's
-        `create_masks_for_vision_model`: full layers stay causal)."""
+        and the bidirectional runs it holds (which layers see them: `_blocks_on`)."""
         x, input_ids = x.clone(), input_ids.clone()
         end = start + x.shape[1]
         blocks = []
@@ -419,14 +454,19 @@ class Gemma4Model(DecoderModel):
         if vision is None:
             raise MediaError("this model takes no image input")
         budget = item.max_tokens or self.default_image_tokens
-        patches = image_patches(item, budget, vision.patch_size, vision.pooling_kernel_size)
+        unified = isinstance(vision, Gemma4UnifiedVisionConfig)
+        cut = unified_image_patches if unified else image_patches
+        patches = cut(item, budget, vision.patch_size, vision.pooling_kernel_size)
         device = self.device
         pixels = torch.from_numpy(patches.pixels).to(device)
         positions = torch.from_numpy(patches.positions).to(device)
-        soft = self.embed_vision(self.vision_tower(pixels, positions))
+        if unified:
+            soft = self.embed_vision(self.vision_embedder(pixels, positions))
+        else:
+            soft = self.embed_vision(self.vision_tower(pixels, positions))
         return SoftTokens(0, soft.to(self.compute_dtype), self.config.bidirectional_vision)
 
-    def _audio_encoder(self) -> Gemma4AudioEncoder:
+    def _audio_encoder(self) -> Gemma4AudioEncoder | UnifiedAudioEncoder:
         encoder = self.audio_encoder()
         if encoder is None:
             raise MediaError("this model takes no audio input")

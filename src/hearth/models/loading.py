@@ -11,7 +11,12 @@ from torch import nn
 from tqdm import tqdm
 
 from hearth.checkpoint import Checkpoint
-from hearth.config import ModelConfig, parse_config
+from hearth.config import (
+    Gemma4UnifiedAudioConfig,
+    Gemma4UnifiedVisionConfig,
+    ModelConfig,
+    parse_config,
+)
 from hearth.errors import CheckpointError
 from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
 from hearth.layers.embedding import Embedding
@@ -123,6 +128,8 @@ def _without_absent_towers(config: ModelConfig, checkpoint: Checkpoint) -> Model
     names = checkpoint.tensor_names()
     for field, prefix in (("vision", "vision_tower."), ("audio", "audio_tower.")):
         tower = getattr(config, field, None)
+        if isinstance(tower, (Gemma4UnifiedVisionConfig, Gemma4UnifiedAudioConfig)):
+            prefix = "vision_embedder." if field == "vision" else "embed_audio."  # no tower
         if tower is not None and not any(name.startswith(prefix) for name in names):
             config = dataclasses.replace(config, **{field: None})  # type: ignore[type-var]
     return config
