@@ -8,6 +8,10 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh checks    # GPU tests, bf16 parity against HF, server first tokens
 #   OUT=/tmp/out MODELS=gemma3-12b benchmarks/gpu_suite.sh revisions  # this tree against BASE
 #     (default .base/src: `git archive REV src | tar -x -C .base`, carried), bench alternating
+#   OUT=/tmp/out benchmarks/gpu_suite.sh concurrency  # aggregate decode at 1-64 streams
+#   OUT=/tmp/out benchmarks/gpu_suite.sh media        # image and audio prompts' first token vs HF
+# `--random` benches read text through the embedded model's tokenizer: on a machine without
+# its package, carry .gpu from `python benchmarks/device_tokenizer.py --out .gpu`.
 # Candidate kernels, sweeps, profiles and A/B runs live in benchmarks/lab/.
 set -u
 PART=${1:-headline}
@@ -15,7 +19,7 @@ OUT=${OUT:-benchmarks/results/tmp}
 # Logs apart from the tables: the device returns at most 8 files from $OUT.
 LOGS=${LOGS:-$OUT}
 mkdir -p "$OUT" "$LOGS"
-export PYTHONPATH=$PWD/src OUT
+export PYTHONPATH=$PWD/src:$PWD/.gpu/stub OUT
 stage() {  # stage SECONDS NAME COMMAND...
   local limit=$1 name=$2; shift 2
   echo "=== $name"
@@ -48,11 +52,21 @@ checks)
   stage 130 ttft python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b
   stage 150 ttft-hits python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths 128 --hits 1024+64,1920+128,3968+128
   ;;
+concurrency)
+  bench 150 conc-gemma3-12b gemma3-12b --concurrency 1,4,16,64
+  bench 150 conc-gemma3-12b-4bit gemma3-12b --quant 4bit --concurrency 1,4,16,64
+  bench 120 conc-e4b e4b --concurrency 1,4,16,64
+  bench 150 conc-26b-a4b 26b-a4b --concurrency 1,4,16,64
+  ;;
+media)
+  stage 330 image-ttft python benchmarks/gpu_image_ttft.py --models e4b,31b
+  stage 200 audio-ttft python benchmarks/gpu_audio_ttft.py --models e4b
+  ;;
 revisions)
   stage 580 revisions python benchmarks/ab_revisions.py --base "${BASE:-.base/src}" --new src --models "${MODELS:-gemma3-12b,e4b,26b-a4b}" --quant none,4bit --rounds "${ROUNDS:-1}" --out "$OUT/ab_revisions.md"
   ;;
 *)
-  echo "unknown part: $PART (headline, long, checks, revisions)" >&2
+  echo "unknown part: $PART (headline, long, checks, concurrency, media, revisions)" >&2
   exit 2
   ;;
 esac
