@@ -46,7 +46,7 @@ long)
   bench 200 bench-gemma3-12b-kv gemma3-12b --kv-quant off,4@full,turbo:k4v3@full --contexts 8192,32768,131000 --prefill 512 --steps 16
   ;;
 checks)
-  stage 150 gpu-tests python -m pytest -q -x tests/ops/test_launch.py tests/runtime/test_graph_decoder.py tests/engine/test_bench.py tests/ops/test_fused_kernels.py tests/ops/test_gemv.py tests/ops/test_decode_attention.py tests/models/test_gemma4_kernel_path.py tests/layers/test_attention_kernel_path.py
+  stage 150 gpu-tests python -m pytest -q -x tests/ops/test_launch.py tests/runtime/test_graph_decoder.py tests/engine/test_bench.py tests/ops/test_fused_kernels.py tests/ops/test_gemv.py tests/ops/test_decode_attention.py tests/models/test_gemma4_kernel_path.py tests/layers/test_attention_kernel_path.py tests/models/test_gemma4_vision.py
   stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
   stage 60 parity-96 python benchmarks/gpu_parity.py --prompt 96 --out "$OUT/gpu_parity_prompt96.md"
   stage 130 ttft python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b
