@@ -27,12 +27,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hearth.bench.random_model import PRESETS, build_random_model
-from hearth.layers.clipped import ClippedLinear
+from gpu_image_ttft import (  # the image script's timing and model helpers, shared
+    dtype_of,
+    first_token_seconds,
+    hf_model,
+    random_weight_model,
+    release,
+    synchronize,
+)
+from hearth.bench.random_model import PRESETS
 from hearth.media import AUDIO_SAMPLE_RATE, Audio
-from hearth.runtime.generate import GenerationStats, PromptMedia, generate_tokens
 from hearth.runtime.runner import ModelRunner
-from hearth.runtime.sampling import Sampler, SamplingParams
 
 SMALL_TEXT = {
     **PRESETS["e4b"],
@@ -74,65 +79,26 @@ def random_clip(seed: int) -> Audio:
     return Audio((samples * 0.3).astype(np.float32), f"{seed:064x}")
 
 
-def dtype_of(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def prompt_ids() -> list[int]:
     return [2, 105, *range(1000, 1010), AUDIO_TOKEN, *range(1010, 1020), 106, 105]
 
 
 def hearth_run(name: str, device: torch.device) -> Callable[[int], float]:
     """Hearth's model; the returned call times one prompt's first token (clip `seed`)."""
-    model = build_random_model(config_of(name), device, dtype=dtype_of(device))
-    for module in model.modules():  # random clips of ones would clamp everything to ±1
-        if isinstance(module, ClippedLinear) and module.clipped:
-            for bound, value in (("min", -1e4), ("max", 1e4)):
-                getattr(module, f"input_{bound}").data.fill_(value)
-                getattr(module, f"output_{bound}").data.fill_(value)
-    runner = ModelRunner(model)
-
-    def run(seed: int) -> float:
-        clip = random_clip(seed)
-        ids, spans = model.expand_media(prompt_ids(), [clip])
-        assert spans[0][1] == 750
-        media = tuple(PromptMedia(*span) for span in spans)
-        stats = GenerationStats()
-        sampler = Sampler(SamplingParams(temperature=0.0), device=device)
-        tokens = generate_tokens(runner, ids, sampler, 1, stats, media=media)
-        next(tokens)
-        tokens.close()
-        return stats.prefill_seconds
-
-    return run
+    runner = ModelRunner(random_weight_model(config_of(name), device))
+    return lambda seed: first_token_seconds(runner, prompt_ids(), random_clip(seed), 750)
 
 
 def hf_run(name: str, device: torch.device) -> Callable[[int], float] | str:
     """HF's model, or why there is none; the call times one forward to the first token."""
     try:
-        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
         from transformers.models.gemma4.feature_extraction_gemma4 import (
             Gemma4AudioFeatureExtractor,
         )
+
+        model = hf_model(config_of(name), device)
     except ImportError as error:
         return f"unavailable: {error}"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype_of(device))
-    try:
-        with torch.device(device):
-            model = Gemma4ForConditionalGeneration(Gemma4Config(**config_of(name))).eval()
-    finally:
-        torch.set_default_dtype(previous)
     extractor = Gemma4AudioFeatureExtractor()
     ids = [2, 105, *range(1000, 1010), BOA, *[AUDIO_TOKEN] * 750, EOA]
     ids += [*range(1010, 1020), 106, 105]

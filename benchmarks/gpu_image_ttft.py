@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hearth.bench.random_model import PRESETS, build_random_model
 from hearth.layers.clipped import ClippedLinear
-from hearth.media import Image
+from hearth.media import Audio, Image
 from hearth.media.image import image_patches
 from hearth.runtime.generate import GenerationStats, PromptMedia, generate_tokens
 from hearth.runtime.runner import ModelRunner
@@ -127,28 +127,57 @@ def prompt_ids() -> list[int]:
     return [2, 105, *range(1000, 1010), IMAGE_TOKEN, *range(1010, 1020), 106, 105]
 
 
-def hearth_seconds(name: str, device: torch.device) -> list[float]:
-    model = build_random_model(config_of(name), device, dtype=dtype_of(device))
-    for module in model.modules():  # random clips of ones would clamp everything to 1
+def random_weight_model(config: dict[str, Any], device: torch.device) -> Any:
+    """Hearth's model of `config` with random weights, its clip bounds opened: random bounds
+    near one would clamp every activation of the towers."""
+    model = build_random_model(config, device, dtype=dtype_of(device))
+    for module in model.modules():
         if isinstance(module, ClippedLinear) and module.clipped:
-            for bound, value in (("input_min", -1e4), ("input_max", 1e4)):
-                getattr(module, bound).data.fill_(value)
-            for bound, value in (("output_min", -1e4), ("output_max", 1e4)):
-                getattr(module, bound).data.fill_(value)
+            for side in ("input", "output"):
+                getattr(module, f"{side}_min").data.fill_(-1e4)
+                getattr(module, f"{side}_max").data.fill_(1e4)
+    return model
+
+
+def first_token_seconds(
+    runner: ModelRunner, prompt: list[int], item: Image | Audio, soft_tokens: int
+) -> float:
+    """Hearth's time from a decoded input to the first token of `prompt` (its one placeholder
+    expanded to `soft_tokens`): preprocessing, tower and prefill."""
+    ids, spans = runner.model.expand_media(prompt, [item])
+    assert spans[0][1] == soft_tokens
+    stats = GenerationStats()
+    sampler = Sampler(SamplingParams(temperature=0.0), device=runner.device)
+    media = tuple(PromptMedia(*span) for span in spans)
+    tokens = generate_tokens(runner, ids, sampler, 1, stats, media=media)
+    next(tokens)
+    tokens.close()
+    return stats.prefill_seconds
+
+
+def hf_model(config: dict[str, Any], device: torch.device) -> Any:
+    """HF's Gemma4ForConditionalGeneration of `config`, random weights in `dtype_of(device)`
+    (ImportError without transformers)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype_of(device))
+    try:
+        with torch.device(device):
+            return Gemma4ForConditionalGeneration(Gemma4Config(**config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def hearth_seconds(name: str, device: torch.device) -> list[float]:
+    model = random_weight_model(config_of(name), device)
     runner = ModelRunner(model)
     times = []
     for attempt in range(WARM_UP + TIMED):
         image = random_image(attempt, device)
-        ids, spans = model.expand_media(prompt_ids(), [image])
-        assert spans[0][1] == image.max_tokens
-        media = tuple(PromptMedia(*span) for span in spans)
-        stats = GenerationStats()
-        sampler = Sampler(SamplingParams(temperature=0.0), device=device)
-        run = generate_tokens(runner, ids, sampler, 1, stats, media=media)
-        next(run)
-        run.close()
+        seconds = first_token_seconds(runner, prompt_ids(), image, image.max_tokens or 0)
         if attempt >= WARM_UP:
-            times.append(stats.prefill_seconds)
+            times.append(seconds)
     del runner, model
     release(device)
     return times
@@ -156,17 +185,9 @@ def hearth_seconds(name: str, device: torch.device) -> list[float]:
 
 def hf_seconds(name: str, device: torch.device) -> list[float] | str:
     try:
-        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+        model = hf_model(config_of(name), device)
     except ImportError as error:
         return f"unavailable: {error}"
-    config = config_of(name)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype_of(device))
-    try:
-        with torch.device(device):
-            model = Gemma4ForConditionalGeneration(Gemma4Config(**config)).eval()
-    finally:
-        torch.set_default_dtype(previous)
     budget = SIZES[device.type][1]
     ids = [2, 105, *range(1000, 1010), BOI, *[IMAGE_TOKEN] * budget, EOI]
     ids += [*range(1010, 1020), 106, 105]

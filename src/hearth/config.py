@@ -420,13 +420,19 @@ def _gemma4_text(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
 
 
+def _sub_config(config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    """A tower's config object (None when absent); anything but an object is refused."""
+    value = config.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise CheckpointError(f"config field {name!r} must be an object")
+    return value
+
+
 def _gemma4_audio(config: Mapping[str, Any]) -> Gemma4AudioConfig | None:
     """The audio tower of a multimodal config (HF's defaults for absent fields), or None."""
-    audio = config.get("audio_config")
+    audio = _sub_config(config, "audio_config")
     if audio is None:
         return None
-    if not isinstance(audio, dict):
-        raise CheckpointError("config field 'audio_config' must be an object")
     if audio.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError("the audio tower's activation must be silu")
     channels = tuple(_field(audio, "subsampling_conv_channels", list, [128, 32]))
@@ -462,11 +468,9 @@ def _gemma4_audio(config: Mapping[str, Any]) -> Gemma4AudioConfig | None:
 def _gemma4_vision(config: Mapping[str, Any]) -> Gemma4VisionConfig | None:
     """The vision tower of a multimodal config, or of its text config that carries the
     tower's fields beside it (HF's defaults for absent fields)."""
-    vision = config.get("vision_config")
+    vision = _sub_config(config, "vision_config")
     if vision is None:
         return None
-    if not isinstance(vision, dict):
-        raise CheckpointError("config field 'vision_config' must be an object")
     if vision.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise UnsupportedModelError("the vision tower's activation must be gelu_pytorch_tanh")
     rope = vision.get("rope_parameters") or {}
@@ -509,11 +513,9 @@ def _unified_text(text: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _gemma4_unified_vision(config: Mapping[str, Any]) -> Gemma4UnifiedVisionConfig | None:
-    vision = config.get("vision_config")
+    vision = _sub_config(config, "vision_config")
     if vision is None:
         return None
-    if not isinstance(vision, dict):
-        raise CheckpointError("config field 'vision_config' must be an object")
     return Gemma4UnifiedVisionConfig(
         patch_size=_field(vision, "patch_size", int, 16),
         pooling_kernel_size=_field(vision, "pooling_kernel_size", int, 3),
@@ -527,11 +529,9 @@ def _gemma4_unified_vision(config: Mapping[str, Any]) -> Gemma4UnifiedVisionConf
 
 
 def _gemma4_unified_audio(config: Mapping[str, Any]) -> Gemma4UnifiedAudioConfig | None:
-    audio = config.get("audio_config")
+    audio = _sub_config(config, "audio_config")
     if audio is None:
         return None
-    if not isinstance(audio, dict):
-        raise CheckpointError("config field 'audio_config' must be an object")
     return Gemma4UnifiedAudioConfig(
         samples_per_token=_field(audio, "audio_embed_dim", int, 640),
         rms_norm_eps=_field(audio, "rms_norm_eps", float, 1e-6),
