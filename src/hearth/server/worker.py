@@ -30,7 +30,7 @@ from hearth.runtime.generate import (
     PromptMedia,
 )
 from hearth.runtime.sampling import SamplingParams
-from hearth.runtime.scheduler import Deliver
+from hearth.runtime.scheduler import Deliver, Scheduler
 
 log = logging.getLogger("hearth.server")
 
@@ -242,10 +242,16 @@ class GenerationWorker:
                     scheduler.submit(_request_of(job), self._delivery(job), job.cancelled.is_set)
                 except ValueError as error:  # reported to its request
                     job.deliver(error)
+            # Counted before the step too: a step hands out tokens, and a request whose client
+            # has seen one must count as in progress (a shutdown reports what drains).
+            self._count(scheduler)
             if not scheduler.idle:
                 scheduler.step()
-            self.counters.running = scheduler.active
-            self.counters.waiting = len(scheduler.waiting)
+            self._count(scheduler)
+
+    def _count(self, scheduler: Scheduler) -> None:
+        self.counters.running = scheduler.active
+        self.counters.waiting = len(scheduler.waiting)
 
     def _new_jobs(self, wait: bool) -> list[GenerationJob | None]:
         """The jobs queued since the last look; with `wait`, at least one (or the stop)."""
