@@ -58,12 +58,35 @@ def profile(label: str, work: Callable[[], Any]) -> None:
     print("```")
 
 
+def synchronizing(label: str, work: Callable[[], Any]) -> None:
+    """Each place in `work` where the host waits for the device, with the Python line."""
+    import collections
+    import traceback
+    import warnings
+
+    places: collections.Counter[str] = collections.Counter()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        work()
+    torch.cuda.set_sync_debug_mode(0)
+    del traceback
+    for warning in caught:
+        places[f"{warning.filename}:{warning.lineno}"] += 1
+    print(f"\n### host syncs in {label}: {sum(places.values())}")
+    for place, count in places.most_common(20):
+        print(f"- {count} x {place}")
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="e4b")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--sync-debug", action="store_true", help="list each host sync of one image prompt"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     model = random_weight_model(config_of(args.model), device)
@@ -143,6 +166,13 @@ def main() -> None:
     print(f"| {args.model} stage | ms |\n|---|---|")
     for label, ms in rows:
         print(f"| {label} | {ms:.1f} |")
+    if args.sync_debug:
+        synchronizing(
+            "embed_media and prefill",
+            lambda: runner.prefill(
+                prompt, runner.new_caches(), 0, None, soft_tokens(runner, media)
+            ),
+        )
     if args.profile:
         profile("vision tower", lambda: model.vision_tower(pixels, positions))
         profile(

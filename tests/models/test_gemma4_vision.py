@@ -37,8 +37,10 @@ from hearth.media.image import (
     checkpoint_image_tokens,
     image_patches,
     resized_size,
+    scaled,
     soft_token_count,
 )
+from hearth.models.gemma4 import device_pixels
 from hearth.models.loading import build_model
 from hearth.runtime.generate import GenerationRequest, PromptMedia, soft_tokens
 from hearth.runtime.runner import ModelRunner
@@ -46,6 +48,7 @@ from hearth.runtime.sampling import SamplingParams
 from scripted_gemma4 import SPECIAL_IDS, VOCAB_SIZE, template_path, write_byte_tokenizer
 from tiny import FULL, PLE, SLIDING, randomise_gemma4, save_hf, tiny_gemma4_config
 
+CUDA = torch.cuda.is_available()
 TOWER_ATOL = 1e-6
 LOGITS_ATOL = 1.2e-4
 # The scripted Gemma 4 tokenizer's specials and bytes, then the three image tokens.
@@ -172,7 +175,20 @@ def test_preprocessing_equals_hf_processor(size: tuple[int, int], budget: int) -
     assert int(real.sum()) == count
     assert reference["num_soft_tokens_per_image"][0] == soft_token_count(image.size, budget)
     assert np.array_equal(reference["pixel_values"][0][:count].numpy(), patches.pixels)
+    on_device = device_pixels(patches.values, torch.device("cpu"))
+    assert np.array_equal(reference["pixel_values"][0][:count].numpy(), on_device.numpy())
     assert np.array_equal(reference["image_position_ids"][0][:count].numpy(), patches.positions)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))],
+)
+def test_device_rescale_equals_host_rescale(device: str) -> None:
+    """Every 8-bit value: the model's rescale after the copy (float64 on the device) gives the
+    host's float32 bit for bit; both are one IEEE float64 product rounded once to float32."""
+    values = np.arange(256, dtype=np.uint8).reshape(1, 256)
+    assert np.array_equal(device_pixels(values, torch.device(device)).cpu().numpy(), scaled(values))
 
 
 def test_budget_is_checked() -> None:

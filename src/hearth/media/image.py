@@ -62,12 +62,25 @@ def soft_token_count(size: tuple[int, int], budget: int, patch: int = 16, poolin
 
 @dataclass(frozen=True)
 class ImagePatches:
-    """One image cut into patches: `pixels` [patches, patch² · 3] float32 in [0, 1] and
-    `positions` [patches, 2] int64 (x, y), the grid's rows in order."""
+    """One image cut into patches: `values` [patches, patch² · 3] uint8 and `positions`
+    [patches, 2] int64 (x, y), the grid's rows in order. The 8-bit values go to the device as
+    they are (a quarter of the bytes, no float pass on the host); `scaled` gives the [0, 1]
+    float32 pixels."""
 
-    pixels: np.ndarray
+    values: np.ndarray
     positions: np.ndarray
     grid: tuple[int, int]  # (columns, rows) of patches
+
+    @property
+    def pixels(self) -> np.ndarray:
+        """[patches, patch² · 3] float32 in [0, 1], as HF's processor gives them."""
+        return scaled(self.values)
+
+
+def scaled(values: np.ndarray) -> np.ndarray:
+    """8-bit values scaled to [0, 1]: x · (1/255) in float64, rounded to float32 (HF's
+    rescale; the model repeats this on the device, bit for bit)."""
+    return (values.astype(np.float64) * (1 / 255)).astype(np.float32)
 
 
 def image_patches(image: Image, budget: int, patch: int = 16, pooling: int = 3) -> ImagePatches:
@@ -86,14 +99,14 @@ def unified_image_patches(
 
 
 def _resized_values(image: Image, budget: int, patch: int, pooling: int) -> np.ndarray:
-    """[height, width, 3] float32 in [0, 1] of `image` resized for `budget` soft tokens."""
+    """[height, width, 3] uint8 RGB of `image` resized for `budget` soft tokens."""
     from PIL import Image as PILImage
 
     width, height = resized_size(*image.size, budget, patch, pooling)
     pixels = image.pixels
     if (width, height) != image.size:
         pixels = pixels.resize((width, height), resample=PILImage.Resampling.BICUBIC)  # type: ignore[attr-defined]
-    return (np.asarray(pixels, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
+    return np.asarray(pixels, dtype=np.uint8)
 
 
 def _cut(values: np.ndarray, patch: int) -> ImagePatches:

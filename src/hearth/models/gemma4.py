@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -458,7 +459,7 @@ class Gemma4Model(DecoderModel):
         cut = unified_image_patches if unified else image_patches
         patches = cut(item, budget, vision.patch_size, vision.pooling_kernel_size)
         device = self.device
-        pixels = torch.from_numpy(patches.pixels).to(device)
+        pixels = device_pixels(patches.values, device)
         positions = torch.from_numpy(patches.positions).to(device)
         if unified:
             soft = self.embed_vision(self.vision_embedder(pixels, positions))
@@ -492,3 +493,11 @@ class Gemma4Model(DecoderModel):
 def _is_norm_weight(name: str) -> bool:
     owner = name.removesuffix(".weight").rpartition(".")[2]
     return name.endswith(".weight") and "norm" in owner
+
+
+def device_pixels(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """8-bit patch values as float32 pixels in [0, 1] on `device`: HF's rescale (x · 1/255 in
+    float64, then float32, as `media.image.scaled` does on the host) run after the copy, which
+    moves a quarter of the bytes and leaves the host no float pass over the image."""
+    on_device = torch.from_numpy(values).to(device)
+    return (on_device.to(torch.float64) * (1 / 255)).to(torch.float32)
