@@ -61,7 +61,6 @@ def profile(label: str, work: Callable[[], Any]) -> None:
 def synchronizing(label: str, work: Callable[[], Any]) -> None:
     """Each place in `work` where the host waits for the device, with the Python line."""
     import collections
-    import traceback
     import warnings
 
     places: collections.Counter[str] = collections.Counter()
@@ -70,7 +69,6 @@ def synchronizing(label: str, work: Callable[[], Any]) -> None:
         warnings.simplefilter("always")
         work()
     torch.cuda.set_sync_debug_mode(0)
-    del traceback
     for warning in caught:
         places[f"{warning.filename}:{warning.lineno}"] += 1
     print(f"\n### host syncs in {label}: {sum(places.values())}")
