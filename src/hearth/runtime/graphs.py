@@ -189,7 +189,9 @@ class GraphDecoder:
             self._start.fill_(self.length)
             self._set_view(self.max_context)
         start = self._start if continued else 0
-        undo = (lambda: None) if continued else self.reset
+        # A continued warm-up stores no token but leaves each cache's count on the device;
+        # telling them the held length again keeps the capture from reading it back.
+        undo = self._set_offsets if continued else self.reset
 
         def run() -> torch.Tensor:
             for cache in self.caches:
