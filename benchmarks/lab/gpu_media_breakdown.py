@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_image_ttft import config_of, prompt_ids, random_image, random_weight_model, synchronize
 from hearth.media import Audio
 from hearth.media.image import image_patches
+from hearth.models.gemma4 import device_pixels
 from hearth.runtime.generate import PromptMedia, soft_tokens
 from hearth.runtime.runner import ModelRunner
 
@@ -104,15 +105,15 @@ def main() -> None:
             ),
         )
     )
-    pixels = torch.from_numpy(patches.pixels).to(device)
+    pixels = device_pixels(patches.values, device)
     positions = torch.from_numpy(patches.positions).to(device)
     rows.append(
         (
-            "image: copy to the device",
+            "image: copy to the device and rescale",
             timed(
                 device,
                 lambda: (
-                    torch.from_numpy(patches.pixels).to(device),
+                    device_pixels(patches.values, device),
                     torch.from_numpy(patches.positions).to(device),
                 ),
             ),

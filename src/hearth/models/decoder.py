@@ -4,6 +4,7 @@ kind, the final norm, the tied head and the final logit softcap."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,17 @@ class SoftTokens:
     @property
     def end(self) -> int:
         return self.start + self.embeddings.shape[0]
+
+
+def chunk_end(start: int, end: int, step: int, soft: Sequence[SoftTokens]) -> int:
+    """Where a prefill chunk from `start` ends: `step` tokens on, moved back to the start of
+    a bidirectional run of soft tokens it would split (or on to that run's end, if the run
+    begins at `start` and outgrows the step), since each must see its whole run at once."""
+    cut = min(start + step, end)
+    for run in soft:
+        if run.bidirectional and run.start < cut < run.end:
+            cut = run.start if run.start > start else run.end
+    return cut
 
 
 class DecoderModel(nn.Module):

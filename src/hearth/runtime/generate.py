@@ -321,7 +321,8 @@ def generate_tokens(
     snapshot there). `logprobs`: records each token's log-probabilities before it is yielded
     (None: none are computed). `grammar`: masks each step's logits and advances on its token.
     `media`: the prompt's images and audio, encoded by their towers before the prefill, which
-    then runs eagerly (the graph prefills take token ids only).
+    then runs eagerly (the graph prefills take token ids only), into the graph decoder's
+    caches where there is one.
     """
     runner = as_runner(model)
     if not 0 <= cached_tokens < len(prompt_ids):
@@ -344,13 +345,13 @@ def generate_tokens(
     )
     try:
         soft = soft_tokens(runner, media, cached_tokens) if media else []
-        if graph is not None and caches is None and not soft:
+        if graph is not None and caches is None:
             caches = graph.caches
-            logits = graph.prefill(prompt, prefill_step)
-        elif graph is not None and cached_tokens and graph.continues_hits and not soft:
+            logits = graph.prefill(prompt, prefill_step, soft)
+        elif graph is not None and cached_tokens and graph.continues_hits:
             graph.adopt(caches, cached_tokens)  # the hit first, then its new tokens
             caches = graph.caches
-            logits = graph.prefill(prompt, prefill_step)
+            logits = graph.prefill(prompt, prefill_step, soft)
         else:
             caches = runner.new_caches() if caches is None else caches
             logits = runner.prefill(prompt, caches, cached_tokens, prefill_step, soft)

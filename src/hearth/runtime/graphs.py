@@ -24,6 +24,7 @@ from torch import nn
 from hearth.kv.cache import LayerCache
 from hearth.kv.footprint import KVFootprint
 from hearth.kv.policy import KVPolicy
+from hearth.models.decoder import SoftTokens, chunk_end
 from hearth.ops.plan import ExecutionPlan
 
 log = logging.getLogger("hearth.runtime.graphs")
@@ -116,24 +117,31 @@ class GraphDecoder:
         return plan.prefill_graphs and plan.continuation_graphs and self.policy.is_dense
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    def prefill(
+        self, ids: torch.Tensor, chunk: int = 512, soft: Sequence[SoftTokens] = ()
+    ) -> torch.Tensor:
         """Logits [1, vocab] after the tokens `ids` [1, T], which follow the `length` tokens
         held: from a prefill graph where one applies (`graph_bucket` then holds its padded
-        length), else eagerly in chunks."""
+        length), else eagerly in chunks. `soft`: media soft tokens at their absolute
+        positions (graphs take token ids only, so these prefill eagerly)."""
         held, tokens = self.length, ids.shape[1]
         if held + tokens >= self.max_context:
             raise ValueError(f"the prompt ({held + tokens} tokens) fills the context")
-        self.graph_bucket = self._prefill_bucket(tokens, chunk)
+        self.graph_bucket = None if soft else self._prefill_bucket(tokens, chunk)
         if self.graph_bucket is not None:
             logits = self._graph_prefill(ids, self.graph_bucket)
             if logits is not None:
                 return logits
             self.graph_bucket = None
         self._set_view(held + tokens)
-        for start in range(0, tokens, chunk):
-            piece = ids[:, start : start + chunk]
-            logits = self.model(piece, self.caches, start=held + start, last_only=True)[:, -1]
-        self.length = held + tokens
+        extra = {"soft": list(soft)} if soft else {}
+        start, end = held, held + tokens
+        while start < end:
+            stop = chunk_end(start, end, chunk, soft)
+            piece = ids[:, start - held : stop - held]
+            logits = self.model(piece, self.caches, start=start, last_only=True, **extra)[:, -1]
+            start = stop
+        self.length = end
         return logits
 
     def _prefill_bucket(self, tokens: int, chunk: int) -> int | None:

@@ -9,18 +9,18 @@ do not see each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from hearth.kv import KVPolicy, LayerCache
 from hearth.layers.attention import SequenceBatch
 from hearth.layers.experts import Experts
 from hearth.models import Model
-from hearth.models.decoder import SoftTokens
+from hearth.models.decoder import SoftTokens, chunk_end
 from hearth.ops import HAS_TRITON
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.graphs import GraphDecoder, grown_slots
+
+__all__ = ["ModelRunner", "chunk_end"]
 from hearth.runtime.native_step import NativeDecodeStep
 
 
@@ -142,14 +142,3 @@ class ModelRunner:
     def discard_idle(self) -> None:
         """Drop the idle decoder: the next request captures anew."""
         self._idle = None
-
-
-def chunk_end(start: int, end: int, step: int, soft: Sequence[SoftTokens]) -> int:
-    """Where a prefill chunk from `start` ends: `step` tokens on, moved back to the start of
-    a bidirectional run of soft tokens it would split (or on to that run's end, if the run
-    begins at `start` and outgrows the step), since each must see its whole run at once."""
-    cut = min(start + step, end)
-    for run in soft:
-        if run.bidirectional and run.start < cut < run.end:
-            cut = run.start if run.start > start else run.end
-    return cut
