@@ -10,6 +10,7 @@ constrained rate. The per-step parts of the constraint are timed on their own to
 xgrammar filling the token bitmask, and the mask applied to the logits.
 
     python benchmarks/structured_output.py --out benchmarks/results/structured_output-DATE.md
+    python benchmarks/structured_output.py --random gemma3-12b --device cuda  # graphs, bf16
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def step_parts(engine: Engine, constraint: OutputConstraint, steps: int = 200) -
     """Milliseconds per step of xgrammar's bitmask fill and of the mask's application."""
     vocab = engine.model.config.vocab_size
     matcher = matcher_for(constraint, engine.tokenizer, vocab, engine.tokenizer.eos_ids)
-    logits = torch.randn(1, vocab)
+    device = engine.model.device
+    logits = torch.randn(1, vocab, device=device)
     allowed_text = engine.tokenizer.encode('{"text": "', add_special_tokens=False)
     for token in allowed_text:
         matcher.advance(token)
@@ -93,6 +95,8 @@ def step_parts(engine: Engine, constraint: OutputConstraint, steps: int = 200) -
         bitmask = matcher.fill_bitmask()
         filled = time.perf_counter()
         apply_bitmask(logits, bitmask)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         apply += time.perf_counter() - filled
         fill += filled - started
     return {"fill_ms": fill / steps * 1e3, "apply_ms": apply / steps * 1e3}
@@ -137,9 +141,13 @@ def report(args: argparse.Namespace, engine: Engine) -> str:
     lines = [
         f"# Structured output cost, {datetime.date.today()}",
         "",
-        f"Hardware: {cpu_name()}, {torch.get_num_threads()} torch threads; "
+        f"Hardware: {cpu_name()}, {torch.get_num_threads()} torch threads"
+        + (f", {torch.cuda.get_device_name()}" if engine.model.device.type == "cuda" else "")
+        + "; "
         f"model: {engine.path.name} ({engine.model.compute_dtype}), device {engine.model.device}.",
-        f"Command: `python benchmarks/structured_output.py --tokens {args.tokens} "
+        "Command: `python benchmarks/structured_output.py "
+        + (f"--random {args.random} --device {args.device} " if args.random else "")
+        + f"--tokens {args.tokens} "
         f"--repeats {args.repeats}" + (f" --threads {args.threads}`" if args.threads else "`"),
         "",
         "## Per-token overhead (batch 1)",
@@ -181,9 +189,25 @@ def report(args: argparse.Namespace, engine: Engine) -> str:
     return "\n".join(lines) + "\n"
 
 
+def random_engine(preset: str, device: str) -> Engine:
+    """An engine over random weights at `preset`'s shapes, with the embedded model's tokenizer
+    (as `hearth bench --random` reads text)."""
+    from hearth.bench.random_model import build_random_model, resolve_config
+    from hearth.checkpoint import open_checkpoint
+    from hearth.embedded import embedded_model_path
+    from hearth.runtime.runner import ModelRunner
+
+    model = build_random_model(resolve_config(preset), torch.device(device), "bf16")
+    tokenizer = open_checkpoint(embedded_model_path()).tokenizer()
+    return Engine(model, tokenizer, Path(preset), ModelRunner(model), "random")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="GGUF file or HF directory (default: the embedded 270M)")
+    parser.add_argument(
+        "--random", help="random weights at a preset's shapes (e.g. gemma3-12b), bf16, instead"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per timed run")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each kind")
@@ -192,7 +216,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.load(args.model, device=args.device, progress=False)
+    engine = random_engine(args.random, args.device) if args.random else None
+    engine = engine or Engine.load(args.model, device=args.device, progress=False)
     text = report(args, engine)
     print(text)
     if args.out:
