@@ -41,6 +41,7 @@ from hearth.kv import make_caches
 from hearth.media import Audio, Image, content_digest
 from hearth.media.audio import waveform_frames
 from hearth.media.image import soft_token_count, unified_image_patches
+from hearth.models.gemma4 import device_pixels
 from hearth.models.loading import build_model
 from hearth.runtime.generate import GenerationRequest, PromptMedia, soft_tokens
 from hearth.runtime.runner import ModelRunner
@@ -197,13 +198,14 @@ def _image(width: int, height: int, seed: int = 0, budget: int | None = None) ->
 
 
 def _hf_unified_helpers() -> dict[str, Any]:
-    """HF's `get_aspect_ratio_preserving_size` and `patches_merge` from the installed
-    image_processing_gemma4_unified.py, run as they are. The module imports torchvision (for its
-    resize), which has no build for this torch, so only these two functions are taken from it."""
+    """HF's `get_aspect_ratio_preserving_size`, `convert_image_to_patches` and `patches_merge`
+    from the installed image_processing_gemma4_unified.py, run as they are. The module imports
+    torchvision (for its resize), which has no build for this torch, so only these functions
+    are taken from it."""
     import transformers.models.gemma4_unified as package
 
     source = (Path(package.__file__).parent / "image_processing_gemma4_unified.py").read_text()
-    wanted = {"get_aspect_ratio_preserving_size", "patches_merge"}
+    wanted = {"get_aspect_ratio_preserving_size", "patches_merge", "convert_image_to_patches"}
     tree = ast.parse(source)
     body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
     assert {n.name for n in body} == wanted
@@ -212,19 +214,22 @@ def _hf_unified_helpers() -> dict[str, Any]:
     return namespace
 
 
-def _hf_patches(image: Image, budget: int, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's unified pipeline on Pillow's resize: the Gemma 4 PIL processor's 16-pixel patches
-    and positions (its padding dropped), merged 3x3 by HF's unified `patches_merge`."""
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+def _hf_patches(values: np.ndarray, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's unified pipeline after its resize, on resized 8-bit [H, W, 3] `values`: its
+    torchvision backend's rescale (a uint8 tensor times 1/255), its 16-pixel patches and
+    positions, merged 3x3 by its `patches_merge`."""
+    from transformers.image_processing_backends import TorchvisionBackend
 
-    processed = Gemma4ImageProcessorPil(max_soft_tokens=budget, patch_size=patch)(
-        images=[image.pixels], return_tensors="pt"
+    helpers = _hf_unified_helpers()
+    image = torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))
+    image = TorchvisionBackend.rescale(None, image, 1 / 255)  # type: ignore[arg-type]
+    pixels = helpers["convert_image_to_patches"](image, patch)
+    rows, columns = values.shape[0] // patch, values.shape[1] // patch
+    grid = torch.meshgrid(torch.arange(columns), torch.arange(rows), indexing="xy")
+    positions = torch.stack(grid, dim=-1).reshape(pixels.shape[0], 2)
+    merged, merged_positions = helpers["patches_merge"](
+        pixels[None], positions[None], pixels.shape[0] // 9
     )
-    real = processed["image_position_ids"][0][:, 0] >= 0
-    pixels = processed["pixel_values"][0][real]
-    positions = processed["image_position_ids"][0][real]
-    merge = _hf_unified_helpers()["patches_merge"]
-    merged, merged_positions = merge(pixels[None], positions[None], pixels.shape[0] // 9)
     return merged[0], merged_positions[0]
 
 
@@ -234,11 +239,9 @@ SIZES = [(64, 64), (200, 90), (37, 301), (640, 480), (1000, 7)]
 @pytest.mark.parametrize("budget", [70, 280, 1120])
 @pytest.mark.parametrize("size", SIZES)
 def test_preprocessing_equals_hf(size: tuple[int, int], budget: int) -> None:
-    """Exact: HF's size rule, and HF's patchify-and-merge of the same resized 8-bit values,
-    against Hearth's direct cut into 48-pixel squares. HF's unified processor resizes with
-    torchvision's antialiased bicubic rather than Pillow's; torchvision has no build for torch
-    2.13 here, so both sides resize with Pillow (as HF's Gemma 4 PIL processor does) and the
-    resize filters themselves are not compared."""
+    """Exact after the resize: HF's size rule, and HF's rescale (float32), patchify and merge
+    of the same resized 8-bit values against Hearth's direct cut into 48-pixel squares, on
+    the host and after the copy to a device. The resize itself is checked below."""
     image = _image(*size)
     width, height = size
     hf_size = _hf_unified_helpers()["get_aspect_ratio_preserving_size"](
@@ -248,15 +251,58 @@ def test_preprocessing_equals_hf(size: tuple[int, int], budget: int) -> None:
     columns, rows = patches.grid
     assert (rows * 48, columns * 48) == hf_size
     assert patches.pixels.shape == (soft_token_count(size, budget), 48 * 48 * 3)
-    pixels, positions = _hf_patches(image, budget, 16)
+    resized = _resized_like_hearth(image, budget)
+    pixels, positions = _hf_patches(resized, 16)
     assert np.array_equal(pixels.numpy(), patches.pixels)
+    on_device = device_pixels(patches.values, torch.device("cpu"), patches.rescale_in_float64)
+    assert np.array_equal(pixels.numpy(), on_device.numpy())
     assert np.array_equal(positions.numpy(), patches.positions)
+
+
+def _resized_like_hearth(image: Image, budget: int, patch: int = 16) -> np.ndarray:
+    """The 8-bit image at its target size: the values Hearth's unified squares hold, put back
+    into [H, W, 3] (each square of 3 · patch pixels a side runs row, column, channel)."""
+    patches = unified_image_patches(image, budget, patch)
+    columns, rows = patches.grid
+    side = 3 * patch
+    squares = patches.values.reshape(rows, columns, side, side, 3)
+    return squares.transpose(0, 2, 1, 3, 4).reshape(rows * side, columns * side, 3)
+
+
+@pytest.mark.parametrize("size", [(200, 90), (640, 480), (1000, 700)])
+def test_resize_is_pillows_bicubic_up_to_rounding(size: tuple[int, int]) -> None:
+    """HF's unified processor resizes with torchvision, which for a uint8 image on the CPU
+    runs torch's antialiased bicubic; torchvision has no build for the CPU torch pinned here,
+    so that call is not the oracle. Torch's kernel is a port of Pillow's (the same a = -0.5
+    cubic and support), differing in the fixed-point rounding of its weights: against
+    Pillow, no value may move by more than 2 of 255 and under 1% may move at all."""
+    from PIL import Image as PILImage
+
+    image = _image(*size)
+    for budget in (70, 280, 1120):
+        width, height = soft_size = unified_size(image, budget)
+        ours = _resized_like_hearth(image, budget).astype(int)
+        if soft_size == image.size:
+            continue
+        pillow = image.pixels.resize((width, height), resample=PILImage.Resampling.BICUBIC)
+        difference = np.abs(ours - np.asarray(pillow, dtype=np.uint8).astype(int))
+        assert difference.max() <= 2
+        assert (difference > 0).mean() < 0.01
+
+
+def unified_size(image: Image, budget: int) -> tuple[int, int]:
+    from hearth.media.image import resized_size
+
+    return resized_size(*image.size, budget)
 
 
 def _hf_inputs(ids: list[int], images: list[Image]) -> dict[str, torch.Tensor]:
     """HF's model inputs: each image's merged patches and positions padded to the longest
     with HF's padding (zeros, position −1), and the token types."""
-    merged = [_hf_patches(image, image.max_tokens or 280, PATCH) for image in images]
+    merged = [
+        _hf_patches(_resized_like_hearth(image, image.max_tokens or 280, PATCH), PATCH)
+        for image in images
+    ]
     longest = max(p.shape[0] for p, _ in merged)
 
     def pad(t: torch.Tensor, value: float) -> torch.Tensor:

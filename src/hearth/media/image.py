@@ -64,23 +64,28 @@ def soft_token_count(size: tuple[int, int], budget: int, patch: int = 16, poolin
 class ImagePatches:
     """One image cut into patches: `values` [patches, patch² · 3] uint8 and `positions`
     [patches, 2] int64 (x, y), the grid's rows in order. The 8-bit values go to the device as
-    they are (a quarter of the bytes, no float pass on the host); `scaled` gives the [0, 1]
-    float32 pixels."""
+    they are (a quarter of the bytes, no float pass on the host); `pixels` gives them scaled
+    to [0, 1] by the model's processor's rule (`rescale_in_float64`, see `scaled`)."""
 
     values: np.ndarray
     positions: np.ndarray
     grid: tuple[int, int]  # (columns, rows) of patches
+    rescale_in_float64: bool = True
 
     @property
     def pixels(self) -> np.ndarray:
         """[patches, patch² · 3] float32 in [0, 1], as HF's processor gives them."""
-        return scaled(self.values)
+        return scaled(self.values, self.rescale_in_float64)
 
 
-def scaled(values: np.ndarray) -> np.ndarray:
-    """8-bit values scaled to [0, 1]: x · (1/255) in float64, rounded to float32 (HF's
-    rescale; the model repeats this on the device, bit for bit)."""
-    return (values.astype(np.float64) * (1 / 255)).astype(np.float32)
+def scaled(values: np.ndarray, in_float64: bool = True) -> np.ndarray:
+    """8-bit values scaled to [0, 1]: x · (1/255) in float64 rounded to float32 (HF's PIL
+    processor, numpy), or in float32 (HF's torchvision processors: a uint8 tensor times a
+    Python float). The two differ by one unit in the last place for 126 of the 256 values; the
+    model repeats the rule on the device, bit for bit."""
+    if in_float64:
+        return (values.astype(np.float64) * (1 / 255)).astype(np.float32)
+    return values.astype(np.float32) * np.float32(1 / 255)
 
 
 def image_patches(image: Image, budget: int, patch: int = 16, pooling: int = 3) -> ImagePatches:
@@ -91,11 +96,31 @@ def image_patches(image: Image, budget: int, patch: int = 16, pooling: int = 3) 
 def unified_image_patches(
     image: Image, budget: int, patch: int = 16, pooling: int = 3
 ) -> ImagePatches:
-    """The 12B unified model's patches (HF's `Gemma4UnifiedImageProcessor`): the same resize
-    and scale, cut into squares of patch · pooling pixels (one per soft token) whose values run
-    (row, column, channel) over the square, with their (x, y) places in the grid of squares.
-    HF cuts 16-pixel patches and merges each 3x3 group; the values and order are the same."""
-    return _cut(_resized_values(image, budget, patch, pooling), patch * pooling)
+    """The 12B unified model's patches (HF's `Gemma4UnifiedImageProcessor`, a torchvision
+    processor): the same target size, resized by torch's antialiased bicubic on the 8-bit
+    values (what torchvision's resize runs on a uint8 CPU image), scaled in float32, cut into
+    squares of patch · pooling pixels (one per soft token) whose values run (row, column,
+    channel) over the square, with their (x, y) places in the grid of squares. HF cuts
+    16-pixel patches and merges each 3x3 group; the values and order are the same."""
+    width, height = resized_size(*image.size, budget, patch, pooling)
+    values = np.asarray(image.pixels, dtype=np.uint8)
+    if (width, height) != image.size:
+        values = _torch_resized(values, width, height)
+    cut = _cut(values, patch * pooling)
+    return ImagePatches(cut.values, cut.positions, cut.grid, rescale_in_float64=False)
+
+
+def _torch_resized(values: np.ndarray, width: int, height: int) -> np.ndarray:
+    """[height, width, 3] uint8: torch's antialiased bicubic (align_corners off) on the 8-bit
+    [1, 3, H, W] image, as torchvision's `resize` computes it for a uint8 tensor on the CPU."""
+    import torch
+    from torch.nn.functional import interpolate
+
+    planar = torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))[None]
+    resized = interpolate(
+        planar, size=(height, width), mode="bicubic", align_corners=False, antialias=True
+    )
+    return resized[0].permute(1, 2, 0).numpy()
 
 
 def _resized_values(image: Image, budget: int, patch: int, pooling: int) -> np.ndarray:

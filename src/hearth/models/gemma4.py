@@ -459,7 +459,7 @@ class Gemma4Model(DecoderModel):
         cut = unified_image_patches if unified else image_patches
         patches = cut(item, budget, vision.patch_size, vision.pooling_kernel_size)
         device = self.device
-        pixels = device_pixels(patches.values, device)
+        pixels = device_pixels(patches.values, device, patches.rescale_in_float64)
         positions = torch.from_numpy(patches.positions).to(device)
         if unified:
             soft = self.embed_vision(self.vision_embedder(pixels, positions))
@@ -495,9 +495,13 @@ def _is_norm_weight(name: str) -> bool:
     return name.endswith(".weight") and "norm" in owner
 
 
-def device_pixels(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """8-bit patch values as float32 pixels in [0, 1] on `device`: HF's rescale (x · 1/255 in
-    float64, then float32, as `media.image.scaled` does on the host) run after the copy, which
-    moves a quarter of the bytes and leaves the host no float pass over the image."""
+def device_pixels(
+    values: np.ndarray, device: torch.device, in_float64: bool = True
+) -> torch.Tensor:
+    """8-bit patch values as float32 pixels in [0, 1] on `device`, by the processor's rule
+    (`media.image.scaled`, which does the same on the host) run after the copy, which moves a
+    quarter of the bytes and leaves the host no float pass over the image."""
     on_device = torch.from_numpy(values).to(device)
-    return (on_device.to(torch.float64) * (1 / 255)).to(torch.float32)
+    if in_float64:
+        return (on_device.to(torch.float64) * (1 / 255)).to(torch.float32)
+    return on_device.to(torch.float32) * (1 / 255)
