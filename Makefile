@@ -16,8 +16,11 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q "$(TORCH)" -e ".[model]"
 
+# mlx-vlm is a test oracle only (its Gemma 4 model and converter); its declared dependencies
+# (datasets, opencv, mlx-audio, ...) serve its own CLI and processors, which the tests do not run.
 setup-dev: setup
 	$(BIN)/pip install -q "$(TORCH)" -e ".[model,dev]"
+	$(BIN)/pip install -q --no-deps mlx-vlm==0.7.10
 
 demo: setup
 	$(BIN)/hearth generate --max-tokens 64 "$(PROMPT)"
