@@ -1,0 +1,325 @@
+"""Gemma 4's vision tower from a llama.cpp mmproj GGUF beside a Gemma 4 text GGUF, against HF
+transformers' Gemma4ForConditionalGeneration on the same weights, in fp32.
+
+The mmproj file is written here as llama.cpp's converter writes it (its Gemma 4 mmproj class):
+HF names with `model.vision_tower.encoder.` read as `vision_model.model.` and `.linear.weight`
+as `.weight`, then mapped by the `gguf` package's TensorNameMap for the MMPROJ architecture;
+the patch embedding re-laid as a conv kernel [hidden, 3, p, p]; the clip scalars made 1-D;
+norms, scalars and the position table in F32, matrices in the file type (F16 where a row is
+not whole blocks). Hearth's reader has its own name table, so a name it reads differently from
+the `gguf` package fails the load. The text model is written by Hearth's GGUF writer
+(tests/models/test_gemma4_gguf.py checks it against llama.cpp).
+
+Tolerances are those of tests/models/test_gemma4_vision.py, for the same computation (the
+tower's weights are the HF checkpoint's exactly in an F32 file):
+- tower soft tokens: 1e-6 absolute on values up to ~0.4 (HF runs the padded image, Hearth the
+  real patches: fp32 sums in other orders; measured ~3e-7). A patch kernel re-laid in the wrong
+  order or a clip scalar lost moves them by more than 1e-2.
+- logits: 1.2e-4 absolute on logits up to ~24 (the multimodal HF path's bound). A causal mask
+  where HF's is bidirectional moves them by 0.4 or more.
+- a quantized mmproj (Q8_0, F16, BF16): every tensor equals the `gguf` package's dequantization
+  of the stored bytes exactly (no tolerance).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hearth.checkpoint import open_checkpoint
+from hearth.checkpoint.gguf_writer import minimal_tokenizer, write_gguf
+from hearth.checkpoint.mmproj import MmprojFile
+from hearth.config import parse_config
+from hearth.errors import CheckpointError, UnsupportedModelError
+from hearth.models.loading import build_model
+from hearth.runtime.generate import soft_tokens
+from hearth.runtime.runner import ModelRunner
+from scripted_gemma4 import SPECIAL_IDS, template_path
+from test_gemma4_vision import (
+    BOI,
+    EOI,
+    IMAGE_TOKEN,
+    VOCAB,
+    _assert_hf_greedy,
+    _cached_greedy,
+    _hf_logits,
+    _hf_model,
+    _hf_tower,
+    _image,
+    _media,
+    _pil,
+    _prompt,
+)
+from tiny import FULL, PLE, SLIDING, TINY_VOCAB, save_hf, tiny_gemma3_model
+
+TOWER_ATOL = 1e-6
+LOGITS_ATOL = 1.2e-4
+CLIP_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
+TOWER_PREFIXES = ("vision_tower.", "embed_vision.")
+HEARTH_GENERATE = [sys.executable, "-m", "hearth.cli", "generate"]
+
+
+def write_mmproj(
+    path: Path, hf: Any, matrix_type: str = "F32", projector: str = "gemma4v"
+) -> dict[str, str]:
+    """`hf`'s vision tower as llama.cpp's converter writes a Gemma 4 mmproj file; returns
+    each written tensor's HF name (without `model.`) by its GGUF name."""
+    vision, text = hf.config.vision_config, hf.config.text_config
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(text.hidden_size)
+    writer.add_vision_image_size(224)  # the converter's placeholder: Gemma 4 sizes vary
+    writer.add_vision_patch_size(vision.patch_size)
+    writer.add_vision_embedding_length(vision.hidden_size)
+    writer.add_vision_feed_forward_length(vision.intermediate_size)
+    writer.add_vision_block_count(vision.num_hidden_layers)
+    writer.add_vision_head_count(vision.num_attention_heads)
+    writer.add_vision_image_mean([0.0, 0.0, 0.0])
+    writer.add_vision_image_std([1.0, 1.0, 1.0])
+    writer.add_clip_vision_projector_type(projector)
+    writer.add_vision_attention_layernorm_eps(vision.rms_norm_eps)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
+    written = {}
+    for hf_name, tensor in hf.state_dict().items():
+        if not hf_name.startswith(("model.vision_tower.", "model.embed_vision.")):
+            continue
+        data = tensor.detach().float()
+        if data.ndim == 0:
+            data = data.unsqueeze(0)
+        name = hf_name.replace("model.vision_tower.encoder.", "vision_model.model.")
+        name = name.replace(".linear.weight", ".weight")
+        if name.endswith("position_embedding_table"):
+            name += ".weight"
+        if name.endswith("patch_embedder.input_proj.weight"):
+            hidden, flat = data.shape
+            side = int((flat // 3) ** 0.5)
+            data = data.reshape(hidden, side, side, 3).permute(0, 3, 1, 2).contiguous()
+        mapped = names.get_name(name, try_suffixes=CLIP_SUFFIXES)
+        assert mapped is not None, f"the gguf package does not map {name}"
+        _add(writer, mapped, data.numpy(), matrix_type)
+        written[mapped] = hf_name.removeprefix("model.")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def _add(writer: Any, name: str, values: np.ndarray, matrix_type: str) -> None:
+    """F32 for 1-D tensors and the position table (as the converter forces), the file type
+    for matrices whose rows are whole blocks, else F16 (F32 in an F32 file)."""
+    kind = gguf.GGMLQuantizationType[matrix_type]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    if values.ndim <= 1 or "position_embd" in name or kind == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, values.astype(np.float32))
+    elif values.shape[-1] % block:
+        writer.add_tensor(name, values.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
+
+def _vocabulary() -> list[str]:
+    """Gemma 4's specials and image tokens at the HF model's ids; plain tokens elsewhere."""
+    tokens = [f"t{i}" for i in range(VOCAB)]
+    image_tokens = {"<|image>": BOI, "<|image|>": IMAGE_TOKEN, "<image|>": EOI}
+    for token, index in {**SPECIAL_IDS, **image_tokens}.items():
+        tokens[index] = token
+    return tokens
+
+
+def write_text_gguf(hf: Any, directory: Path) -> Path:
+    """The text decoder of `hf` as a Gemma 4 GGUF (F32), with the real chat template."""
+    checkpoint = open_checkpoint(save_hf(hf, directory / "hf"))
+    tensors = {
+        name: tensor for name, tensor in checkpoint.tensors() if not name.startswith(TOWER_PREFIXES)
+    }
+    tokenizer = {
+        **minimal_tokenizer(_vocabulary()),
+        "tokenizer.chat_template": template_path().read_text(),
+    }
+    path = directory / "model.gguf"
+    return write_gguf(path, checkpoint.config, tensors, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    """E2B's shape: PLE, causal images; finite clips binding, standardization, k_eq_v full
+    layers twice as wide as sliding ones. (HF model, text GGUF, F32 mmproj)."""
+    directory = tmp_path_factory.mktemp("causal")
+    hf = _hf_model(**PLE, use_bidirectional_attention=None, layer_types=[SLIDING, FULL] * 2)
+    write_mmproj(directory / "mmproj.gguf", hf)
+    return hf, write_text_gguf(hf, directory), directory / "mmproj.gguf"
+
+
+@pytest.fixture(scope="module")
+def bidirectional(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    """26B/31B's shape: no PLE, images bidirectional on sliding layers; a text width (48)
+    other than the causal model's (64)."""
+    directory = tmp_path_factory.mktemp("bidirectional")
+    hf = _hf_model(hidden_size=48, use_bidirectional_attention="vision")
+    write_mmproj(directory / "mmproj.gguf", hf)
+    return hf, write_text_gguf(hf, directory), directory / "mmproj.gguf"
+
+
+def _load(text: Path, mmproj: Path | None) -> Any:
+    return build_model(open_checkpoint(text, mmproj), torch.float32, progress=False)
+
+
+def test_config_and_tensors_equal_the_hf_checkpoint(causal: tuple[Any, Path, Path]) -> None:
+    """The tower's config from the mmproj metadata and shapes is the one Hearth reads from the
+    HF checkpoint, and every tensor is HF's, value for value (an F32 file)."""
+    hf, text, mmproj = causal
+    joined = open_checkpoint(text, mmproj)
+    parsed = parse_config(joined.config)
+    reference = parse_config(hf.config.to_dict())
+    assert parsed.vision == reference.vision
+    assert parsed.bidirectional_vision is False
+    state = {name.removeprefix("model."): t for name, t in hf.state_dict().items()}
+    tower = dict(MmprojFile(mmproj).tensors())
+    assert set(tower) == {name for name in state if name.startswith(TOWER_PREFIXES)}
+    for name, values in tower.items():
+        assert torch.equal(values, state[name]), name
+
+
+@pytest.mark.parametrize(("size", "budget"), [((40, 28), 70), ((25, 70), 140)])
+def test_tower_equals_hf(causal: tuple[Any, Path, Path], size: Any, budget: int) -> None:
+    hf, text, mmproj = causal
+    model = _load(text, mmproj)
+    image = _image(*size, budget=budget)
+    with torch.inference_mode():
+        soft = model.embed_media(image).embeddings
+    reference = _hf_tower(hf, image, budget)
+    assert soft.shape == reference.shape
+    torch.testing.assert_close(soft, reference, atol=TOWER_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fixture", ["causal", "bidirectional"])
+def test_image_prompt_logits_equal_hf(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Two images in a prompt prefilled in chunks of 16, then 10 greedy decode steps: the
+    tokens are HF's greedy picks and every logit equals HF's forward over prompt and reply.
+    The causal model (PLE) and the bidirectional one (no PLE) tell the mask rule apart."""
+    hf, text, mmproj = request.getfixturevalue(fixture)
+    model = _load(text, mmproj)
+    assert model.config.bidirectional_vision is (fixture == "bidirectional")
+    images = [_image(40, 28, seed=1, budget=70), _image(17, 30, seed=2, budget=70)]
+    ids, spans = _prompt(model, images)
+    runner = ModelRunner(model)
+    with torch.inference_mode():
+        soft = soft_tokens(runner, _media(spans))
+    tokens, rows = _cached_greedy(runner, ids, soft, 16)
+    reference = _hf_logits(hf, ids + tokens, images)
+    _assert_hf_greedy(reference, len(ids), tokens)
+    torch.testing.assert_close(rows, reference[len(ids) - 1 :], atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("matrix_type", ["Q8_0", "F16", "BF16"])
+def test_quantized_mmproj_dequantizes_exactly(
+    causal: tuple[Any, Path, Path], tmp_path: Path, matrix_type: str
+) -> None:
+    """Each tensor of a quantized mmproj equals the `gguf` package's reading of the stored
+    bytes (its own reader and dequantizer), put back in HF's layout by the converter's
+    inverse; the loaded model holds those values."""
+    hf, text, _ = causal
+    path = tmp_path / f"mmproj-{matrix_type}.gguf"
+    hf_names = write_mmproj(path, hf, matrix_type)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert matrix_type in {t.tensor_type.name for t in stored.values()}
+    read = dict(MmprojFile(path).tensors())
+    assert set(read) == set(hf_names.values())
+    parameters = dict(_load(text, path).named_parameters())
+    for name, tensor in stored.items():
+        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        values = values.reshape(shape)
+        if name == "v.patch_embd.weight":
+            values = values.permute(0, 2, 3, 1).reshape(shape[0], -1)
+        if name.endswith(("_min", "_max")):
+            values = values.reshape(())
+        canonical = hf_names[name]
+        assert torch.equal(read[canonical], values), name
+        assert torch.equal(parameters[canonical].detach(), values), name
+
+
+def test_an_mmproj_of_another_projector_is_refused(
+    causal: tuple[Any, Path, Path], tmp_path: Path
+) -> None:
+    hf, text, _ = causal
+    write_mmproj(tmp_path / "mmproj-gemma3.gguf", hf, projector="gemma3")
+    with pytest.raises(UnsupportedModelError, match="projector type 'gemma3' is not supported"):
+        open_checkpoint(text, tmp_path / "mmproj-gemma3.gguf")
+
+
+def test_a_tower_of_another_width_is_refused(
+    causal: tuple[Any, Path, Path], bidirectional: tuple[Any, Path, Path]
+) -> None:
+    """The 48-wide model's tower into the 64-wide text model: named before any tensor is read."""
+    _, text, _ = causal
+    _, _, other = bidirectional
+    with pytest.raises(CheckpointError, match=r"projects into 48 dims.*hidden size is 64"):
+        open_checkpoint(text, other)
+
+
+def test_a_text_only_architecture_is_refused(
+    causal: tuple[Any, Path, Path], tmp_path: Path
+) -> None:
+    """A Gemma 3 GGUF (text only in Hearth) with a Gemma 4 tower; the mmproj file given as the
+    model; an mmproj beside a safetensors checkpoint."""
+    _, _, mmproj = causal
+    gemma3 = open_checkpoint(save_hf(tiny_gemma3_model(), tmp_path / "gemma3"))
+    path = write_gguf(tmp_path / "gemma3.gguf", gemma3.config, dict(gemma3.tensors()), TINY_VOCAB)
+    with pytest.raises(UnsupportedModelError, match="is a gemma3 model, which Hearth runs as text"):
+        open_checkpoint(path, mmproj)
+    with pytest.raises(UnsupportedModelError, match=r"is an mmproj file.*--mmproj"):
+        open_checkpoint(mmproj)
+    with pytest.raises(CheckpointError, match="--mmproj goes with a GGUF model file"):
+        open_checkpoint(tmp_path / "gemma3", mmproj)
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [*HEARTH_GENERATE, *args, "--max-tokens", "3"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def png(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("image") / "x.png"
+    _pil(40, 28, seed=3).save(path)
+    return path
+
+
+def test_cli_takes_an_image_with_mmproj_and_from_a_sibling(
+    causal: tuple[Any, Path, Path], png: Path, tmp_path: Path
+) -> None:
+    """`hearth generate model.gguf --mmproj mmproj.gguf --image x.png`; then the same folder
+    laid out as LM Studio does (one mmproj*.gguf beside the model): picked up, and said so."""
+    _, text, mmproj = causal
+    given = _generate(str(text), "--mmproj", str(mmproj), "--image", str(png), "What is it?")
+    assert given.returncode == 0, given.stderr
+    assert "generation: 3 tokens" in given.stderr
+    folder = tmp_path / "lmstudio"
+    folder.mkdir()
+    (folder / "model-F32.gguf").symlink_to(text)
+    (folder / "mmproj-model-F32.gguf").symlink_to(mmproj)
+    found = _generate(str(folder / "model-F32.gguf"), "--image", str(png), "What is it?")
+    assert found.returncode == 0, found.stderr
+    assert "using the vision tower of mmproj-model-F32.gguf" in found.stderr
+    assert found.stdout == given.stdout  # greedy: the same tokens either way
+
+
+def test_cli_refuses_a_tower_that_does_not_fit(
+    causal: tuple[Any, Path, Path], bidirectional: tuple[Any, Path, Path], png: Path
+) -> None:
+    _, text, _ = causal
+    _, _, other = bidirectional
+    result = _generate(str(text), "--mmproj", str(other), "--image", str(png), "What is it?")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not fit model.gguf" in lines[0], result.stderr
