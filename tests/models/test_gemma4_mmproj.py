@@ -32,6 +32,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_writer import minimal_tokenizer, write_gguf
@@ -42,6 +43,7 @@ from hearth.models.loading import build_model
 from hearth.runtime.generate import soft_tokens
 from hearth.runtime.runner import ModelRunner
 from scripted_gemma4 import SPECIAL_IDS, template_path
+from test_gemma4_audio import _clip, _hf_audio_logits, _hf_encode
 from test_gemma4_vision import (
     BOI,
     EOI,
@@ -57,21 +59,26 @@ from test_gemma4_vision import (
     _pil,
     _prompt,
 )
-from tiny import FULL, PLE, SLIDING, TINY_VOCAB, save_hf, tiny_gemma3_model
+from tiny import FULL, PLE, SLIDING, TINY_VOCAB, randomise_gemma4, save_hf, tiny_gemma3_model
 
 TOWER_ATOL = 1e-6
 LOGITS_ATOL = 1.2e-4
 CLIP_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
-TOWER_PREFIXES = ("vision_tower.", "embed_vision.")
+TOWER_PREFIXES = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
+# The audio model's vocabulary: the image model's, then the three audio tokens.
+BOA, AUDIO_TOKEN, EOA = VOCAB, VOCAB + 1, VOCAB + 2
+AUDIO_ATOL = 3e-6  # tests/models/test_gemma4_audio.py's tower bound (measured 7.2e-7 there)
 HEARTH_GENERATE = [sys.executable, "-m", "hearth.cli", "generate"]
 
 
 def write_mmproj(
     path: Path, hf: Any, matrix_type: str = "F32", projector: str = "gemma4v"
 ) -> dict[str, str]:
-    """`hf`'s vision tower as llama.cpp's converter writes a Gemma 4 mmproj file; returns
-    each written tensor's HF name (without `model.`) by its GGUF name."""
+    """`hf`'s towers as llama.cpp's converter writes a Gemma 4 mmproj file (the audio tower
+    too where `hf` has one); returns each written tensor's HF name (without `model.`) by its
+    GGUF name."""
     vision, text = hf.config.vision_config, hf.config.text_config
+    audio = hf.config.audio_config
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_clip_has_vision_encoder(True)
@@ -86,25 +93,30 @@ def write_mmproj(
     writer.add_vision_image_std([1.0, 1.0, 1.0])
     writer.add_clip_vision_projector_type(projector)
     writer.add_vision_attention_layernorm_eps(vision.rms_norm_eps)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
+    if audio is not None:
+        writer.add_clip_has_audio_encoder(True)
+        writer.add_audio_projection_dim(text.hidden_size)
+        writer.add_audio_embedding_length(audio.hidden_size)
+        writer.add_audio_feed_forward_length(audio.hidden_size * 4)
+        writer.add_audio_block_count(audio.num_hidden_layers)
+        writer.add_audio_head_count(audio.num_attention_heads)
+        writer.add_clip_audio_projector_type("gemma4a")
+        writer.add_audio_num_mel_bins(128)
+        writer.add_audio_attention_layernorm_eps(1e-5)  # the converter's constant
+    layers = max(vision.num_hidden_layers, audio.num_hidden_layers if audio else 0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, layers)
     written = {}
     for hf_name, tensor in hf.state_dict().items():
-        if not hf_name.startswith(("model.vision_tower.", "model.embed_vision.")):
+        if hf_name.startswith(("model.audio_tower.", "model.embed_audio.")):
+            name, data, float_only = _audio_tensor(hf_name, tensor.detach().float())
+        elif hf_name.startswith(("model.vision_tower.", "model.embed_vision.")):
+            name, data = _vision_tensor(hf_name, tensor.detach().float())
+            float_only = "position_embedding_table" in hf_name
+        else:
             continue
-        data = tensor.detach().float()
-        if data.ndim == 0:
-            data = data.unsqueeze(0)
-        name = hf_name.replace("model.vision_tower.encoder.", "vision_model.model.")
-        name = name.replace(".linear.weight", ".weight")
-        if name.endswith("position_embedding_table"):
-            name += ".weight"
-        if name.endswith("patch_embedder.input_proj.weight"):
-            hidden, flat = data.shape
-            side = int((flat // 3) ** 0.5)
-            data = data.reshape(hidden, side, side, 3).permute(0, 3, 1, 2).contiguous()
         mapped = names.get_name(name, try_suffixes=CLIP_SUFFIXES)
         assert mapped is not None, f"the gguf package does not map {name}"
-        _add(writer, mapped, data.numpy(), matrix_type)
+        _add(writer, mapped, data.numpy(), "F32" if float_only else matrix_type)
         written[mapped] = hf_name.removeprefix("model.")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -113,12 +125,41 @@ def write_mmproj(
     return written
 
 
+def _vision_tensor(hf_name: str, data: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The converter's name (before its map) and value of a vision tensor."""
+    if data.ndim == 0:
+        data = data.unsqueeze(0)
+    name = hf_name.replace("model.vision_tower.encoder.", "vision_model.model.")
+    name = name.replace(".linear.weight", ".weight")
+    if name.endswith("position_embedding_table"):
+        name += ".weight"
+    if name.endswith("patch_embedder.input_proj.weight"):
+        hidden, flat = data.shape
+        side = int((flat // 3) ** 0.5)
+        data = data.reshape(hidden, side, side, 3).permute(0, 3, 1, 2).contiguous()
+    return name, data
+
+
+def _audio_tensor(hf_name: str, data: torch.Tensor) -> tuple[str, torch.Tensor, bool]:
+    """The converter's name (before its map), value, and whether it forces F32."""
+    if data.ndim == 0:
+        data = data.unsqueeze(0)
+    name = hf_name.replace("model.audio_tower.", "conformer.").replace(".linear.", ".")
+    if name.endswith("per_dim_scale"):
+        name += ".weight"
+        data = torch.nn.functional.softplus(data)
+    if "lconv1d.depthwise_conv1d" in name and name.endswith(".weight"):
+        data = data.reshape(data.shape[0], data.shape[2])
+    float_only = ".conv" in hf_name or ("_conv" in hf_name and ".weight" in hf_name)
+    return name, data, float_only
+
+
 def _add(writer: Any, name: str, values: np.ndarray, matrix_type: str) -> None:
-    """F32 for 1-D tensors and the position table (as the converter forces), the file type
+    """F32 for 1-D tensors (and those the caller says the converter forces), the file type
     for matrices whose rows are whole blocks, else F16 (F32 in an F32 file)."""
     kind = gguf.GGMLQuantizationType[matrix_type]
     block = gguf.GGML_QUANT_SIZES[kind][0]
-    if values.ndim <= 1 or "position_embd" in name or kind == gguf.GGMLQuantizationType.F32:
+    if values.ndim <= 1 or kind == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, values.astype(np.float32))
     elif values.shape[-1] % block:
         writer.add_tensor(name, values.astype(np.float16))
@@ -126,12 +167,15 @@ def _add(writer: Any, name: str, values: np.ndarray, matrix_type: str) -> None:
         writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
 
 
-def _vocabulary() -> list[str]:
-    """Gemma 4's specials and image tokens at the HF model's ids; plain tokens elsewhere."""
-    tokens = [f"t{i}" for i in range(VOCAB)]
-    image_tokens = {"<|image>": BOI, "<|image|>": IMAGE_TOKEN, "<image|>": EOI}
-    for token, index in {**SPECIAL_IDS, **image_tokens}.items():
-        tokens[index] = token
+def _vocabulary(size: int) -> list[str]:
+    """Gemma 4's specials, image and audio tokens at the HF models' ids; plain tokens
+    elsewhere."""
+    tokens = [f"t{i}" for i in range(size)]
+    media = {"<|image>": BOI, "<|image|>": IMAGE_TOKEN, "<image|>": EOI}
+    media |= {"<|audio>": BOA, "<|audio|>": AUDIO_TOKEN, "<audio|>": EOA}
+    for token, index in {**SPECIAL_IDS, **media}.items():
+        if index < size:
+            tokens[index] = token
     return tokens
 
 
@@ -142,7 +186,7 @@ def write_text_gguf(hf: Any, directory: Path) -> Path:
         name: tensor for name, tensor in checkpoint.tensors() if not name.startswith(TOWER_PREFIXES)
     }
     tokenizer = {
-        **minimal_tokenizer(_vocabulary()),
+        **minimal_tokenizer(_vocabulary(hf.config.text_config.vocab_size)),
         "tokenizer.chat_template": template_path().read_text(),
     }
     path = directory / "model.gguf"
@@ -323,3 +367,101 @@ def test_cli_refuses_a_tower_that_does_not_fit(
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not fit model.gguf" in lines[0], result.stderr
+
+
+def _hf_audio_visual_model() -> Any:
+    """E2B's shape with both towers: the vision model of test_gemma4_vision plus a two-layer
+    audio tower whose clips bind and whose per_dim_scale is random. The audio fields an mmproj
+    does not store (chunking, logit cap 50) keep HF's defaults, as llama.cpp fixes them."""
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration
+
+    vision = _hf_model(**PLE, use_bidirectional_attention=None)
+    text = vision.config.text_config.to_dict() | {
+        "vocab_size": VOCAB + 3,
+        "vocab_size_per_layer_input": VOCAB + 3,
+    }
+    audio = Gemma4AudioConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        subsampling_conv_channels=[128, 8],  # HF sizes its projection from 128 / 4
+        output_proj_dims=24,
+    )
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=vision.config.vision_config.to_dict(),
+        audio_config=audio.to_dict(),
+        image_token_id=IMAGE_TOKEN,
+        boi_token_id=BOI,
+        eoi_token_id=EOI,
+        audio_token_id=AUDIO_TOKEN,
+        boa_token_id=BOA,
+        eoa_token_index=EOA,
+    )
+    torch.manual_seed(7)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    randomise_gemma4(model)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        own = vision.state_dict()
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if "vision" in name:
+                tensor.copy_(own[name])  # the vision test's clips, standardization, table
+            elif "audio" not in name:
+                continue
+            elif name.endswith("per_dim_scale"):
+                tensor.normal_(0.0, 1.0, generator=generator)
+            elif name.endswith(("_min", "_max")):
+                bound = torch.empty(()).uniform_(0.6, 1.2, generator=generator).item()
+                bound *= 2 if "input" in name else 1
+                tensor.fill_(bound if name.endswith("max") else -bound)
+            elif name.endswith(("linear.weight", "relative_k_proj.weight", "projection.weight")):
+                tensor.normal_(0.0, 0.2, generator=generator)
+    return model
+
+
+@pytest.fixture(scope="module")
+def audio_visual(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    directory = tmp_path_factory.mktemp("audio_visual")
+    hf = _hf_audio_visual_model()
+    write_mmproj(directory / "mmproj.gguf", hf)
+    return hf, write_text_gguf(hf, directory), directory / "mmproj.gguf"
+
+
+def test_audio_tower_config_and_output_equal_hf(audio_visual: tuple[Any, Path, Path]) -> None:
+    """The audio tower of an E2B-shaped mmproj: the config Hearth reads from the HF checkpoint,
+    every tensor HF's (per_dim_scale as the value whose softplus is the stored one, bit for
+    bit), and soft tokens within AUDIO_ATOL of HF's for clips of 4 and 25 soft tokens."""
+    hf, text, mmproj = audio_visual
+    joined = parse_config(open_checkpoint(text, mmproj).config)
+    assert joined.audio == parse_config(hf.config.to_dict()).audio
+    state = {name.removeprefix("model."): t for name, t in hf.state_dict().items()}
+    for name, values in MmprojFile(mmproj).tensors():
+        if name.endswith("per_dim_scale"):
+            values, expected = F.softplus(values), F.softplus(state[name])
+        else:
+            expected = state[name]
+        assert torch.equal(values, expected), name
+    encoder = _load(text, mmproj).audio_encoder()
+    for length in (2_500, 16_000):
+        clip = _clip(length)
+        reference = _hf_encode(hf, clip)
+        assert encoder.soft_tokens(clip) == reference.shape[0]
+        torch.testing.assert_close(encoder.encode(clip), reference, atol=AUDIO_ATOL, rtol=0)
+
+
+def test_audio_prompt_logits_equal_hf(audio_visual: tuple[Any, Path, Path]) -> None:
+    """A prompt with a clip, prefilled in chunks of 16 (one ends inside the clip), then 10
+    greedy decode steps: HF's greedy tokens, and every logit within LOGITS_ATOL of HF's."""
+    hf, text, mmproj = audio_visual
+    model = _load(text, mmproj)
+    clips = [_clip(9_000)]
+    ids = [2, 105, *range(120, 126), 10, AUDIO_TOKEN, 10, 130, 106, 105, 140, 141]
+    ids, spans = model.expand_media(ids, clips)
+    runner = ModelRunner(model)
+    with torch.inference_mode():
+        soft = soft_tokens(runner, _media(spans))
+    tokens, rows = _cached_greedy(runner, ids, soft, 16)
+    reference = _hf_audio_logits(hf, ids + tokens, clips)
+    _assert_hf_greedy(reference, len(ids), tokens)
+    torch.testing.assert_close(rows, reference[len(ids) - 1 :], atol=LOGITS_ATOL, rtol=0)

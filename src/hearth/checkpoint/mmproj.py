@@ -19,6 +19,7 @@ model's vocabulary, as llama.cpp's runtime finds them.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection, Iterator
 from functools import cached_property
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hearth.checkpoint.gguf import GGUFCheckpoint
 from hearth.checkpoint.gguf_file import GGUFFile, TensorInfo
@@ -80,6 +82,74 @@ _NORMS = {
 }
 
 
+# The audio tower (`gemma4a`, E2B/E4B): outside the blocks.
+_AUDIO_GLOBAL = {
+    "a.conv1d.0.weight": "audio_tower.subsample_conv_projection.layer0.conv.weight",
+    "a.conv1d.0.norm.weight": "audio_tower.subsample_conv_projection.layer0.norm.weight",
+    "a.conv1d.1.weight": "audio_tower.subsample_conv_projection.layer1.conv.weight",
+    "a.conv1d.1.norm.weight": "audio_tower.subsample_conv_projection.layer1.norm.weight",
+    "a.input_projection.weight": "audio_tower.subsample_conv_projection.input_proj_linear.weight",
+    "a.pre_encode.out.weight": "audio_tower.output_proj.weight",
+    "a.pre_encode.out.bias": "audio_tower.output_proj.bias",
+    "mm.a.input_projection.weight": "embed_audio.embedding_projection.weight",
+}
+# Within `a.blk.{i}.`: the clipped linears, then the other weights (norms included).
+_AUDIO_CLIPPED_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_out": "self_attn.post",
+    "ffn_up": "feed_forward1.ffw_layer_1",
+    "ffn_down": "feed_forward1.ffw_layer_2",
+    "ffn_up_1": "feed_forward2.ffw_layer_1",
+    "ffn_down_1": "feed_forward2.ffw_layer_2",
+    "conv_pw1": "lconv1d.linear_start",
+    "conv_pw2": "lconv1d.linear_end",
+}
+_AUDIO_WEIGHTS = {
+    "attn_k_rel": "self_attn.relative_k_proj.weight",
+    "per_dim_scale": "self_attn.per_dim_scale",
+    "conv_dw": "lconv1d.depthwise_conv1d.weight",
+    "ffn_norm": "feed_forward1.pre_layer_norm.weight",
+    "ffn_post_norm": "feed_forward1.post_layer_norm.weight",
+    "ffn_norm_1": "feed_forward2.pre_layer_norm.weight",
+    "ffn_post_norm_1": "feed_forward2.post_layer_norm.weight",
+    "conv_norm": "lconv1d.pre_layer_norm.weight",
+    "norm_conv": "lconv1d.conv_norm.weight",
+    "attn_pre_norm": "norm_pre_attn.weight",
+    "attn_post_norm": "norm_post_attn.weight",
+    "ln2": "norm_out.weight",
+}
+# Hearth's log-mel features (HF's extractor) have this many bins.
+_MEL_BINS = 128
+# The text vocabulary's audio tokens.
+AUDIO_TOKENS = {
+    "boa_token_id": "<|audio>",
+    "audio_token_id": "<|audio|>",
+    "eoa_token_id": "<audio|>",
+}
+
+
+def _audio_name(name: str) -> str | None:
+    """The canonical name of an audio tensor of an mmproj file; None for any other name."""
+    if name in _AUDIO_GLOBAL:
+        return _AUDIO_GLOBAL[name]
+    if not name.startswith("a.blk."):
+        return None
+    index, _, tail = name.removeprefix("a.blk.").partition(".")
+    module, _, role = tail.partition(".")
+    if not index.isdigit():
+        return None
+    prefix = f"audio_tower.layers.{index}"
+    if module in _AUDIO_CLIPPED_LINEARS and role == "weight":
+        return f"{prefix}.{_AUDIO_CLIPPED_LINEARS[module]}.linear.weight"
+    if module in _AUDIO_CLIPPED_LINEARS and role in _CLIP_BOUNDS:
+        return f"{prefix}.{_AUDIO_CLIPPED_LINEARS[module]}.{role}"
+    if module in _AUDIO_WEIGHTS and role == "weight":
+        return f"{prefix}.{_AUDIO_WEIGHTS[module]}"
+    return None
+
+
 def _vision_name(name: str) -> str | None:
     """The canonical name of a vision tensor of an mmproj file; None for any other name."""
     if name in _VISION_GLOBAL:
@@ -108,7 +178,28 @@ def _hf_layout(canonical: str, values: torch.Tensor) -> torch.Tensor:
         return values.permute(0, 2, 3, 1).reshape(values.shape[0], -1)
     if canonical.rpartition(".")[2] in _CLIP_BOUNDS:
         return values.reshape(())
+    if canonical.endswith("depthwise_conv1d.weight"):  # stored [channels, kernel]
+        return values.unsqueeze(1)
+    if canonical.endswith("per_dim_scale") and values.device.type != "meta":
+        return softplus_preimage(values)
     return values
+
+
+def softplus_preimage(stored: torch.Tensor) -> torch.Tensor:
+    """The fp32 `per_dim_scale` whose softplus is `stored`: the converter stores the scale
+    after softplus, the tower applies it. The float64 inverse rounded to fp32 maps back exactly
+    for ~98% of values; the nearest fp32 neighbours that do are taken for the rest."""
+    target = stored.float()
+    guess = torch.log(torch.expm1(target.double())).float()
+    best, found = guess, F.softplus(guess) == target
+    up, down = guess, guess
+    for _ in range(4):
+        up = torch.nextafter(up, torch.full_like(up, math.inf))
+        down = torch.nextafter(down, torch.full_like(down, -math.inf))
+        for candidate in (up, down):
+            hit = ~found & (F.softplus(candidate) == target)
+            best, found = torch.where(hit, candidate, best), found | hit
+    return best
 
 
 def _shortest(value: float) -> float:
@@ -134,7 +225,8 @@ def is_mmproj_name(path: Path) -> bool:
 
 
 class MmprojFile:
-    """An mmproj GGUF's Gemma 4 vision tower: its HF-style config and canonical tensors."""
+    """An mmproj GGUF's Gemma 4 towers (vision; audio where the file has E2B/E4B's): their
+    HF-style configs and canonical tensors."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -175,18 +267,23 @@ class MmprojFile:
             raise CheckpointError(f"{self.path}: mmproj file lacks tensor {name!r}")
         return info
 
+    @property
+    def reads_audio(self) -> bool:
+        """Whether the file's audio tower is Gemma 4's (read with the vision tower)."""
+        return self.audio_projector == AUDIO_PROJECTOR
+
     @cached_property
-    def _vision_tensors(self) -> dict[str, TensorInfo]:
-        """Canonical name -> stored tensor, for every `v.*` and `mm.*` tensor of the file."""
+    def _tower_tensors(self) -> dict[str, TensorInfo]:
+        """Canonical name -> stored tensor, for every tensor of the towers Hearth reads."""
         found = {}
         for name, info in self._file.tensors.items():
-            if not name.startswith(("v.", "mm.")):
-                continue  # the audio tower (`a.*`), read elsewhere or not at all
-            canonical = _vision_name(name)
+            audio = name.startswith(("a.", "mm.a."))
+            if audio and not self.reads_audio:
+                continue
+            projector = AUDIO_PROJECTOR if audio else VISION_PROJECTOR
+            canonical = _audio_name(name) if audio else _vision_name(name)
             if canonical is None:
-                raise UnsupportedModelError(
-                    f"{self.path}: unknown {VISION_PROJECTOR} tensor {name!r}"
-                )
+                raise UnsupportedModelError(f"{self.path}: unknown {projector} tensor {name!r}")
             found[canonical] = info
         return found
 
@@ -213,13 +310,48 @@ class MmprojFile:
             "standardize": "v.std_bias" in self._file.tensors,
         }
 
+    def audio_config(self) -> dict[str, Any]:
+        """HF's `audio_config` fields of the audio tower. The file stores the widths; llama.cpp
+        fixes the rest for gemma4a (chunks of 12 frames, 13 to the left, logit cap 50, ...),
+        which are HF's defaults, so they are left to those. Its `layer_norm_epsilon` (1e-5) is
+        the converter's constant, not the checkpoint's: HF's default (1e-6) applies."""
+        mel_bins = int(self.metadata.get("clip.audio.num_mel_bins", _MEL_BINS))
+        if mel_bins != _MEL_BINS:
+            raise UnsupportedModelError(
+                f"{self.path}: the audio tower takes {mel_bins} mel bins; Hearth's features "
+                f"have {_MEL_BINS}"
+            )
+        return {
+            "model_type": "gemma4_audio",
+            "hidden_size": int(self._audio_key("embedding_length")),
+            "num_hidden_layers": int(self._audio_key("block_count")),
+            "num_attention_heads": int(self._audio_key("attention.head_count")),
+            "subsampling_conv_channels": [
+                self._info("a.conv1d.0.weight").shape[0],
+                self._info("a.conv1d.1.weight").shape[0],
+            ],
+            "conv_kernel_size": self._info("a.blk.0.conv_dw.weight").shape[-1],
+            "output_proj_dims": self._info("a.pre_encode.out.weight").shape[0],
+            "use_clipped_linears": "a.blk.0.attn_q.input_min" in self._file.tensors,
+        }
+
+    def _audio_key(self, key: str) -> Any:
+        value = self.metadata.get(f"clip.audio.{key}")
+        if value is None:
+            raise CheckpointError(f"{self.path}: mmproj metadata lacks clip.audio.{key}")
+        return value
+
     @property
     def projection_width(self) -> int:
-        """The text hidden size the tower projects into."""
+        """The text hidden size the vision tower projects into."""
         return self._info("mm.input_projection.weight").shape[0]
 
+    @property
+    def audio_projection_width(self) -> int:
+        return self._info("mm.a.input_projection.weight").shape[0]
+
     def tensor_names(self) -> list[str]:
-        return list(self._vision_tensors)
+        return list(self._tower_tensors)
 
     def tensor_storage(self) -> dict[str, tuple[tuple[int, ...], int, str]]:
         import gguf
@@ -230,7 +362,7 @@ class MmprojFile:
                 info.nbytes,
                 gguf.GGMLQuantizationType(info.type_id).name,
             )
-            for canonical, info in self._vision_tensors.items()
+            for canonical, info in self._tower_tensors.items()
         }
 
     def tensors(
@@ -238,7 +370,7 @@ class MmprojFile:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Each canonical tensor in HF's layout, dequantized exactly (fp32) and then cast to
         `dtype`; the towers are small, so each is read whole."""
-        for canonical, info in self._vision_tensors.items():
+        for canonical, info in self._tower_tensors.items():
             if canonical in skip:
                 continue
             if meta:
@@ -283,12 +415,17 @@ class GGUFWithMmproj:
                 f"{mmproj.projection_width} dims, the text model's hidden size is {hidden} "
                 "(the mmproj file belongs to another model)"
             )
+        if mmproj.reads_audio and mmproj.audio_projection_width != hidden:
+            raise CheckpointError(
+                f"{mmproj.path} does not fit {text.path.name}: its audio tower projects into "
+                f"{mmproj.audio_projection_width} dims, the text model's hidden size is {hidden}"
+            )
         self.text = text
         self.mmproj = mmproj
         self.path = text.path
-        if mmproj.audio_projector is not None:
+        if mmproj.audio_projector is not None and not mmproj.reads_audio:
             log.warning(
-                "%s: its audio tower (%s) is not read yet: the model takes images, not audio",
+                "%s: its audio tower (%s) is not one Hearth reads: the model takes no audio",
                 mmproj.path.name,
                 mmproj.audio_projector,
             )
@@ -309,24 +446,30 @@ class GGUFWithMmproj:
         text["use_bidirectional_attention"] = (
             None if text.get("hidden_size_per_layer_input") else "vision"
         )
-        return {
+        config = {
             "model_type": "gemma4",
             "text_config": text,
             "vision_config": self.mmproj.vision_config(),
             "tie_word_embeddings": text["tie_word_embeddings"],
-            **self._image_token_ids(),
+            **self._token_ids(IMAGE_TOKENS, "images"),
         }
+        if self.mmproj.reads_audio:
+            config["audio_config"] = self.mmproj.audio_config()
+            config.update(self._token_ids(AUDIO_TOKENS, "audio"))
+        return config
 
-    def _image_token_ids(self) -> dict[str, int]:
+    def _token_ids(self, fields: dict[str, str], kind: str) -> dict[str, int]:
+        """`fields`' tokens' ids in the text vocabulary, as llama.cpp's runtime finds them."""
         tokens = self.text.metadata.get("tokenizer.ggml.tokens") or []
-        index = {token: i for i, token in enumerate(tokens) if token in IMAGE_TOKENS.values()}
-        missing = [token for token in IMAGE_TOKENS.values() if token not in index]
+        wanted = set(fields.values())
+        index = {token: i for i, token in enumerate(tokens) if token in wanted}
+        missing = [token for token in fields.values() if token not in index]
         if missing:
             raise CheckpointError(
                 f"{self.text.path.name}'s vocabulary has no {missing[0]} token: it cannot take "
-                f"the images of {self.mmproj.path.name}"
+                f"the {kind} of {self.mmproj.path.name}"
             )
-        return {field: index[token] for field, token in IMAGE_TOKENS.items()}
+        return {field: index[token] for field, token in fields.items()}
 
     def tensor_names(self) -> list[str]:
         return [*self.text.tensor_names(), *self.mmproj.tensor_names()]
