@@ -118,8 +118,9 @@ def _add_media_options(parser: argparse.ArgumentParser, inputs: bool) -> None:
     parser.add_argument(
         "--mmproj",
         metavar="FILE",
-        help="llama.cpp's mmproj GGUF holding the vision tower of a Gemma 4 GGUF model "
-        "(default: the one mmproj*.gguf beside the model file, if there is exactly one)",
+        help="llama.cpp's mmproj GGUF holding the vision (and E2B/E4B audio) tower of a Gemma 4 "
+        "GGUF model (default: the one mmproj*.gguf beside the model file, if there is exactly "
+        "one)",
     )
     parser.add_argument(
         "--allow-fetch",

@@ -354,7 +354,7 @@ def test_cli_takes_an_image_with_mmproj_and_from_a_sibling(
     (folder / "mmproj-model-F32.gguf").symlink_to(mmproj)
     found = _generate(str(folder / "model-F32.gguf"), "--image", str(png), "What is it?")
     assert found.returncode == 0, found.stderr
-    assert "using the vision tower of mmproj-model-F32.gguf" in found.stderr
+    assert "using mmproj-model-F32.gguf, found beside the model, for image input" in found.stderr
     assert found.stdout == given.stdout  # greedy: the same tokens either way
 
 

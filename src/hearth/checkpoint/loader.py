@@ -85,7 +85,8 @@ def _with_mmproj(checkpoint: Checkpoint, mmproj: Path | None) -> Checkpoint:
     except CheckpointError as error:
         log.warning("not using %s, found beside the model: %s", sibling.name, error)
         return checkpoint
-    log.warning("using the vision tower of %s, found beside the model", sibling.name)
+    kinds = "image and audio" if joined.mmproj.reads_audio else "image"
+    log.warning("using %s, found beside the model, for %s input", sibling.name, kinds)
     return joined
 
 

@@ -1,19 +1,21 @@
-"""llama.cpp's multimodal projector files (`mmproj-*.gguf`): Gemma 4's vision tower beside a
-Gemma 4 text model read from its own GGUF file.
+"""llama.cpp's multimodal projector files (`mmproj-*.gguf`): Gemma 4's vision tower (and the
+audio tower of E2B/E4B) beside a Gemma 4 text model read from its own GGUF file.
 
 An mmproj file is a GGUF of architecture `clip`. llama.cpp's converter (the Gemma 4 mmproj
-class of convert_hf_to_gguf.py; the graph in tools/mtmd/models/gemma4v.cpp) writes Gemma 4's
-vision tower with projector type `gemma4v` under `v.*` names and `embed_vision`'s projection as
-`mm.input_projection`; the reading of each name and layout is in `_vision_name` and
-`_hf_layout`. What the file does not store, Hearth takes from llama.cpp's fixed choices for
-Gemma 4 (RoPE base 100, pooling 3 unless `clip.vision.projector.scale_factor` says otherwise)
-and from the tensors' shapes (head width, KV heads, position table size, clipping and
-standardization by the presence of their tensors). The image tokens' ids come from the text
+class of convert_hf_to_gguf.py; the graphs in tools/mtmd/models/gemma4v.cpp and gemma4a) writes
+the vision tower with projector type `gemma4v` under `v.*` names and `embed_vision`'s
+projection as `mm.input_projection`, the audio tower with `gemma4a` under `a.*` and
+`mm.a.input_projection`; `_vision_name`, `_audio_name` and `_hf_layout` undo its names and
+layouts. What the file does not store, Hearth takes from llama.cpp's fixed choices for Gemma 4,
+which are HF's defaults (vision RoPE base 100, pooling 3 unless
+`clip.vision.projector.scale_factor` says otherwise; the audio attention's chunking and cap),
+and from the tensors' shapes (widths, KV heads, position table, channels, kernel; clipping and
+standardization by the presence of their tensors). The media tokens' ids come from the text
 model's vocabulary, as llama.cpp's runtime finds them.
 
 `GGUFWithMmproj` joins the two files into one checkpoint: the config of a multimodal Gemma 4
-(`text_config` + `vision_config`) and the tensors of both under canonical names, so that
-`build_model` loads the text model and its tower as it does an HF checkpoint's.
+(`text_config`, `vision_config`, `audio_config`) and the tensors of both under canonical
+names, so that `build_model` loads the text model and its towers as it does an HF checkpoint's.
 """
 
 from __future__ import annotations
@@ -395,7 +397,7 @@ class MmprojFile:
 
 
 class GGUFWithMmproj:
-    """A Gemma 4 text model's GGUF file and the mmproj file of its vision tower, read as one
+    """A Gemma 4 text model's GGUF file and the mmproj file of its towers, read as one
     multimodal checkpoint (HF's `Gemma4ForConditionalGeneration` config and names)."""
 
     format = "gguf"
@@ -487,7 +489,7 @@ class GGUFWithMmproj:
         return self.text.mapped_table(name)
 
     def stored_blocks(self, name: str, copy: bool = True) -> tuple[int, np.ndarray] | None:
-        """The text model's stored blocks; the tower's tensors load as values (None), which
+        """The text model's stored blocks; the towers' tensors load as values (None), which
         they dequantize to exactly."""
         if name in self._tower_names:
             return None
