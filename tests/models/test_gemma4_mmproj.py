@@ -19,10 +19,14 @@ tower's weights are the HF checkpoint's exactly in an F32 file):
   where HF's is bidirectional moves them by 0.4 or more.
 - a quantized mmproj (Q8_0, F16, BF16): every tensor equals the `gguf` package's dequantization
   of the stored bytes exactly (no tolerance).
+- llama.cpp (mtmd, through llama-cpp-python) running the file written here: its soft tokens
+  within 2e-2 of HF's largest |value| (LLAMA_RTOL below): the oracle that the file is laid out
+  as llama.cpp's own converter lays it out.
 """
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from pathlib import Path
@@ -67,16 +71,25 @@ CLIP_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", 
 TOWER_PREFIXES = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
 # The audio model's vocabulary: the image model's, then the three audio tokens.
 BOA, AUDIO_TOKEN, EOA = VOCAB, VOCAB + 1, VOCAB + 2
+# llama.cpp's soft tokens against HF's on the same pixels, relative to the largest |value|:
+# 7.0e-3 measured (ggml's kernels sum in their own order; flash attention on or off alike).
+# A patch kernel with its rows and columns swapped moves them by 1.6e-1.
+LLAMA_RTOL = 2e-2
 AUDIO_ATOL = 3e-6  # tests/models/test_gemma4_audio.py's tower bound (measured 7.2e-7 there)
 HEARTH_GENERATE = [sys.executable, "-m", "hearth.cli", "generate"]
 
 
 def write_mmproj(
-    path: Path, hf: Any, matrix_type: str = "F32", projector: str = "gemma4v"
+    path: Path,
+    hf: Any,
+    matrix_type: str = "F32",
+    projector: str = "gemma4v",
+    kernel_order: tuple[int, ...] = (0, 3, 1, 2),
 ) -> dict[str, str]:
     """`hf`'s towers as llama.cpp's converter writes a Gemma 4 mmproj file (the audio tower
     too where `hf` has one); returns each written tensor's HF name (without `model.`) by its
-    GGUF name."""
+    GGUF name. `kernel_order`: the permutation of the patch kernel [hidden, p, p, 3] (the
+    converter's; another one makes a wrong file for llama.cpp to tell apart)."""
     vision, text = hf.config.vision_config, hf.config.text_config
     audio = hf.config.audio_config
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
@@ -110,7 +123,7 @@ def write_mmproj(
         if hf_name.startswith(("model.audio_tower.", "model.embed_audio.")):
             name, data, float_only = _audio_tensor(hf_name, tensor.detach().float())
         elif hf_name.startswith(("model.vision_tower.", "model.embed_vision.")):
-            name, data = _vision_tensor(hf_name, tensor.detach().float())
+            name, data = _vision_tensor(hf_name, tensor.detach().float(), kernel_order)
             float_only = "position_embedding_table" in hf_name
         else:
             continue
@@ -125,7 +138,9 @@ def write_mmproj(
     return written
 
 
-def _vision_tensor(hf_name: str, data: torch.Tensor) -> tuple[str, torch.Tensor]:
+def _vision_tensor(
+    hf_name: str, data: torch.Tensor, kernel_order: tuple[int, ...]
+) -> tuple[str, torch.Tensor]:
     """The converter's name (before its map) and value of a vision tensor."""
     if data.ndim == 0:
         data = data.unsqueeze(0)
@@ -136,7 +151,7 @@ def _vision_tensor(hf_name: str, data: torch.Tensor) -> tuple[str, torch.Tensor]
     if name.endswith("patch_embedder.input_proj.weight"):
         hidden, flat = data.shape
         side = int((flat // 3) ** 0.5)
-        data = data.reshape(hidden, side, side, 3).permute(0, 3, 1, 2).contiguous()
+        data = data.reshape(hidden, side, side, 3).permute(*kernel_order).contiguous()
     return name, data
 
 
@@ -465,3 +480,79 @@ def test_audio_prompt_logits_equal_hf(audio_visual: tuple[Any, Path, Path]) -> N
     reference = _hf_audio_logits(hf, ids + tokens, clips)
     _assert_hf_greedy(reference, len(ids), tokens)
     torch.testing.assert_close(rows, reference[len(ids) - 1 :], atol=LOGITS_ATOL, rtol=0)
+
+
+def _llama_soft_tokens(text: Path, mmproj: Path, pixels: np.ndarray) -> torch.Tensor:
+    """llama.cpp's (mtmd's) soft tokens [n, hidden] for an 8-bit RGB image [h, w, 3]."""
+    pytest.importorskip("llama_cpp")
+    mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
+    from hearth.bench.llama_peer import open_llama
+
+    llama = open_llama(text, n_ctx=256, verbose=False)
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 2, False, False
+    context = mtmd.mtmd_init_from_file(str(mmproj).encode(), llama.model, params)
+    assert context, "llama.cpp could not load the mmproj file"
+    pixels = np.array(pixels, np.uint8)  # a writable copy that ctypes can point into
+    height, width, _ = pixels.shape
+    data = (ctypes.c_uint8 * pixels.size).from_buffer(pixels)
+    bitmap = mtmd.mtmd_bitmap_init(width, height, data)
+    chunks = mtmd.mtmd_input_chunks_init()
+    marker = mtmd.mtmd_default_marker()
+    prompt = mtmd.mtmd_input_text(marker, len(marker), False, True)
+    try:
+        bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+        assert mtmd.mtmd_tokenize(context, chunks, ctypes.byref(prompt), bitmaps, 1) == 0
+        parts = [
+            mtmd.mtmd_input_chunks_get(chunks, i)
+            for i in range(mtmd.mtmd_input_chunks_size(chunks))
+        ]
+        (chunk,) = [
+            part
+            for part in parts
+            if mtmd.mtmd_input_chunk_get_type(part) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE
+        ]
+        assert mtmd.mtmd_encode_chunk(context, chunk) == 0
+        count = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        width_out = llama.n_embd()
+        out = mtmd.mtmd_get_output_embd(context)
+        values = np.ctypeslib.as_array(out, shape=(count * width_out,)).copy()
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+        mtmd.mtmd_free(context)
+        llama.close()
+    return torch.from_numpy(values).reshape(count, width_out)
+
+
+def _hf_soft_tokens_of_pixels(hf: Any, pixels: np.ndarray) -> torch.Tensor:
+    """HF's tower on the image's own pixels, cut into patches as its processor cuts them
+    (rows of patches; within a patch rows, then columns, then channels), not resized."""
+    side = hf.config.vision_config.patch_size
+    height, width, _ = pixels.shape
+    rows, columns = height // side, width // side
+    patches = pixels.reshape(rows, side, columns, side, 3).transpose(0, 2, 1, 3, 4)
+    values = torch.from_numpy(patches.reshape(1, rows * columns, -1).astype(np.float32) / 255)
+    ys, xs = np.mgrid[0:rows, 0:columns]
+    positions = torch.from_numpy(np.stack([xs.reshape(-1), ys.reshape(-1)], -1))[None]
+    with torch.no_grad():
+        return hf.model.get_image_features(values, positions, return_dict=True).pooler_output[0]
+
+
+def test_llama_cpp_runs_the_mmproj_as_hf_runs_the_tower(
+    causal: tuple[Any, Path, Path], tmp_path: Path
+) -> None:
+    """llama.cpp reads the file written here as its converter would and computes HF's soft
+    tokens from it: the layout Hearth reads is llama.cpp's. The image is 120x96, a size
+    llama.cpp keeps (80 soft tokens, within its limits), so both see the same pixels; the
+    same file with the patch kernel's rows and columns swapped is told apart."""
+    hf, text, mmproj = causal
+    pixels = np.asarray(_pil(120, 96, seed=3))
+    reference = _hf_soft_tokens_of_pixels(hf, pixels)
+    bound = LLAMA_RTOL * reference.abs().max()
+    ours = _llama_soft_tokens(text, mmproj, pixels)
+    assert ours.shape == reference.shape == (80, hf.config.text_config.hidden_size)
+    assert (ours - reference).abs().max() <= bound
+    wrong = tmp_path / "mmproj-swapped.gguf"
+    write_mmproj(wrong, hf, kernel_order=(0, 3, 2, 1))
+    assert (_llama_soft_tokens(text, wrong, pixels) - reference).abs().max() > 3 * bound
