@@ -75,6 +75,9 @@ BOA, AUDIO_TOKEN, EOA = VOCAB, VOCAB + 1, VOCAB + 2
 # 7.0e-3 measured (ggml's kernels sum in their own order; flash attention on or off alike).
 # A patch kernel with its rows and columns swapped moves them by 1.6e-1.
 LLAMA_RTOL = 2e-2
+# The same for audio clips, where llama.cpp computes its own log-mel features: 1.0e-3
+# measured. per_dim_scale stored without the converter's softplus moves them by 1.6e-1.
+LLAMA_AUDIO_RTOL = 1e-2
 AUDIO_ATOL = 3e-6  # tests/models/test_gemma4_audio.py's tower bound (measured 7.2e-7 there)
 HEARTH_GENERATE = [sys.executable, "-m", "hearth.cli", "generate"]
 
@@ -85,11 +88,13 @@ def write_mmproj(
     matrix_type: str = "F32",
     projector: str = "gemma4v",
     kernel_order: tuple[int, ...] = (0, 3, 1, 2),
+    softplus_scale: bool = True,
 ) -> dict[str, str]:
     """`hf`'s towers as llama.cpp's converter writes a Gemma 4 mmproj file (the audio tower
     too where `hf` has one); returns each written tensor's HF name (without `model.`) by its
     GGUF name. `kernel_order`: the permutation of the patch kernel [hidden, p, p, 3] (the
-    converter's; another one makes a wrong file for llama.cpp to tell apart)."""
+    converter's; another one makes a wrong file for llama.cpp to tell apart), `softplus_scale`
+    (the converter's; off, another wrong file)."""
     vision, text = hf.config.vision_config, hf.config.text_config
     audio = hf.config.audio_config
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
@@ -122,6 +127,8 @@ def write_mmproj(
     for hf_name, tensor in hf.state_dict().items():
         if hf_name.startswith(("model.audio_tower.", "model.embed_audio.")):
             name, data, float_only = _audio_tensor(hf_name, tensor.detach().float())
+            if name.endswith("per_dim_scale.weight") and not softplus_scale:
+                data = tensor.detach().float()
         elif hf_name.startswith(("model.vision_tower.", "model.embed_vision.")):
             name, data = _vision_tensor(hf_name, tensor.detach().float(), kernel_order)
             float_only = "position_embedding_table" in hf_name
@@ -482,8 +489,9 @@ def test_audio_prompt_logits_equal_hf(audio_visual: tuple[Any, Path, Path]) -> N
     torch.testing.assert_close(rows, reference[len(ids) - 1 :], atol=LOGITS_ATOL, rtol=0)
 
 
-def _llama_soft_tokens(text: Path, mmproj: Path, pixels: np.ndarray) -> torch.Tensor:
-    """llama.cpp's (mtmd's) soft tokens [n, hidden] for an 8-bit RGB image [h, w, 3]."""
+def _llama_soft_tokens(text: Path, mmproj: Path, media: np.ndarray) -> torch.Tensor:
+    """llama.cpp's (mtmd's) soft tokens [n, hidden] for an 8-bit RGB image [h, w, 3] or a clip
+    of 16 kHz float32 samples [n]."""
     pytest.importorskip("llama_cpp")
     mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
     from hearth.bench.llama_peer import open_llama
@@ -493,10 +501,16 @@ def _llama_soft_tokens(text: Path, mmproj: Path, pixels: np.ndarray) -> torch.Te
     params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 2, False, False
     context = mtmd.mtmd_init_from_file(str(mmproj).encode(), llama.model, params)
     assert context, "llama.cpp could not load the mmproj file"
-    pixels = np.array(pixels, np.uint8)  # a writable copy that ctypes can point into
-    height, width, _ = pixels.shape
-    data = (ctypes.c_uint8 * pixels.size).from_buffer(pixels)
-    bitmap = mtmd.mtmd_bitmap_init(width, height, data)
+    media = np.array(media)  # a writable copy that ctypes can point into
+    if media.dtype == np.uint8:
+        height, width, _ = media.shape
+        data = (ctypes.c_uint8 * media.size).from_buffer(media)
+        bitmap = mtmd.mtmd_bitmap_init(width, height, data)
+        kind = mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE
+    else:
+        samples = (ctypes.c_float * media.size).from_buffer(media)
+        bitmap = mtmd.mtmd_bitmap_init_from_audio(media.size, samples)
+        kind = mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO
     chunks = mtmd.mtmd_input_chunks_init()
     marker = mtmd.mtmd_default_marker()
     prompt = mtmd.mtmd_input_text(marker, len(marker), False, True)
@@ -507,11 +521,7 @@ def _llama_soft_tokens(text: Path, mmproj: Path, pixels: np.ndarray) -> torch.Te
             mtmd.mtmd_input_chunks_get(chunks, i)
             for i in range(mtmd.mtmd_input_chunks_size(chunks))
         ]
-        (chunk,) = [
-            part
-            for part in parts
-            if mtmd.mtmd_input_chunk_get_type(part) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE
-        ]
+        (chunk,) = [part for part in parts if mtmd.mtmd_input_chunk_get_type(part) == kind]
         assert mtmd.mtmd_encode_chunk(context, chunk) == 0
         count = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
         width_out = llama.n_embd()
@@ -556,3 +566,21 @@ def test_llama_cpp_runs_the_mmproj_as_hf_runs_the_tower(
     wrong = tmp_path / "mmproj-swapped.gguf"
     write_mmproj(wrong, hf, kernel_order=(0, 3, 2, 1))
     assert (_llama_soft_tokens(text, wrong, pixels) - reference).abs().max() > 3 * bound
+
+
+def test_llama_cpp_runs_the_audio_tower_as_hf_runs_it(
+    audio_visual: tuple[Any, Path, Path], tmp_path: Path
+) -> None:
+    """The audio tower of the file written here: llama.cpp's soft tokens for a 1 s clip (its
+    own features) are HF's; a file with per_dim_scale stored without softplus is told apart."""
+    hf, text, mmproj = audio_visual
+    clip = _clip(16_000)
+    reference = _hf_encode(hf, clip)
+    bound = LLAMA_AUDIO_RTOL * reference.abs().max()
+    ours = _llama_soft_tokens(text, mmproj, clip.samples.astype(np.float32))
+    assert ours.shape == reference.shape == (25, hf.config.text_config.hidden_size)
+    assert (ours - reference).abs().max() <= bound
+    wrong = tmp_path / "mmproj-raw-scale.gguf"
+    write_mmproj(wrong, hf, softplus_scale=False)
+    ours_wrong = _llama_soft_tokens(text, wrong, clip.samples.astype(np.float32))
+    assert (ours_wrong - reference).abs().max() > 3 * bound
