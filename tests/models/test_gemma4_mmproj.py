@@ -27,6 +27,7 @@ tower's weights are the HF checkpoint's exactly in an F32 file):
 from __future__ import annotations
 
 import ctypes
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_writer import minimal_tokenizer, write_gguf
 from hearth.checkpoint.mmproj import MmprojFile
 from hearth.config import parse_config
+from hearth.engine import Engine
 from hearth.errors import CheckpointError, UnsupportedModelError
 from hearth.models.loading import build_model
 from hearth.runtime.generate import soft_tokens
@@ -584,3 +586,24 @@ def test_llama_cpp_runs_the_audio_tower_as_hf_runs_it(
     write_mmproj(wrong, hf, softplus_scale=False)
     ours_wrong = _llama_soft_tokens(text, wrong, clip.samples.astype(np.float32))
     assert (ours_wrong - reference).abs().max() > 3 * bound
+
+
+def test_engine_modalities_follow_the_mmproj_beside_the_model(
+    audio_visual: tuple[Any, Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The E2B-shaped mmproj gives images and audio, given or found beside the model; a model
+    file alone takes text; with two mmproj files beside it none is taken, and the log says so."""
+    _, text, mmproj = audio_visual
+    given = Engine.load(text, mmproj=mmproj, progress=False)
+    assert given.modalities == ("text", "image", "audio")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "model.gguf").symlink_to(text)
+    assert Engine.load(alone / "model.gguf", progress=False).modalities == ("text",)
+    (alone / "mmproj-a.gguf").symlink_to(mmproj)
+    found = Engine.load(alone / "model.gguf", progress=False)
+    assert found.modalities == ("text", "image", "audio")
+    (alone / "mmproj-b.gguf").symlink_to(mmproj)
+    with caplog.at_level(logging.WARNING, logger="hearth.checkpoint"):
+        assert Engine.load(alone / "model.gguf", progress=False).modalities == ("text",)
+    assert "several mmproj files beside the model (mmproj-a.gguf, mmproj-b.gguf)" in caplog.text
