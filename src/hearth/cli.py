@@ -116,6 +116,13 @@ def _add_media_options(parser: argparse.ArgumentParser, inputs: bool) -> None:
         "model's, 280 for Gemma 4; more reads finer detail, e.g. text)",
     )
     parser.add_argument(
+        "--mmproj",
+        metavar="FILE",
+        help="llama.cpp's mmproj GGUF holding the vision (and E2B/E4B audio) tower of a Gemma 4 "
+        "GGUF model (default: the one mmproj*.gguf beside the model file, if there is exactly "
+        "one)",
+    )
+    parser.add_argument(
         "--allow-fetch",
         action="store_true",
         help="fetch images and audio from http(s) URLs (off by default; never from "
@@ -580,7 +587,12 @@ def _load(model: str | None, args: argparse.Namespace) -> Any:
     from hearth.engine import Engine
 
     return Engine.load(
-        model, dtype=args.dtype, device=args.device, quantize=args.quantize, kv_quant=args.kv_quant
+        model,
+        dtype=args.dtype,
+        device=args.device,
+        quantize=args.quantize,
+        kv_quant=args.kv_quant,
+        mmproj=getattr(args, "mmproj", None),
     )
 
 

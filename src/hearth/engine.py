@@ -118,6 +118,7 @@ class Engine:
         quantize: str = "auto",
         kv_quant: str = "off",
         plan: ExecutionPlan | None = None,
+        mmproj: str | Path | None = None,
     ) -> Engine:
         """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
 
@@ -126,10 +127,11 @@ class Engine:
         weights to Hearth's grids (bf16 compute), "none" keeps every tensor in `dtype`.
         `kv_quant`: the KV cache kind, `off|4|8|config|turbo[:SCHEME]` (docs/kv-cache.md),
         checked against the model before any weight is read. `plan`: how to run it (None: the
-        device's default, `ExecutionPlan.for_device`).
+        device's default, `ExecutionPlan.for_device`). `mmproj`: llama.cpp's mmproj GGUF of a
+        Gemma 4 GGUF model's vision tower (without it, the one `mmproj*.gguf` beside the model).
         """
         path = Path(model) if model is not None else embedded_model_path()
-        checkpoint = open_checkpoint(path)
+        checkpoint = open_checkpoint(path, mmproj)
         kv_policy = parse_kv_quant(kv_quant, checkpoint=path if path.is_dir() else None)
         kv_policy.check(cache_specs(parse_config(checkpoint.config)))
         device = parse_device(device)

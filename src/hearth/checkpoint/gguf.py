@@ -58,6 +58,11 @@ class GGUFCheckpoint:
         self.path = path
         self._file = GGUFFile(path)
         architecture = self.metadata.get("general.architecture")
+        if architecture == "clip":
+            raise UnsupportedModelError(
+                f"{path} is an mmproj file (a vision/audio tower): give the text model's GGUF "
+                "as the model and this file with --mmproj"
+            )
         if architecture not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{path}: GGUF architecture {architecture!r} is not supported "

@@ -48,13 +48,46 @@ class Checkpoint(Protocol):
     def tokenizer(self) -> Tokenizer: ...
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """The checkpoint at `path`; raises CheckpointError with one readable line otherwise."""
+def open_checkpoint(path: str | Path, mmproj: str | Path | None = None) -> Checkpoint:
+    """The checkpoint at `path`; raises CheckpointError with one readable line otherwise.
+
+    `mmproj`: a llama.cpp mmproj GGUF whose vision tower joins a Gemma 4 GGUF text model.
+    Without it, the one `mmproj*.gguf` beside a Gemma 4 GGUF model is taken (said in the log).
+    """
     from hearth.config import parse_config
 
     checkpoint = _open(Path(path).expanduser())
+    checkpoint = _with_mmproj(checkpoint, Path(mmproj).expanduser() if mmproj else None)
     parse_config(checkpoint.config)  # refuse an unsupported model before reading tensors
     return checkpoint
+
+
+def _with_mmproj(checkpoint: Checkpoint, mmproj: Path | None) -> Checkpoint:
+    from hearth.checkpoint.gguf import GGUFCheckpoint
+    from hearth.checkpoint.mmproj import GGUFWithMmproj, MmprojFile, find_sibling_mmproj, log
+
+    if mmproj is not None:
+        if not isinstance(checkpoint, GGUFCheckpoint):
+            raise CheckpointError(
+                f"--mmproj goes with a GGUF model file; {checkpoint.path} is a "
+                f"{checkpoint.format} checkpoint, whose towers come with it"
+            )
+        if not mmproj.is_file():
+            raise CheckpointError(f"no mmproj file at {mmproj}")
+        return GGUFWithMmproj(checkpoint, MmprojFile(mmproj))
+    if not isinstance(checkpoint, GGUFCheckpoint) or checkpoint.architecture != "gemma4":
+        return checkpoint
+    sibling = find_sibling_mmproj(checkpoint.path)
+    if sibling is None:
+        return checkpoint
+    try:
+        joined = GGUFWithMmproj(checkpoint, MmprojFile(sibling))
+    except CheckpointError as error:
+        log.warning("not using %s, found beside the model: %s", sibling.name, error)
+        return checkpoint
+    kinds = "image and audio" if joined.mmproj.reads_audio else "image"
+    log.warning("using %s, found beside the model, for %s input", sibling.name, kinds)
+    return joined
 
 
 def _open(path: Path) -> Checkpoint:
@@ -64,7 +97,10 @@ def _open(path: Path) -> Checkpoint:
     if not path.exists():
         raise CheckpointError(f"no model at {path}: the path does not exist")
     if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
+        from hearth.checkpoint.mmproj import is_mmproj_name
+
+        # A model folder may hold its vision tower's mmproj file beside the model's.
+        ggufs = sorted(p for p in path.glob("*.gguf") if not is_mmproj_name(p))
         if (path / "config.json").exists():
             return SafetensorsCheckpoint(path)
         if len(ggufs) == 1:
