@@ -1,0 +1,328 @@
+"""Matmuls that read GGUF (GGML) blocks where they lie, on the GPU.
+
+The weight is the file's uint8 rows ``[N, K / values per block * bytes per block]``, unpacked
+in registers: nothing is repacked, so the GPU holds the file's tensor bytes. Every kernel
+walks K in steps of 256 values (one k-quant super-block, or eight 32-value blocks) and decodes
+a step of each of its rows to fp32 exactly as `gguf.quants.dequantize` does
+(`hearth.quant.gguf_blocks` is the torch reference). Every product there is exact in fp32
+(an fp16 scale times a small integer code, times another small integer: at most 23
+significant bits), so the only rounding of a weight is its one subtraction or addition of an
+offset, which an FMA contraction leaves the same: the kernels see the file's weights bit for bit.
+
+* **GEMV** (1..4 rows: decode, a few speculative rows): each program owns ``BLOCK_N`` weight
+  rows and all of K, accumulating ``x * w`` in fp32 per (row, column) and summing once at the
+  end; the output is rounded once to the activations' dtype. No split of K, no host sync:
+  CUDA graphs capture it.
+* **Dequantize** (prefill, more rows): a step of rows decoded to the activations' dtype (bf16:
+  what HF transformers itself computes with when it loads a GGUF in bf16) into a scratch tile,
+  then cuBLAS multiplies; a tile of rows at a time bounds the scratch for a large head.
+* **Rows** (token tables): the dequantize kernel reading the rows a list of ids names.
+
+Types with kernels: `KERNEL_TYPES`; the rest use the torch reference (on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hearth.ops import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.ops.launch import launch_kernel
+from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
+
+# GGML type ids the Triton kernels decode: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+KERNEL_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)
+# Rows of activations the GEMV takes; more are a dequantized tile and cuBLAS.
+GEMV_MAX_ROWS = 4
+# Values one step of a kernel decodes per weight row.
+STEP_VALUES = 256
+# Scratch a prefill dequantizes at a time (bytes of the activations' dtype): a whole layer's
+# stacked projection of a 12B model in one tile, a 262144-row head in several.
+TILE_BYTES = 256 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch references
+
+
+def gguf_matmul_reference(x: Tensor, type_id: int, blocks: Tensor) -> Tensor:
+    """``x @ W.T`` with W the exact fp32 values of `blocks`, in fp32, cast to x's dtype."""
+    weight = dequantize_blocks(type_id, blocks)
+    return F.linear(x.float(), weight).to(x.dtype)
+
+
+def gguf_rows_reference(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows `ids` of a block table, dequantized exactly, in `dtype`: ``[*ids.shape, K]``."""
+    rows = dequantize_blocks(type_id, blocks[ids.reshape(-1)])
+    return rows.reshape(*ids.shape, rows.shape[-1]).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatchers
+
+
+def has_kernel(type_id: int) -> bool:
+    return HAS_TRITON and type_id in KERNEL_TYPES
+
+
+def gguf_linear_into(x2d: Tensor, type_id: int, blocks: Tensor, out: Tensor) -> None:
+    """out = x2d @ Wᵀ (out: [M, rows of `blocks`], may be a column slice of a wider output)
+    on the GPU: the GEMV for few rows, else dequantized tiles and cuBLAS."""
+    if x2d.shape[0] <= GEMV_MAX_ROWS:
+        gguf_gemv_triton(x2d, type_id, blocks, out)
+        return
+    k = x2d.shape[1]
+    tile = max(1, TILE_BYTES // (k * x2d.element_size()))
+    for start in range(0, blocks.shape[0], tile):
+        weights = gguf_dequantize_triton(type_id, blocks[start : start + tile], k, x2d.dtype)
+        torch.matmul(x2d, weights.T, out=out[:, start : start + weights.shape[0]])
+
+
+def gguf_rows(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
+    """`gguf_rows_reference`, one kernel on CUDA (ids stay on the device: no sync)."""
+    if not (kernel_enabled(blocks) and has_kernel(type_id)):
+        return gguf_rows_reference(ids, type_id, blocks, dtype)
+    k = blocks.shape[1] // BLOCK_FORMATS[type_id].nbytes * BLOCK_FORMATS[type_id].values
+    rows = gguf_dequantize_triton(type_id, blocks, k, dtype, ids=ids.reshape(-1))
+    return rows.view(*ids.shape, k)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from hearth.ops import wait_for_producer
+
+    @triton.jit
+    def _half(pointers, mask):
+        """The little-endian fp16 at each of `pointers` (uint8), widened to fp32."""
+        low = tl.load(pointers, mask=mask, other=0).to(tl.uint16)
+        high = tl.load(pointers + 1, mask=mask, other=0).to(tl.uint16)
+        return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _k_scale_bytes(base, ok, s):
+        """Q4_K / Q5_K: the 6-bit scale and min of sub-block `s` (0..7) of each block at
+        `base` (its 12 packed bytes at offset 4), as fp32."""
+        low = s & 3
+        first = tl.load(base + 4 + low, mask=ok, other=0)
+        second = tl.load(base + 8 + low, mask=ok, other=0)
+        shared = tl.load(base + 12 + low, mask=ok, other=0)
+        upper = s >= 4
+        scale = tl.where(upper, (shared & 15) | ((first >> 6) << 4), first & 63)
+        least = tl.where(upper, (shared >> 4) | ((second >> 6) << 4), second & 63)
+        return scale.to(tl.float32), least.to(tl.float32)
+
+    @triton.jit
+    def _q4_k_step(rows, ok, step):
+        """256 values of each row (super-block `step`): [BLOCK_N, 8 sub-blocks, 32]."""
+        base = rows + step * 144  # [BLOCK_N, 1, 1]
+        s = tl.arange(0, 8)[None, :, None]
+        i = tl.arange(0, 32)[None, None, :]
+        d = _half(base, ok)
+        dmin = _half(base + 2, ok)
+        scale, least = _k_scale_bytes(base, ok, s)
+        q = (tl.load(base + 16 + 32 * (s // 2) + i, mask=ok, other=0) >> (4 * (s % 2))) & 15
+        return (d * scale) * q.to(tl.float32) - dmin * least
+
+    @triton.jit
+    def _q5_k_step(rows, ok, step):
+        base = rows + step * 176
+        s = tl.arange(0, 8)[None, :, None]
+        i = tl.arange(0, 32)[None, None, :]
+        d = _half(base, ok)
+        dmin = _half(base + 2, ok)
+        scale, least = _k_scale_bytes(base, ok, s)
+        low = (tl.load(base + 48 + 32 * (s // 2) + i, mask=ok, other=0) >> (4 * (s % 2))) & 15
+        high = (tl.load(base + 16 + i, mask=ok, other=0) >> s) & 1
+        q = low | (high << 4)
+        return (d * scale) * q.to(tl.float32) - dmin * least
+
+    @triton.jit
+    def _q6_k_step(rows, ok, step):
+        """[BLOCK_N, 16 groups, 16]: value 16g + j is, with h = g // 8, c = g // 2 % 4,
+        i = 16 (g % 2) + j, the low nibble of ql[64h + 32 (c % 2) + i] (shift 4 (c // 2))
+        and two bits of qh[32h + i] (shift 2c), minus 32, times d · scales[g]."""
+        base = rows + step * 210
+        g = tl.arange(0, 16)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        h = g // 8
+        c = (g // 2) % 4
+        i = 16 * (g % 2) + j
+        low = (tl.load(base + 64 * h + 32 * (c % 2) + i, mask=ok, other=0) >> (4 * (c // 2))) & 15
+        high = (tl.load(base + 128 + 32 * h + i, mask=ok, other=0) >> (2 * c)) & 3
+        q = (low | (high << 4)).to(tl.int32) - 32
+        scale = tl.load((base + 192 + g).to(tl.pointer_type(tl.int8)), mask=ok, other=0)
+        d = _half(base + 208, ok)
+        return (d * scale.to(tl.float32)) * q.to(tl.float32)
+
+    @triton.jit
+    def _small_step(rows, ok, step, TYPE: tl.constexpr, BLOCKS: tl.constexpr):
+        """Eight 32-value blocks of each row (blocks 8·step.., past BLOCKS zero):
+        [BLOCK_N, 8, 32]. Value i of a block is the low nibble of byte i % 16 of its codes for
+        i < 16, else the high one (Q4/Q5 types), or signed byte i (Q8_0)."""
+        b = step * 8 + tl.arange(0, 8)[None, :, None]
+        i = tl.arange(0, 32)[None, None, :]
+        inside = ok & (b < BLOCKS)
+        if TYPE == 8:
+            base = rows + b * 34
+            q = tl.load((base + 2 + i).to(tl.pointer_type(tl.int8)), mask=inside, other=0)
+            return q.to(tl.float32) * _half(base, inside)
+        else:
+            NBYTES: tl.constexpr = (
+                18 if TYPE == 2 else (20 if TYPE == 3 else (22 if TYPE == 6 else 24))
+            )
+            CODES: tl.constexpr = 2 if TYPE == 2 else (4 if TYPE == 3 else (6 if TYPE == 6 else 8))
+            base = rows + b * NBYTES
+            d = _half(base, inside)
+            q = (tl.load(base + CODES + (i % 16), mask=inside, other=0) >> (4 * (i // 16))) & 15
+            if TYPE == 6 or TYPE == 7:
+                HIGH: tl.constexpr = 2 if TYPE == 6 else 4
+                bit = (tl.load(base + HIGH + i // 8, mask=inside, other=0) >> (i % 8)) & 1
+                q = q | (bit << 4)
+            if TYPE == 2:
+                return d * (q.to(tl.int32) - 8).to(tl.float32)
+            elif TYPE == 6:
+                return d * (q.to(tl.int32) - 16).to(tl.float32)
+            else:
+                return d * q.to(tl.float32) + _half(base + 2, inside)
+
+    @triton.jit
+    def _step_values(rows, ok, step, TYPE: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Values [step·256, step·256 + 256) of each row as fp32, [BLOCK_N, 256] (zero past K
+        and for masked rows). `rows`: [BLOCK_N, 1, 1] pointers to each row's bytes."""
+        if TYPE == 12:
+            values = _q4_k_step(rows, ok, step)
+        elif TYPE == 13:
+            values = _q5_k_step(rows, ok, step)
+        elif TYPE == 14:
+            values = _q6_k_step(rows, ok, step)
+        else:
+            values = _small_step(rows, ok, step, TYPE, K // 32)
+        return tl.reshape(values, [BLOCK_N, 256])
+
+    @triton.jit
+    def _gguf_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        K: tl.constexpr,
+        TYPE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """out[m, n] = sum_k x[m, k] w[n, k]; one program per BLOCK_N weight rows, all of K."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = (w_ptr + n.to(tl.int64) * stride_wn)[:, None, None]
+        ok = n_ok[:, None, None]
+        wait_for_producer(PDL)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        STEPS: tl.constexpr = (K + 255) // 256
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 256], tl.float32)
+        for step in tl.range(STEPS):
+            w = _step_values(rows, ok, step, TYPE, K, BLOCK_N)
+            k = step * 256 + tl.arange(0, 256)
+            xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            acc += w[None, :, :] * xk.to(tl.float32)[:, None, :]
+        result = tl.sum(acc, axis=2)
+        out_at = out_ptr + m[:, None] * stride_om + n[None, :]
+        tl.store(out_at, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _gguf_dequantize_kernel(
+        w_ptr,
+        ids_ptr,
+        out_ptr,
+        N,
+        stride_wn,
+        stride_on,
+        K: tl.constexpr,
+        TYPE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        INDEXED: tl.constexpr,
+    ):
+        """out[n, step's 256 columns] = the values of weight row n (row ids[n] if INDEXED);
+        grid (blocks of N, steps of K)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        step = tl.program_id(1)
+        n_ok = n < N
+        source = tl.load(ids_ptr + n, mask=n_ok, other=0).to(tl.int64) if INDEXED else n
+        rows = (w_ptr + source.to(tl.int64) * stride_wn)[:, None, None]
+        values = _step_values(rows, n_ok[:, None, None], step, TYPE, K, BLOCK_N)
+        k = step * 256 + tl.arange(0, 256)
+        out_at = out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :]
+        ok = n_ok[:, None] & (k < K)[None, :]
+        tl.store(out_at, values.to(out_ptr.dtype.element_ty), mask=ok)
+
+    # The GEMV's rows per program by activation rows: its accumulator is
+    # BLOCK_M x BLOCK_N x 256 fp32, kept at 8192 (64 registers a thread at 4 warps).
+    _GEMV_BLOCK_N = {1: 16, 2: 16, 4: 8}
+    # Used where there is no GPU: Triton's CPU interpreter (tests), small tiles run quicker.
+    INTERPRETER_BLOCK_N = 4
+    DEQUANTIZE_BLOCK_N = 16
+
+    def _check_blocks(type_id: int, blocks: Tensor, k: int) -> None:
+        block = BLOCK_FORMATS[type_id]
+        if type_id not in KERNEL_TYPES:
+            raise ValueError(f"no GPU kernel decodes {block.name} blocks")
+        if (
+            blocks.dtype != torch.uint8
+            or blocks.dim() != 2
+            or k % block.values
+            or blocks.shape[1] != k // block.values * block.nbytes
+            or blocks.stride(1) != 1
+        ):
+            raise ValueError(
+                f"{block.name} rows of {k} values are uint8 [rows, "
+                f"{k // block.values * block.nbytes}] with unit column stride, "
+                f"got {blocks.dtype} {tuple(blocks.shape)}"
+            )
+
+    def gguf_gemv_triton(
+        x2d: Tensor, type_id: int, blocks: Tensor, out: Tensor, block_n: int | None = None
+    ) -> Tensor:
+        """out [M, N] = x2d [M, K] @ Wᵀ in one launch (M <= GEMV_MAX_ROWS; out may be a
+        column slice of a wider row-major output); `block_n` pins the tile (tests)."""
+        m, k = x2d.shape
+        _check_blocks(type_id, blocks, k)
+        if m > GEMV_MAX_ROWS:
+            raise ValueError(f"the GGUF GEMV takes at most {GEMV_MAX_ROWS} rows, got {m}")
+        n = blocks.shape[0]
+        if out.shape != (m, n) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{m}, {n}] with unit column stride")
+        x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+        block_m = triton.next_power_of_2(m)
+        if block_n is None:
+            block_n = _GEMV_BLOCK_N[block_m] if x2d.is_cuda else INTERPRETER_BLOCK_N
+        args = (x2d, blocks, out, m, n, x2d.stride(0), blocks.stride(0), out.stride(0))
+        constants = {"K": k, "TYPE": type_id, "BLOCK_M": block_m, "BLOCK_N": block_n}
+        constants |= pdl_options(x2d)
+        launch_kernel(_gguf_gemv_kernel, (triton.cdiv(n, block_n),), *args, **constants)
+        return out
+
+    def gguf_dequantize_triton(
+        type_id: int, blocks: Tensor, k: int, dtype: torch.dtype, ids: Tensor | None = None
+    ) -> Tensor:
+        """The values of `blocks`' rows (rows `ids` if given) as [rows, k] in `dtype`."""
+        _check_blocks(type_id, blocks, k)
+        rows = blocks.shape[0] if ids is None else ids.numel()
+        out = torch.empty(rows, k, dtype=dtype, device=blocks.device)
+        if rows == 0:
+            return out
+        block_n = DEQUANTIZE_BLOCK_N if blocks.is_cuda else INTERPRETER_BLOCK_N
+        indices = ids if ids is not None else blocks  # unread without INDEXED
+        grid = (triton.cdiv(rows, block_n), triton.cdiv(k, STEP_VALUES))
+        args = (blocks, indices, out, rows, blocks.stride(0), out.stride(0))
+        constants = {"K": k, "TYPE": type_id, "BLOCK_N": block_n, "INDEXED": ids is not None}
+        launch_kernel(_gguf_dequantize_kernel, grid, *args, **constants)
+        return out
