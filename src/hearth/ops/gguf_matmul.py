@@ -18,21 +18,24 @@ offset, which an FMA contraction leaves the same: the kernels see the file's wei
   then cuBLAS multiplies; a tile of rows at a time bounds the scratch for a large head.
 * **Rows** (token tables): the dequantize kernel reading the rows a list of ids names.
 
-Types with kernels: `KERNEL_TYPES`; the rest use the torch reference (on the CPU).
+Every type of `hearth.quant.gguf_blocks.BLOCK_FORMATS` has a kernel (`KERNEL_TYPES`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hearth.ops import HAS_TRITON, kernel_enabled, pdl_options
+from hearth.ops import HAS_TRITON, pdl_options
 from hearth.ops.launch import launch_kernel
 from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
 
-# GGML type ids the Triton kernels decode: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
-KERNEL_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)
+# GGML type ids the Triton kernels decode: every type of `BLOCK_FORMATS` (Q4_0, Q4_1, Q5_0,
+# Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
+KERNEL_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
 # Rows of activations the GEMV takes; more are a dequantized tile and cuBLAS.
 GEMV_MAX_ROWS = 4
 # Values one step of a kernel decodes per weight row.
@@ -59,31 +62,42 @@ def gguf_rows_reference(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatchers
+# The block-kernel path (`ExecutionPlan.gguf_block_kernels`: CUDA; the interpreter in tests)
 
 
-def has_kernel(type_id: int) -> bool:
-    return HAS_TRITON and type_id in KERNEL_TYPES
-
-
-def gguf_linear_into(x2d: Tensor, type_id: int, blocks: Tensor, out: Tensor) -> None:
-    """out = x2d @ Wᵀ (out: [M, rows of `blocks`], may be a column slice of a wider output)
-    on the GPU: the GEMV for few rows, else dequantized tiles and cuBLAS."""
-    if x2d.shape[0] <= GEMV_MAX_ROWS:
-        gguf_gemv_triton(x2d, type_id, blocks, out)
-        return
-    k = x2d.shape[1]
+def gguf_linear(x2d: Tensor, parts: Sequence[tuple[int, Tensor]], out_features: int) -> Tensor:
+    """x2d [M, K] @ Wᵀ, W the parts' (type id, blocks) stacked along the output dim
+    in order: a GEMV per part for few rows, else the parts dequantized to x's dtype in tiles
+    of at most TILE_BYTES and cuBLAS. Output in x's dtype."""
+    m, k = x2d.shape
+    y = torch.empty(m, out_features, dtype=x2d.dtype, device=x2d.device)
+    if m <= GEMV_MAX_ROWS:
+        first = 0
+        for type_id, blocks in parts:
+            gguf_gemv_triton(x2d, type_id, blocks, y[:, first : first + blocks.shape[0]])
+            first += blocks.shape[0]
+        return y
     tile = max(1, TILE_BYTES // (k * x2d.element_size()))
-    for start in range(0, blocks.shape[0], tile):
-        weights = gguf_dequantize_triton(type_id, blocks[start : start + tile], k, x2d.dtype)
-        torch.matmul(x2d, weights.T, out=out[:, start : start + weights.shape[0]])
+    if out_features <= tile:  # every projection of a decoder layer: one scratch, one GEMM
+        weights = torch.empty(out_features, k, dtype=x2d.dtype, device=x2d.device)
+        first = 0
+        for type_id, blocks in parts:
+            gguf_dequantize_triton(type_id, blocks, k, out=weights[first : first + len(blocks)])
+            first += blocks.shape[0]
+        return torch.matmul(x2d, weights.T, out=y)
+    first = 0
+    for type_id, blocks in parts:
+        for start in range(0, blocks.shape[0], tile):
+            weights = gguf_dequantize_triton(type_id, blocks[start : start + tile], k, x2d.dtype)
+            y[:, first + start : first + start + len(weights)] = x2d @ weights.T
+        first += blocks.shape[0]
+    return y
 
 
 def gguf_rows(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
-    """`gguf_rows_reference`, one kernel on CUDA (ids stay on the device: no sync)."""
-    if not (kernel_enabled(blocks) and has_kernel(type_id)):
-        return gguf_rows_reference(ids, type_id, blocks, dtype)
-    k = blocks.shape[1] // BLOCK_FORMATS[type_id].nbytes * BLOCK_FORMATS[type_id].values
+    """`gguf_rows_reference` in one kernel (ids stay on the device: no sync)."""
+    block = BLOCK_FORMATS[type_id]
+    k = blocks.shape[1] // block.nbytes * block.values
     rows = gguf_dequantize_triton(type_id, blocks, k, dtype, ids=ids.reshape(-1))
     return rows.view(*ids.shape, k)
 
@@ -158,6 +172,43 @@ if HAS_TRITON:
         return (d * scale.to(tl.float32)) * q.to(tl.float32)
 
     @triton.jit
+    def _q2_k_step(rows, ok, step):
+        """[BLOCK_N, 16 groups, 16]: d · (scales[g] & 15) · q - dmin · (scales[g] >> 4)."""
+        base = rows + step * 84
+        g = tl.arange(0, 16)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        packed = tl.load(base + g, mask=ok, other=0)
+        q = (
+            tl.load(base + 16 + 32 * (g // 8) + 16 * (g % 2) + j, mask=ok, other=0)
+            >> (2 * ((g // 2) % 4))
+        ) & 3
+        d = _half(base + 80, ok)
+        dmin = _half(base + 82, ok)
+        return (d * (packed & 15).to(tl.float32)) * q.to(tl.float32) - dmin * (packed >> 4).to(
+            tl.float32
+        )
+
+    @triton.jit
+    def _q3_k_step(rows, ok, step):
+        """[BLOCK_N, 16 groups, 16]: d · scale[g] · (low 2 bits - 4 · (1 - hmask bit)), the
+        6-bit scale's low nibble from byte g % 8 (shift 4 (g // 8)) and its top two bits from
+        byte 8 + g % 4 (shift 2 (g // 4)) of the 12 packed bytes, minus 32; the high bit of
+        value 16g + j is bit 4a + c of hmask[i] (a, c, i as in the 2-bit codes)."""
+        base = rows + step * 110
+        g = tl.arange(0, 16)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        i = 16 * (g % 2) + j
+        shift = 2 * ((g // 2) % 4)
+        low = (tl.load(base + 32 + 32 * (g // 8) + i, mask=ok, other=0) >> shift) & 3
+        hmask = (tl.load(base + i, mask=ok, other=0) >> (4 * (g // 8) + (g // 2) % 4)) & 1
+        q = low.to(tl.int32) - ((hmask ^ 1) << 2).to(tl.int32)
+        nibble = (tl.load(base + 96 + g % 8, mask=ok, other=0) >> (4 * (g // 8))) & 15
+        top = (tl.load(base + 104 + g % 4, mask=ok, other=0) >> (2 * (g // 4))) & 3
+        scale = (nibble | (top << 4)).to(tl.int32) - 32
+        d = _half(base + 108, ok)
+        return (d * scale.to(tl.float32)) * q.to(tl.float32)
+
+    @triton.jit
     def _small_step(rows, ok, step, TYPE: tl.constexpr, BLOCKS: tl.constexpr):
         """Eight 32-value blocks of each row (blocks 8·step.., past BLOCKS zero):
         [BLOCK_N, 8, 32]. Value i of a block is the low nibble of byte i % 16 of its codes for
@@ -192,7 +243,11 @@ if HAS_TRITON:
     def _step_values(rows, ok, step, TYPE: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
         """Values [step·256, step·256 + 256) of each row as fp32, [BLOCK_N, 256] (zero past K
         and for masked rows). `rows`: [BLOCK_N, 1, 1] pointers to each row's bytes."""
-        if TYPE == 12:
+        if TYPE == 10:
+            values = _q2_k_step(rows, ok, step)
+        elif TYPE == 11:
+            values = _q3_k_step(rows, ok, step)
+        elif TYPE == 12:
             values = _q4_k_step(rows, ok, step)
         elif TYPE == 13:
             values = _q5_k_step(rows, ok, step)
@@ -311,12 +366,21 @@ if HAS_TRITON:
         return out
 
     def gguf_dequantize_triton(
-        type_id: int, blocks: Tensor, k: int, dtype: torch.dtype, ids: Tensor | None = None
+        type_id: int,
+        blocks: Tensor,
+        k: int,
+        dtype: torch.dtype | None = None,
+        ids: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> Tensor:
-        """The values of `blocks`' rows (rows `ids` if given) as [rows, k] in `dtype`."""
+        """The values of `blocks`' rows (rows `ids` if given) as [rows, k] in `dtype`, or
+        into `out` (rows of unit column stride, e.g. a slice of a larger scratch)."""
         _check_blocks(type_id, blocks, k)
         rows = blocks.shape[0] if ids is None else ids.numel()
-        out = torch.empty(rows, k, dtype=dtype, device=blocks.device)
+        if out is None:
+            out = torch.empty(rows, k, dtype=dtype, device=blocks.device)
+        if out.shape != (rows, k) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{rows}, {k}] with unit column stride")
         if rows == 0:
             return out
         block_n = DEQUANTIZE_BLOCK_N if blocks.is_cuda else INTERPRETER_BLOCK_N
