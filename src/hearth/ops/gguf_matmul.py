@@ -322,8 +322,8 @@ if HAS_TRITON:
     # The GEMV's rows per program by activation rows: its accumulator is
     # BLOCK_M x BLOCK_N x 256 fp32, kept at 8192 (64 registers a thread at 4 warps).
     _GEMV_BLOCK_N = {1: 16, 2: 16, 4: 8}
-    # Used where there is no GPU: Triton's CPU interpreter (tests), small tiles run quicker.
-    INTERPRETER_BLOCK_N = 4
+    # Triton's CPU interpreter (tests) pays ~10 ms a program: wide tiles, few programs.
+    INTERPRETER_BLOCK_N = 128
     DEQUANTIZE_BLOCK_N = 16
 
     def _check_blocks(type_id: int, blocks: Tensor, k: int) -> None:
