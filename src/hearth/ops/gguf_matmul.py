@@ -344,10 +344,16 @@ if HAS_TRITON:
             )
 
     def gguf_gemv_triton(
-        x2d: Tensor, type_id: int, blocks: Tensor, out: Tensor, block_n: int | None = None
+        x2d: Tensor,
+        type_id: int,
+        blocks: Tensor,
+        out: Tensor,
+        block_n: int | None = None,
+        num_warps: int = 4,
     ) -> Tensor:
         """out [M, N] = x2d [M, K] @ Wᵀ in one launch (M <= GEMV_MAX_ROWS; out may be a
-        column slice of a wider row-major output); `block_n` pins the tile (tests)."""
+        column slice of a wider row-major output); `block_n` and `num_warps` pin the launch
+        (tests, benchmarks/lab/gpu_gguf_gemv.py)."""
         m, k = x2d.shape
         _check_blocks(type_id, blocks, k)
         if m > GEMV_MAX_ROWS:
@@ -361,7 +367,7 @@ if HAS_TRITON:
             block_n = _GEMV_BLOCK_N[block_m] if x2d.is_cuda else INTERPRETER_BLOCK_N
         args = (x2d, blocks, out, m, n, x2d.stride(0), blocks.stride(0), out.stride(0))
         constants = {"K": k, "TYPE": type_id, "BLOCK_M": block_m, "BLOCK_N": block_n}
-        constants |= pdl_options(x2d)
+        constants |= pdl_options(x2d) | {"num_warps": num_warps}
         launch_kernel(_gguf_gemv_kernel, (triton.cdiv(n, block_n),), *args, **constants)
         return out
 
