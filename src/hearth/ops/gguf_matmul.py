@@ -378,9 +378,11 @@ if HAS_TRITON:
         dtype: torch.dtype | None = None,
         ids: Tensor | None = None,
         out: Tensor | None = None,
+        block_n: int | None = None,
     ) -> Tensor:
         """The values of `blocks`' rows (rows `ids` if given) as [rows, k] in `dtype`, or
-        into `out` (rows of unit column stride, e.g. a slice of a larger scratch)."""
+        into `out` (rows of unit column stride, e.g. a slice of a larger scratch); `block_n`
+        pins the rows a program (tests)."""
         _check_blocks(type_id, blocks, k)
         rows = blocks.shape[0] if ids is None else ids.numel()
         if out is None:
@@ -389,7 +391,8 @@ if HAS_TRITON:
             raise ValueError(f"out must be [{rows}, {k}] with unit column stride")
         if rows == 0:
             return out
-        block_n = DEQUANTIZE_BLOCK_N if blocks.is_cuda else INTERPRETER_BLOCK_N
+        if block_n is None:
+            block_n = DEQUANTIZE_BLOCK_N if blocks.is_cuda else INTERPRETER_BLOCK_N
         indices = ids if ids is not None else blocks  # unread without INDEXED
         grid = (triton.cdiv(rows, block_n), triton.cdiv(k, STEP_VALUES))
         args = (blocks, indices, out, rows, blocks.stride(0), out.stride(0))
