@@ -239,10 +239,21 @@ if HAS_TRITON:
             else:
                 return d * q.to(tl.float32) + _half(base + 2, inside)
 
+    # Groups a step's tile has: [BLOCK_N, groups, 256 / groups] (Q2_K, Q3_K, Q6_K: 16 of 16).
+    GROUPS = {type_id: 16 if type_id in (10, 11, 14) else 8 for type_id in KERNEL_TYPES}
+
     @triton.jit
-    def _step_values(rows, ok, step, TYPE: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Values [step·256, step·256 + 256) of each row as fp32, [BLOCK_N, 256] (zero past K
-        and for masked rows). `rows`: [BLOCK_N, 1, 1] pointers to each row's bytes."""
+    def _step_columns(step, G: tl.constexpr):
+        """The columns of a step's tile, [G groups, 256 / G values] (value g·L + l)."""
+        L: tl.constexpr = 256 // G
+        return step * 256 + tl.arange(0, G)[:, None] * L + tl.arange(0, L)[None, :]
+
+    @triton.jit
+    def _step_values(rows, ok, step, TYPE: tl.constexpr, K: tl.constexpr):
+        """Values [step·256, step·256 + 256) of each row as fp32, [BLOCK_N, groups, values]
+        (`_step_columns`; zero past K and for masked rows). `rows`: [BLOCK_N, 1, 1] pointers
+        to each row's bytes. Kept in the decoder's 3-D shape: a reshape here cost a layout
+        conversion through shared memory at every step."""
         if TYPE == 10:
             values = _q2_k_step(rows, ok, step)
         elif TYPE == 11:
@@ -255,7 +266,7 @@ if HAS_TRITON:
             values = _q6_k_step(rows, ok, step)
         else:
             values = _small_step(rows, ok, step, TYPE, K // 32)
-        return tl.reshape(values, [BLOCK_N, 256])
+        return values
 
     @triton.jit
     def _gguf_gemv_kernel(
@@ -269,6 +280,7 @@ if HAS_TRITON:
         stride_om,
         K: tl.constexpr,
         TYPE: tl.constexpr,
+        G: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PDL: tl.constexpr,
@@ -281,15 +293,16 @@ if HAS_TRITON:
         wait_for_producer(PDL)
         m = tl.arange(0, BLOCK_M)
         m_ok = m < M
-        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        x_rows = (x_ptr + m.to(tl.int64) * stride_xm)[:, None, None, None]
+        x_ok = m_ok[:, None, None, None]
         STEPS: tl.constexpr = (K + 255) // 256
-        acc = tl.zeros([BLOCK_M, BLOCK_N, 256], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, G, 256 // G], tl.float32)
         for step in tl.range(STEPS):
-            w = _step_values(rows, ok, step, TYPE, K, BLOCK_N)
-            k = step * 256 + tl.arange(0, 256)
-            xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            acc += w[None, :, :] * xk.to(tl.float32)[:, None, :]
-        result = tl.sum(acc, axis=2)
+            w = _step_values(rows, ok, step, TYPE, K)
+            k = _step_columns(step, G)[None, None, :, :]
+            xk = tl.load(x_rows + k, mask=x_ok & (k < K), other=0.0)
+            acc += w[None, :, :, :] * xk.to(tl.float32)
+        result = tl.sum(tl.sum(acc, axis=3), axis=2)
         out_at = out_ptr + m[:, None] * stride_om + n[None, :]
         tl.store(out_at, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -303,6 +316,7 @@ if HAS_TRITON:
         stride_on,
         K: tl.constexpr,
         TYPE: tl.constexpr,
+        G: tl.constexpr,
         BLOCK_N: tl.constexpr,
         INDEXED: tl.constexpr,
     ):
@@ -313,15 +327,15 @@ if HAS_TRITON:
         n_ok = n < N
         source = tl.load(ids_ptr + n, mask=n_ok, other=0).to(tl.int64) if INDEXED else n
         rows = (w_ptr + source.to(tl.int64) * stride_wn)[:, None, None]
-        values = _step_values(rows, n_ok[:, None, None], step, TYPE, K, BLOCK_N)
-        k = step * 256 + tl.arange(0, 256)
-        out_at = out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :]
-        ok = n_ok[:, None] & (k < K)[None, :]
+        values = _step_values(rows, n_ok[:, None, None], step, TYPE, K)
+        k = _step_columns(step, G)[None, :, :]
+        out_at = out_ptr + n.to(tl.int64)[:, None, None] * stride_on + k
+        ok = n_ok[:, None, None] & (k < K)
         tl.store(out_at, values.to(out_ptr.dtype.element_ty), mask=ok)
 
     # The GEMV's rows per program by activation rows: its accumulator is
     # BLOCK_M x BLOCK_N x 256 fp32, kept at 8192 (64 registers a thread at 4 warps).
-    _GEMV_BLOCK_N = {1: 16, 2: 16, 4: 8}
+    _GEMV_BLOCK_N = {1: 16, 2: 8, 4: 4}
     # Triton's CPU interpreter (tests) pays ~10 ms a program: wide tiles, few programs.
     INTERPRETER_BLOCK_N = 128
     DEQUANTIZE_BLOCK_N = 16
@@ -366,7 +380,8 @@ if HAS_TRITON:
         if block_n is None:
             block_n = _GEMV_BLOCK_N[block_m] if x2d.is_cuda else INTERPRETER_BLOCK_N
         args = (x2d, blocks, out, m, n, x2d.stride(0), blocks.stride(0), out.stride(0))
-        constants = {"K": k, "TYPE": type_id, "BLOCK_M": block_m, "BLOCK_N": block_n}
+        constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id]}
+        constants |= {"BLOCK_M": block_m, "BLOCK_N": block_n}
         constants |= pdl_options(x2d) | {"num_warps": num_warps}
         launch_kernel(_gguf_gemv_kernel, (triton.cdiv(n, block_n),), *args, **constants)
         return out
@@ -396,6 +411,7 @@ if HAS_TRITON:
         indices = ids if ids is not None else blocks  # unread without INDEXED
         grid = (triton.cdiv(rows, block_n), triton.cdiv(k, STEP_VALUES))
         args = (blocks, indices, out, rows, blocks.stride(0), out.stride(0))
-        constants = {"K": k, "TYPE": type_id, "BLOCK_N": block_n, "INDEXED": ids is not None}
+        constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id], "BLOCK_N": block_n}
+        constants["INDEXED"] = ids is not None
         launch_kernel(_gguf_dequantize_kernel, grid, *args, **constants)
         return out
