@@ -481,7 +481,8 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
 
 def _gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
     """The GGUF block kernels of every type: the GEMV at 1, 2 and 4 rows as the GPU launches
-    it, the dequantize kernel to bf16 (prefill) and gathering rows (token tables)."""
+    it, the fused dot kernel at 16 and 32 rows (fp32 too), the dequantize kernel to bf16
+    (prefill) and gathering rows (token tables)."""
     bf16 = torch.bfloat16
     for type_id in gguf_matmul.KERNEL_TYPES:
         block = BLOCK_FORMATS[type_id]
@@ -491,6 +492,13 @@ def _gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 f"gguf gemv {block.name} M={rows}",
                 lambda b=blocks, t=type_id, m=rows, n=block_n: gguf_matmul.gguf_gemv_triton(
                     torch.randn(m, 512, dtype=bf16), t, b, torch.empty(m, 48, dtype=bf16), n
+                ),
+            )
+        for rows, dtype in ((9, bf16), (20, bf16), (20, torch.float32)):
+            yield (
+                f"gguf dot {block.name} M={rows} {dtype}",
+                lambda b=blocks, t=type_id, m=rows, d=dtype: gguf_matmul.gguf_dot_triton(
+                    torch.randn(m, 512, dtype=d), t, b, torch.empty(m, 48, dtype=d)
                 ),
             )
         for ids in (None, torch.tensor([3, 1])):

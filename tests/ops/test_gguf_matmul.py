@@ -75,10 +75,12 @@ def test_dequantize_kernel_is_the_gguf_package_bit_for_bit(type_id: int) -> None
 
 @pytest.mark.parametrize("type_id", TYPES, ids=[BLOCK_FORMATS[t].name for t in TYPES])
 def test_gemv_and_tiled_product_equal_fp64_on_the_gguf_weights(type_id: int) -> None:
-    """1..4 rows take the GEMV, 6 the dequantized tile and a GEMM; both within the bound."""
+    """1..4 rows take the GEMV, 6 and 20 the fused dot kernel (one and two blocks of 16 rows;
+    fp32 activations: an IEEE fp32 dot, exact weights), 40 the dequantized tile and a GEMM;
+    each within the bound."""
     blocks, weight = _weights(type_id)
-    x = torch.randn(6, _width(type_id), generator=torch.Generator().manual_seed(type_id))
-    for rows in (1, 3, 6):
+    x = torch.randn(40, _width(type_id), generator=torch.Generator().manual_seed(type_id))
+    for rows in (1, 3, 6, 20, 40):
         y = gm.gguf_linear(x[:rows].to(DEVICE), [(type_id, blocks)], ROWS)
         assert y.shape == (rows, ROWS) and y.dtype == torch.float32
         _assert_within_sum_bound(y, x[:rows], weight)
@@ -86,11 +88,10 @@ def test_gemv_and_tiled_product_equal_fp64_on_the_gguf_weights(type_id: int) -> 
     _assert_within_sum_bound(reference, x, weight)
 
 
-@pytest.mark.parametrize("rows", [2, 7])
+@pytest.mark.parametrize("rows", [2, 7, 40])
 def test_a_stack_of_parts_of_different_types_is_one_product(rows: int) -> None:
     """A q/k/v-like stack (Q4_K, Q4_K, Q6_K as a Q4_K_M file mixes them) into one output, by
-    the GEMV into column slices and by one dequantized scratch; and a tiled head whose rows
-    take several tiles (TILE_BYTES shrunk for the test)."""
+    the GEMV and the dot kernel into column slices and by one dequantized scratch."""
     parts = [_weights(12, 16, seed=1), _weights(12, 8, seed=2), _weights(14, 8, seed=3)]
     weight = torch.cat([values for _, values in parts])
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -104,15 +105,16 @@ def test_a_head_larger_than_a_tile_is_computed_a_tile_at_a_time(
 ) -> None:
     blocks, weight = _weights(14, rows=40, seed=4)
     monkeypatch.setattr(gm, "TILE_BYTES", 12 * 512 * 4)  # 12 rows of fp32: four tiles
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(gm.DOT_MAX_ROWS + 1, 512, generator=torch.Generator().manual_seed(5))
     _assert_within_sum_bound(gm.gguf_linear(x.to(DEVICE), [(14, blocks)], 40), x, weight)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 rounding: the GPU's (see top)")
 @pytest.mark.parametrize("type_id", TYPES, ids=[BLOCK_FORMATS[t].name for t in TYPES])
 def test_cuda_bf16_activations(type_id: int) -> None:
-    """bf16 x: the GEMV's fp32 sums rounded once to bf16; the prefill's weights are the exact
-    values rounded to bf16 (what HF computes with on a bf16 load), its GEMM cuBLAS's."""
+    """bf16 x: the GEMV's fp32 sums rounded once to bf16; the dot kernel's and the prefill's
+    weights are the exact values rounded to bf16 (what HF computes with on a bf16 load), their
+    sums fp32 (tensor cores, cuBLAS): the bound on those weights, plus the output rounding."""
     blocks, weight = _weights(type_id)
     x = torch.randn(6, _width(type_id), generator=torch.Generator().manual_seed(1)).bfloat16()
     y = gm.gguf_linear(x[:2].cuda(), [(type_id, blocks)], ROWS).float().cpu()
@@ -122,6 +124,14 @@ def test_cuda_bf16_activations(type_id: int) -> None:
     assert bool(((y.double() - exact).abs() <= allowed).all())
     values = gm.gguf_dequantize_triton(type_id, blocks, _width(type_id), torch.bfloat16)
     assert torch.equal(values.cpu(), weight.bfloat16())
+    rounded = weight.bfloat16().float()
+    x = torch.randn(40, _width(type_id), generator=torch.Generator().manual_seed(2)).bfloat16()
+    for rows in (6, 20, 40):
+        y = gm.gguf_linear(x[:rows].cuda(), [(type_id, blocks)], ROWS).float().cpu()
+        exact = x[:rows].double() @ rounded.double().T
+        summed = _bound(x[:rows].float(), rounded)
+        allowed = summed + 2.0**-8 * (exact.abs() + summed)
+        assert bool(((y.double() - exact).abs() <= allowed).all()), rows
 
 
 def test_bad_operands_are_refused_by_name() -> None:

@@ -13,6 +13,11 @@ offset, which an FMA contraction leaves the same: the kernels see the file's wei
   rows and all of K, accumulating ``x * w`` in fp32 per (row, column) and summing once at the
   end; the output is rounded once to the activations' dtype. No split of K, no host sync:
   CUDA graphs capture it.
+* **Dot** (5..32 rows: batched decode, short prompts): each program decodes a step of
+  ``BLOCK_N`` rows, rounds it to the activations' dtype (bf16, as the prefill below) and feeds
+  it to a tensor-core `tl.dot` against 16 or 32 activation rows (64 spilled registers in
+  ptxas's report); fp32 sums. fp32 activations
+  take an IEEE fp32 dot (no TF32), so their weights stay exact.
 * **Dequantize** (prefill, more rows): a step of rows decoded to the activations' dtype (bf16:
   what HF transformers itself computes with when it loads a GGUF in bf16) into a scratch tile,
   then cuBLAS multiplies; a tile of rows at a time bounds the scratch for a large head.
@@ -36,8 +41,11 @@ from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
 # GGML type ids the Triton kernels decode: every type of `BLOCK_FORMATS` (Q4_0, Q4_1, Q5_0,
 # Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 KERNEL_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
-# Rows of activations the GEMV takes; more are a dequantized tile and cuBLAS.
+# Rows of activations the GEMV takes; up to DOT_MAX_ROWS the fused dequantize-and-dot kernel
+# (batched decode, short prompts: the blocks read once, no scratch); more are a dequantized
+# tile and cuBLAS.
 GEMV_MAX_ROWS = 4
+DOT_MAX_ROWS = 32
 # Values one step of a kernel decodes per weight row.
 STEP_VALUES = 256
 # Scratch a prefill dequantizes at a time (bytes of the activations' dtype): a whole layer's
@@ -67,14 +75,16 @@ def gguf_rows_reference(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.
 
 def gguf_linear(x2d: Tensor, parts: Sequence[tuple[int, Tensor]], out_features: int) -> Tensor:
     """x2d [M, K] @ Wᵀ, W the parts' (type id, blocks) stacked along the output dim
-    in order: a GEMV per part for few rows, else the parts dequantized to x's dtype in tiles
-    of at most TILE_BYTES and cuBLAS. Output in x's dtype."""
+    in order: a GEMV per part for few rows, the fused dequantize-and-dot kernel per part for
+    up to DOT_MAX_ROWS, else the parts dequantized to x's dtype in tiles of at most TILE_BYTES
+    and cuBLAS. Output in x's dtype."""
     m, k = x2d.shape
     y = torch.empty(m, out_features, dtype=x2d.dtype, device=x2d.device)
-    if m <= GEMV_MAX_ROWS:
+    if m <= DOT_MAX_ROWS:
+        product = gguf_gemv_triton if m <= GEMV_MAX_ROWS else gguf_dot_triton
         first = 0
         for type_id, blocks in parts:
-            gguf_gemv_triton(x2d, type_id, blocks, y[:, first : first + blocks.shape[0]])
+            product(x2d, type_id, blocks, y[:, first : first + blocks.shape[0]])
             first += blocks.shape[0]
         return y
     tile = max(1, TILE_BYTES // (k * x2d.element_size()))
@@ -307,6 +317,45 @@ if HAS_TRITON:
         tl.store(out_at, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
+    def _gguf_dot_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        K: tl.constexpr,
+        TYPE: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """out[m, n] = sum_k x[m, k] w[n, k], w decoded a step at a time and rounded to x's
+        dtype, multiplied by `tl.dot`; grid (blocks of N, blocks of M)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = (w_ptr + n.to(tl.int64) * stride_wn)[:, None, None]
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        STEPS: tl.constexpr = (K + 255) // 256
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for step in tl.range(STEPS):
+            values = _step_values(rows, n_ok[:, None, None], step, TYPE, K)
+            w = tl.reshape(values, [BLOCK_N, 256]).to(x_ptr.dtype.element_ty)
+            k = step * 256 + tl.arange(0, 256)
+            xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(xk, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xk, tl.trans(w), acc)
+        out_at = out_ptr + m[:, None] * stride_om + n[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _gguf_dequantize_kernel(
         w_ptr,
         ids_ptr,
@@ -384,6 +433,34 @@ if HAS_TRITON:
         constants |= {"BLOCK_M": block_m, "BLOCK_N": block_n}
         constants |= pdl_options(x2d) | {"num_warps": num_warps}
         launch_kernel(_gguf_gemv_kernel, (triton.cdiv(n, block_n),), *args, **constants)
+        return out
+
+    DOT_BLOCK_N = 32
+
+    def gguf_dot_triton(
+        x2d: Tensor,
+        type_id: int,
+        blocks: Tensor,
+        out: Tensor,
+        block_n: int = DOT_BLOCK_N,
+        num_warps: int | None = None,
+    ) -> Tensor:
+        """out [M, N] = x2d [M, K] @ Wᵀ by the fused kernel (any M; the dispatcher gives it
+        5..DOT_MAX_ROWS); `block_n` and `num_warps` pin the launch (default: 4 warps for 16
+        rows, 8 for 32, where 4 spilled registers in ptxas's report)."""
+        m, k = x2d.shape
+        _check_blocks(type_id, blocks, k)
+        n = blocks.shape[0]
+        if out.shape != (m, n) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{m}, {n}] with unit column stride")
+        x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+        block_m = min(32, max(16, triton.next_power_of_2(m)))  # tl.dot takes 16 rows or more
+        num_warps = num_warps or (4 if block_m == 16 else 8)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        args = (x2d, blocks, out, m, n, x2d.stride(0), blocks.stride(0), out.stride(0))
+        constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id], "BLOCK_M": block_m}
+        constants |= {"BLOCK_N": block_n, "IEEE": x2d.dtype == torch.float32}
+        launch_kernel(_gguf_dot_kernel, grid, *args, **constants, num_warps=num_warps)
         return out
 
     def gguf_dequantize_triton(
