@@ -67,7 +67,7 @@ media)
   ;;
 gguf)
   stage 240 gguf-tests python -m pytest -q -p no:cacheprovider tests/ops/test_gguf_matmul.py tests/models/test_gguf_kernel_path.py
-  stage 300 gguf-gemv python benchmarks/lab/gpu_gguf_gemv.py --types "${GGUF_KERNEL_TYPES:-Q4_K,Q6_K,Q8_0,Q4_0}"
+  stage 400 gguf-gemv python benchmarks/lab/gpu_gguf_gemv.py --types "${GGUF_KERNEL_TYPES:-Q4_K,Q6_K}"
   ;;
 gguf-bench)
   for type in ${GGUF_TYPES:-Q4_K_M}; do

@@ -1,6 +1,7 @@
 """The GGUF block kernels (`hearth.ops.gguf_matmul`) at Gemma 3 12B's decode shapes, on a GPU.
 
-Per block type and shape: the GEMV at one row for each launch (rows a program, warps), timed
+Per block type and shape: the GEMV at one row for each launch (rows a program, warps, K
+slices, loop stages; `default` is the launch `gguf_gemv_triton` picks itself), timed
 as decode runs it (back-to-back calls on distinct weights, together past L2, in a CUDA graph),
 in µs and its share of the device's copy bandwidth over the bytes it reads (the blocks); beside
 it cuBLAS's bf16 GEMV of the same shape (2 bytes a weight). Each launch is first checked against
@@ -19,6 +20,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -99,8 +101,29 @@ def checked(x: torch.Tensor, type_id: int, blocks: torch.Tensor, y: torch.Tensor
     return "ok" if bool(((y.double() - exact).abs() <= allowed).all()) else "WRONG"
 
 
-def sweep_shape(name: str, n: int, k: int, label: str, bandwidth: float, every: list[str]) -> str:
+def launches(k: int, args: argparse.Namespace) -> list[dict]:
+    """The launches to time at K: the default (empty), then the grid of the options given."""
+    found: list[dict] = [{}]
+    grid = itertools.product(
+        _ints(args.rows), _ints(args.warps), _ints(args.splits), _ints(args.stages)
+    )
+    for rows, warps, split, stages in grid:
+        if rows * 256 // (32 * warps) > 128 or k // 256 < 2 * split:
+            continue  # the accumulator alone past 128 registers a thread; slices of one step
+        found.append({"block_n": rows, "num_warps": warps, "split_k": split})
+        found[-1]["loop_stages"] = stages
+    return found
+
+
+def _ints(text: str) -> list[int]:
+    return [int(value) for value in text.split(",")]
+
+
+def sweep_shape(
+    name: str, shape: tuple[int, int, str], bandwidth: float, every: list[str], args: Any
+) -> str:
     """Time every launch of the GEMV at one shape; the summary row of the fastest."""
+    n, k, label = shape
     type_id = TYPE_IDS[name]
     block = BLOCK_FORMATS[type_id]
     moved = n * k // block.values * block.nbytes
@@ -109,10 +132,7 @@ def sweep_shape(name: str, n: int, k: int, label: str, bandwidth: float, every: 
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     outs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for _ in weights]
     results = []
-    for rows, warps in itertools.product((4, 8, 16, 32), (2, 4, 8)):
-        if rows * 256 // (32 * warps) > 128:
-            continue  # the accumulator alone would take over 128 registers a thread
-        launch = {"block_n": rows, "num_warps": warps}
+    for launch in launches(k, args):
         calls = [
             partial(gm.gguf_gemv_triton, x, type_id, w, o, **launch)
             for w, o in zip(weights, outs, strict=True)
@@ -121,16 +141,16 @@ def sweep_shape(name: str, n: int, k: int, label: str, bandwidth: float, every: 
         check = checked(x, type_id, weights[0], outs[0]) if n <= 65536 else "-"
         micros = time_graph(calls)
         share = moved / (micros * 1e-6) / bandwidth * 100
-        results.append((micros, rows, warps))
-        every.append(
-            f"| {name} | {label} | {rows} | {warps} | {micros:.1f} | {share:.0f}% | {check} |"
-        )
-    micros, rows, warps = min(results)
+        described = ", ".join(f"{key} {value}" for key, value in launch.items()) or "default"
+        results.append((micros, described))
+        every.append(f"| {name} | {label} | {described} | {micros:.1f} | {share:.0f}% | {check} |")
+    default = results[0][0]
+    micros, described = min(results)
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     cublas = time_graph([partial(torch.nn.functional.linear, x, dense)])
     share = moved / (micros * 1e-6) / bandwidth * 100
-    launch = f"{rows}, {warps}"
-    return f"| {name} | {label} ({n}x{k}) | {launch} | {micros:.1f} | {share:.0f}% | {cublas:.1f} |"
+    row = f"| {name} | {label} ({n}x{k}) | {default:.1f} | {described} | {micros:.1f} | "
+    return row + f"{share:.0f}% | {cublas:.1f} |"
 
 
 def dequantize_row(name: str, bandwidth: float) -> str:
@@ -138,23 +158,26 @@ def dequantize_row(name: str, bandwidth: float) -> str:
     blocks = random_blocks(type_id, 30720, 3840)
     micros = time_graph([partial(gm.gguf_dequantize_triton, type_id, blocks, 3840, torch.bfloat16)])
     share = (blocks.numel() + 30720 * 3840 * 2) / (micros * 1e-6) / bandwidth * 100
-    return f"| {name} | dequantize 30720x3840 to bf16 | - | {micros:.1f} | {share:.0f}% | - |"
+    return f"| {name} | dequantize 30720x3840 to bf16 | {micros:.1f} | - | - | {share:.0f}% | - |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q5_0")
+    parser.add_argument("--types", default="Q4_K,Q6_K")
+    parser.add_argument("--rows", default="8,16", help="rows a program, comma-separated")
+    parser.add_argument("--warps", default="4", help="warps a program, comma-separated")
+    parser.add_argument("--splits", default="1,2,4", help="K slices")
+    parser.add_argument("--stages", default="1,3", help="software-pipelined loop stages")
     parser.add_argument("--no-head", action="store_true")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     shapes = SHAPES[:-1] if args.no_head else SHAPES
-    lines = ["| type | shape | best launch (rows, warps) | µs | % of copy BW | cuBLAS bf16 µs |"]
-    lines.append("|---|---|---|---|---|---|")
-    every = ["| type | shape | rows | warps | µs | % of copy BW | check |"]
-    every.append("|---|---|---|---|---|---|---|")
+    lines = ["| type | shape | default µs | best launch | µs | % of copy BW | cuBLAS bf16 µs |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    every = ["| type | shape | launch | µs | % of copy BW | check |", "|---|---|---|---|---|---|"]
     for name in args.types.split(","):
-        for n, k, label in shapes:
-            lines.append(sweep_shape(name, n, k, label, bandwidth, every))
+        for shape in shapes:
+            lines.append(sweep_shape(name, shape, bandwidth, every, args))
             print(lines[-1], flush=True)
         lines.append(dequantize_row(name, bandwidth))
         print(lines[-1], flush=True)

@@ -481,8 +481,8 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
 
 def _gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
     """The GGUF block kernels of every type: the GEMV at 1, 2 and 4 rows as the GPU launches
-    it, the fused dot kernel at 16 and 32 rows (fp32 too), the dequantize kernel to bf16
-    (prefill) and gathering rows (token tables)."""
+    it (and split over K, software-pipelined), the fused dot kernel at 16 and 32 rows (fp32
+    too), the dequantize kernel to bf16 (prefill) and gathering rows (token tables)."""
     bf16 = torch.bfloat16
     for type_id in gguf_matmul.KERNEL_TYPES:
         block = BLOCK_FORMATS[type_id]
@@ -494,6 +494,18 @@ def _gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
                     torch.randn(m, 512, dtype=bf16), t, b, torch.empty(m, 48, dtype=bf16), n
                 ),
             )
+        yield (
+            f"gguf gemv {block.name} split in 4, 3 loop stages",
+            lambda b=blocks, t=type_id: gguf_matmul.gguf_gemv_triton(
+                torch.randn(1, 512, dtype=bf16),
+                t,
+                b,
+                torch.empty(1, 48, dtype=bf16),
+                16,
+                split_k=4,
+                loop_stages=3,
+            ),
+        )
         for rows, dtype in ((9, bf16), (20, bf16), (20, torch.float32)):
             yield (
                 f"gguf dot {block.name} M={rows} {dtype}",

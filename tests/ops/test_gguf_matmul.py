@@ -88,6 +88,23 @@ def test_gemv_and_tiled_product_equal_fp64_on_the_gguf_weights(type_id: int) -> 
     _assert_within_sum_bound(reference, x, weight)
 
 
+@pytest.mark.parametrize("type_id", [2, 12, 14], ids=["Q4_0", "Q4_K", "Q6_K"])
+def test_a_gemv_split_over_k_adds_its_slices(type_id: int) -> None:
+    """K split in 2 and 3 slices (the last one short, 5 steps of 256 values), several row
+    blocks: the last program of each row block adds the partials; the same bound. Twice in a
+    row, so the arrival counters must have been reset by the first."""
+    raw = random_blocks(type_id, ROWS, 1280, seed=9)
+    weight = torch.from_numpy(
+        np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id)))
+    )
+    blocks = torch.from_numpy(raw).to(DEVICE)
+    x = torch.randn(3, 1280, generator=torch.Generator().manual_seed(3))
+    for split in (2, 3, 3):
+        y = torch.empty(3, ROWS, device=DEVICE)
+        gm.gguf_gemv_triton(x.to(DEVICE), type_id, blocks, y, block_n=8, split_k=split)
+        _assert_within_sum_bound(y, x, weight)
+
+
 @pytest.mark.parametrize("rows", [2, 7, 40])
 def test_a_stack_of_parts_of_different_types_is_one_product(rows: int) -> None:
     """A q/k/v-like stack (Q4_K, Q4_K, Q6_K as a Q4_K_M file mixes them) into one output, by

@@ -28,6 +28,7 @@ Every type of `hearth.quant.gguf_blocks.BLOCK_FORMATS` has a kernel (`KERNEL_TYP
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -283,6 +284,8 @@ if HAS_TRITON:
         x_ptr,
         w_ptr,
         out_ptr,
+        partial_ptr,
+        counter_ptr,
         M,
         N,
         stride_xm,
@@ -294,27 +297,52 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PDL: tl.constexpr,
+        SPLIT_K: tl.constexpr = 1,
+        LOOP_STAGES: tl.constexpr = 1,
     ):
-        """out[m, n] = sum_k x[m, k] w[n, k]; one program per BLOCK_N weight rows, all of K."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        """out[m, n] = sum_k x[m, k] w[n, k]; grid (blocks of BLOCK_N weight rows, SPLIT_K
+        slices of K's steps). A split's last program to arrive adds the slices' fp32 partials
+        in slice order (deterministic, no float atomics) and resets its counter."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         rows = (w_ptr + n.to(tl.int64) * stride_wn)[:, None, None]
-        ok = n_ok[:, None, None]
         wait_for_producer(PDL)
         m = tl.arange(0, BLOCK_M)
         m_ok = m < M
         x_rows = (x_ptr + m.to(tl.int64) * stride_xm)[:, None, None, None]
         x_ok = m_ok[:, None, None, None]
         STEPS: tl.constexpr = (K + 255) // 256
+        SLICE: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
         acc = tl.zeros([BLOCK_M, BLOCK_N, G, 256 // G], tl.float32)
-        for step in tl.range(STEPS):
+        for index in tl.range(SLICE, num_stages=LOOP_STAGES):
+            step = pid_k * SLICE + index
+            ok = n_ok[:, None, None] & (step < STEPS)
             w = _step_values(rows, ok, step, TYPE, K)
             k = _step_columns(step, G)[None, None, :, :]
             xk = tl.load(x_rows + k, mask=x_ok & (k < K), other=0.0)
             acc += w[None, :, :, :] * xk.to(tl.float32)
         result = tl.sum(tl.sum(acc, axis=3), axis=2)
         out_at = out_ptr + m[:, None] * stride_om + n[None, :]
-        tl.store(out_at, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            own = m[:, None].to(tl.int64) * N + n[None, :]
+            tl.store(partial_ptr + pid_k * M * N + own, result, mask=out_ok)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    # .cg reads L2, where the other programs' partials are, not a stale L1.
+                    total += tl.load(
+                        partial_ptr + split * M * N + own, mask=out_ok, other=0.0,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+                tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch / replay
 
     @triton.jit
     def _gguf_dot_kernel(
@@ -406,6 +434,30 @@ if HAS_TRITON:
                 f"got {blocks.dtype} {tuple(blocks.shape)}"
             )
 
+    # Split-K arrival counters, zero between launches (the last program resets its own).
+    _COUNTERS: dict[torch.device, Tensor] = {}
+
+    def _counters(device: torch.device, count: int) -> Tensor:
+        counters = _COUNTERS.get(device)
+        if counters is None or counters.numel() < count:
+            counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+            _COUNTERS[device] = counters
+        return counters
+
+    @functools.cache
+    def _multiprocessors(index: int) -> int:
+        return torch.cuda.get_device_properties(index).multi_processor_count
+
+    def gemv_split(n: int, k: int, block_n: int, multiprocessors: int) -> int:
+        """K slices for a GEMV: a program keeps one step of its rows' blocks in flight, so a
+        weight with few rows (o, down: 3840 of 12B) has too few bytes in flight over the GPU
+        unless K is split; split until there are four programs an SM, each slice two steps
+        or more, at most 8 slices."""
+        programs, steps, split = triton.cdiv(n, block_n), triton.cdiv(k, STEP_VALUES), 1
+        while split < 8 and programs * split < 4 * multiprocessors and steps >= 4 * split:
+            split *= 2
+        return split
+
     def gguf_gemv_triton(
         x2d: Tensor,
         type_id: int,
@@ -413,10 +465,12 @@ if HAS_TRITON:
         out: Tensor,
         block_n: int | None = None,
         num_warps: int = 4,
+        split_k: int | None = None,
+        loop_stages: int = 1,
     ) -> Tensor:
         """out [M, N] = x2d [M, K] @ Wᵀ in one launch (M <= GEMV_MAX_ROWS; out may be a
-        column slice of a wider row-major output); `block_n` and `num_warps` pin the launch
-        (tests, benchmarks/lab/gpu_gguf_gemv.py)."""
+        column slice of a wider row-major output); `block_n`, `num_warps`, `split_k` and
+        `loop_stages` pin the launch (tests, benchmarks/lab/gpu_gguf_gemv.py)."""
         m, k = x2d.shape
         _check_blocks(type_id, blocks, k)
         if m > GEMV_MAX_ROWS:
@@ -428,11 +482,21 @@ if HAS_TRITON:
         block_m = triton.next_power_of_2(m)
         if block_n is None:
             block_n = _GEMV_BLOCK_N[block_m] if x2d.is_cuda else INTERPRETER_BLOCK_N
-        args = (x2d, blocks, out, m, n, x2d.stride(0), blocks.stride(0), out.stride(0))
+        if split_k is None:
+            units = _multiprocessors(x2d.device.index or 0) if x2d.is_cuda else 1
+            split_k = gemv_split(n, k, block_n, units) if x2d.is_cuda else 1
+        if split_k > 1:
+            partial = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
+            counters = _counters(x2d.device, triton.cdiv(n, block_n))
+        else:
+            partial = counters = out  # unread
+        args = (x2d, blocks, out, partial, counters, m, n)
+        args += (x2d.stride(0), blocks.stride(0), out.stride(0))
         constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id]}
-        constants |= {"BLOCK_M": block_m, "BLOCK_N": block_n}
-        constants |= pdl_options(x2d) | {"num_warps": num_warps}
-        launch_kernel(_gguf_gemv_kernel, (triton.cdiv(n, block_n),), *args, **constants)
+        constants |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k}
+        constants |= {"LOOP_STAGES": loop_stages, "num_warps": num_warps} | pdl_options(x2d)
+        grid = (triton.cdiv(n, block_n), split_k)
+        launch_kernel(_gguf_gemv_kernel, grid, *args, **constants)
         return out
 
     DOT_BLOCK_N = 32
