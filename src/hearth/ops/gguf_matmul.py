@@ -419,9 +419,11 @@ if HAS_TRITON:
         ok = n_ok[:, None, None] & (k < K)
         tl.store(out_at, values.to(out_ptr.dtype.element_ty), mask=ok)
 
-    # The GEMV's rows per program by activation rows: its accumulator is
-    # BLOCK_M x BLOCK_N x 256 fp32, kept at 8192 (64 registers a thread at 4 warps).
-    _GEMV_BLOCK_N = {1: 16, 2: 8, 4: 4}
+    # The GEMV's rows per program by activation rows, from its sm_90 SASS
+    # (benchmarks/lab/inspect_gguf_sass.py, results/gguf_gpu_sass-2026-12-07.md): fewer than
+    # 16 rows lost the byte loads' vectorization for Q4_K (4x the instructions a weight); 4
+    # activation rows at 16 spilled registers (Q6_K, Q8_0).
+    _GEMV_BLOCK_N = {1: 16, 2: 16, 4: 8}
     # Triton's CPU interpreter (tests) pays ~10 ms a program: wide tiles, few programs.
     INTERPRETER_BLOCK_N = 128
     DEQUANTIZE_BLOCK_N = 16
