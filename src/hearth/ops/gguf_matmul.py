@@ -8,16 +8,18 @@ a step of each of its rows to fp32 exactly as `gguf.quants.dequantize` does
 (an fp16 scale times a small integer code, times another small integer: at most 23
 significant bits), so the only rounding of a weight is its one subtraction or addition of an
 offset, which an FMA contraction leaves the same: the kernels see the file's weights bit for bit.
+Integer codes become floats by the exponent trick (`_code_value`), not a conversion per weight.
 
 * **GEMV** (1..4 rows: decode, a few speculative rows): each program owns ``BLOCK_N`` weight
-  rows and all of K, accumulating ``x * w`` in fp32 per (row, column) and summing once at the
-  end; the output is rounded once to the activations' dtype. No split of K, no host sync:
-  CUDA graphs capture it.
+  rows and a slice of K's steps, accumulating ``x * w`` in fp32 per (row, column) and summing
+  once at the end; the output is rounded once to the activations' dtype. A weight with few
+  rows (o, down) splits K so that enough bytes are in flight (`gemv_split`); the last program
+  of a row block to arrive adds the slices in order. No host sync: CUDA graphs capture it.
 * **Dot** (5..32 rows: batched decode, short prompts): each program decodes a step of
   ``BLOCK_N`` rows, rounds it to the activations' dtype (bf16, as the prefill below) and feeds
   it to a tensor-core `tl.dot` against 16 or 32 activation rows (64 spilled registers in
-  ptxas's report); fp32 sums. fp32 activations
-  take an IEEE fp32 dot (no TF32), so their weights stay exact.
+  ptxas's report); fp32 sums. fp32 activations take an IEEE fp32 dot (no TF32), so their
+  weights stay exact.
 * **Dequantize** (prefill, more rows): a step of rows decoded to the activations' dtype (bf16:
   what HF transformers itself computes with when it loads a GGUF in bf16) into a scratch tile,
   then cuBLAS multiplies; a tile of rows at a time bounds the scratch for a large head.
