@@ -487,7 +487,7 @@ def _gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
     for type_id in gguf_matmul.KERNEL_TYPES:
         block = BLOCK_FORMATS[type_id]
         blocks = torch.randint(0, 256, (48, 512 // block.values * block.nbytes), dtype=torch.uint8)
-        for rows, block_n in gguf_matmul._GEMV_BLOCK_N.items():
+        for rows, block_n in ((m, gguf_matmul.gemv_block_n(m, type_id)) for m in (1, 2, 4)):
             yield (
                 f"gguf gemv {block.name} M={rows}",
                 lambda b=blocks, t=type_id, m=rows, n=block_n: gguf_matmul.gguf_gemv_triton(

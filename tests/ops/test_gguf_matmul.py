@@ -155,6 +155,9 @@ def test_bad_operands_are_refused_by_name() -> None:
     blocks, _ = _weights(12)
     with pytest.raises(ValueError, match=r"Q4_K rows of 256 values are uint8 \[rows, 144\]"):
         gm.gguf_dequantize_triton(12, blocks, 256, torch.float32)
+    shifted = torch.empty(ROWS * 144 + 1, dtype=torch.uint8, device=DEVICE)[1:].view(ROWS, 144)
+    with pytest.raises(ValueError, match="Q4_K rows must start 4-byte aligned"):
+        gm.gguf_dequantize_triton(12, shifted, 256, torch.float32)
     with pytest.raises(ValueError, match="at most 4 rows"):
         x = torch.zeros(5, 512, device=DEVICE)
         gm.gguf_gemv_triton(x, 12, blocks, torch.empty(5, ROWS, device=DEVICE))

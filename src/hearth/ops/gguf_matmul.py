@@ -155,24 +155,37 @@ if HAS_TRITON:
         """256 values of each row (super-block `step`): [BLOCK_N, 8 sub-blocks, 32]."""
         base = rows + step * 144  # [BLOCK_N, 1, 1]
         s = tl.arange(0, 8)[None, :, None]
-        i = tl.arange(0, 32)[None, None, :]
         d = _half(base, ok)
         dmin = _half(base + 2, ok)
         scale, least = _k_scale_bytes(base, ok, s)
-        q = (tl.load(base + 16 + 32 * (s // 2) + i, mask=ok, other=0) >> (4 * (s % 2))) & 15
+        # The codes as 32-bit words (blocks and their codes are 16-byte aligned): value
+        # 4w + r of sub-block s is nibble 2r + s % 2 of word 8 (s // 2) + w.
+        w = tl.arange(0, 8)[None, None, :, None]
+        r = tl.arange(0, 4)[None, None, None, :]
+        s4 = s[:, :, :, None]
+        words = (base[:, :, :, None] + 16 + 32 * (s4 // 2) + 4 * w).to(tl.pointer_type(tl.int32))
+        q = (tl.load(words, mask=ok[:, :, :, None], other=0) >> (8 * r + 4 * (s4 % 2))) & 15
+        q = tl.reshape(q, [q.shape[0], 8, 32])
         return (d * scale) * _code_value(q, 0) - dmin * least
 
     @triton.jit
     def _q5_k_step(rows, ok, step):
+        """Q4_K's layout (codes at 48, as 32-bit words) and a fifth bit of value 32s + i,
+        bit s of qh[i] (qh at 16: bit 8r + s of word w for i = 4w + r)."""
         base = rows + step * 176
         s = tl.arange(0, 8)[None, :, None]
-        i = tl.arange(0, 32)[None, None, :]
         d = _half(base, ok)
         dmin = _half(base + 2, ok)
         scale, least = _k_scale_bytes(base, ok, s)
-        low = (tl.load(base + 48 + 32 * (s // 2) + i, mask=ok, other=0) >> (4 * (s % 2))) & 15
-        high = (tl.load(base + 16 + i, mask=ok, other=0) >> s) & 1
-        q = low | (high << 4)
+        w = tl.arange(0, 8)[None, None, :, None]
+        r = tl.arange(0, 4)[None, None, None, :]
+        s4 = s[:, :, :, None]
+        ok4 = ok[:, :, :, None]
+        codes = (base[:, :, :, None] + 48 + 32 * (s4 // 2) + 4 * w).to(tl.pointer_type(tl.int32))
+        low = (tl.load(codes, mask=ok4, other=0) >> (8 * r + 4 * (s4 % 2))) & 15
+        bits = (base[:, :, :, None] + 16 + 4 * w).to(tl.pointer_type(tl.int32))
+        high = (tl.load(bits, mask=ok4, other=0) >> (8 * r + s4)) & 1
+        q = tl.reshape(low | (high << 4), [base.shape[0], 8, 32])
         return (d * scale) * _code_value(q, 0) - dmin * least
 
     @triton.jit
@@ -421,11 +434,18 @@ if HAS_TRITON:
         ok = n_ok[:, None, None] & (k < K)
         tl.store(out_at, values.to(out_ptr.dtype.element_ty), mask=ok)
 
-    # The GEMV's rows per program by activation rows, from its sm_90 SASS
-    # (benchmarks/lab/inspect_gguf_sass.py, results/gguf_gpu_sass-2026-12-07.md): fewer than
-    # 16 rows lost the byte loads' vectorization for Q4_K (4x the instructions a weight); 4
-    # activation rows at 16 spilled registers (Q6_K, Q8_0).
-    _GEMV_BLOCK_N = {1: 16, 2: 16, 4: 8}
+    # Types whose codes the kernels read as 32-bit words (Q4_K, Q5_K: 16-byte-aligned blocks).
+    WORD_TYPES = (12, 13)
+    # Types whose GEMV at 4 activation rows takes 8 weight rows a program, not 16: at 16 it
+    # spilled registers (Q8_0, Q3_K, Q6_K) or filled all 255 (Q2_K) in the sm_90 SASS
+    # (benchmarks/lab/inspect_gguf_sass.py, results/gguf_gpu_sass-2026-12-07.md). Elsewhere
+    # 16: fewer lost the code loads' vectorization (up to 4x the instructions a weight).
+    _NARROW_AT_4_ROWS = (8, 10, 11, 14)
+
+    def gemv_block_n(block_m: int, type_id: int) -> int:
+        """Weight rows a GEMV program takes at `block_m` activation rows (a power of 2)."""
+        return 8 if block_m == 4 and type_id in _NARROW_AT_4_ROWS else 16
+
     # Triton's CPU interpreter (tests) pays ~10 ms a program: wide tiles, few programs.
     INTERPRETER_BLOCK_N = 128
     DEQUANTIZE_BLOCK_N = 16
@@ -446,6 +466,8 @@ if HAS_TRITON:
                 f"{k // block.values * block.nbytes}] with unit column stride, "
                 f"got {blocks.dtype} {tuple(blocks.shape)}"
             )
+        if type_id in WORD_TYPES and (blocks.data_ptr() % 4 or blocks.stride(0) % 4):
+            raise ValueError(f"{block.name} rows must start 4-byte aligned (read as words)")
 
     # Split-K arrival counters, zero between launches (the last program resets its own).
     _COUNTERS: dict[torch.device, Tensor] = {}
@@ -494,7 +516,7 @@ if HAS_TRITON:
         x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
         block_m = triton.next_power_of_2(m)
         if block_n is None:
-            block_n = _GEMV_BLOCK_N[block_m] if x2d.is_cuda else INTERPRETER_BLOCK_N
+            block_n = gemv_block_n(block_m, type_id) if x2d.is_cuda else INTERPRETER_BLOCK_N
         if split_k is None:
             units = _multiprocessors(x2d.device.index or 0) if x2d.is_cuda else 1
             split_k = gemv_split(n, k, block_n, units) if x2d.is_cuda else 1
