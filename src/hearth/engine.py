@@ -73,9 +73,8 @@ def resolve_precision(
         raise ValueError(FLOAT16_ON_CPU)
     if quantize == "auto":
         if checkpoint_format == "gguf" and device.type in ("cpu", "cuda"):
-            return dtype or (
-                torch.float32 if device.type == "cpu" else torch.bfloat16
-            ), STORED_BLOCKS
+            activations = torch.float32 if device.type == "cpu" else torch.bfloat16
+            return dtype or activations, STORED_BLOCKS
         quantize = "none"
     if quantize != "none":
         if dtype not in (None, torch.bfloat16):

@@ -188,9 +188,6 @@ class GGUFKernelTable(GGUFEmbeddingHead):
     head, if tied, is the table's block GEMV. Gemma 4's per-layer table takes it on a GPU too
     (lookups only)."""
 
-    def __init__(self, table: GGUFKernelLinear) -> None:
-        super().__init__(table)
-
     def embed(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         ((type_id, blocks),) = self.table.parts()
         return gguf_matmul.gguf_rows(ids, type_id, blocks, dtype)
