@@ -22,7 +22,7 @@ OUT=${OUT:-benchmarks/results/tmp}
 # Logs apart from the tables: the device returns at most 8 files from $OUT.
 LOGS=${LOGS:-$OUT}
 mkdir -p "$OUT" "$LOGS"
-export PYTHONPATH=$PWD/src:$PWD/.gpu/stub OUT
+export PYTHONPATH=$PWD/src:$PWD/.gpu/stub${PYTHONPATH:+:$PYTHONPATH} OUT  # and what the caller installed (e.g. /tmp/site)
 stage() {  # stage SECONDS NAME COMMAND...
   local limit=$1 name=$2; shift 2
   echo "=== $name"
