@@ -10,6 +10,10 @@
 #     (default .base/src: `git archive REV src | tar -x -C .base`, carried), bench alternating
 #   OUT=/tmp/out benchmarks/gpu_suite.sh concurrency  # aggregate decode at 1-64 streams
 #   OUT=/tmp/out benchmarks/gpu_suite.sh media        # image and audio prompts' first token vs HF
+#   OUT=/tmp/out benchmarks/gpu_suite.sh gguf         # GGUF block kernels' tests, then gguf-bench
+#   OUT=/tmp/out GGUF_TYPES="Q8_0 Q4_0" benchmarks/gpu_suite.sh gguf-bench  # random Gemma 3 12B
+#     GGUF files (default Q4_K_M) written on the device (needs the `gguf` package), `hearth bench`
+#   OUT=/tmp/out benchmarks/gpu_suite.sh gguf-sweep   # the GGUF GEMV's launches at 12B shapes
 # `--random` benches read text through the embedded model's tokenizer: on a machine without
 # its package, carry .gpu from `python benchmarks/device_tokenizer.py --out .gpu`.
 # Candidate kernels, sweeps, profiles and A/B runs live in benchmarks/lab/.
@@ -19,7 +23,7 @@ OUT=${OUT:-benchmarks/results/tmp}
 # Logs apart from the tables: the device returns at most 8 files from $OUT.
 LOGS=${LOGS:-$OUT}
 mkdir -p "$OUT" "$LOGS"
-export PYTHONPATH=$PWD/src:$PWD/.gpu/stub OUT
+export PYTHONPATH=$PWD/src:$PWD/.gpu/stub${PYTHONPATH:+:$PYTHONPATH} OUT  # and what the caller installed (e.g. /tmp/site)
 stage() {  # stage SECONDS NAME COMMAND...
   local limit=$1 name=$2; shift 2
   echo "=== $name"
@@ -62,11 +66,25 @@ media)
   stage 330 image-ttft python benchmarks/gpu_image_ttft.py --models e4b,31b
   stage 200 audio-ttft python benchmarks/gpu_audio_ttft.py --models e4b
   ;;
+gguf-sweep)
+  stage 420 gguf-gemv python benchmarks/lab/gpu_gguf_gemv.py --types "${GGUF_KERNEL_TYPES:-Q4_K,Q6_K}"
+  ;;
+gguf | gguf-bench)
+  if [ "$PART" = gguf ]; then
+    stage 240 gguf-tests python -m pytest -q -p no:cacheprovider tests/ops/test_gguf_matmul.py tests/models/test_gguf_kernel_path.py
+  fi
+  for type in ${GGUF_TYPES:-Q4_K_M}; do
+    file=${GGUF_DIR:-/tmp}/gemma3-12b-$type.gguf
+    stage 150 "write-$type" python benchmarks/write_random_gguf.py "$file" --type "$type"
+    stage 240 "bench-gguf-$type" python -m hearth.cli bench "$file" --contexts 512 --prefill 512,4096 --out "$OUT/bench-gguf-$type.md"
+    rm -f "$file"
+  done
+  ;;
 revisions)
   stage 580 revisions python benchmarks/ab_revisions.py --base "${BASE:-.base/src}" --new src --models "${MODELS:-gemma3-12b,e4b,26b-a4b}" --quant none,4bit --rounds "${ROUNDS:-1}" --out "$OUT/ab_revisions.md"
   ;;
 *)
-  echo "unknown part: $PART (headline, long, checks, concurrency, media, revisions)" >&2
+  echo "unknown part: $PART (headline, long, checks, concurrency, media, gguf, gguf-bench, gguf-sweep, revisions)" >&2
   exit 2
   ;;
 esac

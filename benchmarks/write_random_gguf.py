@@ -4,11 +4,12 @@ The tokenizer (262144 tokens) is copied from the embedded Gemma 3 270M, so the v
 is Gemma 3's; weights are drawn tensor by tensor (on a GPU when there is one), already in
 the stored type, and written as they come. Then time both engines on the same file:
 
-    python benchmarks/write_random_gguf.py /data/gemma3-12b-q4_0.gguf --type Q4_0
-    hearth bench /data/gemma3-12b-q4_0.gguf --contexts 512,8192 --prefill 512,4096
-    llama-bench -m /data/gemma3-12b-q4_0.gguf -ngl 99 -p 512,4096 -n 32 -d 0,8192
+    python benchmarks/write_random_gguf.py /data/gemma3-12b-q4_k_m.gguf --type Q4_K_M
+    hearth bench /data/gemma3-12b-q4_k_m.gguf --contexts 512,8192 --prefill 512,4096
+    llama-bench -m /data/gemma3-12b-q4_k_m.gguf -ngl 99 -p 512,4096 -n 32 -d 0,8192
 
-Sizes (12B): F16/BF16 23.5 GB, Q8_0 12.5 GB, Q4_0 6.6 GB.
+Q4_K_M is llama.cpp's mix (Q4_K, Q6_K for the head and some v/down projections). Sizes (12B):
+F16/BF16 23.5 GB, Q8_0 12.5 GB, Q4_0 6.6 GB, Q4_K_M ~7.3 GB.
 """
 
 from __future__ import annotations

@@ -74,8 +74,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["auto", "none", "int8", "int4"],
         default="auto",
-        help="how weights are held: auto keeps a GGUF file's blocks as stored on the CPU and "
-        "computes on them exactly (float32 unless --dtype bfloat16); int8/int4 re-quantize "
+        help="how weights are held: auto keeps a GGUF file's blocks as stored and computes on "
+        "them exactly (on the CPU in float32 unless --dtype bfloat16; on a GPU with bfloat16 "
+        "activations); int8/int4 re-quantize "
         "them to Hearth's own grid (CPU, bfloat16 compute; a second rounding); none "
         "dequantizes every tensor to --dtype",
     )

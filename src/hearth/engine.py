@@ -55,9 +55,10 @@ def resolve_precision(
 ) -> tuple[torch.dtype, str | None]:
     """The compute dtype and how a load holds the weights (None: as values in that dtype).
 
-    "auto": a GGUF file on the CPU keeps its quantized blocks as stored ("stored",
-    `hearth.layers.gguf`): every product sees the file's exact weights, in fp32 unless a dtype
-    is given; every other checkpoint keeps its values. "int8"/"int4" re-quantize the weights to
+    "auto": a GGUF file keeps its quantized blocks as stored ("stored", `hearth.layers.gguf`):
+    every product sees the file's exact weights, in fp32 on the CPU and bf16 activations on a
+    GPU unless a dtype is given ("none" dequantizes them to the dtype at load instead); every
+    other checkpoint keeps its values. "int8"/"int4" re-quantize the weights to
     Hearth's own grids (bf16 compute): an explicit opt-in, since that second rounding changes
     answers (mean KL 0.007 nats against fp32 on the 270M model, 7x bf16's). Without a dtype, a
     checkpoint computes in the dtype it is stored in (MLX-quantized ones in their scales' dtype;
@@ -71,8 +72,9 @@ def resolve_precision(
     if device.type == "cpu" and dtype == torch.float16:
         raise ValueError(FLOAT16_ON_CPU)
     if quantize == "auto":
-        if checkpoint_format == "gguf" and device.type == "cpu":
-            return dtype or torch.float32, STORED_BLOCKS
+        if checkpoint_format == "gguf" and device.type in ("cpu", "cuda"):
+            activations = torch.float32 if device.type == "cpu" else torch.bfloat16
+            return dtype or activations, STORED_BLOCKS
         quantize = "none"
     if quantize != "none":
         if dtype not in (None, torch.bfloat16):

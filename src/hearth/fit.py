@@ -195,7 +195,9 @@ def _loaded(
     compute_dtype, cpu_quant = resolve_precision(
         checkpoint.format, device, DTYPES.get(dtype or ""), quantize, checkpoint.stored_dtype
     )
-    sized = build_model(_MetaTensors(checkpoint), compute_dtype, "meta", False, cpu_quant)
+    # Sized under the target's plan: on a GPU the block kernels keep every table on blocks.
+    plan = ExecutionPlan.for_device(device)
+    sized = build_model(_MetaTensors(checkpoint), compute_dtype, "meta", False, cpu_quant, plan)
     if cpu_quant == STORED_BLOCKS:
         weights = "as-stored GGUF"
     elif cpu_quant is not None:

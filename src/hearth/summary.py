@@ -32,6 +32,7 @@ _KINDS = (
 # Module classes that hold a model's linear weights packed, and how to name them.
 _PACKED_KINDS = (
     ("GGUFLinear", "as-stored GGUF"),
+    ("GGUFKernelLinear", "as-stored GGUF"),
     ("MLXQuantizedLinear", "MLX-packed"),
     ("Int8Linear", "int8"),
     ("Int4Linear", "int4"),
@@ -121,8 +122,8 @@ def describe(path: str | Path) -> str:
 
 def _gguf_memory(storage: dict[str, tuple[tuple[int, ...], int, str]]) -> list[str]:
     """Per GGML type: its tensors and the bytes they take in memory on each device, as a
-    default load holds them. The CPU keeps the block types Hearth computes on as stored (the
-    file's bytes) and widens float tensors to fp32; a GPU dequantizes every tensor to bf16."""
+    default load holds them. Both keep the block types Hearth computes on as stored (the file's
+    bytes); the CPU widens float tensors to fp32, a GPU holds them in bf16."""
     from hearth.quant.gguf_blocks import BLOCK_FORMATS
 
     as_stored = {block.name for block in BLOCK_FORMATS.values()}
@@ -133,8 +134,10 @@ def _gguf_memory(storage: dict[str, tuple[tuple[int, ...], int, str]]) -> list[s
         row[0] += 1
         row[1] += nbytes
         row[2] += nbytes if type_name in as_stored else 4 * values
-        row[3] += 2 * values
-    lines = ["in memory by tensor type (CPU: blocks as stored, floats in fp32; GPU: bf16):"]
+        row[3] += nbytes if type_name in as_stored else 2 * values
+    lines = [
+        "in memory by tensor type (blocks as stored; floats in fp32 on the CPU, bf16 on a GPU):"
+    ]
     for type_name, (count, stored, cpu, gpu) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
         lines.append(
             f"  {type_name}: {count} tensors, {_bytes(stored)} stored; "

@@ -28,7 +28,9 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
         ("gguf", CPU, torch.bfloat16, "auto", (torch.bfloat16, "stored"), None),
         ("gguf", CPU, torch.float32, "auto", (torch.float32, "stored"), None),
         ("gguf", CPU, None, "int8", (torch.bfloat16, "int8"), None),
-        ("gguf", CUDA, None, "auto", (torch.bfloat16, None), None),
+        # On a GPU too, computed by the Triton block kernels in bf16; "none" dequantizes.
+        ("gguf", CUDA, None, "auto", (torch.bfloat16, "stored"), None),
+        ("gguf", CUDA, None, "none", (torch.bfloat16, None), None),
         ("safetensors", CPU, None, "auto", (torch.float32, None), torch.float32),
         ("safetensors", CPU, None, "int4", (torch.bfloat16, "int4"), None),
         ("gguf", CPU, None, "none", (torch.float32, None), None),

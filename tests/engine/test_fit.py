@@ -4,6 +4,7 @@ kind of checkpoint and conversion; its context and exit code against hand-derive
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 from hearth.cli import EXIT_USAGE, main
 from hearth.engine import Engine
 from hearth.fit import plan_fit
+from hearth.ops.plan import ExecutionPlan
 from test_gemma4_gguf import _write, files  # noqa: F401
 from test_mlx_checkpoints import _convert, _mixed_bits, _uneven_parts, tied, untied  # noqa: F401
 
@@ -102,6 +104,21 @@ def test_gemma4_gguf_weights_as_a_cpu_load_holds_them(
     for options in ({}, {"dtype": "float32"}):
         fit = plan_fit(path, context=64, memory_gb=100, device="cpu", **options)
         assert fit.weight_bytes == _loaded_weight_bytes(path, **options), options
+
+
+def test_a_gguf_file_on_a_gpu_is_sized_as_its_blocks(
+    files: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A GPU fit counts the blocks the Triton block kernels keep on the device, as a load
+    under a plan with those kernels holds them (here on the CPU; nothing runs)."""
+    _, directory, _ = files("ple_sharing_double_wide")
+    path = _write(directory, tmp_path / "ple.gguf", "Q8_0")
+    fit = plan_fit(path, context=64, memory_gb=100, device="cuda")
+    assert fit.weights == "as-stored GGUF" and fit.dtype == torch.bfloat16
+    plan = dataclasses.replace(ExecutionPlan.for_device("cpu"), gguf_block_kernels=True)
+    engine = Engine.load(path, device="cpu", dtype="bfloat16", progress=False, plan=plan)
+    assert fit.weight_bytes == engine.weight_bytes_per_token()
 
 
 @pytest.mark.parametrize("quant", ["bf16", "4bit"])

@@ -68,7 +68,8 @@ def test_describe_shows_each_gguf_type_in_memory_per_device(
     embedded_gguf: Path, embedded_gguf_reader: Any
 ) -> None:
     """Per GGML type, against the `gguf` package's reader: the stored bytes (what a default
-    CPU load keeps for block types; F32 stays 4 bytes a value) and 2 bytes a value on a GPU."""
+    load keeps for block types on either device); F32 stays 4 bytes a value on the CPU and takes
+    2 on a GPU (bf16)."""
     from collections import defaultdict
 
     stored: dict[str, int] = defaultdict(int)
@@ -80,9 +81,15 @@ def test_describe_shows_each_gguf_type_in_memory_per_device(
         values[name] += int(tensor.n_elements)
         counts[name] += 1
     text = describe(embedded_gguf)
-    assert "in memory by tensor type (CPU: blocks as stored, floats in fp32; GPU: bf16):" in text
-    for name in ("Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"):
+    heading = (
+        "in memory by tensor type (blocks as stored; floats in fp32 on the CPU, bf16 on a GPU):"
+    )
+    assert heading in text
+    for name in ("Q8_0", "Q5_0", "Q4_K", "Q6_K"):
         size = _bytes(stored[name])
-        line = f"  {name}: {counts[name]} tensors, {size} stored; CPU {size}, "
-        assert line + f"GPU {_bytes(2 * values[name])}" in text
-    assert f"  all: CPU {_bytes(sum(stored.values()))}, GPU " in text
+        assert f"  {name}: {counts[name]} tensors, {size} stored; CPU {size}, GPU {size}" in text
+    size = _bytes(stored["F32"])
+    halves = _bytes(2 * values["F32"])
+    assert f"  F32: {counts['F32']} tensors, {size} stored; CPU {size}, GPU {halves}" in text
+    gpu = sum(stored.values()) - stored["F32"] + 2 * values["F32"]
+    assert f"  all: CPU {_bytes(sum(stored.values()))}, GPU {_bytes(gpu)}" in text

@@ -37,6 +37,7 @@ from hearth.ops import (  # noqa: E402
     decode_attention,
     expert_plan,
     gemv,
+    gguf_matmul,
     grouped_matmul,
     kv_quantize,
     kv_write,
@@ -45,6 +46,7 @@ from hearth.ops import (  # noqa: E402
     router,
     slot_sum,
 )
+from hearth.quant.gguf_blocks import BLOCK_FORMATS  # noqa: E402
 from hearth.quant.kv_codecs import AffineCodec  # noqa: E402
 from hearth.quant.mlx import quantize_affine  # noqa: E402
 from hearth.quant.turbo import TurboCodec  # noqa: E402
@@ -474,6 +476,50 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         yield f"decode_attention {name} D=256 window", attention(4, 2, 256, 256, codec, 128)
     launch = decode_attention.LaunchConfig
     yield "decode_attention one split", attention(4, 2, 64, 256, None, config=launch(splits=1))
+    yield from _gguf_launches()
+
+
+def _gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
+    """The GGUF block kernels of every type: the GEMV at 1, 2 and 4 rows as the GPU launches
+    it (and split over K, software-pipelined), the fused dot kernel at 16 and 32 rows (fp32
+    too), the dequantize kernel to bf16 (prefill) and gathering rows (token tables)."""
+    bf16 = torch.bfloat16
+    for type_id in gguf_matmul.KERNEL_TYPES:
+        block = BLOCK_FORMATS[type_id]
+        blocks = torch.randint(0, 256, (48, 512 // block.values * block.nbytes), dtype=torch.uint8)
+        for rows, block_n in ((m, gguf_matmul.gemv_block_n(m, type_id)) for m in (1, 2, 4)):
+            yield (
+                f"gguf gemv {block.name} M={rows}",
+                lambda b=blocks, t=type_id, m=rows, n=block_n: gguf_matmul.gguf_gemv_triton(
+                    torch.randn(m, 512, dtype=bf16), t, b, torch.empty(m, 48, dtype=bf16), n
+                ),
+            )
+        yield (
+            f"gguf gemv {block.name} split in 4, 3 loop stages",
+            lambda b=blocks, t=type_id: gguf_matmul.gguf_gemv_triton(
+                torch.randn(1, 512, dtype=bf16),
+                t,
+                b,
+                torch.empty(1, 48, dtype=bf16),
+                16,
+                split_k=4,
+                loop_stages=3,
+            ),
+        )
+        for rows, dtype in ((9, bf16), (20, bf16), (20, torch.float32)):
+            yield (
+                f"gguf dot {block.name} M={rows} {dtype}",
+                lambda b=blocks, t=type_id, m=rows, d=dtype: gguf_matmul.gguf_dot_triton(
+                    torch.randn(m, 512, dtype=d), t, b, torch.empty(m, 48, dtype=d)
+                ),
+            )
+        for ids in (None, torch.tensor([3, 1])):
+            yield (
+                f"gguf dequantize {block.name} ids={ids is not None}",
+                lambda b=blocks, t=type_id, i=ids: gguf_matmul.gguf_dequantize_triton(
+                    t, b, 512, bf16, ids=i, block_n=gguf_matmul.DEQUANTIZE_BLOCK_N
+                ),
+            )
 
 
 # (N, K): Gemma 3 12B's gate/up, down and q projections, the tied head, and two small weights.

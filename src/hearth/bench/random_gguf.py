@@ -1,8 +1,10 @@
 """Random-weight Gemma 3 and Gemma 4 GGUF files at real shapes: Hearth and llama.cpp, one file.
 
 Each tensor is drawn when the writer reaches it, from its own seed, already in the stored
-type: F16/BF16 values from a normal draw, Q8_0/Q4_0/Q4_K blocks from random codes and random
-scales (nothing is quantized, so a 12B file costs only the draws and the disk). `values()`
+type: F16/BF16 values from a normal draw, Q8_0/Q4_0/Q4_K/Q6_K blocks from random codes and
+random scales (nothing is quantized, so a 12B file costs only the draws and the disk). Q4_K_M is
+llama.cpp's mix of that name: Q4_K, with Q6_K for the tied table (the head) and for `v_proj`
+and `down_proj` in the layers llama.cpp gives more bits (`q4_k_m_type`). `values()`
 gives the float32 tensor a reader must get back from those bytes, for round-trip checks.
 The vocabulary and tokenizer come from another GGUF file (the embedded model's by default).
 """
@@ -27,10 +29,12 @@ from hearth.config import (
     parse_config,
 )
 
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K")
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M")
 BLOCK = 32  # values per Q8_0 / Q4_0 block
 # Q4_K: 256 values in 144 bytes (fp16 d and dmin, 12 bytes of 6-bit scales and mins, nibbles).
 K_BLOCK, Q4_K_BYTES = 256, 144
+# Q6_K: 256 values in 210 bytes (low nibbles, 2 high bits each, 16 int8 scales, fp16 d).
+Q6_K_BYTES = 210
 WEIGHT_STD = 0.02
 # Standard deviation of a uniform code: int8 over [-127, 127], a nibble over [0, 15].
 _CODE_STD = {"Q8_0": (255**2 - 1) ** 0.5 / 12**0.5, "Q4_0": (16**2 - 1) ** 0.5 / 12**0.5}
@@ -68,6 +72,8 @@ class RandomTensor:
         *rows, columns = self.shape
         if self.ggml_type == "Q4_K":
             return {"blocks": self._q4_k_blocks(gen)}
+        if self.ggml_type == "Q6_K":
+            return {"blocks": self._q6_k_blocks(gen)}
         blocks = (*rows, columns // BLOCK)
         scale = WEIGHT_STD / _CODE_STD[self.ggml_type]
         scales = ((torch.rand(blocks, generator=gen, device=device) + 0.5) * scale).half()
@@ -87,6 +93,19 @@ class RandomTensor:
         d = torch.full(shape[:-1], WEIGHT_STD / 32 / 4.6, dtype=torch.float16, device=self.device)
         blocks[..., 0:2] = d[..., None].view(torch.uint8)
         blocks[..., 2:4] = (d * 7.5)[..., None].view(torch.uint8)
+        return blocks
+
+    def _q6_k_blocks(self, gen: torch.Generator) -> torch.Tensor:
+        """Random Q6_K blocks [rows, blocks, 210]: random 6-bit codes, int8 scales in [1, 8]
+        and d set so that values spread about WEIGHT_STD around zero (q - 32 ~ 18.5, scale
+        ~ 4.5 on average: d stays a normal fp16)."""
+        *rows, columns = self.shape
+        shape = (*rows, columns // K_BLOCK, Q6_K_BYTES)
+        blocks = torch.randint(0, 256, shape, generator=gen, device=self.device, dtype=torch.uint8)
+        scales = torch.randint(1, 9, (*shape[:-1], 16), generator=gen, device=self.device)
+        blocks[..., 192:208] = scales.to(torch.uint8)
+        d = torch.full(shape[:-1], WEIGHT_STD / 18.5 / 4.5, dtype=torch.float16, device=self.device)
+        blocks[..., 208:210] = d[..., None].view(torch.uint8)
         return blocks
 
     def encode(self) -> np.ndarray:
@@ -119,7 +138,7 @@ class RandomTensor:
             import gguf
 
             stored = self.encode()
-            values = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType.Q4_K)
+            values = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[self.ggml_type])
             return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape)
         codes = parts["codes"].float()
         if self.ggml_type == "Q4_0":
@@ -184,20 +203,40 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return gemma3_tensor_shapes(config)
 
 
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third
+    in between, whose v and down projections a Q4_K_M file keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The type llama.cpp's Q4_K_M gives a matrix: Q6_K for the head (the tied table) and for
+    `v_proj`/`down_proj` (experts too) in `_more_bits` layers, Q4_K elsewhere."""
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return "Q6_K"
+    if name.startswith("layers.") and ("v_proj" in name or "down_proj" in name):
+        layer = int(name.split(".")[1])
+        return "Q6_K" if _more_bits(layer, layers) else "Q4_K"
+    return "Q4_K"
+
+
 def random_tensors(
     config: ModelConfig, ggml_type: str, seed: int = 0, device: str = "cpu"
 ) -> list[RandomTensor]:
     """The tensors of a random model: 1-D tensors F32, the rest in `ggml_type` (F16 for rows
-    that do not split into 32-value blocks, as llama.cpp's converter falls back)."""
+    that do not split into 32-value blocks, as llama.cpp's converter falls back; rows that do
+    not split into 256-value k-quant blocks take Q8_0)."""
     if ggml_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {ggml_type!r} (choose from {', '.join(GGUF_TYPES)})")
     norm_shift = 1.0 if isinstance(config, Gemma3Config) else 0.0
     tensors = []
     for index, (name, shape) in enumerate(tensor_shapes(config).items()):
         kind = "F32" if len(shape) == 1 else ggml_type
+        if kind == "Q4_K_M":
+            kind = q4_k_m_type(name, config.num_hidden_layers)
         if kind in ("Q8_0", "Q4_0") and shape[-1] % BLOCK:
             kind = "F16"
-        if kind == "Q4_K" and shape[-1] % K_BLOCK:
+        if kind in ("Q4_K", "Q6_K") and shape[-1] % K_BLOCK:
             kind = "Q8_0" if shape[-1] % BLOCK == 0 else "F16"  # as llama.cpp falls back
         shift = norm_shift if name.endswith("norm.weight") else 0.0
         tensors.append(RandomTensor(name, shape, kind, seed * 1_000_003 + index, device, shift))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from hearth.ops import native
+from hearth.ops import gguf_matmul, native
 from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
 
 # A prefill dequantizes this many fp32 bytes of weight rows at a time: a tile that stays in the
@@ -168,3 +168,26 @@ class GGUFLookupTable(nn.Module):
     def extra_repr(self) -> str:
         name = BLOCK_FORMATS[self.type_id].name
         return f"rows={self.rows.shape[0]}, width={self.width}, type={name} (mapped)"
+
+
+class GGUFKernelLinear(GGUFLinear):
+    """A `GGUFLinear` computed by the Triton block kernels (`hearth.ops.gguf_matmul`), which the
+    plan picks on CUDA (`ExecutionPlan.gguf_block_kernels`): the block GEMV at a decode step,
+    tiles dequantized to the activations' dtype and cuBLAS at a prefill. Activations keep their
+    dtype (bf16 on a GPU); sums are fp32."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        y = gguf_matmul.gguf_linear(x2d, self.parts(), self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class GGUFKernelTable(GGUFEmbeddingHead):
+    """A token table on blocks (`GGUFKernelLinear`): lookups decode the picked rows in one
+    kernel that reads the ids on the device (no host sync, so CUDA graphs capture it); the
+    head, if tied, is the table's block GEMV. Gemma 4's per-layer table takes it on a GPU too
+    (lookups only)."""
+
+    def embed(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        ((type_id, blocks),) = self.table.parts()
+        return gguf_matmul.gguf_rows(ids, type_id, blocks, dtype)

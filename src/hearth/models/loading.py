@@ -21,7 +21,13 @@ from hearth.errors import CheckpointError
 from hearth.layers.affine import MLXQuantizedEmbedding, MLXQuantizedExperts, MLXQuantizedLinear
 from hearth.layers.embedding import Embedding
 from hearth.layers.experts import Experts
-from hearth.layers.gguf import GGUFEmbeddingHead, GGUFLinear, GGUFLookupTable
+from hearth.layers.gguf import (
+    GGUFEmbeddingHead,
+    GGUFKernelLinear,
+    GGUFKernelTable,
+    GGUFLinear,
+    GGUFLookupTable,
+)
 from hearth.layers.int8 import (
     QUANT_MODES,
     Int4Linear,
@@ -66,9 +72,10 @@ def build_model(
     expected = _expected_shapes(model)
     names = [name for name in checkpoint.tensor_names() if not _is_tied_head(name, config)]
     packed_modules = quantization.quantized_modules(names) if quantization else set()
+    plan = plan or ExecutionPlan.for_device(device)
     streamed: _StreamedQuantization | _StoredBlockWeights | None = None
     if quantize == STORED_BLOCKS:
-        streamed = _StoredBlockWeights(model, checkpoint, torch.device(device))
+        streamed = _StoredBlockWeights(model, checkpoint, torch.device(device), plan)
     elif quantize is not None:
         streamed = _StreamedQuantization(model, quantize, checkpoint)
     in_file = streamed.in_file if streamed is not None else frozenset()
@@ -113,7 +120,6 @@ def build_model(
     model.load_state_dict(_state_dict(model, loaded), assign=True, strict=True)
     loaded.clear()  # the model holds the tensors now: each can be freed once replaced below
     model = model.to(device).eval()
-    plan = plan or ExecutionPlan.for_device(model.device)
     if plan.huge_pages:
         # Every decode step streams these: huge pages spare the TLB misses (opt-in, see there).
         huge_pages.move_into_huge_pages(
@@ -143,7 +149,7 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # Modules that the loader builds whole; their tensors join the state dict as they are.
 _INSTALLED_MODULES = (
-    GGUFLinear,
+    GGUFLinear,  # GGUFKernelLinear and GGUFKernelTable too: subclasses
     GGUFEmbeddingHead,
     GGUFLookupTable,
     MLXQuantizedLinear,
@@ -389,12 +395,21 @@ class _StoredBlockWeights:
     all of a block type `hearth.quant.gguf_blocks` knows (and the tied table) keeps its blocks,
     copied out of the file once; Gemma 4's per-layer table stays in the file's memory map.
     Float tensors (F32/F16/BF16) load as values; the loader never reads the kept ones.
+    Under a plan with `gguf_block_kernels` (CUDA) the blocks go to `device` as they are read,
+    the layers are the Triton kernels' (`GGUFKernelLinear`), and the per-layer table is
+    copied to the device too (a lookup reads the ids where they are: no sync).
     """
 
-    def __init__(self, model: Model, checkpoint: Checkpoint, device: torch.device) -> None:
+    def __init__(
+        self, model: Model, checkpoint: Checkpoint, device: torch.device, plan: ExecutionPlan
+    ) -> None:
         if getattr(checkpoint, "stored_blocks", None) is None:
             raise ValueError(f"{checkpoint.path} is not a GGUF file: it has no stored blocks")
         self._checkpoint = checkpoint
+        self._device = device
+        kernels = plan.gguf_block_kernels
+        linear_kind = GGUFKernelLinear if kernels else GGUFLinear
+        table_kind = GGUFKernelTable if kernels else GGUFEmbeddingHead
         # On the meta device (a fit's sizing) the blocks are shapes only: nothing is read.
         self._sizing = device.type == "meta"
         self.modules: dict[str, nn.Module] = {}
@@ -412,17 +427,25 @@ class _StoredBlockWeights:
             parts = [self._blocks(name) for name in names]
             if any(part is None for part in parts):
                 continue  # float weights: loaded as values
-            self.modules[path] = GGUFLinear(parts, module.in_features)  # type: ignore[arg-type]
+            self.modules[path] = linear_kind(parts, module.in_features)  # type: ignore[arg-type]
             self.consumed.update(names)
         if model.config.tie_word_embeddings:
             table = self._blocks("embed_tokens.weight")
             if table is not None:
-                head = GGUFLinear([table], model.config.hidden_size)
-                self.modules["embed_tokens"] = GGUFEmbeddingHead(head)
+                head = linear_kind([table], model.config.hidden_size)
+                self.modules["embed_tokens"] = table_kind(head)  # type: ignore[arg-type]
                 self.consumed.add("embed_tokens.weight")
         per_layer = "embed_tokens_per_layer.weight"
         table_module = getattr(model, "embed_tokens_per_layer", None)
-        if table_module is not None and per_layer in present:
+        if table_module is not None and per_layer in present and kernels:
+            found = self._blocks(per_layer)
+            if found is not None:
+                width = table_module.embedding_dim
+                self.modules["embed_tokens_per_layer"] = GGUFKernelTable(
+                    GGUFKernelLinear([found], width)
+                )
+                self.consumed.add(per_layer)
+        elif table_module is not None and per_layer in present:
             mapped = checkpoint.stored_blocks(per_layer, copy=False)  # type: ignore[attr-defined]
             if mapped is not None:
                 type_id, rows = mapped
@@ -441,7 +464,7 @@ class _StoredBlockWeights:
             type_id, rows = found
             return type_id, torch.empty(rows.shape, dtype=torch.uint8, device="meta")
         found = stored_blocks(name)
-        return None if found is None else (found[0], torch.from_numpy(found[1]))
+        return None if found is None else (found[0], torch.from_numpy(found[1]).to(self._device))
 
     def take(self, name: str, loaded: dict[str, torch.Tensor]) -> None:
         """Nothing to do as tensors stream in: the kept weights were taken at the start."""

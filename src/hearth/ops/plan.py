@@ -38,6 +38,9 @@ class ExecutionPlan:
     bf16_matmul_as_fp32: bool = False
     # CPU: the weights a decode step streams loaded into transparent huge pages.
     huge_pages: bool = False
+    # GGUF blocks kept as stored computed by the Triton block kernels (`ops.gguf_matmul`), not
+    # the torch/native CPU path: on CUDA (CPU tests take it under Triton's interpreter).
+    gguf_block_kernels: bool = False
     # CUDA: decode steps replayed from CUDA graphs over static caches.
     cuda_graphs: bool = False
     # CUDA: a fresh one-chunk prompt prefilled from a graph per padded length (`buckets`).
@@ -64,6 +67,7 @@ class ExecutionPlan:
             graphs = HAS_TRITON
             return cls(
                 "cuda",
+                gguf_block_kernels=HAS_TRITON,
                 cuda_graphs=graphs,
                 prefill_graphs=graphs,
                 continuation_graphs=graphs,

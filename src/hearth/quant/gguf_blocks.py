@@ -49,7 +49,8 @@ def _half(blocks: Tensor, start: int) -> Tensor:
 def _shifted(packed: Tensor, shifts: list[int], shape: tuple[int, ...]) -> Tensor:
     """`packed` (uint8) reshaped to `shape` with a shift axis before its last, shifted right by
     each of `shifts` along it (the `gguf` package's broadcast unpacking)."""
-    amounts = torch.tensor(shifts, dtype=torch.uint8).reshape(len(shifts), 1)
+    amounts = torch.tensor(shifts, dtype=torch.uint8, device=packed.device)
+    amounts = amounts.reshape(len(shifts), 1)
     return packed.reshape(shape) >> amounts
 
 
@@ -62,7 +63,8 @@ def _high_bits(qh: Tensor, n: int) -> Tensor:
     """Bit i of the little-endian uint32 `qh` [n, 4 bytes] for i = 0..31: [n, 32] (uint8)."""
     word = qh.to(torch.int64)
     word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
-    return ((word[:, None] >> torch.arange(32)) & 1).to(torch.uint8).reshape(n, 32)
+    bits = torch.arange(32, device=qh.device)
+    return ((word[:, None] >> bits) & 1).to(torch.uint8).reshape(n, 32)
 
 
 def _q4_0(blocks: Tensor) -> Tensor:

@@ -1,0 +1,593 @@
+"""Matmuls that read GGUF (GGML) blocks where they lie, on the GPU.
+
+The weight is the file's uint8 rows ``[N, K / values per block * bytes per block]``, unpacked
+in registers: nothing is repacked, so the GPU holds the file's tensor bytes. Every kernel
+walks K in steps of 256 values (one k-quant super-block, or eight 32-value blocks) and decodes
+a step of each of its rows to fp32 exactly as `gguf.quants.dequantize` does
+(`hearth.quant.gguf_blocks` is the torch reference). Every product there is exact in fp32
+(an fp16 scale times a small integer code, times another small integer: at most 23
+significant bits), so the only rounding of a weight is its one subtraction or addition of an
+offset, which an FMA contraction leaves the same: the kernels see the file's weights bit for bit.
+Integer codes become floats by the exponent trick (`_code_value`), not a conversion per weight.
+
+* **GEMV** (1..4 rows: decode, a few speculative rows): each program owns ``BLOCK_N`` weight
+  rows and a slice of K's steps, accumulating ``x * w`` in fp32 per (row, column) and summing
+  once at the end; the output is rounded once to the activations' dtype. A weight with few
+  rows (o, down) splits K so that enough bytes are in flight (`gemv_split`); the last program
+  of a row block to arrive adds the slices in order. No host sync: CUDA graphs capture it.
+* **Dot** (5..32 rows: batched decode, short prompts): each program decodes a step of
+  ``BLOCK_N`` rows, rounds it to the activations' dtype (bf16, as the prefill below) and feeds
+  it to a tensor-core `tl.dot` against 16 or 32 activation rows (64 spilled registers in
+  ptxas's report); fp32 sums. fp32 activations take an IEEE fp32 dot (no TF32), so their
+  weights stay exact.
+* **Dequantize** (prefill, more rows): a step of rows decoded to the activations' dtype (bf16:
+  what HF transformers itself computes with when it loads a GGUF in bf16) into a scratch tile,
+  then cuBLAS multiplies; a tile of rows at a time bounds the scratch for a large head.
+* **Rows** (token tables): the dequantize kernel reading the rows a list of ids names.
+
+Every type of `hearth.quant.gguf_blocks.BLOCK_FORMATS` has a kernel (`KERNEL_TYPES`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hearth.ops import HAS_TRITON, pdl_options
+from hearth.ops.launch import launch_kernel
+from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
+
+# GGML type ids the Triton kernels decode: every type of `BLOCK_FORMATS` (Q4_0, Q4_1, Q5_0,
+# Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
+KERNEL_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
+# Rows of activations the GEMV takes; up to DOT_MAX_ROWS the fused dequantize-and-dot kernel
+# (batched decode, short prompts: the blocks read once, no scratch); more are a dequantized
+# tile and cuBLAS.
+GEMV_MAX_ROWS = 4
+DOT_MAX_ROWS = 32
+# Values one step of a kernel decodes per weight row.
+STEP_VALUES = 256
+# Scratch a prefill dequantizes at a time (bytes of the activations' dtype): a whole layer's
+# stacked projection of a 12B model in one tile, a 262144-row head in several.
+TILE_BYTES = 256 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch references
+
+
+def gguf_matmul_reference(x: Tensor, type_id: int, blocks: Tensor) -> Tensor:
+    """``x @ W.T`` with W the exact fp32 values of `blocks`, in fp32, cast to x's dtype."""
+    weight = dequantize_blocks(type_id, blocks)
+    return F.linear(x.float(), weight).to(x.dtype)
+
+
+def gguf_rows_reference(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows `ids` of a block table, dequantized exactly, in `dtype`: ``[*ids.shape, K]``."""
+    rows = dequantize_blocks(type_id, blocks[ids.reshape(-1)])
+    return rows.reshape(*ids.shape, rows.shape[-1]).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The block-kernel path (`ExecutionPlan.gguf_block_kernels`: CUDA; the interpreter in tests)
+
+
+def gguf_linear(x2d: Tensor, parts: Sequence[tuple[int, Tensor]], out_features: int) -> Tensor:
+    """x2d [M, K] @ Wᵀ, W the parts' (type id, blocks) stacked along the output dim
+    in order: a GEMV per part for few rows, the fused dequantize-and-dot kernel per part for
+    up to DOT_MAX_ROWS, else the parts dequantized to x's dtype in tiles of at most TILE_BYTES
+    and cuBLAS. Output in x's dtype."""
+    m, k = x2d.shape
+    y = torch.empty(m, out_features, dtype=x2d.dtype, device=x2d.device)
+    if m <= DOT_MAX_ROWS:
+        product = gguf_gemv_triton if m <= GEMV_MAX_ROWS else gguf_dot_triton
+        first = 0
+        for type_id, blocks in parts:
+            product(x2d, type_id, blocks, y[:, first : first + blocks.shape[0]])
+            first += blocks.shape[0]
+        return y
+    tile = max(1, TILE_BYTES // (k * x2d.element_size()))
+    if out_features <= tile:  # every projection of a decoder layer: one scratch, one GEMM
+        weights = torch.empty(out_features, k, dtype=x2d.dtype, device=x2d.device)
+        first = 0
+        for type_id, blocks in parts:
+            gguf_dequantize_triton(type_id, blocks, k, out=weights[first : first + len(blocks)])
+            first += blocks.shape[0]
+        return torch.matmul(x2d, weights.T, out=y)
+    first = 0
+    for type_id, blocks in parts:
+        for start in range(0, blocks.shape[0], tile):
+            weights = gguf_dequantize_triton(type_id, blocks[start : start + tile], k, x2d.dtype)
+            y[:, first + start : first + start + len(weights)] = x2d @ weights.T
+        first += blocks.shape[0]
+    return y
+
+
+def gguf_rows(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
+    """`gguf_rows_reference` in one kernel (ids stay on the device: no sync)."""
+    block = BLOCK_FORMATS[type_id]
+    k = blocks.shape[1] // block.nbytes * block.values
+    rows = gguf_dequantize_triton(type_id, blocks, k, dtype, ids=ids.reshape(-1))
+    return rows.view(*ids.shape, k)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from hearth.ops import wait_for_producer
+
+    @triton.jit
+    def _half(pointers, mask):
+        """The little-endian fp16 at each of `pointers` (uint8), widened to fp32."""
+        low = tl.load(pointers, mask=mask, other=0).to(tl.uint16)
+        high = tl.load(pointers + 1, mask=mask, other=0).to(tl.uint16)
+        return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _code_value(code, bias: tl.constexpr):
+        """code - bias in fp32, for integer codes in [0, 2^23): the code ORed into the mantissa
+        of 2^23, minus 2^23 + bias. Exact (differences of integers below 2^24), and without
+        an integer-to-float conversion per weight, which the GPU issues at a small fraction
+        of the FMA rate (it bounded the GEMV in ptxas's SASS)."""
+        magic = (code.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+        return magic - (8388608.0 + bias)
+
+    @triton.jit
+    def _k_scale_bytes(base, ok, s):
+        """Q4_K / Q5_K: the 6-bit scale and min of sub-block `s` (0..7) of each block at
+        `base` (its 12 packed bytes at offset 4), as fp32."""
+        low = s & 3
+        first = tl.load(base + 4 + low, mask=ok, other=0)
+        second = tl.load(base + 8 + low, mask=ok, other=0)
+        shared = tl.load(base + 12 + low, mask=ok, other=0)
+        upper = s >= 4
+        scale = tl.where(upper, (shared & 15) | ((first >> 6) << 4), first & 63)
+        least = tl.where(upper, (shared >> 4) | ((second >> 6) << 4), second & 63)
+        return scale.to(tl.float32), least.to(tl.float32)
+
+    @triton.jit
+    def _q4_k_step(rows, ok, step):
+        """256 values of each row (super-block `step`): [BLOCK_N, 8 sub-blocks, 32]."""
+        base = rows + step * 144  # [BLOCK_N, 1, 1]
+        s = tl.arange(0, 8)[None, :, None]
+        d = _half(base, ok)
+        dmin = _half(base + 2, ok)
+        scale, least = _k_scale_bytes(base, ok, s)
+        # The codes as 32-bit words (blocks and their codes are 16-byte aligned): value
+        # 4w + r of sub-block s is nibble 2r + s % 2 of word 8 (s // 2) + w.
+        w = tl.arange(0, 8)[None, None, :, None]
+        r = tl.arange(0, 4)[None, None, None, :]
+        s4 = s[:, :, :, None]
+        words = (base[:, :, :, None] + 16 + 32 * (s4 // 2) + 4 * w).to(tl.pointer_type(tl.int32))
+        q = (tl.load(words, mask=ok[:, :, :, None], other=0) >> (8 * r + 4 * (s4 % 2))) & 15
+        q = tl.reshape(q, [q.shape[0], 8, 32])
+        return (d * scale) * _code_value(q, 0) - dmin * least
+
+    @triton.jit
+    def _q5_k_step(rows, ok, step):
+        """Q4_K's layout (codes at 48, as 32-bit words) and a fifth bit of value 32s + i,
+        bit s of qh[i] (qh at 16: bit 8r + s of word w for i = 4w + r)."""
+        base = rows + step * 176
+        s = tl.arange(0, 8)[None, :, None]
+        d = _half(base, ok)
+        dmin = _half(base + 2, ok)
+        scale, least = _k_scale_bytes(base, ok, s)
+        w = tl.arange(0, 8)[None, None, :, None]
+        r = tl.arange(0, 4)[None, None, None, :]
+        s4 = s[:, :, :, None]
+        ok4 = ok[:, :, :, None]
+        codes = (base[:, :, :, None] + 48 + 32 * (s4 // 2) + 4 * w).to(tl.pointer_type(tl.int32))
+        low = (tl.load(codes, mask=ok4, other=0) >> (8 * r + 4 * (s4 % 2))) & 15
+        bits = (base[:, :, :, None] + 16 + 4 * w).to(tl.pointer_type(tl.int32))
+        high = (tl.load(bits, mask=ok4, other=0) >> (8 * r + s4)) & 1
+        q = tl.reshape(low | (high << 4), [base.shape[0], 8, 32])
+        return (d * scale) * _code_value(q, 0) - dmin * least
+
+    @triton.jit
+    def _q6_k_step(rows, ok, step):
+        """[BLOCK_N, 16 groups, 16]: value 16g + j is, with h = g // 8, c = g // 2 % 4,
+        i = 16 (g % 2) + j, the low nibble of ql[64h + 32 (c % 2) + i] (shift 4 (c // 2))
+        and two bits of qh[32h + i] (shift 2c), minus 32, times d · scales[g]."""
+        base = rows + step * 210
+        g = tl.arange(0, 16)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        h = g // 8
+        c = (g // 2) % 4
+        i = 16 * (g % 2) + j
+        low = (tl.load(base + 64 * h + 32 * (c % 2) + i, mask=ok, other=0) >> (4 * (c // 2))) & 15
+        high = (tl.load(base + 128 + 32 * h + i, mask=ok, other=0) >> (2 * c)) & 3
+        scale = tl.load((base + 192 + g).to(tl.pointer_type(tl.int8)), mask=ok, other=0)
+        d = _half(base + 208, ok)
+        return (d * scale.to(tl.float32)) * _code_value(low | (high << 4), 32)
+
+    @triton.jit
+    def _q2_k_step(rows, ok, step):
+        """[BLOCK_N, 16 groups, 16]: d · (scales[g] & 15) · q - dmin · (scales[g] >> 4)."""
+        base = rows + step * 84
+        g = tl.arange(0, 16)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        packed = tl.load(base + g, mask=ok, other=0)
+        q = (
+            tl.load(base + 16 + 32 * (g // 8) + 16 * (g % 2) + j, mask=ok, other=0)
+            >> (2 * ((g // 2) % 4))
+        ) & 3
+        d = _half(base + 80, ok)
+        dmin = _half(base + 82, ok)
+        step_size = d * (packed & 15).to(tl.float32)
+        return step_size * _code_value(q, 0) - dmin * (packed >> 4).to(tl.float32)
+
+    @triton.jit
+    def _q3_k_step(rows, ok, step):
+        """[BLOCK_N, 16 groups, 16]: d · scale[g] · (low 2 bits - 4 · (1 - hmask bit)), the
+        6-bit scale's low nibble from byte g % 8 (shift 4 (g // 8)) and its top two bits from
+        byte 8 + g % 4 (shift 2 (g // 4)) of the 12 packed bytes, minus 32; the high bit of
+        value 16g + j is bit 4a + c of hmask[i] (a, c, i as in the 2-bit codes)."""
+        base = rows + step * 110
+        g = tl.arange(0, 16)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        i = 16 * (g % 2) + j
+        shift = 2 * ((g // 2) % 4)
+        low = (tl.load(base + 32 + 32 * (g // 8) + i, mask=ok, other=0) >> shift) & 3
+        hmask = (tl.load(base + i, mask=ok, other=0) >> (4 * (g // 8) + (g // 2) % 4)) & 1
+        q = low | (hmask << 2)  # the code + 4: high bit set means no 4 is taken off
+        nibble = (tl.load(base + 96 + g % 8, mask=ok, other=0) >> (4 * (g // 8))) & 15
+        top = (tl.load(base + 104 + g % 4, mask=ok, other=0) >> (2 * (g // 4))) & 3
+        scale = (nibble | (top << 4)).to(tl.int32) - 32
+        d = _half(base + 108, ok)
+        return (d * scale.to(tl.float32)) * _code_value(q, 4)
+
+    @triton.jit
+    def _small_step(rows, ok, step, TYPE: tl.constexpr, BLOCKS: tl.constexpr):
+        """Eight 32-value blocks of each row (blocks 8·step.., past BLOCKS zero):
+        [BLOCK_N, 8, 32]. Value i of a block is the low nibble of byte i % 16 of its codes for
+        i < 16, else the high one (Q4/Q5 types), or signed byte i (Q8_0)."""
+        b = step * 8 + tl.arange(0, 8)[None, :, None]
+        i = tl.arange(0, 32)[None, None, :]
+        inside = ok & (b < BLOCKS)
+        if TYPE == 8:
+            base = rows + b * 34
+            # Sign-extending int8 loads convert in one instruction each; the exponent trick
+            # measured more instructions in the SASS here (an XOR, a permute per byte).
+            q = tl.load((base + 2 + i).to(tl.pointer_type(tl.int8)), mask=inside, other=0)
+            return q.to(tl.float32) * _half(base, inside)
+        else:
+            NBYTES: tl.constexpr = (
+                18 if TYPE == 2 else (20 if TYPE == 3 else (22 if TYPE == 6 else 24))
+            )
+            CODES: tl.constexpr = 2 if TYPE == 2 else (4 if TYPE == 3 else (6 if TYPE == 6 else 8))
+            base = rows + b * NBYTES
+            d = _half(base, inside)
+            q = (tl.load(base + CODES + (i % 16), mask=inside, other=0) >> (4 * (i // 16))) & 15
+            if TYPE == 6 or TYPE == 7:
+                HIGH: tl.constexpr = 2 if TYPE == 6 else 4
+                bit = (tl.load(base + HIGH + i // 8, mask=inside, other=0) >> (i % 8)) & 1
+                q = q | (bit << 4)
+            if TYPE == 2:
+                return d * _code_value(q, 8)
+            elif TYPE == 6:
+                return d * _code_value(q, 16)
+            else:
+                return d * _code_value(q, 0) + _half(base + 2, inside)
+
+    # Groups a step's tile has: [BLOCK_N, groups, 256 / groups] (Q2_K, Q3_K, Q6_K: 16 of 16).
+    GROUPS = {type_id: 16 if type_id in (10, 11, 14) else 8 for type_id in KERNEL_TYPES}
+
+    @triton.jit
+    def _step_columns(step, G: tl.constexpr):
+        """The columns of a step's tile, [G groups, 256 / G values] (value g·L + l)."""
+        L: tl.constexpr = 256 // G
+        return step * 256 + tl.arange(0, G)[:, None] * L + tl.arange(0, L)[None, :]
+
+    @triton.jit
+    def _step_values(rows, ok, step, TYPE: tl.constexpr, K: tl.constexpr):
+        """Values [step·256, step·256 + 256) of each row as fp32, [BLOCK_N, groups, values]
+        (`_step_columns`; zero past K and for masked rows). `rows`: [BLOCK_N, 1, 1] pointers
+        to each row's bytes. Kept in the decoder's 3-D shape: a reshape here cost a layout
+        conversion through shared memory at every step."""
+        if TYPE == 10:
+            values = _q2_k_step(rows, ok, step)
+        elif TYPE == 11:
+            values = _q3_k_step(rows, ok, step)
+        elif TYPE == 12:
+            values = _q4_k_step(rows, ok, step)
+        elif TYPE == 13:
+            values = _q5_k_step(rows, ok, step)
+        elif TYPE == 14:
+            values = _q6_k_step(rows, ok, step)
+        else:
+            values = _small_step(rows, ok, step, TYPE, K // 32)
+        return values
+
+    @triton.jit
+    def _gguf_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        K: tl.constexpr,
+        TYPE: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
+        SPLIT_K: tl.constexpr = 1,
+        LOOP_STAGES: tl.constexpr = 1,
+    ):
+        """out[m, n] = sum_k x[m, k] w[n, k]; grid (blocks of BLOCK_N weight rows, SPLIT_K
+        slices of K's steps). A split's last program to arrive adds the slices' fp32 partials
+        in slice order (deterministic, no float atomics) and resets its counter."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = (w_ptr + n.to(tl.int64) * stride_wn)[:, None, None]
+        wait_for_producer(PDL)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = (x_ptr + m.to(tl.int64) * stride_xm)[:, None, None, None]
+        x_ok = m_ok[:, None, None, None]
+        STEPS: tl.constexpr = (K + 255) // 256
+        SLICE: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
+        acc = tl.zeros([BLOCK_M, BLOCK_N, G, 256 // G], tl.float32)
+        for index in tl.range(SLICE, num_stages=LOOP_STAGES):
+            step = pid_k * SLICE + index
+            ok = n_ok[:, None, None] & (step < STEPS)
+            w = _step_values(rows, ok, step, TYPE, K)
+            k = _step_columns(step, G)[None, None, :, :]
+            xk = tl.load(x_rows + k, mask=x_ok & (k < K), other=0.0)
+            acc += w[None, :, :, :] * xk.to(tl.float32)
+        result = tl.sum(tl.sum(acc, axis=3), axis=2)
+        out_at = out_ptr + m[:, None] * stride_om + n[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_at, result.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            own = m[:, None].to(tl.int64) * N + n[None, :]
+            tl.store(partial_ptr + pid_k * M * N + own, result, mask=out_ok)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    # .cg reads L2, where the other programs' partials are, not a stale L1.
+                    total += tl.load(
+                        partial_ptr + split * M * N + own, mask=out_ok, other=0.0,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+                tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch / replay
+
+    @triton.jit
+    def _gguf_dot_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        K: tl.constexpr,
+        TYPE: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """out[m, n] = sum_k x[m, k] w[n, k], w decoded a step at a time and rounded to x's
+        dtype, multiplied by `tl.dot`; grid (blocks of N, blocks of M)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = (w_ptr + n.to(tl.int64) * stride_wn)[:, None, None]
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        STEPS: tl.constexpr = (K + 255) // 256
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for step in tl.range(STEPS):
+            values = _step_values(rows, n_ok[:, None, None], step, TYPE, K)
+            w = tl.reshape(values, [BLOCK_N, 256]).to(x_ptr.dtype.element_ty)
+            k = step * 256 + tl.arange(0, 256)
+            xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(xk, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xk, tl.trans(w), acc)
+        out_at = out_ptr + m[:, None] * stride_om + n[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _gguf_dequantize_kernel(
+        w_ptr,
+        ids_ptr,
+        out_ptr,
+        N,
+        stride_wn,
+        stride_on,
+        K: tl.constexpr,
+        TYPE: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        INDEXED: tl.constexpr,
+    ):
+        """out[n, step's 256 columns] = the values of weight row n (row ids[n] if INDEXED);
+        grid (blocks of N, steps of K)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        step = tl.program_id(1)
+        n_ok = n < N
+        source = tl.load(ids_ptr + n, mask=n_ok, other=0).to(tl.int64) if INDEXED else n
+        rows = (w_ptr + source.to(tl.int64) * stride_wn)[:, None, None]
+        values = _step_values(rows, n_ok[:, None, None], step, TYPE, K)
+        k = _step_columns(step, G)[None, :, :]
+        out_at = out_ptr + n.to(tl.int64)[:, None, None] * stride_on + k
+        ok = n_ok[:, None, None] & (k < K)
+        tl.store(out_at, values.to(out_ptr.dtype.element_ty), mask=ok)
+
+    # Types whose codes the kernels read as 32-bit words (Q4_K, Q5_K: 16-byte-aligned blocks).
+    WORD_TYPES = (12, 13)
+    # Types whose GEMV at 4 activation rows takes 8 weight rows a program, not 16: at 16 it
+    # spilled registers (Q8_0, Q3_K, Q6_K) or filled all 255 (Q2_K) in the sm_90 SASS
+    # (benchmarks/lab/inspect_gguf_sass.py, results/gguf_gpu_sass-2026-12-07.md). Elsewhere
+    # 16: fewer lost the code loads' vectorization (up to 4x the instructions a weight).
+    _NARROW_AT_4_ROWS = (8, 10, 11, 14)
+
+    def gemv_block_n(block_m: int, type_id: int) -> int:
+        """Weight rows a GEMV program takes at `block_m` activation rows (a power of 2)."""
+        return 8 if block_m == 4 and type_id in _NARROW_AT_4_ROWS else 16
+
+    # Triton's CPU interpreter (tests) pays ~10 ms a program: wide tiles, few programs.
+    INTERPRETER_BLOCK_N = 128
+    DEQUANTIZE_BLOCK_N = 16
+
+    def _check_blocks(type_id: int, blocks: Tensor, k: int) -> None:
+        block = BLOCK_FORMATS[type_id]
+        if type_id not in KERNEL_TYPES:
+            raise ValueError(f"no GPU kernel decodes {block.name} blocks")
+        if (
+            blocks.dtype != torch.uint8
+            or blocks.dim() != 2
+            or k % block.values
+            or blocks.shape[1] != k // block.values * block.nbytes
+            or blocks.stride(1) != 1
+        ):
+            raise ValueError(
+                f"{block.name} rows of {k} values are uint8 [rows, "
+                f"{k // block.values * block.nbytes}] with unit column stride, "
+                f"got {blocks.dtype} {tuple(blocks.shape)}"
+            )
+        if type_id in WORD_TYPES and (blocks.data_ptr() % 4 or blocks.stride(0) % 4):
+            raise ValueError(f"{block.name} rows must start 4-byte aligned (read as words)")
+
+    # Split-K arrival counters, zero between launches (the last program resets its own).
+    _COUNTERS: dict[torch.device, Tensor] = {}
+
+    def _counters(device: torch.device, count: int) -> Tensor:
+        counters = _COUNTERS.get(device)
+        if counters is None or counters.numel() < count:
+            counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+            _COUNTERS[device] = counters
+        return counters
+
+    @functools.cache
+    def _multiprocessors(index: int) -> int:
+        return torch.cuda.get_device_properties(index).multi_processor_count
+
+    def gemv_split(n: int, k: int, block_n: int, multiprocessors: int) -> int:
+        """K slices for a GEMV: a program keeps one step of its rows' blocks in flight, so a
+        weight with few rows (o, down: 3840 of 12B) has too few bytes in flight over the GPU
+        unless K is split; split until there are four programs an SM, each slice two steps
+        or more, at most 8 slices."""
+        programs, steps, split = triton.cdiv(n, block_n), triton.cdiv(k, STEP_VALUES), 1
+        while split < 8 and programs * split < 4 * multiprocessors and steps >= 4 * split:
+            split *= 2
+        return split
+
+    def gguf_gemv_triton(
+        x2d: Tensor,
+        type_id: int,
+        blocks: Tensor,
+        out: Tensor,
+        block_n: int | None = None,
+        num_warps: int = 4,
+        split_k: int | None = None,
+        loop_stages: int = 1,
+    ) -> Tensor:
+        """out [M, N] = x2d [M, K] @ Wᵀ in one launch (M <= GEMV_MAX_ROWS; out may be a
+        column slice of a wider row-major output); `block_n`, `num_warps`, `split_k` and
+        `loop_stages` pin the launch (tests, benchmarks/lab/gpu_gguf_gemv.py)."""
+        m, k = x2d.shape
+        _check_blocks(type_id, blocks, k)
+        if m > GEMV_MAX_ROWS:
+            raise ValueError(f"the GGUF GEMV takes at most {GEMV_MAX_ROWS} rows, got {m}")
+        n = blocks.shape[0]
+        if out.shape != (m, n) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{m}, {n}] with unit column stride")
+        x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+        block_m = triton.next_power_of_2(m)
+        if block_n is None:
+            block_n = gemv_block_n(block_m, type_id) if x2d.is_cuda else INTERPRETER_BLOCK_N
+        if split_k is None:
+            units = _multiprocessors(x2d.device.index or 0) if x2d.is_cuda else 1
+            split_k = gemv_split(n, k, block_n, units) if x2d.is_cuda else 1
+        if split_k > 1:
+            partial = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
+            counters = _counters(x2d.device, triton.cdiv(n, block_n))
+        else:
+            partial = counters = out  # unread
+        args = (x2d, blocks, out, partial, counters, m, n)
+        args += (x2d.stride(0), blocks.stride(0), out.stride(0))
+        constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id]}
+        constants |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k}
+        constants |= {"LOOP_STAGES": loop_stages, "num_warps": num_warps} | pdl_options(x2d)
+        grid = (triton.cdiv(n, block_n), split_k)
+        launch_kernel(_gguf_gemv_kernel, grid, *args, **constants)
+        return out
+
+    DOT_BLOCK_N = 32
+
+    def gguf_dot_triton(
+        x2d: Tensor,
+        type_id: int,
+        blocks: Tensor,
+        out: Tensor,
+        block_n: int = DOT_BLOCK_N,
+        num_warps: int | None = None,
+    ) -> Tensor:
+        """out [M, N] = x2d [M, K] @ Wᵀ by the fused kernel (any M; the dispatcher gives it
+        5..DOT_MAX_ROWS); `block_n` and `num_warps` pin the launch (default: 4 warps for 16
+        rows, 8 for 32, where 4 spilled registers in ptxas's report)."""
+        m, k = x2d.shape
+        _check_blocks(type_id, blocks, k)
+        n = blocks.shape[0]
+        if out.shape != (m, n) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{m}, {n}] with unit column stride")
+        x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+        block_m = min(32, max(16, triton.next_power_of_2(m)))  # tl.dot takes 16 rows or more
+        num_warps = num_warps or (4 if block_m == 16 else 8)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        args = (x2d, blocks, out, m, n, x2d.stride(0), blocks.stride(0), out.stride(0))
+        constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id], "BLOCK_M": block_m}
+        constants |= {"BLOCK_N": block_n, "IEEE": x2d.dtype == torch.float32}
+        launch_kernel(_gguf_dot_kernel, grid, *args, **constants, num_warps=num_warps)
+        return out
+
+    def gguf_dequantize_triton(
+        type_id: int,
+        blocks: Tensor,
+        k: int,
+        dtype: torch.dtype | None = None,
+        ids: Tensor | None = None,
+        out: Tensor | None = None,
+        block_n: int | None = None,
+    ) -> Tensor:
+        """The values of `blocks`' rows (rows `ids` if given) as [rows, k] in `dtype`, or
+        into `out` (rows of unit column stride, e.g. a slice of a larger scratch); `block_n`
+        pins the rows a program (tests)."""
+        _check_blocks(type_id, blocks, k)
+        rows = blocks.shape[0] if ids is None else ids.numel()
+        if out is None:
+            out = torch.empty(rows, k, dtype=dtype, device=blocks.device)
+        if out.shape != (rows, k) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{rows}, {k}] with unit column stride")
+        if rows == 0:
+            return out
+        if block_n is None:
+            block_n = DEQUANTIZE_BLOCK_N if blocks.is_cuda else INTERPRETER_BLOCK_N
+        indices = ids if ids is not None else blocks  # unread without INDEXED
+        grid = (triton.cdiv(rows, block_n), triton.cdiv(k, STEP_VALUES))
+        args = (blocks, indices, out, rows, blocks.stride(0), out.stride(0))
+        constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id], "BLOCK_N": block_n}
+        constants["INDEXED"] = ids is not None
+        launch_kernel(_gguf_dequantize_kernel, grid, *args, **constants)
+        return out
