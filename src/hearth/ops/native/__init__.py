@@ -661,22 +661,24 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def library_path(cache_dir: Path, compiler: str) -> Path:
-    """Where the library for this source, compiler and CPU lives (built or not)."""
+def library_path(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the library for this source, compiler, flags and CPU lives (built or not)."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
     ).stdout
     key = hashlib.sha256()
     sources = [path.read_bytes() for path in (SOURCE, *HEADERS)]
-    for part in (*sources, " ".join(FLAGS + LIBRARIES).encode(), version.encode()):
+    for part in (*sources, " ".join(flags + LIBRARIES).encode(), version.encode()):
         key.update(part)
     key.update(f"{platform.machine()}\n{_cpu_identity()}".encode())
     return cache_dir / f"kernels-{key.hexdigest()[:16]}.so"
 
 
-def build(cache_dir: Path, compiler: str) -> Path:
-    """Compile the library into ``cache_dir`` unless it is there; raises on a compiler error."""
-    target = library_path(cache_dir, compiler)
+def build(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile the library into ``cache_dir`` unless it is there; raises on a compiler error.
+    ``flags``: another target than this CPU (tests build the AVX2 library with
+    ``-march=haswell`` on an AVX-512 machine)."""
+    target = library_path(cache_dir, compiler, flags)
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -688,7 +690,7 @@ def build(cache_dir: Path, compiler: str) -> Path:
         with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
             partial = Path(scratch) / target.name
             subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
+                [compiler, *flags, str(SOURCE), "-o", str(partial), *LIBRARIES],
                 capture_output=True,
                 text=True,
                 check=True,
