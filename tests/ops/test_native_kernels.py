@@ -648,3 +648,23 @@ def test_fp32_decode_attention_matches_fp64(
     # A wrong key or value row (the last one dropped) lands outside the bound.
     dropped = kernels.decode_attention_f32(q, keys, values, scale, length - 1)
     assert not ((dropped.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.usefixtures("kernels_build")
+def test_fp32_geglu_is_gelu_tanh_within_its_conditioning():
+    """The native GGUF layer's GeGLU, x / (1 + e^(-2u)) · up (torch's 0.5 x (1 + tanh u)
+    rewritten), against fp64 over [-30, 30]: within (16 + 8|u|) ulp of the result, the
+    rounding of u (relative 2^-24 |u|, doubled by e^(-2u)) being the conditioning of any fp32
+    form, plus 1e-12 absolute where the result underflows toward 0. torch's own fp32 tanh form
+    is off by up to ~400 ulp near x = -5 (1 + tanh u cancels), so it is not the reference."""
+    kernels = native.kernels()
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(3)
+    gate = torch.cat([torch.linspace(-30, 30, 60001), torch.randn(20000, generator=generator) * 3])
+    up = torch.randn(gate.shape[0], generator=generator)
+    got = kernels.geglu_f32(torch.cat([gate, up]).reshape(1, -1))[0]
+    x = gate.double()
+    u = 0.7978845608028654 * (x + 0.044715 * x**3)
+    exact = torch.nn.functional.gelu(x, approximate="tanh") * up.double()
+    bound = (16 + 8 * u.abs()) * 2.0**-24 * exact.abs() + 1e-12
+    assert ((got.double() - exact).abs() <= bound).all()

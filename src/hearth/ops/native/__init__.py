@@ -87,6 +87,7 @@ _SIGNATURES = {
         _POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _FLOAT, _POINTER,
         _INT,
     ],
+    "hearth_geglu_f32": [_POINTER, _INT64, _INT64, _POINTER],
     "hearth_gemma3_blocks_layer": [
         _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
         _POINTER, _POINTER, _INT,
@@ -523,6 +524,18 @@ class NativeKernels:
             kv_heads, heads // kv_heads, dim, length, keys.stride(1), scale, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def geglu_f32(self, gate_up: Tensor) -> Tensor:
+        """gelu_tanh(gate) · up of fp32 rows ``gate_up [rows, 2n]`` (gate, then up), as the
+        native GGUF layer forms it (``x / (1 + e^(-2u))``: torch's tanh form rewritten)."""
+        _require(
+            _dense(gate_up, torch.float32) and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
+            "geglu_f32 takes contiguous fp32 gate_up [rows, 2n]",
+        )
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2)
+        self._call("hearth_geglu_f32", gate_up.data_ptr(), rows, width // 2, out.data_ptr())
         return out
 
     def gemma3_blocks_layer(
