@@ -64,7 +64,7 @@ def test_native_blocks_to_f32_and_gemv_per_type(type_id: int) -> None:
 def test_gemv_rows_beside_others_equal_each_alone(type_id: int) -> None:
     """Up to 16 input rows at once (several register blocks of rows, and a partial one): each
     row's sums bit for bit as that row alone, all within the bound; on this CPU's library and
-    the AVX2 one (2 rows a register block there, 8 with AVX-512)."""
+    the AVX2 one (8 rows a block on both)."""
     kernels = native.kernels()
     assert kernels is not None
     raw = random_blocks(type_id, rows=37, cols=IN_FEATURES, seed=type_id + 1)

@@ -1322,9 +1322,12 @@ static void dot_q4_k(const uint8_t *block, const float *x, vec16 *even, vec16 *o
 #define DIRECT_DOT_Q4_K NULL
 #endif
 
-/* Input rows whose sums stay in registers at once: even and odd sums for each (2 x 8 of
- * AVX-512's 32 registers; AVX2's 16 hold 2 x 2 of its two-register vec16 beside the weights). */
-#define BLOCK_INPUT_ROWS (VEC16_REGISTERS >= 32 ? 8 : 2)
+/* Input rows computed together, each weight block unpacked once for them: their even and odd
+ * sums take 16 of AVX-512's 32 registers. AVX2's 16 registers hold only 2 rows' (two per
+ * vec16), but unpacking the blocks once for 8 rows and spilling sums to L1 measured faster at
+ * 8 rows than 2 or 4 rows at a time (Q5_0 2.8 G weights/s against 1.5 and 2.4, one thread,
+ * the -march=haswell build on the Xeon), and no slower at 4 rows. */
+#define BLOCK_INPUT_ROWS 8
 
 /* y[i * ldy + r] for `mr` input rows (a constant at each inlined call: the sums then live in
  * registers) and one weight row `row` of format `f`, each block unpacked once for all of
@@ -1398,14 +1401,12 @@ static inline __attribute__((always_inline)) void blocks_gemv_rows(
             const float *xi = x + i0 * k;
             float *yi = y + i0 * ldy + r;
             switch (rows) { /* a constant count in each copy */
-#if BLOCK_INPUT_ROWS > 2
             case 8: block_row_inputs(f, xi, 8, k, row, yi, ldy); break;
             case 7: block_row_inputs(f, xi, 7, k, row, yi, ldy); break;
             case 6: block_row_inputs(f, xi, 6, k, row, yi, ldy); break;
             case 5: block_row_inputs(f, xi, 5, k, row, yi, ldy); break;
             case 4: block_row_inputs(f, xi, 4, k, row, yi, ldy); break;
             case 3: block_row_inputs(f, xi, 3, k, row, yi, ldy); break;
-#endif
             case 2: block_row_inputs(f, xi, 2, k, row, yi, ldy); break;
             default: block_row_inputs(f, xi, 1, k, row, yi, ldy); break;
             }
