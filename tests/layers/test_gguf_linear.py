@@ -19,6 +19,7 @@ from hearth.layers import gguf as gguf_layers
 from hearth.layers.gguf import GGUFEmbeddingHead, GGUFLinear
 from hearth.ops import native
 from hearth.quant.gguf_blocks import BLOCK_FORMATS
+from native_builds import kernels_build  # noqa: F401 (a fixture)
 
 IN_FEATURES = 512  # two K-type blocks a row
 needs_kernels = pytest.mark.skipif(
@@ -56,6 +57,27 @@ def test_native_blocks_to_f32_and_gemv_per_type(type_id: int) -> None:
         y = torch.empty(rows, 40)
         kernels.blocks_gemv(type_id, x[:rows].contiguous(), torch.from_numpy(raw), y)
         assert _within_accumulation_bound(y, x[:rows], expected)
+
+
+@pytest.mark.usefixtures("kernels_build")
+@pytest.mark.parametrize("type_id", sorted(BLOCK_FORMATS))
+def test_gemv_rows_beside_others_equal_each_alone(type_id: int) -> None:
+    """Up to 16 input rows at once (several register blocks of rows, and a partial one): each
+    row's sums bit for bit as that row alone, all within the bound; on this CPU's library and
+    the AVX2 one (8 rows a block on both)."""
+    kernels = native.kernels()
+    assert kernels is not None
+    raw = random_blocks(type_id, rows=37, cols=IN_FEATURES, seed=type_id + 1)
+    blocks = torch.from_numpy(raw)
+    x = torch.randn(16, IN_FEATURES, generator=torch.Generator().manual_seed(type_id))
+    alone = torch.empty(16, 37)
+    for row in range(16):
+        kernels.blocks_gemv(type_id, x[row : row + 1].contiguous(), blocks, alone[row : row + 1])
+    assert _within_accumulation_bound(alone, x, _expected(type_id, raw))
+    for rows in (2, 3, 8, 9, 16):
+        together = torch.empty(rows, 37)
+        kernels.blocks_gemv(type_id, x[:rows].contiguous(), blocks, together)
+        assert torch.equal(together.view(torch.int32), alone[:rows].view(torch.int32)), rows
 
 
 def _stacked_layer() -> tuple[GGUFLinear, torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from decoding import count_kernel_calls
 from hearth.engine import Engine
 from hearth.layers.gguf import GGUFEmbeddingHead, GGUFLinear
 from hearth.runtime.generate import GenerationStats, generate_tokens
@@ -83,6 +84,41 @@ def test_greedy_tokens_equal_hf(
     assert produced == reference[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
     if text.startswith("In July 1969"):
         assert default_engine.tokenizer.decode(produced).startswith(" landed on the moon.")
+
+
+def test_native_decode_steps_equal_hf_fp32(
+    default_engine: Engine, hf_270m: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps run as one native call per layer over the blocks (`gemma3_blocks_layer`),
+    alone and four sequences at once: their logits within ATOL of HF's on the same tokens."""
+    runner = default_engine.runner
+    calls = count_kernel_calls(monkeypatch, "gemma3_blocks_layer")
+    prompts = [default_engine.encode(text, chat=chat) for text, chat in PROMPTS[:4]]
+    steps = 6
+    with torch.inference_mode():
+        caches = [runner.new_caches() for _ in prompts]
+        last = [
+            runner.prefill(torch.tensor([ids]), own)
+            for ids, own in zip(prompts, caches, strict=True)
+        ]
+        tokens = [[*ids, int(logits.argmax())] for ids, logits in zip(prompts, last, strict=True)]
+        got: list[list[torch.Tensor]] = [[] for _ in prompts]
+        for step in range(steps):
+            positions = [len(ids) - 1 for ids in tokens]
+            if step % 2:  # alone, then together
+                rows = [runner.decode(ids[-1], own, at) for ids, own, at in
+                        zip(tokens, caches, positions, strict=True)]  # fmt: skip
+            else:
+                rows = list(runner.decode_batch([ids[-1] for ids in tokens], caches, positions))
+            for index, logits in enumerate(rows):
+                got[index].append(logits.reshape(-1))
+                tokens[index].append(int(logits.argmax()))
+    assert len(calls) == (steps // 2 + steps // 2 * len(prompts)) * len(runner.model.layers)
+    for index, ids in enumerate(tokens):
+        reference = _hf_logits(hf_270m, ids)
+        first = len(prompts[index])
+        for step, logits in enumerate(got[index]):
+            assert (logits - reference[first + step]).abs().max() <= ATOL, (index, step)
 
 
 def test_bf16_compute_on_stored_blocks_falls_back_from_the_native_layer_step(

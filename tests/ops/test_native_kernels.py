@@ -23,6 +23,7 @@ from hearth.layers.int8 import Int8Linear
 from hearth.ops import native
 from hearth.ops.native import huge_pages
 from hearth.quant import cpu
+from native_builds import kernels_build  # noqa: F401 (a fixture)
 
 KERNELS = native.kernels()
 needs_native = pytest.mark.skipif(
@@ -609,3 +610,61 @@ def test_fp32_norm_rope_matches_the_reference_and_dispatches_for_one_token():
     assert expected[2] is not None and torch.equal(got[2], expected[2])  # v is a copy
     dispatched = norm_rope(qkv, *args, ValueMode.RAW)
     assert all(torch.equal(a, b) for a, b in zip(dispatched, got, strict=True))
+
+
+@pytest.mark.usefixtures("kernels_build")
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "length", "slots", "dim"),
+    # As the bf16 test: a partial last chunk; under one key block; two whole chunks at 256; a
+    # partial last 16 values (72).
+    [(4, 1, 430, 512, 64), (8, 2, 7, 16, 64), (8, 1, 256, 300, 256), (2, 1, 20, 24, 72)],
+)
+def test_fp32_decode_attention_matches_fp64(
+    heads: int, kv_heads: int, length: int, slots: int, dim: int
+):
+    """The fp32 one-query attention (the native GGUF layer's) within the bf16 test's bound
+    without its output rounding, on this CPU's library and the AVX2 one."""
+    kernels = native.kernels()
+    assert kernels is not None
+    scale = dim**-0.5
+    generator = torch.Generator().manual_seed(dim + length)
+    q = torch.randn(1, heads, 1, dim, generator=generator) * 3
+    keys, values = (torch.randn(1, kv_heads, slots, dim, generator=generator) for _ in range(2))
+    got = kernels.decode_attention_f32(q, keys, values, scale, length)
+    group = heads // kv_heads
+    k64 = keys[:, :, :length].double().repeat_interleave(group, dim=1)
+    v64 = values[:, :, :length].double().repeat_interleave(group, dim=1)
+    scores = (q.double() @ k64.transpose(-1, -2)) * scale
+    probabilities = scores.softmax(-1)
+    exact = probabilities @ v64
+    # Each fp32 score is within dim·u·scale·Σ|q·k| (δ) of exact; exp and the division add a few
+    # u, so each probability is within (2δ + 8u) of its own size; the weighted sum of `length`
+    # terms adds length·u of Σp|v|.
+    delta = (dim * 2.0**-24 * scale * (q.double().abs() @ k64.abs().transpose(-1, -2))).amax(
+        -1, keepdim=True
+    )
+    bound = (2 * delta + (length + 8) * 2.0**-24) * (probabilities @ v64.abs())
+    assert ((got.double() - exact).abs() <= bound).all()
+    # A wrong key or value row (the last one dropped) lands outside the bound.
+    dropped = kernels.decode_attention_f32(q, keys, values, scale, length - 1)
+    assert not ((dropped.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.usefixtures("kernels_build")
+def test_fp32_geglu_is_gelu_tanh_within_its_conditioning():
+    """The native GGUF layer's GeGLU, x / (1 + e^(-2u)) · up (torch's 0.5 x (1 + tanh u)
+    rewritten), against fp64 over [-30, 30]: within (16 + 8|u|) ulp of the result, the
+    rounding of u (relative 2^-24 |u|, doubled by e^(-2u)) being the conditioning of any fp32
+    form, plus 1e-12 absolute where the result underflows toward 0. torch's own fp32 tanh form
+    is off by up to ~400 ulp near x = -5 (1 + tanh u cancels), so it is not the reference."""
+    kernels = native.kernels()
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(3)
+    gate = torch.cat([torch.linspace(-30, 30, 60001), torch.randn(20000, generator=generator) * 3])
+    up = torch.randn(gate.shape[0], generator=generator)
+    got = kernels.geglu_f32(torch.cat([gate, up]).reshape(1, -1))[0]
+    x = gate.double()
+    u = 0.7978845608028654 * (x + 0.044715 * x**3)
+    exact = torch.nn.functional.gelu(x, approximate="tanh") * up.double()
+    bound = (16 + 8 * u.abs()) * 2.0**-24 * exact.abs() + 1e-12
+    assert ((got.double() - exact).abs() <= bound).all()

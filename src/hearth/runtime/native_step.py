@@ -1,4 +1,4 @@
-"""A CPU bf16 decode step as one native call per decoder layer (`hearth.ops.native`).
+"""A CPU decode step as one native call per decoder layer (`hearth.ops.native`).
 
 At batch 1 on the CPU a decode step of a small model is a stream of weights plus hundreds of
 tiny ops; dispatching those ops from Python cost ~30% of the 270M's step. Where every layer
@@ -7,6 +7,12 @@ runs each Gemma 3 or Gemma 4 layer in one call with the module path's order and 
 logits are the module path's bit for bit. KV-sharing layers attend over their donor's planes,
 written earlier in the same step. A step where any layer does not fit runs every layer through
 the modules (the runner's eager step).
+
+A Gemma 3 model in fp32 over GGUF blocks kept as stored (the CPU default for GGUF files) runs
+each layer as one call too (`gemma3_blocks_layer`), at one token of each of up to 16 sequences
+at once (`decode_rows`, each sequence with its own caches): the module path's kernels in its
+order, but for attention and GELU, so its logits are the module path's up to the order of fp32
+sums there (tests/runtime/test_native_step_blocks.py states the bound).
 
 The layers' operands (pointers into their tensors) are built once and kept here, not on the
 model, and rebuilt when any tensor they point into moves.
@@ -21,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from hearth.kv.cache import DecodeSlot, LayerCache
+from hearth.layers.gguf import GGUFLinear
 from hearth.layers.int8 import Int8Linear
 from hearth.models import Gemma4Model, Model
 from hearth.ops import native
@@ -56,7 +63,7 @@ class NativeLayer(NamedTuple):
     """A layer's operands for the native call: pointers into the layer's tensors, which the
     layer keeps alive (rebuilt when any tensor moves)."""
 
-    operands: native.DecodeLayerOperands | native.Gemma4LayerOperands
+    operands: native.DecodeLayerOperands | native.Gemma4LayerOperands | native.BlocksLayerOperands
     sample: Tensor  # zeros shaped like one token's K: sizes a cache's first slots
 
 
@@ -66,6 +73,12 @@ class NativeDecodeStep:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.gemma4 = isinstance(model, Gemma4Model)
+        # An fp32 Gemma 3 whose projections hold GGUF blocks (the CPU default for a GGUF file).
+        self.blocks = (
+            model.compute_dtype == torch.float32
+            and not self.gemma4
+            and isinstance(_child(model.layers[0], ("self_attn", "o_proj")), GGUFLinear)
+        )
         paths = _GEMMA4_SOURCES if self.gemma4 else _GEMMA3_SOURCES
         self._paths = tuple(tuple(path.split(".")) for path in paths)
         # Per layer: the addresses its operands were built from, and the operands (None: the
@@ -74,15 +87,75 @@ class NativeDecodeStep:
 
     def applies(self, input_ids: Tensor, caches: Sequence[LayerCache] | None) -> bool:
         """Whether a step over `input_ids` may run natively: one token of one sequence, a
-        bf16 CPU model with caches, outside autograd, and the kernels built here."""
+        bf16 (or fp32 Gemma 3) CPU model with caches, outside autograd, and the kernels built
+        here."""
+        return caches is not None and input_ids.shape == (1, 1) and self._model_fits()
+
+    def _model_fits(self) -> bool:
         return (
-            caches is not None
-            and input_ids.shape == (1, 1)
-            and self.model.compute_dtype == torch.bfloat16
+            (self.model.compute_dtype == torch.bfloat16 or self.blocks)
             and self.model.device.type == "cpu"
             and not torch.is_grad_enabled()
             and native.kernels() is not None
         )
+
+    def decode_rows(
+        self,
+        tokens: Sequence[int],
+        caches: Sequence[Sequence[LayerCache]],
+        positions: Sequence[int],
+    ) -> Tensor | None:
+        """Logits [B, vocab] after one token of each of B sequences (each with its own caches
+        and position), every layer natively for all of them at once (the weights read once
+        for all B); None, with nothing changed, where this model or any cache cannot (the
+        caller then runs the modules). fp32 Gemma 3 over GGUF blocks only."""
+        if not (self.blocks and self._model_fits()) or not tokens:
+            return None
+        layers = self._layers(caches[0])
+        if layers is None or not all(
+            _takes_decode_slots(cache) for own in caches[1:] for cache in own
+        ):
+            return None
+        rows = []
+        for start in range(0, len(tokens), native.MAX_INPUT_ROWS):
+            end = start + native.MAX_INPUT_ROWS
+            rows.append(
+                self._blocks_rows(
+                    layers, tokens[start:end], caches[start:end], positions[start:end]
+                )
+            )
+        return torch.cat(rows)
+
+    def _blocks_rows(
+        self,
+        layers: list[NativeLayer],
+        tokens: Sequence[int],
+        caches: Sequence[Sequence[LayerCache]],
+        positions: Sequence[int],
+    ) -> Tensor:
+        """Logits [B, vocab] of B <= 16 sequences' tokens through `gemma3_blocks_layer`."""
+        model = self.model
+        kernels = native.kernels()
+        assert kernels is not None  # `_model_fits` said so
+        batch = len(tokens)
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        x = model.embed(ids).reshape(batch, -1).contiguous()
+        at = torch.tensor(list(positions), dtype=torch.long)
+        ropes = {
+            kind: (cos.reshape(batch, -1).contiguous(), sin.reshape(batch, -1).contiguous())
+            for kind, (cos, sin) in model.rope_tables(at, x.dtype).items()
+        }
+        normed = model.layers[0].input_layernorm(x).contiguous()
+        for index, (layer, built) in enumerate(zip(model.layers, layers, strict=True)):
+            planes = []
+            for own in caches:
+                slot = own[index].decode_slot(built.sample)
+                assert slot is not None  # `_layers` checked the cache takes decode slots
+                planes.append((slot.keys, slot.values, slot.slot, slot.length))
+            cos, sin = ropes[layer.layer_type]
+            assert isinstance(built.operands, native.BlocksLayerOperands)
+            kernels.gemma3_blocks_layer(built.operands, x, normed, cos, sin, planes)
+        return model.logits(normed)
 
     def __call__(
         self, input_ids: Tensor, caches: Sequence[LayerCache], position: int
@@ -93,6 +166,8 @@ class NativeDecodeStep:
         layers = self._layers(caches)
         if layers is None:
             return None
+        if self.blocks:
+            return self._blocks_rows(layers, [int(input_ids)], [caches], [position])[:, None]
         kernels = native.kernels()
         assert kernels is not None  # `applies` said so
         x = model.embed(input_ids)
@@ -163,7 +238,13 @@ class NativeDecodeStep:
         addresses = _tensor_addresses([module for module in sources if module is not None])
         cached = self._built.get(index)
         if cached is None or cached[0] != addresses:
-            build = _gemma4_layer if self.gemma4 else _gemma3_layer
+            build = (
+                _gemma4_layer
+                if self.gemma4
+                else _gemma3_blocks_layer
+                if self.blocks
+                else _gemma3_layer
+            )
             cached = (addresses, build(layer, sources))
             self._built[index] = cached
         return cached[1]
@@ -172,6 +253,50 @@ class NativeDecodeStep:
 def _gemma3_layer(layer: nn.Module, sources: Sequence[nn.Module | None]) -> NativeLayer | None:
     operands = _layer_operands(layer, sources, layer.self_attn.scale)
     return None if operands is None else NativeLayer(operands, _key_sample(layer))
+
+
+def _gemma3_blocks_layer(
+    layer: nn.Module, sources: Sequence[nn.Module | None]
+) -> NativeLayer | None:
+    """The operands of a Gemma 3 layer whose projections all hold GGUF blocks (`sources` as
+    `_gemma3_layer`'s); None where any does not."""
+    attention, mlp = layer.self_attn, layer.mlp
+    weights = [_blocks_weight(module) for module in sources[:4]]
+    norms = _fitting_norms(sources[4:])
+    if any(w is None for w in weights) or norms is None or None in norms:
+        return None
+    operands = native.BlocksLayerOperands(
+        layer.post_attention_layernorm.weight.numel(),
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        mlp.down_proj.in_features,
+        *weights,
+        *(n.data_ptr() for n in norms if n is not None),
+        next(module.eps for module in sources[4:] if module is not None),
+        attention.scale,
+    )
+    sample = torch.zeros(1, attention.num_kv_heads, 1, attention.head_dim)
+    return NativeLayer(operands, sample)
+
+
+def _blocks_weight(module: nn.Module | None) -> native.BlocksWeight | None:
+    """A GGUFLinear's segments as the native layer reads them; None for any other projection
+    or a type the kernels do not take."""
+    if not isinstance(module, GGUFLinear):
+        return None
+    parts = module.parts()
+    if len(parts) > native.MAX_BLOCK_SEGMENTS or any(
+        t not in native.STORED_BLOCK_TYPES or not blocks.is_contiguous() for t, blocks in parts
+    ):
+        return None
+    weight = native.BlocksWeight()
+    weight.segments = len(parts)
+    for index, ((type_id, blocks), rows) in enumerate(zip(parts, module.part_rows, strict=True)):
+        weight.type[index] = type_id
+        weight.rows[index] = rows
+        weight.blocks[index] = blocks.data_ptr()
+    return weight
 
 
 def _gemma4_layer(layer: nn.Module, sources: Sequence[nn.Module | None]) -> NativeLayer | None:

@@ -102,9 +102,15 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [B, V] after one token of each of B sequences, each with its own caches and
         position: one forward over the B tokens side by side (the weights read once for all);
-        a single sequence takes `decode`."""
+        a single sequence takes `decode`, and a model the native layers take for several rows
+        (fp32 over GGUF blocks) runs them natively."""
         if len(tokens) == 1:
             return self.decode(tokens[0], caches[0], positions[0])
+        if (
+            self.native is not None
+            and (rows := self.native.decode_rows(tokens, caches, positions)) is not None
+        ):
+            return rows
         device = self.device
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         at = torch.tensor(positions, dtype=torch.long, device=device)

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,15 @@ _SIGNATURES = {
         _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
         _INT64, _POINTER, _POINTER, _INT,
     ],
+    "hearth_decode_attention_f32": [
+        _POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _FLOAT, _POINTER,
+        _INT,
+    ],
+    "hearth_geglu_f32": [_POINTER, _INT64, _INT64, _POINTER],
+    "hearth_gemma3_blocks_layer": [
+        _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+        _POINTER, _POINTER, _INT,
+    ],
     "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
     "hearth_blocks_to_f32": [_INT, _POINTER, _INT64, _POINTER, _INT],
     "hearth_add_rms_norm_f32": [
@@ -117,6 +127,39 @@ class DecodeLayerOperands(ctypes.Structure):
         *((name, _INT64) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate")),
         *((name, _POINTER) for name in ("qkv", "o", "gate_up", "down")),
         *((f"{name}_scales", _POINTER) for name in ("qkv", "o", "gate_up", "down")),
+        *(
+            (f"{name}_norm", _POINTER)
+            for name in ("q", "k", "post_attention", "pre_feedforward", "post_feedforward", "next")
+        ),
+        ("eps", _FLOAT),
+        ("scale", _FLOAT),
+    ]
+
+
+# Segments a projection over GGUF blocks may be stored in (BLOCKS_MAX_SEGMENTS in the source).
+MAX_BLOCK_SEGMENTS = 4
+
+
+class BlocksWeight(ctypes.Structure):
+    """A projection over GGML blocks for ``gemma3_blocks_layer``: its output rows in
+    ``segments`` runs, each of one type (``type``), ``rows`` rows stored at ``blocks``."""
+
+    _fields_ = [
+        ("segments", _INT64),
+        ("type", _INT64 * MAX_BLOCK_SEGMENTS),
+        ("rows", _INT64 * MAX_BLOCK_SEGMENTS),
+        ("blocks", _POINTER * MAX_BLOCK_SEGMENTS),
+    ]
+
+
+class BlocksLayerOperands(ctypes.Structure):
+    """A Gemma 3 layer's fixed operands over GGUF blocks for ``gemma3_blocks_layer``
+    (``hearth_blocks_layer`` in the source): sizes, the four projections, fp32 norm weights,
+    eps and the attention scale."""
+
+    _fields_ = [
+        *((name, _INT64) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate")),
+        *((name, BlocksWeight) for name in ("qkv", "o", "gate_up", "down")),
         *(
             (f"{name}_norm", _POINTER)
             for name in ("q", "k", "post_attention", "pre_feedforward", "post_feedforward", "next")
@@ -455,6 +498,96 @@ class NativeKernels:
         )  # fmt: skip
         return out
 
+    def decode_attention_f32(
+        self, q: Tensor, keys: Tensor, values: Tensor, scale: float, length: int
+    ) -> Tensor:
+        """As ``decode_attention`` in fp32: q [1, H, 1, D], K/V [1, Hk, slots, D] fp32, the
+        result fp32 (no rounding)."""
+        heads, dim = q.shape[1], q.shape[3]
+        kv_heads, slots = keys.shape[1], keys.shape[2]
+        _require(
+            _dense(q, torch.float32)
+            and q.shape[0] == 1
+            and q.shape[2] == 1
+            and keys.dtype == values.dtype == torch.float32
+            and keys.shape == values.shape
+            and keys.shape[0] == 1
+            and keys.shape[3] == dim
+            and heads % kv_heads == 0
+            and attention_layout(keys, values)
+            and 1 <= length <= slots,
+            "decode_attention_f32 takes fp32 q [1, H, 1, D] and K/V [1, Hk, slots, D]",
+        )
+        out = torch.empty_like(q)
+        self._call(
+            "hearth_decode_attention_f32", q.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            kv_heads, heads // kv_heads, dim, length, keys.stride(1), scale, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def geglu_f32(self, gate_up: Tensor) -> Tensor:
+        """gelu_tanh(gate) · up of fp32 rows ``gate_up [rows, 2n]`` (gate, then up), as the
+        native GGUF layer forms it (``x / (1 + e^(-2u))``: torch's tanh form rewritten)."""
+        _require(
+            _dense(gate_up, torch.float32) and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
+            "geglu_f32 takes contiguous fp32 gate_up [rows, 2n]",
+        )
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2)
+        self._call("hearth_geglu_f32", gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+        return out
+
+    def gemma3_blocks_layer(
+        self,
+        operands: BlocksLayerOperands,
+        x: Tensor,
+        normed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        planes: Sequence[tuple[Tensor, Tensor, int, int]],
+    ) -> None:
+        """One Gemma 3 layer over GGUF blocks at one token of each of B sequences, in place:
+        ``x`` (the residual streams, fp32 [B, hidden]) becomes the layer's output and
+        ``normed`` (their input norms) that output's next norm; cos/sin fp32 [B, D] at each
+        sequence's position. ``planes``: per sequence, its fp32 K/V planes [1, Hk, slots, D],
+        the slot its new K/V go into and the slots attention reads (0..length-1).
+        ``operands`` must point at live tensors."""
+        batch = len(planes)
+        dim = operands.head_dim
+        _require(
+            1 <= batch <= MAX_INPUT_ROWS
+            and _dense(x, torch.float32)
+            and _dense(normed, torch.float32)
+            and x.shape == normed.shape == (batch, operands.hidden)
+            and _dense(cos, torch.float32)
+            and _dense(sin, torch.float32)
+            and cos.shape == sin.shape == (batch, dim)
+            and all(
+                keys.dtype == values.dtype == torch.float32
+                and keys.shape == values.shape
+                and keys.shape[:2] == (1, operands.kv_heads)
+                and keys.shape[3] == dim
+                and attention_layout(keys, values)
+                and 0 <= slot < length <= keys.shape[2]
+                for keys, values, slot, length in planes
+            ),
+            "gemma3_blocks_layer takes fp32 x, normed [B, hidden], cos/sin [B, D], and per "
+            "sequence fp32 K/V [1, Hk, slots, D] with a slot below the length read",
+        )
+        table = torch.tensor(
+            [
+                [keys.data_ptr(), values.data_ptr(), keys.stride(1), slot, length]
+                for keys, values, slot, length in planes
+            ],
+            dtype=torch.int64,
+        ).T.contiguous()
+        self._call(
+            "hearth_gemma3_blocks_layer", ctypes.byref(operands), batch, x.data_ptr(),
+            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(row.data_ptr() for row in table),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
     def gemma3_decode_layer(
         self,
         operands: DecodeLayerOperands,
@@ -541,22 +674,24 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def library_path(cache_dir: Path, compiler: str) -> Path:
-    """Where the library for this source, compiler and CPU lives (built or not)."""
+def library_path(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the library for this source, compiler, flags and CPU lives (built or not)."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False, timeout=30
     ).stdout
     key = hashlib.sha256()
     sources = [path.read_bytes() for path in (SOURCE, *HEADERS)]
-    for part in (*sources, " ".join(FLAGS + LIBRARIES).encode(), version.encode()):
+    for part in (*sources, " ".join(flags + LIBRARIES).encode(), version.encode()):
         key.update(part)
     key.update(f"{platform.machine()}\n{_cpu_identity()}".encode())
     return cache_dir / f"kernels-{key.hexdigest()[:16]}.so"
 
 
-def build(cache_dir: Path, compiler: str) -> Path:
-    """Compile the library into ``cache_dir`` unless it is there; raises on a compiler error."""
-    target = library_path(cache_dir, compiler)
+def build(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile the library into ``cache_dir`` unless it is there; raises on a compiler error.
+    ``flags``: another target than this CPU (tests build the AVX2 library with
+    ``-march=haswell`` on an AVX-512 machine)."""
+    target = library_path(cache_dir, compiler, flags)
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -568,7 +703,7 @@ def build(cache_dir: Path, compiler: str) -> Path:
         with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
             partial = Path(scratch) / target.name
             subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBRARIES],
+                [compiler, *flags, str(SOURCE), "-o", str(partial), *LIBRARIES],
                 capture_output=True,
                 text=True,
                 check=True,

@@ -405,29 +405,40 @@ int hearth_norm_rope(const uint16_t *qkv, int64_t tokens, int64_t width, int64_t
 #define KEY_BLOCK (VEC16_REGISTERS / 4)
 #define VALUE_BLOCK (VEC16_REGISTERS / 4)
 
+/* 16 K or V values from element `index` of a cache plane: bf16, or fp32 where `f32` (a constant
+ * at each inlined call, so one loop is compiled per plane type). */
+static inline __attribute__((always_inline)) vec16 load_kv(const void *plane, int f32,
+                                                           int64_t index, int64_t count) {
+    if (f32) {
+        return vec16_load_f32((const float *)plane + index, count);
+    }
+    return vec16_load_bf16((const uint16_t *)plane + index, count);
+}
+
 /* One unit: each of the `per_group` query heads (fp32 `queries` [per_group, d]) of one KV head
  * over keys [first, first + count). scores: [per_group, CHUNK_KEYS] room. Writes, per head,
  * the chunk's largest score `top`, the sum of exp(score - top) `total`, and `acc` [d] = the
- * exp-weighted sum of the value rows. */
-static void attend_chunk(const float *queries, int64_t per_group, const uint16_t *keys,
-                         const uint16_t *values, int64_t d, int64_t first, int64_t count,
-                         float scale, float *scores, float *top, float *total, float *acc) {
+ * exp-weighted sum of the value rows. K/V bf16, or fp32 where `f32`. */
+static inline __attribute__((always_inline)) void attend_chunk(
+    const float *queries, int64_t per_group, const void *keys, const void *values, int f32,
+    int64_t d, int64_t first, int64_t count, float scale, float *scores, float *top,
+    float *total, float *acc) {
     for (int64_t g = 0; g < per_group; ++g) {
         const float *query = queries + g * d;
         float *row = scores + g * CHUNK_KEYS;
         for (int64_t t0 = 0; t0 < count; t0 += KEY_BLOCK) {
             /* A block past the last key rereads that key; its scores are dropped. */
-            const uint16_t *key[KEY_BLOCK];
+            int64_t key[KEY_BLOCK];
             vec16 dots[KEY_BLOCK];
             for (int u = 0; u < KEY_BLOCK; ++u) {
                 const int64_t t = t0 + u < count ? t0 + u : count - 1;
-                key[u] = keys + (first + t) * d;
+                key[u] = (first + t) * d;
                 dots[u] = vec16_zero();
             }
             for (int64_t j = 0; j < d; j += 16) {
                 const vec16 qv = vec16_load_f32(query + j, d - j);
                 for (int u = 0; u < KEY_BLOCK; ++u) {
-                    dots[u] = vec16_fmadd(qv, vec16_load_bf16(key[u] + j, d - j), dots[u]);
+                    dots[u] = vec16_fmadd(qv, load_kv(keys, f32, key[u] + j, d - j), dots[u]);
                 }
             }
             for (int u = 0; u < KEY_BLOCK && t0 + u < count; ++u) {
@@ -453,9 +464,9 @@ static void attend_chunk(const float *queries, int64_t per_group, const uint16_t
             }
             for (int64_t t = 0; t < count; ++t) {
                 const vec16 weight = vec16_set1(row[t]);
-                const uint16_t *value = values + (first + t) * d + j0;
+                const int64_t value = (first + t) * d + j0;
                 for (int u = 0; u < VALUE_BLOCK; ++u) {
-                    const vec16 row_values = vec16_load_bf16(value + 16 * u, lanes[u]);
+                    const vec16 row_values = load_kv(values, f32, value + 16 * u, lanes[u]);
                     sums[u] = vec16_fmadd(weight, row_values, sums[u]);
                 }
             }
@@ -466,35 +477,35 @@ static void attend_chunk(const float *queries, int64_t per_group, const uint16_t
     }
 }
 
-/* One query per head over `length` keys: out = softmax(scale * q . K^T) @ V, all in fp32 from
- * bf16 inputs, rounded to bf16 once at the end. The keys are cut into chunks of CHUNK_KEYS;
- * threads share the (KV head, chunk) units, and each head's chunks are merged in order by the
- * usual rescaling to the largest score (as flash attention does).
- * q, out: [groups, per_group, d] contiguous (a group = the query heads of one KV head);
- * k, v: group g's key t at k + g * group_stride + t * d. Returns -1 when memory runs out. */
-int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                            int64_t groups, int64_t per_group, int64_t d, int64_t length,
-                            int64_t group_stride, float scale, uint16_t *out, int threads) {
+/* One query per head over `length` keys: result = softmax(scale * q . K^T) @ V in fp32, from
+ * fp32 `queries` [groups, per_group, d] (overwritten: they become the result) and K/V bf16, or
+ * fp32 where `f32`. The keys are cut into chunks of CHUNK_KEYS; threads share the (KV head,
+ * chunk) units, and each head's chunks are merged in order by the usual rescaling to the
+ * largest score (as flash attention does). Group g's key t at k + g * group_stride + t * d.
+ * Returns -1 when memory runs out. */
+static inline __attribute__((always_inline)) int attention_heads(
+    float *queries, const void *k, const void *v, int f32, int64_t groups, int64_t per_group,
+    int64_t d, int64_t length, int64_t group_stride, float scale, int threads) {
     const int64_t heads = groups * per_group, chunks = (length + CHUNK_KEYS - 1) / CHUNK_KEYS;
     const int64_t units = groups * chunks;
-    /* Per unit: scores, then per head (top, total) and acc [d]; the queries in fp32 first. */
+    /* Per unit: scores, then per head (top, total) and acc [d]. */
     const int64_t unit_floats = per_group * (CHUNK_KEYS + 2 + d);
-    float *work = malloc(sizeof(float) * (size_t)(heads * d + units * unit_floats));
-    if (work == NULL) {
+    float *partials = malloc(sizeof(float) * (size_t)(units * unit_floats));
+    if (partials == NULL) {
         return -1;
     }
-    float *queries = work, *partials = work + heads * d;
-    widen_bf16(q, heads * d, queries);
-#pragma omp parallel for schedule(static) num_threads(threads)
+    const int64_t plane_bytes = f32 ? 4 : 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (units > 1)
     for (int64_t unit = 0; unit < units; ++unit) {
         const int64_t group = unit / chunks, chunk = unit % chunks;
         const int64_t first = chunk * CHUNK_KEYS;
         const int64_t count = length - first < CHUNK_KEYS ? length - first : CHUNK_KEYS;
         float *scores = partials + unit * unit_floats;
         float *top = scores + per_group * CHUNK_KEYS, *total = top + per_group;
-        attend_chunk(queries + group * per_group * d, per_group, k + group * group_stride,
-                     v + group * group_stride, d, first, count, scale, scores, top, total,
-                     total + per_group);
+        const char *group_k = (const char *)k + group * group_stride * plane_bytes;
+        const char *group_v = (const char *)v + group * group_stride * plane_bytes;
+        attend_chunk(queries + group * per_group * d, per_group, group_k, group_v, f32, d, first,
+                     count, scale, scores, top, total, total + per_group);
     }
     for (int64_t head = 0; head < heads; ++head) {
         const int64_t group = head / per_group, g = head % per_group;
@@ -517,11 +528,38 @@ int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t
             }
         }
         for (int64_t j = 0; j < d; ++j) {
-            out[head * d + j] = float_to_bf16(result[j] / sum);
+            result[j] = result[j] / sum;
         }
     }
-    free(work);
+    free(partials);
     return 0;
+}
+
+/* One query per head, bf16 in and out (q, out: [groups, per_group, d] contiguous; k, v bf16):
+ * attention_heads in fp32, rounded to bf16 once at the end. */
+int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                            int64_t groups, int64_t per_group, int64_t d, int64_t length,
+                            int64_t group_stride, float scale, uint16_t *out, int threads) {
+    const int64_t heads = groups * per_group;
+    float *queries = malloc(sizeof(float) * (size_t)(heads * d));
+    if (queries == NULL) {
+        return -1;
+    }
+    widen_bf16(q, heads * d, queries);
+    const int status = attention_heads(queries, k, v, 0, groups, per_group, d, length,
+                                       group_stride, scale, threads);
+    narrow_bf16(queries, heads * d, out);
+    free(queries);
+    return status;
+}
+
+/* As hearth_decode_attention with fp32 q, K/V and out (no rounding). */
+int hearth_decode_attention_f32(const float *q, const float *k, const float *v, int64_t groups,
+                                int64_t per_group, int64_t d, int64_t length,
+                                int64_t group_stride, float scale, float *out, int threads) {
+    memcpy(out, q, sizeof(float) * (size_t)(groups * per_group * d));
+    return attention_heads(out, k, v, 1, groups, per_group, d, length, group_stride, scale,
+                           threads);
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -945,8 +983,8 @@ typedef struct {
     int64_t values, bytes, group;
     block_unpacker unpack;
     /* w = step * q with no offset and the product exact in fp32 (fp16 d times a scale of at
-     * most 6 bits, times a code of at most 8 bits: Q8_0, Q4_0, Q5_0, Q3_K): then
-     * sum x * w = step * sum x * q, each group's sum formed on the codes and scaled once. */
+     * most 6 bits, times a code of at most 8 bits: Q8_0, Q4_0, Q5_0, Q3_K): the product alone
+     * is the weight (no subtraction of a zero offset). */
     int exact_product;
 } block_format;
 
@@ -1184,6 +1222,17 @@ static inline vec16 block_weights(const int8_t *codes, const unpacked_block *u, 
     return vec16_sub(vec16_mul(q, vec16_set1(u->step[g])), vec16_set1(u->offset[g]));
 }
 
+/* block_weights without the offset where the format has none. */
+static inline __attribute__((always_inline)) vec16 format_weights(const block_format f,
+                                                                  const int8_t *codes,
+                                                                  const unpacked_block *u,
+                                                                  int64_t j) {
+    if (f.exact_product) {
+        return vec16_mul(vec16_load_i8(codes + j, 16), vec16_set1(u->step[j / f.group]));
+    }
+    return block_weights(codes, u, f.group, j);
+}
+
 /* n_blocks blocks of `type` -> fp32 values in order. Returns -1 for a type not handled here. */
 int hearth_blocks_to_f32(int type, const uint8_t *blocks, int64_t n_blocks, float *out,
                          int threads) {
@@ -1208,7 +1257,8 @@ int hearth_blocks_to_f32(int type, const uint8_t *blocks, int64_t n_blocks, floa
  * the unpacked-buffer path runs. Same sums as that path's exact-product form. */
 typedef void (*block_dot_fn)(const uint8_t *block, const float *x, vec16 *even, vec16 *odd);
 #if VEC16_REGISTERS >= 32
-/* Q4_0 / Q5_0: d * sum x * q over the 32 values, q = nibble (| fifth bit) - bias. */
+/* Q4_0 / Q5_0: sum x * (d * q) over the 32 values, q = nibble (| fifth bit) - bias, values
+ * 0-15 into the even sums and 16-31 into the odd ones. */
 static inline __attribute__((always_inline)) void nibble_block_dot(
     const uint8_t *qs, uint32_t high, int fives, float d, const float *x, vec16 *even,
     vec16 *odd) {
@@ -1224,10 +1274,10 @@ static inline __attribute__((always_inline)) void nibble_block_dot(
         low = _mm512_sub_epi32(low, eight);
         upper = _mm512_sub_epi32(upper, eight);
     }
-    __m512 part = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_cvtepi32_ps(low));
-    part = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_cvtepi32_ps(upper), part);
-    *even = _mm512_fmadd_ps(part, _mm512_set1_ps(d), *even);
-    (void)odd;
+    const __m512 step = _mm512_set1_ps(d); /* step * q is exact: the weights themselves */
+    *even = _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_mul_ps(_mm512_cvtepi32_ps(low), step), *even);
+    *odd = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), _mm512_mul_ps(_mm512_cvtepi32_ps(upper), step),
+                           *odd);
 }
 static void dot_q4_0(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
     nibble_block_dot(block + 2, 0, 0, half_at(block), x, even, odd);
@@ -1255,8 +1305,11 @@ static void dot_q4_k(const uint8_t *block, const float *x, vec16 *even, vec16 *o
             const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
             const __m512 low_w = _mm512_sub_ps(_mm512_mul_ps(low, low_step), low_offset);
             const __m512 high_w = _mm512_sub_ps(_mm512_mul_ps(high, high_step), high_offset);
-            *even = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 16 * half), low_w, *even);
-            *odd = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 32 + 16 * half), high_w, *odd);
+            /* Values 16c..16c+15 (chunk c) go to the even sums for even c, as in the unpacked
+             * path: chunks 4 pair + half (low) and 4 pair + 2 + half (high), in that order. */
+            vec16 *sums = half == 0 ? even : odd;
+            *sums = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 16 * half), low_w, *sums);
+            *sums = _mm512_fmadd_ps(_mm512_loadu_ps(x + 64 * pair + 32 + 16 * half), high_w, *sums);
         }
     }
 }
@@ -1269,11 +1322,53 @@ static void dot_q4_k(const uint8_t *block, const float *x, vec16 *even, vec16 *o
 #define DIRECT_DOT_Q4_K NULL
 #endif
 
+/* Input rows computed together, each weight block unpacked once for them: their even and odd
+ * sums take 16 of AVX-512's 32 registers. AVX2's 16 registers hold only 2 rows' (two per
+ * vec16), but unpacking the blocks once for 8 rows and spilling sums to L1 measured faster at
+ * 8 rows than 2 or 4 rows at a time (Q5_0 2.8 G weights/s against 1.5 and 2.4, one thread,
+ * the -march=haswell build on the Xeon), and no slower at 4 rows. */
+#define BLOCK_INPUT_ROWS 8
+
+/* y[i * ldy + r] for `mr` input rows (a constant at each inlined call: the sums then live in
+ * registers) and one weight row `row` of format `f`, each block unpacked once for all of
+ * them. Every input row's sums are formed in the order of the one-row path of
+ * blocks_gemv_rows (chunk c of 16 values into the even sums for even c), so a row's result
+ * does not depend on the rows computed beside it. */
+static inline __attribute__((always_inline)) void block_row_inputs(
+    const block_format f, const float *x, const int mr, int64_t k, const uint8_t *row,
+    float *y, int64_t ldy) {
+    const int64_t blocks_per_row = k / f.values;
+    unpacked_block u;
+    vec16 even[BLOCK_INPUT_ROWS], odd[BLOCK_INPUT_ROWS];
+    for (int i = 0; i < mr; ++i) {
+        even[i] = vec16_zero();
+        odd[i] = vec16_zero();
+    }
+    for (int64_t b = 0; b < blocks_per_row; ++b) {
+        _mm_prefetch((const char *)row + b * f.bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        const int8_t *codes = f.unpack(row + b * f.bytes, &u);
+        const float *xb = x + b * f.values;
+        for (int64_t j = 0; j < f.values; j += 32) {
+            const vec16 low = format_weights(f, codes, &u, j);
+            const vec16 high = format_weights(f, codes, &u, j + 16);
+            for (int i = 0; i < mr; ++i) {
+                even[i] = vec16_fmadd(vec16_load_f32(xb + i * k + j, 16), low, even[i]);
+                odd[i] = vec16_fmadd(vec16_load_f32(xb + i * k + j + 16, 16), high, odd[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        y[i * ldy] = vec16_sum(vec16_add(even[i], odd[i]));
+    }
+}
+
 /* y[i * ldy + r] = sum_k x[i, k] * w[r, k] for input rows i < m (fp32, [m, k] contiguous) and
  * weight rows first <= r < last of format `f` (each row k / values whole blocks, rows
- * contiguous): fp32 products and sums, 16 lanes, two accumulators at one input row. Inlined
+ * contiguous): fp32 products and sums, 16 lanes, two accumulators per input row. Inlined
  * into one function per type (below) with `f` a constant, so that the unpacking and the group
- * arithmetic are compiled for it (an OpenMP region would pass `f` as data: no inlining). */
+ * arithmetic are compiled for it (an OpenMP region would pass `f` as data: no inlining).
+ * Several input rows go BLOCK_INPUT_ROWS at a time through block_row_inputs, in the same order
+ * of sums as one row: a row's result is the same alone or beside others. */
 static inline __attribute__((always_inline)) void blocks_gemv_rows(
     const block_format f, const block_dot_fn direct, const float *x, int64_t m, int64_t k,
     const uint8_t *w, int64_t first, int64_t last, float *y, int64_t ldy) {
@@ -1291,47 +1386,30 @@ static inline __attribute__((always_inline)) void blocks_gemv_rows(
                     continue;
                 }
                 const int8_t *codes = f.unpack(row + b * f.bytes, &u);
-                if (f.exact_product) {
-                    for (int64_t g = 0; g < f.values / f.group; ++g) {
-                        vec16 part = vec16_zero();
-                        for (int64_t j = g * f.group; j < (g + 1) * f.group; j += 16) {
-                            part = vec16_fmadd(vec16_load_f32(xb + j, 16),
-                                               vec16_load_i8(codes + j, 16), part);
-                        }
-                        if (g % 2 == 0) {
-                            even = vec16_fmadd(part, vec16_set1(u.step[g]), even);
-                        } else {
-                            odd = vec16_fmadd(part, vec16_set1(u.step[g]), odd);
-                        }
-                    }
-                    continue;
-                }
                 for (int64_t j = 0; j < f.values; j += 32) {
                     even = vec16_fmadd(vec16_load_f32(xb + j, 16),
-                                       block_weights(codes, &u, f.group, j), even);
+                                       format_weights(f, codes, &u, j), even);
                     odd = vec16_fmadd(vec16_load_f32(xb + j + 16, 16),
-                                      block_weights(codes, &u, f.group, j + 16), odd);
+                                      format_weights(f, codes, &u, j + 16), odd);
                 }
             }
             y[r] = vec16_sum(vec16_add(even, odd));
             continue;
         }
-        vec16 acc[MAX_INPUT_ROWS];
-        for (int64_t i = 0; i < m; ++i) {
-            acc[i] = vec16_zero();
-        }
-        for (int64_t b = 0; b < blocks_per_row; ++b) {
-            const int8_t *codes = f.unpack(row + b * f.bytes, &u);
-            for (int64_t j = 0; j < f.values; j += 16) {
-                const vec16 weights = block_weights(codes, &u, f.group, j);
-                for (int64_t i = 0; i < m; ++i) {
-                    acc[i] = vec16_fmadd(vec16_load_f32(x + i * k + b * f.values + j, 16),
-                                         weights, acc[i]);
-                }
+        for (int64_t i0 = 0; i0 < m; i0 += BLOCK_INPUT_ROWS) {
+            const int64_t rows = m - i0 < BLOCK_INPUT_ROWS ? m - i0 : BLOCK_INPUT_ROWS;
+            const float *xi = x + i0 * k;
+            float *yi = y + i0 * ldy + r;
+            switch (rows) { /* a constant count in each copy */
+            case 8: block_row_inputs(f, xi, 8, k, row, yi, ldy); break;
+            case 7: block_row_inputs(f, xi, 7, k, row, yi, ldy); break;
+            case 6: block_row_inputs(f, xi, 6, k, row, yi, ldy); break;
+            case 5: block_row_inputs(f, xi, 5, k, row, yi, ldy); break;
+            case 4: block_row_inputs(f, xi, 4, k, row, yi, ldy); break;
+            case 3: block_row_inputs(f, xi, 3, k, row, yi, ldy); break;
+            case 2: block_row_inputs(f, xi, 2, k, row, yi, ldy); break;
+            default: block_row_inputs(f, xi, 1, k, row, yi, ldy); break;
             }
-        }
-        for (int64_t i = 0; i < m; ++i) {
-            y[i * ldy + r] = vec16_sum(acc[i]);
         }
     }
 }
@@ -1466,4 +1544,155 @@ int hearth_norm_rope_f32(const float *qkv, int64_t tokens, int64_t width, int64_
     }
     free(normed);
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * A whole Gemma 3 decoder layer over GGUF blocks kept as stored, fp32 activations, at one
+ * decode token of each of `batch` sequences (each with its own cache), in one call: the ops of
+ * hearth/models/gemma3.py in its order, each of them the kernel the module path runs (the block
+ * GEMV, the fp32 add + RMSNorm, the fp32 q/k norm + RoPE), except attention (the module path's
+ * is torch's SDPA) and GELU (torch's vectorised tanh; here libm's): the result is the module
+ * path's up to the order of fp32 sums in attention and the last bits of tanh.
+ */
+
+/* Segments a projection's rows may be stored in (a q/k/v stack of three types at most). */
+#define BLOCKS_MAX_SEGMENTS 4
+
+/* A projection over GGML blocks: its output rows in `segments` runs, run s `rows[s]` rows of
+ * type `type[s]` stored contiguously at `blocks[s]`. */
+typedef struct {
+    int64_t segments;
+    int64_t type[BLOCKS_MAX_SEGMENTS];
+    int64_t rows[BLOCKS_MAX_SEGMENTS];
+    const uint8_t *blocks[BLOCKS_MAX_SEGMENTS];
+} hearth_blocks_weight;
+
+/* A Gemma 3 layer's fixed operands over blocks (read-only); norm weights fp32, already 1 + w. */
+typedef struct {
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate;
+    hearth_blocks_weight qkv, o, gate_up, down;
+    const float *q_norm, *k_norm, *post_attention_norm, *pre_feedforward_norm;
+    const float *post_feedforward_norm, *next_norm;
+    float eps, scale;
+} hearth_blocks_layer;
+
+/* y [m, rows] (row stride ldy) = x [m, k] @ W^T over every segment of `w`. */
+static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t m, int64_t k,
+                          float *y, int64_t ldy, int threads) {
+    int64_t first = 0;
+    for (int64_t s = 0; s < w->segments; ++s) {
+        if (hearth_blocks_gemv((int)w->type[s], x, m, k, w->blocks[s], w->rows[s], y + first,
+                               ldy, threads) != 0) {
+            return -1;
+        }
+        first += w->rows[s];
+    }
+    return 0;
+}
+
+/* e^x in fp32 for x in [-87, 88] (clamped there): x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in
+ * two parts, Cody and Waite), e^r by its degree-6 Taylor polynomial (error under 2e-8 of it),
+ * times 2^n made in the exponent bits. Within ~2 ulp of e^x; plain arithmetic that a loop of
+ * it vectorises. */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693145751953125f, x);
+    r = fmaf(n, -1.428606765330187045e-06f, r);
+    float p = 1.0f / 720.0f;
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* out = gelu_tanh(gate) * up for `rows` rows of gate_up [rows, 2n] (gate then up), fp32:
+ * torch's F.gelu(approximate="tanh"), 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3),
+ * formed as x / (1 + e^(-2u)) (the same function: 0.5 (1 + tanh u) is the logistic of 2u), whose
+ * rounding error is a few ulp of the result where torch's vectorised tanh has its own. */
+static void geglu_rows_f32(const float *gate_up, int64_t rows, int64_t n, float *out) {
+    const float beta = 0.797884560802865355f, kappa = 0.044715f;
+    for (int64_t i = 0; i < rows; ++i) {
+        const float *gate = gate_up + i * 2 * n, *up = gate + n;
+        float *row = out + i * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+            const float x = gate[j];
+            const float u = beta * (x + kappa * x * x * x);
+            row[j] = x / (1.0f + exp_f32(-2.0f * u)) * up[j];
+        }
+    }
+}
+
+/* geglu_rows_f32 as an entry point (tests compare it with torch's). */
+int hearth_geglu_f32(const float *gate_up, int64_t rows, int64_t n, float *out) {
+    geglu_rows_f32(gate_up, rows, n, out);
+    return 0;
+}
+
+/* x [batch, hidden] (each sequence's residual stream) and normed [batch, hidden] (its input
+ * norm) are updated in place: x becomes the layer's output, normed its norm by next_norm. cos,
+ * sin: fp32 [batch, head_dim] at each sequence's position. Sequence b's new K and V go into slot
+ * slot[b] of its fp32 cache planes keys[b], values[b] (head h's slot t at
+ * h * head_stride[b] + t * head_dim; planes as int64 addresses), and its attention reads slots
+ * 0..length[b]-1. Returns -1 when memory runs out or a block type is not handled. */
+int hearth_gemma3_blocks_layer(const hearth_blocks_layer *layer, int64_t batch, float *x,
+                               float *normed, const float *cos, const float *sin,
+                               const int64_t *keys, const int64_t *values,
+                               const int64_t *head_stride, const int64_t *slot,
+                               const int64_t *length, int threads) {
+    const int64_t d = layer->head_dim, h = layer->hidden, inner = layer->intermediate;
+    const int64_t q_width = layer->q_heads * d, kv_width = layer->kv_heads * d;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const int64_t per_row = qkv_width + q_width + 2 * kv_width + h + 3 * inner;
+    float *work = malloc(sizeof(float) * (size_t)(batch * per_row));
+    if (work == NULL) {
+        return -1;
+    }
+    float *qkv = work, *q = qkv + batch * qkv_width, *k = q + batch * q_width;
+    float *v = k + batch * kv_width, *projected = v + batch * kv_width;
+    float *gate_up = projected + batch * h, *activated = gate_up + batch * 2 * inner;
+    int status = -1;
+    if (blocks_project(&layer->qkv, normed, batch, h, qkv, qkv_width, threads) != 0 ||
+        hearth_norm_rope_f32(qkv, batch, qkv_width, layer->q_heads, layer->kv_heads, d,
+                             layer->q_norm, layer->k_norm, cos, sin, layer->eps, q, k,
+                             v) != 0) {
+        goto done;
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+        float *key_plane = (float *)(intptr_t)keys[b], *value_plane = (float *)(intptr_t)values[b];
+        for (int64_t head = 0; head < layer->kv_heads; ++head) {
+            const int64_t at = head * head_stride[b] + slot[b] * d;
+            memcpy(key_plane + at, k + (b * layer->kv_heads + head) * d, sizeof(float) * (size_t)d);
+            memcpy(value_plane + at, v + (b * layer->kv_heads + head) * d,
+                   sizeof(float) * (size_t)d);
+        }
+        /* The query heads become their attention output, in place. */
+        if (attention_heads(q + b * q_width, key_plane, value_plane, 1, layer->kv_heads,
+                            layer->q_heads / layer->kv_heads, d, length[b], head_stride[b],
+                            layer->scale, threads) != 0) {
+            goto done;
+        }
+    }
+    if (blocks_project(&layer->o, q, batch, q_width, projected, h, threads) != 0 ||
+        hearth_add_rms_norm_f32(x, projected, batch, h, layer->post_attention_norm,
+                                layer->pre_feedforward_norm, layer->eps, x, normed) != 0 ||
+        blocks_project(&layer->gate_up, normed, batch, h, gate_up, 2 * inner, threads) != 0) {
+        goto done;
+    }
+    geglu_rows_f32(gate_up, batch, inner, activated);
+    if (blocks_project(&layer->down, activated, batch, inner, projected, h, threads) != 0) {
+        goto done;
+    }
+    status = hearth_add_rms_norm_f32(x, projected, batch, h, layer->post_feedforward_norm,
+                                     layer->next_norm, layer->eps, x, normed);
+done:
+    free(work);
+    return status;
 }
