@@ -47,7 +47,7 @@ import torch
 from hearth.kv.cache import CacheSpec, KVView
 from hearth.kv.footprint import token_bytes
 from hearth.kv.policy import KVPolicy
-from hearth.quant.kv_codecs import EMPTY_POSITION, KVCodec
+from hearth.quant.kv_codecs import KVCodec
 
 DEFAULT_BLOCK_SIZE = 16
 Hash = bytes
@@ -335,9 +335,9 @@ class KVPool:
 
 
 def window_blocks(window: int, chunk: int, block_size: int) -> int:
-    """The most blocks a sliding layer holds for one sequence: its window's keys before a
+    """The most blocks a sliding layer holds for one sequence: the `window` keys before a
     chunk, the chunk's own, and a block each end may straddle."""
-    return -(-(window - 1 + chunk) // block_size) + 1
+    return -(-(window + chunk) // block_size) + 1
 
 
 class PagedSequence:
@@ -402,8 +402,9 @@ class PagedSequence:
         for table, pool, group in zip(self.tables, self.pool.pools, self.pool.groups, strict=True):
             if group.window is None:
                 continue
-            # Later queries are at positions >= stored: they see keys from stored-window+1.
-            first_needed = max(0, self.stored - group.window + 1) // size
+            # A ring keeps the `window` tokens before the next one (the oldest of them hidden
+            # from every later query, but attended over, masked, as a ring does).
+            first_needed = max(0, self.stored - group.window) // size
             for i in range(min(first_needed, len(table))):
                 block = table[i]
                 if block is not None:
@@ -436,7 +437,7 @@ class PagedSequence:
             return 0
         tokens = count * size
         for table, pool, group in zip(self.tables, self.pool.pools, self.pool.groups, strict=True):
-            first = 0 if group.window is None else max(0, tokens - group.window + 1) // size
+            first = 0 if group.window is None else max(0, tokens - group.window) // size
             for i in range(count):
                 table.append(pool.share(hashes[i]) if i >= first else None)
         self.hashes = hashes[:count]
@@ -450,7 +451,7 @@ class PagedSequence:
         size = self.pool.block_size
         tokens = count * size
         for pool, group in zip(self.pool.pools, self.pool.groups, strict=True):
-            first = 0 if group.window is None else max(0, tokens - group.window + 1) // size
+            first = 0 if group.window is None else max(0, tokens - group.window) // size
             if not all(pool.holds(hashes[i]) for i in range(first, count)):
                 return False
         return True
@@ -463,9 +464,7 @@ class PagedSequence:
 class PagedLayerCache:
     """One layer's view of a `PagedSequence`: the `LayerCache` interface a model calls."""
 
-    def __init__(
-        self, sequence: PagedSequence, group: int, layer: int, window: int | None
-    ) -> None:
+    def __init__(self, sequence: PagedSequence, group: int, layer: int, window: int | None) -> None:
         self.sequence = sequence
         self.group = group
         self.layer = layer
@@ -507,25 +506,45 @@ class PagedLayerCache:
         self.offset = start + count
         if start == 0:
             return KVView(keys, values, count, None)
-        return self.view()
+        return self.view(start)
 
-    def view(self) -> KVView:
-        """The held blocks' K/V, decoded, with each slot's position (EMPTY past `offset`)."""
+    def view(self, start: int) -> KVView:
+        """What a chunk stored from `start` attends over, decoded, laid out as a `LayerCache`
+        lays it out (so both attend in one order and agree to the bit): a full layer its
+        tokens in order; a sliding layer the `window` tokens before the chunk in ring-slot
+        order (position p in slot p % window), then the chunk's own."""
+        end = self.offset
+        if self.window is None:
+            keys, values = self._read(torch.arange(end))
+            return KVView(keys, values, end, None)
+        window = self.window
+        if end - start == 1:  # one query: the ring's tokens, every one visible to it
+            old = _ring_order(max(0, end - window), end, window)
+            keys, values = self._read(old)
+            return KVView(keys, values, old.shape[0], None)
+        old = _ring_order(max(0, start - window), start, window)
+        wanted = torch.cat([old, torch.arange(start, end)])
+        keys, values = self._read(wanted)
+        return KVView(keys, values, wanted.shape[0], wanted.to(keys.device))
+
+    def _read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V stored at `positions` (all held), in that order, decoded."""
         size = self._pool.block_size
         table = self.sequence.tables[self.group]
-        held = [i for i, block in enumerate(table) if block is not None]
         device = self._pool.planes[self.layer][0].device
-        blocks = torch.tensor([table[i] for i in held], dtype=torch.long, device=device)
-        planes = self._pool.gather(self.layer, blocks)
-        keys, values = self.codec.decode(planes, self._pool.dtype)
-        positions = (
-            torch.tensor(held, dtype=torch.long, device=device)[:, None] * size
-            + torch.arange(size, device=device)
-        ).flatten()
-        positions = torch.where(
-            positions < self.offset, positions, torch.full_like(positions, EMPTY_POSITION)
-        )
-        return KVView(keys, values, positions.shape[0], positions)
+        first = int(positions.min()) // size
+        last = int(positions.max()) // size
+        blocks = table[first : last + 1]
+        assert all(block is not None for block in blocks), "a needed block was freed"
+        planes = self._pool.gather(self.layer, torch.tensor(blocks, device=device))
+        slots = positions - first * size
+        in_order = bool((slots == torch.arange(slots.shape[0])).all())
+        if in_order:
+            planes = [plane[:, :, : slots.shape[0]] for plane in planes]
+        else:
+            slots = slots.to(device)
+            planes = [plane.index_select(2, slots) for plane in planes]
+        return self.codec.decode(planes, self._pool.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -533,8 +552,12 @@ class PagedLayerCache:
         return per_block * len(self.sequence.held(self.group))
 
 
+def _ring_order(first: int, end: int, window: int) -> torch.Tensor:
+    """Positions first..end-1 in the order a ring of `window` slots holds them."""
+    positions = torch.arange(first, end)
+    return positions[torch.argsort(positions % window)]
+
+
 def _indexable(plane: torch.Tensor) -> torch.Tensor:
     """Indexed writes have no uint32 kernel: move packed words as int32 (same bits)."""
     return plane.view(torch.int32) if plane.dtype == torch.uint32 else plane
-
-
