@@ -38,6 +38,7 @@ later chunk K/V as stored.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,17 +111,16 @@ class BlockPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.group = group
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         sample = torch.zeros(1, group.kv_heads, 1, group.head_dim, dtype=dtype, device=device)
         encoded = group.codec.encode(sample, sample)
-        # planes[layer][plane]: [num_blocks, kv_heads, block_size, ...]
+        # planes[layer][plane]: [num_blocks, kv_heads, block_size, ...]. Left uninitialised
+        # (a large pool costs no memory until used): a view reads only written slots.
         self.planes: list[list[torch.Tensor]] = [
-            [p.new_zeros((num_blocks, p.shape[1], block_size, *p.shape[3:])) for p in encoded]
+            [p.new_empty((num_blocks, p.shape[1], block_size, *p.shape[3:])) for p in encoded]
             for _ in group.members
         ]
         self.refcounts = [0] * num_blocks
@@ -252,7 +252,7 @@ class KVPool:
         for g, group in enumerate(self.groups):
             for layer, member in enumerate(group.members):
                 self.place[member] = (g, layer)
-        self.hit_tokens = 0  # prompt tokens served from cached blocks
+        self.hit_tokens = 0  # tokens served from cached blocks (counted by the scheduler)
 
     @classmethod
     def for_budget(
@@ -289,8 +289,6 @@ class KVPool:
             count = left // sum(block_bytes[i] for i in full)
             for i in full:
                 counts[i] = count
-        if min(counts) < 1:
-            raise ValueError(f"a K/V budget of {budget_bytes} bytes holds no block of some layer")
         return cls(specs, policy, dtype, counts, block_size, device)
 
     # -- sizes
@@ -326,12 +324,50 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(pool.block_bytes * pool.num_blocks for pool in self.pools)
 
+    def describe(self) -> str:
+        """The pool in words: blocks of `block_size` tokens per group."""
+        groups = ", ".join(
+            f"{pool.num_blocks} {'full' if group.window is None else 'sliding'}"
+            for group, pool in zip(self.groups, self.pools, strict=True)
+        )
+        return f"blocks of {self.block_size} tokens: {groups}"
+
     def sequence(self) -> PagedSequence:
         return PagedSequence(self)
 
     def clear_cache(self) -> None:
         for pool in self.pools:
             pool.clear_cache()
+
+
+def default_pool_bytes(
+    specs: Sequence[CacheSpec],
+    policy: KVPolicy,
+    dtype: torch.dtype,
+    max_sequences: int,
+    max_context: int,
+    chunk: int,
+    device: torch.device,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> int:
+    """A pool for `max_sequences` sequences at the model's whole context, at most half the
+    memory free now (RAM on a CPU, the GPU's on CUDA)."""
+    per_sequence = 0
+    for group in cache_groups(specs, policy):
+        tokens = max_context
+        if group.window is not None:
+            tokens = min(max_context, window_blocks(group.window, chunk, block_size) * block_size)
+        per_sequence += group.token_bytes(dtype) * tokens
+    return min(max_sequences * per_sequence, free_memory_bytes(device) // 2)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free now on `device` (a CPU's available RAM)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(pages) * int(os.sysconf("SC_PAGE_SIZE")) if pages else 2**33
 
 
 def window_blocks(window: int, chunk: int, block_size: int) -> int:
@@ -381,6 +417,15 @@ class PagedSequence:
             while len(table) < last:
                 table.append(pool.allocate())
         self.tokens += new_tokens
+        return True
+
+    def can_grow_to(self, tokens: int, chunk: int) -> bool:
+        """Whether the free blocks cover growing to `tokens` in chunks of at most `chunk`
+        (a sliding group: its window's worth)."""
+        for g, (table, pool) in enumerate(zip(self.tables, self.pool.pools, strict=True)):
+            held = sum(block is not None for block in table)
+            if self.pool.peak_blocks(g, tokens, chunk) - held > pool.free_blocks:
+                return False
         return True
 
     def after_forward(self, ids: Sequence[int]) -> None:
@@ -444,7 +489,6 @@ class PagedSequence:
         self.tokens = self.stored = tokens
         for cache in self.caches:
             cache.offset = tokens
-        self.pool.hit_tokens += tokens
         return tokens
 
     def _usable(self, hashes: list[Hash], count: int) -> bool:

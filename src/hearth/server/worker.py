@@ -230,7 +230,7 @@ class GenerationWorker:
     def _run_batched(self) -> None:
         scheduler = self.engine.scheduler(
             self.max_concurrent,
-            self.prompt_cache,
+            self.prompt_cache is not None,  # caching on: the pool's prefix cache serves it
             self.kv_room,
             on_cancelled=lambda: self._cancelled("while generating"),
         )
