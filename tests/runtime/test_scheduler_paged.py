@@ -11,7 +11,6 @@ of this model (std ~2) by ~1e-6; 1e-3 leaves a wide berth.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -176,8 +175,8 @@ def test_prefix_blocks_are_shared_and_freed_by_reference_count(engine: Any) -> N
     shares its 5 full blocks (20 tokens) instead of computing them; both reach their own
     answers; the shared blocks are released by each, cached after the last."""
     prefix = _request(22, 7).prompt_ids
-    first = replace(_request(3, 8), prompt_ids=prefix + [40, 41, 42])
-    second = replace(_request(3, 9), prompt_ids=prefix + [50, 51])
+    first = replace(_request(3, 8), prompt_ids=[*prefix, 40, 41, 42])
+    second = replace(_request(3, 9), prompt_ids=[*prefix, 50, 51])
     pool = _pool(engine, 64, 64)
     scheduler = _scheduler(engine, 2, pool)
     one, two = Collector(), Collector()
