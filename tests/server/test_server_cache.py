@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from hearth.kv.paged import DEFAULT_BLOCK_SIZE
 from hearth.kv.prompt_cache import PromptCache
 from test_server import _free_port, _wait_until_healthy
 from test_server_tools import engine  # noqa: F401  (a fixture: the scripted Gemma 4)
@@ -129,7 +130,8 @@ def test_next_turn_reuses_the_conversation_and_matches_an_uncached_server(
         {"role": "user", "content": "And the capital of Germany?"},
     ]
     reused, fresh = _chat(cached, next_turn), _chat(uncached, next_turn)
-    assert _cached_tokens(reused) >= first["usage"]["prompt_tokens"] - 1
+    # The pool shares whole blocks: at most a block's worth of the first turn is recomputed.
+    assert _cached_tokens(reused) >= first["usage"]["prompt_tokens"] - (DEFAULT_BLOCK_SIZE - 1)
     assert _cached_tokens(fresh) == 0
     assert reused["choices"][0]["message"] == fresh["choices"][0]["message"]
 
@@ -147,8 +149,10 @@ def test_a_conversation_past_the_sliding_window_reuses_the_previous_prompt(
         {"role": "user", "content": "And the capital of Germany?"},
     ]
     reused, fresh = _chat(cached, next_turn), _chat(uncached, next_turn)
-    # The snapshot at the prompt boundary serves the next turn although rings have wrapped.
-    assert _cached_tokens(reused) == first["usage"]["prompt_tokens"]
+    # The first turn's blocks serve the next although its sliding windows moved on: the
+    # sliding layers' blocks within the window before the hit point are still cached. Whole
+    # blocks only: at most a block's worth of the first turn is recomputed.
+    assert _cached_tokens(reused) >= first["usage"]["prompt_tokens"] - (DEFAULT_BLOCK_SIZE - 1)
     assert reused["choices"][0]["message"] == fresh["choices"][0]["message"]
 
 
@@ -185,6 +189,10 @@ def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> N
     cache = after["prompt_cache"]
     assert cache["enabled"] and cache["entries"] >= 1 and cache["bytes"] > 0
     assert cache["hits"] == before["prompt_cache"]["hits"] + 1
+    pool = after["kv_pool"]  # the CPU default: 8 requests at once on the paged pool
+    assert pool["enabled"] and pool["block_size"] == DEFAULT_BLOCK_SIZE
+    assert pool["blocks_used"] == 0 < pool["blocks_cached"] <= pool["blocks_total"]
+    assert pool["prefix_hit_tokens"] >= before["kv_pool"]["prefix_hit_tokens"] + 16
     admission = after["admission"]
     assert admission["budget_bytes"] == BUDGET_GB * 10**9
     # The GGUF's default CPU path computes in fp32 (its blocks as stored): 4-byte K/V.
@@ -192,6 +200,9 @@ def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> N
         admission["budget_bytes"], admission["weight_bytes"], element_bytes=4
     )
     assert admission["max_context_tokens"] == capacity > 4000
+    # The pool is what the budget leaves beside the weights, to a block of each group.
+    room = admission["budget_bytes"] - admission["weight_bytes"]
+    assert room - 2 * 18 * DEFAULT_BLOCK_SIZE * 2 * 256 * 4 < pool["bytes"] <= room
 
     metrics = httpx.get(f"{cached}/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -202,6 +213,9 @@ def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> N
     values = dict(line.split() for line in lines if not line.startswith("#"))
     assert int(values["hearth_requests_total"]) >= after["requests"]
     assert int(values["hearth_prompt_cache_hits_total"]) >= cache["hits"]
+    assert int(values["hearth_kv_pool_blocks_total"]) == pool["blocks_total"]
+    assert int(values["hearth_preemptions_total"]) == 0
+    assert int(values["hearth_prefix_hit_tokens_total"]) >= pool["prefix_hit_tokens"]
 
 
 @slow

@@ -281,7 +281,9 @@ class KVPool:
             per_sliding = sum(block_bytes[i] for i in sliding)
             widest = max(groups[i].window or 0 for i in sliding)
             wanted = max_sequences * window_blocks(widest, chunk, block_size)
-            count = min(wanted, share // per_sliding)
+            # At least one sequence's window where the budget holds it: else nothing would run.
+            one = window_blocks(widest, chunk, block_size)
+            count = min(wanted, max(share // per_sliding, min(one, budget_bytes // per_sliding)))
             for i in sliding:
                 counts[i] = count
             left -= count * per_sliding
@@ -312,6 +314,17 @@ class KVPool:
             for g, pool in enumerate(self.pools)
         )
 
+    def longest_context(self, chunk: int) -> int:
+        """The most tokens one sequence can reach in the whole pool."""
+        fits, over = 0, 1 << 24
+        while over - fits > 1:
+            middle = (fits + over) // 2
+            if self.fits(middle, chunk):
+                fits = middle
+            else:
+                over = middle
+        return fits
+
     @property
     def total_blocks(self) -> int:
         return sum(pool.num_blocks for pool in self.pools)
@@ -323,6 +336,15 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(pool.block_bytes * pool.num_blocks for pool in self.pools)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks named by a hash (in use or not): what a prefix may reuse."""
+        return sum(pool.cached_blocks for pool in self.pools)
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(pool.cached_blocks * pool.block_bytes for pool in self.pools)
 
     def describe(self) -> str:
         """The pool in words: blocks of `block_size` tokens per group."""

@@ -118,7 +118,14 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.on_cancelled = on_cancelled
         self.pool = pool or make_pool(runner, max_running, kv_room)
+        # The longest request (prompt and reply) the whole pool holds: longer ones are refused.
+        self.max_context = min(
+            self.pool.longest_context(runner.plan.prefill_chunk),
+            runner.model.config.max_position_embeddings,
+        )
         self.preemptions = 0
+        self.prefix_hits = 0  # requests admitted with cached blocks
+        self.prefix_misses = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._prefilling: Sequence | None = None
@@ -212,6 +219,11 @@ class Scheduler:
             sequence.started = time.perf_counter()
         if cached:
             self.pool.hit_tokens += cached
+        if self.prefix_cache and not sequence.produced:
+            if cached:
+                self.prefix_hits += 1
+            else:
+                self.prefix_misses += 1
         return sequence
 
     @torch.inference_mode()
