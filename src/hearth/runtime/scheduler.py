@@ -200,9 +200,16 @@ class Scheduler:
         cached = 0
         if self.prefix_cache:
             # One prompt token is always prefilled: the first sampled token needs its logits.
-            cached = paged.adopt_prefix(
-                sequence.cache_ids(), target - 1 if not sequence.produced else target
-            )
+            most = target if sequence.produced else target - 1
+            cached = paged.adopt_prefix(sequence.cache_ids(), most)
+            # A hit ends on a block boundary: never inside an image or clip, whose soft tokens
+            # are placed (and may attend to each other) within one chunk.
+            while inside := next(
+                (m for m in sequence.request.media if m.start < cached < m.start + m.length),
+                None,
+            ):
+                paged.free()
+                cached = paged.adopt_prefix(sequence.cache_ids(), inside.start)
             if cached < MIN_SHARED_TOKENS and not sequence.produced:
                 paged.free()  # the chat template's opening: not worth counting as a hit
                 cached = 0
