@@ -20,7 +20,7 @@ import torch
 
 from hearth.checkpoint import open_checkpoint
 from hearth.kv import KVPolicy, make_caches, parse_kv_quant
-from hearth.kv.paged import KVPool
+from hearth.kv.paged import KVPool, block_hashes, cache_groups
 from hearth.layers.attention import SequenceBatch
 from hearth.models.loading import build_model
 from tiny import GEMMA4_SHARING, save_hf, tiny_gemma3_model, tiny_gemma4_model
@@ -116,3 +116,32 @@ def test_paged_logits_equal_the_dense_caches(
             assert used == sum(-(-(len(ids) - 1) // BLOCK) for ids in all_ids)  # last unfed
         else:
             assert used <= len(all_ids) * (group.window // BLOCK + 1)
+
+
+def test_block_hashes_name_whole_prefixes() -> None:
+    """A block's hash covers every token before it: prompts that part in block 0 share no
+    hash, prompts that part in block 2 share the first two; a partial block has none."""
+    ids = list(range(10, 50))
+    same = block_hashes(ids, 16)
+    assert len(same) == 2 and same == block_hashes([*ids[:32], 1, 2], 16)
+    changed_early = block_hashes([11, *ids[1:]], 16)
+    assert all(a != b for a, b in zip(same, changed_early, strict=True))
+    assert block_hashes([*ids[:40], *[7] * 8], 16)[:2] == same
+
+
+def test_a_budget_sizes_sliding_groups_by_window_and_full_groups_by_the_rest(
+    models: dict[str, Any],
+) -> None:
+    """Tiny Gemma 3, fp32, one KV head pair of 64 dims: a token costs 2 x 2 x 64 x 4 = 1,024
+    bytes per layer; two sliding and two full layers. 4 sequences with chunks of 8 and window
+    8 hold at most ceil((8 + 8) / 4) + 1 = 5 sliding blocks each."""
+    model = models["gemma3"]
+    specs, policy = model.cache_specs(), KVPolicy()
+    groups = cache_groups(specs, policy)
+    assert [g.window for g in groups] == [8, None]
+    block = 2 * 1024 * BLOCK  # two layers a group
+    pool = KVPool.for_budget(specs, policy, torch.float32, 100 * block, 4, 8, BLOCK)
+    assert [p.num_blocks for p in pool.pools] == [4 * 5, 100 - 4 * 5]
+    assert pool.nbytes <= 100 * block and pool.longest_context(8) == 80 * BLOCK
+    tight = KVPool.for_budget(specs, policy, torch.float32, 12 * block, 4, 8, BLOCK)
+    assert [p.num_blocks for p in tight.pools] == [6, 6]  # half each, one window at least
