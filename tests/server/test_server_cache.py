@@ -10,16 +10,21 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+import hearth
 from hearth.kv.paged import DEFAULT_BLOCK_SIZE
 from hearth.kv.prompt_cache import PromptCache
+from hearth.server.app import ServerLimits, create_app
 from test_server import _free_port, _wait_until_healthy
 from test_server_tools import engine  # noqa: F401  (a fixture: the scripted Gemma 4)
+from tiny import save_tiny_with_tokenizer
 
 BUDGET_GB = 0.3  # the 270M model's weights (~0.25 GB as stored) plus ~6k tokens of fp32 KV
 
@@ -280,3 +285,36 @@ def test_a_budget_under_the_weights_stops_the_server_at_start() -> None:
     assert result.returncode == 2
     assert "--memory-budget 0.1 GB leaves no room for a KV cache" in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_a_kv_pool_that_holds_no_request_stops_the_server_at_start(tmp_path: Path) -> None:
+    """--kv-cache-memory too small for one block of every layer group: exit 2, one line."""
+    model = save_tiny_with_tokenizer(tmp_path / "tiny")
+    command = [sys.executable, "-m", "hearth.cli", "serve", str(model), "--kv-cache-memory"]
+    result = subprocess.run([*command, "0.000001"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "holds no request" in result.stderr and "--kv-cache-memory" in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_a_request_the_kv_pool_can_never_hold_is_a_400(tmp_path: Path) -> None:
+    """Tiny Gemma 3 (fp32; 2 sliding and 2 full layers of 2 KV heads of 32 dims: 1 KiB a token
+    a group, 16 KiB a block) in 0.0008 GB: the sliding group takes one sequence's window and
+    prefill chunk of 512 (34 blocks), the full group the 14 blocks left, 224 tokens. A prompt
+    plus max_tokens past them is refused up front; a shorter one runs."""
+    model = save_tiny_with_tokenizer(tmp_path / "tiny")
+    tiny = hearth.load(model, dtype="float32", device="cpu", progress=False)
+    limits = ServerLimits(max_concurrent=2, kv_cache_memory_gb=0.0008)
+    with TestClient(create_app(tiny, limits=limits)) as client:
+        pool = client.get("/stats").json()["kv_pool"]
+        longest = pool["max_context_tokens"]
+        assert longest == 14 * DEFAULT_BLOCK_SIZE
+        words = " ".join(f"t{4 + i}" for i in range(longest))
+        body = {"model": "m", "prompt": words, "max_tokens": 8, "temperature": 0}
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert "can never fit the K/V pool" in error["message"]
+        assert (error["code"], error["param"]) == ("context_over_kv_pool", "max_tokens")
+        body["prompt"] = " ".join(words.split()[: longest - 20])
+        assert client.post("/v1/completions", json=body).status_code == 200

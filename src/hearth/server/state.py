@@ -116,6 +116,9 @@ class ChatPrompt:
         )
 
 
+OVER_KV_POOL = "context_over_kv_pool"
+
+
 @dataclass
 class ServerState:
     engine: Engine
@@ -284,6 +287,19 @@ class ServerState:
         except ValueError as error:
             field_name = str(error).split()[0]  # validate() names the field first
             raise RequestError(str(error), field_name) from None
+        scheduler = getattr(self.worker, "scheduler", None)
+        if scheduler is not None:  # the paged K/V pool holds at most this much of one request
+            pool_room = scheduler.max_context - len(prompt_ids)
+            if pool_room < 1 or (max_tokens is not None and max_tokens > pool_room):
+                raise RequestError(
+                    f"the prompt's {len(prompt_ids)} tokens plus {limit_param} "
+                    f"{max_tokens if max_tokens is not None else 1} can never fit the K/V pool, "
+                    f"which holds {scheduler.max_context} tokens of one request "
+                    "(hearth serve --kv-cache-memory)",
+                    limit_param,
+                    code=OVER_KV_POOL,
+                )
+            room = min(room, pool_room)
         # The server default only ever shrinks to fit; an explicit request is never cut.
         limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
         if self.memory_budget is not None:
