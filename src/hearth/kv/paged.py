@@ -581,35 +581,39 @@ class PagedLayerCache:
         order (position p in slot p % window), then the chunk's own."""
         end = self.offset
         if self.window is None:
-            keys, values = self._read(torch.arange(end))
+            keys, values = self._read([(0, end)])
             return KVView(keys, values, end, None)
         window = self.window
         if end - start == 1:  # one query: the ring's tokens, every one visible to it
-            old = _ring_order(max(0, end - window), end, window)
-            keys, values = self._read(old)
-            return KVView(keys, values, old.shape[0], None)
-        old = _ring_order(max(0, start - window), start, window)
-        wanted = torch.cat([old, torch.arange(start, end)])
-        keys, values = self._read(wanted)
-        return KVView(keys, values, wanted.shape[0], wanted.to(keys.device))
+            first = max(0, end - window)
+            keys, values = self._read(_ring_runs(first, end, window))
+            return KVView(keys, values, end - first, None)
+        first = max(0, start - window)
+        runs = [*_ring_runs(first, start, window), (start, end)]
+        keys, values = self._read(runs)
+        ring = torch.cat([torch.arange(a, b) for a, b in runs[:-1]] or [torch.arange(0)])
+        positions = torch.cat([ring, torch.arange(start, end)]).to(keys.device)
+        return KVView(keys, values, positions.shape[0], positions)
 
-    def _read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V stored at `positions` (all held), in that order, decoded."""
+    def _read(self, runs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V stored at the positions of `runs` ([start, end) each, all held), in that
+        order, decoded."""
         size = self._pool.block_size
         table = self.sequence.tables[self.group]
-        device = self._pool.planes[self.layer][0].device
-        first = int(positions.min()) // size
-        last = int(positions.max()) // size
+        runs = [(a, b) for a, b in runs if b > a]
+        first = min(a for a, _ in runs) // size
+        last = (max(b for _, b in runs) - 1) // size
         blocks = table[first : last + 1]
         assert all(block is not None for block in blocks), "a needed block was freed"
+        device = self._pool.planes[self.layer][0].device
         planes = self._pool.gather(self.layer, torch.tensor(blocks, device=device))
-        slots = positions - first * size
-        in_order = bool((slots == torch.arange(slots.shape[0])).all())
-        if in_order:
-            planes = [plane[:, :, : slots.shape[0]] for plane in planes]
-        else:
-            slots = slots.to(device)
-            planes = [plane.index_select(2, slots) for plane in planes]
+        base = first * size
+        planes = [
+            torch.cat([plane[:, :, a - base : b - base] for a, b in runs], dim=2)
+            if len(runs) > 1
+            else plane[:, :, runs[0][0] - base : runs[0][1] - base]
+            for plane in planes
+        ]
         return self.codec.decode(planes, self._pool.dtype)
 
     @property
@@ -618,10 +622,13 @@ class PagedLayerCache:
         return per_block * len(self.sequence.held(self.group))
 
 
-def _ring_order(first: int, end: int, window: int) -> torch.Tensor:
-    """Positions first..end-1 in the order a ring of `window` slots holds them."""
-    positions = torch.arange(first, end)
-    return positions[torch.argsort(positions % window)]
+def _ring_runs(first: int, end: int, window: int) -> list[tuple[int, int]]:
+    """Positions first..end-1 (at most `window` of them) in the order a ring of `window`
+    slots holds them (position p in slot p % window): one or two runs of positions."""
+    wrap = first + (-first) % window  # the first position in slot 0
+    if wrap <= first or wrap >= end:
+        return [(first, end)]
+    return [(wrap, end), (first, wrap)]
 
 
 def _indexable(plane: torch.Tensor) -> torch.Tensor:
