@@ -191,14 +191,6 @@ class BlockPool:
         else:
             self._free.append(block)
 
-    def clear_cache(self) -> None:
-        """Forget every hash (unreferenced cached blocks go free)."""
-        for block in self._cached_free:
-            self._free.append(block)
-        self._cached_free.clear()
-        self._hash_of.clear()
-        self._block_of.clear()
-
     # -- storage
 
     def write(
@@ -216,13 +208,6 @@ class BlockPool:
             part = part.transpose(0, 1).flatten(1, 2).unsqueeze(0)
             gathered.append(part)
         return gathered
-
-
-@dataclass(frozen=True)
-class PoolSize:
-    """Blocks per group (one count per group, in `KVPool.groups` order)."""
-
-    blocks: tuple[int, ...]
 
 
 class KVPool:
@@ -356,10 +341,6 @@ class KVPool:
 
     def sequence(self) -> PagedSequence:
         return PagedSequence(self)
-
-    def clear_cache(self) -> None:
-        for pool in self.pools:
-            pool.clear_cache()
 
 
 def default_pool_bytes(
