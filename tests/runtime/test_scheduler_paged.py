@@ -11,17 +11,22 @@ of this model (std ~2) by ~1e-6; 1e-3 leaves a wide berth.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import hearth
+from hearth.checkpoint import open_checkpoint
 from hearth.kv.paged import KVPool
+from hearth.models.loading import build_model
+from hearth.ops import native
 from hearth.runtime.generate import GenerationChunk, GenerationRequest
+from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import SamplingParams
 from hearth.runtime.scheduler import Scheduler
-from tiny import save_tiny_with_tokenizer
+from tiny import save_hf, save_tiny_with_tokenizer, tiny_gemma3_model
 
 MARGIN = 1e-3
 BLOCK = 4
@@ -228,3 +233,45 @@ def test_eviction_takes_the_least_recently_freed_cached_blocks(engine: Any) -> N
     scheduler.submit(first, again, lambda: False)
     _run(scheduler)
     assert again.stats.cached_tokens == 0  # its first blocks were evicted first
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no native CPU kernels here")
+def test_one_sequence_decodes_natively_on_paged_caches_as_on_layer_caches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 tiny Gemma 3: a 13-token prompt (past the window of 8), then 12 decode steps. A
+    lone sequence on paged caches takes the native layer step (its `decode_slot` copies the
+    keys out as a `LayerCache` holds them), so its logits equal the `LayerCache` run's to the
+    bit, steps where the ring has wrapped included; the native step ran every time."""
+    directory = save_hf(tiny_gemma3_model(seed=3), tmp_path / "bf16")
+    model = build_model(open_checkpoint(directory), torch.bfloat16, progress=False)
+    runner = ModelRunner(model)
+    ids = torch.randint(4, 256, (25,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompt = 13
+    calls = {"native": 0}
+    step = runner.native
+
+    def counted(*args: Any) -> Any:
+        out = step(*args)  # type: ignore[misc]
+        calls["native"] += out is not None
+        return out
+
+    monkeypatch.setattr(runner, "native", counted)
+    monkeypatch.setattr(counted, "applies", step.applies, raising=False)  # type: ignore[union-attr]
+    with torch.inference_mode():
+        caches = runner.new_caches()
+        dense = [runner.prefill(torch.tensor([ids[:prompt]]), caches)]
+        dense += [runner.decode(ids[p], caches, p) for p in range(prompt, len(ids))]
+        native_calls = calls["native"]
+        pool = KVPool(model.cache_specs(), runner.kv_policy, torch.bfloat16, [64, 64], BLOCK)
+        sequence = pool.sequence()
+        assert sequence.reserve(prompt)
+        paged = [runner.prefill(torch.tensor([ids[:prompt]]), sequence.caches)]
+        sequence.after_forward(ids[:prompt])
+        for p in range(prompt, len(ids)):
+            assert sequence.reserve(1)
+            paged.append(runner.decode(ids[p], sequence.caches, p))
+            sequence.after_forward(ids[: p + 1])
+    assert native_calls == calls["native"] - native_calls == len(ids) - prompt
+    for got, expected in zip(paged, dense, strict=True):
+        assert torch.equal(got, expected)

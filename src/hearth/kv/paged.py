@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.kv.cache import CacheSpec, KVView
+from hearth.kv.cache import CacheSpec, DecodeSlot, KVView
 from hearth.kv.footprint import token_bytes
 from hearth.kv.policy import KVPolicy
 from hearth.quant.kv_codecs import KVCodec
@@ -435,6 +435,8 @@ class PagedSequence:
         """The reserved tokens are stored: name the blocks now full (`ids`: the cache ids of
         the tokens so far), then free sliding blocks out of every later query's window
         (hashed ones stay cached for a later prefix hit)."""
+        for cache in self.caches:
+            cache.flush()
         self.stored = self.tokens
         size = self.pool.block_size
         full = min(self.stored, len(ids)) // size
@@ -470,6 +472,7 @@ class PagedSequence:
         self.hashes = []
         for cache in self.caches:
             cache.offset = 0
+            cache.flush_discarded()
 
     def adopt_prefix(self, ids: Sequence[int], most: int) -> int:
         """Share the cached blocks of the longest prefix of `ids` (at most `most` tokens, in
@@ -520,17 +523,65 @@ class PagedLayerCache:
         pool = sequence.pool.pools[group]
         self.codec = pool.group.codec
         self._pool = pool
+        # A token a kernel wrote into a `decode_slot` buffer, not yet in its block.
+        self._pending: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
     @property
     def is_fresh(self) -> bool:
         return self.offset == 0
 
     def decode_write(self, positions: torch.Tensor) -> None:
-        """No fused kernel writes a paged cache: K/V come to `update_and_fetch`."""
+        """No fused GPU kernel writes a paged cache: K/V come to `update_and_fetch`."""
         return None
 
     def takes_decode_slots(self) -> bool:
-        return False
+        """Whether `decode_slot` gives room (the native CPU layer step): dense K/V."""
+        return self.codec.signature() == "dense"
+
+    def decode_slot(self, sample: torch.Tensor) -> DecodeSlot | None:
+        """Room for one token for a kernel that writes K/V and attends in one call (the
+        native CPU step, one sequence): the keys a query at `offset` sees, itself included,
+        copied out as a `LayerCache` holds them (a sliding layer's window in ring-slot order),
+        its own slot to be written. The kernel's token goes into its block at `flush`
+        (`PagedSequence.after_forward`)."""
+        if not self.takes_decode_slots():
+            return None
+        position = self.offset
+        if position + 1 > self.sequence.tokens:
+            raise RuntimeError("paged cache: a token stored past the blocks reserved for it")
+        if self.window is None:
+            runs = [(0, position + 1)]
+        else:
+            runs = _ring_runs(max(0, position - self.window + 1), position + 1, self.window)
+        # The token's own slot reads what its reserved block holds: the kernel overwrites it.
+        keys, values = (part.contiguous() for part in self._read(runs))
+        slot = 0
+        for start, end in runs:
+            if start <= position < end:
+                slot += position - start
+                break
+            slot += end - start
+        self._pending = (keys, values, slot, position)
+        self.offset = position + 1
+        return DecodeSlot(keys, values, slot, keys.shape[2])
+
+    def flush_discarded(self) -> None:
+        """Forget a `decode_slot` token (its sequence let its blocks go)."""
+        self._pending = None
+
+    def flush(self) -> None:
+        """Store the token a kernel wrote into the last `decode_slot` in its block."""
+        if self._pending is None:
+            return
+        keys, values, slot, position = self._pending
+        self._pending = None
+        size = self._pool.block_size
+        block = self.sequence.tables[self.group][position // size]
+        device = keys.device
+        blocks = torch.tensor([block], dtype=torch.long, device=device)
+        slots = torch.tensor([position % size], dtype=torch.long, device=device)
+        token = (keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
+        self._pool.write(self.layer, blocks, slots, token)
 
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
