@@ -26,7 +26,7 @@ from hearth.runtime.generate import GenerationChunk, GenerationRequest
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import SamplingParams
 from hearth.runtime.scheduler import Scheduler
-from tiny import save_hf, save_tiny_with_tokenizer, tiny_gemma3_model
+from tiny import save_tiny_with_tokenizer
 
 MARGIN = 1e-3
 BLOCK = 4
@@ -61,8 +61,12 @@ class Collector:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    directory = save_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny"), seed=5)
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def engine(directory: Path) -> Any:
     with torch.no_grad():
         loaded = hearth.load(directory, dtype="float32", device="cpu", progress=False)
     loaded.runner.plan = replace(loaded.runner.plan, prefill_chunk=8)
@@ -237,13 +241,12 @@ def test_eviction_takes_the_least_recently_freed_cached_blocks(engine: Any) -> N
 
 @pytest.mark.skipif(native.kernels() is None, reason="no native CPU kernels here")
 def test_one_sequence_decodes_natively_on_paged_caches_as_on_layer_caches(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    directory: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 tiny Gemma 3: a 13-token prompt (past the window of 8), then 12 decode steps. A
     lone sequence on paged caches takes the native layer step (its `decode_slot` copies the
     keys out as a `LayerCache` holds them), so its logits equal the `LayerCache` run's to the
     bit, steps where the ring has wrapped included; the native step ran every time."""
-    directory = save_hf(tiny_gemma3_model(seed=3), tmp_path / "bf16")
     model = build_model(open_checkpoint(directory), torch.bfloat16, progress=False)
     runner = ModelRunner(model)
     ids = torch.randint(4, 256, (25,), generator=torch.Generator().manual_seed(2)).tolist()
