@@ -288,22 +288,23 @@ class ServerState:
             field_name = str(error).split()[0]  # validate() names the field first
             raise RequestError(str(error), field_name) from None
         scheduler = getattr(self.worker, "scheduler", None)
-        if scheduler is not None:  # the paged K/V pool holds at most this much of one request
-            pool_room = scheduler.max_context - len(prompt_ids)
-            if pool_room < 1 or (max_tokens is not None and max_tokens > pool_room):
-                raise RequestError(
-                    f"the prompt's {len(prompt_ids)} tokens plus {limit_param} "
-                    f"{max_tokens if max_tokens is not None else 1} can never fit the K/V pool, "
-                    f"which holds {scheduler.max_context} tokens of one request "
-                    "(hearth serve --kv-cache-memory)",
-                    limit_param,
-                    code=OVER_KV_POOL,
-                )
+        # The paged K/V pool holds at most `max_context` tokens of one request.
+        pool_room = None if scheduler is None else scheduler.max_context - len(prompt_ids)
+        if pool_room is not None:
             room = min(room, pool_room)
         # The server default only ever shrinks to fit; an explicit request is never cut.
         limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
         if self.memory_budget is not None:
             self.memory_budget.check(len(prompt_ids), limit)
+        if pool_room is not None and (pool_room < 1 or limit > pool_room):
+            assert scheduler is not None
+            raise RequestError(
+                f"the prompt's {len(prompt_ids)} tokens plus {limit_param} {max(limit, 1)} "
+                f"can never fit the K/V pool, which holds {scheduler.max_context} tokens of "
+                "one request (hearth serve --kv-cache-memory)",
+                limit_param,
+                code=OVER_KV_POOL,
+            )
         return Generation(
             prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs, constraint, media
         )
