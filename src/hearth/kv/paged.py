@@ -200,13 +200,20 @@ class BlockPool:
         for plane, part in zip(self.planes[layer], parts, strict=True):
             _indexable(plane)[blocks, :, slots] = _indexable(part[0]).transpose(0, 1)
 
-    def gather(self, layer: int, blocks: torch.Tensor) -> list[torch.Tensor]:
-        """The planes of `blocks` in order, as one sequence: [1, kv_heads, n·block_size, ...]."""
+    def gather(self, layer: int, blocks: list[int]) -> list[torch.Tensor]:
+        """The planes of `blocks` in order, as one sequence: [1, kv_heads, n·block_size, ...].
+        Consecutive blocks (the common case: a sequence's blocks come off the free list in
+        order) are a slice, and with one KV head a view: no copy."""
+        first = blocks[0]
+        consecutive = blocks == list(range(first, first + len(blocks)))
+        index = None
+        if not consecutive:
+            index = torch.tensor(blocks, dtype=torch.long, device=self.planes[layer][0].device)
         gathered = []
         for plane in self.planes[layer]:
-            part = plane.index_select(0, blocks)  # [n, kv_heads, block_size, ...]
-            part = part.transpose(0, 1).flatten(1, 2).unsqueeze(0)
-            gathered.append(part)
+            # [n, kv_heads, block_size, ...]
+            part = plane[first : first + len(blocks)] if index is None else plane[index]
+            gathered.append(part.transpose(0, 1).flatten(1, 2).unsqueeze(0))
         return gathered
 
 
@@ -637,8 +644,7 @@ class PagedLayerCache:
         last = (max(b for _, b in runs) - 1) // size
         blocks = table[first : last + 1]
         assert all(block is not None for block in blocks), "a needed block was freed"
-        device = self._pool.planes[self.layer][0].device
-        planes = self._pool.gather(self.layer, torch.tensor(blocks, device=device))
+        planes = self._pool.gather(self.layer, blocks)  # type: ignore[arg-type]
         base = first * size
         planes = [
             torch.cat([plane[:, :, a - base : b - base] for a, b in runs], dim=2)
