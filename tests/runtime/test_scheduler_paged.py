@@ -278,3 +278,22 @@ def test_one_sequence_decodes_natively_on_paged_caches_as_on_layer_caches(
     assert native_calls == calls["native"] - native_calls == len(ids) - prompt
     for got, expected in zip(paged, dense, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_blocks(engine: Any) -> None:
+    """With the prefix cache on, a preempted request's full blocks stay cached: re-admitted,
+    it takes them back instead of recomputing them, and still makes its alone-run tokens."""
+    requests = [_request(10, 1), _request(14, 2), _request(12, 3), _request(11, 4)]
+    pool = _pool(engine, 64, 24)
+    scheduler = _scheduler(engine, 4, pool, prefix=True)
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        scheduler.submit(request, collector, lambda: False)
+    _run(scheduler)
+    assert scheduler.preemptions > 0 and pool.hit_tokens >= BLOCK
+    compared = sum(
+        _assert_same_clear_tokens(collector, _alone(engine, request))
+        for request, collector in zip(requests, collectors, strict=True)
+    )
+    assert compared > 0.8 * 4 * 16
+    assert all(c.stats.cached_tokens == 0 for c in collectors)  # no prompt was cached
