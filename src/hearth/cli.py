@@ -320,6 +320,14 @@ def _add_serve_parser(commands: Any) -> None:
         help="refuse requests whose weights + KV cache would exceed GB (10^9 bytes)",
     )
     serve.add_argument(
+        "--kv-cache-memory",
+        type=positive_float,
+        metavar="GB",
+        help="bytes (10^9) of the paged K/V pool that concurrent requests share (default: "
+        "what --memory-budget leaves beside the weights, else room for --max-concurrent "
+        "requests at the model's whole context, at most half the free memory)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
         default=DEFAULT_SHUTDOWN_TIMEOUT,
@@ -728,7 +736,11 @@ def run_serve(args: argparse.Namespace) -> int:
         args.image_max_tokens,
     )
     limits = ServerLimits(
-        args.prompt_cache_bytes, args.prompt_cache_size, args.memory_budget, args.max_concurrent
+        args.prompt_cache_bytes,
+        args.prompt_cache_size,
+        args.memory_budget,
+        args.max_concurrent,
+        args.kv_cache_memory,
     )
     return serve(
         engine,

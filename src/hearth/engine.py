@@ -253,14 +253,15 @@ class Engine:
     def scheduler(
         self,
         max_running: int,
-        prompt_cache: PromptCache | None = None,
+        prefix_cache: bool = True,
         kv_room: int | None = None,
         on_cancelled: Callable[[], None] | None = None,
     ) -> Scheduler:
-        """A scheduler running many requests at once on this engine (continuous batching):
-        `submit` each, then `step` until it is idle."""
+        """A scheduler running many requests at once on this engine (continuous batching) on a
+        paged K/V pool of `kv_room` bytes (None: the default), sharing cached prompt blocks
+        with `prefix_cache`: `submit` each, then `step` until it is idle."""
         return Scheduler(
-            self.runner, self.tokenizer, max_running, prompt_cache, kv_room, on_cancelled
+            self.runner, self.tokenizer, max_running, prefix_cache, kv_room, on_cancelled
         )
 
     def stream(

@@ -10,15 +10,21 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+import hearth
+from hearth.kv.paged import DEFAULT_BLOCK_SIZE
 from hearth.kv.prompt_cache import PromptCache
+from hearth.server.app import ServerLimits, create_app
 from test_server import _free_port, _wait_until_healthy
 from test_server_tools import engine  # noqa: F401  (a fixture: the scripted Gemma 4)
+from tiny import save_tiny_with_tokenizer
 
 BUDGET_GB = 0.3  # the 270M model's weights (~0.25 GB as stored) plus ~6k tokens of fp32 KV
 
@@ -129,7 +135,8 @@ def test_next_turn_reuses_the_conversation_and_matches_an_uncached_server(
         {"role": "user", "content": "And the capital of Germany?"},
     ]
     reused, fresh = _chat(cached, next_turn), _chat(uncached, next_turn)
-    assert _cached_tokens(reused) >= first["usage"]["prompt_tokens"] - 1
+    # The pool shares whole blocks: at most a block's worth of the first turn is recomputed.
+    assert _cached_tokens(reused) >= first["usage"]["prompt_tokens"] - (DEFAULT_BLOCK_SIZE - 1)
     assert _cached_tokens(fresh) == 0
     assert reused["choices"][0]["message"] == fresh["choices"][0]["message"]
 
@@ -147,8 +154,10 @@ def test_a_conversation_past_the_sliding_window_reuses_the_previous_prompt(
         {"role": "user", "content": "And the capital of Germany?"},
     ]
     reused, fresh = _chat(cached, next_turn), _chat(uncached, next_turn)
-    # The snapshot at the prompt boundary serves the next turn although rings have wrapped.
-    assert _cached_tokens(reused) == first["usage"]["prompt_tokens"]
+    # The first turn's blocks serve the next although its sliding windows moved on: the
+    # sliding layers' blocks within the window before the hit point are still cached. Whole
+    # blocks only: at most a block's worth of the first turn is recomputed.
+    assert _cached_tokens(reused) >= first["usage"]["prompt_tokens"] - (DEFAULT_BLOCK_SIZE - 1)
     assert reused["choices"][0]["message"] == fresh["choices"][0]["message"]
 
 
@@ -185,6 +194,10 @@ def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> N
     cache = after["prompt_cache"]
     assert cache["enabled"] and cache["entries"] >= 1 and cache["bytes"] > 0
     assert cache["hits"] == before["prompt_cache"]["hits"] + 1
+    pool = after["kv_pool"]  # the CPU default: 8 requests at once on the paged pool
+    assert pool["enabled"] and pool["block_size"] == DEFAULT_BLOCK_SIZE
+    assert pool["blocks_used"] == 0 < pool["blocks_cached"] <= pool["blocks_total"]
+    assert pool["prefix_hit_tokens"] >= before["kv_pool"]["prefix_hit_tokens"] + 16
     admission = after["admission"]
     assert admission["budget_bytes"] == BUDGET_GB * 10**9
     # The GGUF's default CPU path computes in fp32 (its blocks as stored): 4-byte K/V.
@@ -192,6 +205,9 @@ def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> N
         admission["budget_bytes"], admission["weight_bytes"], element_bytes=4
     )
     assert admission["max_context_tokens"] == capacity > 4000
+    # The pool is what the budget leaves beside the weights, to a block of each group.
+    room = admission["budget_bytes"] - admission["weight_bytes"]
+    assert room - 2 * 18 * DEFAULT_BLOCK_SIZE * 2 * 256 * 4 < pool["bytes"] <= room
 
     metrics = httpx.get(f"{cached}/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -202,6 +218,9 @@ def test_stats_and_metrics_count_requests_tokens_and_the_cache(cached: str) -> N
     values = dict(line.split() for line in lines if not line.startswith("#"))
     assert int(values["hearth_requests_total"]) >= after["requests"]
     assert int(values["hearth_prompt_cache_hits_total"]) >= cache["hits"]
+    assert int(values["hearth_kv_pool_blocks_total"]) == pool["blocks_total"]
+    assert int(values["hearth_preemptions_total"]) == 0
+    assert int(values["hearth_prefix_hit_tokens_total"]) >= pool["prefix_hit_tokens"]
 
 
 @slow
@@ -266,3 +285,35 @@ def test_a_budget_under_the_weights_stops_the_server_at_start() -> None:
     assert result.returncode == 2
     assert "--memory-budget 0.1 GB leaves no room for a KV cache" in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_a_kv_pool_that_holds_no_request_stops_the_server_at_start(tmp_path: Path) -> None:
+    """--kv-cache-memory too small for a block of every layer group: the app is not made (the
+    CLI turns the ValueError into exit 2 and one line, as for --memory-budget)."""
+    tiny = hearth.load(save_tiny_with_tokenizer(tmp_path / "tiny"), device="cpu", progress=False)
+    limits = ServerLimits(max_concurrent=2, kv_cache_memory_gb=0.000001)
+    with pytest.raises(ValueError, match="holds no request: give --kv-cache-memory"):
+        create_app(tiny, limits=limits)
+
+
+def test_a_request_the_kv_pool_can_never_hold_is_a_400(tmp_path: Path) -> None:
+    """Tiny Gemma 3 (fp32; 2 sliding and 2 full layers of 2 KV heads of 32 dims: 1 KiB a token
+    a group, 16 KiB a block) in 0.0008 GB: the sliding group takes one sequence's window and
+    prefill chunk of 512 (34 blocks), the full group the 14 blocks left, 224 tokens. A prompt
+    plus max_tokens past them is refused up front; a shorter one runs."""
+    model = save_tiny_with_tokenizer(tmp_path / "tiny")
+    tiny = hearth.load(model, dtype="float32", device="cpu", progress=False)
+    limits = ServerLimits(max_concurrent=2, kv_cache_memory_gb=0.0008)
+    with TestClient(create_app(tiny, limits=limits)) as client:
+        pool = client.get("/stats").json()["kv_pool"]
+        longest = pool["max_context_tokens"]
+        assert longest == 14 * DEFAULT_BLOCK_SIZE
+        words = " ".join(f"t{4 + i}" for i in range(longest))
+        body = {"model": "m", "prompt": words, "max_tokens": 8, "temperature": 0}
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert "can never fit the K/V pool" in error["message"]
+        assert (error["code"], error["param"]) == ("context_over_kv_pool", "max_tokens")
+        body["prompt"] = " ".join(words.split()[: longest - 20])
+        assert client.post("/v1/completions", json=body).status_code == 200

@@ -1,12 +1,23 @@
-"""Continuous batching: many requests on one runner, each step doing some of their work.
+"""Continuous batching: many requests on one runner, each step doing some of their work, their
+K/V in one paged pool (`kv.paged`).
 
 A step either prefills one chunk of a request being admitted, or decodes one token of every
-running request at once: one forward over their tokens side by side, each with its own caches
-(`runner.decode_batch`), so the weights are read once for all of them. The two kinds of step
-alternate while both have work, so a long prompt delays the running requests by a chunk at a
-time, not by its whole prefill. Requests are admitted in arrival order, at most `max_running`
-at once and, with `kv_room` set, only while the K/V their prompt and `max_tokens` can reach
-fits beside the others' (so none is ever cut short or preempted for memory).
+running request at once: one forward over their tokens side by side, each with its own block
+tables (`runner.decode_batch`), so the weights are read once for all of them. The two kinds of
+step alternate while both have work, so a long prompt delays the running requests by a chunk at
+a time, not by its whole prefill.
+
+Requests are admitted in arrival order, at most `max_running` at once, while the pool's free
+blocks hold the prompt (blocks for decoding are taken a token at a time, as needed). When a
+decode step finds the pool exhausted, the most recently admitted request is preempted by
+recompute: its blocks are freed and it goes back to the head of the queue with its prompt and
+the tokens it made, its sampler (and random state) kept; re-admitted, it prefills them again
+(mostly from its own blocks, still in the prefix cache) and goes on where it stopped, nothing
+re-sent to its client. A request that could not fit even in the whole pool is refused when
+submitted. A cancelled request's blocks are freed at once.
+
+Prefix cache: a new request shares the longest run of whole cached blocks its prompt begins
+with (`PagedSequence.adopt_prefix`) and prefills only the rest.
 
 Each request keeps its own sampler (and seed), stop strings, log-probabilities and reply: a
 seeded request's tokens do not depend on what else runs beside it, up to the order in which
@@ -23,9 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hearth.kv import LayerCache
-from hearth.kv.footprint import KVFootprint
-from hearth.kv.prompt_cache import PromptCache, Reuse, snapshot_caches
+from hearth.kv.paged import KVPool, PagedSequence, default_pool_bytes
+from hearth.kv.prompt_cache import MIN_SHARED_TOKENS
 from hearth.lengths import generation_limit
 from hearth.models.decoder import SoftTokens
 from hearth.runtime.constraints import GrammarMatcher
@@ -57,14 +67,13 @@ class Sequence:
     max_tokens: int
     sampler: Sampler
     reply: Reply
-    reserved: int  # K/V bytes its prompt and max_tokens can reach
     grammar: GrammarMatcher | None = None  # masks its logits row when the request is constrained
-    caches: list[LayerCache] = field(default_factory=list)
+    paged: PagedSequence | None = None  # its block tables and caches while admitted
     history: list[int] = field(default_factory=list)  # prompt, then the tokens made
     computed: int = 0  # leading tokens of `history` whose K/V the caches hold
     produced: int = 0
     next_token: int | None = None  # made, not yet fed to the model
-    boundary: list[LayerCache] | None = None  # the caches at the prompt, for the prompt cache
+    preemptions: int = 0
     soft: list[SoftTokens] | None = None  # the media's soft tokens, encoded at the first chunk
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
@@ -73,6 +82,17 @@ class Sequence:
     @property
     def prompt_ids(self) -> list[int]:
         return self.request.prompt_ids
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose K/V a prefill makes: the prompt, or after a preemption everything but
+        the token made last (fed by the next decode step)."""
+        return len(self.history) - 1 if self.produced else len(self.prompt_ids)
+
+    def cache_ids(self) -> list[int]:
+        """What the prefix cache keys its blocks on: the prompt's cache ids (media keyed on
+        their content), then the tokens made."""
+        return self.request.cache_ids + self.history[len(self.prompt_ids) :]
 
 
 class Scheduler:
@@ -83,21 +103,29 @@ class Scheduler:
         runner: ModelRunner,
         tokenizer: Tokenizer,
         max_running: int = 8,
-        prompt_cache: PromptCache | None = None,
+        prefix_cache: bool = True,
         kv_room: int | None = None,
         on_cancelled: Callable[[], None] | None = None,
+        pool: KVPool | None = None,
     ) -> None:
+        """`kv_room`: the bytes of the K/V pool (None: `default_pool_bytes`); `pool`: a pool
+        made by the caller instead."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_running = max_running
-        self.prompt_cache = prompt_cache
-        # K/V bytes the admitted requests may reach together (None: no limit beyond the count).
-        self.kv_room = kv_room
+        self.prefix_cache = prefix_cache
         self.on_cancelled = on_cancelled
-        model = runner.model
-        self._footprint = KVFootprint.of(model.cache_specs(), model.compute_dtype, runner.kv_policy)
+        self.pool = pool or make_pool(runner, max_running, kv_room)
+        # The longest request (prompt and reply) the whole pool holds: longer ones are refused.
+        self.max_context = min(
+            self.pool.longest_context(runner.plan.prefill_chunk),
+            runner.model.config.max_position_embeddings,
+        )
+        self.preemptions = 0
+        self.prefix_hits = 0  # requests admitted with cached blocks
+        self.prefix_misses = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._prefilling: Sequence | None = None
@@ -126,17 +154,16 @@ class Scheduler:
         positions = model.config.max_position_embeddings
         max_tokens = generation_limit(len(request.prompt_ids), request.max_tokens, positions)
         request.sampling.validate(vocab)
+        tokens = len(request.prompt_ids) + max_tokens
+        if not self.pool.fits(tokens, self.runner.plan.prefill_chunk):
+            raise ValueError(
+                f"the prompt's {len(request.prompt_ids)} tokens plus max_tokens {max_tokens} "
+                f"can never fit the K/V pool ({self.pool.describe()})"
+            )
         reply = Reply(self.tokenizer, request.stop, request.stop_ids, request.top_logprobs)
         sampler = Sampler(request.sampling, device=self.runner.device)
-        reserved = self._footprint.bytes_at(len(request.prompt_ids) + max_tokens)
-        if self.kv_room is not None and reserved > self.kv_room:
-            raise ValueError(
-                f"this request's K/V ({reserved} bytes) can never fit the {self.kv_room} left"
-            )
         grammar = reply.grammar_matcher(request.constraint, self.tokenizer, vocab)
-        sequence = Sequence(
-            request, deliver, cancelled, max_tokens, sampler, reply, reserved, grammar
-        )
+        sequence = Sequence(request, deliver, cancelled, max_tokens, sampler, reply, grammar)
         self.waiting.append(sequence)
 
     def step(self) -> None:
@@ -163,61 +190,132 @@ class Scheduler:
     # -- admission and prefill
 
     def _admit(self) -> Sequence | None:
-        """The next waiting request, with its caches, if the limits let one more in."""
+        """The next waiting request, with its block tables, if one more may run and the free
+        blocks hold its prompt (after what it shares from the prefix cache)."""
         if not self.waiting or len(self.running) >= self.max_running:
             return None
         sequence = self.waiting[0]
-        if self.kv_room is not None:
-            held = sum(other.reserved for other in self.running)
-            if held + sequence.reserved > self.kv_room:
-                return None
+        paged = self.pool.sequence()
+        target = sequence.prefill_target
+        cached = 0
+        if self.prefix_cache:
+            # One prompt token is always prefilled: the first sampled token needs its logits.
+            most = target if sequence.produced else target - 1
+            cached = paged.adopt_prefix(sequence.cache_ids(), most)
+            # A hit ends on a block boundary: never inside an image or clip, whose soft tokens
+            # are placed (and may attend to each other) within one chunk.
+            while inside := next(
+                (m for m in sequence.request.media if m.start < cached < m.start + m.length),
+                None,
+            ):
+                paged.free()
+                cached = paged.adopt_prefix(sequence.cache_ids(), inside.start)
+            if cached < MIN_SHARED_TOKENS and not sequence.produced:
+                paged.free()  # the chat template's opening: not worth counting as a hit
+                cached = 0
+        if not paged.can_grow_to(target + 1, self.runner.plan.prefill_chunk):
+            paged.free()
+            return None
         self.waiting.popleft()
-        reuse = Reuse(None, 0)
-        if self.prompt_cache is not None:
-            reuse = self.prompt_cache.take(sequence.request.cache_ids)
-        sequence.caches = reuse.caches if reuse.caches is not None else self.runner.new_caches()
-        sequence.computed = reuse.cached_tokens
-        sequence.history = list(sequence.prompt_ids)
-        sequence.stats.prompt_tokens = len(sequence.history)
-        sequence.stats.cached_tokens = reuse.cached_tokens
-        sequence.started = time.perf_counter()
+        sequence.paged = paged
+        sequence.computed = cached
+        if not sequence.produced:
+            sequence.history = list(sequence.prompt_ids)
+            sequence.stats.prompt_tokens = len(sequence.history)
+            sequence.stats.cached_tokens = cached
+            sequence.started = time.perf_counter()
+        if cached:
+            self.pool.hit_tokens += cached
+        if self.prefix_cache and not sequence.produced:
+            if cached:
+                self.prefix_hits += 1
+            else:
+                self.prefix_misses += 1
         return sequence
 
     @torch.inference_mode()
     def _prefill_chunk(self, sequence: Sequence) -> None:
-        """The next chunk of the prompt; after the last, its first token."""
+        """The next chunk of the prompt; after the last, its first token (a resumed request:
+        back to decoding, its next token already made)."""
         runner = self.runner
-        chunk = runner.plan.prefill_chunk
-        if sequence.soft is None:
-            sequence.soft = soft_tokens(runner, sequence.request.media, sequence.computed)
+        paged = sequence.paged
+        assert paged is not None
+        target = sequence.prefill_target
         start = sequence.computed
-        end = chunk_end(start, len(sequence.prompt_ids), chunk, sequence.soft)
-        piece = sequence.history[start:end]
-        ids = torch.tensor([piece], dtype=torch.long, device=runner.device)
-        logits = runner.prefill(ids, sequence.caches, start, end - start, sequence.soft)
-        sequence.computed = start + len(piece)
-        if sequence.computed < len(sequence.prompt_ids):
-            return
+        logits = None
+        if start < target:
+            if sequence.soft is None:
+                sequence.soft = soft_tokens(runner, sequence.request.media, start)
+            end = chunk_end(start, target, runner.plan.prefill_chunk, sequence.soft)
+            if not paged.reserve(end - start):
+                # Running requests took the blocks since it was admitted: it is the most
+                # recently admitted, so it goes back to wait.
+                self._preempt(sequence)
+                return
+            piece = sequence.history[start:end]
+            ids = torch.tensor([piece], dtype=torch.long, device=runner.device)
+            logits = runner.prefill(ids, paged.caches, start, end - start, sequence.soft)
+            paged.after_forward(sequence.cache_ids())
+            sequence.computed = end
+            if end < target:
+                return
         self._prefilling = None
-        if self.prompt_cache is not None:
-            sequence.boundary = snapshot_caches(sequence.caches)
         sequence.soft = None  # freed
         self.running.append(sequence)
-        self._take_token(sequence, logits)
+        if sequence.produced == 0:
+            assert logits is not None
+            self._take_token(sequence, logits)
 
     # -- decoding
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
+        self._make_room()
         running = list(self.running)
         tokens = [sequence.next_token for sequence in running]
         assert all(token is not None for token in tokens)
         positions = [sequence.computed for sequence in running]
-        caches = [sequence.caches for sequence in running]
+        caches = [sequence.paged.caches for sequence in running if sequence.paged is not None]
         logits = self.runner.decode_batch(tokens, caches, positions)  # type: ignore[arg-type]
         for row, sequence in enumerate(running):
             sequence.computed += 1
+            assert sequence.paged is not None
+            sequence.paged.after_forward(sequence.cache_ids())
             self._take_token(sequence, logits[row : row + 1])
+
+    def _make_room(self) -> None:
+        """A block for each running request's next token, preempting the most recently
+        admitted requests (a prefilling one first) until the rest have theirs."""
+        pending = list(self.running)
+        while pending:
+            sequence = pending[0]
+            assert sequence.paged is not None
+            if sequence.paged.reserve(1):
+                pending.pop(0)
+                continue
+            victim = self._prefilling or self.running[-1]
+            if victim is sequence and len(self.running) == 1:
+                raise RuntimeError("the K/V pool cannot hold the one request it admitted")
+            self._preempt(victim)
+            if victim in pending:
+                pending.remove(victim)
+
+    def _preempt(self, sequence: Sequence) -> None:
+        """Free `sequence`'s blocks and put it back at the head of the queue: re-admitted, it
+        recomputes its K/V and goes on where it stopped (its sampler and reply kept)."""
+        log.info("preempting a request: the K/V pool is full")
+        assert sequence.paged is not None
+        sequence.paged.free()
+        sequence.paged = None
+        sequence.computed = 0
+        sequence.soft = None
+        sequence.preemptions += 1
+        self.preemptions += 1
+        if sequence in self.running:
+            self.running.remove(sequence)
+        if self._prefilling is sequence:
+            self._prefilling = None
+        self.waiting.appendleft(sequence)
 
     def _take_token(self, sequence: Sequence, logits: torch.Tensor) -> None:
         """Sample `sequence`'s next token from its logits [1, V] and hand its text on."""
@@ -248,10 +346,8 @@ class Scheduler:
             self._finish(sequence)
 
     def _finish(self, sequence: Sequence) -> None:
-        """The last chunk, after the prompt's caches went to the prompt cache."""
+        """The last chunk, after its blocks went back (full ones stay in the prefix cache)."""
         self._remove(sequence)
-        if self.prompt_cache is not None and sequence.boundary is not None:
-            self.prompt_cache.put(sequence.request.cache_ids, sequence.boundary)
         sequence.stats.peak_memory_bytes = peak_memory_bytes(self.runner.device)
         sequence.deliver(sequence.reply.finish(sequence.stats))
 
@@ -272,4 +368,22 @@ class Scheduler:
             self.running.remove(sequence)
         if self._prefilling is sequence:
             self._prefilling = None
-        sequence.caches = []  # freed
+        if sequence.paged is not None:
+            sequence.paged.free()
+            sequence.paged = None
+
+
+def make_pool(runner: ModelRunner, max_running: int, kv_bytes: int | None = None) -> KVPool:
+    """The runner's K/V pool of `kv_bytes` (None: `default_pool_bytes` for `max_running`
+    sequences)."""
+    model = runner.model
+    specs, policy, dtype = model.cache_specs(), runner.kv_policy, model.compute_dtype
+    chunk = runner.plan.prefill_chunk
+    if kv_bytes is None:
+        context = model.config.max_position_embeddings
+        kv_bytes = default_pool_bytes(
+            specs, policy, dtype, max_running, context, chunk, runner.device
+        )
+    return KVPool.for_budget(
+        specs, policy, dtype, kv_bytes, max_running, chunk, device=runner.device
+    )

@@ -63,13 +63,30 @@ class ServerLimits:
     prompt_cache_size: int = DEFAULT_MAX_ENTRIES
     memory_budget_gb: float | None = None
     max_concurrent: int | None = None
+    kv_cache_memory_gb: float | None = None  # the paged K/V pool's size (None: see `kv_room`)
 
     def worker(self, engine: Engine) -> GenerationWorker:
-        """The worker these limits give `engine`."""
+        """The worker these limits give `engine`: with several requests at once, a scheduler
+        on a paged K/V pool of `kv_room` bytes, its prefix cache on unless caching is off."""
+        concurrency = self.max_concurrent or default_concurrency(engine)
+        return GenerationWorker(engine, self.prompt_cache(), concurrency, self.kv_room(engine))
+
+    def kv_room(self, engine: Engine) -> int | None:
+        """The K/V pool's bytes: --kv-cache-memory, else what the memory budget leaves beside
+        the weights, else None (the scheduler's default); ValueError where the pool would
+        not fit the budget."""
         budget = self.memory_budget(engine)
         room = None if budget is None else budget.budget_bytes - budget.weight_bytes
-        concurrency = self.max_concurrent or default_concurrency(engine)
-        return GenerationWorker(engine, self.prompt_cache(), concurrency, room)
+        if self.kv_cache_memory_gb is None:
+            return room
+        pool = round(self.kv_cache_memory_gb * BYTES_PER_GB)
+        if room is not None and pool > room:
+            raise ValueError(
+                f"--kv-cache-memory {self.kv_cache_memory_gb:g} GB does not fit beside the "
+                f"weights in --memory-budget {self.memory_budget_gb:g} GB "
+                f"({room / BYTES_PER_GB:.3g} GB left)"
+            )
+        return pool
 
     def prompt_cache(self) -> PromptCache | None:
         if self.prompt_cache_bytes == 0 or self.prompt_cache_size == 0:

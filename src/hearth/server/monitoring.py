@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from hearth.server.state import ServerState, state_of
+from hearth.server.worker import GenerationWorker
 
 router = APIRouter()
 
@@ -29,7 +30,6 @@ async def metrics(request: Request) -> PlainTextResponse:
 def server_stats(state: ServerState) -> dict[str, Any]:
     worker = state.worker
     counters = worker.counters
-    cache = worker.prompt_cache
     budget = state.memory_budget
     return {
         "model": state.model_id,
@@ -41,21 +41,72 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "queue_depth": worker.queue_depth,
         "running": counters.running,
         "max_concurrent": worker.max_concurrent,
-        "prompt_cache": {
-            "enabled": cache is not None,
-            "entries": cache.entries if cache else 0,
-            "bytes": cache.nbytes if cache else 0,
-            "max_bytes": cache.max_bytes if cache else 0,
-            "max_entries": cache.max_entries if cache else 0,
-            "hits": cache.hits if cache else 0,
-            "misses": cache.misses if cache else 0,
-        },
+        "prompt_cache": _prompt_cache_stats(worker),
+        "kv_pool": _pool_stats(worker),
         "admission": {
             "budget_bytes": budget.budget_bytes if budget else None,
             "weight_bytes": budget.weight_bytes if budget else None,
             "max_context_tokens": budget.kv_token_capacity() if budget else None,
         },
         "plan": asdict(state.engine.plan),
+    }
+
+
+def _prompt_cache_stats(worker: GenerationWorker) -> dict[str, Any]:
+    """The prompt cache in use: the scheduler's block prefix cache (entries are blocks), or
+    the one-at-a-time path's snapshots (entries are prompts)."""
+    scheduler = worker.scheduler
+    if scheduler is not None:
+        pool = scheduler.pool
+        return {
+            "enabled": scheduler.prefix_cache,
+            "kind": "blocks",
+            "entries": pool.cached_blocks,
+            "bytes": pool.cached_bytes,
+            "max_bytes": pool.nbytes,
+            "max_entries": pool.total_blocks,
+            "hits": scheduler.prefix_hits,
+            "misses": scheduler.prefix_misses,
+        }
+    cache = worker.prompt_cache
+    return {
+        "enabled": cache is not None,
+        "kind": "snapshots",
+        "entries": cache.entries if cache else 0,
+        "bytes": cache.nbytes if cache else 0,
+        "max_bytes": cache.max_bytes if cache else 0,
+        "max_entries": cache.max_entries if cache else 0,
+        "hits": cache.hits if cache else 0,
+        "misses": cache.misses if cache else 0,
+    }
+
+
+def _pool_stats(worker: GenerationWorker) -> dict[str, Any]:
+    """The paged K/V pool of the batching scheduler (zeros on the one-at-a-time path)."""
+    scheduler = worker.scheduler
+    if scheduler is None:
+        return {
+            "enabled": False,
+            "block_size": 0,
+            "blocks_total": 0,
+            "blocks_used": 0,
+            "blocks_cached": 0,
+            "bytes": 0,
+            "max_context_tokens": 0,
+            "preemptions": 0,
+            "prefix_hit_tokens": 0,
+        }
+    pool = scheduler.pool
+    return {
+        "enabled": True,
+        "block_size": pool.block_size,
+        "blocks_total": pool.total_blocks,
+        "blocks_used": pool.used_blocks,
+        "blocks_cached": pool.cached_blocks,
+        "bytes": pool.nbytes,
+        "max_context_tokens": scheduler.max_context,
+        "preemptions": scheduler.preemptions,
+        "prefix_hit_tokens": pool.hit_tokens,
     }
 
 
@@ -83,6 +134,36 @@ _METRICS = (
     ),
     ("hearth_queue_depth", "gauge", "Requests waiting or running.", ("queue_depth",)),
     ("hearth_running", "gauge", "Requests admitted: prefilling or decoding.", ("running",)),
+    (
+        "hearth_kv_pool_blocks_used",
+        "gauge",
+        "Blocks of the paged K/V pool held by requests (every layer group).",
+        ("kv_pool", "blocks_used"),
+    ),
+    (
+        "hearth_kv_pool_blocks_total",
+        "gauge",
+        "Blocks in the paged K/V pool (every layer group).",
+        ("kv_pool", "blocks_total"),
+    ),
+    (
+        "hearth_kv_pool_blocks_cached",
+        "gauge",
+        "Pool blocks named in the prefix cache (held or free to evict).",
+        ("kv_pool", "blocks_cached"),
+    ),
+    (
+        "hearth_preemptions_total",
+        "counter",
+        "Requests preempted (K/V freed, recomputed later) because the pool ran out.",
+        ("kv_pool", "preemptions"),
+    ),
+    (
+        "hearth_prefix_hit_tokens_total",
+        "counter",
+        "Tokens whose K/V came from cached blocks instead of being computed.",
+        ("kv_pool", "prefix_hit_tokens"),
+    ),
     (
         "hearth_prompt_cache_hits_total",
         "counter",

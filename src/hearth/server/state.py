@@ -116,6 +116,9 @@ class ChatPrompt:
         )
 
 
+OVER_KV_POOL = "context_over_kv_pool"
+
+
 @dataclass
 class ServerState:
     engine: Engine
@@ -284,10 +287,24 @@ class ServerState:
         except ValueError as error:
             field_name = str(error).split()[0]  # validate() names the field first
             raise RequestError(str(error), field_name) from None
+        scheduler = getattr(self.worker, "scheduler", None)
+        # The paged K/V pool holds at most `max_context` tokens of one request.
+        pool_room = None if scheduler is None else scheduler.max_context - len(prompt_ids)
+        if pool_room is not None:
+            room = min(room, pool_room)
         # The server default only ever shrinks to fit; an explicit request is never cut.
         limit = max_tokens if max_tokens is not None else min(self.defaults.max_tokens, room)
         if self.memory_budget is not None:
             self.memory_budget.check(len(prompt_ids), limit)
+        if pool_room is not None and (pool_room < 1 or limit > pool_room):
+            assert scheduler is not None
+            raise RequestError(
+                f"the prompt's {len(prompt_ids)} tokens plus {limit_param} {max(limit, 1)} "
+                f"can never fit the K/V pool, which holds {scheduler.max_context} tokens of "
+                "one request (hearth serve --kv-cache-memory)",
+                limit_param,
+                code=OVER_KV_POOL,
+            )
         return Generation(
             prompt_ids, limit, sampling, tuple(stop), stop_ids, top_logprobs, constraint, media
         )

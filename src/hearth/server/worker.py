@@ -1,8 +1,9 @@
 """The one generation worker: a thread that owns the model and runs requests first come, first
 served, handing each request's text to its asyncio task as it is produced.
 
-One request runs at a time (the model and its caches are not shared), so fairness is the FIFO
-order of the queue. A request whose client went away is cancelled between two tokens, and one
+With `max_concurrent` 1 one request runs at a time, so fairness is the FIFO order of the
+queue; with more, a `Scheduler` batches them on a paged K/V pool, admitted first come, first
+served. A request whose client went away is cancelled between two tokens, and one
 cancelled before its turn is skipped.
 
 The decode loop is `hearth.runtime.generate.stream_generate`, with the job's cancel flag checked at
@@ -125,10 +126,27 @@ class GenerationWorker:
         kv_room: int | None = None,
     ) -> None:
         self.engine = engine
-        self.prompt_cache = prompt_cache
         self.max_concurrent = max_concurrent
         self.kv_room = kv_room
         self.counters = WorkerCounters()
+        # Several at once: a scheduler on a paged pool (made now, so a pool that cannot hold
+        # a request stops the server at start), whose block prefix cache replaces the
+        # snapshot prompt cache (kept for the one-at-a-time path, a GPU's CUDA graphs).
+        self.scheduler: Scheduler | None = None
+        self.prompt_cache = prompt_cache
+        if max_concurrent > 1:
+            self.scheduler = engine.scheduler(
+                max_concurrent,
+                prompt_cache is not None,
+                kv_room,
+                on_cancelled=lambda: self._cancelled("while generating"),
+            )
+            self.prompt_cache = None
+            if self.scheduler.max_context == 0:
+                raise ValueError(
+                    f"the K/V pool ({self.scheduler.pool.describe()}) holds no request: "
+                    "give --kv-cache-memory (or --memory-budget) more room"
+                )
         self._jobs: queue.Queue[GenerationJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hearth-generation", daemon=True)
 
@@ -228,12 +246,8 @@ class GenerationWorker:
             self._cancelled("while generating")
 
     def _run_batched(self) -> None:
-        scheduler = self.engine.scheduler(
-            self.max_concurrent,
-            self.prompt_cache,
-            self.kv_room,
-            on_cancelled=lambda: self._cancelled("while generating"),
-        )
+        scheduler = self.scheduler
+        assert scheduler is not None
         while True:
             for job in self._new_jobs(wait=scheduler.idle):
                 if job is None:
