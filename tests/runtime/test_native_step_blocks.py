@@ -27,6 +27,7 @@ import torch
 from decoding import count_kernel_calls
 from hearth.checkpoint.gguf_writer import write_gguf
 from hearth.engine import Engine
+from hearth.kv.paged import KVPool, cache_groups
 from hearth.layers.gguf import GGUFLinear
 from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.native_step import NativeDecodeStep
@@ -126,6 +127,49 @@ def test_sequences_together_equal_each_alone(gguf_file: Path) -> None:
         for a, b in zip(own_alone, own, strict=True):
             planes = zip(a.contents().stored.planes, b.contents().stored.planes, strict=True)
             assert all(torch.equal(plane_a, plane_b) for plane_a, plane_b in planes)
+
+
+@pytest.mark.usefixtures("kernels_build")
+def test_sequences_on_paged_caches_equal_each_alone(tmp_path: Path) -> None:
+    """The scheduler's case: three sequences on one paged pool, decoded together natively,
+    give each one's logits bit for bit as decoding it alone on `LayerCache`s. One KV head (as
+    the 270M has) and blocks of 4 tokens, so a run of consecutive blocks is read as a view of
+    the pool itself, which the native kernel must not write through."""
+    hf = tiny_gemma3_model(seed=5, num_key_value_heads=1)
+    tensors = {
+        name.removeprefix("model."): tensor
+        for name, tensor in hf.state_dict().items()
+        if name != "lm_head.weight"
+    }
+    path = write_gguf(tmp_path / "one_head.gguf", hf.config.to_dict(), tensors, TINY_VOCAB, "Q8_0")
+    runner = ModelRunner(Engine.load(path, device="cpu", progress=False).model)
+    model = runner.model
+    prompts = [_prompt(length, length) for length in (3, 11, 6)]
+    alone = [_greedy(runner, prompt) for prompt in prompts]
+    specs, policy = model.cache_specs(), runner.kv_policy
+    blocks = [64] * len(cache_groups(specs, policy))
+    pool = KVPool(specs, policy, model.compute_dtype, blocks, 4)
+    sequences = [pool.sequence() for _ in prompts]
+    histories = [prompt[0].tolist() for prompt in prompts]
+    with torch.inference_mode():
+        last = []
+        for prompt, sequence, history in zip(prompts, sequences, histories, strict=True):
+            assert sequence.reserve(prompt.shape[1])
+            last.append(runner.prefill(prompt, sequence.caches))
+            sequence.after_forward(history)
+        for step in range(DECODE_STEPS):
+            tokens = [int(logits.argmax(dim=-1)) for logits in last]
+            positions = [prompt.shape[1] + step for prompt in prompts]
+            for sequence in sequences:
+                assert sequence.reserve(1)
+            caches = [sequence.caches for sequence in sequences]
+            rows = runner.decode_batch(tokens, caches, positions)
+            for sequence, history, token in zip(sequences, histories, tokens, strict=True):
+                history.append(token)
+                sequence.after_forward(history)
+            for index, (logits, _) in enumerate(alone):
+                assert torch.equal(rows[index], logits[step + 1][0]), f"step {step}, seq {index}"
+            last = list(rows)
 
 
 def test_more_sequences_than_one_call_takes(gguf_file: Path) -> None:

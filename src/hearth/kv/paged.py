@@ -561,7 +561,10 @@ class PagedLayerCache:
         else:
             runs = _ring_runs(max(0, position - self.window + 1), position + 1, self.window)
         # The token's own slot reads what its reserved block holds: the kernel overwrites it.
-        keys, values = (part.contiguous() for part in self._read(runs))
+        # A private copy: a read of consecutive blocks can be a view of the pool itself.
+        keys, values = (
+            part.clone(memory_format=torch.contiguous_format) for part in self._read(runs)
+        )
         slot = 0
         for start, end in runs:
             if start <= position < end:
