@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import hearth
+import test_scheduler
 from hearth.checkpoint import open_checkpoint
 from hearth.kv.paged import KVPool
 from hearth.models.loading import build_model
 from hearth.ops import native
-from hearth.runtime.generate import GenerationChunk, GenerationRequest
+from hearth.runtime.generate import GenerationRequest
 from hearth.runtime.runner import ModelRunner
 from hearth.runtime.sampling import SamplingParams
 from hearth.runtime.scheduler import Scheduler
@@ -32,28 +33,12 @@ MARGIN = 1e-3
 BLOCK = 4
 
 
-class Collector:
-    def __init__(self) -> None:
-        self.chunks: list[GenerationChunk] = []
-        self.error: BaseException | None = None
-
-    def __call__(self, item: GenerationChunk | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self.error = item
-        else:
-            self.chunks.append(item)
+class Collector(test_scheduler.Collector):
+    """test_scheduler's collector, with each token's log-probability record and the stats."""
 
     @property
     def records(self) -> list[Any]:
         return [r for c in self.chunks for r in (c.logprobs or ())]
-
-    @property
-    def tokens(self) -> list[int]:
-        return [r.token for r in self.records]
-
-    @property
-    def done(self) -> bool:
-        return bool(self.chunks) and self.chunks[-1].finish_reason is not None
 
     @property
     def stats(self) -> Any:

@@ -134,41 +134,45 @@ AUDIO_TOKENS = {
 
 def _audio_name(name: str) -> str | None:
     """The canonical name of an audio tensor of an mmproj file; None for any other name."""
-    if name in _AUDIO_GLOBAL:
-        return _AUDIO_GLOBAL[name]
-    if not name.startswith("a.blk."):
-        return None
-    index, _, tail = name.removeprefix("a.blk.").partition(".")
-    module, _, role = tail.partition(".")
-    if not index.isdigit():
-        return None
-    prefix = f"audio_tower.layers.{index}"
-    if module in _AUDIO_CLIPPED_LINEARS and role == "weight":
-        return f"{prefix}.{_AUDIO_CLIPPED_LINEARS[module]}.linear.weight"
-    if module in _AUDIO_CLIPPED_LINEARS and role in _CLIP_BOUNDS:
-        return f"{prefix}.{_AUDIO_CLIPPED_LINEARS[module]}.{role}"
-    if module in _AUDIO_WEIGHTS and role == "weight":
-        return f"{prefix}.{_AUDIO_WEIGHTS[module]}"
-    return None
+    return _tower_name(
+        name, _AUDIO_GLOBAL, "a.blk.", "audio_tower.layers", _AUDIO_CLIPPED_LINEARS, _AUDIO_WEIGHTS
+    )
 
 
 def _vision_name(name: str) -> str | None:
     """The canonical name of a vision tensor of an mmproj file; None for any other name."""
-    if name in _VISION_GLOBAL:
-        return _VISION_GLOBAL[name]
-    if not name.startswith("v.blk."):
+    norms = {module: f"{canonical}.weight" for module, canonical in _NORMS.items()}
+    return _tower_name(
+        name, _VISION_GLOBAL, "v.blk.", "vision_tower.encoder.layers", _CLIPPED_LINEARS, norms
+    )
+
+
+def _tower_name(
+    name: str,
+    global_names: dict[str, str],
+    block: str,
+    layers: str,
+    clipped: dict[str, str],
+    weights: dict[str, str],
+) -> str | None:
+    """The canonical name of a tower tensor: one of `global_names`, or a layer's (`block`N.
+    module.role in the file, `layers`.N.... canonically) clipped linear, its clip bounds or one
+    of its other `weights`; None for any other name."""
+    if name in global_names:
+        return global_names[name]
+    if not name.startswith(block):
         return None
-    index, _, tail = name.removeprefix("v.blk.").partition(".")
+    index, _, tail = name.removeprefix(block).partition(".")
     module, _, role = tail.partition(".")
     if not index.isdigit():
         return None
-    prefix = f"vision_tower.encoder.layers.{index}"
-    if module in _CLIPPED_LINEARS and role == "weight":
-        return f"{prefix}.{_CLIPPED_LINEARS[module]}.linear.weight"
-    if module in _CLIPPED_LINEARS and role in _CLIP_BOUNDS:
-        return f"{prefix}.{_CLIPPED_LINEARS[module]}.{role}"
-    if module in _NORMS and role == "weight":
-        return f"{prefix}.{_NORMS[module]}.weight"
+    prefix = f"{layers}.{index}"
+    if module in clipped and role == "weight":
+        return f"{prefix}.{clipped[module]}.linear.weight"
+    if module in clipped and role in _CLIP_BOUNDS:
+        return f"{prefix}.{clipped[module]}.{role}"
+    if module in weights and role == "weight":
+        return f"{prefix}.{weights[module]}"
     return None
 
 
