@@ -561,9 +561,14 @@ class PagedLayerCache:
         else:
             runs = _ring_runs(max(0, position - self.window + 1), position + 1, self.window)
         # The token's own slot reads what its reserved block holds: the kernel overwrites it.
-        # A private copy: a read of consecutive blocks can be a view of the pool itself.
+        # The kernel needs a private buffer: a read of consecutive blocks can be a view of the
+        # pool itself (a gather of scattered ones is a copy already).
+        pool = {plane.untyped_storage().data_ptr() for plane in self._pool.planes[self.layer]}
         keys, values = (
-            part.clone(memory_format=torch.contiguous_format) for part in self._read(runs)
+            part.clone(memory_format=torch.contiguous_format)
+            if part.untyped_storage().data_ptr() in pool
+            else part.contiguous()
+            for part in self._read(runs)
         )
         slot = 0
         for start, end in runs:
