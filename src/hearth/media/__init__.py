@@ -58,6 +58,19 @@ class Audio:
     def seconds(self) -> float:
         return len(self.samples) / AUDIO_SAMPLE_RATE
 
+    def checked_samples(self) -> np.ndarray:
+        """The samples, if the clip fits Gemma 4's audio context (else a `MediaError`)."""
+        check_audio_length(self.seconds)
+        return self.samples
+
+
+def check_audio_length(seconds: float) -> None:
+    """Refuse a clip longer than Gemma 4's audio context."""
+    if seconds > MAX_AUDIO_SECONDS:
+        raise MediaError(
+            f"the audio lasts {seconds:.1f} s; at most {MAX_AUDIO_SECONDS:.0f} s are accepted"
+        )
+
 
 def _check_size(data: bytes, what: str) -> None:
     if not data:
@@ -113,11 +126,7 @@ def decode_audio(data: bytes) -> Audio:
         ) from None
     if samples.shape[0] == 0:
         raise MediaError("the audio has no samples")
-    if samples.shape[0] / rate > MAX_AUDIO_SECONDS:
-        raise MediaError(
-            f"the audio lasts {samples.shape[0] / rate:.1f} s; at most "
-            f"{MAX_AUDIO_SECONDS:.0f} s are accepted"
-        )
+    check_audio_length(samples.shape[0] / rate)
     mono = samples.mean(axis=1)
     if rate != AUDIO_SAMPLE_RATE:
         mono = soxr.resample(mono, rate, AUDIO_SAMPLE_RATE, quality="HQ")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +28,7 @@ from hearth.config import Gemma4AudioConfig
 from hearth.layers.clipped import ClippedLinear
 from hearth.layers.linear import project
 from hearth.layers.norm import RMSNorm
-from hearth.media import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, Audio, MediaError
+from hearth.media import Audio
 from hearth.media.audio import LogMelExtractor
 from hearth.models.gemma4_vision import MultimodalEmbedder
 
@@ -300,11 +299,11 @@ class Gemma4AudioEncoder:
 
     def soft_tokens(self, audio: Audio) -> int:
         """How many soft tokens `encode(audio)` returns: HF's processor count."""
-        return self.features.soft_tokens(len(_checked_samples(audio)))
+        return self.features.soft_tokens(len(audio.checked_samples()))
 
     @torch.inference_mode()
     def encode(self, audio: Audio) -> torch.Tensor:
-        frames = self.features(_checked_samples(audio))
+        frames = self.features(audio.checked_samples())
         # the output projection keeps a float weight under any --quantize (it has a bias)
         like = self.tower.output_proj.weight
         if len(frames) == 0:  # under 10 ms: no soft token
@@ -317,15 +316,6 @@ class Gemma4AudioEncoder:
 def _default_features() -> LogMelExtractor:
     """HF's default extractor settings (window and mel bank made once)."""
     return LogMelExtractor()
-
-
-def _checked_samples(audio: Audio) -> np.ndarray:
-    samples = audio.samples
-    if len(samples) > MAX_AUDIO_SECONDS * AUDIO_SAMPLE_RATE:
-        raise MediaError(
-            f"the audio lasts {audio.seconds:.1f} s; at most {MAX_AUDIO_SECONDS:.0f} s are accepted"
-        )
-    return samples
 
 
 def _clip_bound(clip: float, dtype: torch.dtype) -> float:

@@ -14,13 +14,12 @@ Audio has no tower either: each 640-sample frame of the 16 kHz clip goes through
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
 
 from hearth.config import Gemma4UnifiedVisionConfig
-from hearth.media import AUDIO_SAMPLE_RATE, MAX_AUDIO_SECONDS, Audio, MediaError
+from hearth.media import Audio
 from hearth.media.audio import waveform_frames
 from hearth.models.gemma4_vision import MultimodalEmbedder
 
@@ -71,19 +70,10 @@ class UnifiedAudioEncoder:
 
     def soft_tokens(self, audio: Audio) -> int:
         """One per frame, the last one zero-padded: HF's processor count."""
-        return -(-len(_checked_samples(audio)) // self.samples_per_token)
+        return -(-len(audio.checked_samples()) // self.samples_per_token)
 
     @torch.inference_mode()
     def encode(self, audio: Audio) -> torch.Tensor:
-        frames = waveform_frames(_checked_samples(audio), self.samples_per_token)
+        frames = waveform_frames(audio.checked_samples(), self.samples_per_token)
         device = self.embedder.embedding_projection.weight.device
         return self.embedder(torch.from_numpy(frames).to(device, self.dtype))
-
-
-def _checked_samples(audio: Audio) -> np.ndarray:
-    samples = audio.samples
-    if len(samples) > MAX_AUDIO_SECONDS * AUDIO_SAMPLE_RATE:
-        raise MediaError(
-            f"the audio lasts {audio.seconds:.1f} s; at most {MAX_AUDIO_SECONDS:.0f} s are accepted"
-        )
-    return samples
