@@ -8,7 +8,8 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh checks    # GPU tests, bf16 parity against HF, server first tokens
 #   OUT=/tmp/out MODELS=gemma3-12b benchmarks/gpu_suite.sh revisions  # this tree against BASE
 #     (default .base/src: `git archive REV src | tar -x -C .base`, carried), bench alternating
-#   OUT=/tmp/out benchmarks/gpu_suite.sh concurrency  # aggregate decode at 1-64 streams
+#   OUT=/tmp/out benchmarks/gpu_suite.sh concurrency  # aggregate decode at 1-64 streams (HF_PEER=1:
+#     and HF transformers' own continuous batching on 12B beside)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh media        # image and audio prompts' first token vs HF
 #   OUT=/tmp/out benchmarks/gpu_suite.sh gguf         # GGUF block kernels' tests, then gguf-bench
 #   OUT=/tmp/out GGUF_TYPES="Q8_0 Q4_0" benchmarks/gpu_suite.sh gguf-bench  # random Gemma 3 12B
@@ -61,6 +62,7 @@ concurrency)
   bench 150 conc-gemma3-12b-4bit gemma3-12b --quant 4bit --concurrency 1,4,16,64
   bench 120 conc-e4b e4b --concurrency 1,4,16,64
   bench 150 conc-26b-a4b 26b-a4b --concurrency 1,4,16,64
+  [ -n "${HF_PEER:-}" ] && stage 300 hf-conc-gemma3-12b python benchmarks/hf_continuous_batching.py --random gemma3-12b --concurrency 1,4,16,64 --out "$OUT/hf-conc-gemma3-12b.md"
   ;;
 media)
   stage 330 image-ttft python benchmarks/gpu_image_ttft.py --models e4b,31b
