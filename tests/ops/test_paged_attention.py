@@ -14,8 +14,10 @@ Tolerances (outputs are softmax averages of V ~ N(0, 1), so |out| < ~4):
   each ~1e-6 (as in tests/ops/test_decode_attention.py).
 * half kernel vs reference: fp16 on CPU (Triton's interpreter computes in numpy, which has no
   bfloat16), 2e-3: the kernel rounds softmax weights to fp16 for P.V (relative 2^-11 each,
-  so ~4.9e-4 max|v|) and both round the output to fp16. bf16 on a GPU: 2e-2, the same
-  bound with bf16's 2^-8 rounding (8x fp16's) and its output ulp (2^-7 near 2: 7.8e-3 half).
+  so ~4.9e-4 max|v|) and both round the output to fp16. bf16 on a GPU: 2.5e-2, the same
+  two terms at bf16's precision: weights (and affine/codebook V's weight x scale) rounded
+  to 2^-9 relative, <= 7.8e-3 for |v| < 4, and fp32 results that differ by that may round
+  to bf16 values one ulp apart (1.6e-2 for |out| in [2, 4): a short row's output is v).
 * fp32 reference vs the hand-built fp64 attention: 1e-5 (fp32 rounding of the decode, the
   matmuls and the softmax).
 """
@@ -41,7 +43,7 @@ from hearth.quant.turbo import TurboCodec
 from test_decode_attention import oracle_decode
 
 BLOCK = 16
-KERNEL_TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+KERNEL_TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2.5e-2}
 ORACLE_TOLERANCE = 1e-5
 DENSE = PlaneFormat.dense()
 
@@ -129,10 +131,12 @@ def make_case(
                 tables[row, index] = int(garbage[index]) if row % 2 else 0
             else:
                 read.add(blocks[index])
+    on = torch.device(device)
     shape = (num_blocks, kv_heads, BLOCK, dim)
-    keys = torch.randn(shape, generator=generator)
-    values = torch.randn(shape, generator=generator)
-    q = torch.randn(len(lengths), kv_heads * groups, dim, generator=generator).to(dtype)
+    # Encoded where the kernel runs (the GPU cases' pools are a few GB).
+    keys = torch.randn(shape, generator=generator).to(on)
+    values = torch.randn(shape, generator=generator).to(on)
+    q = torch.randn(len(lengths), kv_heads * groups, dim, generator=generator).to(on, dtype)
     codec = _codec(scheme)
     if codec is None:
         key_format = value_format = DENSE
@@ -141,11 +145,10 @@ def make_case(
         key_format, value_format, key_count = formats_of(codec)
         planes = codec.encode(keys.to(dtype), values.to(dtype))
         key_planes, value_planes = list(planes[:key_count]), list(planes[key_count:])
-    on = torch.device(device)
     return Case(
-        q.to(on),
-        [p.to(on) for p in key_planes],
-        [p.to(on) for p in value_planes],
+        q,
+        key_planes,
+        value_planes,
         key_format,
         value_format,
         tables.to(on),
