@@ -345,3 +345,82 @@ def test_gpu_graph_replay_as_rows_grow(dim: int, window: int | None) -> None:
         torch.testing.assert_close(
             out.float(), reference.float(), atol=KERNEL_TOLERANCE[torch.bfloat16], rtol=0
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# sm_90 compilation (opt-in, `pytest -m sm90`: minutes), as tests/ops/test_compile_sm90.py does
+
+
+def _paged_launches() -> list:
+    """Recorded interpreter launches of the paged kernel (and its merge) over every plane
+    format, at Gemma's head sizes: full D=512, sliding D=256, and one split."""
+    from test_compile_sm90 import _recorded_launches
+
+    cases = [
+        (make_case([600, 40], 2, 2, 512, torch.bfloat16, None), LaunchConfig()),
+        (make_case([600, 40], 2, 2, 256, torch.bfloat16, 64), LaunchConfig()),
+        (make_case([40], 2, 2, 256, torch.bfloat16, None), LaunchConfig(splits=1)),
+    ]
+    cases += [
+        (make_case([300, 40], 2, 2, dim, torch.bfloat16, 64, scheme), LaunchConfig())
+        for scheme in ("affine4", "affine8", "k8v3", "t4v3")
+        for dim in (256, 512)
+    ]
+    launches = []
+    for case, config in cases:
+        launches += _recorded_launches(
+            lambda c=case, k=config: paged_decode_attention_kernel(*c.args(), k)
+        )
+    return launches
+
+
+@pytest.mark.sm90
+@_interpreter_only
+def test_compiles_for_hopper_with_the_device_loop() -> None:
+    """The GPU form of the kernel (DEVICE_LOOP: a range bounded by each row's query position,
+    which the interpreter cannot run) compiles for sm_90 with PDL, for every plane format; and
+    dense K/V tiles gathered through the table still stream in by cp.async (pipelined)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_compile_sm90 import (
+        COMPILER,
+        CP_ASYNC_COUNTER,
+        _aligned_spec,
+        _compiler_environment,
+        _spec,
+    )
+
+    launches = _paged_launches()
+    specs = []
+    for kernel, arguments in launches:
+        spec = _spec(kernel, arguments)
+        if "DEVICE_LOOP" in spec["constants"]:
+            spec["constants"]["DEVICE_LOOP"] = True
+        specs.append(spec)
+    unique = list({json.dumps(spec, sort_keys=True): spec for spec in specs}.values())
+    environment = _compiler_environment()
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILER],
+        input=json.dumps(unique),
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+    kernel, arguments = launches[0]  # dense, D=512, full layer
+    spec = _aligned_spec(kernel, arguments)
+    spec["constants"]["DEVICE_LOOP"] = True
+    counted = subprocess.run(
+        [sys.executable, "-c", CP_ASYNC_COUNTER],
+        input=json.dumps([spec]),
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert counted.returncode == 0, counted.stderr[-2000:]
+    assert int(counted.stdout.split()[0]) > 0, "the gathered K/V loads are not pipelined"
