@@ -20,12 +20,14 @@ deterministic merge launch. A tile of BLOCK_N slots (16 = one block, or 32/64 sp
 blocks) loads each slot's block index from the table and reads its row at that block's base:
 within a block the slots are contiguous, so the loads stay coalesced along head_dim.
 
-Split plan (shapes only, never data, so a CUDA graph replays it as sequences grow; each row's
-query position is read on the device):
-* a sliding layer's splits cover `window + block_size` slots from the row's first visible
-  block, `(qpos - window + 1) // block_size` (whatever lies before it is never read);
-* a full layer's splits cover the table's `max_blocks * block_size` slots; every split stops
-  at qpos, so a split wholly past it loads nothing and writes an empty partial.
+Split plan: the grid and the number of splits depend only on shapes, never on data, so a
+CUDA graph replays the call as sequences grow:
+* a sliding layer's splits are sized for `window + block_size` slots, counted from the row's
+  first visible block `(qpos - window + 1) // block_size` (nothing before it is read);
+* a full layer's splits are sized for the table's `max_blocks * block_size` slots.
+On the device each row reads its query position and deals its tiles, from that first block
+to the query, evenly over the splits: a short row in a long table keeps every split busy,
+and a split left without tiles loads nothing and writes an empty partial (weight 0).
 """
 
 from __future__ import annotations
@@ -188,8 +190,8 @@ def paged_split_plan(
     device: torch.device,
     config: LaunchConfig | None = None,
 ) -> tuple[int, int]:
-    """(slots per split, splits) of a launch: over `window + block_size` slots for a sliding
-    layer (no more than the table holds), over the whole table for a full one."""
+    """(most slots a split reads, splits) of a launch, sized for `window + block_size` slots
+    for a sliding layer (no more than the table holds), for the whole table for a full one."""
     config = LaunchConfig() if config is None else config
     table_slots = max_blocks * block_size
     span = table_slots if window is None else min(table_slots, window + block_size)
@@ -420,14 +422,17 @@ if triton is not None:
             acc_heads = heads[None, :, None]
             acc_mask = group_mask[None, :, None]
         if HAS_WINDOW:
-            # The row's first visible block: splits count slots from there.
+            # The row's first visible block: nothing before it is read.
             first = tl.maximum(qpos - window + 1, 0) // BLOCK_SIZE * BLOCK_SIZE
         else:
             first = qpos * 0
-        start = first + split * CHUNK
-        # Nothing past the query (a full layer's later splits run no iteration at all),
-        # nor past the table.
-        stop = tl.minimum(tl.minimum(start + CHUNK, qpos + 1), table_slots)
+        # The row's tiles from `first` to its query, dealt evenly over the splits (whole
+        # tiles, at most CHUNK slots each): a short row in a long table keeps every split
+        # busy rather than only the first few; splits beyond its tiles run no iteration.
+        last = tl.minimum(qpos + 1, table_slots)
+        tiles = (last - first + BLOCK_N - 1) // BLOCK_N
+        start = first + (split * tiles // splits) * BLOCK_N
+        stop = tl.minimum(first + ((split + 1) * tiles // splits) * BLOCK_N, last)
         if DEVICE_LOOP:
             # Trip count read on the device: no iteration past the query, and the loop
             # still pipelines its loads (a branch per tile would stop that).
