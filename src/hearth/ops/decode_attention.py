@@ -209,29 +209,31 @@ if triton is not None:
         aux,
         aux2,
         centroids,
-        rows,
+        data_rows,
+        aux_rows,
         row_mask,
-        stride_data,
-        stride_aux,
         FORMAT: tl.constexpr,
         BITS: tl.constexpr,
         GROUP_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
     ):
         """Rows of one KV head as (levels [GROUPS, BLOCK_N, GROUP_SIZE], scale and bias
-        [GROUPS, BLOCK_N]), fp32, lanes in the order of `_group_lanes`: an element is
+        [GROUPS, BLOCK_N]), fp32, lanes in the order of `_group_lanes`. `data_rows` and
+        `aux_rows` [BLOCK_N] are each row's element offset in the packed plane and in the
+        scale/bias planes (a contiguous cache: slot x stride; a paged pool: its block's
+        base plus the slot in the block). An element is
         level * scale + bias (codebook planes: level = centroid, no bias). Affine levels
         are small integers, exact in any float type, so the dots take them unscaled."""
         UNIT_WORDS: tl.constexpr = BITS // (BITS & -BITS)
         PER_UNIT: tl.constexpr = 32 * UNIT_WORDS // BITS
         UNITS: tl.constexpr = GROUP_SIZE // PER_UNIT
         group = tl.arange(0, HEAD_DIM // GROUP_SIZE)[:, None, None]
-        row = rows[None, :, None]
+        row = data_rows[None, :, None]
         mask = row_mask[None, :, None]
         unit, index = _group_lanes(BITS, GROUP_SIZE)
         bit = index * BITS
         shift = (bit % 32).to(tl.uint32)
-        base = data + row * stride_data + group * (UNITS * UNIT_WORDS)
+        base = data + row + group * (UNITS * UNIT_WORDS)
         if UNIT_WORDS == 1:
             packed = tl.load(base + unit, mask=mask, other=0).to(tl.uint32, bitcast=True)
             codes = packed >> shift
@@ -252,7 +254,7 @@ if triton is not None:
                 high = tl.where(spills & (word_of_code + 1 == k), word, high)
             codes = (low >> shift) | (high << ((32 - shift) % 32))
         codes = codes & ((1 << BITS) - 1)
-        aux_offsets = rows[None, :] * stride_aux + tl.arange(0, HEAD_DIM // GROUP_SIZE)[:, None]
+        aux_offsets = aux_rows[None, :] + tl.arange(0, HEAD_DIM // GROUP_SIZE)[:, None]
         aux_mask = row_mask[None, :]
         scale = tl.load(aux + aux_offsets, mask=aux_mask, other=0.0).to(tl.float32)
         if FORMAT == 1:
@@ -265,11 +267,10 @@ if triton is not None:
         return levels, scale, bias
 
     @triton.jit
-    def _dense_tile(
-        data, rows, row_mask, stride_data, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr
-    ):
-        """Rows of one KV head's dense plane as a [BLOCK_N, HEAD_DIM] tile in OUT_DTYPE."""
-        offsets = rows[:, None] * stride_data + tl.arange(0, HEAD_DIM)[None, :]
+    def _dense_tile(data, data_rows, row_mask, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """Rows of one KV head's dense plane as a [BLOCK_N, HEAD_DIM] tile in OUT_DTYPE
+        (`data_rows`: each row's element offset, as in `_grouped_levels`)."""
+        offsets = data_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
         return tl.load(data + offsets, mask=row_mask[:, None], other=0.0).to(OUT_DTYPE)
 
     @triton.jit
@@ -279,21 +280,20 @@ if triton is not None:
         running_max,
         running_sum,
         acc,
-        rows,
+        k_rows,
+        k_aux_rows,
+        v_rows,
+        v_aux_rows,
         visible,
         scale_log2,
         k0,
         k1,
         k2,
         k_centroids,
-        stride_k0s,
-        stride_k1s,
         v0,
         v1,
         v2,
         v_centroids,
-        stride_v0s,
-        stride_v1s,
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         K_FORMAT: tl.constexpr,
@@ -304,7 +304,9 @@ if triton is not None:
         V_GROUP: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """One online-softmax step (base 2) of the query heads over a block of slots.
+        """One online-softmax step (base 2) of the query heads over a block of slots, whose
+        rows sit at element offsets `k_rows`/`v_rows` of the K/V data planes and
+        `k_aux_rows`/`v_aux_rows` of their scale (and bias) planes.
 
         Quantized planes are decoded per scale group into [GROUPS, BLOCK_N, GROUP] tiles of
         levels and multiplied by batched dots (query and accumulator held per group in the
@@ -316,11 +318,11 @@ if triton is not None:
         """
         dtype = query.dtype
         if K_FORMAT == 0:
-            keys = _dense_tile(k0, rows, visible, stride_k0s, HEAD_DIM, dtype)
+            keys = _dense_tile(k0, k_rows, visible, HEAD_DIM, dtype)
             scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
         else:
             levels, k_scale, k_bias = _grouped_levels(
-                k0, k1, k2, k_centroids, rows, visible, stride_k0s, stride_k1s,
+                k0, k1, k2, k_centroids, k_rows, k_aux_rows, visible,
                 K_FORMAT, K_BITS, K_GROUP, HEAD_DIM,
             )  # fmt: skip
             per_group = tl.dot(
@@ -336,13 +338,13 @@ if triton is not None:
         weights = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         if V_FORMAT == 0:
-            values = _dense_tile(v0, rows, visible, stride_v0s, HEAD_DIM, dtype)
+            values = _dense_tile(v0, v_rows, visible, HEAD_DIM, dtype)
             acc = acc * correction[:, None] + tl.dot(
                 weights.to(dtype), values, input_precision=PRECISION
             )
         else:
             levels, v_scale, v_bias = _grouped_levels(
-                v0, v1, v2, v_centroids, rows, visible, stride_v0s, stride_v1s,
+                v0, v1, v2, v_centroids, v_rows, v_aux_rows, visible,
                 V_FORMAT, V_BITS, V_GROUP, HEAD_DIM,
             )  # fmt: skip
             scaled = (weights[None, :, :] * v_scale[:, None, :]).to(dtype)
@@ -465,17 +467,19 @@ if triton is not None:
                 # Empty or out-of-window blocks cost only their positions.
                 if tl.max(visible.to(tl.int32), axis=0) > 0:
                     running_max, running_sum, acc = _attend_block(
-                        query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
-                        k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
-                        v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
+                        query, query_sums, running_max, running_sum, acc,
+                        rows * stride_k0s, rows * stride_k1s, rows * stride_v0s,
+                        rows * stride_v1s, visible, scale_log2,
+                        k0, k1, k2, k_centroids, v0, v1, v2, v_centroids,
                         HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
                         V_FORMAT, V_BITS, V_GROUP, PRECISION,
                     )  # fmt: skip
             else:
                 running_max, running_sum, acc = _attend_block(
-                    query, query_sums, running_max, running_sum, acc, rows, visible, scale_log2,
-                    k0, k1, k2, k_centroids, stride_k0s, stride_k1s,
-                    v0, v1, v2, v_centroids, stride_v0s, stride_v1s,
+                    query, query_sums, running_max, running_sum, acc,
+                    rows * stride_k0s, rows * stride_k1s, rows * stride_v0s,
+                    rows * stride_v1s, visible, scale_log2,
+                    k0, k1, k2, k_centroids, v0, v1, v2, v_centroids,
                     HEAD_DIM, BLOCK_N, K_FORMAT, K_BITS, K_GROUP,
                     V_FORMAT, V_BITS, V_GROUP, PRECISION,
                 )  # fmt: skip
