@@ -216,7 +216,7 @@ def test_reference_equals_hand_gathered_attention(scheme: str, window: int | Non
     case = make_case([45, 0, 70, 17], 2, 2, 32, torch.float32, window, scheme)
     reference = paged_decode_attention_reference(*case.args())
     torch.testing.assert_close(
-        reference.double(), hand_attention(case), atol=ORACLE_TOLERANCE, rtol=0
+        reference.double().cpu(), hand_attention(case), atol=ORACLE_TOLERANCE, rtol=0
     )
 
 

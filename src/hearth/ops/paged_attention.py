@@ -128,7 +128,14 @@ def paged_decode_attention_reference(
 def _gathered(planes: Sequence[torch.Tensor], table: torch.Tensor) -> list[torch.Tensor]:
     """A row's blocks as one sequence: [max_blocks, Hkv, block_size, w] planes ->
     [1, Hkv, max_blocks * block_size, w]."""
-    return [p[table].transpose(0, 1).flatten(1, 2).unsqueeze(0) for p in planes]
+    return [_gather_blocks(p, table).transpose(0, 1).flatten(1, 2).unsqueeze(0) for p in planes]
+
+
+def _gather_blocks(plane: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """`plane[table]`; packed uint32 codes move as int32 (CUDA has no uint32 index kernel)."""
+    if plane.dtype == torch.uint32:
+        return plane.view(torch.int32)[table].view(torch.uint32)
+    return plane[table]
 
 
 def paged_decode_attention(
