@@ -39,7 +39,16 @@ from torch import Tensor
 
 from hearth.ops import HAS_TRITON, pdl_options
 from hearth.ops.launch import launch_kernel
-from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
+from hearth.quant.gguf_blocks import (
+    BLOCK_FORMATS,
+    ROW_ALIGNMENT,
+    dequantize_layout,
+    is_planar,
+    planar_offsets,
+    planar_row_bytes,
+    planar_values,
+    stored_type,
+)
 
 # GGML type ids the Triton kernels decode: every type of `BLOCK_FORMATS` (Q4_0, Q4_1, Q5_0,
 # Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
@@ -61,14 +70,15 @@ TILE_BYTES = 256 << 20
 
 
 def gguf_matmul_reference(x: Tensor, type_id: int, blocks: Tensor) -> Tensor:
-    """``x @ W.T`` with W the exact fp32 values of `blocks`, in fp32, cast to x's dtype."""
-    weight = dequantize_blocks(type_id, blocks)
+    """``x @ W.T`` with W the exact fp32 values of `blocks` (file or planar rows: `type_id`
+    is a layout id), in fp32, cast to x's dtype."""
+    weight = dequantize_layout(type_id, blocks)
     return F.linear(x.float(), weight).to(x.dtype)
 
 
 def gguf_rows_reference(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
     """Rows `ids` of a block table, dequantized exactly, in `dtype`: ``[*ids.shape, K]``."""
-    rows = dequantize_blocks(type_id, blocks[ids.reshape(-1)])
+    rows = dequantize_layout(type_id, blocks[ids.reshape(-1)])
     return rows.reshape(*ids.shape, rows.shape[-1]).to(dtype)
 
 
@@ -109,8 +119,7 @@ def gguf_linear(x2d: Tensor, parts: Sequence[tuple[int, Tensor]], out_features: 
 
 def gguf_rows(ids: Tensor, type_id: int, blocks: Tensor, dtype: torch.dtype) -> Tensor:
     """`gguf_rows_reference` in one kernel (ids stay on the device: no sync)."""
-    block = BLOCK_FORMATS[type_id]
-    k = blocks.shape[1] // block.nbytes * block.values
+    k = planar_values(type_id, blocks.shape[1])
     rows = gguf_dequantize_triton(type_id, blocks, k, dtype, ids=ids.reshape(-1))
     return rows.view(*ids.shape, k)
 
@@ -507,13 +516,15 @@ if HAS_TRITON:
         column slice of a wider row-major output); `block_n`, `num_warps`, `split_k` and
         `loop_stages` pin the launch (tests, benchmarks/lab/gpu_gguf_gemv.py)."""
         m, k = x2d.shape
-        _check_blocks(type_id, blocks, k)
         if m > GEMV_MAX_ROWS:
             raise ValueError(f"the GGUF GEMV takes at most {GEMV_MAX_ROWS} rows, got {m}")
         n = blocks.shape[0]
         if out.shape != (m, n) or out.stride(1) != 1:
             raise ValueError(f"out must be [{m}, {n}] with unit column stride")
         x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+        if is_planar(type_id):
+            return _planar_gemv(x2d, type_id, blocks, out, block_n, num_warps, split_k)
+        _check_blocks(type_id, blocks, k)
         block_m = triton.next_power_of_2(m)
         if block_n is None:
             block_n = gemv_block_n(block_m, type_id) if x2d.is_cuda else INTERPRETER_BLOCK_N
@@ -548,7 +559,6 @@ if HAS_TRITON:
         5..DOT_MAX_ROWS); `block_n` and `num_warps` pin the launch (default: 4 warps for 16
         rows, 8 for 32, where 4 spilled registers in ptxas's report)."""
         m, k = x2d.shape
-        _check_blocks(type_id, blocks, k)
         n = blocks.shape[0]
         if out.shape != (m, n) or out.stride(1) != 1:
             raise ValueError(f"out must be [{m}, {n}] with unit column stride")
@@ -556,6 +566,15 @@ if HAS_TRITON:
         block_m = min(32, max(16, triton.next_power_of_2(m)))  # tl.dot takes 16 rows or more
         num_warps = num_warps or (4 if block_m == 16 else 8)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        if is_planar(type_id):
+            planes, strides = _planar_operands(type_id, blocks, k)
+            args = (x2d, *planes, out, m, n, x2d.stride(0), *strides, out.stride(0))
+            constants = {"K": k, "TYPE": stored_type(type_id), "BLOCK_M": block_m}
+            constants |= {"BLOCK_N": block_n, "IEEE": x2d.dtype == torch.float32}
+            constants |= _planes(stored_type(type_id), k)
+            launch_kernel(_planar_dot_kernel, grid, *args, **constants, num_warps=num_warps)
+            return out
+        _check_blocks(type_id, blocks, k)
         args = (x2d, blocks, out, m, n, x2d.stride(0), blocks.stride(0), out.stride(0))
         constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id], "BLOCK_M": block_m}
         constants |= {"BLOCK_N": block_n, "IEEE": x2d.dtype == torch.float32}
@@ -574,7 +593,11 @@ if HAS_TRITON:
         """The values of `blocks`' rows (rows `ids` if given) as [rows, k] in `dtype`, or
         into `out` (rows of unit column stride, e.g. a slice of a larger scratch); `block_n`
         pins the rows a program (tests)."""
-        _check_blocks(type_id, blocks, k)
+        planar = is_planar(type_id)
+        if planar:
+            planes, strides = _planar_operands(type_id, blocks, k)
+        else:
+            _check_blocks(type_id, blocks, k)
         rows = blocks.shape[0] if ids is None else ids.numel()
         if out is None:
             out = torch.empty(rows, k, dtype=dtype, device=blocks.device)
@@ -586,8 +609,386 @@ if HAS_TRITON:
             block_n = DEQUANTIZE_BLOCK_N if blocks.is_cuda else INTERPRETER_BLOCK_N
         indices = ids if ids is not None else blocks  # unread without INDEXED
         grid = (triton.cdiv(rows, block_n), triton.cdiv(k, STEP_VALUES))
+        if planar:
+            args = (*planes, indices, out, rows, *strides, out.stride(0))
+            constants = {"K": k, "TYPE": stored_type(type_id), "BLOCK_N": block_n}
+            constants |= {"INDEXED": ids is not None} | _planes(stored_type(type_id), k)
+            launch_kernel(_planar_dequantize_kernel, grid, *args, **constants)
+            return out
         args = (blocks, indices, out, rows, blocks.stride(0), out.stride(0))
         constants = {"K": k, "TYPE": type_id, "G": GROUPS[type_id], "BLOCK_N": block_n}
         constants["INDEXED"] = ids is not None
         launch_kernel(_gguf_dequantize_kernel, grid, *args, **constants)
+        return out
+
+    # -----------------------------------------------------------------------------------------
+    # Planar rows (`hearth.quant.gguf_blocks.to_planar`): Q4_0, Q8_0, Q4_K, Q6_K
+
+    # The float 2**23 as int32 bits, passed at run time (a constant exponent would take a second
+    # LOP3: one immediate operand each).
+    TWO23_BITS = 150 << 23
+
+    @triton.jit
+    def _planar_code(words, two23, J: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
+        """Code J of each int32 word (bits [BITS·J, BITS·J + BITS)) minus BIAS, as exact fp32,
+        in place: ORed with the exponent of 2**(23 - P) at its bit P it is the float
+        2**(23 - P) + code (one LOP3), less 2**(23 - P) + BIAS (one FADD; both integers below
+        2**24, so exact). Codes reaching past bit 23 are moved down 16 first (one shift a word,
+        shared by its codes)."""
+        LOWER: tl.constexpr = 16 if J * BITS + BITS > 23 else 0
+        P: tl.constexpr = J * BITS - LOWER
+        MASK: tl.constexpr = ((1 << BITS) - 1) << P
+        exponent = two23 - (P << 23)
+        if LOWER > 0:
+            words = words >> LOWER  # arithmetic: the sign copies land above the mask
+        value = ((words & MASK) | exponent).to(tl.float32, bitcast=True)
+        return value - (exponent.to(tl.float32, bitcast=True) + BIAS)
+
+    @triton.jit
+    def _q6_k_code(low, high_low, high_up, two23, J: tl.constexpr):
+        """Q6_K code J of each low word minus 32, as exact fp32: its nibble (bit 4J) and its two
+        high bits (bit 4J + 4 of `high_low`, 4J - 12 of `high_up`, the high word shifted for
+        this low word) as one 6-bit field under the exponent of 2**(23 - P): two LOP3s and one
+        FADD. Fields past bit 23 (J >= 5) take the words moved down 16."""
+        UPPER: tl.constexpr = 4 * J + 6 > 23
+        P: tl.constexpr = 4 * J - 16 if UPPER else 4 * J
+        exponent = two23 - (P << 23)
+        if UPPER:
+            low = low >> 16
+            high = high_up
+        else:
+            high = high_low
+        HIGH_MASK: tl.constexpr = 3 << (P + 4)
+        LOW_MASK: tl.constexpr = 15 << P
+        top = (high & HIGH_MASK) | exponent
+        value = ((low & LOW_MASK) | top).to(tl.float32, bitcast=True)
+        return value - (exponent.to(tl.float32, bitcast=True) + 32.0)
+
+    @triton.jit
+    def _rows_fma(acc0, acc1, acc2, acc3, value, x_at, stride_xm, ok, M: tl.constexpr):
+        """acc_m += value · x_m for the M activation rows (x_at: row 0's values)."""
+        acc0 += value * tl.load(x_at, mask=ok, other=0).to(tl.float32)
+        if M > 1:
+            acc1 += value * tl.load(x_at + stride_xm, mask=ok, other=0).to(tl.float32)
+        if M > 2:
+            acc2 += value * tl.load(x_at + 2 * stride_xm, mask=ok, other=0).to(tl.float32)
+        if M > 3:
+            acc3 += value * tl.load(x_at + 3 * stride_xm, mask=ok, other=0).to(tl.float32)
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _scaled_add(acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M: tl.constexpr):
+        acc0 += scale * dots0
+        if M > 1:
+            acc1 += scale * dots1
+        if M > 2:
+            acc2 += scale * dots2
+        if M > 3:
+            acc3 += scale * dots3
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _store_planar_rows(
+        out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
+        M: tl.constexpr, SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        """Each row's sums over K (acc summed over its group and word axes), rounded once to
+        out's dtype; a K split's last program to arrive adds the slices' fp32 partials in
+        slice order (deterministic, no float atomics) and resets its counter."""
+        r0 = tl.sum(tl.sum(acc0, axis=2), axis=1)
+        r1 = tl.sum(tl.sum(acc1, axis=2), axis=1)
+        r2 = tl.sum(tl.sum(acc2, axis=2), axis=1)
+        r3 = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + n, r0.to(out_ptr.dtype.element_ty), mask=n_ok)
+            if M > 1:
+                tl.store(out_ptr + stride_om + n, r1.to(out_ptr.dtype.element_ty), mask=n_ok)
+            if M > 2:
+                tl.store(out_ptr + 2 * stride_om + n, r2.to(out_ptr.dtype.element_ty), mask=n_ok)
+            if M > 3:
+                tl.store(out_ptr + 3 * stride_om + n, r3.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            own = partial_ptr + tl.program_id(1) * M * N + n
+            tl.store(own, r0, mask=n_ok)
+            if M > 1:
+                tl.store(own + N, r1, mask=n_ok)
+            if M > 2:
+                tl.store(own + 2 * N, r2, mask=n_ok)
+            if M > 3:
+                tl.store(own + 3 * N, r3, mask=n_ok)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                for m in tl.static_range(M):
+                    total = tl.zeros(n.shape, tl.float32)
+                    for split in tl.static_range(SPLIT_K):
+                        # .cg reads L2, where the other programs' partials are, not a stale L1.
+                        total += tl.load(
+                            partial_ptr + (split * M + m) * N + n, mask=n_ok, other=0.0,
+                            cache_modifier=".cg",
+                        )  # fmt: skip
+                    out_at = out_ptr + m * stride_om + n
+                    tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)  # ready for the next launch
+
+    @triton.jit
+    def _planar_gemv_kernel(
+        x_ptr, words_ptr, bytes_ptr, halves_ptr, out_ptr, partial_ptr, counter_ptr,
+        N, stride_xm, stride_words, stride_bytes, stride_halves, stride_om, two23,
+        K: tl.constexpr, TYPE: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr, PLANE_A: tl.constexpr, PLANE_B: tl.constexpr,
+        PLANE_C: tl.constexpr, PLANE_D: tl.constexpr, PDL: tl.constexpr,
+        SPLIT_K: tl.constexpr = 1,
+    ):  # fmt: skip
+        """out[m, n] = sum_k x[m, k] w[n, k] for m < M <= 4 over planar rows; grid (blocks of
+        BLOCK_N rows, SPLIT_K slices of K's steps of BLOCK_G 32-value groups). A program's
+        tiles are [BLOCK_N, BLOCK_G, words a group]; code j of every word pairs with x at
+        32g + WPG·j + w (adjacent in x: one vector load serves a thread's words of all its
+        rows). Q4_K forms each weight, fl(d·sc · q - dmin·m), with one FMA (d·sc and dmin·m
+        are exact fp32 products of an fp16 and a 6-bit integer, and so is d·sc · q: the FMA
+        rounds exactly where `gguf.quants.dequantize` rounds), then adds x times it. The
+        symmetric types (w = s · q, s · q exact) add x · q and scale each group's (or Q6_K's
+        16 values') sum once. Planes (PLANE_*): Q4_K scales, mins (bytes), d, dmin (halves);
+        Q6_K high words (words), scales (bytes), d (halves); Q4_0, Q8_0 d (halves)."""
+        WPG: tl.constexpr = 8 if TYPE == 8 else 4
+        GROUPS: tl.constexpr = K // 32
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        n_read = tl.minimum(n, N - 1).to(tl.int64)  # rows past N read row N - 1, not stored
+        word_rows = (words_ptr + tl.multiple_of(n_read * stride_words, 4))[:, None, None]
+        byte_rows = (bytes_ptr + n_read * stride_bytes)[:, None, None]
+        half_rows = (halves_ptr + n_read * stride_halves)[:, None, None]
+        wait_for_producer(PDL)
+        g_in = tl.arange(0, BLOCK_G)[None, :, None]
+        w = tl.arange(0, WPG)[None, None, :]
+        STEPS: tl.constexpr = (GROUPS + BLOCK_G - 1) // BLOCK_G
+        SLICE: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
+        acc0 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+        for index in tl.range(SLICE):
+            g = (pid_k * SLICE + index) * BLOCK_G + g_in
+            g_ok = g < GROUPS
+            words = tl.load(word_rows + g * WPG + w, mask=g_ok, other=0)
+            x_at = x_ptr + g * 32 + w
+            if TYPE == 12:
+                sc = tl.load(byte_rows + PLANE_A + g, mask=g_ok, other=0).to(tl.float32)
+                mn = tl.load(byte_rows + PLANE_B + g, mask=g_ok, other=0).to(tl.float32)
+                d = tl.load(half_rows + PLANE_C + g // 8, mask=g_ok, other=0).to(tl.float32)
+                dmin = tl.load(half_rows + PLANE_D + g // 8, mask=g_ok, other=0).to(tl.float32)
+                scale = d * sc
+                offset = dmin * mn
+                for j in tl.static_range(8):
+                    weight = scale * _planar_code(words, two23, j, 4, 0.0) - offset
+                    acc0, acc1, acc2, acc3 = _rows_fma(
+                        acc0, acc1, acc2, acc3, weight, x_at + 4 * j, stride_xm, g_ok, M
+                    )
+            else:
+                dots0 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                dots1 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                dots2 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                dots3 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                if TYPE == 14:
+                    high = tl.load(word_rows + PLANE_A + 2 * g + w // 2, mask=g_ok, other=0)
+                    e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
+                    high_low = high << (4 - 2 * e)
+                    high_up = high >> (12 + 2 * e)
+                    d = tl.load(half_rows + PLANE_C + g // 8, mask=g_ok, other=0).to(tl.float32)
+                    first = tl.load(byte_rows + PLANE_B + 2 * g, mask=g_ok, other=0)
+                    second = tl.load(byte_rows + PLANE_B + 2 * g + 1, mask=g_ok, other=0)
+                    scale_first = d * first.to(tl.int8, bitcast=True).to(tl.float32)
+                    scale_second = d * second.to(tl.int8, bitcast=True).to(tl.float32)
+                    for j in tl.static_range(8):
+                        code = _q6_k_code(words, high_low, high_up, two23, j)
+                        dots0, dots1, dots2, dots3 = _rows_fma(
+                            dots0, dots1, dots2, dots3, code, x_at + 4 * j, stride_xm, g_ok, M
+                        )
+                        if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
+                            acc0, acc1, acc2, acc3 = _scaled_add(
+                                acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3,
+                                scale_first, M,
+                            )  # fmt: skip
+                            dots0 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                            dots1 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                            dots2 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                            dots3 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                    scale = scale_second
+                else:
+                    BITS: tl.constexpr = 8 if TYPE == 8 else 4
+                    BIAS: tl.constexpr = 128.0 if TYPE == 8 else 8.0
+                    scale = tl.load(half_rows + PLANE_A + g, mask=g_ok, other=0).to(tl.float32)
+                    for j in tl.static_range(32 // WPG):
+                        code = _planar_code(words, two23, j, BITS, BIAS)
+                        dots0, dots1, dots2, dots3 = _rows_fma(
+                            dots0, dots1, dots2, dots3, code, x_at + WPG * j, stride_xm, g_ok, M
+                        )
+                acc0, acc1, acc2, acc3 = _scaled_add(
+                    acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
+                )
+        _store_planar_rows(
+            out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
+            M, SPLIT_K,
+        )  # fmt: skip
+
+    @triton.jit
+    def _planar_step_values(
+        word_rows, byte_rows, half_rows, ok, step, TYPE: tl.constexpr, K: tl.constexpr,
+        PLANE_A: tl.constexpr, PLANE_B: tl.constexpr, PLANE_C: tl.constexpr,
+        PLANE_D: tl.constexpr,
+    ):  # fmt: skip
+        """Values [step·256, step·256 + 256) of each planar row as fp32, [BLOCK_N, 8 groups, 32]
+        in K order (zero past K and for masked rows); `*_rows`: [BLOCK_N, 1, 1, 1] pointers."""
+        WPG: tl.constexpr = 8 if TYPE == 8 else 4
+        BITS: tl.constexpr = 8 if TYPE == 8 else 4
+        CODES: tl.constexpr = 32 // WPG
+        g = step * 8 + tl.arange(0, 8)[None, :, None, None]
+        j = tl.arange(0, CODES)[None, None, :, None]
+        w = tl.arange(0, WPG)[None, None, None, :]
+        ok = ok & (g < K // 32)
+        words = tl.load(word_rows + g * WPG + w, mask=ok, other=0)
+        q = (words >> (BITS * j)) & ((1 << BITS) - 1)  # [BLOCK_N, 8, CODES, WPG]
+        if TYPE == 12:
+            scale = tl.load(half_rows + PLANE_C + g // 8, mask=ok, other=0).to(tl.float32)
+            scale *= tl.load(byte_rows + PLANE_A + g, mask=ok, other=0).to(tl.float32)
+            offset = tl.load(half_rows + PLANE_D + g // 8, mask=ok, other=0).to(tl.float32)
+            offset *= tl.load(byte_rows + PLANE_B + g, mask=ok, other=0).to(tl.float32)
+            values = scale * q.to(tl.float32) - offset
+        elif TYPE == 14:
+            high = tl.load(word_rows + PLANE_A + 2 * g + w // 2, mask=ok, other=0)
+            code = q | (((high >> (4 * j + 2 * (w % 2))) & 3) << 4)
+            raw = tl.load(byte_rows + PLANE_B + 2 * g + j // 4, mask=ok, other=0)
+            scale = tl.load(half_rows + PLANE_C + g // 8, mask=ok, other=0).to(tl.float32)
+            scale *= raw.to(tl.int8, bitcast=True).to(tl.float32)
+            values = scale * (code - 32).to(tl.float32)
+        else:
+            scale = tl.load(half_rows + PLANE_A + g, mask=ok, other=0).to(tl.float32)
+            values = scale * (q - (128 if TYPE == 8 else 8)).to(tl.float32)
+        return tl.reshape(values, [values.shape[0], 8, 32])
+
+    @triton.jit
+    def _planar_dot_kernel(
+        x_ptr, words_ptr, bytes_ptr, halves_ptr, out_ptr, M, N, stride_xm, stride_words,
+        stride_bytes, stride_halves, stride_om, K: tl.constexpr, TYPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        PLANE_A: tl.constexpr, PLANE_B: tl.constexpr, PLANE_C: tl.constexpr,
+        PLANE_D: tl.constexpr,
+    ):  # fmt: skip
+        """`_gguf_dot_kernel` over planar rows: a step of BLOCK_N rows decoded, rounded to x's
+        dtype and multiplied by `tl.dot`; grid (blocks of N, blocks of M)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        n64 = n.to(tl.int64)
+        word_rows = (words_ptr + n64 * stride_words)[:, None, None, None]
+        byte_rows = (bytes_ptr + n64 * stride_bytes)[:, None, None, None]
+        half_rows = (halves_ptr + n64 * stride_halves)[:, None, None, None]
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        STEPS: tl.constexpr = (K + 255) // 256
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for step in tl.range(STEPS):
+            values = _planar_step_values(
+                word_rows, byte_rows, half_rows, n_ok[:, None, None, None], step, TYPE, K,
+                PLANE_A, PLANE_B, PLANE_C, PLANE_D,
+            )  # fmt: skip
+            w = tl.reshape(values, [BLOCK_N, 256]).to(x_ptr.dtype.element_ty)
+            k = step * 256 + tl.arange(0, 256)
+            xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(xk, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xk, tl.trans(w), acc)
+        out_at = out_ptr + m[:, None] * stride_om + n[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _planar_dequantize_kernel(
+        words_ptr, bytes_ptr, halves_ptr, ids_ptr, out_ptr, N, stride_words, stride_bytes,
+        stride_halves, stride_on, K: tl.constexpr, TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+        INDEXED: tl.constexpr, PLANE_A: tl.constexpr, PLANE_B: tl.constexpr,
+        PLANE_C: tl.constexpr, PLANE_D: tl.constexpr,
+    ):  # fmt: skip
+        """`_gguf_dequantize_kernel` over planar rows; grid (blocks of N, steps of K)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        step = tl.program_id(1)
+        n_ok = n < N
+        source = tl.load(ids_ptr + n, mask=n_ok, other=0) if INDEXED else n
+        source = source.to(tl.int64)
+        word_rows = (words_ptr + source * stride_words)[:, None, None, None]
+        byte_rows = (bytes_ptr + source * stride_bytes)[:, None, None, None]
+        half_rows = (halves_ptr + source * stride_halves)[:, None, None, None]
+        values = _planar_step_values(
+            word_rows, byte_rows, half_rows, n_ok[:, None, None, None], step, TYPE, K,
+            PLANE_A, PLANE_B, PLANE_C, PLANE_D,
+        )  # fmt: skip
+        k = _step_columns(step, 8)[None, :, :]
+        out_at = out_ptr + n.to(tl.int64)[:, None, None] * stride_on + k
+        tl.store(out_at, values.to(out_ptr.dtype.element_ty), mask=n_ok[:, None, None] & (k < K))
+
+    def _planes(type_id: int, k: int) -> dict[str, int]:
+        """PLANE_* of a planar type at k: bytes for byte planes, halves, words as each reads."""
+        at = planar_offsets(type_id, k)
+        if type_id == 12:
+            a, b, c, d = at["scales"], at["mins"], at["d"] // 2, at["dmin"] // 2
+        elif type_id == 14:
+            a, b, c, d = at["high"] // 4, at["scales"], at["d"] // 2, 0
+        else:
+            a, b, c, d = at["d"] // 2, 0, 0, 0
+        return {"PLANE_A": a, "PLANE_B": b, "PLANE_C": c, "PLANE_D": d}
+
+    def _planar_operands(layout: int, blocks: Tensor, k: int) -> tuple:
+        """(words, bytes, halves views of planar rows, their row strides) after checks."""
+        type_id = stored_type(layout)
+        name = BLOCK_FORMATS[type_id].name
+        width = planar_row_bytes(type_id, k)
+        if (
+            blocks.dtype != torch.uint8
+            or blocks.dim() != 2
+            or k % 32
+            or (type_id in (12, 14) and k % 256)
+            or blocks.shape[1] != width
+            or blocks.stride(1) != 1
+        ):
+            raise ValueError(
+                f"planar {name} rows of {k} values are uint8 [rows, {width}] with unit column "
+                f"stride, got {blocks.dtype} {tuple(blocks.shape)}"
+            )
+        if blocks.data_ptr() % ROW_ALIGNMENT or blocks.stride(0) % ROW_ALIGNMENT:
+            raise ValueError(f"planar {name} rows must start {ROW_ALIGNMENT}-byte aligned")
+        words, halves = blocks.view(torch.int32), blocks.view(torch.float16)
+        return (words, blocks, halves), (words.stride(0), blocks.stride(0), halves.stride(0))
+
+    # Rows and groups a planar GEMV program takes (tiles [BLOCK_N, BLOCK_G, words a group]).
+    PLANAR_BLOCK_N = 32
+    PLANAR_BLOCK_G = 8
+
+    def _planar_gemv(
+        x2d: Tensor, layout: int, blocks: Tensor, out: Tensor, block_n: int | None,
+        num_warps: int, split_k: int | None, block_g: int | None = None,
+    ) -> Tensor:  # fmt: skip
+        m, k = x2d.shape
+        type_id = stored_type(layout)
+        planes, strides = _planar_operands(layout, blocks, k)
+        n = blocks.shape[0]
+        if block_n is None:
+            block_n = PLANAR_BLOCK_N if x2d.is_cuda else INTERPRETER_BLOCK_N
+        block_g = block_g or PLANAR_BLOCK_G
+        if split_k is None:
+            units = _multiprocessors(x2d.device.index or 0) if x2d.is_cuda else 1
+            split_k = gemv_split(n, k, block_n, units) if x2d.is_cuda else 1
+        if split_k > 1:
+            partial = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
+            counters = _counters(x2d.device, triton.cdiv(n, block_n))
+        else:
+            partial = counters = out  # unread
+        args = (x2d, *planes, out, partial, counters, n, x2d.stride(0), *strides)
+        args += (out.stride(0), TWO23_BITS)
+        constants = {"K": k, "TYPE": type_id, "M": m, "BLOCK_N": block_n, "BLOCK_G": block_g}
+        constants |= _planes(type_id, k) | {"SPLIT_K": split_k, "num_warps": num_warps}
+        constants |= pdl_options(x2d)
+        grid = (triton.cdiv(n, block_n), split_k)
+        launch_kernel(_planar_gemv_kernel, grid, *args, **constants)
         return out
