@@ -207,7 +207,9 @@ class GGUFKernelLinear(GGUFLinear):
                 planar = torch.empty(stored.shape[0], width, dtype=torch.uint8, device="meta")
             else:  # a chunk of rows at a time: the repack's temporaries stay small
                 width = planar_row_bytes(type_id, in_features)
-                planar = torch.empty(stored.shape[0], width, dtype=torch.uint8, device=stored.device)
+                planar = torch.empty(
+                    stored.shape[0], width, dtype=torch.uint8, device=stored.device
+                )
                 for first in range(0, stored.shape[0], REPACK_ROWS):
                     chunk = stored[first : first + REPACK_ROWS]
                     planar[first : first + len(chunk)] = to_planar(type_id, chunk)

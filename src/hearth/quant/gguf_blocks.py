@@ -266,10 +266,8 @@ def _interleaved_words(codes: Tensor, bits: int) -> Tensor:
     n, groups, _ = codes.shape
     per_word = 32 // bits
     words = codes.reshape(n, groups, per_word, 32 // per_word).transpose(2, 3)  # [.., w, j]
-    if bits == 8:
-        packed = words
-    else:  # byte b of a word: codes 2b (low nibble) and 2b + 1
-        packed = words[..., 0::2] | (words[..., 1::2] << 4)
+    # 4 bits: byte b of a word holds codes 2b (low nibble) and 2b + 1.
+    packed = words if bits == 8 else words[..., 0::2] | (words[..., 1::2] << 4)
     return packed.contiguous().reshape(n, -1)
 
 
@@ -357,10 +355,7 @@ def from_planar(type_id: int, planar: Tensor) -> Tensor:
     if type_id in (2, 8):
         bits = 4 if type_id == 2 else 8
         codes = _codes_of_words(planar[:, : at["d"]], groups, bits).reshape(n * count, 32)
-        if type_id == 2:
-            codes = codes[:, :16] | (codes[:, 16:] << 4)
-        else:
-            codes = codes ^ 0x80
+        codes = codes[:, :16] | (codes[:, 16:] << 4) if type_id == 2 else codes ^ 0x80
         raw = torch.cat([plane("d", 2), codes], dim=1)
     elif type_id == 12:
         codes = _codes_of_words(planar[:, : at["scales"]], groups, 4).reshape(n * count, 8, 32)
