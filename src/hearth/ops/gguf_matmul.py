@@ -962,7 +962,7 @@ if HAS_TRITON:
         return (words, blocks, halves), (words.stride(0), blocks.stride(0), halves.stride(0))
 
     # Rows and groups a planar GEMV program takes (tiles [BLOCK_N, BLOCK_G, words a group]).
-    PLANAR_BLOCK_N = 32
+    PLANAR_BLOCK_N = 16
     PLANAR_BLOCK_G = 8
 
     def _planar_gemv(
