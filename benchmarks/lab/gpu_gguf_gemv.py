@@ -7,7 +7,9 @@ in µs and its share of the device's copy bandwidth over the bytes it reads (the
 it cuBLAS's bf16 GEMV of the same shape (2 bytes a weight). Each launch is first checked against
 fp64 on the torch reference's weights (the fp32 sum bound plus the output's bf16 rounding,
 tests/ops/test_gguf_matmul.py). Then the prefill's dequantize kernel (blocks to bf16) in GB/s
-of bytes moved. Writes $OUT/gpu_gguf_gemv.md.
+of bytes moved. Beside each, the same weights repacked into their planar layout
+(`hearth.quant.gguf_blocks.to_planar`: Q4_0, Q8_0, Q4_K, Q6_K) through the planar kernels'
+default launch (checked the same way). Writes $OUT/gpu_gguf_gemv.md.
 
     OUT=/tmp/out PYTHONPATH=src python benchmarks/lab/gpu_gguf_gemv.py [--types Q4_K,Q6_K]
 """
@@ -26,6 +28,7 @@ import torch
 import triton
 
 from hearth.ops import gguf_matmul as gm
+from hearth.quant import gguf_blocks as gb
 from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
 
 TYPE_IDS = {block.name: type_id for type_id, block in BLOCK_FORMATS.items()}
@@ -149,8 +152,21 @@ def sweep_shape(
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     cublas = time_graph([partial(torch.nn.functional.linear, x, dense)])
     share = moved / (micros * 1e-6) / bandwidth * 100
+    planar = "-"
+    if type_id in gb.PLANAR_TYPES:  # the same weights repacked (lossless), default launch
+        layout = gb.planar_layout(type_id)
+        rows = [gb.to_planar(type_id, w) for w in weights]
+        calls = [
+            partial(gm.gguf_gemv_triton, x, layout, r, o) for r, o in zip(rows, outs, strict=True)
+        ]
+        calls[0]()
+        check = checked(x, type_id, weights[0], outs[0]) if n <= 65536 else "-"
+        planar_micros = time_graph(calls)
+        planar_share = rows[0].numel() / (planar_micros * 1e-6) / bandwidth * 100
+        planar = f"{planar_micros:.1f} ({planar_share:.0f}%, {check})"
+        del rows
     row = f"| {name} | {label} ({n}x{k}) | {default:.1f} | {described} | {micros:.1f} | "
-    return row + f"{share:.0f}% | {cublas:.1f} |"
+    return row + f"{share:.0f}% | {planar} | {cublas:.1f} |"
 
 
 def dequantize_row(name: str, bandwidth: float) -> str:
@@ -158,12 +174,18 @@ def dequantize_row(name: str, bandwidth: float) -> str:
     blocks = random_blocks(type_id, 30720, 3840)
     micros = time_graph([partial(gm.gguf_dequantize_triton, type_id, blocks, 3840, torch.bfloat16)])
     share = (blocks.numel() + 30720 * 3840 * 2) / (micros * 1e-6) / bandwidth * 100
-    return f"| {name} | dequantize 30720x3840 to bf16 | {micros:.1f} | - | - | {share:.0f}% | - |"
+    text = f"| {name} | dequantize 30720x3840 to bf16 | {micros:.1f} | - | - | {share:.0f}% | "
+    if type_id not in gb.PLANAR_TYPES:
+        return text + "- | - |"
+    rows = gb.to_planar(type_id, blocks)
+    layout = gb.planar_layout(type_id)
+    planar = time_graph([partial(gm.gguf_dequantize_triton, layout, rows, 3840, torch.bfloat16)])
+    return text + f"{planar:.1f} | - |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--types", default="Q4_K,Q6_K")
+    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0")
     parser.add_argument("--rows", default="8,16", help="rows a program, comma-separated")
     parser.add_argument("--warps", default="4", help="warps a program, comma-separated")
     parser.add_argument("--splits", default="1,2,4", help="K slices")
@@ -172,8 +194,9 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     shapes = SHAPES[:-1] if args.no_head else SHAPES
-    lines = ["| type | shape | default µs | best launch | µs | % of copy BW | cuBLAS bf16 µs |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = ["| type | shape | default µs | best launch | µs | % of copy BW | planar µs "]
+    lines[0] += "(% of copy BW, check) | cuBLAS bf16 µs |"
+    lines.append("|---|---|---|---|---|---|---|---|")
     every = ["| type | shape | launch | µs | % of copy BW | check |", "|---|---|---|---|---|---|"]
     for name in args.types.split(","):
         for shape in shapes:
