@@ -629,51 +629,61 @@ if HAS_TRITON:
     TWO23_BITS = 150 << 23
 
     @triton.jit
-    def _planar_code(words, two23, J: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
+    def _planar_code(words, upper, two23, J: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr):
         """Code J of each int32 word (bits [BITS·J, BITS·J + BITS)) minus BIAS, as exact fp32,
         in place: ORed with the exponent of 2**(23 - P) at its bit P it is the float
         2**(23 - P) + code (one LOP3), less 2**(23 - P) + BIAS (one FADD; both integers below
-        2**24, so exact). Codes reaching past bit 23 are moved down 16 first (one shift a word,
-        shared by its codes)."""
-        LOWER: tl.constexpr = 16 if J * BITS + BITS > 23 else 0
-        P: tl.constexpr = J * BITS - LOWER
+        2**24, so exact). Codes reaching past bit 23 are read from `upper`, the words moved
+        down 16 (one shift a word, shared by its codes)."""
+        UPPER: tl.constexpr = J * BITS + BITS > 23
+        P: tl.constexpr = J * BITS - 16 if UPPER else J * BITS
         MASK: tl.constexpr = ((1 << BITS) - 1) << P
         exponent = two23 - (P << 23)
-        if LOWER > 0:
-            words = words >> LOWER  # arithmetic: the sign copies land above the mask
-        value = ((words & MASK) | exponent).to(tl.float32, bitcast=True)
+        source = upper if UPPER else words
+        value = ((source & MASK) | exponent).to(tl.float32, bitcast=True)
         return value - (exponent.to(tl.float32, bitcast=True) + BIAS)
 
     @triton.jit
-    def _q6_k_code(low, high_low, high_up, two23, J: tl.constexpr):
+    def _q6_k_code(low, low_up, high_low, high_up, two23, J: tl.constexpr):
         """Q6_K code J of each low word minus 32, as exact fp32: its nibble (bit 4J) and its two
-        high bits (bit 4J + 4 of `high_low`, 4J - 12 of `high_up`, the high word shifted for
-        this low word) as one 6-bit field under the exponent of 2**(23 - P): two LOP3s and one
-        FADD. Fields past bit 23 (J >= 5) take the words moved down 16."""
+        high bits (bit 4J + 4 of `high_low`, the high word shifted for this low word) as one
+        6-bit field under the exponent of 2**(23 - P): two LOP3s and one FADD. Fields past bit
+        23 (J >= 5) are read from the words moved down 16 (`low_up`, `high_up`). The high
+        bits and exponent are joined first and the nibble XORed in (its bits are disjoint):
+        written as one OR chain, LLVM reassociated it into three LOP3s."""
         UPPER: tl.constexpr = 4 * J + 6 > 23
         P: tl.constexpr = 4 * J - 16 if UPPER else 4 * J
         exponent = two23 - (P << 23)
-        if UPPER:
-            low = low >> 16
-            high = high_up
-        else:
-            high = high_low
+        low_source = low_up if UPPER else low
+        high_source = high_up if UPPER else high_low
         HIGH_MASK: tl.constexpr = 3 << (P + 4)
         LOW_MASK: tl.constexpr = 15 << P
-        top = (high & HIGH_MASK) | exponent
-        value = ((low & LOW_MASK) | top).to(tl.float32, bitcast=True)
+        top = (high_source & HIGH_MASK) | exponent
+        value = ((low_source & LOW_MASK) ^ top).to(tl.float32, bitcast=True)
         return value - (exponent.to(tl.float32, bitcast=True) + 32.0)
 
     @triton.jit
-    def _rows_fma(acc0, acc1, acc2, acc3, value, x_at, stride_xm, ok, M: tl.constexpr):
+    def _load_if(pointers, ok, MASKED: tl.constexpr):
+        """A load masked by `ok` (zero outside) only where the kernel's steps can pass K: a
+        mask costs a zeroed register per value and a predicate."""
+        if MASKED:
+            return tl.load(pointers, mask=ok, other=0)
+        else:
+            return tl.load(pointers)
+
+    @triton.jit
+    def _rows_fma(
+        acc0, acc1, acc2, acc3, value, x_at, stride_xm, ok, M: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):  # fmt: skip
         """acc_m += value · x_m for the M activation rows (x_at: row 0's values)."""
-        acc0 += value * tl.load(x_at, mask=ok, other=0).to(tl.float32)
+        acc0 += value * _load_if(x_at, ok, MASKED).to(tl.float32)
         if M > 1:
-            acc1 += value * tl.load(x_at + stride_xm, mask=ok, other=0).to(tl.float32)
+            acc1 += value * _load_if(x_at + stride_xm, ok, MASKED).to(tl.float32)
         if M > 2:
-            acc2 += value * tl.load(x_at + 2 * stride_xm, mask=ok, other=0).to(tl.float32)
+            acc2 += value * _load_if(x_at + 2 * stride_xm, ok, MASKED).to(tl.float32)
         if M > 3:
-            acc3 += value * tl.load(x_at + 3 * stride_xm, mask=ok, other=0).to(tl.float32)
+            acc3 += value * _load_if(x_at + 3 * stride_xm, ok, MASKED).to(tl.float32)
         return acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -695,10 +705,10 @@ if HAS_TRITON:
         """Each row's sums over K (acc summed over its group and word axes), rounded once to
         out's dtype; a K split's last program to arrive adds the slices' fp32 partials in
         slice order (deterministic, no float atomics) and resets its counter."""
-        r0 = tl.sum(tl.sum(acc0, axis=2), axis=1)
-        r1 = tl.sum(tl.sum(acc1, axis=2), axis=1)
-        r2 = tl.sum(tl.sum(acc2, axis=2), axis=1)
-        r3 = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)
+        r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
+        r2 = tl.sum(tl.sum(acc2, axis=2), axis=0)
+        r3 = tl.sum(tl.sum(acc3, axis=2), axis=0)
         if SPLIT_K == 1:
             tl.store(out_ptr + n, r0.to(out_ptr.dtype.element_ty), mask=n_ok)
             if M > 1:
@@ -757,77 +767,103 @@ if HAS_TRITON:
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         n_read = tl.minimum(n, N - 1).to(tl.int64)  # rows past N read row N - 1, not stored
-        word_rows = (words_ptr + tl.multiple_of(n_read * stride_words, 4))[:, None, None]
-        byte_rows = (bytes_ptr + n_read * stride_bytes)[:, None, None]
-        half_rows = (halves_ptr + n_read * stride_halves)[:, None, None]
+        word_rows = (words_ptr + tl.multiple_of(n_read * stride_words, 4))[None, :, None]
+        byte_rows = (bytes_ptr + n_read * stride_bytes)[None, :, None]
+        half_rows = (halves_ptr + n_read * stride_halves)[None, :, None]
         wait_for_producer(PDL)
-        g_in = tl.arange(0, BLOCK_G)[None, :, None]
+        g_in = tl.arange(0, BLOCK_G)[:, None, None]
         w = tl.arange(0, WPG)[None, None, :]
         STEPS: tl.constexpr = (GROUPS + BLOCK_G - 1) // BLOCK_G
         SLICE: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
-        acc0 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-        acc1 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-        acc3 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-        for index in tl.range(SLICE):
-            g = (pid_k * SLICE + index) * BLOCK_G + g_in
+        acc0 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+        acc1 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+        acc2 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+        acc3 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+        # Masks only where a step passes K (32-value types whose K is not whole steps); a K
+        # split's slices stop at the last step (`while`: the interpreter loops to run-time
+        # bounds only so).
+        MASKED: tl.constexpr = GROUPS % BLOCK_G != 0
+        step = pid_k * SLICE
+        end = tl.minimum(step + SLICE, STEPS)
+        while step < end:
+            g = step * BLOCK_G + g_in
             g_ok = g < GROUPS
-            words = tl.load(word_rows + g * WPG + w, mask=g_ok, other=0)
+            words = _load_if(word_rows + g * WPG + w, g_ok, MASKED)
+            upper = words >> 16  # arithmetic: the sign copies land above every mask
             x_at = x_ptr + g * 32 + w
             if TYPE == 12:
-                sc = tl.load(byte_rows + PLANE_A + g, mask=g_ok, other=0).to(tl.float32)
-                mn = tl.load(byte_rows + PLANE_B + g, mask=g_ok, other=0).to(tl.float32)
-                d = tl.load(half_rows + PLANE_C + g // 8, mask=g_ok, other=0).to(tl.float32)
-                dmin = tl.load(half_rows + PLANE_D + g // 8, mask=g_ok, other=0).to(tl.float32)
+                sc = _load_if(byte_rows + PLANE_A + g, g_ok, MASKED).to(tl.float32)
+                mn = _load_if(byte_rows + PLANE_B + g, g_ok, MASKED).to(tl.float32)
+                d = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED).to(tl.float32)
+                dmin = _load_if(half_rows + PLANE_D + g // 8, g_ok, MASKED).to(tl.float32)
                 scale = d * sc
                 offset = dmin * mn
                 for j in tl.static_range(8):
-                    weight = scale * _planar_code(words, two23, j, 4, 0.0) - offset
+                    weight = scale * _planar_code(words, upper, two23, j, 4, 0.0) - offset
                     acc0, acc1, acc2, acc3 = _rows_fma(
-                        acc0, acc1, acc2, acc3, weight, x_at + 4 * j, stride_xm, g_ok, M
+                        acc0, acc1, acc2, acc3, weight, x_at + 4 * j, stride_xm, g_ok, M, MASKED
                     )
             else:
-                dots0 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-                dots1 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-                dots2 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-                dots3 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                dots0 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                dots1 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                dots2 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                dots3 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
                 if TYPE == 14:
-                    high = tl.load(word_rows + PLANE_A + 2 * g + w // 2, mask=g_ok, other=0)
+                    high = _load_if(word_rows + PLANE_A + 2 * g + w // 2, g_ok, MASKED)
                     e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
                     high_low = high << (4 - 2 * e)
                     high_up = high >> (12 + 2 * e)
-                    d = tl.load(half_rows + PLANE_C + g // 8, mask=g_ok, other=0).to(tl.float32)
-                    first = tl.load(byte_rows + PLANE_B + 2 * g, mask=g_ok, other=0)
-                    second = tl.load(byte_rows + PLANE_B + 2 * g + 1, mask=g_ok, other=0)
+                    d = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED).to(tl.float32)
+                    first = _load_if(byte_rows + PLANE_B + 2 * g, g_ok, MASKED)
+                    second = _load_if(byte_rows + PLANE_B + 2 * g + 1, g_ok, MASKED)
                     scale_first = d * first.to(tl.int8, bitcast=True).to(tl.float32)
                     scale_second = d * second.to(tl.int8, bitcast=True).to(tl.float32)
                     for j in tl.static_range(8):
-                        code = _q6_k_code(words, high_low, high_up, two23, j)
+                        code = _q6_k_code(words, upper, high_low, high_up, two23, j)
                         dots0, dots1, dots2, dots3 = _rows_fma(
-                            dots0, dots1, dots2, dots3, code, x_at + 4 * j, stride_xm, g_ok, M
+                            dots0,
+                            dots1,
+                            dots2,
+                            dots3,
+                            code,
+                            x_at + 4 * j,
+                            stride_xm,
+                            g_ok,
+                            M,
+                            MASKED,
                         )
                         if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
                             acc0, acc1, acc2, acc3 = _scaled_add(
                                 acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3,
                                 scale_first, M,
                             )  # fmt: skip
-                            dots0 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-                            dots1 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-                            dots2 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
-                            dots3 = tl.zeros([BLOCK_N, BLOCK_G, WPG], tl.float32)
+                            dots0 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                            dots1 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                            dots2 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                            dots3 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
                     scale = scale_second
                 else:
                     BITS: tl.constexpr = 8 if TYPE == 8 else 4
                     BIAS: tl.constexpr = 128.0 if TYPE == 8 else 8.0
-                    scale = tl.load(half_rows + PLANE_A + g, mask=g_ok, other=0).to(tl.float32)
+                    scale = _load_if(half_rows + PLANE_A + g, g_ok, MASKED).to(tl.float32)
                     for j in tl.static_range(32 // WPG):
-                        code = _planar_code(words, two23, j, BITS, BIAS)
+                        code = _planar_code(words, upper, two23, j, BITS, BIAS)
                         dots0, dots1, dots2, dots3 = _rows_fma(
-                            dots0, dots1, dots2, dots3, code, x_at + WPG * j, stride_xm, g_ok, M
+                            dots0,
+                            dots1,
+                            dots2,
+                            dots3,
+                            code,
+                            x_at + WPG * j,
+                            stride_xm,
+                            g_ok,
+                            M,
+                            MASKED,
                         )
                 acc0, acc1, acc2, acc3 = _scaled_add(
                     acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
                 )
+            step += 1
         _store_planar_rows(
             out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
             M, SPLIT_K,
