@@ -1,25 +1,48 @@
-"""Matmuls that read GGUF (GGML) blocks where they lie, on the GPU.
+"""Matmuls that read GGUF (GGML) blocks on the GPU, as the file stores them or repacked.
 
-The weight is the file's uint8 rows ``[N, K / values per block * bytes per block]``, unpacked
-in registers: nothing is repacked, so the GPU holds the file's tensor bytes. Every kernel
-walks K in steps of 256 values (one k-quant super-block, or eight 32-value blocks) and decodes
-a step of each of its rows to fp32 exactly as `gguf.quants.dequantize` does
-(`hearth.quant.gguf_blocks` is the torch reference). Every product there is exact in fp32
-(an fp16 scale times a small integer code, times another small integer: at most 23
-significant bits), so the only rounding of a weight is its one subtraction or addition of an
-offset, which an FMA contraction leaves the same: the kernels see the file's weights bit for bit.
-Integer codes become floats by the exponent trick (`_code_value`), not a conversion per weight.
+Two layouts of a weight's rows, each exactly the file's numbers (`hearth.quant.gguf_blocks`
+is the torch reference of both); a kernel takes a layout id: the GGML type id for the file's
+bytes, `PLANAR` + the type id for planar rows.
 
-* **GEMV** (1..4 rows: decode, a few speculative rows): each program owns ``BLOCK_N`` weight
-  rows and a slice of K's steps, accumulating ``x * w`` in fp32 per (row, column) and summing
-  once at the end; the output is rounded once to the activations' dtype. A weight with few
-  rows (o, down) splits K so that enough bytes are in flight (`gemv_split`); the last program
-  of a row block to arrive adds the slices in order. No host sync: CUDA graphs capture it.
+* **File rows** (every type of `BLOCK_FORMATS`): uint8 ``[N, K / values per block * bytes
+  per block]``, unpacked in registers as stored.
+* **Planar rows** (Q4_0, Q8_0, Q4_K, Q6_K, which a `GGUFKernelLinear` repacks at load:
+  `to_planar`, lossless): per row, the codes as 32-bit words, then each scale kind as a plane
+  in K order; within a 32-value group code j of word w is value 32g + WPG·j + w (WPG words a
+  group). The memory is the file's (Q4_K: +2.8%, its 6-bit scales and mins a byte each; rows
+  padded to 16 bytes).
+
+Every kernel decodes a weight to fp32 exactly as `gguf.quants.dequantize` does. Every product
+there is exact in fp32 (an fp16 scale times a small integer code, times another small integer:
+at most 23 significant bits), so the only rounding of a weight is its one subtraction of an
+offset (Q4_K's dmin·m and the like), which an FMA contraction leaves the same: the kernels see
+the file's weights bit for bit. Integer codes become floats by the exponent trick (a code
+ORed into the mantissa of 2^(23 - P) at its bit P, then 2^(23 - P) taken off), not a
+conversion per weight (I2F issues at a quarter of the FMA rate).
+
+* **GEMV** (1..4 rows: decode, a few speculative rows), each program ``BLOCK_N`` weight rows
+  and a slice of K's steps, fp32 sums, the output rounded once to the activations' dtype; a
+  weight with few rows (o, down) splits K so that enough bytes are in flight (`gemv_split`);
+  the last program of a row block to arrive adds the slices in order. No host sync: CUDA
+  graphs capture it.
+  - On file rows, a step is 256 values of each row decoded into a [BLOCK_N, groups, values]
+    tile and multiplied with x: 9.2 SASS instructions a weight for Q4_K, 12.9 for Q6_K, 9.8
+    for Q4_0, 6.9 for Q8_0 at one activation row (`benchmarks/lab/inspect_gguf_sass.py`).
+  - On planar rows (`_planar_gemv_kernel`) a step is 8 groups; its tiles are [groups, rows,
+    4 words], so a thread holds 16 bytes of codes of each of several rows, and for each code
+    position j one vector load of 4 adjacent x values serves all of them. The budget a
+    weight: one LOP3 and one FADD make the exact code (Q6_K: two LOP3s join the nibble and
+    the two high bits into one field), then Q4_K forms the weight with one FMA,
+    fl(d·sc · q - dmin·m) (d·sc and dmin·m formed once a group: exact, an fp16 times a 6-bit
+    integer), and adds x times it with a second; the symmetric types (w = s·q, exact) add
+    x·q and scale each group's sums (Q6_K: each 16 values') once. Floors of 4 (Q4_K, Q6_K)
+    and 3 (Q4_0, Q8_0) instructions; the sm_90 SASS of the loop at one activation row and
+    64 weight rows measures Q4_K 5.3, Q6_K 5.9, Q4_0 4.2, Q8_0 4.6 (x's bf16 to fp32, one
+    shift a word moving codes past bit 23 down, pointers, scale loads make the rest).
 * **Dot** (5..32 rows: batched decode, short prompts): each program decodes a step of
   ``BLOCK_N`` rows, rounds it to the activations' dtype (bf16, as the prefill below) and feeds
-  it to a tensor-core `tl.dot` against 16 or 32 activation rows (64 spilled registers in
-  ptxas's report); fp32 sums. fp32 activations take an IEEE fp32 dot (no TF32), so their
-  weights stay exact.
+  it to a tensor-core `tl.dot` against 16 or 32 activation rows; fp32 sums. fp32 activations
+  take an IEEE fp32 dot (no TF32), so their weights stay exact.
 * **Dequantize** (prefill, more rows): a step of rows decoded to the activations' dtype (bf16:
   what HF transformers itself computes with when it loads a GGUF in bf16) into a scratch tile,
   then cuBLAS multiplies; a tile of rows at a time bounds the scratch for a large head.
@@ -752,9 +775,9 @@ if HAS_TRITON:
     ):  # fmt: skip
         """out[m, n] = sum_k x[m, k] w[n, k] for m < M <= 4 over planar rows; grid (blocks of
         BLOCK_N rows, SPLIT_K slices of K's steps of BLOCK_G 32-value groups). A program's
-        tiles are [BLOCK_N, BLOCK_G, words a group]; code j of every word pairs with x at
-        32g + WPG·j + w (adjacent in x: one vector load serves a thread's words of all its
-        rows). Q4_K forms each weight, fl(d·sc · q - dmin·m), with one FMA (d·sc and dmin·m
+        tiles are [BLOCK_G groups, BLOCK_N, words a group] (in units of 4 words); code j of
+        every word pairs with x at 32g + WPG·j + w (adjacent in x: one vector load serves a
+        thread's words of all its rows). Q4_K forms each weight, fl(d·sc · q - dmin·m), with one FMA (d·sc and dmin·m
         are exact fp32 products of an fp16 and a 6-bit integer, and so is d·sc · q: the FMA
         rounds exactly where `gguf.quants.dequantize` rounds), then adds x times it. The
         symmetric types (w = s · q, s · q exact) add x · q and scale each group's (or Q6_K's
@@ -771,14 +794,17 @@ if HAS_TRITON:
         byte_rows = (bytes_ptr + n_read * stride_bytes)[None, :, None]
         half_rows = (halves_ptr + n_read * stride_halves)[None, :, None]
         wait_for_producer(PDL)
-        g_in = tl.arange(0, BLOCK_G)[:, None, None]
-        w = tl.arange(0, WPG)[None, None, :]
+        # Tiles are [units, BLOCK_N, 4]: a unit is 4 adjacent words of a group (Q8_0's
+        # groups are two), 16 bytes a thread loads at once; its codes' x are 4 adjacent values.
+        UPG: tl.constexpr = WPG // 4  # units a group
+        u_in = tl.arange(0, BLOCK_G * UPG)[:, None, None]
+        w = tl.arange(0, 4)[None, None, :]
         STEPS: tl.constexpr = (GROUPS + BLOCK_G - 1) // BLOCK_G
         SLICE: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
-        acc0 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-        acc1 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-        acc2 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-        acc3 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+        acc0 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+        acc1 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+        acc2 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+        acc3 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
         # Masks only where a step passes K (32-value types whose K is not whole steps); a K
         # split's slices stop at the last step (`while`: the interpreter loops to run-time
         # bounds only so).
@@ -786,11 +812,12 @@ if HAS_TRITON:
         step = pid_k * SLICE
         end = tl.minimum(step + SLICE, STEPS)
         while step < end:
-            g = step * BLOCK_G + g_in
+            u = step * (BLOCK_G * UPG) + u_in
+            g = u // UPG
             g_ok = g < GROUPS
-            words = _load_if(word_rows + g * WPG + w, g_ok, MASKED)
+            words = _load_if(word_rows + 4 * u + w, g_ok, MASKED)
             upper = words >> 16  # arithmetic: the sign copies land above every mask
-            x_at = x_ptr + g * 32 + w
+            x_at = x_ptr + g * 32 + 4 * (u % UPG) + w
             if TYPE == 12:
                 sc = _load_if(byte_rows + PLANE_A + g, g_ok, MASKED).to(tl.float32)
                 mn = _load_if(byte_rows + PLANE_B + g, g_ok, MASKED).to(tl.float32)
@@ -804,10 +831,10 @@ if HAS_TRITON:
                         acc0, acc1, acc2, acc3, weight, x_at + 4 * j, stride_xm, g_ok, M, MASKED
                     )
             else:
-                dots0 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-                dots1 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-                dots2 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-                dots3 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                dots0 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+                dots1 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+                dots2 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+                dots3 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
                 if TYPE == 14:
                     high = _load_if(word_rows + PLANE_A + 2 * g + w // 2, g_ok, MASKED)
                     e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
@@ -837,10 +864,10 @@ if HAS_TRITON:
                                 acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3,
                                 scale_first, M,
                             )  # fmt: skip
-                            dots0 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-                            dots1 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-                            dots2 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
-                            dots3 = tl.zeros([BLOCK_G, BLOCK_N, WPG], tl.float32)
+                            dots0 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+                            dots1 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+                            dots2 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
+                            dots3 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
                     scale = scale_second
                 else:
                     BITS: tl.constexpr = 8 if TYPE == 8 else 4
@@ -997,9 +1024,22 @@ if HAS_TRITON:
         words, halves = blocks.view(torch.int32), blocks.view(torch.float16)
         return (words, blocks, halves), (words.stride(0), blocks.stride(0), halves.stride(0))
 
-    # Rows and groups a planar GEMV program takes (tiles [BLOCK_N, BLOCK_G, words a group]).
-    PLANAR_BLOCK_N = 16
+    # Groups of 32 values a planar GEMV program takes a step (tiles [groups, rows, words]).
     PLANAR_BLOCK_G = 8
+
+    def planar_block_n(m: int, type_id: int, n: int, multiprocessors: int) -> int:
+        """Weight rows a planar GEMV program takes: as many as keep the registers in check
+        (sm_90 SASS, 4 warps: at one activation row 64 rows take 96 registers for Q4_0 and
+        Q4_K, 168 for Q8_0 and Q6_K; at 4 rows 32 take 168 for Q4_0 and Q4_K and 16 take
+        125-153 for the others, where 32 took up to 234), each thread then holding 4, 2 or 1
+        rows of a group (the x values it loads serve them all); 64 only where that still
+        gives every SM a program, else 32 (the K split fills the GPU). Unmeasured in time:
+        `benchmarks/lab/gpu_gguf_gemv.py` sweeps it."""
+        if m == 1:
+            return 64 if -(-n // 64) >= multiprocessors else 32
+        if m == 2 or type_id in (2, 12):
+            return 32
+        return 16
 
     def _planar_gemv(
         x2d: Tensor, layout: int, blocks: Tensor, out: Tensor, block_n: int | None,
@@ -1009,11 +1049,12 @@ if HAS_TRITON:
         type_id = stored_type(layout)
         planes, strides = _planar_operands(layout, blocks, k)
         n = blocks.shape[0]
+        units = _multiprocessors(x2d.device.index or 0) if x2d.is_cuda else 1
         if block_n is None:
-            block_n = PLANAR_BLOCK_N if x2d.is_cuda else INTERPRETER_BLOCK_N
+            cuda_rows = planar_block_n(m, type_id, n, units)
+            block_n = cuda_rows if x2d.is_cuda else INTERPRETER_BLOCK_N
         block_g = block_g or PLANAR_BLOCK_G
         if split_k is None:
-            units = _multiprocessors(x2d.device.index or 0) if x2d.is_cuda else 1
             split_k = gemv_split(n, k, block_n, units) if x2d.is_cuda else 1
         if split_k > 1:
             partial = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
