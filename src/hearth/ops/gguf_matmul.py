@@ -778,8 +778,9 @@ if HAS_TRITON:
         tiles are [BLOCK_G groups, BLOCK_N, words a group] (in units of 4 words); code j of
         every word pairs with x at 32g + WPG·j + w (adjacent in x: one vector load serves a
         thread's words of all its rows). Q4_K forms each weight, fl(d·sc · q - dmin·m), with
-        one FMA (d·sc and dmin·m are exact fp32 products of an fp16 and a 6-bit integer, and so is d·sc · q: the FMA
-        rounds exactly where `gguf.quants.dequantize` rounds), then adds x times it. The
+        one FMA (d·sc and dmin·m are exact fp32 products of an fp16 and a 6-bit integer, and
+        so is d·sc · q: the FMA rounds exactly where `gguf.quants.dequantize` rounds), then
+        adds x times it. The
         symmetric types (w = s · q, s · q exact) add x · q and scale each group's (or Q6_K's
         16 values') sum once. Planes (PLANE_*): Q4_K scales, mins (bytes), d, dmin (halves);
         Q6_K high words (words), scales (bytes), d (halves); Q4_0, Q8_0 d (halves)."""
