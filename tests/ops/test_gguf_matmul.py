@@ -224,6 +224,13 @@ def test_planar_kernels_see_the_gguf_weights(type_id: int) -> None:
         y = gm.gguf_linear(x[:rows].to(DEVICE), [(layout, planar)], ROWS)
         assert y.shape == (rows, ROWS) and y.dtype == torch.float32
         _assert_within_planar_bound(y, x[:rows], weight, type_id)
+    # bf16 activations (the GPU's; the GEMV reads them as pairs) into an fp32 output: the
+    # same bound on their values, which fp32 holds exactly.
+    x = x.bfloat16()
+    for rows in (1, 3):
+        y = torch.empty(rows, ROWS, device=DEVICE)
+        gm.gguf_gemv_triton(x[:rows].to(DEVICE), layout, planar, y)
+        _assert_within_planar_bound(y, x[:rows].float(), weight, type_id)
 
 
 @pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])

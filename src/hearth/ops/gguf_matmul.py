@@ -695,18 +695,34 @@ if HAS_TRITON:
             return tl.load(pointers)
 
     @triton.jit
+    def _x_values(x_at, offset, ok, MASKED: tl.constexpr, PAIRS: tl.constexpr):
+        """x at `x_at` + `offset` values as fp32 [units, 1, 4]. With PAIRS, `x_at` points at
+        bf16 pairs read as int32 [units, 1, 2] (offset still in values): each pair's low
+        value is the word shifted up 16 and its high one the word's top half, one
+        instruction each (the compiler's own bf16 conversion took two for one of them)."""
+        if PAIRS:
+            pairs = _load_if(x_at + offset // 2, ok, MASKED)
+            low = (pairs << 16).to(tl.float32, bitcast=True)
+            high = (pairs & -65536).to(tl.float32, bitcast=True)
+            both = tl.join(low, high)  # [units, 1, 2, 2]: value 2p + e
+            return tl.reshape(both, [both.shape[0], 1, 4])
+        else:
+            return _load_if(x_at + offset, ok, MASKED).to(tl.float32)
+
+    @triton.jit
     def _rows_fma(
-        acc0, acc1, acc2, acc3, value, x_at, stride_xm, ok, M: tl.constexpr,
-        MASKED: tl.constexpr,
+        acc0, acc1, acc2, acc3, value, x_at, offset, stride_xm, ok, M: tl.constexpr,
+        MASKED: tl.constexpr, PAIRS: tl.constexpr,
     ):  # fmt: skip
-        """acc_m += value · x_m for the M activation rows (x_at: row 0's values)."""
-        acc0 += value * _load_if(x_at, ok, MASKED).to(tl.float32)
+        """acc_m += value · x_m for the M activation rows (`_x_values`: row 0's at `x_at`
+        + `offset`, row m's `stride_xm` values on)."""
+        acc0 += value * _x_values(x_at, offset, ok, MASKED, PAIRS)
         if M > 1:
-            acc1 += value * _load_if(x_at + stride_xm, ok, MASKED).to(tl.float32)
+            acc1 += value * _x_values(x_at, offset + stride_xm, ok, MASKED, PAIRS)
         if M > 2:
-            acc2 += value * _load_if(x_at + 2 * stride_xm, ok, MASKED).to(tl.float32)
+            acc2 += value * _x_values(x_at, offset + 2 * stride_xm, ok, MASKED, PAIRS)
         if M > 3:
-            acc3 += value * _load_if(x_at + 3 * stride_xm, ok, MASKED).to(tl.float32)
+            acc3 += value * _x_values(x_at, offset + 3 * stride_xm, ok, MASKED, PAIRS)
         return acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -810,6 +826,7 @@ if HAS_TRITON:
         # split's slices stop at the last step (`while`: the interpreter loops to run-time
         # bounds only so).
         MASKED: tl.constexpr = GROUPS % BLOCK_G != 0
+        PAIRS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
         step = pid_k * SLICE
         end = tl.minimum(step + SLICE, STEPS)
         while step < end:
@@ -818,7 +835,11 @@ if HAS_TRITON:
             g_ok = g < GROUPS
             words = _load_if(word_rows + 4 * u + w, g_ok, MASKED)
             upper = words >> 16  # arithmetic: the sign copies land above every mask
-            x_at = x_ptr + g * 32 + 4 * (u % UPG) + w
+            x_first = x_ptr + g * 32 + 4 * (u % UPG)
+            if PAIRS:
+                x_at = x_first.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2)[None, None, :]
+            else:
+                x_at = x_first + w
             if TYPE == 12:
                 sc = _load_if(byte_rows + PLANE_A + g, g_ok, MASKED).to(tl.float32)
                 mn = _load_if(byte_rows + PLANE_B + g, g_ok, MASKED).to(tl.float32)
@@ -829,7 +850,18 @@ if HAS_TRITON:
                 for j in tl.static_range(8):
                     weight = scale * _planar_code(words, upper, two23, j, 4, 0.0) - offset
                     acc0, acc1, acc2, acc3 = _rows_fma(
-                        acc0, acc1, acc2, acc3, weight, x_at + 4 * j, stride_xm, g_ok, M, MASKED
+                        acc0,
+                        acc1,
+                        acc2,
+                        acc3,
+                        weight,
+                        x_at,
+                        4 * j,
+                        stride_xm,
+                        g_ok,
+                        M,
+                        MASKED,
+                        PAIRS,
                     )
             else:
                 dots0 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
@@ -854,11 +886,13 @@ if HAS_TRITON:
                             dots2,
                             dots3,
                             code,
-                            x_at + 4 * j,
+                            x_at,
+                            4 * j,
                             stride_xm,
                             g_ok,
                             M,
                             MASKED,
+                            PAIRS,
                         )
                         if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
                             acc0, acc1, acc2, acc3 = _scaled_add(
@@ -882,11 +916,13 @@ if HAS_TRITON:
                             dots2,
                             dots3,
                             code,
-                            x_at + WPG * j,
+                            x_at,
+                            WPG * j,
                             stride_xm,
                             g_ok,
                             M,
                             MASKED,
+                            PAIRS,
                         )
                 acc0, acc1, acc2, acc3 = _scaled_add(
                     acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
