@@ -9,7 +9,8 @@ fp64 on the torch reference's weights (the fp32 sum bound plus the output's bf16
 tests/ops/test_gguf_matmul.py). Then the prefill's dequantize kernel (blocks to bf16) in GB/s
 of bytes moved. For Q4_0, Q8_0, Q4_K and Q6_K, a second row: the same weights repacked into
 their planar layout (`hearth.quant.gguf_blocks.to_planar`) through the planar GEMV, its
-default launch and rows a program (`--planar-rows`) x K slices, checked the same way, its
+default launch and rows a program (`--planar-rows`) x K slices x prefetching, checked the
+same way, its
 share over the planar bytes. Writes $OUT/gpu_gguf_gemv.md.
 
     OUT=/tmp/out PYTHONPATH=src python benchmarks/lab/gpu_gguf_gemv.py [--types Q4_K,Q6_K]
@@ -188,11 +189,13 @@ def sweep_shape(
 
 
 def planar_launches(k: int, args: argparse.Namespace) -> list[dict]:
-    """The planar GEMV's launches: its default, then rows a program x K slices."""
+    """The planar GEMV's launches: its default, then rows a program x K slices x loading a
+    step ahead or not."""
     found: list[dict] = [{}]
-    for rows, split in itertools.product(_ints(args.planar_rows), _ints(args.splits)):
+    grid = itertools.product(_ints(args.planar_rows), _ints(args.splits), (False, True))
+    for rows, split, prefetch in grid:
         if k // 256 >= 2 * split:
-            found.append({"block_n": rows, "split_k": split})
+            found.append({"block_n": rows, "split_k": split, "prefetch": prefetch})
     return found
 
 

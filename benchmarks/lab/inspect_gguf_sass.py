@@ -61,7 +61,9 @@ def compile_gemv(type_id: int, block_n: int, k: int, split: int, stages: int, ro
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_planar_gemv(type_id: int, block_n: int, k: int, split: int, rows: int = 1):
+def compile_planar_gemv(
+    type_id: int, block_n: int, k: int, split: int, rows: int = 1, prefetch: bool = False
+):
     """The planar rows' GEMV (`_planar_gemv_kernel`), launched as `_planar_gemv` does."""
     kernel = gm._planar_gemv_kernel
     names = list(kernel.arg_names)
@@ -76,7 +78,7 @@ def compile_planar_gemv(type_id: int, block_n: int, k: int, split: int, rows: in
     }
     constants = dict(
         K=k, TYPE=type_id, M=rows, BLOCK_N=block_n, BLOCK_G=gm.PLANAR_BLOCK_G, PDL=True,
-        SPLIT_K=split, **gm._planes(type_id, k),
+        SPLIT_K=split, PREFETCH=prefetch, **gm._planes(type_id, k),
     )  # fmt: skip
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32") for name in names
@@ -100,11 +102,14 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--rows", type=int, default=1, help="activation rows (BLOCK_M)")
     parser.add_argument("--planar", action="store_true", help="the planar rows' GEMV")
+    parser.add_argument("--prefetch", action="store_true", help="planar: a step ahead")
     args = parser.parse_args()
     for name in args.types.split(","):
         type_id = TYPE_IDS[name]
         if args.planar:
-            compiled = compile_planar_gemv(type_id, args.block_n, args.k, args.split, args.rows)
+            compiled = compile_planar_gemv(
+                type_id, args.block_n, args.k, args.split, args.rows, args.prefetch
+            )
             step_values = gm.PLANAR_BLOCK_G * 32
         else:
             compiled = compile_gemv(

@@ -549,10 +549,10 @@ def _planar_gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
                     ),
                 )
             yield (
-                f"gguf planar gemv {block.name} K={k} split in 3",
+                f"gguf planar gemv {block.name} K={k} split in 3, a step ahead",
                 lambda r=rows, t=layout, k=k: gguf_matmul.gguf_gemv_triton(
                     torch.randn(1, k, dtype=bf16), t, r, torch.empty(1, 96, dtype=bf16), 32,
-                    split_k=3,
+                    split_k=3, prefetch=True,
                 ),
             )  # fmt: skip
             yield (

@@ -226,27 +226,31 @@ def test_planar_kernels_see_the_gguf_weights(type_id: int) -> None:
         _assert_within_planar_bound(y, x[:rows], weight, type_id)
     # bf16 activations (the GPU's; the GEMV reads them as pairs) into an fp32 output: the
     # same bound on their values, which fp32 holds exactly.
+    # With `prefetch` the loop loads each step a step ahead.
     x = x.bfloat16()
-    for rows in (1, 3):
+    for rows, prefetch in ((1, False), (3, False), (1, True), (4, True)):
         y = torch.empty(rows, ROWS, device=DEVICE)
-        gm.gguf_gemv_triton(x[:rows].to(DEVICE), layout, planar, y)
+        gm.gguf_gemv_triton(x[:rows].to(DEVICE), layout, planar, y, prefetch=prefetch)
         _assert_within_planar_bound(y, x[:rows].float(), weight, type_id)
 
 
 @pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
 def test_a_planar_gemv_split_over_k_adds_its_slices(type_id: int) -> None:
     """K split in 2 and 3 slices of 8-group steps (5 steps, the last slice short), rows in
-    blocks of 8; twice at 3, so the first launch must have reset the arrival counters."""
+    blocks of 8; twice at 3 (the second loading a step ahead), so the first launch must have
+    reset the arrival counters."""
     raw = random_blocks(type_id, ROWS, 1280, seed=9)
     weight = torch.from_numpy(
         np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id)))
     )
     planar = gb.to_planar(type_id, torch.from_numpy(raw)).to(DEVICE)
     x = torch.randn(3, 1280, generator=torch.Generator().manual_seed(3))
-    for split in (2, 3, 3):
+    for split, prefetch in ((2, False), (3, False), (3, True)):
         y = torch.empty(3, ROWS, device=DEVICE)
         layout = gb.planar_layout(type_id)
-        gm.gguf_gemv_triton(x.to(DEVICE), layout, planar, y, block_n=8, split_k=split)
+        gm.gguf_gemv_triton(
+            x.to(DEVICE), layout, planar, y, block_n=8, split_k=split, prefetch=prefetch
+        )
         _assert_within_planar_bound(y, x, weight, type_id)
 
 

@@ -534,10 +534,12 @@ if HAS_TRITON:
         num_warps: int = 4,
         split_k: int | None = None,
         loop_stages: int = 1,
+        prefetch: bool | None = None,
     ) -> Tensor:
         """out [M, N] = x2d [M, K] @ Wᵀ in one launch (M <= GEMV_MAX_ROWS; out may be a
         column slice of a wider row-major output); `block_n`, `num_warps`, `split_k` and
-        `loop_stages` pin the launch (tests, benchmarks/lab/gpu_gguf_gemv.py)."""
+        `loop_stages` (file rows) or `prefetch` (planar rows) pin the launch (tests,
+        benchmarks/lab/gpu_gguf_gemv.py)."""
         m, k = x2d.shape
         if m > GEMV_MAX_ROWS:
             raise ValueError(f"the GGUF GEMV takes at most {GEMV_MAX_ROWS} rows, got {m}")
@@ -546,7 +548,9 @@ if HAS_TRITON:
             raise ValueError(f"out must be [{m}, {n}] with unit column stride")
         x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
         if is_planar(type_id):
-            return _planar_gemv(x2d, type_id, blocks, out, block_n, num_warps, split_k)
+            return _planar_gemv(
+                x2d, type_id, blocks, out, block_n, num_warps, split_k, prefetch=prefetch
+            )
         _check_blocks(type_id, blocks, k)
         block_m = triton.next_power_of_2(m)
         if block_n is None:
@@ -781,13 +785,112 @@ if HAS_TRITON:
                 tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)  # ready for the next launch
 
     @triton.jit
+    def _planar_loads(
+        word_rows, byte_rows, half_rows, step, u_in, w, TYPE: tl.constexpr,
+        BLOCK_G: tl.constexpr, UPG: tl.constexpr, GROUPS: tl.constexpr, PLANE_A: tl.constexpr,
+        PLANE_B: tl.constexpr, PLANE_C: tl.constexpr, PLANE_D: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):  # fmt: skip
+        """What one step of the planar GEMV reads of its rows, as loaded: the words and four
+        scale operands (Q4_K: scales, mins, d, dmin; Q6_K: high words, first and second
+        scales, d; Q4_0 and Q8_0: d, then d again, unused)."""
+        u = step * (BLOCK_G * UPG) + u_in
+        g = u // UPG
+        g_ok = g < GROUPS
+        words = _load_if(word_rows + 4 * u + w, g_ok, MASKED)
+        if TYPE == 12:
+            a = _load_if(byte_rows + PLANE_A + g, g_ok, MASKED)
+            b = _load_if(byte_rows + PLANE_B + g, g_ok, MASKED)
+            c = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED)
+            d = _load_if(half_rows + PLANE_D + g // 8, g_ok, MASKED)
+            return words, a, b, c, d
+        elif TYPE == 14:
+            high = _load_if(word_rows + PLANE_A + 2 * g + w // 2, g_ok, MASKED)
+            first = _load_if(byte_rows + PLANE_B + 2 * g, g_ok, MASKED)
+            second = _load_if(byte_rows + PLANE_B + 2 * g + 1, g_ok, MASKED)
+            d = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED)
+            return words, high, first, second, d
+        else:
+            d = _load_if(half_rows + PLANE_A + g, g_ok, MASKED)
+            return words, d, d, d, d
+
+    @triton.jit
+    def _planar_step(
+        acc0, acc1, acc2, acc3, loaded, x_ptr, step, u_in, w, stride_xm, two23,
+        TYPE: tl.constexpr, M: tl.constexpr, BLOCK_G: tl.constexpr, UPG: tl.constexpr,
+        GROUPS: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        """The M accumulators plus one step's products (`_planar_loads`'s operands)."""
+        words, a, b, c, d = loaded
+        u = step * (BLOCK_G * UPG) + u_in
+        g = u // UPG
+        g_ok = g < GROUPS
+        upper = words >> 16  # arithmetic: the sign copies land above every mask
+        PAIRS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+        x_first = x_ptr + g * 32 + 4 * (u % UPG)
+        if PAIRS:
+            x_at = x_first.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2)[None, None, :]
+        else:
+            x_at = x_first + w
+        if TYPE == 12:
+            scale = c.to(tl.float32) * a.to(tl.float32)
+            offset = d.to(tl.float32) * b.to(tl.float32)
+            for j in tl.static_range(8):
+                weight = scale * _planar_code(words, upper, two23, j, 4, 0.0) - offset
+                acc0, acc1, acc2, acc3 = _rows_fma(
+                    acc0, acc1, acc2, acc3, weight, x_at, 4 * j, stride_xm, g_ok, M, MASKED,
+                    PAIRS,
+                )  # fmt: skip
+        else:
+            dots0 = tl.zeros(acc0.shape, tl.float32)
+            dots1 = tl.zeros(acc0.shape, tl.float32)
+            dots2 = tl.zeros(acc0.shape, tl.float32)
+            dots3 = tl.zeros(acc0.shape, tl.float32)
+            if TYPE == 14:
+                e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
+                high_low = a << (4 - 2 * e)
+                high_up = a >> (12 + 2 * e)
+                half = d.to(tl.float32)
+                scale_first = half * b.to(tl.int8, bitcast=True).to(tl.float32)
+                scale = half * c.to(tl.int8, bitcast=True).to(tl.float32)
+                for j in tl.static_range(8):
+                    code = _q6_k_code(words, upper, high_low, high_up, two23, j)
+                    dots0, dots1, dots2, dots3 = _rows_fma(
+                        dots0, dots1, dots2, dots3, code, x_at, 4 * j, stride_xm, g_ok, M,
+                        MASKED, PAIRS,
+                    )  # fmt: skip
+                    if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
+                        acc0, acc1, acc2, acc3 = _scaled_add(
+                            acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale_first, M
+                        )
+                        dots0 = tl.zeros(acc0.shape, tl.float32)
+                        dots1 = tl.zeros(acc0.shape, tl.float32)
+                        dots2 = tl.zeros(acc0.shape, tl.float32)
+                        dots3 = tl.zeros(acc0.shape, tl.float32)
+            else:
+                WPG: tl.constexpr = 4 * UPG
+                BITS: tl.constexpr = 8 if TYPE == 8 else 4
+                BIAS: tl.constexpr = 128.0 if TYPE == 8 else 8.0
+                scale = a.to(tl.float32)
+                for j in tl.static_range(32 // WPG):
+                    code = _planar_code(words, upper, two23, j, BITS, BIAS)
+                    dots0, dots1, dots2, dots3 = _rows_fma(
+                        dots0, dots1, dots2, dots3, code, x_at, WPG * j, stride_xm, g_ok, M,
+                        MASKED, PAIRS,
+                    )  # fmt: skip
+            acc0, acc1, acc2, acc3 = _scaled_add(
+                acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
+            )
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
     def _planar_gemv_kernel(
         x_ptr, words_ptr, bytes_ptr, halves_ptr, out_ptr, partial_ptr, counter_ptr,
         N, stride_xm, stride_words, stride_bytes, stride_halves, stride_om, two23,
         K: tl.constexpr, TYPE: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_G: tl.constexpr, PLANE_A: tl.constexpr, PLANE_B: tl.constexpr,
         PLANE_C: tl.constexpr, PLANE_D: tl.constexpr, PDL: tl.constexpr,
-        SPLIT_K: tl.constexpr = 1,
+        SPLIT_K: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
     ):  # fmt: skip
         """out[m, n] = sum_k x[m, k] w[n, k] for m < M <= 4 over planar rows; grid (blocks of
         BLOCK_N rows, SPLIT_K slices of K's steps of BLOCK_G 32-value groups). A program's
@@ -826,107 +929,32 @@ if HAS_TRITON:
         # split's slices stop at the last step (`while`: the interpreter loops to run-time
         # bounds only so).
         MASKED: tl.constexpr = GROUPS % BLOCK_G != 0
-        PAIRS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
         step = pid_k * SLICE
         end = tl.minimum(step + SLICE, STEPS)
+        if PREFETCH:
+            # Register double buffering: the next step's words and scales are requested
+            # before this step's arithmetic, two steps of loads in flight a program (a `while`
+            # loop is not software-pipelined); the last step requests itself again (an L2 hit).
+            loaded = _planar_loads(
+                word_rows, byte_rows, half_rows, step, u_in, w, TYPE, BLOCK_G, UPG, GROUPS,
+                PLANE_A, PLANE_B, PLANE_C, PLANE_D, MASKED,
+            )  # fmt: skip
         while step < end:
-            u = step * (BLOCK_G * UPG) + u_in
-            g = u // UPG
-            g_ok = g < GROUPS
-            words = _load_if(word_rows + 4 * u + w, g_ok, MASKED)
-            upper = words >> 16  # arithmetic: the sign copies land above every mask
-            x_first = x_ptr + g * 32 + 4 * (u % UPG)
-            if PAIRS:
-                x_at = x_first.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2)[None, None, :]
+            if PREFETCH:
+                current = loaded
+                loaded = _planar_loads(
+                    word_rows, byte_rows, half_rows, tl.minimum(step + 1, end - 1), u_in, w,
+                    TYPE, BLOCK_G, UPG, GROUPS, PLANE_A, PLANE_B, PLANE_C, PLANE_D, MASKED,
+                )  # fmt: skip
             else:
-                x_at = x_first + w
-            if TYPE == 12:
-                sc = _load_if(byte_rows + PLANE_A + g, g_ok, MASKED).to(tl.float32)
-                mn = _load_if(byte_rows + PLANE_B + g, g_ok, MASKED).to(tl.float32)
-                d = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED).to(tl.float32)
-                dmin = _load_if(half_rows + PLANE_D + g // 8, g_ok, MASKED).to(tl.float32)
-                scale = d * sc
-                offset = dmin * mn
-                for j in tl.static_range(8):
-                    weight = scale * _planar_code(words, upper, two23, j, 4, 0.0) - offset
-                    acc0, acc1, acc2, acc3 = _rows_fma(
-                        acc0,
-                        acc1,
-                        acc2,
-                        acc3,
-                        weight,
-                        x_at,
-                        4 * j,
-                        stride_xm,
-                        g_ok,
-                        M,
-                        MASKED,
-                        PAIRS,
-                    )
-            else:
-                dots0 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                dots1 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                dots2 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                dots3 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                if TYPE == 14:
-                    high = _load_if(word_rows + PLANE_A + 2 * g + w // 2, g_ok, MASKED)
-                    e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
-                    high_low = high << (4 - 2 * e)
-                    high_up = high >> (12 + 2 * e)
-                    d = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED).to(tl.float32)
-                    first = _load_if(byte_rows + PLANE_B + 2 * g, g_ok, MASKED)
-                    second = _load_if(byte_rows + PLANE_B + 2 * g + 1, g_ok, MASKED)
-                    scale_first = d * first.to(tl.int8, bitcast=True).to(tl.float32)
-                    scale_second = d * second.to(tl.int8, bitcast=True).to(tl.float32)
-                    for j in tl.static_range(8):
-                        code = _q6_k_code(words, upper, high_low, high_up, two23, j)
-                        dots0, dots1, dots2, dots3 = _rows_fma(
-                            dots0,
-                            dots1,
-                            dots2,
-                            dots3,
-                            code,
-                            x_at,
-                            4 * j,
-                            stride_xm,
-                            g_ok,
-                            M,
-                            MASKED,
-                            PAIRS,
-                        )
-                        if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
-                            acc0, acc1, acc2, acc3 = _scaled_add(
-                                acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3,
-                                scale_first, M,
-                            )  # fmt: skip
-                            dots0 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                            dots1 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                            dots2 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                            dots3 = tl.zeros([BLOCK_G * UPG, BLOCK_N, 4], tl.float32)
-                    scale = scale_second
-                else:
-                    BITS: tl.constexpr = 8 if TYPE == 8 else 4
-                    BIAS: tl.constexpr = 128.0 if TYPE == 8 else 8.0
-                    scale = _load_if(half_rows + PLANE_A + g, g_ok, MASKED).to(tl.float32)
-                    for j in tl.static_range(32 // WPG):
-                        code = _planar_code(words, upper, two23, j, BITS, BIAS)
-                        dots0, dots1, dots2, dots3 = _rows_fma(
-                            dots0,
-                            dots1,
-                            dots2,
-                            dots3,
-                            code,
-                            x_at,
-                            WPG * j,
-                            stride_xm,
-                            g_ok,
-                            M,
-                            MASKED,
-                            PAIRS,
-                        )
-                acc0, acc1, acc2, acc3 = _scaled_add(
-                    acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
-                )
+                current = _planar_loads(
+                    word_rows, byte_rows, half_rows, step, u_in, w, TYPE, BLOCK_G, UPG, GROUPS,
+                    PLANE_A, PLANE_B, PLANE_C, PLANE_D, MASKED,
+                )  # fmt: skip
+            acc0, acc1, acc2, acc3 = _planar_step(
+                acc0, acc1, acc2, acc3, current, x_ptr, step, u_in, w, stride_xm, two23, TYPE,
+                M, BLOCK_G, UPG, GROUPS, MASKED,
+            )  # fmt: skip
             step += 1
         _store_planar_rows(
             out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
@@ -1063,6 +1091,9 @@ if HAS_TRITON:
 
     # Groups of 32 values a planar GEMV program takes a step (tiles [groups, rows, words]).
     PLANAR_BLOCK_G = 8
+    # Whether the planar GEMV requests a step's loads a step ahead (register double
+    # buffering; unmeasured: benchmarks/lab/gpu_gguf_gemv.py times both).
+    PLANAR_PREFETCH = False
 
     def planar_block_n(m: int, type_id: int, n: int, multiprocessors: int) -> int:
         """Weight rows a planar GEMV program takes: as many as keep the registers in check
@@ -1081,6 +1112,7 @@ if HAS_TRITON:
     def _planar_gemv(
         x2d: Tensor, layout: int, blocks: Tensor, out: Tensor, block_n: int | None,
         num_warps: int, split_k: int | None, block_g: int | None = None,
+        prefetch: bool | None = None,
     ) -> Tensor:  # fmt: skip
         m, k = x2d.shape
         type_id = stored_type(layout)
@@ -1101,7 +1133,10 @@ if HAS_TRITON:
         args = (x2d, *planes, out, partial, counters, n, x2d.stride(0), *strides)
         args += (out.stride(0), TWO23_BITS)
         constants = {"K": k, "TYPE": type_id, "M": m, "BLOCK_N": block_n, "BLOCK_G": block_g}
+        if prefetch is None:
+            prefetch = PLANAR_PREFETCH
         constants |= _planes(type_id, k) | {"SPLIT_K": split_k, "num_warps": num_warps}
+        constants["PREFETCH"] = prefetch
         constants |= pdl_options(x2d)
         grid = (triton.cdiv(n, block_n), split_k)
         launch_kernel(_planar_gemv_kernel, grid, *args, **constants)
