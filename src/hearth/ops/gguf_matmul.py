@@ -37,8 +37,9 @@ conversion per weight (I2F issues at a quarter of the FMA rate).
     integer), and adds x times it with a second; the symmetric types (w = s·q, exact) add
     x·q and scale each group's sums (Q6_K: each 16 values') once. Floors of 4 (Q4_K, Q6_K)
     and 3 (Q4_0, Q8_0) instructions; the sm_90 SASS of the loop at one activation row and
-    64 weight rows measures Q4_K 5.3, Q6_K 5.9, Q4_0 4.2, Q8_0 4.6 (x's bf16 to fp32, one
-    shift a word moving codes past bit 23 down, pointers, scale loads make the rest).
+    64 weight rows counts Q4_K 5.2, Q6_K 5.9, Q4_0 4.0, Q8_0 4.5 (x's bf16 to fp32, one
+    shift a word moving codes past bit 23 down, pointers, scale loads make the rest;
+    benchmarks/results/gguf_planar_sass-2026-12-07.md).
 * **Dot** (5..32 rows: batched decode, short prompts): each program decodes a step of
   ``BLOCK_N`` rows, rounds it to the activations' dtype (bf16, as the prefill below) and feeds
   it to a tensor-core `tl.dot` against 16 or 32 activation rows; fp32 sums. fp32 activations
@@ -1097,15 +1098,15 @@ if HAS_TRITON:
 
     def planar_block_n(m: int, type_id: int, n: int, multiprocessors: int) -> int:
         """Weight rows a planar GEMV program takes: as many as keep the registers in check
-        (sm_90 SASS, 4 warps: at one activation row 64 rows take 96 registers for Q4_0 and
-        Q4_K, 168 for Q8_0 and Q6_K; at 4 rows 32 take 168 for Q4_0 and Q4_K and 16 take
-        125-153 for the others, where 32 took up to 234), each thread then holding 4, 2 or 1
-        rows of a group (the x values it loads serve them all); 64 only where that still
-        gives every SM a program, else 32 (the K split fills the GPU). Unmeasured in time:
-        `benchmarks/lab/gpu_gguf_gemv.py` sweeps it."""
+        (sm_90 SASS, 4 warps, no prefetch: at one activation row 64 rows take 96 registers
+        for Q4_0 and Q4_K, 168 for Q8_0 and Q6_K; at two 32 take 96-128; at four 32 take 168
+        for Q4_K but 234-240 for the others, where 16 take 128-168), each thread then holding
+        4, 2 or 1 rows of a group (the x values it loads serve them all); at one row 64 only
+        where that still gives every SM a program, else 32 (the K split fills the GPU).
+        Unmeasured in time: `benchmarks/lab/gpu_gguf_gemv.py` sweeps it."""
         if m == 1:
             return 64 if -(-n // 64) >= multiprocessors else 32
-        if m == 2 or type_id in (2, 12):
+        if m == 2 or type_id == 12:
             return 32
         return 16
 
