@@ -111,8 +111,11 @@ def checked(
 
 
 def launches(k: int, args: argparse.Namespace) -> list[dict]:
-    """The launches to time at K: the default (empty), then the grid of the options given."""
+    """The launches to time at K: the default (empty), then the grid of the options given
+    (none with --file-default-only)."""
     found: list[dict] = [{}]
+    if args.file_default_only:
+        return found
     grid = itertools.product(
         _ints(args.rows), _ints(args.warps), _ints(args.splits), _ints(args.stages)
     )
@@ -224,6 +227,9 @@ def main() -> None:
     parser.add_argument("--splits", default="1,2,4", help="K slices")
     parser.add_argument("--stages", default="1,3", help="software-pipelined loop stages")
     parser.add_argument("--planar-rows", default="16,32,64", help="planar GEMV rows a program")
+    parser.add_argument(
+        "--file-default-only", action="store_true", help="time only the file kernel's default"
+    )
     parser.add_argument("--no-head", action="store_true")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
