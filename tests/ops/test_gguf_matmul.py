@@ -226,12 +226,18 @@ def test_planar_kernels_see_the_gguf_weights(type_id: int) -> None:
         _assert_within_planar_bound(y, x[:rows], weight, type_id)
     # bf16 activations (the GPU's; the GEMV reads them as pairs) into an fp32 output: the
     # same bound on their values, which fp32 holds exactly.
-    # With `prefetch` the loop loads each step a step ahead.
+    # With `prefetch` the loop loads each step a step ahead. Last, x a view one value off
+    # its storage's start and with an odd row stride (the GEMV copies it aligned).
     x = x.bfloat16()
     for rows, prefetch in ((1, False), (3, False), (1, True), (4, True)):
         y = torch.empty(rows, ROWS, device=DEVICE)
         gm.gguf_gemv_triton(x[:rows].to(DEVICE), layout, planar, y, prefetch=prefetch)
         _assert_within_planar_bound(y, x[:rows].float(), weight, type_id)
+    wide = torch.zeros(2, _width(type_id) + 1, dtype=torch.bfloat16)
+    wide[:, 1:] = x[:2]
+    y = torch.empty(2, ROWS, device=DEVICE)
+    gm.gguf_gemv_triton(wide.to(DEVICE)[:, 1:], layout, planar, y)
+    _assert_within_planar_bound(y, x[:2].float(), weight, type_id)
 
 
 @pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])

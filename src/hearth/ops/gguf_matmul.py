@@ -1118,6 +1118,10 @@ if HAS_TRITON:
         m, k = x2d.shape
         type_id = stored_type(layout)
         planes, strides = _planar_operands(layout, blocks, k)
+        if x2d.data_ptr() % 16 or x2d.stride(0) % 8:
+            # The kernel reads x in vectors (bf16 as int32 pairs): a fresh, aligned copy of a
+            # view that starts or strides off them.
+            x2d = torch.empty(m, k, dtype=x2d.dtype, device=x2d.device).copy_(x2d)
         n = blocks.shape[0]
         units = _multiprocessors(x2d.device.index or 0) if x2d.is_cuda else 1
         if block_n is None:
