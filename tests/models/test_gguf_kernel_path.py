@@ -80,3 +80,17 @@ def test_a_tiny_file_through_the_block_kernels_runs_as_hf_runs_it(
     with torch.inference_mode():
         following = oracle(input_ids=torch.tensor([prompt + produced])).logits[0]
     assert produced == following[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
+
+
+def test_a_kernel_layer_sized_on_meta_holds_what_a_real_one_holds() -> None:
+    """`hearth fit` sizes a GPU load on the meta device: a stack of Q4_K and Q6_K parts (the
+    planar layout's bytes there) and a Q2_K one (no planar layout: the file's bytes) takes
+    what the same layer built from real blocks takes, and repacks only the planar types."""
+    from gguf_blocks_data import random_blocks
+
+    real = [(t, torch.from_numpy(random_blocks(t, 6, 512, seed=t))) for t in (12, 14, 10)]
+    sized = [(t, torch.empty(b.shape, dtype=torch.uint8, device="meta")) for t, b in real]
+    built, meta = GGUFKernelLinear(real, 512), GGUFKernelLinear(sized, 512)
+    assert [is_planar(layout) for layout, _ in built.parts()] == [True, True, False]
+    assert meta.nbytes == built.nbytes == 6 * (304 + 432 + 168)
+    assert [b.shape for _, b in meta.parts()] == [b.shape for _, b in built.parts()]
