@@ -192,9 +192,10 @@ def dequantize_blocks(type_id: int, raw: Tensor) -> Tensor:
 # A planar row holds the same numbers as the file's blocks, grouped by kind so that a GEMV reads
 # each with one wide load and decodes a code with one AND|OR of the exponent trick: the codes
 # as little-endian 32-bit words, then each scale kind as a plane in K order, then zero bytes up
-# to a multiple of 16 (at most 15 a row: under 2% of a 3840-wide Q6_K row, nothing on most).
+# to a multiple of 16 (at most 15 a row: 2 bytes on a 3840-wide Q6_K row, none on most).
 # Every plane but Q4_K's holds the file's bits as they are; Q4_K's twelve bytes of packed 6-bit
 # scales and mins become 16 (one byte each): 148 bytes per 256 values, +2.8% on the file.
+# Gemma 3 12B in Q4_K_M: 7.29 GB of tensor bytes in the file, 7.44 GB planar (+2.1%).
 # Within each 32-value group the codes are interleaved across its words: code j of the group's
 # word w is value 32g + WPG·j + w (WPG words a group). The values code j of a thread's words
 # pairs with are then adjacent in x, one vector load for all of them, in the activations' own
