@@ -914,7 +914,6 @@ if HAS_TRITON:
         word_rows = (words_ptr + tl.multiple_of(n_read * stride_words, 4))[None, :, None]
         byte_rows = (bytes_ptr + n_read * stride_bytes)[None, :, None]
         half_rows = (halves_ptr + n_read * stride_halves)[None, :, None]
-        wait_for_producer(PDL)
         # Tiles are [units, BLOCK_N, 4]: a unit is 4 adjacent words of a group (Q8_0's
         # groups are two), 16 bytes a thread loads at once; its codes' x are 4 adjacent values.
         UPG: tl.constexpr = WPG // 4  # units a group
@@ -936,10 +935,13 @@ if HAS_TRITON:
             # Register double buffering: the next step's words and scales are requested
             # before this step's arithmetic, two steps of loads in flight a program (a `while`
             # loop is not software-pipelined); the last step requests itself again (an L2 hit).
+            # The first step's are requested before the wait for the previous kernel (with
+            # PDL): the weights are not its to write.
             loaded = _planar_loads(
                 word_rows, byte_rows, half_rows, step, u_in, w, TYPE, BLOCK_G, UPG, GROUPS,
                 PLANE_A, PLANE_B, PLANE_C, PLANE_D, MASKED,
             )  # fmt: skip
+        wait_for_producer(PDL)
         while step < end:
             if PREFETCH:
                 current = loaded
