@@ -7,7 +7,11 @@ in µs and its share of the device's copy bandwidth over the bytes it reads (the
 it cuBLAS's bf16 GEMV of the same shape (2 bytes a weight). Each launch is first checked against
 fp64 on the torch reference's weights (the fp32 sum bound plus the output's bf16 rounding,
 tests/ops/test_gguf_matmul.py). Then the prefill's dequantize kernel (blocks to bf16) in GB/s
-of bytes moved. Writes $OUT/gpu_gguf_gemv.md.
+of bytes moved. For Q4_0, Q8_0, Q4_K and Q6_K, a second row: the same weights repacked into
+their planar layout (`hearth.quant.gguf_blocks.to_planar`) through the planar GEMV, its
+default launch and rows a program (`--planar-rows`) x K slices x prefetching, checked the
+same way, its
+share over the planar bytes. Writes $OUT/gpu_gguf_gemv.md.
 
     OUT=/tmp/out PYTHONPATH=src python benchmarks/lab/gpu_gguf_gemv.py [--types Q4_K,Q6_K]
 """
@@ -26,6 +30,7 @@ import torch
 import triton
 
 from hearth.ops import gguf_matmul as gm
+from hearth.quant import gguf_blocks as gb
 from hearth.quant.gguf_blocks import BLOCK_FORMATS, dequantize_blocks
 
 TYPE_IDS = {block.name: type_id for type_id, block in BLOCK_FORMATS.items()}
@@ -92,18 +97,25 @@ def time_graph(calls: list) -> float:
     return sorted(samples)[2]
 
 
-def checked(x: torch.Tensor, type_id: int, blocks: torch.Tensor, y: torch.Tensor) -> str:
+def checked(
+    x: torch.Tensor, type_id: int, blocks: torch.Tensor, y: torch.Tensor, extra: int = 0
+) -> str:
+    """The fp32 sum bound of tests/ops/test_gguf_matmul.py (`extra` roundings more a term: 1
+    for the planar symmetric types' group scale) plus the output's bf16 rounding."""
     weight = dequantize_blocks(type_id, blocks).double()
     exact = x.double() @ weight.T
-    k = x.shape[-1]
+    k = x.shape[-1] + (extra if type_id != 12 else 0)
     summed = k * 2.0**-24 / (1 - k * 2.0**-24) * (x.double().abs() @ weight.abs().T)
     allowed = summed + 2.0**-8 * (exact.abs() + summed)
     return "ok" if bool(((y.double() - exact).abs() <= allowed).all()) else "WRONG"
 
 
 def launches(k: int, args: argparse.Namespace) -> list[dict]:
-    """The launches to time at K: the default (empty), then the grid of the options given."""
+    """The launches to time at K: the default (empty), then the grid of the options given
+    (none with --file-default-only)."""
     found: list[dict] = [{}]
+    if args.file_default_only:
+        return found
     grid = itertools.product(
         _ints(args.rows), _ints(args.warps), _ints(args.splits), _ints(args.stages)
     )
@@ -150,7 +162,44 @@ def sweep_shape(
     cublas = time_graph([partial(torch.nn.functional.linear, x, dense)])
     share = moved / (micros * 1e-6) / bandwidth * 100
     row = f"| {name} | {label} ({n}x{k}) | {default:.1f} | {described} | {micros:.1f} | "
-    return row + f"{share:.0f}% | {cublas:.1f} |"
+    summary = [row + f"{share:.0f}% | {cublas:.1f} |"]
+    if type_id in gb.PLANAR_TYPES:  # the same weights repacked (lossless)
+        layout = gb.planar_layout(type_id)
+        planar = [gb.to_planar(type_id, w) for w in weights]
+        planar_moved = planar[0].numel()
+        results = []
+        for launch in planar_launches(k, args):
+            calls = [
+                partial(gm.gguf_gemv_triton, x, layout, r, o, **launch)
+                for r, o in zip(planar, outs, strict=True)
+            ]
+            calls[0]()
+            check = checked(x, type_id, weights[0], outs[0], 1) if n <= 65536 else "-"
+            micros = time_graph(calls)
+            share = planar_moved / (micros * 1e-6) / bandwidth * 100
+            described = ", ".join(f"{key} {value}" for key, value in launch.items()) or "default"
+            results.append((micros, described))
+            every.append(
+                f"| {name} planar | {label} | {described} | {micros:.1f} | {share:.0f}% | {check} |"
+            )
+        default = results[0][0]
+        micros, described = min(results)
+        share = planar_moved / (micros * 1e-6) / bandwidth * 100
+        row = f"| {name} planar | {label} ({n}x{k}) | {default:.1f} | {described} | "
+        summary.append(row + f"{micros:.1f} | {share:.0f}% | {cublas:.1f} |")
+        del planar
+    return summary
+
+
+def planar_launches(k: int, args: argparse.Namespace) -> list[dict]:
+    """The planar GEMV's launches: its default, then rows a program x K slices x loading a
+    step ahead or not."""
+    found: list[dict] = [{}]
+    grid = itertools.product(_ints(args.planar_rows), _ints(args.splits), (False, True))
+    for rows, split, prefetch in grid:
+        if k // 256 >= 2 * split:
+            found.append({"block_n": rows, "split_k": split, "prefetch": prefetch})
+    return found
 
 
 def dequantize_row(name: str, bandwidth: float) -> str:
@@ -158,7 +207,16 @@ def dequantize_row(name: str, bandwidth: float) -> str:
     blocks = random_blocks(type_id, 30720, 3840)
     micros = time_graph([partial(gm.gguf_dequantize_triton, type_id, blocks, 3840, torch.bfloat16)])
     share = (blocks.numel() + 30720 * 3840 * 2) / (micros * 1e-6) / bandwidth * 100
-    return f"| {name} | dequantize 30720x3840 to bf16 | {micros:.1f} | - | - | {share:.0f}% | - |"
+    text = f"| {name} | dequantize 30720x3840 to bf16 | {micros:.1f} | - | - | {share:.0f}% | - |"
+    if type_id in gb.PLANAR_TYPES:
+        rows = gb.to_planar(type_id, blocks)
+        layout = gb.planar_layout(type_id)
+        call = partial(gm.gguf_dequantize_triton, layout, rows, 3840, torch.bfloat16)
+        micros = time_graph([call])
+        share = (rows.numel() + 30720 * 3840 * 2) / (micros * 1e-6) / bandwidth * 100
+        text += f"\n| {name} planar | dequantize 30720x3840 to bf16 | {micros:.1f} | - | - | "
+        text += f"{share:.0f}% | - |"
+    return text
 
 
 def main() -> None:
@@ -168,6 +226,10 @@ def main() -> None:
     parser.add_argument("--warps", default="4", help="warps a program, comma-separated")
     parser.add_argument("--splits", default="1,2,4", help="K slices")
     parser.add_argument("--stages", default="1,3", help="software-pipelined loop stages")
+    parser.add_argument("--planar-rows", default="16,32,64", help="planar GEMV rows a program")
+    parser.add_argument(
+        "--file-default-only", action="store_true", help="time only the file kernel's default"
+    )
     parser.add_argument("--no-head", action="store_true")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -177,8 +239,9 @@ def main() -> None:
     every = ["| type | shape | launch | µs | % of copy BW | check |", "|---|---|---|---|---|---|"]
     for name in args.types.split(","):
         for shape in shapes:
-            lines.append(sweep_shape(name, shape, bandwidth, every, args))
-            print(lines[-1], flush=True)
+            for line in sweep_shape(name, shape, bandwidth, every, args):
+                lines.append(line)
+                print(line, flush=True)
         lines.append(dequantize_row(name, bandwidth))
         print(lines[-1], flush=True)
     versions = f"torch {torch.__version__}, triton {triton.__version__}"

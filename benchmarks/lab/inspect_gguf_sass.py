@@ -61,6 +61,38 @@ def compile_gemv(type_id: int, block_n: int, k: int, split: int, stages: int, ro
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_planar_gemv(
+    type_id: int, block_n: int, k: int, split: int, rows: int = 1, prefetch: bool = False
+):
+    """The planar rows' GEMV (`_planar_gemv_kernel`), launched as `_planar_gemv` does."""
+    kernel = gm._planar_gemv_kernel
+    names = list(kernel.arg_names)
+    pointers = {
+        "x_ptr": "*bf16",
+        "words_ptr": "*i32",
+        "bytes_ptr": "*u8",
+        "halves_ptr": "*fp16",
+        "out_ptr": "*bf16",
+        "partial_ptr": "*fp32",
+        "counter_ptr": "*i32",
+    }
+    constants = dict(
+        K=k, TYPE=type_id, M=rows, BLOCK_N=block_n, BLOCK_G=gm.PLANAR_BLOCK_G, PDL=True,
+        SPLIT_K=split, PREFETCH=prefetch, **gm._planes(type_id, k),
+    )  # fmt: skip
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "i32") for name in names
+    }
+    # Pointers and the x row stride are 16-byte aligned; the planar row strides are only
+    # multiples of 16 bytes (the kernel says so of the word rows with tl.multiple_of).
+    aligned = [i for i, name in enumerate(names) if name in pointers or name == "stride_xm"]
+    source = ASTSource(
+        kernel, signature, constants, {(i,): [["tt.divisibility", 16]] for i in aligned}
+    )
+    options = {"num_warps": THREADS // 32, "launch_pdl": True}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--types", default="Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K")
@@ -69,13 +101,24 @@ def main() -> None:
     parser.add_argument("--split", type=int, default=1)
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--rows", type=int, default=1, help="activation rows (BLOCK_M)")
+    parser.add_argument("--planar", action="store_true", help="the planar rows' GEMV")
+    parser.add_argument("--prefetch", action="store_true", help="planar: a step ahead")
     args = parser.parse_args()
     for name in args.types.split(","):
         type_id = TYPE_IDS[name]
-        compiled = compile_gemv(type_id, args.block_n, args.k, args.split, args.stages, args.rows)
+        if args.planar:
+            compiled = compile_planar_gemv(
+                type_id, args.block_n, args.k, args.split, args.rows, args.prefetch
+            )
+            step_values = gm.PLANAR_BLOCK_G * 32
+        else:
+            compiled = compile_gemv(
+                type_id, args.block_n, args.k, args.split, args.stages, args.rows
+            )
+            step_values = gm.STEP_VALUES
         stats = sass_stats(compiled.asm["cubin"])
         loop = stats["loop"]
-        weights = args.block_n * gm.STEP_VALUES // THREADS  # per thread per step
+        weights = args.block_n * step_values // THREADS  # per thread per step
         programs = 65536 // (stats["registers"] * THREADS)
         print(
             f"{name} M{args.rows} N{args.block_n} K{args.k} split{args.split}: "

@@ -6,7 +6,7 @@ sides differ only in the order of fp32 sums. The same tolerance, 2e-5 of the lar
 (~1e-6 measured on the CPU path), applies. Without a GPU the kernels run in Triton's
 interpreter on a CPU load under a plan that takes them; on a GPU the default CUDA load runs
 them compiled, its decode steps in CUDA graphs (fp32 matmuls there are true fp32: torch leaves
-TF32 off). (Q6_K and the
+TF32 off). Q4_K and Q8_0 are repacked at load into their planar layouts (lossless). (Q6_K and the
 other types are checked kernel by kernel there; each model here costs ~10 s interpreted.)
 """
 
@@ -22,7 +22,7 @@ from hearth.engine import Engine
 from hearth.layers.gguf import GGUFKernelLinear, GGUFKernelTable
 from hearth.ops import HAS_TRITON
 from hearth.ops.plan import ExecutionPlan
-from hearth.quant.gguf_blocks import BLOCK_FORMATS
+from hearth.quant.gguf_blocks import BLOCK_FORMATS, is_planar
 from hearth.runtime.generate import GenerationStats, generate_tokens
 from hearth.runtime.sampling import Sampler, SamplingParams
 from test_gguf_types_as_stored import GEMMA3, GEMMA4, RTOL, _hf_reading, _typed_file
@@ -63,6 +63,8 @@ def test_a_tiny_file_through_the_block_kernels_runs_as_hf_runs_it(
     engine = _load(path)
     projections = [m for m in engine.model.modules() if isinstance(m, GGUFKernelLinear)]
     assert projections and BLOCK_FORMATS[projections[0].type_ids[0]].name == type_name
+    # Both types are repacked at load into their planar layout, which the kernels then read.
+    assert all(is_planar(layout) for p in projections for layout, _ in p.parts())
     assert isinstance(engine.model.embed_tokens, GGUFKernelTable)
     if architecture == "gemma4":  # the per-layer table on blocks too (no memory map, no sync)
         assert isinstance(engine.model.embed_tokens_per_layer, GGUFKernelTable)
@@ -78,3 +80,17 @@ def test_a_tiny_file_through_the_block_kernels_runs_as_hf_runs_it(
     with torch.inference_mode():
         following = oracle(input_ids=torch.tensor([prompt + produced])).logits[0]
     assert produced == following[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
+
+
+def test_a_kernel_layer_sized_on_meta_holds_what_a_real_one_holds() -> None:
+    """`hearth fit` sizes a GPU load on the meta device: a stack of Q4_K and Q6_K parts (the
+    planar layout's bytes there) and a Q2_K one (no planar layout: the file's bytes) takes
+    what the same layer built from real blocks takes, and repacks only the planar types."""
+    from gguf_blocks_data import random_blocks
+
+    real = [(t, torch.from_numpy(random_blocks(t, 6, 512, seed=t))) for t in (12, 14, 10)]
+    sized = [(t, torch.empty(b.shape, dtype=torch.uint8, device="meta")) for t, b in real]
+    built, meta = GGUFKernelLinear(real, 512), GGUFKernelLinear(sized, 512)
+    assert [is_planar(layout) for layout, _ in built.parts()] == [True, True, False]
+    assert meta.nbytes == built.nbytes == 6 * (304 + 432 + 168)
+    assert [b.shape for _, b in meta.parts()] == [b.shape for _, b in built.parts()]

@@ -46,7 +46,12 @@ from hearth.ops import (  # noqa: E402
     router,
     slot_sum,
 )
-from hearth.quant.gguf_blocks import BLOCK_FORMATS  # noqa: E402
+from hearth.quant.gguf_blocks import (  # noqa: E402
+    BLOCK_FORMATS,
+    PLANAR_TYPES,
+    planar_layout,
+    to_planar,
+)
 from hearth.quant.kv_codecs import AffineCodec  # noqa: E402
 from hearth.quant.mlx import quantize_affine  # noqa: E402
 from hearth.quant.turbo import TurboCodec  # noqa: E402
@@ -518,6 +523,48 @@ def _gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
                 f"gguf dequantize {block.name} ids={ids is not None}",
                 lambda b=blocks, t=type_id, i=ids: gguf_matmul.gguf_dequantize_triton(
                     t, b, 512, bf16, ids=i, block_n=gguf_matmul.DEQUANTIZE_BLOCK_N
+                ),
+            )
+    yield from _planar_gguf_launches()
+
+
+def _planar_gguf_launches() -> Iterator[tuple[str, Callable[[], object]]]:
+    """The planar rows' kernels (Q4_0, Q8_0, Q4_K, Q6_K as a GPU load repacks them): the GEMV
+    at 1, 2 and 4 rows with the GPU's rows a program (and split over K), the dot kernel, the
+    dequantize kernel; K = 3840 (Gemma 3 12B's, whole steps: no masks) and 320 for the
+    32-value types (a masked last step)."""
+    bf16 = torch.bfloat16
+    for type_id in PLANAR_TYPES:
+        block = BLOCK_FORMATS[type_id]
+        layout = planar_layout(type_id)
+        for k in (3840, 320) if block.values == 32 else (3840,):
+            raw = torch.randint(0, 256, (96, k // block.values * block.nbytes), dtype=torch.uint8)
+            rows = to_planar(type_id, raw)
+            for m in (1, 2, 4):
+                block_n = gguf_matmul.planar_block_n(m, type_id, 1 << 20, 132)
+                yield (
+                    f"gguf planar gemv {block.name} K={k} M={m}",
+                    lambda r=rows, t=layout, m=m, n=block_n, k=k: gguf_matmul.gguf_gemv_triton(
+                        torch.randn(m, k, dtype=bf16), t, r, torch.empty(m, 96, dtype=bf16), n
+                    ),
+                )
+            yield (
+                f"gguf planar gemv {block.name} K={k} split in 3, a step ahead",
+                lambda r=rows, t=layout, k=k: gguf_matmul.gguf_gemv_triton(
+                    torch.randn(1, k, dtype=bf16), t, r, torch.empty(1, 96, dtype=bf16), 32,
+                    split_k=3, prefetch=True,
+                ),
+            )  # fmt: skip
+            yield (
+                f"gguf planar dot {block.name} K={k}",
+                lambda r=rows, t=layout, k=k: gguf_matmul.gguf_dot_triton(
+                    torch.randn(20, k, dtype=bf16), t, r, torch.empty(20, 96, dtype=bf16)
+                ),
+            )
+            yield (
+                f"gguf planar dequantize {block.name} K={k}",
+                lambda r=rows, t=layout, k=k: gguf_matmul.gguf_dequantize_triton(
+                    t, r, k, bf16, block_n=gguf_matmul.DEQUANTIZE_BLOCK_N
                 ),
             )
 
