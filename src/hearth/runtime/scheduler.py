@@ -49,7 +49,7 @@ from hearth.runtime.generate import (
     soft_tokens,
 )
 from hearth.runtime.runner import ModelRunner, chunk_end
-from hearth.runtime.sampling import Sampler
+from hearth.runtime.sampling import Sampler, first_argmax
 from hearth.tokenizer import Tokenizer
 
 log = logging.getLogger("hearth.scheduler")
@@ -277,11 +277,44 @@ class Scheduler:
         positions = [sequence.computed for sequence in running]
         caches = [sequence.paged.caches for sequence in running if sequence.paged is not None]
         logits = self.runner.decode_batch(tokens, caches, positions)  # type: ignore[arg-type]
-        for row, sequence in enumerate(running):
+        for sequence in running:
             sequence.computed += 1
             assert sequence.paged is not None
             sequence.paged.after_forward(sequence.cache_ids())
-            self._take_token(sequence, logits[row : row + 1])
+        made = self._sample_rows(running, logits)
+        for row, sequence in enumerate(running):
+            token = made[row]
+            if token is None:  # log-probabilities asked: sampled with its distribution
+                self._take_token(sequence, logits[row : row + 1])
+            else:
+                self._accept_token(sequence, token, None)
+
+    def _sample_rows(self, running: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+        """Each row's next token, read back from the device at once (one host sync): plain
+        greedy rows by one argmax over all of them, every other row by its own sampler (its
+        own generator: a seeded row draws as it would alone), on the device; None for a row
+        that asks for log-probabilities (sampled by `_take_token`, which records them)."""
+        picks: list[torch.Tensor | None] = []
+        greedy: torch.Tensor | None = None
+        for row, sequence in enumerate(running):
+            if sequence.reply.recorder is not None:
+                picks.append(None)
+            elif sequence.grammar is None and _plain_greedy(sequence.sampler):
+                if greedy is None:
+                    greedy = first_argmax(logits.float())
+                picks.append(greedy[row])
+            else:
+                token, _ = sample_next(
+                    sequence.sampler,
+                    logits[row : row + 1],
+                    sequence.history,
+                    False,
+                    sequence.grammar,
+                )
+                picks.append(token.reshape(()))
+        made = [pick for pick in picks if pick is not None]
+        values = iter(torch.stack(made).tolist() if made else [])
+        return [None if pick is None else int(next(values)) for pick in picks]
 
     def _make_room(self) -> None:
         """A block for each running request's next token, preempting the most recently
@@ -323,7 +356,14 @@ class Scheduler:
         sampled, distribution = sample_next(
             sequence.sampler, logits, sequence.history, recorder is not None, sequence.grammar
         )
-        token = int(sampled)
+        self._accept_token(sequence, int(sampled), distribution)
+
+    def _accept_token(
+        self, sequence: Sequence, token: int, distribution: torch.Tensor | None
+    ) -> None:
+        """Take `token` as `sequence`'s next (`distribution`: its log-probabilities row, where
+        asked) and hand its text on."""
+        recorder = sequence.reply.recorder
         if recorder is not None and distribution is not None:
             recorder.record(distribution.reshape(-1), token)
         now = time.perf_counter()
@@ -371,6 +411,18 @@ class Scheduler:
         if sequence.paged is not None:
             sequence.paged.free()
             sequence.paged = None
+
+
+def _plain_greedy(sampler: Sampler) -> bool:
+    """Whether `sampler` picks the argmax of the logits as they are (no bias, no penalty)."""
+    params = sampler.params
+    return (
+        params.temperature == 0
+        and not params.logit_bias
+        and params.repetition_penalty == 1
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+    )
 
 
 def make_pool(runner: ModelRunner, max_running: int, kv_bytes: int | None = None) -> KVPool:
