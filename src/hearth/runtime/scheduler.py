@@ -130,6 +130,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._prefilling: Sequence | None = None
         self._prefill_next = True  # which kind of step goes first when both have work
+        # Set to a list (a benchmark does), each decode step appends (rows, seconds) to it.
+        self.decode_log: list[tuple[int, float]] | None = None
 
     @property
     def idle(self) -> bool:
@@ -270,6 +272,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
+        started = time.perf_counter()
         self._make_room()
         running = list(self.running)
         tokens = [sequence.next_token for sequence in running]
@@ -282,6 +285,8 @@ class Scheduler:
             assert sequence.paged is not None
             sequence.paged.after_forward(sequence.cache_ids())
         made = self._sample_rows(running, logits)
+        if self.decode_log is not None:  # the step's tokens are on the host: it has ended
+            self.decode_log.append((len(running), time.perf_counter() - started))
         for row, sequence in enumerate(running):
             token = made[row]
             if token is None:  # log-probabilities asked: sampled with its distribution
