@@ -8,7 +8,7 @@ full 64, two KV-sharing layers, per-layer inputs, MoE), three sequences of promp
 13 and 6 (two past the window) prefilled alone in chunks of 8 into two pools of blocks of 4,
 then 20 decode steps of all of them, the middle one leaving after 8 (the last one moves up a
 row and is written anew), padded to the batch buckets (3 rows run as 4: a padded row writes
-into the pool's trash block) or not.
+into the pool's trash block) or not, their block tables growing from 8 to 16 blocks wide.
 
 Tolerances, on fp32 logits of std ~4. Dense K/V: 5e-5. The two steps run the same
 projections on the same inputs and differ in attention's arithmetic only (the reference's
@@ -34,6 +34,7 @@ from hearth.kv import parse_kv_quant
 from hearth.kv.paged import KVPool, PagedSequence
 from hearth.models.loading import build_model
 from hearth.ops.plan import ExecutionPlan
+from hearth.runtime import batch_graphs
 from hearth.runtime.batch_graphs import BatchDecoder
 from hearth.runtime.runner import ModelRunner
 from tiny import GEMMA4_SHARING, MOE, save_hf, tiny_gemma3_model, tiny_gemma4_model
@@ -123,6 +124,7 @@ def _decode_both(
             for row, i in enumerate(live):
                 sequences[i].after_forward(all_ids[i][: positions[row] + 1])
                 out[i].append(made[row].clone())
+    assert sorted(decoder._tables) == [8, 16]  # the table widths the steps ran at
     return logits[0], logits[1]
 
 
@@ -136,8 +138,10 @@ def _decode_both(
     ],
 )
 def test_paged_batch_step_equals_the_side_by_side_step(
-    models: dict[str, Any], model_name: str, kind: str, pad: bool
+    models: dict[str, Any], model_name: str, kind: str, pad: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Tables 4 blocks wide and up: the batch moves from 8-block tables to 16-block ones.
+    monkeypatch.setattr(batch_graphs, "NARROWEST_TABLE", 4)
     model = models[model_name]
     policy = parse_kv_quant(kind, group_size=32)
     all_ids = [_ids(length + DECODE, 7 + i) for i, length in enumerate(PROMPTS)]

@@ -4,16 +4,21 @@ batch-size bucket.
 The step is one forward over the B new tokens side by side, each layer a `kv.paged.PagedBatch`:
 it stores the B tokens' K/V into their blocks with one indexed write per plane and attention
 reads each row's blocks through its row of a block table (`ops.paged_attention`). Nothing in
-it reads the host, so on a GPU it is captured once per bucket of the plan's `batch_buckets`
-(the smallest holding B; the spare rows padded: token 0 at position 0, their table pointing at
-a "trash" block per group that the pool keeps for them) and replayed: one launch per step.
+it reads the host, so on a GPU it is captured once per bucket and replayed: one launch per
+step. A bucket is a row count of the plan's `batch_buckets` (the smallest holding B; the spare
+rows padded: token 0 at position 0, their tables pointing at a "trash" block per group that the
+pool keeps for them) and a table width in blocks: powers of two from 16 (256 tokens) up to
+`max_blocks`, which covers the longest context the pool holds. The width is the smallest
+holding every row's table, so a batch of short requests copies and reads short tables (and
+the attention kernel's grid, which may depend on the width, stays small), and a graph stays
+valid whatever the lengths within its width.
 
-Static inputs, sized once per pool: per group a block table [rows, max_blocks] int32, where
-max_blocks covers the longest context the pool holds (so a graph stays valid whatever the
-lengths), and the tokens and positions [2, rows] int64. The host keeps them in pinned memory
-and writes only what changed since the last step (a new row whole, a known row its new blocks);
-each step copies them over in 1 + groups copies (the first `bucket` rows of each table) and
-replays. Without graphs (a CPU, or a fallback) the same forward runs eagerly over exactly B rows.
+Static inputs per width: per group a block table [rows, width] int32, and (shared) the tokens
+and positions [2, rows] int64. The host keeps them in pinned memory and writes only what
+changed since that width's last step (a new row whole, a known row its new blocks); each step
+copies them over in 1 + groups copies (the first `bucket` rows of each table) and replays.
+Without graphs (a CPU, or a fallback) the same forward runs eagerly over exactly B rows (or,
+with `pad`, a bucket's, as a graph would).
 """
 
 from __future__ import annotations
@@ -31,6 +36,22 @@ from hearth.runtime.graphs import _warm_up_and_capture
 log = logging.getLogger("hearth.runtime.batch_graphs")
 
 _PADDING = object()  # what a padded row holds (compared by identity)
+NARROWEST_TABLE = 16  # blocks: the first table width
+
+
+class _Tables:
+    """One table width's block tables, on the host (pinned on a GPU) and the device, and what
+    each row holds: its sequence and the blocks of each group's table written so far."""
+
+    def __init__(
+        self, groups: int, rows: int, width: int, device: torch.device, pinned: bool
+    ) -> None:
+        self.width = width
+        self.host = torch.zeros((groups, rows, width), dtype=torch.int32, pin_memory=pinned)
+        self.array = self.host.numpy()
+        self.device = self.host.to(device) if pinned else self.host
+        self.held: list[object] = [None] * rows
+        self.written = [[0] * groups for _ in range(rows)]
 
 
 class BatchDecoder:
@@ -52,29 +73,23 @@ class BatchDecoder:
         self.rows = rows
         self.graphs = graphs
         self.pad = pad or graphs
-        device = model.device
+        self.device = model.device
         longest = min(
             pool.longest_context(plan.prefill_chunk), model.config.max_position_embeddings
         )
         self.max_blocks = pool.blocks_of(longest) + 1
-        groups = len(pool.groups)
-        pinned = device.type == "cuda"
-        self._host_tables = torch.zeros(
-            (groups, rows, self.max_blocks), dtype=torch.int32, pin_memory=pinned
-        )
-        self._host_meta = torch.zeros((2, rows), dtype=torch.long, pin_memory=pinned)
-        self._tables_np = self._host_tables.numpy()
+        widths, width = [], NARROWEST_TABLE
+        while width < self.max_blocks:
+            widths.append(width)
+            width *= 2
+        self.widths = [*widths, self.max_blocks]
+        self._groups = len(pool.groups)
+        self._pinned = self.device.type == "cuda"
+        self._host_meta = torch.zeros((2, rows), dtype=torch.long, pin_memory=self._pinned)
         self._meta_np = self._host_meta.numpy()
-        if pinned:
-            self._tables = self._host_tables.to(device)
-            self._meta = self._host_meta.to(device)
-            self._copied: torch.cuda.Event | None = torch.cuda.Event()
-        else:
-            self._tables, self._meta, self._copied = self._host_tables, self._host_meta, None
-        # What each row of the host buffers holds: its sequence and the blocks of each group's
-        # table written so far (a known row gets only its new ones).
-        self._held: list[object] = [None] * rows
-        self._written = [[0] * groups for _ in range(rows)]
+        self._meta = self._host_meta.to(self.device) if self._pinned else self._host_meta
+        self._copied = torch.cuda.Event() if self._pinned else None
+        self._tables: dict[int, _Tables] = {}
         self._trash = pool.trash_blocks() if self.pad else None
         # The pool is not kept (the runner keys its decoders on it weakly): only its blocks.
         self._block_size = pool.block_size
@@ -84,8 +99,9 @@ class BatchDecoder:
                 pool.specs, (pool.place[i] for i in range(len(pool.specs))), strict=True
             )
         ]
-        self._layers: dict[int, tuple[BatchTables, list[PagedBatch]]] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        Key = tuple[int, int]  # (rows, table width)
+        self._layers: dict[Key, tuple[BatchTables, list[PagedBatch]]] = {}
+        self._graphs: dict[Key, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool: object = None
 
     def bucket(self, count: int) -> int | None:
@@ -93,6 +109,13 @@ class BatchDecoder:
         if not self.pad:
             return None
         return next((b for b in self.plan.batch_buckets if count <= b <= self.rows), None)
+
+    def width(self, sequences: Sequence[PagedSequence]) -> int:
+        """The narrowest table width holding every sequence's tables."""
+        longest = max(len(table) for sequence in sequences for table in sequence.tables)
+        if longest > self.max_blocks:
+            raise RuntimeError("a sequence outgrew the batch decoder's block tables")
+        return next(width for width in self.widths if width >= longest)
 
     @torch.inference_mode()
     def step(
@@ -103,17 +126,18 @@ class BatchDecoder:
         count = len(sequences)
         if count > self.rows:
             raise ValueError(f"a batch of {count} rows in a decoder of {self.rows}")
-        rows = self.bucket(count) or count
-        if self.graphs and rows not in self._graphs:
-            self._capture(rows)  # on failure: eager from now on
-        self._fill(sequences, tokens, positions, rows)
-        self._upload(rows)
-        if self.graphs and rows in self._graphs:
-            graph, logits = self._graphs[rows]
+        key = (self.bucket(count) or count, self.width(sequences))
+        if self.graphs and key not in self._graphs:
+            self._capture(key)  # on failure: eager from now on
+        tables = self._tables_of(key[1])
+        self._fill(tables, sequences, tokens, positions, key[0])
+        self._upload(tables, key[0])
+        if self.graphs and key in self._graphs:
+            graph, logits = self._graphs[key]
             graph.replay()
             logits = logits[:count]
         else:
-            logits = self._forward(rows)[:count]
+            logits = self._forward(key)[:count]
         for sequence, position in zip(sequences, positions, strict=True):
             for cache in sequence.caches:
                 cache.offset = position + 1
@@ -121,82 +145,90 @@ class BatchDecoder:
 
     # -- host buffers
 
+    def _tables_of(self, width: int) -> _Tables:
+        if width not in self._tables:
+            self._tables[width] = _Tables(self._groups, self.rows, width, self.device, self._pinned)
+        return self._tables[width]
+
     def _fill(
         self,
+        tables: _Tables,
         sequences: Sequence[PagedSequence],
         tokens: Sequence[int],
         positions: Sequence[int],
         rows: int,
     ) -> None:
-        """Write the rows that changed into the host buffers; pad rows `len(sequences)` to
-        `rows` (pointing at the trash blocks)."""
+        """Write what changed into the host buffers; pad rows `len(sequences)` to `rows`
+        (pointing at the trash blocks)."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have read the buffers
-        tables, meta = self._tables_np, self._meta_np
+        array, meta = tables.array, self._meta_np
         for row, (sequence, token, position) in enumerate(
             zip(sequences, tokens, positions, strict=True)
         ):
             meta[0, row] = token
             meta[1, row] = position
-            known = self._held[row] is sequence
-            written = self._written[row]
+            known = tables.held[row] is sequence
+            written = tables.written[row]
             for group, table in enumerate(sequence.tables):
                 start, end = (written[group] if known else 0), len(table)
-                if end > self.max_blocks:
-                    raise RuntimeError("a sequence outgrew the batch decoder's block tables")
-                if end > start:
-                    tables[group, row, start:end] = [b or 0 for b in table[start:end]]
+                if end > start:  # a freed (None) entry: any block, never read
+                    array[group, row, start:end] = [block or 0 for block in table[start:end]]
                 written[group] = end
-            self._held[row] = sequence
+            tables.held[row] = sequence
         for row in range(len(sequences), rows):
-            if self._held[row] is _PADDING:
+            meta[:, row] = 0
+            if tables.held[row] is _PADDING:
                 continue
             assert self._trash is not None, "padded rows need the pool's trash blocks"
-            meta[:, row] = 0
             for group, block in enumerate(self._trash):
-                tables[group, row, 0] = block
-            self._held[row] = _PADDING
+                array[group, row, 0] = block
+            tables.held[row] = _PADDING
 
-    def _upload(self, rows: int) -> None:
+    def _upload(self, tables: _Tables, rows: int) -> None:
         """The host buffers' first `rows` rows to the device: one copy per group and one of
         the tokens and positions (nothing on a CPU, where they are the same tensors)."""
         if self._copied is None:
             return
-        for group in range(self._tables.shape[0]):
-            self._tables[group, :rows].copy_(self._host_tables[group, :rows], non_blocking=True)
+        for group in range(self._groups):
+            tables.device[group, :rows].copy_(tables.host[group, :rows], non_blocking=True)
         self._meta.copy_(self._host_meta, non_blocking=True)
         self._copied.record()
 
     # -- the forward
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
         """Logits [rows, vocab] of the first `rows` rows as the buffers hold them."""
-        batch, layers = self._layers_of(rows)
+        batch, layers = self._layers_of(key)
         batch.prepare()
-        ids = self._meta[0, :rows].unsqueeze(0)
+        ids = self._meta[0, : key[0]].unsqueeze(0)
         return self.model(ids, layers, positions=batch.positions)[0]
 
-    def _layers_of(self, rows: int) -> tuple[BatchTables, list[PagedBatch]]:
-        if rows not in self._layers:
-            tables = [self._tables[group, :rows] for group in range(self._tables.shape[0])]
+    def _layers_of(self, key: tuple[int, int]) -> tuple[BatchTables, list[PagedBatch]]:
+        if key not in self._layers:
+            rows, width = key
+            device = self._tables_of(width).device
+            tables = [device[group, :rows] for group in range(self._groups)]
             batch = BatchTables(self._block_size, tables, self._meta[1, :rows])
             layers = [PagedBatch(batch, *place) for place in self._layout]
-            self._layers[rows] = (batch, layers)
-        return self._layers[rows]
+            self._layers[key] = (batch, layers)
+        return self._layers[key]
 
-    def _capture(self, bucket: int) -> None:
-        """Capture the step at `bucket` rows, all padded while capturing (the warm-up run and
-        the capture write only into the trash blocks); on failure decode eagerly from now."""
-        self._fill([], [], [], bucket)
-        self._upload(bucket)
+    def _capture(self, key: tuple[int, int]) -> None:
+        """Capture the step at `key`'s rows and width, every row padded while capturing (the
+        warm-up run and the capture write only into the trash blocks); on failure decode
+        eagerly from now on."""
+        tables = self._tables_of(key[1])
+        self._fill(tables, [], [], [], key[0])
+        self._upload(tables, key[0])
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         try:
             graph, logits = _warm_up_and_capture(
-                lambda: self._forward(bucket), lambda: None, self._graph_pool
+                lambda: self._forward(key), lambda: None, self._graph_pool
             )
         except RuntimeError:
             log.exception("batched decode graph capture failed; decoding eagerly")
             self.graphs = False
             return
-        self._graphs[bucket] = (graph, logits)
+        self._graphs[key] = (graph, logits)
