@@ -296,19 +296,15 @@ class Scheduler:
 
     def _sample_rows(self, running: list[Sequence], logits: torch.Tensor) -> list[int | None]:
         """Each row's next token, read back from the device at once (one host sync): plain
-        greedy rows by one argmax over all of them, every other row by its own sampler (its
+        greedy rows by one argmax over all the rows, every other row by its own sampler (its
         own generator: a seeded row draws as it would alone), on the device; None for a row
         that asks for log-probabilities (sampled by `_take_token`, which records them)."""
-        picks: list[torch.Tensor | None] = []
-        greedy: torch.Tensor | None = None
+        tokens = first_argmax(logits.float())
+        asked = []
         for row, sequence in enumerate(running):
             if sequence.reply.recorder is not None:
-                picks.append(None)
-            elif sequence.grammar is None and _plain_greedy(sequence.sampler):
-                if greedy is None:
-                    greedy = first_argmax(logits.float())
-                picks.append(greedy[row])
-            else:
+                asked.append(row)
+            elif sequence.grammar is not None or not _plain_greedy(sequence.sampler):
                 token, _ = sample_next(
                     sequence.sampler,
                     logits[row : row + 1],
@@ -316,10 +312,11 @@ class Scheduler:
                     False,
                     sequence.grammar,
                 )
-                picks.append(token.reshape(()))
-        made = [pick for pick in picks if pick is not None]
-        values = iter(torch.stack(made).tolist() if made else [])
-        return [None if pick is None else int(next(values)) for pick in picks]
+                tokens[row] = token.reshape(())
+        made: list[int | None] = list(tokens.tolist())
+        for row in asked:
+            made[row] = None
+        return made
 
     def _make_room(self) -> None:
         """A block for each running request's next token, preempting the most recently
