@@ -15,6 +15,8 @@ blocks) sums in another order than one sequence's SDPA, which moves fp32 logits 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,9 @@ def _request(length: int, seed: int, **fields: Any) -> GenerationRequest:
     return GenerationRequest(ids, **fields)
 
 
-def _run(engine: Any, requests: list[GenerationRequest], pool: KVPool) -> list[list[int]]:
+def _run(
+    engine: Any, requests: list[GenerationRequest], pool: KVPool, preempts: bool = True
+) -> list[list[int]]:
     """Every request's tokens (as the scheduler takes them), all submitted at once to a
     scheduler on `pool`."""
     scheduler = Scheduler(engine.runner, engine.tokenizer, len(requests), False, pool=pool)
@@ -87,7 +91,7 @@ def _run(engine: Any, requests: list[GenerationRequest], pool: KVPool) -> list[l
             break
         scheduler.step()
     assert all(done) and pool.used_blocks == 0
-    assert scheduler.preemptions > 0
+    assert (scheduler.preemptions > 0) == preempts
     return [made[id(request)] for request in requests]
 
 
@@ -135,3 +139,15 @@ def test_requests_decoded_together_by_the_paged_batch_step_give_each_ones_own_an
             compared += 1
         total += compared
     assert total >= 64  # of 96 tokens (77 here): the comparison stops early only at near ties
+
+
+def test_a_batch_decoder_lives_no_longer_than_its_pool(engine: Any) -> None:
+    """The runner keeps a batch decoder per pool, weakly: once the scheduler and its pool are
+    gone, so are the decoder's buffers (a benchmark sizes each level's pool from free memory)."""
+    pool = _pool(engine, 64)
+    _run(engine, [_request(6, 1), _request(9, 2)], pool, preempts=False)
+    assert len(engine.runner._batch) == 1
+    gone = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert gone() is None and len(engine.runner._batch) == 0

@@ -13,6 +13,7 @@ at most c / (that time) tokens a second.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -113,6 +114,10 @@ def measure_concurrency(
     run_level(runner, tokenizer, random_prompts(config.vocab_size, 2, 16, seed=1), 4)
     rows = []
     for streams in levels:
+        # The last level's pool (held in reference cycles) goes before this one is sized.
+        gc.collect()
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
         prompts = random_prompts(config.vocab_size, streams, prompt_tokens)
         seconds, first_tokens, rates, together = run_level(runner, tokenizer, prompts, new_tokens)
         step_seconds = (weights + streams * kv_per_stream) / bandwidth

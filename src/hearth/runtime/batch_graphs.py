@@ -24,7 +24,8 @@ with `pad`, a bucket's, as a graph would).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,13 +36,23 @@ from hearth.runtime.graphs import _warm_up_and_capture
 
 log = logging.getLogger("hearth.runtime.batch_graphs")
 
-_PADDING = object()  # what a padded row holds (compared by identity)
+
+def _padding() -> object:
+    """What a padded row holds (a weak reference's call: compared by identity)."""
+    return _padding
+
+
 NARROWEST_TABLE = 16  # blocks: the first table width
+
+
+def _nothing() -> None:
+    return None
 
 
 class _Tables:
     """One table width's block tables, on the host (pinned on a GPU) and the device, and what
-    each row holds: its sequence and the blocks of each group's table written so far."""
+    each row holds: its sequence (weakly: a decoder keeps no sequence, so no pool, alive) and
+    the blocks of each group's table written so far."""
 
     def __init__(
         self, groups: int, rows: int, width: int, device: torch.device, pinned: bool
@@ -50,7 +61,7 @@ class _Tables:
         self.host = torch.zeros((groups, rows, width), dtype=torch.int32, pin_memory=pinned)
         self.array = self.host.numpy()
         self.device = self.host.to(device) if pinned else self.host
-        self.held: list[object] = [None] * rows
+        self.held: list[Callable[[], object]] = [_nothing] * rows
         self.written = [[0] * groups for _ in range(rows)]
 
 
@@ -168,22 +179,22 @@ class BatchDecoder:
         ):
             meta[0, row] = token
             meta[1, row] = position
-            known = tables.held[row] is sequence
+            known = tables.held[row]() is sequence
             written = tables.written[row]
             for group, table in enumerate(sequence.tables):
                 start, end = (written[group] if known else 0), len(table)
                 if end > start:  # a freed (None) entry: any block, never read
                     array[group, row, start:end] = [block or 0 for block in table[start:end]]
                 written[group] = end
-            tables.held[row] = sequence
+            tables.held[row] = weakref.ref(sequence)
         for row in range(len(sequences), rows):
             meta[:, row] = 0
-            if tables.held[row] is _PADDING:
+            if tables.held[row] is _padding:
                 continue
             assert self._trash is not None, "padded rows need the pool's trash blocks"
             for group, block in enumerate(self._trash):
                 array[group, row, 0] = block
-            tables.held[row] = _PADDING
+            tables.held[row] = _padding
 
     def _upload(self, tables: _Tables, rows: int) -> None:
         """The host buffers' first `rows` rows to the device: one copy per group and one of
