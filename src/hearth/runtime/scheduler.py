@@ -3,9 +3,11 @@ K/V in one paged pool (`kv.paged`).
 
 A step either prefills one chunk of a request being admitted, or decodes one token of every
 running request at once: one forward over their tokens side by side, each with its own block
-tables (`runner.decode_batch`), so the weights are read once for all of them. The two kinds of
-step alternate while both have work, so a long prompt delays the running requests by a chunk at
-a time, not by its whole prefill.
+tables (`runner.decode_batch`; on a GPU replayed from a CUDA graph per batch size,
+`runtime.batch_graphs`), so the weights are read once for all of them, and every row's token
+is sampled on the device and read back at once (one host sync per step; a row asking for
+log-probabilities is sampled alone). The two kinds of step alternate while both have work, so a
+long prompt delays the running requests by a chunk at a time, not by its whole prefill.
 
 Requests are admitted in arrival order, at most `max_running` at once, while the pool's free
 blocks hold the prompt (blocks for decoding are taken a token at a time, as needed). When a
