@@ -14,11 +14,12 @@ Tolerances, on fp32 logits of std ~4. Dense K/V: 5e-5. The two steps run the sam
 projections on the same inputs and differ in attention's arithmetic only (the reference's
 einsum over every slot of a row's blocks, masked, against SDPA over the gathered keys): about
 1e-6 per layer, which later layers and steps carry on (measured at most 1.4e-5 over the 20
-steps). Quantized (8-bit affine) K/V: 5e-4, with both pools given the same stored codes before
-each step (else a value that lands within 1e-6 of a rounding boundary takes the neighbouring
-code in one pool only, and such flips pile up over the steps: measured up to 1e-2); within a
-step the new token's own K/V can still flip a code (a step of 1/255 of its group's range:
-measured 1.4e-4). A wrong block, position or window moves the logits by 1e-2 or more.
+steps). Quantized K/V (8-bit affine, TurboQuant k8v3): 5e-4, with both pools given the same
+stored codes before each step (else a value that lands within 1e-6 of a rounding boundary
+takes the neighbouring code in one pool only, and such flips pile up over the steps: measured
+up to 1e-2); within a step the new token's own K/V can still flip a code (8-bit: a step of
+1/255 of its group's range, measured 1.4e-4). A wrong block, position or window moves the
+logits by 1e-2 or more.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def _decode_both(
         ("gemma3", "8", False),
         ("gemma4", "off", False),
         ("gemma4", "8", True),
+        ("gemma4", "turbo:k8v3", False),
     ],
 )
 def test_paged_batch_step_equals_the_side_by_side_step(
