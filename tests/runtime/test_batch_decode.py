@@ -94,7 +94,8 @@ def _decode_both(
     allocate alike), so a step's inputs agree to the code."""
     specs = model.cache_specs()
     pools = [KVPool(specs, policy, torch.float32, [64] * 2, BLOCK) for _ in range(2)]
-    decoder = BatchDecoder(model, pools[0], _plan(True), rows=8, graphs=False, pad=pad)
+    # Padded as a GPU runs it: the inputs in host buffers, copied to the step's each time.
+    decoder = BatchDecoder(model, pools[0], _plan(True), 8, graphs=False, pad=pad, copies=pad)
     side_by_side = ModelRunner(model, _plan(False), policy)
     if pad:
         pools[1].trash_blocks()  # the same blocks taken in both pools

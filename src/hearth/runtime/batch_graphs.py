@@ -55,12 +55,13 @@ class _Tables:
     the blocks of each group's table written so far."""
 
     def __init__(
-        self, groups: int, rows: int, width: int, device: torch.device, pinned: bool
+        self, groups: int, rows: int, width: int, device: torch.device, copies: bool
     ) -> None:
         self.width = width
+        pinned = copies and device.type == "cuda"
         self.host = torch.zeros((groups, rows, width), dtype=torch.int32, pin_memory=pinned)
         self.array = self.host.numpy()
-        self.device = self.host.to(device) if pinned else self.host
+        self.device = self.host.to(device, copy=True) if copies else self.host
         self.held: list[Callable[[], object]] = [_nothing] * rows
         self.written = [[0] * groups for _ in range(rows)]
 
@@ -68,7 +69,8 @@ class _Tables:
 class BatchDecoder:
     """Batched decode steps of up to `rows` sequences of `pool` (see the module doc); from
     graphs with `graphs`, else eagerly, over exactly B rows or (`pad`, as a graph would) the
-    bucket's."""
+    bucket's. `copies`: the inputs in host buffers copied to the device's each step (None: on
+    a GPU; a CPU test may ask for it, else the host's are the device's)."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class BatchDecoder:
         rows: int,
         graphs: bool,
         pad: bool = False,
+        copies: bool | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
@@ -95,11 +98,13 @@ class BatchDecoder:
             width *= 2
         self.widths = [*widths, self.max_blocks]
         self._groups = len(pool.groups)
-        self._pinned = self.device.type == "cuda"
-        self._host_meta = torch.zeros((2, rows), dtype=torch.long, pin_memory=self._pinned)
+        on_gpu = self.device.type == "cuda"
+        self._copies = on_gpu if copies is None else copies
+        pinned = self._copies and on_gpu
+        self._host_meta = torch.zeros((2, rows), dtype=torch.long, pin_memory=pinned)
         self._meta_np = self._host_meta.numpy()
-        self._meta = self._host_meta.to(self.device) if self._pinned else self._host_meta
-        self._copied = torch.cuda.Event() if self._pinned else None
+        self._meta = self._host_meta.to(self.device, copy=True) if self._copies else self._host_meta
+        self._copied = torch.cuda.Event() if pinned else None
         self._tables: dict[int, _Tables] = {}
         self._trash = pool.trash_blocks() if self.pad else None
         # The pool is not kept (the runner keys its decoders on it weakly): only its blocks.
@@ -158,7 +163,7 @@ class BatchDecoder:
 
     def _tables_of(self, width: int) -> _Tables:
         if width not in self._tables:
-            self._tables[width] = _Tables(self._groups, self.rows, width, self.device, self._pinned)
+            self._tables[width] = _Tables(self._groups, self.rows, width, self.device, self._copies)
         return self._tables[width]
 
     def _fill(
@@ -198,13 +203,14 @@ class BatchDecoder:
 
     def _upload(self, tables: _Tables, rows: int) -> None:
         """The host buffers' first `rows` rows to the device: one copy per group and one of
-        the tokens and positions (nothing on a CPU, where they are the same tensors)."""
-        if self._copied is None:
+        the tokens and positions (nothing where they are the same tensors)."""
+        if not self._copies:
             return
         for group in range(self._groups):
             tables.device[group, :rows].copy_(tables.host[group, :rows], non_blocking=True)
         self._meta.copy_(self._host_meta, non_blocking=True)
-        self._copied.record()
+        if self._copied is not None:
+            self._copied.record()
 
     # -- the forward
 
