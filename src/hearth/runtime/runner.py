@@ -138,7 +138,7 @@ class ModelRunner:
 
     def _paged_sequences(self, caches: list[list[LayerCache]]) -> list[PagedSequence] | None:
         """The paged sequences of `caches` where the batched paged step applies, else None."""
-        if not self.plan.paged_batch_decode:
+        if not self.plan.paged_batch_decode or not caches:
             return None
         sequences = []
         for layers in caches:
