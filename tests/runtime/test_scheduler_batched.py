@@ -144,6 +144,7 @@ def test_requests_decoded_together_by_the_paged_batch_step_give_each_ones_own_an
 def test_a_batch_decoder_lives_no_longer_than_its_pool(engine: Any) -> None:
     """The runner keeps a batch decoder per pool, weakly: once the scheduler and its pool are
     gone, so are the decoder's buffers (a benchmark sizes each level's pool from free memory)."""
+    gc.collect()  # the pools of tests before (held in reference cycles) go first
     pool = _pool(engine, 64)
     _run(engine, [_request(6, 1), _request(9, 2)], pool, preempts=False)
     assert len(engine.runner._batch) == 1

@@ -4,11 +4,12 @@ At each level c, c requests with prompts of random token ids start together, eac
 exactly `new_tokens` tokens (greedy, no end-of-sequence stop), and the scheduler runs them as
 the server does: prompt chunks alternate with one decode step of every running request.
 Reported per level: the aggregate rate (all tokens made over the whole run, prefills
-included), the decode rate of all c streams together over the steps where all c decode
-(tokens over those steps' time: what llama-batched-bench reports as S_TG), each stream's own
-decode rate, time to first token (p50, p99), and the decode roofline at batch c: one step
-reads the weights once plus each stream's K/V, at the copy bandwidth, so c streams can make
-at most c / (that time) tokens a second.
+included, the one-off captures of CUDA graphs left out), the decode rate of all c streams
+together over the steps where all c decode (tokens over those steps' time: what
+llama-batched-bench reports as S_TG), each stream's own decode rate, time to first token (p50,
+p99; captures included), and the decode roofline at batch c: one step reads the weights once
+plus each stream's K/V, at the copy bandwidth, so c streams can make at most c / (that time)
+tokens a second.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def run_level(
     rate, and the decode rate of the steps where all of them decode together."""
     scheduler = Scheduler(runner, tokenizer, max_running=len(prompts))
     scheduler.decode_log = []
+    captured = runner.capture_seconds
     first_token: dict[int, float] = {}
     rates: list[float] = []
     started = time.perf_counter()
@@ -90,7 +92,7 @@ def run_level(
         scheduler.submit(request, deliver_to(index), lambda: False)
     while not scheduler.idle:
         scheduler.step()
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started - (runner.capture_seconds - captured)
     full = [(rows, spent) for rows, spent in scheduler.decode_log if rows == len(prompts)]
     together = sum(r for r, _ in full) / sum(t for _, t in full) if full else 0.0
     return seconds, list(first_token.values()), rates, together

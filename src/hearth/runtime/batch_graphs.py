@@ -24,6 +24,7 @@ with `pad`, a bucket's, as a graph would).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -119,6 +120,7 @@ class BatchDecoder:
         self._layers: dict[Key, tuple[BatchTables, list[PagedBatch]]] = {}
         self._graphs: dict[Key, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool: object = None
+        self.capture_seconds = 0.0  # spent capturing graphs (a benchmark leaves it out)
 
     def bucket(self, count: int) -> int | None:
         """The bucket a step of `count` rows runs at (padded), or None (exactly its rows)."""
@@ -235,6 +237,7 @@ class BatchDecoder:
         """Capture the step at `key`'s rows and width, every row padded while capturing (the
         warm-up run and the capture write only into the trash blocks); on failure decode
         eagerly from now on."""
+        started = time.perf_counter()
         tables = self._tables_of(key[1])
         self._fill(tables, [], [], [], key[0])
         self._upload(tables, key[0])
@@ -248,4 +251,6 @@ class BatchDecoder:
             log.exception("batched decode graph capture failed; decoding eagerly")
             self.graphs = False
             return
+        finally:
+            self.capture_seconds += time.perf_counter() - started
         self._graphs[key] = (graph, logits)

@@ -49,6 +49,7 @@ class ModelRunner:
         self._idle: GraphDecoder | None = None
         # Batched decoders by the pool they run on, kept while it lives (not keeping it).
         self._batch: weakref.WeakKeyDictionary[KVPool, BatchDecoder] = weakref.WeakKeyDictionary()
+        self.capture_seconds = 0.0  # spent capturing batched decode graphs, all decoders
 
     # Rows a batched decoder is made with at least (its graph buckets go that far).
     BATCH_ROWS = 64
@@ -121,7 +122,10 @@ class ModelRunner:
         sequences = self._paged_sequences(caches)
         if sequences is not None and (len(tokens) > 1 or self.decodes_with_graphs):
             decoder = self._batch_decoder(sequences[0].pool, len(tokens))
-            return decoder.step(sequences, tokens, positions)
+            captured = decoder.capture_seconds
+            logits = decoder.step(sequences, tokens, positions)
+            self.capture_seconds += decoder.capture_seconds - captured
+            return logits
         if len(tokens) == 1:
             return self.decode(tokens[0], caches[0], positions[0])
         if (

@@ -132,7 +132,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._prefilling: Sequence | None = None
         self._prefill_next = True  # which kind of step goes first when both have work
-        # Set to a list (a benchmark does), each decode step appends (rows, seconds) to it.
+        # Set to a list (a benchmark does), each decode step appends (rows, seconds) to it,
+        # the seconds without any spent capturing a CUDA graph (a one-off).
         self.decode_log: list[tuple[int, float]] | None = None
 
     @property
@@ -275,6 +276,7 @@ class Scheduler:
     @torch.inference_mode()
     def _decode_step(self) -> None:
         started = time.perf_counter()
+        captured = self.runner.capture_seconds
         self._make_room()
         running = list(self.running)
         tokens = [sequence.next_token for sequence in running]
@@ -288,7 +290,8 @@ class Scheduler:
             sequence.paged.after_forward(sequence.cache_ids())
         made = self._sample_rows(running, logits)
         if self.decode_log is not None:  # the step's tokens are on the host: it has ended
-            self.decode_log.append((len(running), time.perf_counter() - started))
+            capturing = self.runner.capture_seconds - captured
+            self.decode_log.append((len(running), time.perf_counter() - started - capturing))
         for row, sequence in enumerate(running):
             token = made[row]
             if token is None:  # log-probabilities asked: sampled with its distribution
