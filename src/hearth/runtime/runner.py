@@ -50,6 +50,8 @@ class ModelRunner:
         # Batched decoders by the pool they run on, kept while it lives (not keeping it).
         self._batch: weakref.WeakKeyDictionary[KVPool, BatchDecoder] = weakref.WeakKeyDictionary()
         self.capture_seconds = 0.0  # spent capturing batched decode graphs, all decoders
+        # `decodes_with_graphs` under the plan it was found for (it walks the modules).
+        self._graphs_under: tuple[ExecutionPlan, bool] | None = None
 
     # Rows a batched decoder is made with at least (its graph buckets go that far).
     BATCH_ROWS = 64
@@ -120,7 +122,7 @@ class ModelRunner:
         sequence too: its bucket of 1), eagerly elsewhere. The logits then may be a graph's
         output buffer, valid until the next step."""
         sequences = self._paged_sequences(caches)
-        if sequences is not None and (len(tokens) > 1 or self.decodes_with_graphs):
+        if sequences is not None and (len(tokens) > 1 or self._one_row_from_graphs()):
             decoder = self._batch_decoder(sequences[0].pool, len(tokens))
             captured = decoder.capture_seconds
             logits = decoder.step(sequences, tokens, positions)
@@ -139,6 +141,12 @@ class ModelRunner:
         ones = [1] * len(tokens)
         layers = [SequenceBatch(list(layer), ones) for layer in zip(*caches, strict=True)]
         return self.model(ids, layers, positions=at)[0]
+
+    def _one_row_from_graphs(self) -> bool:
+        """`decodes_with_graphs`, found once per plan: a lone sequence's step asks each time."""
+        if self._graphs_under is None or self._graphs_under[0] is not self.plan:
+            self._graphs_under = (self.plan, self.decodes_with_graphs)
+        return self._graphs_under[1]
 
     def _paged_sequences(self, caches: list[list[LayerCache]]) -> list[PagedSequence] | None:
         """The paged sequences of `caches` where the batched paged step applies, else None."""
