@@ -127,6 +127,10 @@ def _decode_both(
                 sequences[i].after_forward(all_ids[i][: positions[row] + 1])
                 out[i].append(made[row].clone())
     assert sorted(decoder._tables) == [8, 16]  # the table widths the steps ran at
+    for sequences in both:
+        for sequence in sequences:
+            sequence.free()
+    assert pools[0].used_blocks == pools[1].used_blocks == 0  # trash blocks not counted
     return logits[0], logits[1]
 
 

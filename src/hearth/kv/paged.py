@@ -339,7 +339,8 @@ class KVPool:
 
     @property
     def used_blocks(self) -> int:
-        return sum(pool.used_blocks for pool in self.pools)
+        """Blocks sequences hold or the prefix cache keeps (the trash blocks left out)."""
+        return sum(pool.used_blocks for pool in self.pools) - len(self._trash or ())
 
     @property
     def nbytes(self) -> int:
