@@ -8,8 +8,9 @@
 #   OUT=/tmp/out benchmarks/gpu_suite.sh checks    # GPU tests, bf16 parity against HF, server first tokens
 #   OUT=/tmp/out MODELS=gemma3-12b benchmarks/gpu_suite.sh revisions  # this tree against BASE
 #     (default .base/src: `git archive REV src | tar -x -C .base`, carried), bench alternating
-#   OUT=/tmp/out benchmarks/gpu_suite.sh concurrency  # aggregate decode at 1-64 streams (HF_PEER=1:
-#     and HF transformers' own continuous batching on 12B beside)
+#   OUT=/tmp/out benchmarks/gpu_suite.sh concurrency  # the batched step's GPU tests, batch-1
+#                                                  # beside, aggregate decode at 1-64 streams
+#                                                  # (HF_PEER=1: HF's continuous batching beside)
 #   OUT=/tmp/out benchmarks/gpu_suite.sh media        # image and audio prompts' first token vs HF
 #   OUT=/tmp/out benchmarks/gpu_suite.sh gguf         # GGUF block kernels' tests, then gguf-bench
 #   OUT=/tmp/out GGUF_TYPES="Q8_0 Q4_0" benchmarks/gpu_suite.sh gguf-bench  # random Gemma 3 12B
@@ -51,13 +52,15 @@ long)
   bench 200 bench-gemma3-12b-kv gemma3-12b --kv-quant off,4@full,turbo:k4v3@full --contexts 8192,32768,131000 --prefill 512 --steps 16
   ;;
 checks)
-  stage 150 gpu-tests python -m pytest -q -x tests/ops/test_launch.py tests/runtime/test_graph_decoder.py tests/engine/test_bench.py tests/ops/test_fused_kernels.py tests/ops/test_gemv.py tests/ops/test_decode_attention.py tests/models/test_gemma4_kernel_path.py tests/layers/test_attention_kernel_path.py tests/models/test_gemma4_vision.py
+  stage 150 gpu-tests python -m pytest -q -x tests/ops/test_launch.py tests/runtime/test_graph_decoder.py tests/runtime/test_batch_graphs_gpu.py tests/engine/test_bench.py tests/ops/test_fused_kernels.py tests/ops/test_gemv.py tests/ops/test_decode_attention.py tests/models/test_gemma4_kernel_path.py tests/layers/test_attention_kernel_path.py tests/models/test_gemma4_vision.py
   stage 90 parity python benchmarks/gpu_parity.py --out "$OUT/gpu_parity.md"
   stage 60 parity-96 python benchmarks/gpu_parity.py --prompt 96 --out "$OUT/gpu_parity_prompt96.md"
   stage 130 ttft python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b
   stage 150 ttft-hits python benchmarks/gpu_fresh_prompt_ttft.py --models e4b,gemma3-12b --lengths 128 --hits 1024+64,1920+128,3968+128
   ;;
 concurrency)
+  stage 150 batch-tests python -m pytest -q -x tests/runtime/test_batch_graphs_gpu.py tests/runtime/test_batch_decode.py tests/runtime/test_scheduler_batched.py
+  bench 90 conc-baseline-gemma3-12b gemma3-12b --contexts 512 --prefill 512
   bench 150 conc-gemma3-12b gemma3-12b --concurrency 1,4,16,64
   bench 150 conc-gemma3-12b-4bit gemma3-12b --quant 4bit --concurrency 1,4,16,64
   bench 120 conc-e4b e4b --concurrency 1,4,16,64

@@ -310,8 +310,8 @@ def _add_serve_parser(commands: Any) -> None:
         "--max-concurrent",
         type=positive_int,
         metavar="N",
-        help="requests decoded together at most (default: 8 on a CPU; 1 on a GPU, where "
-        "decode runs from CUDA graphs one request at a time)",
+        help="requests decoded together at most (default: 8 on a CPU, 16 on a GPU; 1 "
+        "decodes one request at a time, on a GPU from its own CUDA graphs)",
     )
     serve.add_argument(
         "--memory-budget",

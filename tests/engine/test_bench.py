@@ -174,10 +174,11 @@ CONCURRENCY_COLUMNS = (
     "streams",
     "aggregate tok/s",
     "x 1 stream",
+    "decode tok/s, all streams",
     "per-stream decode tok/s",
     "first token p50 / p99 ms",
     "roofline tok/s",
-    "of roofline",
+    "decode of roofline",
 )
 
 
@@ -204,6 +205,7 @@ def test_bench_concurrency_reports_each_level_against_its_roofline(
         assert _number(row["roofline tok/s"]) == pytest.approx(roofline, abs=0.5)  # integer
         aggregate = _number(row["aggregate tok/s"])
         assert aggregate > 0 and _number(row["per-stream decode tok/s"]) > 0
+        assert _number(row["decode tok/s, all streams"]) > 0  # some steps decoded all streams
         p50, p99 = (_number(cell) for cell in row["first token p50 / p99 ms"].split(" / "))
         assert 0 <= p50 <= p99
     assert rows[0]["x 1 stream"] == "1.00x"

@@ -54,6 +54,15 @@ class CacheContents(NamedTuple):
     positions: torch.Tensor
 
 
+class PagedTables(NamedTuple):
+    """Where B sequences' keys live in a paged pool (`kv.paged`), for a batched decode step:
+    `tables` [B, max_blocks] int32 (row b's logical block i → pool block), `positions` [B]
+    int64 (each row's query position), both on the device."""
+
+    tables: torch.Tensor
+    positions: torch.Tensor
+
+
 class KVView(NamedTuple):
     """Keys and values to attend over.
 
@@ -63,7 +72,9 @@ class KVView(NamedTuple):
     0..length-1 in order, or, for a single query, that every real key is visible. `stored`:
     when set (a GPU decode step), keys and values are None and attention reads the planes.
     `mask`: when set (several sequences' keys side by side), which keys each query may see,
-    boolean [queries, length]; it replaces the mask made from positions.
+    boolean [queries, length]; it replaces the mask made from positions. `paged`: when set
+    (a batched decode step over a paged pool, `stored` then holds the pool's planes), one
+    query per sequence, each reading its own blocks through its table row.
     """
 
     keys: torch.Tensor | None
@@ -72,6 +83,7 @@ class KVView(NamedTuple):
     positions: torch.Tensor | None
     stored: StoredKV | None = None
     mask: torch.Tensor | None = None
+    paged: PagedTables | None = None
 
     def real(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.keys is not None and self.values is not None, "an encoded view"

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.kv.cache import CacheSpec, DecodeSlot, KVView
+from hearth.kv.cache import CacheSpec, DecodeSlot, KVView, PagedTables, StoredKV
 from hearth.kv.footprint import token_bytes
 from hearth.kv.policy import KVPolicy
 from hearth.quant.kv_codecs import KVCodec
@@ -125,6 +125,8 @@ class BlockPool:
         ]
         self.refcounts = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # never-hashed free blocks, a stack
+        # Blocks zeroed on their first allocation (see `allocate`).
+        self._zeroed = bytearray(num_blocks)
         self._hash_of: dict[int, Hash] = {}
         self._block_of: dict[Hash, int] = {}
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # hashed, refcount 0: LRU
@@ -157,6 +159,12 @@ class BlockPool:
         else:
             raise MemoryError("the block pool is exhausted")
         self.refcounts[block] = 1
+        if not self._zeroed[block]:
+            # A batched decode step reads whole blocks, masked by position: the slots past a
+            # sequence's last token must hold numbers (a reference that weighs them by 0 must
+            # not meet NaN in never-written memory). Once per block, on its first use.
+            self._zeroed[block] = 1
+            torch._foreach_zero_([_indexable(p)[block] for layer in self.planes for p in layer])
         return block
 
     def share(self, block_hash: Hash) -> int | None:
@@ -245,6 +253,14 @@ class KVPool:
             for layer, member in enumerate(group.members):
                 self.place[member] = (g, layer)
         self.hit_tokens = 0  # tokens served from cached blocks (counted by the scheduler)
+        self._trash: list[int] | None = None
+
+    def trash_blocks(self) -> list[int]:
+        """One block per group that no sequence ever holds, taken on the first call: where
+        the padded rows of a batched decode step write (and read) their K/V."""
+        if self._trash is None:
+            self._trash = [pool.allocate() for pool in self.pools]
+        return self._trash
 
     @classmethod
     def for_budget(
@@ -323,7 +339,8 @@ class KVPool:
 
     @property
     def used_blocks(self) -> int:
-        return sum(pool.used_blocks for pool in self.pools)
+        """Blocks sequences hold or the prefix cache keeps (the trash blocks left out)."""
+        return sum(pool.used_blocks for pool in self.pools) - len(self._trash or ())
 
     @property
     def nbytes(self) -> int:
@@ -680,3 +697,63 @@ def _ring_runs(first: int, end: int, window: int) -> list[tuple[int, int]]:
 def _indexable(plane: torch.Tensor) -> torch.Tensor:
     """Indexed writes have no uint32 kernel: move packed words as int32 (same bits)."""
     return plane.view(torch.int32) if plane.dtype == torch.uint32 else plane
+
+
+class BatchTables:
+    """The device inputs of one batched decode step of B rows over a pool of `block_size`
+    blocks (`PagedBatch` layers read them): per group a block table [B, max_blocks] int32,
+    each row's query position [B] int64. Static tensors: a CUDA graph captured over them
+    replays with what the host copied in. `prepare` (at the start of each forward, inside a
+    captured one) derives each row's write target (block, slot) from them on the device."""
+
+    def __init__(
+        self, block_size: int, tables: Sequence[torch.Tensor], positions: torch.Tensor
+    ) -> None:
+        self.block_size = block_size
+        self.tables = list(tables)
+        self.positions = positions
+        self.targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def prepare(self) -> None:
+        logical = (self.positions // self.block_size).unsqueeze(1)
+        slots = self.positions % self.block_size
+        self.targets = [
+            (table.gather(1, logical).squeeze(1).long(), slots) for table in self.tables
+        ]
+
+
+class PagedBatch:
+    """One layer's K/V for a batched decode step of B sequences over a paged pool, one token
+    each (the forward's B tokens side by side): `update_and_fetch` encodes the B new tokens
+    and stores them with one indexed write per plane (no host reads: graph-capturable), and
+    returns a view of the pool's planes with the tables and positions, which attention
+    reads through `ops.paged_attention`. `group`: the layer's group in `batch`, whose blocks
+    `pool` holds; `layer`: its index within the group."""
+
+    def __init__(
+        self, batch: BatchTables, group: int, pool: BlockPool, layer: int, window: int | None
+    ) -> None:
+        self.batch = batch
+        self.group = group
+        self.layer = layer
+        self.window = window
+        self._pool = pool
+        self.codec = pool.group.codec
+
+    def decode_write(self, positions: torch.Tensor) -> None:
+        """No fused kernel writes the pool: K/V come to `update_and_fetch`."""
+        return None
+
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
+        """Store keys/values [1, kv_heads, B, head_dim] (row b's at its position) and return
+        the view attention reads."""
+        blocks, slots = self.batch.targets[self.group]
+        self._pool.write(self.layer, blocks, slots, self.codec.encode(keys, values))
+        return self.view()
+
+    def view(self) -> KVView:
+        planes = tuple(self._pool.planes[self.layer])
+        tables = PagedTables(self.batch.tables[self.group], self.batch.positions)
+        return KVView(None, None, 0, None, StoredKV(planes, self.codec), paged=tables)

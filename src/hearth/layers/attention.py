@@ -18,6 +18,7 @@ from hearth.ops import kernel_enabled, native
 from hearth.ops.decode_attention import decode_attention as decode_attention_kernel
 from hearth.ops.decode_attention import formats_of
 from hearth.ops.norm import Partials
+from hearth.ops.paged_attention import paged_decode_attention
 from hearth.ops.prefill_attention import prefill_attention
 from hearth.ops.rope import CacheWrite, ValueMode, norm_rope
 from hearth.quant.kv_codecs import DENSE
@@ -91,8 +92,11 @@ def attend(
     One query on the GPU: the Triton decode kernel, which reads the cache's planes as stored
     (dense, affine or TurboQuant) and masks by position on the device; several: the Triton
     prefill (flash) kernel over the view's exact K/V. With `blocks` (a prompt's images seen
-    whole): SDPA under the explicit mask.
+    whole): SDPA under the explicit mask. A paged view (a batched decode step: one query per
+    sequence, the B queries side by side): attention over each row's blocks of the pool.
     """
+    if view.paged is not None:
+        return _paged_attention(q, view, window, scale)
     if blocks:
         key_positions = view.positions
         if key_positions is None:
@@ -146,6 +150,27 @@ def _plainly_causal(q: torch.Tensor, view: KVView, window: int | None) -> bool:
         and (window is None or length <= window)
         and q.shape[-1] <= 256
     )
+
+
+def _paged_attention(
+    q: torch.Tensor, view: KVView, window: int | None, scale: float
+) -> torch.Tensor:
+    """q [1, heads, B, dim] (sequence b's query the b-th token) -> [1, heads, B, dim]."""
+    assert view.paged is not None and view.stored is not None
+    planes, codec = view.stored
+    key_format, value_format, key_planes = formats_of(codec)
+    out = paged_decode_attention(
+        q[0].transpose(0, 1).contiguous(),
+        planes[:key_planes],
+        planes[key_planes:],
+        key_format,
+        value_format,
+        view.paged.tables,
+        view.paged.positions,
+        window,
+        scale,
+    )
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def _kernel_decode_attention(

@@ -20,6 +20,10 @@ from hearth.ops import HAS_TRITON
 from hearth.ops import native as native_kernels
 from hearth.ops.native import bf16_gemm, huge_pages
 
+# Batch sizes with a batched-decode graph each (`runtime.batch_graphs`): a step of B rows
+# replays the smallest bucket holding B, its spare rows padding.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
 # Padded prompt lengths with a prefill graph each; half steps past 512 keep the padding
 # under a third of the prompt where it costs GPU time.
 PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -54,6 +58,12 @@ class ExecutionPlan:
     # many times its slots: a growing conversation then captures anew a logarithmic number of
     # times, not every turn.
     decoder_growth: int = 2
+    # A decode step of several sequences on a paged pool (the scheduler's) as one forward
+    # reading each sequence's blocks through its block table (`runtime.batch_graphs`),
+    # replayed from a CUDA graph per batch-size bucket where `cuda_graphs`; off: their K/V
+    # gathered side by side under a block-diagonal mask (`SequenceBatch`), or the native step.
+    paged_batch_decode: bool = False
+    batch_buckets: tuple[int, ...] = BATCH_BUCKETS
     # Prompt tokens per forward: large chunks keep a GPU's matrix units busy; on a CPU they
     # would spill the caches for no gain.
     prefill_chunk: int = 512
@@ -71,6 +81,7 @@ class ExecutionPlan:
                 cuda_graphs=graphs,
                 prefill_graphs=graphs,
                 continuation_graphs=graphs,
+                paged_batch_decode=True,
                 prefill_chunk=4096,
             )
         native = native_kernels.kernels() is not None

@@ -9,15 +9,19 @@ do not see each other.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from hearth.kv import KVPolicy, LayerCache
+from hearth.kv.paged import KVPool, PagedLayerCache, PagedSequence
 from hearth.layers.attention import SequenceBatch
 from hearth.layers.experts import Experts
 from hearth.models import Model
 from hearth.models.decoder import SoftTokens, chunk_end
 from hearth.ops import HAS_TRITON
 from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.batch_graphs import BatchDecoder
 from hearth.runtime.graphs import GraphDecoder, grown_slots
 
 __all__ = ["ModelRunner", "chunk_end"]
@@ -43,6 +47,14 @@ class ModelRunner:
         # server's memory budget leaves for K/V); None: the model's positions.
         self.slot_limit: int | None = None
         self._idle: GraphDecoder | None = None
+        # Batched decoders by the pool they run on, kept while it lives (not keeping it).
+        self._batch: weakref.WeakKeyDictionary[KVPool, BatchDecoder] = weakref.WeakKeyDictionary()
+        self.capture_seconds = 0.0  # spent capturing batched decode graphs, all decoders
+        # `decodes_with_graphs` under the plan it was found for (it walks the modules).
+        self._graphs_under: tuple[ExecutionPlan, bool] | None = None
+
+    # Rows a batched decoder is made with at least (its graph buckets go that far).
+    BATCH_ROWS = 64
 
     @property
     def device(self) -> torch.device:
@@ -103,7 +115,19 @@ class ModelRunner:
         """Logits [B, V] after one token of each of B sequences, each with its own caches and
         position: one forward over the B tokens side by side (the weights read once for all);
         a single sequence takes `decode`, and a model the native layers take for several rows
-        (fp32 over GGUF blocks) runs them natively."""
+        (fp32 over GGUF blocks) runs them natively.
+
+        Caches of a paged pool with the plan's `paged_batch_decode`: one forward over block
+        tables (`BatchDecoder`), from a CUDA graph per batch bucket where graphs run (a lone
+        sequence too: its bucket of 1), eagerly elsewhere. The logits then may be a graph's
+        output buffer, valid until the next step."""
+        sequences = self._paged_sequences(caches)
+        if sequences is not None and (len(tokens) > 1 or self._one_row_from_graphs()):
+            decoder = self._batch_decoder(sequences[0].pool, len(tokens))
+            captured = decoder.capture_seconds
+            logits = decoder.step(sequences, tokens, positions)
+            self.capture_seconds += decoder.capture_seconds - captured
+            return logits
         if len(tokens) == 1:
             return self.decode(tokens[0], caches[0], positions[0])
         if (
@@ -117,6 +141,39 @@ class ModelRunner:
         ones = [1] * len(tokens)
         layers = [SequenceBatch(list(layer), ones) for layer in zip(*caches, strict=True)]
         return self.model(ids, layers, positions=at)[0]
+
+    def _one_row_from_graphs(self) -> bool:
+        """`decodes_with_graphs`, found once per plan: a lone sequence's step asks each time."""
+        if self._graphs_under is None or self._graphs_under[0] is not self.plan:
+            self._graphs_under = (self.plan, self.decodes_with_graphs)
+        return self._graphs_under[1]
+
+    def _paged_sequences(self, caches: list[list[LayerCache]]) -> list[PagedSequence] | None:
+        """The paged sequences of `caches` where the batched paged step applies, else None."""
+        if not self.plan.paged_batch_decode or not caches:
+            return None
+        sequences = []
+        for layers in caches:
+            first = layers[0] if layers else None
+            if not isinstance(first, PagedLayerCache):
+                return None
+            sequences.append(first.sequence)
+        pool = sequences[0].pool
+        return sequences if all(s.pool is pool for s in sequences) else None
+
+    def _batch_decoder(self, pool: KVPool, count: int) -> BatchDecoder:
+        """The batched decoder of `pool` with room for `count` rows (a new one, its graphs
+        captured anew, where the rows do not fit)."""
+        decoder = self._batch.pop(pool, None)
+        if decoder is None or decoder.rows < count:
+            rows = max(count, self.BATCH_ROWS, decoder.rows if decoder is not None else 0)
+            graphs = self.decodes_with_graphs
+            if graphs:
+                rows = next((b for b in self.plan.batch_buckets if b >= rows), rows)
+            del decoder  # its graphs and buffers go before the new ones are made
+            decoder = BatchDecoder(self.model, pool, self.plan, rows, graphs)
+        self._batch[pool] = decoder
+        return decoder
 
     def acquire_decoder(self, max_context: int) -> GraphDecoder:
         """A graph decoder for one request: the idle one if it is large enough (reset to empty,

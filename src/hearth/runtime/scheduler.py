@@ -3,9 +3,11 @@ K/V in one paged pool (`kv.paged`).
 
 A step either prefills one chunk of a request being admitted, or decodes one token of every
 running request at once: one forward over their tokens side by side, each with its own block
-tables (`runner.decode_batch`), so the weights are read once for all of them. The two kinds of
-step alternate while both have work, so a long prompt delays the running requests by a chunk at
-a time, not by its whole prefill.
+tables (`runner.decode_batch`; on a GPU replayed from a CUDA graph per batch size,
+`runtime.batch_graphs`), so the weights are read once for all of them, and every row's token
+is sampled on the device and read back at once (one host sync per step; a row asking for
+log-probabilities is sampled alone). The two kinds of step alternate while both have work, so a
+long prompt delays the running requests by a chunk at a time, not by its whole prefill.
 
 Requests are admitted in arrival order, at most `max_running` at once, while the pool's free
 blocks hold the prompt (blocks for decoding are taken a token at a time, as needed). When a
@@ -49,7 +51,7 @@ from hearth.runtime.generate import (
     soft_tokens,
 )
 from hearth.runtime.runner import ModelRunner, chunk_end
-from hearth.runtime.sampling import Sampler
+from hearth.runtime.sampling import Sampler, first_argmax
 from hearth.tokenizer import Tokenizer
 
 log = logging.getLogger("hearth.scheduler")
@@ -130,6 +132,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._prefilling: Sequence | None = None
         self._prefill_next = True  # which kind of step goes first when both have work
+        # Set to a list (a benchmark does), each decode step appends (rows, seconds) to it,
+        # the seconds without any spent capturing a CUDA graph (a one-off).
+        self.decode_log: list[tuple[int, float]] | None = None
 
     @property
     def idle(self) -> bool:
@@ -270,6 +275,8 @@ class Scheduler:
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
+        started = time.perf_counter()
+        captured = self.runner.capture_seconds
         self._make_room()
         running = list(self.running)
         tokens = [sequence.next_token for sequence in running]
@@ -277,11 +284,44 @@ class Scheduler:
         positions = [sequence.computed for sequence in running]
         caches = [sequence.paged.caches for sequence in running if sequence.paged is not None]
         logits = self.runner.decode_batch(tokens, caches, positions)  # type: ignore[arg-type]
-        for row, sequence in enumerate(running):
+        for sequence in running:
             sequence.computed += 1
             assert sequence.paged is not None
             sequence.paged.after_forward(sequence.cache_ids())
-            self._take_token(sequence, logits[row : row + 1])
+        made = self._sample_rows(running, logits)
+        if self.decode_log is not None:  # the step's tokens are on the host: it has ended
+            capturing = self.runner.capture_seconds - captured
+            self.decode_log.append((len(running), time.perf_counter() - started - capturing))
+        for row, sequence in enumerate(running):
+            token = made[row]
+            if token is None:  # log-probabilities asked: sampled with its distribution
+                self._take_token(sequence, logits[row : row + 1])
+            else:
+                self._accept_token(sequence, token, None)
+
+    def _sample_rows(self, running: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+        """Each row's next token, read back from the device at once (one host sync): plain
+        greedy rows by one argmax over all the rows, every other row by its own sampler (its
+        own generator: a seeded row draws as it would alone), on the device; None for a row
+        that asks for log-probabilities (sampled by `_take_token`, which records them)."""
+        tokens = first_argmax(logits.float())
+        asked = []
+        for row, sequence in enumerate(running):
+            if sequence.reply.recorder is not None:
+                asked.append(row)
+            elif sequence.grammar is not None or not _plain_greedy(sequence.sampler):
+                token, _ = sample_next(
+                    sequence.sampler,
+                    logits[row : row + 1],
+                    sequence.history,
+                    False,
+                    sequence.grammar,
+                )
+                tokens[row] = token.reshape(())
+        made: list[int | None] = list(tokens.tolist())
+        for row in asked:
+            made[row] = None
+        return made
 
     def _make_room(self) -> None:
         """A block for each running request's next token, preempting the most recently
@@ -323,7 +363,14 @@ class Scheduler:
         sampled, distribution = sample_next(
             sequence.sampler, logits, sequence.history, recorder is not None, sequence.grammar
         )
-        token = int(sampled)
+        self._accept_token(sequence, int(sampled), distribution)
+
+    def _accept_token(
+        self, sequence: Sequence, token: int, distribution: torch.Tensor | None
+    ) -> None:
+        """Take `token` as `sequence`'s next (`distribution`: its log-probabilities row, where
+        asked) and hand its text on."""
+        recorder = sequence.reply.recorder
         if recorder is not None and distribution is not None:
             recorder.record(distribution.reshape(-1), token)
         now = time.perf_counter()
@@ -371,6 +418,18 @@ class Scheduler:
         if sequence.paged is not None:
             sequence.paged.free()
             sequence.paged = None
+
+
+def _plain_greedy(sampler: Sampler) -> bool:
+    """Whether `sampler` picks the argmax of the logits as they are (no bias, no penalty)."""
+    params = sampler.params
+    return (
+        params.temperature == 0
+        and not params.logit_bias
+        and params.repetition_penalty == 1
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+    )
 
 
 def make_pool(runner: ModelRunner, max_running: int, kv_bytes: int | None = None) -> KVPool:
