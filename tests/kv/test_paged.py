@@ -150,3 +150,20 @@ def test_a_budget_sizes_sliding_groups_by_window_and_full_groups_by_the_rest(
     assert pool.nbytes <= 100 * block and pool.longest_context(8) == 80 * BLOCK
     tight = KVPool.for_budget(specs, policy, torch.float32, 12 * block, 4, 8, BLOCK)
     assert [p.num_blocks for p in tight.pools] == [6, 6]  # half each, one window at least
+
+
+def test_a_window_longer_than_the_context_takes_no_more_than_the_context(
+    models: dict[str, Any],
+) -> None:
+    """A prefill chunk longer than the model's positions (a GPU plan's 4k chunk on a model of
+    32 positions): one sequence of the window group never holds more than ceil(32 / 4) = 8
+    blocks, so the minimum of one window is 8 blocks, not ceil((8 + 4096) / 4) + 1, and the
+    full group keeps the rest of the budget (it got none: found on the H100)."""
+    model = models["gemma3"]
+    specs, policy = model.cache_specs(), KVPolicy()
+    block = 2 * 1024 * BLOCK
+    pool = KVPool.for_budget(
+        specs, policy, torch.float32, 40 * block, 4, 4096, BLOCK, max_context=32
+    )
+    assert [p.num_blocks for p in pool.pools] == [20, 20]  # half of 40, 4 x 8 wanted
+    assert pool.fits(32, 4096)

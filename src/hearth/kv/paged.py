@@ -273,11 +273,14 @@ class KVPool:
         chunk: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
         device: torch.device | str = "cpu",
+        max_context: int | None = None,
     ) -> KVPool:
         """A pool of at most `budget_bytes`: sliding groups get what `max_sequences`
         sequences' windows (plus a prefill chunk) need, at most half the budget when there
         are full groups; full groups, which hold every token, share the rest equally in
-        blocks (each group's count is the same: they hold the same token ranges)."""
+        blocks (each group's count is the same: they hold the same token ranges).
+        `max_context`: the longest sequence (a model's positions), which bounds a window's
+        blocks when the window and a chunk are longer."""
         groups = cache_groups(specs, policy)
         block_bytes = [g.token_bytes(dtype) * block_size for g in groups]
         sliding = [i for i, g in enumerate(groups) if g.window is not None]
@@ -288,9 +291,11 @@ class KVPool:
             share = budget_bytes // 2 if full else budget_bytes
             per_sliding = sum(block_bytes[i] for i in sliding)
             widest = max(groups[i].window or 0 for i in sliding)
-            wanted = max_sequences * window_blocks(widest, chunk, block_size)
-            # At least one sequence's window where the budget holds it: else nothing would run.
             one = window_blocks(widest, chunk, block_size)
+            if max_context is not None:
+                one = min(one, -(-max_context // block_size))
+            wanted = max_sequences * one
+            # At least one sequence's window where the budget holds it: else nothing would run.
             count = min(wanted, max(share // per_sliding, min(one, budget_bytes // per_sliding)))
             for i in sliding:
                 counts[i] = count

@@ -438,11 +438,12 @@ def make_pool(runner: ModelRunner, max_running: int, kv_bytes: int | None = None
     model = runner.model
     specs, policy, dtype = model.cache_specs(), runner.kv_policy, model.compute_dtype
     chunk = runner.plan.prefill_chunk
+    context = model.config.max_position_embeddings
     if kv_bytes is None:
-        context = model.config.max_position_embeddings
         kv_bytes = default_pool_bytes(
             specs, policy, dtype, max_running, context, chunk, runner.device
         )
     return KVPool.for_budget(
-        specs, policy, dtype, kv_bytes, max_running, chunk, device=runner.device
-    )
+        specs, policy, dtype, kv_bytes, max_running, chunk, device=runner.device,
+        max_context=context,
+    )  # fmt: skip
