@@ -113,13 +113,16 @@ def measure_concurrency(
     # A stream's K/V read per step, at its mean context over the decode.
     kv_per_stream = kv_bytes(config, prompt_tokens + new_tokens // 2, element, runner.kv_policy)
     # Warm-up: first-call costs (native kernels, allocator, compiles) stay out of the table.
-    run_level(runner, tokenizer, random_prompts(config.vocab_size, 2, 16, seed=1), 4)
+    run_level(runner, tokenizer, random_prompts(config.vocab_size, 2, prompt_tokens, seed=1), 4)
     rows = []
     for streams in levels:
         # The last level's pool (held in reference cycles) goes before this one is sized.
         gc.collect()
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
+        # Warm-up at this level's rows: kernels compiled (and autotuned) for its batch shapes
+        # stay out of the table.
+        run_level(runner, tokenizer, random_prompts(config.vocab_size, streams, 16, seed=1), 4)
         prompts = random_prompts(config.vocab_size, streams, prompt_tokens)
         seconds, first_tokens, rates, together = run_level(runner, tokenizer, prompts, new_tokens)
         step_seconds = (weights + streams * kv_per_stream) / bandwidth
