@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from hearth.kv.cache import DecodeSlot, LayerCache
+from hearth.kv.paged import PagedLayerCache
 from hearth.layers.gguf import GGUFLinear
 from hearth.layers.int8 import Int8Linear
 from hearth.models import Gemma4Model, Model
@@ -146,15 +147,14 @@ class NativeDecodeStep:
             for kind, (cos, sin) in model.rope_tables(at, x.dtype).items()
         }
         normed = model.layers[0].input_layernorm(x).contiguous()
+        # Each block table as the kernel reads it, made once a step (the layers of a cache
+        # group share their sequence's table).
+        tables: dict[int, Tensor] = {}
         for index, (layer, built) in enumerate(zip(model.layers, layers, strict=True)):
-            planes = []
-            for own in caches:
-                slot = own[index].decode_slot(built.sample)
-                assert slot is not None  # `_layers` checked the cache takes decode slots
-                planes.append((slot.keys, slot.values, slot.slot, slot.length))
+            rows = [_row_kv(own[index], built.sample, tables) for own in caches]
             cos, sin = ropes[layer.layer_type]
             assert isinstance(built.operands, native.BlocksLayerOperands)
-            kernels.gemma3_blocks_layer(built.operands, x, normed, cos, sin, planes)
+            kernels.gemma3_blocks_layer(built.operands, x, normed, cos, sin, rows)
         return model.logits(normed)
 
     def __call__(
@@ -408,6 +408,24 @@ def _tensor_addresses(sources: Sequence[nn.Module]) -> list[int]:
         for tensor in table.values()
         if tensor is not None
     ]
+
+
+def _row_kv(
+    cache: LayerCache | PagedLayerCache, sample: Tensor, tables: dict[int, Tensor]
+) -> native.ContiguousKV | native.PagedKV:
+    """Where one sequence's token goes and what it reads in one layer: a paged cache's own
+    blocks (no copy), else a cache's decode slot."""
+    if isinstance(cache, PagedLayerCache):
+        slot = cache.decode_blocks()
+        assert slot is not None  # `_layers` checked the cache takes decode slots
+        table = tables.get(id(slot.table))
+        if table is None:
+            ids = [-1 if block is None else block for block in slot.table]
+            table = tables[id(slot.table)] = torch.tensor(ids, dtype=torch.int64)
+        return native.PagedKV(slot.keys, slot.values, table, slot.position, slot.runs)
+    decode = cache.decode_slot(sample)
+    assert decode is not None  # `_layers` checked the cache takes decode slots
+    return native.ContiguousKV(decode.keys, decode.values, decode.slot, decode.length)
 
 
 def _takes_decode_slots(cache: LayerCache) -> bool:

@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -89,8 +90,7 @@ _SIGNATURES = {
     ],
     "hearth_geglu_f32": [_POINTER, _INT64, _INT64, _POINTER],
     "hearth_gemma3_blocks_layer": [
-        _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-        _POINTER, _POINTER, _INT,
+        _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
     ],
     "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
     "hearth_blocks_to_f32": [_INT, _POINTER, _INT64, _POINTER, _INT],
@@ -238,6 +238,82 @@ def attention_layout(keys: Tensor, values: Tensor) -> bool:
         and slot_stride == keys.shape[3]
         and batch_stride == keys.shape[1] * head_stride
     )
+
+
+class ContiguousKV(NamedTuple):
+    """A sequence's fp32 K/V as one buffer each, [1, Hk, slots, D]: the new token goes into
+    slot `slot`, and attention reads slots 0..length-1."""
+
+    keys: Tensor
+    values: Tensor
+    slot: int
+    length: int
+
+
+class PagedKV(NamedTuple):
+    """A sequence's fp32 K/V in a paged pool's planes [num_blocks, Hk, block_size, D]:
+    logical block i of the sequence is block table[i] (int64 [n]; -1 where not held). The new
+    token goes into position `position`'s block, and attention reads the positions of `runs`
+    ([start, end) each, one or two) in that order."""
+
+    keys: Tensor
+    values: Tensor
+    table: Tensor
+    position: int
+    runs: tuple[tuple[int, int], ...]
+
+
+def _cache_fields(cache: ContiguousKV | PagedKV, kv_heads: int, dim: int) -> list[int]:
+    """The sequence's row of ``hearth_gemma3_blocks_layer``'s `caches` (CACHE_FIELDS in the
+    source), after checking that every element it reaches lies in its tensors."""
+    keys, values = cache.keys, cache.values
+    _require(
+        keys.dtype == values.dtype == torch.float32
+        and keys.shape == values.shape
+        and keys.device.type == values.device.type == "cpu"
+        and keys.dim() == 4
+        and keys.shape[1] == kv_heads
+        and keys.shape[3] == dim,
+        "gemma3_blocks_layer takes fp32 K/V planes [*, Hk, slots, D] on the CPU",
+    )
+    if isinstance(cache, ContiguousKV):
+        _require(
+            keys.shape[0] == 1
+            and attention_layout(keys, values)
+            and 0 <= cache.slot < cache.length <= keys.shape[2],
+            "gemma3_blocks_layer takes contiguous K/V [1, Hk, slots, D] with a slot below "
+            "the length read",
+        )
+        return [
+            keys.data_ptr(), values.data_ptr(), 0, keys.stride(1), cache.slot, cache.length,
+            0, cache.length, 0, 0,
+        ]  # fmt: skip
+    runs, table, size = cache.runs, cache.table, keys.shape[2]
+    _require(
+        keys.is_contiguous()
+        and values.is_contiguous()
+        and table.dtype == torch.int64
+        and table.is_contiguous()
+        and table.device.type == "cpu"
+        and 1 <= len(runs) <= 2
+        and all(0 <= start < end for start, end in runs),
+        "gemma3_blocks_layer takes contiguous pool planes, an int64 block table and one or "
+        "two runs of positions",
+    )
+    # Every block read or written must be one of the pool's (the runs and the position lie
+    # in one span of positions: a window's, or 0..position).
+    low = min(cache.position, *(start for start, _ in runs)) // size
+    high = max(cache.position, *(end - 1 for _, end in runs)) // size
+    _require(
+        high < table.numel()
+        and all(0 <= block < keys.shape[0] for block in table[low : high + 1].tolist()),
+        "gemma3_blocks_layer: a position read or written lies in no block of the pool",
+    )
+    (first0, end0), (first1, end1) = runs[0], runs[1] if len(runs) == 2 else (0, 0)
+    return [
+        keys.data_ptr(), values.data_ptr(), table.data_ptr(), size, cache.position,
+        end0 - first0 + end1 - first1, first0, end0 - first0, first1, end1 - first1,
+    ]  # fmt: skip
 
 
 class NativeKernels:
@@ -545,15 +621,14 @@ class NativeKernels:
         normed: Tensor,
         cos: Tensor,
         sin: Tensor,
-        planes: Sequence[tuple[Tensor, Tensor, int, int]],
+        caches: Sequence[ContiguousKV | PagedKV],
     ) -> None:
         """One Gemma 3 layer over GGUF blocks at one token of each of B sequences, in place:
         ``x`` (the residual streams, fp32 [B, hidden]) becomes the layer's output and
         ``normed`` (their input norms) that output's next norm; cos/sin fp32 [B, D] at each
-        sequence's position. ``planes``: per sequence, its fp32 K/V planes [1, Hk, slots, D],
-        the slot its new K/V go into and the slots attention reads (0..length-1).
-        ``operands`` must point at live tensors."""
-        batch = len(planes)
+        sequence's position. ``caches``: per sequence, where its K/V lie (`ContiguousKV` or
+        `PagedKV`). ``operands`` must point at live tensors."""
+        batch = len(caches)
         dim = operands.head_dim
         _require(
             1 <= batch <= MAX_INPUT_ROWS
@@ -562,29 +637,14 @@ class NativeKernels:
             and x.shape == normed.shape == (batch, operands.hidden)
             and _dense(cos, torch.float32)
             and _dense(sin, torch.float32)
-            and cos.shape == sin.shape == (batch, dim)
-            and all(
-                keys.dtype == values.dtype == torch.float32
-                and keys.shape == values.shape
-                and keys.shape[:2] == (1, operands.kv_heads)
-                and keys.shape[3] == dim
-                and attention_layout(keys, values)
-                and 0 <= slot < length <= keys.shape[2]
-                for keys, values, slot, length in planes
-            ),
-            "gemma3_blocks_layer takes fp32 x, normed [B, hidden], cos/sin [B, D], and per "
-            "sequence fp32 K/V [1, Hk, slots, D] with a slot below the length read",
+            and cos.shape == sin.shape == (batch, dim),
+            "gemma3_blocks_layer takes fp32 x, normed [B, hidden] and cos/sin [B, D]",
         )
-        table = torch.tensor(
-            [
-                [keys.data_ptr(), values.data_ptr(), keys.stride(1), slot, length]
-                for keys, values, slot, length in planes
-            ],
-            dtype=torch.int64,
-        ).T.contiguous()
+        rows = [_cache_fields(cache, operands.kv_heads, dim) for cache in caches]
+        fields = torch.tensor(rows, dtype=torch.int64)
         self._call(
             "hearth_gemma3_blocks_layer", ctypes.byref(operands), batch, x.data_ptr(),
-            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(row.data_ptr() for row in table),
+            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), fields.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
 
