@@ -184,8 +184,9 @@ def test_the_embedded_model_on_block_tables_equals_each_sequence_alone(
 
 
 def test_a_table_missing_a_block_read_is_refused(tiny_gqa_gguf: Path) -> None:
-    """A block table whose span read holds a freed (-1) or out-of-pool block is refused before
-    the kernel runs: it would read or write outside the pool."""
+    """A block table whose span read or written holds a freed or out-of-pool block, or is
+    shorter than the span, is refused before the kernel runs: it would read or write outside
+    the pool."""
     kernels = native.kernels()
     if kernels is None:
         pytest.skip("no native kernels here")
@@ -198,7 +199,8 @@ def test_a_table_missing_a_block_read_is_refused(tiny_gqa_gguf: Path) -> None:
     planes = torch.zeros(3, operands.kv_heads, 4, operands.head_dim)
     x = torch.zeros(1, operands.hidden)
     rope = torch.zeros(1, operands.head_dim)
-    for table in ([0, -1], [0, 3]):
-        rows = [native.PagedKV(planes, planes.clone(), torch.tensor(table), 5, ((0, 6),))]
+    for table in ([None, 0], [0, 3], [0]):
+        blocks = native.BlockTable(table, planes.shape[0])
+        rows = [native.PagedKV(planes, planes.clone(), blocks, 5, ((0, 6),))]
         with pytest.raises(ValueError, match="no block of the pool"):
             kernels.gemma3_blocks_layer(operands, x, x.clone(), rope, rope, rows)

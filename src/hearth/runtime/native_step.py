@@ -117,6 +117,8 @@ class NativeDecodeStep:
             _takes_decode_slots(cache) for own in caches[1:] for cache in own
         ):
             return None
+        if len(tokens) <= native.MAX_INPUT_ROWS:  # one call's rows: no copy of the logits
+            return self._blocks_rows(layers, tokens, caches, positions)
         rows = []
         for start in range(0, len(tokens), native.MAX_INPUT_ROWS):
             end = start + native.MAX_INPUT_ROWS
@@ -149,7 +151,7 @@ class NativeDecodeStep:
         normed = model.layers[0].input_layernorm(x).contiguous()
         # Each block table as the kernel reads it, made once a step (the layers of a cache
         # group share their sequence's table).
-        tables: dict[int, Tensor] = {}
+        tables: dict[int, native.BlockTable] = {}
         for index, (layer, built) in enumerate(zip(model.layers, layers, strict=True)):
             rows = [_row_kv(own[index], built.sample, tables) for own in caches]
             cos, sin = ropes[layer.layer_type]
@@ -411,7 +413,7 @@ def _tensor_addresses(sources: Sequence[nn.Module]) -> list[int]:
 
 
 def _row_kv(
-    cache: LayerCache | PagedLayerCache, sample: Tensor, tables: dict[int, Tensor]
+    cache: LayerCache | PagedLayerCache, sample: Tensor, tables: dict[int, native.BlockTable]
 ) -> native.ContiguousKV | native.PagedKV:
     """Where one sequence's token goes and what it reads in one layer: a paged cache's own
     blocks (no copy), else a cache's decode slot."""
@@ -420,8 +422,7 @@ def _row_kv(
         assert slot is not None  # `_layers` checked the cache takes decode slots
         table = tables.get(id(slot.table))
         if table is None:
-            ids = [-1 if block is None else block for block in slot.table]
-            table = tables[id(slot.table)] = torch.tensor(ids, dtype=torch.int64)
+            table = tables[id(slot.table)] = native.BlockTable(slot.table, slot.keys.shape[0])
         return native.PagedKV(slot.keys, slot.values, table, slot.position, slot.runs)
     decode = cache.decode_slot(sample)
     assert decode is not None  # `_layers` checked the cache takes decode slots

@@ -250,32 +250,53 @@ class ContiguousKV(NamedTuple):
     length: int
 
 
+class BlockTable:
+    """A sequence's block table as the native kernels read it: a block id per logical block
+    (int64; -1 where the block is not held), checked once against the pool's `num_blocks`:
+    every entry from `held_from` on is a block of the pool (a sliding layer's table holds a
+    suffix, a full layer's all of it). Not to be modified once made."""
+
+    __slots__ = ("held_from", "ids", "num_blocks")
+
+    def __init__(self, blocks: Sequence[int | None], num_blocks: int) -> None:
+        values = [-1 if block is None else block for block in blocks]
+        held_from = len(values)
+        while held_from and 0 <= values[held_from - 1] < num_blocks:
+            held_from -= 1
+        self.ids = torch.tensor(values, dtype=torch.int64)
+        self.held_from = held_from
+        self.num_blocks = num_blocks
+
+
 class PagedKV(NamedTuple):
-    """A sequence's fp32 K/V in a paged pool's planes [num_blocks, Hk, block_size, D]:
-    logical block i of the sequence is block table[i] (int64 [n]; -1 where not held). The new
-    token goes into position `position`'s block, and attention reads the positions of `runs`
-    ([start, end) each, one or two) in that order."""
+    """A sequence's fp32 K/V in a paged pool's planes [num_blocks, Hk, block_size, D]: logical
+    block i of the sequence is block i of `table`. The new token goes into position
+    `position`'s block, and attention reads the positions of `runs` ([start, end) each, one or
+    two) in that order."""
 
     keys: Tensor
     values: Tensor
-    table: Tensor
+    table: BlockTable
     position: int
     runs: tuple[tuple[int, int], ...]
 
 
-def _cache_fields(cache: ContiguousKV | PagedKV, kv_heads: int, dim: int) -> list[int]:
-    """The sequence's row of ``hearth_gemma3_blocks_layer``'s `caches` (CACHE_FIELDS in the
-    source), after checking that every element it reaches lies in its tensors."""
-    keys, values = cache.keys, cache.values
-    _require(
+def _planes_fit(keys: Tensor, values: Tensor, kv_heads: int, dim: int) -> bool:
+    return (
         keys.dtype == values.dtype == torch.float32
         and keys.shape == values.shape
         and keys.device.type == values.device.type == "cpu"
         and keys.dim() == 4
         and keys.shape[1] == kv_heads
-        and keys.shape[3] == dim,
-        "gemma3_blocks_layer takes fp32 K/V planes [*, Hk, slots, D] on the CPU",
+        and keys.shape[3] == dim
     )
+
+
+def _cache_fields(cache: ContiguousKV | PagedKV) -> list[int]:
+    """The sequence's row of ``hearth_gemma3_blocks_layer``'s `caches` (CACHE_FIELDS in the
+    source), after checking that every element it reaches lies in its tensors (the planes'
+    dtype and shape checked by the caller)."""
+    keys, values = cache.keys, cache.values
     if isinstance(cache, ContiguousKV):
         _require(
             keys.shape[0] == 1
@@ -292,26 +313,24 @@ def _cache_fields(cache: ContiguousKV | PagedKV, kv_heads: int, dim: int) -> lis
     _require(
         keys.is_contiguous()
         and values.is_contiguous()
-        and table.dtype == torch.int64
-        and table.is_contiguous()
-        and table.device.type == "cpu"
+        and isinstance(table, BlockTable)
+        and table.num_blocks == keys.shape[0]
         and 1 <= len(runs) <= 2
         and all(0 <= start < end for start, end in runs),
-        "gemma3_blocks_layer takes contiguous pool planes, an int64 block table and one or "
-        "two runs of positions",
+        "gemma3_blocks_layer takes contiguous pool planes, a block table of that pool and "
+        "one or two runs of positions",
     )
-    # Every block read or written must be one of the pool's (the runs and the position lie
-    # in one span of positions: a window's, or 0..position).
+    # Every block read or written must be held (the runs and the position lie in one span
+    # of positions: a window's, or 0..position).
     low = min(cache.position, *(start for start, _ in runs)) // size
     high = max(cache.position, *(end - 1 for _, end in runs)) // size
     _require(
-        high < table.numel()
-        and all(0 <= block < keys.shape[0] for block in table[low : high + 1].tolist()),
+        table.held_from <= low and high < table.ids.numel(),
         "gemma3_blocks_layer: a position read or written lies in no block of the pool",
     )
     (first0, end0), (first1, end1) = runs[0], runs[1] if len(runs) == 2 else (0, 0)
     return [
-        keys.data_ptr(), values.data_ptr(), table.data_ptr(), size, cache.position,
+        keys.data_ptr(), values.data_ptr(), table.ids.data_ptr(), size, cache.position,
         end0 - first0 + end1 - first1, first0, end0 - first0, first1, end1 - first1,
     ]  # fmt: skip
 
@@ -640,7 +659,16 @@ class NativeKernels:
             and cos.shape == sin.shape == (batch, dim),
             "gemma3_blocks_layer takes fp32 x, normed [B, hidden] and cos/sin [B, D]",
         )
-        rows = [_cache_fields(cache, operands.kv_heads, dim) for cache in caches]
+        # Rows of one pool share its planes: each pair checked once.
+        planes = {(id(cache.keys), id(cache.values)): cache for cache in caches}
+        _require(
+            all(
+                _planes_fit(cache.keys, cache.values, operands.kv_heads, dim)
+                for cache in planes.values()
+            ),
+            "gemma3_blocks_layer takes fp32 K/V planes [*, Hk, slots, D] on the CPU",
+        )
+        rows = [_cache_fields(cache) for cache in caches]
         fields = torch.tensor(rows, dtype=torch.int64)
         self._call(
             "hearth_gemma3_blocks_layer", ctypes.byref(operands), batch, x.data_ptr(),
