@@ -256,7 +256,7 @@ class BlockTable:
     every entry from `held_from` on is a block of the pool (a sliding layer's table holds a
     suffix, a full layer's all of it). Not to be modified once made."""
 
-    __slots__ = ("held_from", "ids", "num_blocks")
+    __slots__ = ("held_from", "ids", "length", "num_blocks")
 
     def __init__(self, blocks: Sequence[int | None], num_blocks: int) -> None:
         values = [-1 if block is None else block for block in blocks]
@@ -265,6 +265,7 @@ class BlockTable:
             held_from -= 1
         self.ids = torch.tensor(values, dtype=torch.int64)
         self.held_from = held_from
+        self.length = len(values)
         self.num_blocks = num_blocks
 
 
@@ -282,6 +283,8 @@ class PagedKV(NamedTuple):
 
 
 def _planes_fit(keys: Tensor, values: Tensor, kv_heads: int, dim: int) -> bool:
+    """fp32 K/V planes [*, Hk, slots, D] on the CPU: a contiguous buffer's (`ContiguousKV`,
+    whose layout its rows check) or a pool's, which must be contiguous."""
     return (
         keys.dtype == values.dtype == torch.float32
         and keys.shape == values.shape
@@ -292,46 +295,51 @@ def _planes_fit(keys: Tensor, values: Tensor, kv_heads: int, dim: int) -> bool:
     )
 
 
-def _cache_fields(cache: ContiguousKV | PagedKV) -> list[int]:
-    """The sequence's row of ``hearth_gemma3_blocks_layer``'s `caches` (CACHE_FIELDS in the
-    source), after checking that every element it reaches lies in its tensors (the planes'
-    dtype and shape checked by the caller)."""
+def _contiguous_fields(cache: ContiguousKV) -> list[int]:
+    """A `ContiguousKV`'s row of ``hearth_gemma3_blocks_layer``'s `caches` (CACHE_FIELDS in
+    the source), after checking that its slots lie in its planes."""
     keys, values = cache.keys, cache.values
-    if isinstance(cache, ContiguousKV):
-        _require(
-            keys.shape[0] == 1
-            and attention_layout(keys, values)
-            and 0 <= cache.slot < cache.length <= keys.shape[2],
-            "gemma3_blocks_layer takes contiguous K/V [1, Hk, slots, D] with a slot below "
-            "the length read",
-        )
-        return [
-            keys.data_ptr(), values.data_ptr(), 0, keys.stride(1), cache.slot, cache.length,
-            0, cache.length, 0, 0,
-        ]  # fmt: skip
-    runs, table, size = cache.runs, cache.table, keys.shape[2]
     _require(
-        keys.is_contiguous()
-        and values.is_contiguous()
-        and isinstance(table, BlockTable)
-        and table.num_blocks == keys.shape[0]
-        and 1 <= len(runs) <= 2
-        and all(0 <= start < end for start, end in runs),
-        "gemma3_blocks_layer takes contiguous pool planes, a block table of that pool and "
-        "one or two runs of positions",
+        keys.shape[0] == 1
+        and attention_layout(keys, values)
+        and 0 <= cache.slot < cache.length <= keys.shape[2],
+        "gemma3_blocks_layer takes contiguous K/V [1, Hk, slots, D] with a slot below the "
+        "length read",
     )
-    # Every block read or written must be held (the runs and the position lie in one span
-    # of positions: a window's, or 0..position).
-    low = min(cache.position, *(start for start, _ in runs)) // size
-    high = max(cache.position, *(end - 1 for _, end in runs)) // size
+    return [
+        keys.data_ptr(), values.data_ptr(), 0, keys.stride(1), cache.slot, cache.length, 0,
+        cache.length, 0, 0,
+    ]  # fmt: skip
+
+
+def _paged_fields(cache: PagedKV, pointers: tuple[int, int], size: int, blocks: int) -> list[int]:
+    """A `PagedKV`'s row of ``hearth_gemma3_blocks_layer``'s `caches`, its planes (at
+    `pointers`, of `blocks` blocks of `size` slots) already checked: after checking that every
+    position it reads or writes lies in a block of the pool its table holds."""
+    runs, table, position = cache.runs, cache.table, cache.position
+    if len(runs) == 1:
+        (first0, end0), first1, end1 = runs[0], 0, 0
+        low, high = first0, end0 - 1
+    else:
+        _require(len(runs) == 2, "gemma3_blocks_layer reads one or two runs of positions")
+        (first0, end0), (first1, end1) = runs
+        _require(first1 < end1, "gemma3_blocks_layer: an empty run of positions")
+        low, high = min(first0, first1), max(end0, end1) - 1
+    # The runs and the position lie in one span of positions (a window's, or 0..position):
+    # every block of the span must be held.
     _require(
-        table.held_from <= low and high < table.ids.numel(),
+        type(table) is BlockTable
+        and table.num_blocks == blocks
+        and 0 <= first0 < end0
+        and first1 >= 0
+        and low <= position <= high
+        and table.held_from <= low // size
+        and high // size < table.length,
         "gemma3_blocks_layer: a position read or written lies in no block of the pool",
     )
-    (first0, end0), (first1, end1) = runs[0], runs[1] if len(runs) == 2 else (0, 0)
     return [
-        keys.data_ptr(), values.data_ptr(), table.ids.data_ptr(), size, cache.position,
-        end0 - first0 + end1 - first1, first0, end0 - first0, first1, end1 - first1,
+        *pointers, table.ids.data_ptr(), size, position, end0 - first0 + end1 - first1, first0,
+        end0 - first0, first1, end1 - first1,
     ]  # fmt: skip
 
 
@@ -660,15 +668,29 @@ class NativeKernels:
             "gemma3_blocks_layer takes fp32 x, normed [B, hidden] and cos/sin [B, D]",
         )
         # Rows of one pool share its planes: each pair checked once.
-        planes = {(id(cache.keys), id(cache.values)): cache for cache in caches}
-        _require(
-            all(
-                _planes_fit(cache.keys, cache.values, operands.kv_heads, dim)
-                for cache in planes.values()
-            ),
-            "gemma3_blocks_layer takes fp32 K/V planes [*, Hk, slots, D] on the CPU",
-        )
-        rows = [_cache_fields(cache) for cache in caches]
+        pools: dict[tuple[int, int], tuple[tuple[int, int], int, int]] = {}
+        rows = []
+        for cache in caches:
+            if type(cache) is not PagedKV:
+                _require(
+                    _planes_fit(cache.keys, cache.values, operands.kv_heads, dim),
+                    "gemma3_blocks_layer takes fp32 K/V planes [1, Hk, slots, D]",
+                )
+                rows.append(_contiguous_fields(cache))
+                continue
+            pool = pools.get((id(cache.keys), id(cache.values)))
+            if pool is None:
+                keys, values = cache.keys, cache.values
+                _require(
+                    _planes_fit(keys, values, operands.kv_heads, dim)
+                    and keys.is_contiguous()
+                    and values.is_contiguous(),
+                    "gemma3_blocks_layer takes contiguous fp32 pool planes [blocks, Hk, "
+                    "block_size, D]",
+                )
+                pool = ((keys.data_ptr(), values.data_ptr()), keys.shape[2], keys.shape[0])
+                pools[(id(keys), id(values))] = pool
+            rows.append(_paged_fields(cache, *pool))
         fields = torch.tensor(rows, dtype=torch.int64)
         self._call(
             "hearth_gemma3_blocks_layer", ctypes.byref(operands), batch, x.data_ptr(),
