@@ -510,26 +510,45 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
-/* One query per head over `length` keys: result = softmax(scale * q . K^T) @ V in fp32, from
- * fp32 `queries` [groups, per_group, d] (overwritten: they become the result) and K/V bf16, or
- * fp32 where `f32`, laid out as `layout` says. The keys are cut into chunks of CHUNK_KEYS;
- * threads share the (KV head, chunk) units, and each head's chunks are merged in order by the
- * usual rescaling to the largest score (as flash attention does). Returns -1 when memory runs
- * out. */
-static inline __attribute__((always_inline)) int attention_heads(
-    float *queries, const kv_layout *layout, int f32, int64_t groups, int64_t per_group,
-    int64_t d, int64_t length, float scale, int threads) {
-    const int64_t heads = groups * per_group, chunks = (length + CHUNK_KEYS - 1) / CHUNK_KEYS;
-    const int64_t units = groups * chunks;
+/* One query per head of each of `batch` sequences over its keys: for sequence b, result =
+ * softmax(scale * q . K^T) @ V in fp32, from fp32 queries [groups, per_group, d] at
+ * queries + b * query_stride (overwritten: they become the result) over lengths[b] keys laid
+ * out as layouts[b] says, K/V bf16, or fp32 where `f32`. Each sequence's keys are cut into
+ * chunks of CHUNK_KEYS; threads share the (sequence, KV head, chunk) units of all of them in
+ * one parallel region, and each head's chunks are merged in order by the usual rescaling to
+ * the largest score (as flash attention does): a sequence's result does not depend on the
+ * others beside it. Returns -1 when memory runs out. */
+static inline __attribute__((always_inline)) int attention_rows(
+    float *queries, int64_t query_stride, const kv_layout *layouts, const int64_t *lengths,
+    int64_t batch, int f32, int64_t groups, int64_t per_group, int64_t d, float scale,
+    int threads) {
+    const int64_t heads = groups * per_group;
     /* Per unit: scores, then per head (top, total) and acc [d]. */
     const int64_t unit_floats = per_group * (CHUNK_KEYS + 2 + d);
+    /* Sequence b's units start at first_unit[b] (chunks[b] a KV head). */
+    int64_t chunks[MAX_INPUT_ROWS], first_unit[MAX_INPUT_ROWS + 1];
+    if (batch > MAX_INPUT_ROWS) {
+        return -1;
+    }
+    first_unit[0] = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+        chunks[b] = (lengths[b] + CHUNK_KEYS - 1) / CHUNK_KEYS;
+        first_unit[b + 1] = first_unit[b] + groups * chunks[b];
+    }
+    const int64_t units = first_unit[batch];
     float *partials = malloc(sizeof(float) * (size_t)(units * unit_floats));
     if (partials == NULL) {
         return -1;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (units > 1)
     for (int64_t unit = 0; unit < units; ++unit) {
-        const int64_t group = unit / chunks, chunk = unit % chunks;
+        int64_t b = 0;
+        while (unit >= first_unit[b + 1]) {
+            ++b;
+        }
+        const kv_layout *layout = layouts + b;
+        const int64_t own = unit - first_unit[b], length = lengths[b];
+        const int64_t group = own / chunks[b], chunk = own % chunks[b];
         const int64_t first = chunk * CHUNK_KEYS;
         const int64_t count = length - first < CHUNK_KEYS ? length - first : CHUNK_KEYS;
         float *scores = partials + unit * unit_floats;
@@ -538,35 +557,48 @@ static inline __attribute__((always_inline)) int attention_heads(
         for (int64_t t = 0; t < count; ++t) {
             rows[t] = kv_key(layout, group, first + t, d);
         }
-        attend_chunk(queries + group * per_group * d, per_group, layout->k, layout->v, f32, d,
-                     rows, count, scale, scores, top, total, total + per_group);
+        attend_chunk(queries + b * query_stride + group * per_group * d, per_group, layout->k,
+                     layout->v, f32, d, rows, count, scale, scores, top, total,
+                     total + per_group);
     }
-    for (int64_t head = 0; head < heads; ++head) {
-        const int64_t group = head / per_group, g = head % per_group;
-        float best = -INFINITY, sum = 0.0f;
-        for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-            const float *top = partials + (group * chunks + chunk) * unit_floats +
-                               per_group * CHUNK_KEYS;
-            best = top[g] > best ? top[g] : best;
-        }
-        float *result = queries + head * d; /* this head's query is no longer needed */
-        memset(result, 0, sizeof(float) * (size_t)d);
-        for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-            const float *top = partials + (group * chunks + chunk) * unit_floats +
-                               per_group * CHUNK_KEYS;
-            const float *total = top + per_group, *acc = total + per_group + g * d;
-            const float weight = expf(top[g] - best);
-            sum += weight * total[g];
-            for (int64_t j = 0; j < d; ++j) {
-                result[j] += weight * acc[j];
+    for (int64_t b = 0; b < batch; ++b) {
+        const float *own = partials + first_unit[b] * unit_floats;
+        for (int64_t head = 0; head < heads; ++head) {
+            const int64_t group = head / per_group, g = head % per_group;
+            float best = -INFINITY, sum = 0.0f;
+            for (int64_t chunk = 0; chunk < chunks[b]; ++chunk) {
+                const float *top = own + (group * chunks[b] + chunk) * unit_floats +
+                                   per_group * CHUNK_KEYS;
+                best = top[g] > best ? top[g] : best;
             }
-        }
-        for (int64_t j = 0; j < d; ++j) {
-            result[j] = result[j] / sum;
+            /* this head's query is no longer needed */
+            float *result = queries + b * query_stride + head * d;
+            memset(result, 0, sizeof(float) * (size_t)d);
+            for (int64_t chunk = 0; chunk < chunks[b]; ++chunk) {
+                const float *top = own + (group * chunks[b] + chunk) * unit_floats +
+                                   per_group * CHUNK_KEYS;
+                const float *total = top + per_group, *acc = total + per_group + g * d;
+                const float weight = expf(top[g] - best);
+                sum += weight * total[g];
+                for (int64_t j = 0; j < d; ++j) {
+                    result[j] += weight * acc[j];
+                }
+            }
+            for (int64_t j = 0; j < d; ++j) {
+                result[j] = result[j] / sum;
+            }
         }
     }
     free(partials);
     return 0;
+}
+
+/* attention_rows of one sequence of `length` keys. */
+static inline __attribute__((always_inline)) int attention_heads(
+    float *queries, const kv_layout *layout, int f32, int64_t groups, int64_t per_group,
+    int64_t d, int64_t length, float scale, int threads) {
+    return attention_rows(queries, 0, layout, &length, 1, f32, groups, per_group, d, scale,
+                          threads);
 }
 
 /* One query per head, bf16 in and out (q, out: [groups, per_group, d] contiguous; k, v bf16):
@@ -1708,12 +1740,17 @@ int hearth_gemma3_blocks_layer(const hearth_blocks_layer *layer, int64_t batch, 
                              v) != 0) {
         goto done;
     }
+    kv_layout layouts[MAX_INPUT_ROWS];
+    int64_t lengths[MAX_INPUT_ROWS];
+    if (batch > MAX_INPUT_ROWS) {
+        goto done;
+    }
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t *cache = caches + b * CACHE_FIELDS;
         float *key_plane = (float *)(intptr_t)cache[CACHE_KEYS];
         float *value_plane = (float *)(intptr_t)cache[CACHE_VALUES];
         const int64_t *table = (const int64_t *)(intptr_t)cache[CACHE_TABLE];
-        const kv_layout layout = {
+        layouts[b] = (kv_layout){
             .k = key_plane,
             .v = value_plane,
             .group_stride = table == NULL ? cache[CACHE_STRIDE] : 0,
@@ -1723,18 +1760,19 @@ int hearth_gemma3_blocks_layer(const hearth_blocks_layer *layer, int64_t batch, 
             .first = {cache[CACHE_FIRST0], cache[CACHE_FIRST1]},
             .count = {cache[CACHE_COUNT0], cache[CACHE_COUNT1]},
         };
+        lengths[b] = cache[CACHE_LENGTH];
         for (int64_t head = 0; head < layer->kv_heads; ++head) {
-            const int64_t at = kv_at(&layout, head, cache[CACHE_WRITTEN], d);
+            const int64_t at = kv_at(&layouts[b], head, cache[CACHE_WRITTEN], d);
             memcpy(key_plane + at, k + (b * layer->kv_heads + head) * d, sizeof(float) * (size_t)d);
             memcpy(value_plane + at, v + (b * layer->kv_heads + head) * d,
                    sizeof(float) * (size_t)d);
         }
-        /* The query heads become their attention output, in place. */
-        if (attention_heads(q + b * q_width, &layout, 1, layer->kv_heads,
-                            layer->q_heads / layer->kv_heads, d, cache[CACHE_LENGTH],
-                            layer->scale, threads) != 0) {
-            goto done;
-        }
+    }
+    /* Every sequence's attention in one parallel region; the query heads become their
+     * output, in place. */
+    if (attention_rows(q, q_width, layouts, lengths, batch, 1, layer->kv_heads,
+                       layer->q_heads / layer->kv_heads, d, layer->scale, threads) != 0) {
+        goto done;
     }
     if (blocks_project(&layer->o, q, batch, q_width, projected, h, threads) != 0 ||
         hearth_add_rms_norm_f32(x, projected, batch, h, layer->post_attention_norm,
