@@ -12,7 +12,10 @@ A Gemma 3 model in fp32 over GGUF blocks kept as stored (the CPU default for GGU
 each layer as one call too (`gemma3_blocks_layer`), at one token of each of up to 16 sequences
 at once (`decode_rows`, each sequence with its own caches): the module path's kernels in its
 order, but for attention and GELU, so its logits are the module path's up to the order of fp32
-sums there (tests/runtime/test_native_step_blocks.py states the bound).
+sums there (tests/runtime/test_native_step_blocks.py states the bound). On a paged pool's
+caches that call reads and writes each sequence's K/V in its blocks through its block table
+(`PagedLayerCache.decode_blocks`), in the order a copy of them would hold them: the logits of
+the copy it replaced, bit for bit (tests/runtime/test_native_paged_blocks.py).
 
 The layers' operands (pointers into their tensors) are built once and kept here, not on the
 model, and rebuilt when any tensor they point into moves.
