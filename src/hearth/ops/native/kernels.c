@@ -1504,26 +1504,34 @@ BLOCK_GEMV(q6_k, 256, 210, 16, 0, NULL)
  * amortise the call. */
 #define GEMV_ROWS_PER_UNIT 16
 
+/* The GEMV above for GGML type `type` (format `f`), NULL for a type not handled here or a row
+ * length `k` not whole blocks of it. */
+static gemv_rows_fn gemv_of(int type, int64_t k, block_format *f) {
+    if (block_format_of(type, f) != 0 || k % f->values != 0) {
+        return NULL;
+    }
+    switch (type) {
+    case GGML_Q4_0: return gemv_q4_0;
+    case GGML_Q4_1: return gemv_q4_1;
+    case GGML_Q5_0: return gemv_q5_0;
+    case GGML_Q5_1: return gemv_q5_1;
+    case GGML_Q8_0: return gemv_q8_0;
+    case GGML_Q2_K: return gemv_q2_k;
+    case GGML_Q3_K: return gemv_q3_k;
+    case GGML_Q4_K: return gemv_q4_k;
+    case GGML_Q5_K: return gemv_q5_k;
+    default: return gemv_q6_k;
+    }
+}
+
 /* The GEMV above for GGML type `type` over all n weight rows, split among `threads`. Returns -1
  * for a type not handled here or m outside 1..MAX_INPUT_ROWS. */
 int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
                        int64_t n, float *y, int64_t ldy, int threads) {
     block_format f;
-    if (block_format_of(type, &f) != 0 || m < 1 || m > MAX_INPUT_ROWS || k % f.values != 0) {
+    const gemv_rows_fn rows = gemv_of(type, k, &f);
+    if (rows == NULL || m < 1 || m > MAX_INPUT_ROWS) {
         return -1;
-    }
-    gemv_rows_fn rows;
-    switch (type) {
-    case GGML_Q4_0: rows = gemv_q4_0; break;
-    case GGML_Q4_1: rows = gemv_q4_1; break;
-    case GGML_Q5_0: rows = gemv_q5_0; break;
-    case GGML_Q5_1: rows = gemv_q5_1; break;
-    case GGML_Q8_0: rows = gemv_q8_0; break;
-    case GGML_Q2_K: rows = gemv_q2_k; break;
-    case GGML_Q3_K: rows = gemv_q3_k; break;
-    case GGML_Q4_K: rows = gemv_q4_k; break;
-    case GGML_Q5_K: rows = gemv_q5_k; break;
-    default: rows = gemv_q6_k; break;
     }
     const int64_t units = (n + GEMV_ROWS_PER_UNIT - 1) / GEMV_ROWS_PER_UNIT;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -1643,16 +1651,37 @@ typedef struct {
     float eps, scale;
 } hearth_blocks_layer;
 
-/* y [m, rows] (row stride ldy) = x [m, k] @ W^T over every segment of `w`. */
+/* y [m, rows] (row stride ldy) = x [m, k] @ W^T over every segment of `w`: each segment's rows
+ * as hearth_blocks_gemv computes them, all segments' units of rows in one parallel region. */
 static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t m, int64_t k,
                           float *y, int64_t ldy, int threads) {
-    int64_t first = 0;
+    gemv_rows_fn rows[BLOCKS_MAX_SEGMENTS];
+    int64_t first_row[BLOCKS_MAX_SEGMENTS], first_unit[BLOCKS_MAX_SEGMENTS + 1];
+    if (w->segments < 1 || w->segments > BLOCKS_MAX_SEGMENTS || m < 1 || m > MAX_INPUT_ROWS) {
+        return -1;
+    }
+    first_unit[0] = 0;
     for (int64_t s = 0; s < w->segments; ++s) {
-        if (hearth_blocks_gemv((int)w->type[s], x, m, k, w->blocks[s], w->rows[s], y + first,
-                               ldy, threads) != 0) {
+        block_format f;
+        rows[s] = gemv_of((int)w->type[s], k, &f);
+        if (rows[s] == NULL) {
             return -1;
         }
-        first += w->rows[s];
+        first_row[s] = s == 0 ? 0 : first_row[s - 1] + w->rows[s - 1];
+        first_unit[s + 1] = first_unit[s] + (w->rows[s] + GEMV_ROWS_PER_UNIT - 1) /
+                                                GEMV_ROWS_PER_UNIT;
+    }
+    const int64_t units = first_unit[w->segments];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        int64_t s = 0;
+        while (unit >= first_unit[s + 1]) {
+            ++s;
+        }
+        const int64_t first = (unit - first_unit[s]) * GEMV_ROWS_PER_UNIT;
+        const int64_t last = first + GEMV_ROWS_PER_UNIT < w->rows[s] ? first + GEMV_ROWS_PER_UNIT
+                                                                     : w->rows[s];
+        rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
     }
     return 0;
 }
