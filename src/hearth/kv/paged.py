@@ -42,6 +42,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -540,6 +541,20 @@ class PagedSequence:
         return [i for i, block in enumerate(self.tables[group]) if block is not None]
 
 
+class BlockSlot(NamedTuple):
+    """`PagedLayerCache.decode_blocks`: a decode token's K/V go into position `position` of
+    the blocks of `table` (the sequence's table for the layer's group, a block id per logical
+    block, None where freed) in the pool planes `keys`/`values` [num_blocks, kv_heads,
+    block_size, head_dim]; attention reads the positions of `runs` ([start, end) each) in
+    order."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    table: list[int | None]
+    position: int
+    runs: tuple[tuple[int, int], ...]
+
+
 class PagedLayerCache:
     """One layer's view of a `PagedSequence`: the `LayerCache` interface a model calls."""
 
@@ -601,6 +616,26 @@ class PagedLayerCache:
         self._pending = (keys, values, slot, position)
         self.offset = position + 1
         return DecodeSlot(keys, values, slot, keys.shape[2])
+
+    def decode_blocks(self) -> BlockSlot | None:
+        """Where one token goes for a kernel that writes K/V and attends in one call, reading
+        and writing the pool's blocks in place (the native CPU step): the layer's planes, the
+        token's position (its block already reserved) and the runs of positions a query
+        there sees, itself included, in the order `decode_slot` copies them out (a sliding
+        layer's window in ring-slot order), so a kernel summing over them in that order
+        matches its sums over the copy bit for bit. None where the K/V are not stored dense."""
+        if not self.takes_decode_slots():
+            return None
+        position = self.offset
+        if position + 1 > self.sequence.tokens:
+            raise RuntimeError("paged cache: a token stored past the blocks reserved for it")
+        if self.window is None:
+            runs = [(0, position + 1)]
+        else:
+            runs = _ring_runs(max(0, position - self.window + 1), position + 1, self.window)
+        self.offset = position + 1
+        keys, values = self._pool.planes[self.layer]
+        return BlockSlot(keys, values, self.sequence.tables[self.group], position, tuple(runs))
 
     def flush_discarded(self) -> None:
         """Forget a `decode_slot` token (its sequence let its blocks go)."""

@@ -12,7 +12,10 @@ A Gemma 3 model in fp32 over GGUF blocks kept as stored (the CPU default for GGU
 each layer as one call too (`gemma3_blocks_layer`), at one token of each of up to 16 sequences
 at once (`decode_rows`, each sequence with its own caches): the module path's kernels in its
 order, but for attention and GELU, so its logits are the module path's up to the order of fp32
-sums there (tests/runtime/test_native_step_blocks.py states the bound).
+sums there (tests/runtime/test_native_step_blocks.py states the bound). On a paged pool's
+caches that call reads and writes each sequence's K/V in its blocks through its block table
+(`PagedLayerCache.decode_blocks`), in the order a copy of them would hold them: the logits of
+the copy it replaced, bit for bit (tests/runtime/test_native_paged_blocks.py).
 
 The layers' operands (pointers into their tensors) are built once and kept here, not on the
 model, and rebuilt when any tensor they point into moves.
@@ -27,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from hearth.kv.cache import DecodeSlot, LayerCache
+from hearth.kv.paged import PagedLayerCache
 from hearth.layers.gguf import GGUFLinear
 from hearth.layers.int8 import Int8Linear
 from hearth.models import Gemma4Model, Model
@@ -116,6 +120,8 @@ class NativeDecodeStep:
             _takes_decode_slots(cache) for own in caches[1:] for cache in own
         ):
             return None
+        if len(tokens) <= native.MAX_INPUT_ROWS:  # one call's rows: no copy of the logits
+            return self._blocks_rows(layers, tokens, caches, positions)
         rows = []
         for start in range(0, len(tokens), native.MAX_INPUT_ROWS):
             end = start + native.MAX_INPUT_ROWS
@@ -146,15 +152,14 @@ class NativeDecodeStep:
             for kind, (cos, sin) in model.rope_tables(at, x.dtype).items()
         }
         normed = model.layers[0].input_layernorm(x).contiguous()
+        # Each block table as the kernel reads it, made once a step (the layers of a cache
+        # group share their sequence's table).
+        tables: dict[int, native.BlockTable] = {}
         for index, (layer, built) in enumerate(zip(model.layers, layers, strict=True)):
-            planes = []
-            for own in caches:
-                slot = own[index].decode_slot(built.sample)
-                assert slot is not None  # `_layers` checked the cache takes decode slots
-                planes.append((slot.keys, slot.values, slot.slot, slot.length))
+            rows = [_row_kv(own[index], built.sample, tables) for own in caches]
             cos, sin = ropes[layer.layer_type]
             assert isinstance(built.operands, native.BlocksLayerOperands)
-            kernels.gemma3_blocks_layer(built.operands, x, normed, cos, sin, planes)
+            kernels.gemma3_blocks_layer(built.operands, x, normed, cos, sin, rows)
         return model.logits(normed)
 
     def __call__(
@@ -408,6 +413,23 @@ def _tensor_addresses(sources: Sequence[nn.Module]) -> list[int]:
         for tensor in table.values()
         if tensor is not None
     ]
+
+
+def _row_kv(
+    cache: LayerCache | PagedLayerCache, sample: Tensor, tables: dict[int, native.BlockTable]
+) -> native.ContiguousKV | native.PagedKV:
+    """Where one sequence's token goes and what it reads in one layer: a paged cache's own
+    blocks (no copy), else a cache's decode slot."""
+    if isinstance(cache, PagedLayerCache):
+        slot = cache.decode_blocks()
+        assert slot is not None  # `_layers` checked the cache takes decode slots
+        table = tables.get(id(slot.table))
+        if table is None:
+            table = tables[id(slot.table)] = native.BlockTable(slot.table, slot.keys.shape[0])
+        return native.PagedKV(slot.keys, slot.values, table, slot.position, slot.runs)
+    decode = cache.decode_slot(sample)
+    assert decode is not None  # `_layers` checked the cache takes decode slots
+    return native.ContiguousKV(decode.keys, decode.values, decode.slot, decode.length)
 
 
 def _takes_decode_slots(cache: LayerCache) -> bool:

@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -89,8 +90,7 @@ _SIGNATURES = {
     ],
     "hearth_geglu_f32": [_POINTER, _INT64, _INT64, _POINTER],
     "hearth_gemma3_blocks_layer": [
-        _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-        _POINTER, _POINTER, _INT,
+        _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
     ],
     "hearth_blocks_to_bf16": [_INT, _POINTER, _INT64, _POINTER, _INT],
     "hearth_blocks_to_f32": [_INT, _POINTER, _INT64, _POINTER, _INT],
@@ -238,6 +238,109 @@ def attention_layout(keys: Tensor, values: Tensor) -> bool:
         and slot_stride == keys.shape[3]
         and batch_stride == keys.shape[1] * head_stride
     )
+
+
+class ContiguousKV(NamedTuple):
+    """A sequence's fp32 K/V as one buffer each, [1, Hk, slots, D]: the new token goes into
+    slot `slot`, and attention reads slots 0..length-1."""
+
+    keys: Tensor
+    values: Tensor
+    slot: int
+    length: int
+
+
+class BlockTable:
+    """A sequence's block table as the native kernels read it: a block id per logical block
+    (int64; -1 where the block is not held), checked once against the pool's `num_blocks`:
+    every entry from `held_from` on is a block of the pool (a sliding layer's table holds a
+    suffix, a full layer's all of it). Not to be modified once made."""
+
+    __slots__ = ("held_from", "ids", "length", "num_blocks")
+
+    def __init__(self, blocks: Sequence[int | None], num_blocks: int) -> None:
+        values = [-1 if block is None else block for block in blocks]
+        held_from = len(values)
+        while held_from and 0 <= values[held_from - 1] < num_blocks:
+            held_from -= 1
+        self.ids = torch.tensor(values, dtype=torch.int64)
+        self.held_from = held_from
+        self.length = len(values)
+        self.num_blocks = num_blocks
+
+
+class PagedKV(NamedTuple):
+    """A sequence's fp32 K/V in a paged pool's planes [num_blocks, Hk, block_size, D]: logical
+    block i of the sequence is block i of `table`. The new token goes into position
+    `position`'s block, and attention reads the positions of `runs` ([start, end) each, one or
+    two) in that order."""
+
+    keys: Tensor
+    values: Tensor
+    table: BlockTable
+    position: int
+    runs: tuple[tuple[int, int], ...]
+
+
+def _planes_fit(keys: Tensor, values: Tensor, kv_heads: int, dim: int) -> bool:
+    """fp32 K/V planes [*, Hk, slots, D] on the CPU: a contiguous buffer's (`ContiguousKV`,
+    whose layout its rows check) or a pool's, which must be contiguous."""
+    return (
+        keys.dtype == values.dtype == torch.float32
+        and keys.shape == values.shape
+        and keys.device.type == values.device.type == "cpu"
+        and keys.dim() == 4
+        and keys.shape[1] == kv_heads
+        and keys.shape[3] == dim
+    )
+
+
+def _contiguous_fields(cache: ContiguousKV) -> list[int]:
+    """A `ContiguousKV`'s row of ``hearth_gemma3_blocks_layer``'s `caches` (CACHE_FIELDS in
+    the source), after checking that its slots lie in its planes."""
+    keys, values = cache.keys, cache.values
+    _require(
+        keys.shape[0] == 1
+        and attention_layout(keys, values)
+        and 0 <= cache.slot < cache.length <= keys.shape[2],
+        "gemma3_blocks_layer takes contiguous K/V [1, Hk, slots, D] with a slot below the "
+        "length read",
+    )
+    return [
+        keys.data_ptr(), values.data_ptr(), 0, keys.stride(1), cache.slot, cache.length, 0,
+        cache.length, 0, 0,
+    ]  # fmt: skip
+
+
+def _paged_fields(cache: PagedKV, pointers: tuple[int, int], size: int, blocks: int) -> list[int]:
+    """A `PagedKV`'s row of ``hearth_gemma3_blocks_layer``'s `caches`, its planes (at
+    `pointers`, of `blocks` blocks of `size` slots) already checked: after checking that every
+    position it reads or writes lies in a block of the pool its table holds."""
+    runs, table, position = cache.runs, cache.table, cache.position
+    if len(runs) == 1:
+        (first0, end0), first1, end1 = runs[0], 0, 0
+        low, high = first0, end0 - 1
+    else:
+        _require(len(runs) == 2, "gemma3_blocks_layer reads one or two runs of positions")
+        (first0, end0), (first1, end1) = runs
+        _require(first1 < end1, "gemma3_blocks_layer: an empty run of positions")
+        low, high = min(first0, first1), max(end0, end1) - 1
+    # The runs and the position lie in one span of positions (a window's, or 0..position):
+    # every block of the span must be held.
+    _require(
+        type(table) is BlockTable
+        and table.num_blocks == blocks
+        and 0 <= first0 < end0
+        and first1 >= 0
+        and low <= position <= high
+        and table.held_from <= low // size
+        and high // size < table.length,
+        "gemma3_blocks_layer: a position read or written lies in no block of the pool",
+    )
+    return [
+        *pointers, table.ids.data_ptr(), size, position, end0 - first0 + end1 - first1, first0,
+        end0 - first0, first1, end1 - first1,
+    ]  # fmt: skip
 
 
 class NativeKernels:
@@ -545,15 +648,14 @@ class NativeKernels:
         normed: Tensor,
         cos: Tensor,
         sin: Tensor,
-        planes: Sequence[tuple[Tensor, Tensor, int, int]],
+        caches: Sequence[ContiguousKV | PagedKV],
     ) -> None:
         """One Gemma 3 layer over GGUF blocks at one token of each of B sequences, in place:
         ``x`` (the residual streams, fp32 [B, hidden]) becomes the layer's output and
         ``normed`` (their input norms) that output's next norm; cos/sin fp32 [B, D] at each
-        sequence's position. ``planes``: per sequence, its fp32 K/V planes [1, Hk, slots, D],
-        the slot its new K/V go into and the slots attention reads (0..length-1).
-        ``operands`` must point at live tensors."""
-        batch = len(planes)
+        sequence's position. ``caches``: per sequence, where its K/V lie (`ContiguousKV` or
+        `PagedKV`). ``operands`` must point at live tensors."""
+        batch = len(caches)
         dim = operands.head_dim
         _require(
             1 <= batch <= MAX_INPUT_ROWS
@@ -562,29 +664,37 @@ class NativeKernels:
             and x.shape == normed.shape == (batch, operands.hidden)
             and _dense(cos, torch.float32)
             and _dense(sin, torch.float32)
-            and cos.shape == sin.shape == (batch, dim)
-            and all(
-                keys.dtype == values.dtype == torch.float32
-                and keys.shape == values.shape
-                and keys.shape[:2] == (1, operands.kv_heads)
-                and keys.shape[3] == dim
-                and attention_layout(keys, values)
-                and 0 <= slot < length <= keys.shape[2]
-                for keys, values, slot, length in planes
-            ),
-            "gemma3_blocks_layer takes fp32 x, normed [B, hidden], cos/sin [B, D], and per "
-            "sequence fp32 K/V [1, Hk, slots, D] with a slot below the length read",
+            and cos.shape == sin.shape == (batch, dim),
+            "gemma3_blocks_layer takes fp32 x, normed [B, hidden] and cos/sin [B, D]",
         )
-        table = torch.tensor(
-            [
-                [keys.data_ptr(), values.data_ptr(), keys.stride(1), slot, length]
-                for keys, values, slot, length in planes
-            ],
-            dtype=torch.int64,
-        ).T.contiguous()
+        # Rows of one pool share its planes: each pair checked once.
+        pools: dict[tuple[int, int], tuple[tuple[int, int], int, int]] = {}
+        rows = []
+        for cache in caches:
+            if type(cache) is not PagedKV:
+                _require(
+                    _planes_fit(cache.keys, cache.values, operands.kv_heads, dim),
+                    "gemma3_blocks_layer takes fp32 K/V planes [1, Hk, slots, D]",
+                )
+                rows.append(_contiguous_fields(cache))
+                continue
+            pool = pools.get((id(cache.keys), id(cache.values)))
+            if pool is None:
+                keys, values = cache.keys, cache.values
+                _require(
+                    _planes_fit(keys, values, operands.kv_heads, dim)
+                    and keys.is_contiguous()
+                    and values.is_contiguous(),
+                    "gemma3_blocks_layer takes contiguous fp32 pool planes [blocks, Hk, "
+                    "block_size, D]",
+                )
+                pool = ((keys.data_ptr(), values.data_ptr()), keys.shape[2], keys.shape[0])
+                pools[(id(keys), id(values))] = pool
+            rows.append(_paged_fields(cache, *pool))
+        fields = torch.tensor(rows, dtype=torch.int64)
         self._call(
             "hearth_gemma3_blocks_layer", ctypes.byref(operands), batch, x.data_ptr(),
-            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(row.data_ptr() for row in table),
+            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), fields.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
 

@@ -415,13 +415,46 @@ static inline __attribute__((always_inline)) vec16 load_kv(const void *plane, in
     return vec16_load_bf16((const uint16_t *)plane + index, count);
 }
 
+/* Where a plane's keys lie: contiguous (`table` NULL: group g's slot t at g * group_stride +
+ * t * d), or in blocks of a paged pool [num_blocks, kv_heads, block_size, d] (position p of
+ * group g in block table[p / block_size] at slot p % block_size), read in the order of two runs
+ * of positions: first[0].. (count[0] of them), then first[1].. (count[1]). */
+typedef struct {
+    const void *k, *v;
+    int64_t group_stride;
+    const int64_t *table;
+    int64_t block_size, kv_heads;
+    int64_t first[2], count[2];
+} kv_layout;
+
+/* The element offset of position (or, contiguous, slot) `p` of group `group` in a plane. */
+static inline int64_t kv_at(const kv_layout *layout, int64_t group, int64_t p, int64_t d) {
+    if (layout->table == NULL) {
+        return group * layout->group_stride + p * d;
+    }
+    const int64_t block = layout->table[p / layout->block_size];
+    return ((block * layout->kv_heads + group) * layout->block_size + p % layout->block_size) * d;
+}
+
+/* The element offset of the `t`-th key read (in reading order) of group `group`. */
+static inline int64_t kv_key(const kv_layout *layout, int64_t group, int64_t t, int64_t d) {
+    if (layout->table == NULL) {
+        return kv_at(layout, group, t, d);
+    }
+    const int64_t p = t < layout->count[0] ? layout->first[0] + t
+                                           : layout->first[1] + (t - layout->count[0]);
+    return kv_at(layout, group, p, d);
+}
+
 /* One unit: each of the `per_group` query heads (fp32 `queries` [per_group, d]) of one KV head
- * over keys [first, first + count). scores: [per_group, CHUNK_KEYS] room. Writes, per head,
- * the chunk's largest score `top`, the sum of exp(score - top) `total`, and `acc` [d] = the
- * exp-weighted sum of the value rows. K/V bf16, or fp32 where `f32`. */
+ * over `count` keys, key t's row (and its value's) at element rows[t] of `keys` (`values`).
+ * scores: [per_group, CHUNK_KEYS] room. Writes, per head, the chunk's largest score `top`, the
+ * sum of exp(score - top) `total`, and `acc` [d] = the exp-weighted sum of the value rows. K/V
+ * bf16, or fp32 where `f32`. Where the rows lie does not change a single operation: the sums
+ * are the same whatever the layout. */
 static inline __attribute__((always_inline)) void attend_chunk(
     const float *queries, int64_t per_group, const void *keys, const void *values, int f32,
-    int64_t d, int64_t first, int64_t count, float scale, float *scores, float *top,
+    int64_t d, const int64_t *rows, int64_t count, float scale, float *scores, float *top,
     float *total, float *acc) {
     for (int64_t g = 0; g < per_group; ++g) {
         const float *query = queries + g * d;
@@ -432,7 +465,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
             vec16 dots[KEY_BLOCK];
             for (int u = 0; u < KEY_BLOCK; ++u) {
                 const int64_t t = t0 + u < count ? t0 + u : count - 1;
-                key[u] = (first + t) * d;
+                key[u] = rows[t];
                 dots[u] = vec16_zero();
             }
             for (int64_t j = 0; j < d; j += 16) {
@@ -464,7 +497,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
             }
             for (int64_t t = 0; t < count; ++t) {
                 const vec16 weight = vec16_set1(row[t]);
-                const int64_t value = (first + t) * d + j0;
+                const int64_t value = rows[t] + j0;
                 for (int u = 0; u < VALUE_BLOCK; ++u) {
                     const vec16 row_values = load_kv(values, f32, value + 16 * u, lanes[u]);
                     sums[u] = vec16_fmadd(weight, row_values, sums[u]);
@@ -477,62 +510,95 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
-/* One query per head over `length` keys: result = softmax(scale * q . K^T) @ V in fp32, from
- * fp32 `queries` [groups, per_group, d] (overwritten: they become the result) and K/V bf16, or
- * fp32 where `f32`. The keys are cut into chunks of CHUNK_KEYS; threads share the (KV head,
- * chunk) units, and each head's chunks are merged in order by the usual rescaling to the
- * largest score (as flash attention does). Group g's key t at k + g * group_stride + t * d.
- * Returns -1 when memory runs out. */
-static inline __attribute__((always_inline)) int attention_heads(
-    float *queries, const void *k, const void *v, int f32, int64_t groups, int64_t per_group,
-    int64_t d, int64_t length, int64_t group_stride, float scale, int threads) {
-    const int64_t heads = groups * per_group, chunks = (length + CHUNK_KEYS - 1) / CHUNK_KEYS;
-    const int64_t units = groups * chunks;
+/* One query per head of each of `batch` sequences over its keys: for sequence b, result =
+ * softmax(scale * q . K^T) @ V in fp32, from fp32 queries [groups, per_group, d] at
+ * queries + b * query_stride (overwritten: they become the result) over lengths[b] keys laid
+ * out as layouts[b] says, K/V bf16, or fp32 where `f32`. Each sequence's keys are cut into
+ * chunks of CHUNK_KEYS; threads share the (sequence, KV head, chunk) units of all of them in
+ * one parallel region, and each head's chunks are merged in order by the usual rescaling to
+ * the largest score (as flash attention does): a sequence's result does not depend on the
+ * others beside it. Returns -1 when memory runs out. */
+static inline __attribute__((always_inline)) int attention_rows(
+    float *queries, int64_t query_stride, const kv_layout *layouts, const int64_t *lengths,
+    int64_t batch, int f32, int64_t groups, int64_t per_group, int64_t d, float scale,
+    int threads) {
+    const int64_t heads = groups * per_group;
     /* Per unit: scores, then per head (top, total) and acc [d]. */
     const int64_t unit_floats = per_group * (CHUNK_KEYS + 2 + d);
+    /* Sequence b's units start at first_unit[b] (chunks[b] a KV head). */
+    int64_t chunks[MAX_INPUT_ROWS], first_unit[MAX_INPUT_ROWS + 1];
+    if (batch > MAX_INPUT_ROWS) {
+        return -1;
+    }
+    first_unit[0] = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+        chunks[b] = (lengths[b] + CHUNK_KEYS - 1) / CHUNK_KEYS;
+        first_unit[b + 1] = first_unit[b] + groups * chunks[b];
+    }
+    const int64_t units = first_unit[batch];
     float *partials = malloc(sizeof(float) * (size_t)(units * unit_floats));
     if (partials == NULL) {
         return -1;
     }
-    const int64_t plane_bytes = f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (units > 1)
     for (int64_t unit = 0; unit < units; ++unit) {
-        const int64_t group = unit / chunks, chunk = unit % chunks;
+        int64_t b = 0;
+        while (unit >= first_unit[b + 1]) {
+            ++b;
+        }
+        const kv_layout *layout = layouts + b;
+        const int64_t own = unit - first_unit[b], length = lengths[b];
+        const int64_t group = own / chunks[b], chunk = own % chunks[b];
         const int64_t first = chunk * CHUNK_KEYS;
         const int64_t count = length - first < CHUNK_KEYS ? length - first : CHUNK_KEYS;
         float *scores = partials + unit * unit_floats;
         float *top = scores + per_group * CHUNK_KEYS, *total = top + per_group;
-        const char *group_k = (const char *)k + group * group_stride * plane_bytes;
-        const char *group_v = (const char *)v + group * group_stride * plane_bytes;
-        attend_chunk(queries + group * per_group * d, per_group, group_k, group_v, f32, d, first,
-                     count, scale, scores, top, total, total + per_group);
+        int64_t rows[CHUNK_KEYS];
+        for (int64_t t = 0; t < count; ++t) {
+            rows[t] = kv_key(layout, group, first + t, d);
+        }
+        attend_chunk(queries + b * query_stride + group * per_group * d, per_group, layout->k,
+                     layout->v, f32, d, rows, count, scale, scores, top, total,
+                     total + per_group);
     }
-    for (int64_t head = 0; head < heads; ++head) {
-        const int64_t group = head / per_group, g = head % per_group;
-        float best = -INFINITY, sum = 0.0f;
-        for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-            const float *top = partials + (group * chunks + chunk) * unit_floats +
-                               per_group * CHUNK_KEYS;
-            best = top[g] > best ? top[g] : best;
-        }
-        float *result = queries + head * d; /* this head's query is no longer needed */
-        memset(result, 0, sizeof(float) * (size_t)d);
-        for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-            const float *top = partials + (group * chunks + chunk) * unit_floats +
-                               per_group * CHUNK_KEYS;
-            const float *total = top + per_group, *acc = total + per_group + g * d;
-            const float weight = expf(top[g] - best);
-            sum += weight * total[g];
-            for (int64_t j = 0; j < d; ++j) {
-                result[j] += weight * acc[j];
+    for (int64_t b = 0; b < batch; ++b) {
+        const float *own = partials + first_unit[b] * unit_floats;
+        for (int64_t head = 0; head < heads; ++head) {
+            const int64_t group = head / per_group, g = head % per_group;
+            float best = -INFINITY, sum = 0.0f;
+            for (int64_t chunk = 0; chunk < chunks[b]; ++chunk) {
+                const float *top = own + (group * chunks[b] + chunk) * unit_floats +
+                                   per_group * CHUNK_KEYS;
+                best = top[g] > best ? top[g] : best;
             }
-        }
-        for (int64_t j = 0; j < d; ++j) {
-            result[j] = result[j] / sum;
+            /* this head's query is no longer needed */
+            float *result = queries + b * query_stride + head * d;
+            memset(result, 0, sizeof(float) * (size_t)d);
+            for (int64_t chunk = 0; chunk < chunks[b]; ++chunk) {
+                const float *top = own + (group * chunks[b] + chunk) * unit_floats +
+                                   per_group * CHUNK_KEYS;
+                const float *total = top + per_group, *acc = total + per_group + g * d;
+                const float weight = expf(top[g] - best);
+                sum += weight * total[g];
+                for (int64_t j = 0; j < d; ++j) {
+                    result[j] += weight * acc[j];
+                }
+            }
+            for (int64_t j = 0; j < d; ++j) {
+                result[j] = result[j] / sum;
+            }
         }
     }
     free(partials);
     return 0;
+}
+
+/* attention_rows of one sequence of `length` keys. */
+static inline __attribute__((always_inline)) int attention_heads(
+    float *queries, const kv_layout *layout, int f32, int64_t groups, int64_t per_group,
+    int64_t d, int64_t length, float scale, int threads) {
+    return attention_rows(queries, 0, layout, &length, 1, f32, groups, per_group, d, scale,
+                          threads);
 }
 
 /* One query per head, bf16 in and out (q, out: [groups, per_group, d] contiguous; k, v bf16):
@@ -546,8 +612,9 @@ int hearth_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t
         return -1;
     }
     widen_bf16(q, heads * d, queries);
-    const int status = attention_heads(queries, k, v, 0, groups, per_group, d, length,
-                                       group_stride, scale, threads);
+    const kv_layout layout = {.k = k, .v = v, .group_stride = group_stride};
+    const int status = attention_heads(queries, &layout, 0, groups, per_group, d, length, scale,
+                                       threads);
     narrow_bf16(queries, heads * d, out);
     free(queries);
     return status;
@@ -558,8 +625,8 @@ int hearth_decode_attention_f32(const float *q, const float *k, const float *v, 
                                 int64_t per_group, int64_t d, int64_t length,
                                 int64_t group_stride, float scale, float *out, int threads) {
     memcpy(out, q, sizeof(float) * (size_t)(groups * per_group * d));
-    return attention_heads(out, k, v, 1, groups, per_group, d, length, group_stride, scale,
-                           threads);
+    const kv_layout layout = {.k = k, .v = v, .group_stride = group_stride};
+    return attention_heads(out, &layout, 1, groups, per_group, d, length, scale, threads);
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -1437,26 +1504,34 @@ BLOCK_GEMV(q6_k, 256, 210, 16, 0, NULL)
  * amortise the call. */
 #define GEMV_ROWS_PER_UNIT 16
 
+/* The GEMV above for GGML type `type` (format `f`), NULL for a type not handled here or a row
+ * length `k` not whole blocks of it. */
+static gemv_rows_fn gemv_of(int type, int64_t k, block_format *f) {
+    if (block_format_of(type, f) != 0 || k % f->values != 0) {
+        return NULL;
+    }
+    switch (type) {
+    case GGML_Q4_0: return gemv_q4_0;
+    case GGML_Q4_1: return gemv_q4_1;
+    case GGML_Q5_0: return gemv_q5_0;
+    case GGML_Q5_1: return gemv_q5_1;
+    case GGML_Q8_0: return gemv_q8_0;
+    case GGML_Q2_K: return gemv_q2_k;
+    case GGML_Q3_K: return gemv_q3_k;
+    case GGML_Q4_K: return gemv_q4_k;
+    case GGML_Q5_K: return gemv_q5_k;
+    default: return gemv_q6_k;
+    }
+}
+
 /* The GEMV above for GGML type `type` over all n weight rows, split among `threads`. Returns -1
  * for a type not handled here or m outside 1..MAX_INPUT_ROWS. */
 int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
                        int64_t n, float *y, int64_t ldy, int threads) {
     block_format f;
-    if (block_format_of(type, &f) != 0 || m < 1 || m > MAX_INPUT_ROWS || k % f.values != 0) {
+    const gemv_rows_fn rows = gemv_of(type, k, &f);
+    if (rows == NULL || m < 1 || m > MAX_INPUT_ROWS) {
         return -1;
-    }
-    gemv_rows_fn rows;
-    switch (type) {
-    case GGML_Q4_0: rows = gemv_q4_0; break;
-    case GGML_Q4_1: rows = gemv_q4_1; break;
-    case GGML_Q5_0: rows = gemv_q5_0; break;
-    case GGML_Q5_1: rows = gemv_q5_1; break;
-    case GGML_Q8_0: rows = gemv_q8_0; break;
-    case GGML_Q2_K: rows = gemv_q2_k; break;
-    case GGML_Q3_K: rows = gemv_q3_k; break;
-    case GGML_Q4_K: rows = gemv_q4_k; break;
-    case GGML_Q5_K: rows = gemv_q5_k; break;
-    default: rows = gemv_q6_k; break;
     }
     const int64_t units = (n + GEMV_ROWS_PER_UNIT - 1) / GEMV_ROWS_PER_UNIT;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -1576,16 +1651,37 @@ typedef struct {
     float eps, scale;
 } hearth_blocks_layer;
 
-/* y [m, rows] (row stride ldy) = x [m, k] @ W^T over every segment of `w`. */
+/* y [m, rows] (row stride ldy) = x [m, k] @ W^T over every segment of `w`: each segment's rows
+ * as hearth_blocks_gemv computes them, all segments' units of rows in one parallel region. */
 static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t m, int64_t k,
                           float *y, int64_t ldy, int threads) {
-    int64_t first = 0;
+    gemv_rows_fn rows[BLOCKS_MAX_SEGMENTS];
+    int64_t first_row[BLOCKS_MAX_SEGMENTS], first_unit[BLOCKS_MAX_SEGMENTS + 1];
+    if (w->segments < 1 || w->segments > BLOCKS_MAX_SEGMENTS || m < 1 || m > MAX_INPUT_ROWS) {
+        return -1;
+    }
+    first_unit[0] = 0;
     for (int64_t s = 0; s < w->segments; ++s) {
-        if (hearth_blocks_gemv((int)w->type[s], x, m, k, w->blocks[s], w->rows[s], y + first,
-                               ldy, threads) != 0) {
+        block_format f;
+        rows[s] = gemv_of((int)w->type[s], k, &f);
+        if (rows[s] == NULL) {
             return -1;
         }
-        first += w->rows[s];
+        first_row[s] = s == 0 ? 0 : first_row[s - 1] + w->rows[s - 1];
+        first_unit[s + 1] = first_unit[s] + (w->rows[s] + GEMV_ROWS_PER_UNIT - 1) /
+                                                GEMV_ROWS_PER_UNIT;
+    }
+    const int64_t units = first_unit[w->segments];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        int64_t s = 0;
+        while (unit >= first_unit[s + 1]) {
+            ++s;
+        }
+        const int64_t first = (unit - first_unit[s]) * GEMV_ROWS_PER_UNIT;
+        const int64_t last = first + GEMV_ROWS_PER_UNIT < w->rows[s] ? first + GEMV_ROWS_PER_UNIT
+                                                                     : w->rows[s];
+        rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
     }
     return 0;
 }
@@ -1636,17 +1732,25 @@ int hearth_geglu_f32(const float *gate_up, int64_t rows, int64_t n, float *out) 
     return 0;
 }
 
+/* Where sequence b's K/V lie (hearth_gemma3_blocks_layer's `caches`, int64 [batch, 10], row
+ * b): its fp32 key and value planes (addresses), its block table (an address; 0: the planes
+ * are one contiguous buffer), the head stride (contiguous) or the block size (paged), where its
+ * new K/V go (a slot, or a position), the number of keys attention reads, and (paged) the two
+ * runs of positions it reads them in: first0, count0, first1, count1. */
+enum { CACHE_KEYS, CACHE_VALUES, CACHE_TABLE, CACHE_STRIDE, CACHE_WRITTEN, CACHE_LENGTH,
+       CACHE_FIRST0, CACHE_COUNT0, CACHE_FIRST1, CACHE_COUNT1, CACHE_FIELDS };
+
 /* x [batch, hidden] (each sequence's residual stream) and normed [batch, hidden] (its input
  * norm) are updated in place: x becomes the layer's output, normed its norm by next_norm. cos,
- * sin: fp32 [batch, head_dim] at each sequence's position. Sequence b's new K and V go into slot
- * slot[b] of its fp32 cache planes keys[b], values[b] (head h's slot t at
- * h * head_stride[b] + t * head_dim; planes as int64 addresses), and its attention reads slots
- * 0..length[b]-1. Returns -1 when memory runs out or a block type is not handled. */
+ * sin: fp32 [batch, head_dim] at each sequence's position. Sequence b's cache is row b of
+ * `caches` (above). Contiguous: its new K and V go into slot `written` (head h's slot t at
+ * h * head_stride + t * head_dim), and attention reads slots 0..length-1. Paged: its new K/V go
+ * straight into position `written`'s block, and attention reads the positions of its two runs
+ * in their order (so the sums are those over a contiguous copy of them in that order, bit for
+ * bit). Returns -1 when memory runs out or a block type is not handled. */
 int hearth_gemma3_blocks_layer(const hearth_blocks_layer *layer, int64_t batch, float *x,
                                float *normed, const float *cos, const float *sin,
-                               const int64_t *keys, const int64_t *values,
-                               const int64_t *head_stride, const int64_t *slot,
-                               const int64_t *length, int threads) {
+                               const int64_t *caches, int threads) {
     const int64_t d = layer->head_dim, h = layer->hidden, inner = layer->intermediate;
     const int64_t q_width = layer->q_heads * d, kv_width = layer->kv_heads * d;
     const int64_t qkv_width = q_width + 2 * kv_width;
@@ -1665,20 +1769,39 @@ int hearth_gemma3_blocks_layer(const hearth_blocks_layer *layer, int64_t batch, 
                              v) != 0) {
         goto done;
     }
+    kv_layout layouts[MAX_INPUT_ROWS];
+    int64_t lengths[MAX_INPUT_ROWS];
+    if (batch > MAX_INPUT_ROWS) {
+        goto done;
+    }
     for (int64_t b = 0; b < batch; ++b) {
-        float *key_plane = (float *)(intptr_t)keys[b], *value_plane = (float *)(intptr_t)values[b];
+        const int64_t *cache = caches + b * CACHE_FIELDS;
+        float *key_plane = (float *)(intptr_t)cache[CACHE_KEYS];
+        float *value_plane = (float *)(intptr_t)cache[CACHE_VALUES];
+        const int64_t *table = (const int64_t *)(intptr_t)cache[CACHE_TABLE];
+        layouts[b] = (kv_layout){
+            .k = key_plane,
+            .v = value_plane,
+            .group_stride = table == NULL ? cache[CACHE_STRIDE] : 0,
+            .table = table,
+            .block_size = table == NULL ? 0 : cache[CACHE_STRIDE],
+            .kv_heads = layer->kv_heads,
+            .first = {cache[CACHE_FIRST0], cache[CACHE_FIRST1]},
+            .count = {cache[CACHE_COUNT0], cache[CACHE_COUNT1]},
+        };
+        lengths[b] = cache[CACHE_LENGTH];
         for (int64_t head = 0; head < layer->kv_heads; ++head) {
-            const int64_t at = head * head_stride[b] + slot[b] * d;
+            const int64_t at = kv_at(&layouts[b], head, cache[CACHE_WRITTEN], d);
             memcpy(key_plane + at, k + (b * layer->kv_heads + head) * d, sizeof(float) * (size_t)d);
             memcpy(value_plane + at, v + (b * layer->kv_heads + head) * d,
                    sizeof(float) * (size_t)d);
         }
-        /* The query heads become their attention output, in place. */
-        if (attention_heads(q + b * q_width, key_plane, value_plane, 1, layer->kv_heads,
-                            layer->q_heads / layer->kv_heads, d, length[b], head_stride[b],
-                            layer->scale, threads) != 0) {
-            goto done;
-        }
+    }
+    /* Every sequence's attention in one parallel region; the query heads become their
+     * output, in place. */
+    if (attention_rows(q, q_width, layouts, lengths, batch, 1, layer->kv_heads,
+                       layer->q_heads / layer->kv_heads, d, layer->scale, threads) != 0) {
+        goto done;
     }
     if (blocks_project(&layer->o, q, batch, q_width, projected, h, threads) != 0 ||
         hearth_add_rms_norm_f32(x, projected, batch, h, layer->post_attention_norm,
