@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from decoding import count_kernel_calls
+from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_writer import write_gguf
 from hearth.engine import Engine
 from hearth.layers.gguf import GGUFLinear
@@ -34,7 +35,7 @@ from hearth.ops.plan import ExecutionPlan
 from hearth.runtime.native_step import NativeDecodeStep
 from hearth.runtime.runner import ModelRunner
 from native_builds import kernels_build  # noqa: F401 (a fixture)
-from tiny import FULL, SLIDING, TINY_VOCAB, tiny_gemma4_model
+from tiny import FULL, MOE, SLIDING, TINY_VOCAB, save_hf, tiny_gemma4_model
 
 RTOL = 2e-5
 DECODE_STEPS = 10
@@ -154,3 +155,22 @@ def test_a_bf16_model_on_the_same_blocks_keeps_its_own_step(gguf_file: Path) -> 
     longer what `gemma4_blocks_layer` reads)."""
     engine = Engine.load(gguf_file, device="cpu", progress=False, dtype="bfloat16")
     assert not NativeDecodeStep(engine.model).gemma4_blocks
+
+
+def test_a_moe_model_keeps_the_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE layers (26B-A4B) are not taken natively: the step declines, and decoding runs the
+    modules, as HF runs the model (the logits' check is test_gguf_types_as_stored's)."""
+    hf = tiny_gemma4_model(seed=4, **{**MOE, "moe_intermediate_size": 32})
+    checkpoint = open_checkpoint(save_hf(hf, tmp_path / "hf"))
+    tensors = dict(checkpoint.tensors())
+    path = write_gguf(tmp_path / "moe.gguf", checkpoint.config, tensors, TINY_VOCAB, "Q8_0")
+    runner = ModelRunner(Engine.load(path, device="cpu", progress=False).model)
+    assert isinstance(runner.native, NativeDecodeStep) and runner.native.gemma4_blocks
+    calls = count_kernel_calls(monkeypatch, "gemma4_blocks_layer")
+    caches = runner.new_caches()
+    with torch.inference_mode():
+        logits = runner.prefill(_prompt(4, 4), caches)
+        assert runner.native._layers(caches) is None
+        following = runner.decode(int(logits.argmax(dim=-1)), caches, 4)
+    assert not calls
+    assert torch.isfinite(following).all()
