@@ -46,6 +46,12 @@ ENGINES = {
         "hearth",
         {"dtype": None, "quantize": "auto"},
     ),
+    # The same with the per-module decode step (no native layer call): the baseline the
+    # native layer step is measured against in one run.
+    "hearth fp32 + GGUF blocks as stored, module path": (
+        "hearth",
+        {"dtype": None, "quantize": "auto", "native_layers": False},
+    ),
     "hearth fp32": ("hearth", {"dtype": "float32", "quantize": "none"}),
     "hearth bf16": ("hearth", {"dtype": "bfloat16", "quantize": "none"}),
     "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
@@ -120,12 +126,19 @@ def run_hearth(
         path, dtype=options["dtype"], device="cpu", progress=False, quantize=options["quantize"]
     )
     load = time.perf_counter() - started
+    runner = engine.runner
+    if not options.get("native_layers", True):
+        from dataclasses import replace
+
+        from hearth.runtime.runner import ModelRunner
+
+        runner = ModelRunner(engine.model, replace(runner.plan, native_layers=False))
     sampler = Sampler(SamplingParams())
-    list(generate_tokens(engine.runner, ids[:16], sampler, 4, GenerationStats()))  # warm up
+    list(generate_tokens(runner, ids[:16], sampler, 4, GenerationStats()))  # warm up
     runs = []
     for _ in range(REPEATS):
         stats = GenerationStats()
-        list(generate_tokens(engine.runner, ids, sampler, decode + 1, stats))
+        list(generate_tokens(runner, ids, sampler, decode + 1, stats))
         runs.append((stats.prefill_tokens_per_second, stats.decode_tokens_per_second))
     return {
         "load_s": load,

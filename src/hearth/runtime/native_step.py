@@ -15,7 +15,10 @@ order, but for attention and GELU, so its logits are the module path's up to the
 sums there (tests/runtime/test_native_step_blocks.py states the bound). On a paged pool's
 caches that call reads and writes each sequence's K/V in its blocks through its block table
 (`PagedLayerCache.decode_blocks`), in the order a copy of them would hold them: the logits of
-the copy it replaced, bit for bit (tests/runtime/test_native_paged_blocks.py).
+the copy it replaced, bit for bit (tests/runtime/test_native_paged_blocks.py). A Gemma 4 dense
+model so stored runs each layer as one call too (`gemma4_blocks_layer`, one sequence), with
+the same bound (tests/runtime/test_native_step_gemma4_blocks.py); its MoE layers (26B-A4B)
+keep the module path.
 
 The layers' operands (pointers into their tensors) are built once and kept here, not on the
 model, and rebuilt when any tensor they point into moves.
@@ -35,6 +38,7 @@ from hearth.layers.gguf import GGUFLinear
 from hearth.layers.int8 import Int8Linear
 from hearth.models import Gemma4Model, Model
 from hearth.ops import native
+from hearth.ops.rope import ValueMode
 
 _GEMMA3_SOURCES = (
     "self_attn.qkv_proj.proj",
@@ -67,7 +71,12 @@ class NativeLayer(NamedTuple):
     """A layer's operands for the native call: pointers into the layer's tensors, which the
     layer keeps alive (rebuilt when any tensor moves)."""
 
-    operands: native.DecodeLayerOperands | native.Gemma4LayerOperands | native.BlocksLayerOperands
+    operands: (
+        native.DecodeLayerOperands
+        | native.Gemma4LayerOperands
+        | native.BlocksLayerOperands
+        | native.Gemma4BlocksLayerOperands
+    )
     sample: Tensor  # zeros shaped like one token's K: sizes a cache's first slots
 
 
@@ -83,6 +92,12 @@ class NativeDecodeStep:
             and not self.gemma4
             and isinstance(_child(model.layers[0], ("self_attn", "o_proj")), GGUFLinear)
         )
+        # An fp32 Gemma 4 over GGUF blocks: one sequence at a time (`gemma4_blocks_layer`).
+        self.gemma4_blocks = (
+            model.compute_dtype == torch.float32
+            and self.gemma4
+            and isinstance(_child(model.layers[0], ("self_attn", "o_proj")), GGUFLinear)
+        )
         paths = _GEMMA4_SOURCES if self.gemma4 else _GEMMA3_SOURCES
         self._paths = tuple(tuple(path.split(".")) for path in paths)
         # Per layer: the addresses its operands were built from, and the operands (None: the
@@ -91,13 +106,13 @@ class NativeDecodeStep:
 
     def applies(self, input_ids: Tensor, caches: Sequence[LayerCache] | None) -> bool:
         """Whether a step over `input_ids` may run natively: one token of one sequence, a
-        bf16 (or fp32 Gemma 3) CPU model with caches, outside autograd, and the kernels built
-        here."""
+        bf16 (or fp32 over GGUF blocks) CPU model with caches, outside autograd, and the
+        kernels built here."""
         return caches is not None and input_ids.shape == (1, 1) and self._model_fits()
 
     def _model_fits(self) -> bool:
         return (
-            (self.model.compute_dtype == torch.bfloat16 or self.blocks)
+            (self.model.compute_dtype == torch.bfloat16 or self.blocks or self.gemma4_blocks)
             and self.model.device.type == "cpu"
             and not torch.is_grad_enabled()
             and native.kernels() is not None
@@ -218,7 +233,8 @@ class NativeDecodeStep:
                 slot = donors[layer.layer_type]
             cos, sin = ropes[layer.layer_type]
             own_input = None if per_layer is None else per_layer[0, 0, index]
-            kernels.gemma4_decode_layer(
+            run = kernels.gemma4_blocks_layer if self.gemma4_blocks else kernels.gemma4_decode_layer
+            run(
                 built.operands, x, normed, cos.reshape(-1), sin.reshape(-1), slot.keys,
                 slot.values, written, slot.length, own_input,
             )  # fmt: skip
@@ -244,7 +260,7 @@ class NativeDecodeStep:
         cached = self._built.get(index)
         if cached is None or cached[0] != addresses:
             build = (
-                _gemma4_layer
+                (_gemma4_blocks_layer if self.gemma4_blocks else _gemma4_layer)
                 if self.gemma4
                 else _gemma3_blocks_layer
                 if self.blocks
@@ -333,6 +349,62 @@ def _gemma4_layer(layer: nn.Module, sources: Sequence[nn.Module | None]) -> Nati
         scalar.data_ptr(),
     )
     return NativeLayer(operands, _key_sample(layer))
+
+
+def _gemma4_blocks_layer(
+    layer: nn.Module, sources: Sequence[nn.Module | None]
+) -> NativeLayer | None:
+    """The operands of a Gemma 4 dense layer whose projections (the per-layer input's
+    included) all hold GGUF blocks (`sources` as `_gemma4_layer`'s); None where any does not,
+    or for a MoE layer."""
+    if layer.has_moe:
+        return None
+    attention, mlp = layer.self_attn, layer.mlp
+    value_mode = int(attention.value_mode)
+    weights = [_blocks_weight(module) for module in sources[:4]]
+    gate, projection = sources[4], sources[5]
+    per_layer = [_blocks_weight(module) for module in (gate, projection) if module is not None]
+    norms = _fitting_norms(sources[6:])
+    scalar = layer.layer_scalar
+    if (
+        value_mode not in (ValueMode.ABSENT, ValueMode.UNIT_NORM, ValueMode.UNIT_NORM_OF_K)
+        or any(w is None for w in (*weights, *per_layer))
+        or norms is None
+        or not (scalar.dtype == torch.float32 and scalar.numel() == 1 and scalar.is_contiguous())
+    ):
+        return None
+    q_norm, k_norm, post_attention, pre_feedforward, post_feedforward, post_per_layer, after = norms
+    needed = [q_norm, post_attention, pre_feedforward, post_feedforward, after]
+    if value_mode != ValueMode.ABSENT:
+        needed.append(k_norm)
+    if gate is not None:
+        needed.append(post_per_layer)
+    if any(n is None for n in needed):
+        return None
+    base = native.BlocksLayerOperands(
+        layer.post_attention_layernorm.weight.numel(),
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        mlp.down_proj.in_features,
+        *weights,
+        *(None if n is None else n.data_ptr() for n in norms[:5]),
+        after.data_ptr(),
+        next(module.eps for module in sources[6:] if module is not None),
+        attention.scale,
+    )
+    gate_weight, projection_weight = per_layer or [native.BlocksWeight(), native.BlocksWeight()]
+    operands = native.Gemma4BlocksLayerOperands(
+        base,
+        0 if gate is None else gate.out_features,
+        value_mode,
+        gate_weight,
+        projection_weight,
+        None if post_per_layer is None else post_per_layer.data_ptr(),
+        scalar.data_ptr(),
+    )
+    sample = torch.zeros(1, attention.num_kv_heads, 1, attention.head_dim)
+    return NativeLayer(operands, sample)
 
 
 def _layer_operands(

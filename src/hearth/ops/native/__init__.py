@@ -107,6 +107,10 @@ _SIGNATURES = {
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
     "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
     "hearth_argmax_rows": [_POINTER, _INT64, _INT64, _POINTER],
+    "hearth_gemma4_blocks_layer": [
+        _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64,
+        _INT64, _POINTER, _INT,
+    ],
 }  # fmt: skip
 # GGML block types ``blocks_to_bf16`` decodes: type id -> (values, bytes) per block.
 BLOCK_TYPES = {8: (32, 34), 2: (32, 18), 6: (32, 22), 12: (256, 144), 14: (256, 210)}
@@ -188,6 +192,24 @@ class Gemma4LayerOperands(ctypes.Structure):
             )
         ),
     ]  # fmt: skip
+
+
+class Gemma4BlocksLayerOperands(ctypes.Structure):
+    """A Gemma 4 dense layer's fixed operands over GGUF blocks for ``gemma4_blocks_layer``
+    (``hearth_gemma4_blocks_operands`` in the source): ``base`` as for Gemma 3 over blocks
+    (norm weights w; no k norm on a KV-sharing layer; scale 1), how V is made (a
+    ``ValueMode``: 0 for a KV-sharing layer), the per-layer input's gate and projection over
+    blocks (``per_layer`` 0: none) with the norm after them, and the fp32 layer scalar."""
+
+    _fields_ = [
+        ("base", BlocksLayerOperands),
+        ("per_layer", _INT64),
+        ("value_mode", _INT64),
+        ("per_layer_gate", BlocksWeight),
+        ("per_layer_projection", BlocksWeight),
+        ("post_per_layer_norm", _POINTER),
+        ("layer_scalar", _POINTER),
+    ]
 
 
 def _require(condition: bool, what: str) -> None:
@@ -758,6 +780,57 @@ class NativeKernels:
             values.data_ptr(), keys.stride(1), -1 if slot is None else slot, length,
             None if per_layer_input is None else per_layer_input.data_ptr(),
             gelu_tanh_table().data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+    def gemma4_blocks_layer(
+        self,
+        operands: Gemma4BlocksLayerOperands,
+        x: Tensor,
+        normed: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        slot: int | None,
+        length: int,
+        per_layer_input: Tensor | None,
+    ) -> None:
+        """One Gemma 4 dense layer over GGUF blocks at one token, in place: ``x`` (the residual
+        stream, fp32 [hidden]) becomes the layer's output and ``normed`` (its input norm) that
+        output's next norm; cos/sin fp32 [D]. A layer that owns K/V writes them into ``slot``
+        of its fp32 ``keys``/``values`` [1, Hk, slots, D]; a KV-sharing one (``slot`` None)
+        attends over its donor's. Attention reads slots ``0..length-1``. ``per_layer_input``:
+        fp32 [per_layer] or None. ``operands`` must point at live tensors."""
+        base = operands.base
+        dim = base.head_dim
+        shares = operands.value_mode == 0
+        _require(
+            _dense(x, torch.float32)
+            and _dense(normed, torch.float32)
+            and x.numel() == normed.numel() == base.hidden
+            and _dense(cos, torch.float32)
+            and _dense(sin, torch.float32)
+            and cos.numel() == sin.numel() == dim
+            and keys.dtype == values.dtype == torch.float32
+            and keys.shape == values.shape
+            and keys.shape[:2] == (1, base.kv_heads)
+            and keys.shape[3] == dim
+            and attention_layout(keys, values)
+            and 0 < length <= keys.shape[2]
+            and (slot is None) == shares
+            and (shares or 0 <= slot < length)
+            and (per_layer_input is None) == (operands.per_layer == 0)
+            and (per_layer_input is None or (_dense(per_layer_input, torch.float32)
+                                             and per_layer_input.numel() == operands.per_layer)),
+            "gemma4_blocks_layer takes fp32 x, normed [hidden], cos/sin [D], K/V "
+            "[1, Hk, slots, D], a slot unless the layer shares K/V, its per-layer input",
+        )  # fmt: skip
+        self._call(
+            "hearth_gemma4_blocks_layer", ctypes.byref(operands), x.data_ptr(),
+            normed.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+            values.data_ptr(), keys.stride(1), -1 if slot is None else slot, length,
+            None if per_layer_input is None else per_layer_input.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
 
 

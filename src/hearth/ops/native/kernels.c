@@ -1819,3 +1819,131 @@ done:
     free(work);
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * A whole Gemma 4 dense decoder layer over GGUF blocks kept as stored, fp32 activations, at one
+ * decode token, in one call: hearth_gemma4_decode_layer's steps (q/k norms, V made as the layer's
+ * value mode says, RoPE, the KV-sharing layers reading their donor's planes, the sandwich norms,
+ * the per-layer input's gate and projection, the layer scalar) in the order of
+ * hearth/models/gemma4.py, each of them the kernel or the fp32 op the module path runs, except
+ * attention (the module path's is torch's SDPA) and GELU (here exp_f32's logistic form): the
+ * result is the module path's up to the order of fp32 sums there and the last bits of tanh.
+ */
+
+/* A Gemma 4 layer's fixed operands over blocks (read-only): `base` as for Gemma 3 (norm weights
+ * fp32 w, Gemma 4 has no 1 + w; k_norm NULL on a KV-sharing layer; scale 1), value_mode as
+ * hearth_gemma4_layer's (0: a KV-sharing layer, its qkv holds Q only; 2: V its own projection
+ * RMS-normalised without weight; 3: V the raw K so normalised, its qkv holds Q and K), the
+ * per-layer input's gate [per_layer, hidden] and projection [hidden, per_layer] over blocks
+ * with the norm after them (per_layer 0: none), and the fp32 layer scalar [1]. */
+typedef struct {
+    hearth_blocks_layer base;
+    int64_t per_layer, value_mode;
+    hearth_blocks_weight per_layer_gate, per_layer_projection;
+    const float *post_per_layer_norm;
+    const float *layer_scalar;
+} hearth_gemma4_blocks_operands;
+
+/* x = (x + norm(branch) * w) * scalar; normed = norm(x) * w_next, for one row of h fp32 values:
+ * add_rms_norm_reference's ops and roundings, one at a time. branch: [h] room, overwritten. */
+NO_FMA static void add_rms_norm_scaled_f32(float *x, float *branch, int64_t h, const float *w,
+                                           const float *scalar, const float *w_next, float eps,
+                                           float *normed) {
+    rms_norm_row_f32(branch, w, h, eps, branch);
+    for (int64_t j = 0; j < h; ++j) {
+        x[j] = (x[j] + branch[j]) * scalar[0];
+    }
+    rms_norm_row_f32(x, w_next, h, eps, normed);
+}
+
+/* q heads of qkv: RMSNorm by q_norm, then RoPE, into q [q_heads, d]. With a value mode, k heads:
+ * RMSNorm by k_norm and RoPE into slot `slot` of `keys`, and V made as the mode says into that
+ * slot of `values` (hearth.ops.rope.norm_rope_reference at one token). row: [d] room. */
+static void gemma4_blocks_norm_rope(const hearth_gemma4_blocks_operands *gemma4,
+                                    const float *qkv, const float *cos, const float *sin,
+                                    float *q, float *keys, float *values, int64_t head_stride,
+                                    int64_t slot, float *row) {
+    const hearth_blocks_layer *layer = &gemma4->base;
+    const int64_t d = layer->head_dim, kv_start = layer->q_heads * d;
+    for (int64_t head = 0; head < layer->q_heads; ++head) {
+        rms_norm_row_f32(qkv + head * d, layer->q_norm, d, layer->eps, row);
+        rope_row_f32(row, cos, sin, d, q + head * d);
+    }
+    for (int64_t head = 0; gemma4->value_mode != 0 && head < layer->kv_heads; ++head) {
+        const float *raw_k = qkv + kv_start + head * d;
+        const int64_t at = head * head_stride + slot * d;
+        rms_norm_row_f32(raw_k, layer->k_norm, d, layer->eps, row);
+        rope_row_f32(row, cos, sin, d, keys + at);
+        /* value mode 3 (k_eq_v): V from the raw K; else 2: from its own projection. */
+        const float *raw_v =
+            gemma4->value_mode == 3 ? raw_k : qkv + kv_start + (layer->kv_heads + head) * d;
+        rms_norm_row_f32(raw_v, NULL, d, layer->eps, values + at);
+    }
+}
+
+/* x [hidden] (the residual stream) and normed [hidden] (its input norm) are updated in place:
+ * x becomes the layer's output, normed its norm by next_norm. cos, sin: fp32 [head_dim] at this
+ * position. A layer that owns K/V writes them into slot `slot` of its fp32 planes keys/values
+ * (head h's slot t at h * head_stride + t * head_dim); a KV-sharing one (value_mode 0, slot
+ * ignored) reads its donor's. Attention reads slots 0..length-1. per_layer_input: fp32
+ * [per_layer] (NULL without). Returns -1 when memory runs out or a block type is not handled. */
+int hearth_gemma4_blocks_layer(const hearth_gemma4_blocks_operands *gemma4, float *x,
+                               float *normed, const float *cos, const float *sin, float *keys,
+                               float *values, int64_t head_stride, int64_t slot, int64_t length,
+                               const float *per_layer_input, int threads) {
+    const hearth_blocks_layer *layer = &gemma4->base;
+    const int64_t d = layer->head_dim, h = layer->hidden, inner = layer->intermediate;
+    const int64_t ple = gemma4->per_layer, q_width = layer->q_heads * d;
+    const int64_t kv_parts = gemma4->value_mode == 0 ? 0 : gemma4->value_mode == 3 ? 1 : 2;
+    const int64_t qkv_width = q_width + kv_parts * layer->kv_heads * d;
+    float *work = malloc(sizeof(float) * (size_t)(qkv_width + q_width + d + h + 3 * inner +
+                                                  3 * ple));
+    if (work == NULL) {
+        return -1;
+    }
+    float *qkv = work, *q = qkv + qkv_width, *row = q + q_width, *projected = row + d;
+    float *gate_up = projected + h, *activated = gate_up + 2 * inner;
+    float *ple_gate_input = activated + inner, *ple_activated = ple_gate_input + 2 * ple;
+    int status = -1;
+    if (blocks_project(&layer->qkv, normed, 1, h, qkv, qkv_width, threads) != 0) {
+        goto done;
+    }
+    gemma4_blocks_norm_rope(gemma4, qkv, cos, sin, q, keys, values, head_stride, slot, row);
+    /* The query heads become their attention output, in place. */
+    if (attention_heads(q, keys, values, 1, layer->kv_heads, layer->q_heads / layer->kv_heads,
+                        d, length, head_stride, layer->scale, threads) != 0 ||
+        blocks_project(&layer->o, q, 1, q_width, projected, h, threads) != 0 ||
+        hearth_add_rms_norm_f32(x, projected, 1, h, layer->post_attention_norm,
+                                layer->pre_feedforward_norm, layer->eps, x, normed) != 0 ||
+        blocks_project(&layer->gate_up, normed, 1, h, gate_up, 2 * inner, threads) != 0) {
+        goto done;
+    }
+    geglu_rows_f32(gate_up, 1, inner, activated);
+    if (blocks_project(&layer->down, activated, 1, inner, projected, h, threads) != 0) {
+        goto done;
+    }
+    if (ple == 0) {
+        add_rms_norm_scaled_f32(x, projected, h, layer->post_feedforward_norm,
+                                gemma4->layer_scalar, layer->next_norm, layer->eps, normed);
+        status = 0;
+        goto done;
+    }
+    /* x += norm(down) * w; the gate reads that x, its GeGLU's "up" is the per-layer input. */
+    if (hearth_add_rms_norm_f32(x, projected, 1, h, layer->post_feedforward_norm, NULL,
+                                layer->eps, x, NULL) != 0 ||
+        blocks_project(&gemma4->per_layer_gate, x, 1, h, ple_gate_input, ple, threads) != 0) {
+        goto done;
+    }
+    memcpy(ple_gate_input + ple, per_layer_input, sizeof(float) * (size_t)ple);
+    geglu_rows_f32(ple_gate_input, 1, ple, ple_activated);
+    if (blocks_project(&gemma4->per_layer_projection, ple_activated, 1, ple, projected, h,
+                       threads) != 0) {
+        goto done;
+    }
+    add_rms_norm_scaled_f32(x, projected, h, gemma4->post_per_layer_norm, gemma4->layer_scalar,
+                            layer->next_norm, layer->eps, normed);
+    status = 0;
+done:
+    free(work);
+    return status;
+}
