@@ -1910,8 +1910,9 @@ int hearth_gemma4_blocks_layer(const hearth_gemma4_blocks_operands *gemma4, floa
     }
     gemma4_blocks_norm_rope(gemma4, qkv, cos, sin, q, keys, values, head_stride, slot, row);
     /* The query heads become their attention output, in place. */
-    if (attention_heads(q, keys, values, 1, layer->kv_heads, layer->q_heads / layer->kv_heads,
-                        d, length, head_stride, layer->scale, threads) != 0 ||
+    const kv_layout layout = {.k = keys, .v = values, .group_stride = head_stride};
+    if (attention_heads(q, &layout, 1, layer->kv_heads, layer->q_heads / layer->kv_heads, d,
+                        length, layer->scale, threads) != 0 ||
         blocks_project(&layer->o, q, 1, q_width, projected, h, threads) != 0 ||
         hearth_add_rms_norm_f32(x, projected, 1, h, layer->post_attention_norm,
                                 layer->pre_feedforward_norm, layer->eps, x, normed) != 0 ||
