@@ -298,16 +298,17 @@ def test_a_kv_pool_that_holds_no_request_stops_the_server_at_start(tmp_path: Pat
 
 def test_a_request_the_kv_pool_can_never_hold_is_a_400(tmp_path: Path) -> None:
     """Tiny Gemma 3 (fp32; 2 sliding and 2 full layers of 2 KV heads of 32 dims: 1 KiB a token
-    a group, 16 KiB a block) in 0.0008 GB: the sliding group takes one sequence's window and
-    prefill chunk of 512 (34 blocks), the full group the 14 blocks left, 224 tokens. A prompt
-    plus max_tokens past them is refused up front; a shorter one runs."""
+    a group, 16 KiB a block) in 0.0008 GB: the sliding group takes what one sequence holds at
+    most, its window and a prefill chunk of 512 (34 blocks) but no more than the model's 512
+    positions (32 blocks), the full group the 16 blocks left, 256 tokens. A prompt plus
+    max_tokens past them is refused up front; a shorter one runs."""
     model = save_tiny_with_tokenizer(tmp_path / "tiny")
     tiny = hearth.load(model, dtype="float32", device="cpu", progress=False)
     limits = ServerLimits(max_concurrent=2, kv_cache_memory_gb=0.0008)
     with TestClient(create_app(tiny, limits=limits)) as client:
         pool = client.get("/stats").json()["kv_pool"]
         longest = pool["max_context_tokens"]
-        assert longest == 14 * DEFAULT_BLOCK_SIZE
+        assert longest == 16 * DEFAULT_BLOCK_SIZE
         words = " ".join(f"t{4 + i}" for i in range(longest))
         body = {"model": "m", "prompt": words, "max_tokens": 8, "temperature": 0}
         refused = client.post("/v1/completions", json=body)
