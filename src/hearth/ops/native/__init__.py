@@ -222,7 +222,7 @@ def _dense(tensor: Tensor, dtype: torch.dtype) -> bool:
 
 
 def _layer_inputs_fit(
-    operands: DecodeLayerOperands,
+    operands: DecodeLayerOperands | BlocksLayerOperands,
     x: Tensor,
     normed: Tensor,
     cos: Tensor,
@@ -230,18 +230,19 @@ def _layer_inputs_fit(
     keys: Tensor,
     values: Tensor,
     length: int,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> bool:
-    """What a native decoder layer reads: bf16 x and normed [hidden], cos/sin [D], and K/V
-    planes [1, Hk, slots, D] holding at least `length` slots."""
+    """What a native decoder layer reads: x and normed [hidden], cos/sin [D], and K/V planes
+    [1, Hk, slots, D] holding at least `length` slots, all in `dtype`."""
     dim = operands.head_dim
     return (
-        _dense(x, torch.bfloat16)
-        and _dense(normed, torch.bfloat16)
+        _dense(x, dtype)
+        and _dense(normed, dtype)
         and x.numel() == normed.numel() == operands.hidden
-        and _dense(cos, torch.bfloat16)
-        and _dense(sin, torch.bfloat16)
+        and _dense(cos, dtype)
+        and _dense(sin, dtype)
         and cos.numel() == sin.numel() == dim
-        and keys.dtype == values.dtype == torch.bfloat16
+        and keys.dtype == values.dtype == dtype
         and keys.shape == values.shape
         and keys.shape[:2] == (1, operands.kv_heads)
         and keys.shape[3] == dim
@@ -801,22 +802,11 @@ class NativeKernels:
         of its fp32 ``keys``/``values`` [1, Hk, slots, D]; a KV-sharing one (``slot`` None)
         attends over its donor's. Attention reads slots ``0..length-1``. ``per_layer_input``:
         fp32 [per_layer] or None. ``operands`` must point at live tensors."""
-        base = operands.base
-        dim = base.head_dim
         shares = operands.value_mode == 0
         _require(
-            _dense(x, torch.float32)
-            and _dense(normed, torch.float32)
-            and x.numel() == normed.numel() == base.hidden
-            and _dense(cos, torch.float32)
-            and _dense(sin, torch.float32)
-            and cos.numel() == sin.numel() == dim
-            and keys.dtype == values.dtype == torch.float32
-            and keys.shape == values.shape
-            and keys.shape[:2] == (1, base.kv_heads)
-            and keys.shape[3] == dim
-            and attention_layout(keys, values)
-            and 0 < length <= keys.shape[2]
+            _layer_inputs_fit(
+                operands.base, x, normed, cos, sin, keys, values, length, torch.float32
+            )
             and (slot is None) == shares
             and (shares or 0 <= slot < length)
             and (per_layer_input is None) == (operands.per_layer == 0)
