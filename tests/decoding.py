@@ -15,18 +15,27 @@ from hearth.runtime.runner import ModelRunner
 from tiny import TINY_VOCAB
 
 
-def greedy_logits(runner: ModelRunner, prompt_length: int, steps: int) -> tuple[list, list]:
-    """Greedy decode after a random prompt: the prefill's and every step's logits, and the
+def random_prompt(length: int, seed: int) -> torch.Tensor:
+    """Token ids [1, length] of the tiny vocabulary (past its 4 special tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, len(TINY_VOCAB), (1, length), generator=generator)
+
+
+def greedy_after(runner: ModelRunner, prompt: torch.Tensor, steps: int) -> tuple[list, list]:
+    """Greedy decode after `prompt` [1, T]: the prefill's and every step's logits, and the
     caches at the end."""
-    generator = torch.Generator().manual_seed(prompt_length)
-    ids = torch.randint(4, len(TINY_VOCAB), (1, prompt_length), generator=generator)
     caches = runner.new_caches()
     with torch.inference_mode():
-        logits = [runner.prefill(ids, caches, chunk=64)]
+        logits = [runner.prefill(prompt, caches, chunk=64)]
         for step in range(steps):
             token = int(logits[-1].argmax(dim=-1))
-            logits.append(runner.decode(token, caches, prompt_length + step))
+            logits.append(runner.decode(token, caches, prompt.shape[1] + step))
     return logits, caches
+
+
+def greedy_logits(runner: ModelRunner, prompt_length: int, steps: int) -> tuple[list, list]:
+    """`greedy_after` a random prompt of `prompt_length` tokens (seeded by its length)."""
+    return greedy_after(runner, random_prompt(prompt_length, prompt_length), steps)
 
 
 def native_or_module_decode(

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding import count_kernel_calls
+from decoding import count_kernel_calls, greedy_after, random_prompt
 from hearth.checkpoint.gguf_writer import write_gguf
 from hearth.engine import Engine
 from hearth.kv.paged import KVPool, cache_groups
@@ -63,21 +63,6 @@ def _runners(path: Path) -> tuple[ModelRunner, ModelRunner]:
     return ModelRunner(model, plan), ModelRunner(model, replace(plan, native_layers=False))
 
 
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, len(TINY_VOCAB), (1, length), generator=generator)
-
-
-def _greedy(runner: ModelRunner, prompt: torch.Tensor) -> tuple[list[torch.Tensor], list]:
-    caches = runner.new_caches()
-    with torch.inference_mode():
-        logits = [runner.prefill(prompt, caches)]
-        for step in range(DECODE_STEPS):
-            token = int(logits[-1].argmax(dim=-1))
-            logits.append(runner.decode(token, caches, prompt.shape[1] + step))
-    return logits, caches
-
-
 @pytest.mark.usefixtures("kernels_build")
 @pytest.mark.parametrize(
     # Within the window of 8, and wrapping the sliding layers' ring during decode.
@@ -89,10 +74,10 @@ def test_native_blocks_layers_match_the_module_path(
 ) -> None:
     native_runner, module_runner = _runners(gguf_file)
     calls = count_kernel_calls(monkeypatch, "gemma3_blocks_layer")
-    prompt = _prompt(prompt_length, prompt_length)
-    expected, expected_caches = _greedy(module_runner, prompt)
+    prompt = random_prompt(prompt_length, prompt_length)
+    expected, expected_caches = greedy_after(module_runner, prompt, DECODE_STEPS)
     assert not calls
-    got, got_caches = _greedy(native_runner, prompt)
+    got, got_caches = greedy_after(native_runner, prompt, DECODE_STEPS)
     assert len(calls) == DECODE_STEPS * len(native_runner.model.layers)
     for step, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert (a - b).abs().max() <= RTOL * a.abs().max(), f"step {step}"
@@ -110,8 +95,8 @@ def test_sequences_together_equal_each_alone(gguf_file: Path) -> None:
     """Three sequences of different lengths (one past the window) decoded together, natively,
     give each one's logits and caches bit for bit as decoding it alone."""
     runner, _ = _runners(gguf_file)
-    prompts = [_prompt(length, length) for length in (3, 11, 6)]
-    alone = [_greedy(runner, prompt) for prompt in prompts]
+    prompts = [random_prompt(length, length) for length in (3, 11, 6)]
+    alone = [greedy_after(runner, prompt, DECODE_STEPS) for prompt in prompts]
     caches = [runner.new_caches() for _ in prompts]
     with torch.inference_mode():
         last = [runner.prefill(prompt, own) for prompt, own in zip(prompts, caches, strict=True)]
@@ -144,8 +129,8 @@ def test_sequences_on_paged_caches_equal_each_alone(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "one_head.gguf", hf.config.to_dict(), tensors, TINY_VOCAB, "Q8_0")
     runner = ModelRunner(Engine.load(path, device="cpu", progress=False).model)
     model = runner.model
-    prompts = [_prompt(length, length) for length in (3, 11, 6)]
-    alone = [_greedy(runner, prompt) for prompt in prompts]
+    prompts = [random_prompt(length, length) for length in (3, 11, 6)]
+    alone = [greedy_after(runner, prompt, DECODE_STEPS) for prompt in prompts]
     specs, policy = model.cache_specs(), runner.kv_policy
     blocks = [64] * len(cache_groups(specs, policy))
     pool = KVPool(specs, policy, model.compute_dtype, blocks, 4)
@@ -175,7 +160,7 @@ def test_sequences_on_paged_caches_equal_each_alone(tmp_path: Path) -> None:
 def test_more_sequences_than_one_call_takes(gguf_file: Path) -> None:
     """18 sequences: the native step runs them 16 and 2 at a time, each as it alone."""
     runner, _ = _runners(gguf_file)
-    prompts = [_prompt(2 + index % 5, index) for index in range(18)]
+    prompts = [random_prompt(2 + index % 5, index) for index in range(18)]
     caches = [runner.new_caches() for _ in prompts]
     alone_caches = [runner.new_caches() for _ in prompts]
     with torch.inference_mode():

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding import count_kernel_calls
+from decoding import count_kernel_calls, greedy_after, random_prompt
 from hearth.checkpoint import open_checkpoint
 from hearth.checkpoint.gguf_writer import write_gguf
 from hearth.engine import Engine
@@ -77,21 +77,6 @@ def _runners(path: Path) -> tuple[ModelRunner, ModelRunner]:
     return ModelRunner(model, plan), ModelRunner(model, replace(plan, native_layers=False))
 
 
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, len(TINY_VOCAB), (1, length), generator=generator)
-
-
-def _greedy(runner: ModelRunner, prompt: torch.Tensor) -> tuple[list[torch.Tensor], list]:
-    caches = runner.new_caches()
-    with torch.inference_mode():
-        logits = [runner.prefill(prompt, caches)]
-        for step in range(DECODE_STEPS):
-            token = int(logits[-1].argmax(dim=-1))
-            logits.append(runner.decode(token, caches, prompt.shape[1] + step))
-    return logits, caches
-
-
 @pytest.mark.usefixtures("kernels_build")
 @pytest.mark.parametrize(
     # Within the window of 8, and wrapping the sliding layers' ring during decode.
@@ -103,10 +88,10 @@ def test_native_gemma4_blocks_layers_match_the_module_path(
 ) -> None:
     native_runner, module_runner = _runners(gguf_file)
     calls = count_kernel_calls(monkeypatch, "gemma4_blocks_layer")
-    prompt = _prompt(prompt_length, prompt_length)
-    expected, expected_caches = _greedy(module_runner, prompt)
+    prompt = random_prompt(prompt_length, prompt_length)
+    expected, expected_caches = greedy_after(module_runner, prompt, DECODE_STEPS)
     assert not calls
-    got, got_caches = _greedy(native_runner, prompt)
+    got, got_caches = greedy_after(native_runner, prompt, DECODE_STEPS)
     assert len(calls) == DECODE_STEPS * len(native_runner.model.layers)
     for step, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert (a - b).abs().max() <= RTOL * a.abs().max(), f"step {step}"
@@ -127,8 +112,8 @@ def test_a_wrong_layer_scalar_is_seen(gguf_file: Path, monkeypatch: pytest.Monke
     """The tolerance tells a slip apart: the native layers reading the scalar of 1 (a missed
     `layer_scalar`) leave it by far."""
     native_runner, module_runner = _runners(gguf_file)
-    prompt = _prompt(5, 5)
-    expected, _ = _greedy(module_runner, prompt)
+    prompt = random_prompt(5, 5)
+    expected, _ = greedy_after(module_runner, prompt, DECODE_STEPS)
     one = torch.ones(1)
     step = native_runner.native
     assert isinstance(step, NativeDecodeStep)
@@ -169,7 +154,7 @@ def test_a_moe_model_keeps_the_module_path(tmp_path: Path, monkeypatch: pytest.M
     calls = count_kernel_calls(monkeypatch, "gemma4_blocks_layer")
     caches = runner.new_caches()
     with torch.inference_mode():
-        logits = runner.prefill(_prompt(4, 4), caches)
+        logits = runner.prefill(random_prompt(4, 4), caches)
         assert runner.native._layers(caches) is None
         following = runner.decode(int(logits.argmax(dim=-1)), caches, 4)
     assert not calls
