@@ -591,12 +591,7 @@ class PagedLayerCache:
         if not self.takes_decode_slots():
             return None
         position = self.offset
-        if position + 1 > self.sequence.tokens:
-            raise RuntimeError("paged cache: a token stored past the blocks reserved for it")
-        if self.window is None:
-            runs = [(0, position + 1)]
-        else:
-            runs = _ring_runs(max(0, position - self.window + 1), position + 1, self.window)
+        runs = self._decode_runs(position)
         # The token's own slot reads what its reserved block holds: the kernel overwrites it.
         # The kernel needs a private buffer: a read of consecutive blocks can be a view of the
         # pool itself (a gather of scattered ones is a copy already).
@@ -617,6 +612,15 @@ class PagedLayerCache:
         self.offset = position + 1
         return DecodeSlot(keys, values, slot, keys.shape[2])
 
+    def _decode_runs(self, position: int) -> list[tuple[int, int]]:
+        """The runs of positions a decode query at `position` sees, itself included, in the
+        order a `LayerCache` holds them (a sliding layer's window in ring-slot order)."""
+        if position + 1 > self.sequence.tokens:
+            raise RuntimeError("paged cache: a token stored past the blocks reserved for it")
+        if self.window is None:
+            return [(0, position + 1)]
+        return _ring_runs(max(0, position - self.window + 1), position + 1, self.window)
+
     def decode_blocks(self) -> BlockSlot | None:
         """Where one token goes for a kernel that writes K/V and attends in one call, reading
         and writing the pool's blocks in place (the native CPU step): the layer's planes, the
@@ -627,12 +631,7 @@ class PagedLayerCache:
         if not self.takes_decode_slots():
             return None
         position = self.offset
-        if position + 1 > self.sequence.tokens:
-            raise RuntimeError("paged cache: a token stored past the blocks reserved for it")
-        if self.window is None:
-            runs = [(0, position + 1)]
-        else:
-            runs = _ring_runs(max(0, position - self.window + 1), position + 1, self.window)
+        runs = self._decode_runs(position)
         self.offset = position + 1
         keys, values = self._pool.planes[self.layer]
         return BlockSlot(keys, values, self.sequence.tables[self.group], position, tuple(runs))

@@ -251,6 +251,34 @@ def _layer_inputs_fit(
     )
 
 
+def _gemma4_inputs_fit(
+    operands: Gemma4LayerOperands | Gemma4BlocksLayerOperands,
+    x: Tensor,
+    normed: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    slot: int | None,
+    length: int,
+    per_layer_input: Tensor | None,
+    dtype: torch.dtype,
+) -> bool:
+    """What a native Gemma 4 layer reads (`_layer_inputs_fit`'s, in `dtype`), a slot unless the
+    layer shares K/V, and its per-layer input [per_layer] where it has one."""
+    shares = operands.value_mode == 0
+    return (
+        _layer_inputs_fit(operands.base, x, normed, cos, sin, keys, values, length, dtype)
+        and (slot is None) == shares
+        and (shares or 0 <= slot < length)
+        and (per_layer_input is None) == (operands.per_layer == 0)
+        and (
+            per_layer_input is None
+            or (_dense(per_layer_input, dtype) and per_layer_input.numel() == operands.per_layer)
+        )
+    )
+
+
 def attention_layout(keys: Tensor, values: Tensor) -> bool:
     """Whether K/V [B, Hk, slots, D] share strides that step whole rows of D: what
     ``decode_attention`` reads (a cache buffer, or its first slots)."""
@@ -764,14 +792,11 @@ class NativeKernels:
         """One Gemma 4 dense layer at one token, in place, as ``gemma3_decode_layer``. A layer
         that owns K/V writes them into ``slot``; a KV-sharing one (``slot`` None) attends over
         its donor's ``keys``/``values``. ``per_layer_input``: bf16 [per_layer] or None."""
-        shares = operands.value_mode == 0
         _require(
-            _layer_inputs_fit(operands.base, x, normed, cos, sin, keys, values, length)
-            and (slot is None) == shares
-            and (shares or 0 <= slot < length)
-            and (per_layer_input is None) == (operands.per_layer == 0)
-            and (per_layer_input is None or (_dense(per_layer_input, torch.bfloat16)
-                                             and per_layer_input.numel() == operands.per_layer)),
+            _gemma4_inputs_fit(
+                operands, x, normed, cos, sin, keys, values, slot, length, per_layer_input,
+                torch.bfloat16,
+            ),
             "gemma4_decode_layer takes bf16 x, normed [hidden], cos/sin [D], K/V "
             "[1, Hk, slots, D], a slot unless the layer shares K/V, its per-layer input",
         )  # fmt: skip
@@ -802,16 +827,11 @@ class NativeKernels:
         of its fp32 ``keys``/``values`` [1, Hk, slots, D]; a KV-sharing one (``slot`` None)
         attends over its donor's. Attention reads slots ``0..length-1``. ``per_layer_input``:
         fp32 [per_layer] or None. ``operands`` must point at live tensors."""
-        shares = operands.value_mode == 0
         _require(
-            _layer_inputs_fit(
-                operands.base, x, normed, cos, sin, keys, values, length, torch.float32
-            )
-            and (slot is None) == shares
-            and (shares or 0 <= slot < length)
-            and (per_layer_input is None) == (operands.per_layer == 0)
-            and (per_layer_input is None or (_dense(per_layer_input, torch.float32)
-                                             and per_layer_input.numel() == operands.per_layer)),
+            _gemma4_inputs_fit(
+                operands, x, normed, cos, sin, keys, values, slot, length, per_layer_input,
+                torch.float32,
+            ),
             "gemma4_blocks_layer takes fp32 x, normed [hidden], cos/sin [D], K/V "
             "[1, Hk, slots, D], a slot unless the layer shares K/V, its per-layer input",
         )  # fmt: skip
