@@ -422,6 +422,8 @@ class PagedSequence:
         self.tokens = 0  # positions whose K/V are stored (or, after `reserve`, will be)
         self.stored = 0
         self.hashes: list[Hash] = []  # of the sequence's full blocks, in order
+        # Per group, the logical blocks below this index are released (or were never held).
+        self._released = [0] * len(pool.groups)
         self.caches = [
             PagedLayerCache(self, *pool.place[index], window=spec.window)
             for index, spec in enumerate(pool.specs)
@@ -463,8 +465,8 @@ class PagedSequence:
 
     def after_forward(self, ids: Sequence[int]) -> None:
         """The reserved tokens are stored: name the blocks now full (`ids`: the cache ids of
-        the tokens so far), then free sliding blocks out of every later query's window
-        (hashed ones stay cached for a later prefix hit)."""
+        the tokens so far; none needed unless `fills_a_block`), then free sliding blocks out of
+        every later query's window (hashed ones stay cached for a later prefix hit)."""
         for cache in self.caches:
             cache.flush()
         self.stored = self.tokens
@@ -479,17 +481,26 @@ class PagedSequence:
                     block = table[i]
                     if block is not None:
                         pool.register(block, self.hashes[i])
-        for table, pool, group in zip(self.tables, self.pool.pools, self.pool.groups, strict=True):
+        for g, (table, pool, group) in enumerate(
+            zip(self.tables, self.pool.pools, self.pool.groups, strict=True)
+        ):
             if group.window is None:
                 continue
             # A ring keeps the `window` tokens before the next one (the oldest of them hidden
             # from every later query, but attended over, masked, as a ring does).
-            first_needed = max(0, self.stored - group.window) // size
-            for i in range(min(first_needed, len(table))):
+            first_needed = min(max(0, self.stored - group.window) // size, len(table))
+            for i in range(self._released[g], first_needed):
                 block = table[i]
                 if block is not None:
                     pool.release(block)
                     table[i] = None
+            self._released[g] = max(self._released[g], first_needed)
+
+    @property
+    def fills_a_block(self) -> bool:
+        """Whether the tokens reserved complete a block not yet named: `after_forward` then
+        needs the cache ids (building them costs the whole context)."""
+        return self.tokens // self.pool.block_size > len(self.hashes)
 
     def free(self) -> None:
         """Give every block back (hashed ones stay cached until evicted)."""
@@ -500,6 +511,7 @@ class PagedSequence:
             table.clear()
         self.tokens = self.stored = 0
         self.hashes = []
+        self._released = [0] * len(self.tables)
         for cache in self.caches:
             cache.offset = 0
             cache.flush_discarded()

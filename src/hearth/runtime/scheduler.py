@@ -91,6 +91,12 @@ class Sequence:
         the token made last (fed by the next decode step)."""
         return len(self.history) - 1 if self.produced else len(self.prompt_ids)
 
+    def ids_to_name(self) -> list[int]:
+        """What `PagedSequence.after_forward` names its blocks by: the cache ids where the
+        tokens just stored fill a block, else nothing (a decode step mostly fills none)."""
+        assert self.paged is not None
+        return self.cache_ids() if self.paged.fills_a_block else []
+
     def cache_ids(self) -> list[int]:
         """What the prefix cache keys its blocks on: the prompt's cache ids (media keyed on
         their content), then the tokens made."""
@@ -260,7 +266,7 @@ class Scheduler:
             piece = sequence.history[start:end]
             ids = torch.tensor([piece], dtype=torch.long, device=runner.device)
             logits = runner.prefill(ids, paged.caches, start, end - start, sequence.soft)
-            paged.after_forward(sequence.cache_ids())
+            paged.after_forward(sequence.ids_to_name())
             sequence.computed = end
             if end < target:
                 return
@@ -287,7 +293,7 @@ class Scheduler:
         for sequence in running:
             sequence.computed += 1
             assert sequence.paged is not None
-            sequence.paged.after_forward(sequence.cache_ids())
+            sequence.paged.after_forward(sequence.ids_to_name())
         made = self._sample_rows(running, logits)
         if self.decode_log is not None:  # the step's tokens are on the host: it has ended
             capturing = self.runner.capture_seconds - captured
