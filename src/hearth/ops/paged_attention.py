@@ -63,10 +63,11 @@ try:
     from hearth.ops import wait_for_producer
     from hearth.ops.decode_attention import (
         NO_SCORE,
-        WRITE_OUTPUT,
         _attend_block,
-        _group_dims,
+        _empty_accumulator,
+        _finish_split,
         _merge_kernel,
+        _query_tile,
     )
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
@@ -387,24 +388,10 @@ if triton is not None:
         kv_head = batch_head % KV_HEADS
         wait_for_producer(PDL)
 
-        group = tl.arange(0, BLOCK_G)
-        group_mask = group < GROUPS
-        heads = kv_head * GROUPS + group
-        dims = tl.arange(0, HEAD_DIM)
-        query_rows = q + batch * stride_qb + heads * stride_qh
-        if K_FORMAT == 0:
-            query = tl.load(
-                query_rows[:, None] + dims[None, :], mask=group_mask[:, None], other=0.0
-            )
-        else:  # [GROUPS, BLOCK_G, GROUP], lanes in the key tiles' order
-            key_dims = _group_dims(K_BITS, K_GROUP, HEAD_DIM)
-            query = tl.load(
-                query_rows[None, :, None] + key_dims, mask=group_mask[None, :, None], other=0.0
-            )
-        if K_FORMAT == 1:
-            query_sums = tl.sum(query.to(tl.float32), axis=2)
-        else:
-            query_sums = tl.zeros([1], tl.float32)  # unread
+        query, query_sums, heads, group_mask = _query_tile(
+            q, batch, kv_head, stride_qb, stride_qh,
+            GROUPS, BLOCK_G, HEAD_DIM, K_FORMAT, K_BITS, K_GROUP,
+        )  # fmt: skip
         # Positions fit int32 (a table of 2^31 slots is far beyond any pool).
         qpos = tl.load(query_positions + batch).to(tl.int32)
 
@@ -418,16 +405,9 @@ if triton is not None:
 
         running_max = tl.full([BLOCK_G], NO_SCORE, tl.float32)
         running_sum = tl.zeros([BLOCK_G], tl.float32)
-        if V_FORMAT == 0:
-            acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-            acc_dims = dims[None, :]
-            acc_heads = heads[:, None]
-            acc_mask = group_mask[:, None]
-        else:  # [GROUPS, BLOCK_G, GROUP], lanes in the value tiles' order
-            acc = tl.zeros([HEAD_DIM // V_GROUP, BLOCK_G, V_GROUP], tl.float32)
-            acc_dims = _group_dims(V_BITS, V_GROUP, HEAD_DIM)
-            acc_heads = heads[None, :, None]
-            acc_mask = group_mask[None, :, None]
+        acc, acc_dims, acc_heads, acc_mask = _empty_accumulator(
+            heads, group_mask, BLOCK_G, HEAD_DIM, V_FORMAT, V_BITS, V_GROUP
+        )
         if HAS_WINDOW:
             # The row's first visible block: nothing before it is read.
             first = tl.maximum(qpos - window + 1, 0) // BLOCK_SIZE * BLOCK_SIZE
@@ -467,24 +447,8 @@ if triton is not None:
                         V_FORMAT, V_BITS, V_GROUP, HAS_WINDOW, WIDE_OFFSETS, PRECISION,
                     )  # fmt: skip
 
-        first_head = batch * KV_HEADS * GROUPS
-        if FINISH == WRITE_OUTPUT:
-            # One split sees every visible slot: normalise here, nothing to merge.
-            total = tl.maximum(running_sum, 1.0e-30)
-            if V_FORMAT == 0:  # noqa: SIM108 (a jitted constexpr branch)
-                result = acc / total[:, None]
-            else:
-                result = acc / total[None, :, None]
-            tl.store(
-                out + (first_head + acc_heads) * HEAD_DIM + acc_dims,
-                result.to(out.dtype.element_ty),
-                mask=acc_mask,
-            )
-        else:
-            # An empty split (wholly past the query) writes max NO_SCORE, sum 0, acc 0:
-            # weight 0 in the merge.
-            rows_out = (first_head + heads) * splits + split
-            tl.store(part_max + rows_out, running_max, mask=group_mask)
-            tl.store(part_sum + rows_out, running_sum, mask=group_mask)
-            acc_rows = (first_head + acc_heads) * splits + split
-            tl.store(part_acc + acc_rows * HEAD_DIM + acc_dims, acc, mask=acc_mask)
+        _finish_split(
+            running_max, running_sum, acc, heads, group_mask, acc_dims, acc_heads, acc_mask,
+            batch * KV_HEADS * GROUPS, split, splits, out, part_max, part_sum, part_acc,
+            HEAD_DIM, V_FORMAT, FINISH,
+        )  # fmt: skip
