@@ -152,3 +152,65 @@ def test_a_batch_decoder_lives_no_longer_than_its_pool(engine: Any) -> None:
     del pool
     gc.collect()
     assert gone() is None and len(engine.runner._batch) == 0
+
+
+def test_chained_steps_give_the_tokens_of_steps_that_wait_for_the_host(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every row samples on the device (greedy, seeded), a step is launched on the last
+    step's samples before the host reads them (`Scheduler._decode_step`). Requests ending at
+    different steps (a row's step after its last token is dropped unread) and one cancelled
+    midway leave every request's tokens exactly those of steps that each wait for the host:
+    both runs take the same batched step over the same rows, so the logits are the same
+    floats (no tolerance)."""
+    fed_from_device: list[bool] = []
+    step = BatchDecoder.step
+
+    def recorded(self: BatchDecoder, sequences: Any, tokens: Any, positions: Any) -> Any:
+        fed_from_device.append(isinstance(tokens, torch.Tensor))
+        return step(self, sequences, tokens, positions)
+
+    monkeypatch.setattr(BatchDecoder, "step", recorded)
+    requests = [
+        _request(5, 1, max_tokens=7),
+        _request(30, 2, max_tokens=30),
+        _request(17, 5, sampling=SamplingParams(temperature=1.0, seed=11), max_tokens=24),
+        _request(22, 6, max_tokens=9),
+        _request(11, 7, max_tokens=16),  # cancelled after its fourth token
+    ]
+
+    def run() -> tuple[list[list[int]], int]:
+        pool = _pool(engine, 64)
+        scheduler = Scheduler(engine.runner, engine.tokenizer, len(requests), False, pool=pool)
+        made: dict[int, list[int]] = {id(request): [] for request in requests}
+        accept = scheduler._accept_token
+
+        def recorded(sequence: Any, token: int, distribution: Any) -> None:
+            made[id(sequence.request)].append(token)
+            accept(sequence, token, distribution)
+
+        def deliver(chunk: GenerationChunk | BaseException) -> None:
+            assert not isinstance(chunk, BaseException), chunk
+
+        scheduler._accept_token = recorded  # type: ignore[method-assign]
+        last = requests[-1]
+        for request in requests:
+            scheduler.submit(
+                request, deliver, lambda r=request: r is last and len(made[id(r)]) >= 4
+            )
+        while not scheduler.idle:
+            scheduler.step()
+        return [made[id(request)] for request in requests], pool.used_blocks
+
+    chained, used = run()
+    assert used == 0  # the cancelled request's blocks and the dropped steps' went back
+    # After the admissions (each prefill step settles the step in flight), the steps chain
+    # but where a request ended or left on the last step.
+    assert sum(fed_from_device) >= 10
+    monkeypatch.setattr(engine.runner, "takes_device_tokens", lambda caches: False)
+    fed_from_device.clear()
+    waited, used = run()
+    assert not any(fed_from_device) and used == 0
+    assert chained == waited
+    assert [len(tokens) for tokens in chained] == [7, 30, 24, 9, len(chained[4])]
+    assert 4 <= len(chained[4]) < 16

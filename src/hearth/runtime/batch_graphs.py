@@ -137,10 +137,14 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def step(
-        self, sequences: Sequence[PagedSequence], tokens: Sequence[int], positions: Sequence[int]
+        self,
+        sequences: Sequence[PagedSequence],
+        tokens: Sequence[int] | torch.Tensor,
+        positions: Sequence[int],
     ) -> torch.Tensor:
         """Logits [B, vocab] after one token of each sequence (its blocks reserved) at its
-        position. From a graph, a view of its output: valid until the next step."""
+        position. From a graph, a view of its output: valid until the next step. `tokens` may
+        be a tensor [B] on the device (the last step's samples, not yet read by the host)."""
         count = len(sequences)
         if count > self.rows:
             raise ValueError(f"a batch of {count} rows in a decoder of {self.rows}")
@@ -148,8 +152,11 @@ class BatchDecoder:
         if self.graphs and key not in self._graphs:
             self._capture(key)  # on failure: eager from now on
         tables = self._tables_of(key[1])
-        self._fill(tables, sequences, tokens, positions, key[0])
+        on_device = isinstance(tokens, torch.Tensor)
+        self._fill(tables, sequences, [0] * count if on_device else tokens, positions, key[0])
         self._upload(tables, key[0])
+        if on_device:
+            self._meta[0, :count].copy_(tokens)  # after the upload: it wins
         if self.graphs and key in self._graphs:
             graph, logits = self._graphs[key]
             graph.replay()

@@ -110,7 +110,10 @@ class ModelRunner:
         return self.model(ids, caches, start=position, last_only=True)[:, -1]
 
     def decode_batch(
-        self, tokens: list[int], caches: list[list[LayerCache]], positions: list[int]
+        self,
+        tokens: list[int] | torch.Tensor,
+        caches: list[list[LayerCache]],
+        positions: list[int],
     ) -> torch.Tensor:
         """Logits [B, V] after one token of each of B sequences, each with its own caches and
         position: one forward over the B tokens side by side (the weights read once for all);
@@ -120,7 +123,9 @@ class ModelRunner:
         Caches of a paged pool with the plan's `paged_batch_decode`: one forward over block
         tables (`BatchDecoder`), from a CUDA graph per batch bucket where graphs run (a lone
         sequence too: its bucket of 1), eagerly elsewhere. The logits then may be a graph's
-        output buffer, valid until the next step."""
+        output buffer, valid until the next step.
+
+        `tokens` may be a tensor [B] on the device (see `takes_device_tokens`)."""
         sequences = self._paged_sequences(caches)
         if sequences is not None and (len(tokens) > 1 or self._one_row_from_graphs()):
             decoder = self._batch_decoder(sequences[0].pool, len(tokens))
@@ -128,6 +133,8 @@ class ModelRunner:
             logits = decoder.step(sequences, tokens, positions)
             self.capture_seconds += decoder.capture_seconds - captured
             return logits
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
         if len(tokens) == 1:
             return self.decode(tokens[0], caches[0], positions[0])
         if (
@@ -141,6 +148,13 @@ class ModelRunner:
         ones = [1] * len(tokens)
         layers = [SequenceBatch(list(layer), ones) for layer in zip(*caches, strict=True)]
         return self.model(ids, layers, positions=at)[0]
+
+    def takes_device_tokens(self, caches: list[list[LayerCache]]) -> bool:
+        """Whether `decode_batch` over `caches` reads tokens left on the device without a
+        host sync (the batched paged step), so a caller may launch a step on the last one's
+        samples before reading them."""
+        sequences = self._paged_sequences(caches)
+        return sequences is not None and (len(caches) > 1 or self._one_row_from_graphs())
 
     def _one_row_from_graphs(self) -> bool:
         """`decodes_with_graphs`, found once per plan: a lone sequence's step asks each time."""

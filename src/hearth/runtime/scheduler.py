@@ -6,7 +6,9 @@ running request at once: one forward over their tokens side by side, each with i
 tables (`runner.decode_batch`; on a GPU replayed from a CUDA graph per batch size,
 `runtime.batch_graphs`), so the weights are read once for all of them, and every row's token
 is sampled on the device and read back at once (one host sync per step; a row asking for
-log-probabilities is sampled alone). The two kinds of step alternate while both have work, so a
+log-probabilities is sampled alone). Where every row samples on the device, the steps are
+chained: the next is launched on those samples before the host reads them, so the host's work
+on a step's tokens (detokenizing, stop strings, delivery) overlaps the device's. The two kinds of step alternate while both have work, so a
 long prompt delays the running requests by a chunk at a time, not by its whole prefill.
 
 Requests are admitted in arrival order, at most `max_running` at once, while the pool's free
@@ -103,6 +105,22 @@ class Sequence:
         return self.request.cache_ids + self.history[len(self.prompt_ids) :]
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """A decode step whose tokens the host has not read yet: its rows, their sampled tokens on
+    the device (what a chained next step feeds), and those tokens' copy to the host."""
+
+    rows: list[Sequence]
+    tokens: torch.Tensor  # [B] int64 on the device
+    host: torch.Tensor  # [B] int64, pinned on a GPU
+    copied: torch.cuda.Event | None
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 class Scheduler:
     """Runs submitted requests to completion, a step at a time (`step`)."""
 
@@ -138,6 +156,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._prefilling: Sequence | None = None
         self._prefill_next = True  # which kind of step goes first when both have work
+        # The decode step launched last, its tokens not yet read (see `_decode_step`).
+        self._in_flight: _InFlight | None = None
         # Set to a list (a benchmark does), each decode step appends (rows, seconds) to it,
         # the seconds without any spent capturing a CUDA graph (a one-off).
         self.decode_log: list[tuple[int, float]] | None = None
@@ -184,6 +204,8 @@ class Scheduler:
             self._prefilling = self._admit()
         prefill = self._prefilling is not None and (self._prefill_next or not self.running)
         try:
+            if self._in_flight is not None and (prefill or not self.running):
+                self._settle()
             if prefill:
                 assert self._prefilling is not None
                 self._prefill_chunk(self._prefilling)
@@ -191,6 +213,7 @@ class Scheduler:
                 self._decode_step()
         except Exception as error:  # a failed step fails the requests it ran
             log.exception("generation failed")
+            self._in_flight = None
             failed = [self._prefilling] if prefill else list(self.running)
             for sequence in failed:
                 if sequence is not None:
@@ -281,28 +304,92 @@ class Scheduler:
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
+        """Decode one token of every running request.
+
+        Where the forward reads its tokens on the device (`runner.takes_device_tokens`: the
+        batched paged step) and every row samples there (no grammar, log-probabilities or
+        penalties, which need the host), the steps are chained: a step is launched on the
+        last step's samples before the host reads them, and the host then takes those tokens
+        (detokenizing, stop strings, delivery) while the device runs. A row that ended on
+        the last step's token has made one step too many: its result is dropped unread.
+        Anything else first settles the step in flight."""
         started = time.perf_counter()
         captured = self.runner.capture_seconds
-        self._make_room()
+        flight = self._in_flight
+        reserved: list[Sequence] = []
+        if flight is not None and not (
+            flight.rows == self.running and self._reserve_each(reserved)
+        ):
+            self._settle()
+            flight = None
+            if not self.running:
+                return
+        if flight is None:
+            self._make_room(reserved)
         running = list(self.running)
-        tokens = [sequence.next_token for sequence in running]
-        assert all(token is not None for token in tokens)
-        positions = [sequence.computed for sequence in running]
         caches = [sequence.paged.caches for sequence in running if sequence.paged is not None]
-        logits = self.runner.decode_batch(tokens, caches, positions)  # type: ignore[arg-type]
+        positions = [sequence.computed for sequence in running]
+        if flight is not None:
+            tokens: list[int] | torch.Tensor = flight.tokens
+        else:
+            tokens = [sequence.next_token for sequence in running]  # type: ignore[misc]
+        logits = self.runner.decode_batch(tokens, caches, positions)
         for sequence in running:
             sequence.computed += 1
-            assert sequence.paged is not None
-            sequence.paged.after_forward(sequence.ids_to_name())
-        made = self._sample_rows(running, logits)
-        if self.decode_log is not None:  # the step's tokens are on the host: it has ended
+        chain = self.runner.takes_device_tokens(caches) and all(map(_samples_on_device, running))
+        if chain:
+            self._in_flight = self._launch_samples(running, logits)
+            if flight is not None:
+                self._take_tokens(flight.rows, flight.read())
+        for sequence in running:
+            if sequence.paged is not None:  # not ended by the last step's token
+                sequence.paged.after_forward(sequence.ids_to_name())
+        if not chain:
+            made = self._sample_rows(running, logits)
+        if self.decode_log is not None:  # the step's (or the last one's) tokens are read
             capturing = self.runner.capture_seconds - captured
             self.decode_log.append((len(running), time.perf_counter() - started - capturing))
-        for row, sequence in enumerate(running):
-            token = made[row]
-            if token is None:  # log-probabilities asked: sampled with its distribution
-                self._take_token(sequence, logits[row : row + 1])
-            else:
+        if not chain:
+            for row, sequence in enumerate(running):
+                token = made[row]
+                if token is None:  # log-probabilities asked: sampled with its distribution
+                    self._take_token(sequence, logits[row : row + 1])
+                else:
+                    self._accept_token(sequence, token, None)
+
+    def _reserve_each(self, reserved: list[Sequence]) -> bool:
+        """Room for each running request's next token, without preempting (which needs the
+        host to know the tokens in flight first): False at the first that finds none, those
+        reserved so far listed in `reserved`."""
+        for sequence in self.running:
+            assert sequence.paged is not None
+            if not sequence.paged.reserve(1):
+                return False
+            reserved.append(sequence)
+        return True
+
+    def _launch_samples(self, running: list[Sequence], logits: torch.Tensor) -> _InFlight:
+        """Sample every row on the device and start copying the tokens to the host."""
+        tokens = self._sample_on_device(running, logits)
+        pinned = tokens.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pinned)
+        host.copy_(tokens, non_blocking=pinned)
+        copied = None
+        if pinned:
+            copied = torch.cuda.Event()
+            copied.record()
+        return _InFlight(running, tokens, host, copied)
+
+    def _settle(self) -> None:
+        """Read the step in flight's tokens and take them."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            self._take_tokens(flight.rows, flight.read())
+
+    def _take_tokens(self, rows: list[Sequence], tokens: list[int]) -> None:
+        """Take each row's token, but not a row's that ended or left since its step began."""
+        for sequence, token in zip(rows, tokens, strict=True):
+            if sequence.paged is not None and sequence in self.running:
                 self._accept_token(sequence, token, None)
 
     def _sample_rows(self, running: list[Sequence], logits: torch.Tensor) -> list[int | None]:
@@ -310,12 +397,23 @@ class Scheduler:
         greedy rows by one argmax over all the rows, every other row by its own sampler (its
         own generator: a seeded row draws as it would alone), on the device; None for a row
         that asks for log-probabilities (sampled by `_take_token`, which records them)."""
-        tokens = first_argmax(logits.float())
-        asked = []
+        tokens = self._sample_on_device(running, logits)
+        made: list[int | None] = list(tokens.tolist())
         for row, sequence in enumerate(running):
             if sequence.reply.recorder is not None:
-                asked.append(row)
-            elif sequence.grammar is not None or not _plain_greedy(sequence.sampler):
+                made[row] = None
+        return made
+
+    def _sample_on_device(self, running: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token [B] on the device, not read: plain greedy rows by one argmax
+        over all the rows, every other row by its own sampler (its own generator: a seeded
+        row draws as it would alone); a row asking for log-probabilities is left to
+        `_take_token`."""
+        tokens = first_argmax(logits.float())
+        for row, sequence in enumerate(running):
+            if sequence.reply.recorder is not None:
+                continue
+            if sequence.grammar is not None or not _plain_greedy(sequence.sampler):
                 token, _ = sample_next(
                     sequence.sampler,
                     logits[row : row + 1],
@@ -324,15 +422,13 @@ class Scheduler:
                     sequence.grammar,
                 )
                 tokens[row] = token.reshape(())
-        made: list[int | None] = list(tokens.tolist())
-        for row in asked:
-            made[row] = None
-        return made
+        return tokens
 
-    def _make_room(self) -> None:
-        """A block for each running request's next token, preempting the most recently
-        admitted requests (a prefilling one first) until the rest have theirs."""
-        pending = list(self.running)
+    def _make_room(self, reserved: list[Sequence]) -> None:
+        """A block for each running request's next token (but those `reserved` already),
+        preempting the most recently admitted requests (a prefilling one first) until the
+        rest have theirs."""
+        pending = [sequence for sequence in self.running if sequence not in reserved]
         while pending:
             sequence = pending[0]
             assert sequence.paged is not None
@@ -424,6 +520,19 @@ class Scheduler:
         if sequence.paged is not None:
             sequence.paged.free()
             sequence.paged = None
+
+
+def _samples_on_device(sequence: Sequence) -> bool:
+    """Whether `sequence`'s next token needs nothing from the host: no grammar mask, no
+    log-probabilities, no penalty over the tokens made (the last one is still on the device)."""
+    params = sequence.sampler.params
+    return (
+        sequence.grammar is None
+        and sequence.reply.recorder is None
+        and params.repetition_penalty == 1
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+    )
 
 
 def _plain_greedy(sampler: Sampler) -> bool:
