@@ -441,6 +441,55 @@ def gathered_gemv_config(k: int, bits: int, group: int) -> GemvConfig:
     return GemvConfig(block_n, max(1, step_words // words_per_group))
 
 
+# Rows from which the tensor-core kernel takes a matmul (fewer: the unrolled GEMV) and up to
+# which it does (more: dequantize once, then cuBLAS). One place for both thresholds.
+MMA_MIN_ROWS = UNROLLED_ROWS + 1
+MMA_MAX_ROWS = 64
+# Programs per SM the K split of the tensor-core kernel aims for at most.
+MMA_PROGRAMS_PER_SM = 1
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """A launch of the tensor-core kernel (`_affine_mma_kernel`): x rows per tile (M padded to
+    it), output columns per program, K splits, warps, and software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    warps: int = 4
+    stages: int = 3
+
+    def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"M{self.block_m} N{self.block_n} w{self.warps} s{self.stages}{split}"
+
+
+@lru_cache(maxsize=256)
+def mma_config(
+    m: int, n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
+) -> MmaConfig:
+    """The tensor-core kernel's launch for M rows of x by an ``[N, K]`` weight: one tile of
+    16, 32 or 64 rows (mma's smallest M is 16); 128 output columns a program, with 8 warps
+    where the two fp32 ``[BLOCK_M, BLOCK_N]`` accumulators would pass 64 registers a thread at
+    4; K split while the row blocks leave SMs idle (12B's o_proj and down: 30 blocks, split
+    4), each split keeping at least 4 groups. Not yet fitted to a sweep
+    (`benchmarks/lab/gpu_affine_rows.py --sweep` measures the alternatives)."""
+    block_m = max(16, 1 << (m - 1).bit_length())
+    block_n = 128
+    warps = 4 if block_m * block_n <= 32 * 128 else 8
+    blocks = _cdiv(n, block_n)
+    groups = k // group
+    split = 1
+    while (
+        blocks * split * 2 <= MMA_PROGRAMS_PER_SM * multiprocessors
+        and split < MAX_SPLIT_K
+        and groups // (split * 2) >= 4
+    ):
+        split *= 2
+    return MmaConfig(block_m, block_n, split, warps)
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels
 
@@ -990,6 +1039,95 @@ if HAS_TRITON:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA-graph replays)
 
     @triton.jit
+    def _affine_mma_kernel(
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        out_ptr,
+        partial_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_om,
+        K: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        STAGES: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """out[m, n] = sum_g ( s[n, g] * D[m, n, g] + b[n, g] * X[m, g] ) for m < M <= BLOCK_M,
+        D the dot of group g's codes with x and X the group's sum of x; grid (blocks of N,
+        splits of K). Each group is one ``tl.dot`` of x ``[BLOCK_M, GROUP]`` by its codes
+        ``[GROUP, BLOCK_N]``, exact in x's dtype (codes < 256), into fp32; the scale and the
+        bias act on that dot in fp32, as in the GEMVs. DOT_FP32: the dot in fp32 (ieee), for fp32
+        x (never tf32) and in Triton's interpreter, whose dot multiplies bf16 tiles' bit
+        patterns as integers (bf16 to fp32 is exact, so the sums are the same). A K split stores fp32 partials ``[SPLIT_K, M, N]`` (`_sum_splits_kernel` adds
+        them). The trip count is a constexpr (K is one): the interpreter cannot loop to a
+        run-time bound, and a constant count lets Triton pipeline the loads STAGES deep."""
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
+        WPG: tl.constexpr = GROUP // CODES  # words per group
+        MASK: tl.constexpr = (1 << BITS) - 1
+        GROUPS: tl.constexpr = K // GROUP
+        ROW_WORDS: tl.constexpr = K // CODES
+        SPLIT_GROUPS: tl.constexpr = (GROUPS + SPLIT_K - 1) // SPLIT_K
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        # Columns past N read row N - 1 (no weight masks) and are not stored.
+        n_read = tl.minimum(n, N - 1).to(tl.int64)
+        word_rows = n_read * ROW_WORDS
+        group_rows = n_read * GROUPS
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = m.to(tl.int64) * stride_xm
+        in_group = tl.arange(0, GROUP)
+        words_in_group = tl.arange(0, WPG)
+        shifts = tl.arange(0, CODES) * BITS
+        g_begin = pid_k * SPLIT_GROUPS
+        wait_for_producer(PDL)
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for step in tl.range(0, SPLIT_GROUPS, num_stages=STAGES):
+            g = g_begin + step
+            g_ok = g < GROUPS  # the last split's tail steps add zeros
+            xs = tl.load(
+                x_ptr + x_rows[:, None] + g * GROUP + in_group[None, :],
+                mask=m_ok[:, None] & g_ok,
+                other=0,
+            )
+            words = tl.load(
+                packed_ptr + word_rows[:, None] + g * WPG + words_in_group[None, :],
+                mask=g_ok,
+                other=0,
+            )
+            scale = tl.load(scales_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
+            bias = tl.load(biases_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
+            # Code j of word w is input w * CODES + j: [BLOCK_N, WPG, CODES] is the group's
+            # codes in input order. ``2**23 + code`` as fp32 bits, minus 2**23: exact.
+            codes = (words[:, :, None] >> shifts[None, None, :]) & MASK
+            q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            q = tl.reshape(q, [BLOCK_N, GROUP])
+            if DOT_FP32:
+                dots = tl.dot(xs.to(tl.float32), tl.trans(q), input_precision="ieee")
+            else:
+                dots = tl.dot(xs, tl.trans(q.to(xs.dtype)))
+            x_sums = tl.sum(xs.to(tl.float32), axis=1)
+            total += dots * scale[None, :] + x_sums[:, None] * bias[None, :]
+
+        out_at = m[:, None] * stride_om + n[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            own = pid_k * M * N + m[:, None] * N + n[None, :]
+            tl.store(partial_ptr + own, total, mask=out_ok)
+
+    @triton.jit
     def _affine_dequantize_kernel(
         packed_ptr,
         scales_ptr,
@@ -1518,13 +1656,79 @@ if HAS_TRITON:
         )
         return out if rows is None else out.view(*rows.shape, k)
 
+    def affine_mma_triton(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: MmaConfig | None = None,
+    ) -> Tensor:
+        """``x [..., K] @ W.T`` for at most MMA_MAX_ROWS rows on tensor cores: the codes read
+        once, each group's dot by ``tl.dot`` (`_affine_mma_kernel`), launched as `mma_config`
+        says unless `config` pins it; a K split's partials added by a launch of their own in
+        split order (deterministic, no counters: CUDA graphs capture it as it is)."""
+        _check_operands(x, packed, scales, bits, group_size)
+        rows = _flat_rows(x)
+        (m, k), n = rows.shape, packed.shape[-2]
+        if m > MMA_MAX_ROWS:
+            raise ValueError(f"the tensor-core kernel takes at most {MMA_MAX_ROWS} rows")
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m == 0 or n == 0:
+            return out.view(*x.shape[:-1], n)
+        if config is None:
+            sms = _multiprocessors() if rows.is_cuda else H200_MULTIPROCESSORS
+            config = mma_config(m, n, k, bits, group_size, sms)
+        if config.block_m < m:
+            raise ValueError(f"a tile of {config.block_m} rows cannot hold {m}")
+        split = config.split_k
+        partial = (
+            torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else out
+        )  # unread without a split
+        pdl = pdl_options(x)
+        launch_kernel(
+            _affine_mma_kernel,
+            (triton.cdiv(n, config.block_n), split),
+            rows,
+            packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
+            scales,
+            biases,
+            out,
+            partial,
+            m,
+            n,
+            rows.stride(0),
+            out.stride(0),
+            K=k,
+            BITS=bits,
+            GROUP=group_size,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            SPLIT_K=split,
+            STAGES=config.stages,
+            DOT_FP32=x.dtype == torch.float32 or not x.is_cuda,
+            num_warps=config.warps,
+            **pdl,
+        )
+        if split > 1:  # the partials [split, M * N] as one row of M * N outputs
+            launch_kernel(
+                _sum_splits_kernel, (triton.cdiv(m * n, SPLIT_SUM_BLOCK),), partial, out,
+                m * n, 0, M=1, SPLIT_K=split, BLOCK=SPLIT_SUM_BLOCK, **pdl,
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], n)
+
     def affine_matmul_triton(
         x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
     ) -> Tensor:
-        """GEMV kernel for few rows (decode); dequantize-once plus cuBLAS for many (prefill)."""
+        """The unrolled GEMV for up to UNROLLED_ROWS rows (decode), the tensor-core kernel
+        for MMA_MIN_ROWS..MMA_MAX_ROWS (batched decode), dequantize-once plus cuBLAS for more
+        (prefill)."""
         rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= GEMV_MAX_ROWS:
+        if rows < MMA_MIN_ROWS:
             return affine_gemv_triton(x, packed, scales, biases, bits, group_size)
+        if rows <= MMA_MAX_ROWS:
+            return affine_mma_triton(x, packed, scales, biases, bits, group_size)
         _check_operands(x, packed, scales, bits, group_size)
         weight = affine_dequantize_triton(packed, scales, biases, bits, group_size, x.dtype)
         return F.linear(x, weight)
