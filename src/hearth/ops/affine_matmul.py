@@ -1064,11 +1064,12 @@ if HAS_TRITON:
         D the dot of group g's codes with x and X the group's sum of x; grid (blocks of N,
         splits of K). Each group is one ``tl.dot`` of x ``[BLOCK_M, GROUP]`` by its codes
         ``[GROUP, BLOCK_N]``, exact in x's dtype (codes < 256), into fp32; the scale and the
-        bias act on that dot in fp32, as in the GEMVs. DOT_FP32: the dot in fp32 (ieee), for fp32
-        x (never tf32) and in Triton's interpreter, whose dot multiplies bf16 tiles' bit
-        patterns as integers (bf16 to fp32 is exact, so the sums are the same). A K split stores fp32 partials ``[SPLIT_K, M, N]`` (`_sum_splits_kernel` adds
-        them). The trip count is a constexpr (K is one): the interpreter cannot loop to a
-        run-time bound, and a constant count lets Triton pipeline the loads STAGES deep."""
+        bias act on that dot in fp32, as in the GEMVs. DOT_FP32: the dot in fp32 (ieee), for
+        fp32 x (never tf32) and in Triton's interpreter, whose dot multiplies bf16 tiles' bit
+        patterns as integers (bf16 to fp32 is exact, so the sums are the same). A K split
+        stores fp32 partials ``[SPLIT_K, M, N]`` (`_sum_splits_kernel` adds them). The trip
+        count is a constexpr (K is one): the interpreter cannot loop to a run-time bound, and
+        a constant count lets Triton pipeline the loads STAGES deep."""
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WPG: tl.constexpr = GROUP // CODES  # words per group
         MASK: tl.constexpr = (1 << BITS) - 1
