@@ -1039,6 +1039,30 @@ if HAS_TRITON:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA-graph replays)
 
     @triton.jit
+    def _code(words, J: tl.constexpr, BITS: tl.constexpr):
+        """Code J of each int32 word."""
+        return (words >> (J * BITS)) & ((1 << BITS) - 1)
+
+    @triton.jit
+    def _codes_in_order(words, BITS: tl.constexpr):
+        """The codes of int32 words ``[R, W]`` as ``[R, W, 2, 2(, 2)]`` whose flattened last
+        dims count codes 0, 1, 2... of each word: `tl.join` stacks its operands along a new
+        last dim, so the outermost join takes even and odd codes, the next their halves."""
+        if BITS == 4:
+            even = tl.join(
+                tl.join(_code(words, 0, 4), _code(words, 4, 4)),
+                tl.join(_code(words, 2, 4), _code(words, 6, 4)),
+            )
+            odd = tl.join(
+                tl.join(_code(words, 1, 4), _code(words, 5, 4)),
+                tl.join(_code(words, 3, 4), _code(words, 7, 4)),
+            )
+        else:
+            even = tl.join(_code(words, 0, 8), _code(words, 2, 8))
+            odd = tl.join(_code(words, 1, 8), _code(words, 3, 8))
+        return tl.join(even, odd)
+
+    @triton.jit
     def _affine_mma_kernel(
         x_ptr,
         packed_ptr,
@@ -1060,19 +1084,22 @@ if HAS_TRITON:
         DOT_FP32: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """out[m, n] = sum_g ( s[n, g] * D[m, n, g] + b[n, g] * X[m, g] ) for m < M <= BLOCK_M,
+        """out[m, n] = sum_g ( s[n, g] * D[n, m, g] + b[n, g] * X[m, g] ) for m < M <= BLOCK_M,
         D the dot of group g's codes with x and X the group's sum of x; grid (blocks of N,
-        splits of K). Each group is one ``tl.dot`` of x ``[BLOCK_M, GROUP]`` by its codes
-        ``[GROUP, BLOCK_N]``, exact in x's dtype (codes < 256), into fp32; the scale and the
-        bias act on that dot in fp32, as in the GEMVs. DOT_FP32: the dot in fp32 (ieee), for
-        fp32 x (never tf32) and in Triton's interpreter, whose dot multiplies bf16 tiles' bit
-        patterns as integers (bf16 to fp32 is exact, so the sums are the same). A K split
-        stores fp32 partials ``[SPLIT_K, M, N]`` (`_sum_splits_kernel` adds them). The trip
-        count is a constexpr (K is one): the interpreter cannot loop to a run-time bound, and
-        a constant count lets Triton pipeline the loads STAGES deep."""
+        splits of K). Per group, two ``tl.dot`` into fp32 ``[BLOCK_N, BLOCK_M]``: its codes
+        ``[BLOCK_N, GROUP]`` (exact in x's dtype: codes < 256) by x transposed, giving D, and
+        ones by x, giving X already broadcast over the columns (no reduction across threads);
+        the scale and the bias then act in fp32, as in the GEMVs. The weight is the dot's
+        left operand: its rows fill the mma's M (64 a warpgroup), x's few rows its N.
+
+        DOT_FP32: the dots in fp32 (ieee), for fp32 x (never tf32) and in Triton's
+        interpreter, whose dot multiplies bf16 tiles' bit patterns as integers (bf16 to fp32
+        is exact, so the sums are the same). A K split stores fp32 partials
+        ``[SPLIT_K, M, N]`` (`_sum_splits_kernel` adds them). The trip count is a constexpr
+        (K is one): the interpreter cannot loop to a run-time bound, and a constant count
+        lets Triton pipeline the loads STAGES deep."""
         CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
         WPG: tl.constexpr = GROUP // CODES  # words per group
-        MASK: tl.constexpr = (1 << BITS) - 1
         GROUPS: tl.constexpr = K // GROUP
         ROW_WORDS: tl.constexpr = K // CODES
         SPLIT_GROUPS: tl.constexpr = (GROUPS + SPLIT_K - 1) // SPLIT_K
@@ -1080,7 +1107,7 @@ if HAS_TRITON:
         pid_k = tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        # Columns past N read row N - 1 (no weight masks) and are not stored.
+        # Rows past N read row N - 1 (no weight masks) and are not stored.
         n_read = tl.minimum(n, N - 1).to(tl.int64)
         word_rows = n_read * ROW_WORDS
         group_rows = n_read * GROUPS
@@ -1088,44 +1115,43 @@ if HAS_TRITON:
         m_ok = m < M
         x_rows = m.to(tl.int64) * stride_xm
         in_group = tl.arange(0, GROUP)
-        words_in_group = tl.arange(0, WPG)
-        shifts = tl.arange(0, CODES) * BITS
+        word_in_group = tl.arange(0, WPG)
         g_begin = pid_k * SPLIT_GROUPS
         wait_for_producer(PDL)
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        ones = tl.full([BLOCK_N, GROUP], 1.0, tl.float32)
         for step in tl.range(0, SPLIT_GROUPS, num_stages=STAGES):
             g = g_begin + step
             g_ok = g < GROUPS  # the last split's tail steps add zeros
-            xs = tl.load(
-                x_ptr + x_rows[:, None] + g * GROUP + in_group[None, :],
-                mask=m_ok[:, None] & g_ok,
+            xs = tl.load(  # [GROUP, BLOCK_M]
+                x_ptr + x_rows[None, :] + g * GROUP + in_group[:, None],
+                mask=m_ok[None, :] & g_ok,
                 other=0,
             )
             words = tl.load(
-                packed_ptr + word_rows[:, None] + g * WPG + words_in_group[None, :],
+                packed_ptr + word_rows[:, None] + g * WPG + word_in_group[None, :],
                 mask=g_ok,
                 other=0,
             )
             scale = tl.load(scales_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
             bias = tl.load(biases_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
-            # Code j of word w is input w * CODES + j: [BLOCK_N, WPG, CODES] is the group's
-            # codes in input order. ``2**23 + code`` as fp32 bits, minus 2**23: exact.
-            codes = (words[:, :, None] >> shifts[None, None, :]) & MASK
-            q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            q = tl.reshape(q, [BLOCK_N, GROUP])
+            codes = tl.reshape(_codes_in_order(words, BITS), [BLOCK_N, GROUP])
+            q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # exact
             if DOT_FP32:
-                dots = tl.dot(xs.to(tl.float32), tl.trans(q), input_precision="ieee")
+                xs = xs.to(tl.float32)
+                dots = tl.dot(q, xs, input_precision="ieee")
+                x_sums = tl.dot(ones, xs, input_precision="ieee")
             else:
-                dots = tl.dot(xs, tl.trans(q.to(xs.dtype)))
-            x_sums = tl.sum(xs.to(tl.float32), axis=1)
-            total += dots * scale[None, :] + x_sums[:, None] * bias[None, :]
+                dots = tl.dot(q.to(xs.dtype), xs)
+                x_sums = tl.dot(ones.to(xs.dtype), xs)
+            total += dots * scale[:, None] + bias[:, None] * x_sums
 
-        out_at = m[:, None] * stride_om + n[None, :]
-        out_ok = m_ok[:, None] & n_ok[None, :]
+        out_at = m[None, :] * stride_om + n[:, None]
+        out_ok = m_ok[None, :] & n_ok[:, None]
         if SPLIT_K == 1:
             tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
         else:
-            own = pid_k * M * N + m[:, None] * N + n[None, :]
+            own = pid_k * M * N + m[None, :] * N + n[:, None]
             tl.store(partial_ptr + own, total, mask=out_ok)
 
     @triton.jit
