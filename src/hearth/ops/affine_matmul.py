@@ -1063,6 +1063,28 @@ if HAS_TRITON:
         return tl.join(even, odd)
 
     @triton.jit
+    def _bf16_pairs(words, J: tl.constexpr, magic):
+        """4-bit codes J and J + 4 of each int32 word as the bf16 pair ``(128 + q_J,
+        128 + q_J+4)``, ``[R, W, 2]``: one shift and one AND|OR put each code under the
+        exponent of 128 (`magic` is 0x43004300, a run-time operand so that ptxas makes one
+        LOP3 of it); bf16's 7 mantissa bits hold a 4-bit code exactly."""
+        pairs = ((words >> (4 * J)) & 0x000F000F) | magic
+        low = (pairs & 0xFFFF).to(tl.int16)
+        high = (pairs >> 16).to(tl.int16)
+        return tl.join(low, high).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _offset_bf16_codes(words, magic):
+        """The 4-bit codes of int32 words ``[R, W]`` as bf16 ``128 + code``,
+        ``[R, W, 2, 2, 2]``, in order when flattened: pair J holds codes J and J + 4 (last
+        dim h), and joining pairs (0, 2) and (1, 3), then those, puts code ``J + 4 h`` at
+        ``4 h + J``."""
+        return tl.join(
+            tl.join(_bf16_pairs(words, 0, magic), _bf16_pairs(words, 2, magic)),
+            tl.join(_bf16_pairs(words, 1, magic), _bf16_pairs(words, 3, magic)),
+        )
+
+    @triton.jit
     def _affine_mma_kernel(
         x_ptr,
         packed_ptr,
@@ -1082,7 +1104,9 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         STAGES: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        OFFSET_CODES: tl.constexpr,
         PDL: tl.constexpr,
+        magic=0x43004300,
     ):
         """out[m, n] = sum_g ( s[n, g] * D[n, m, g] + b[n, g] * X[m, g] ) for m < M <= BLOCK_M,
         D the dot of group g's codes with x and X the group's sum of x; grid (blocks of N,
@@ -1135,16 +1159,21 @@ if HAS_TRITON:
             )
             scale = tl.load(scales_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
             bias = tl.load(biases_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
-            codes = tl.reshape(_codes_in_order(words, BITS), [BLOCK_N, GROUP])
-            q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # exact
+            if OFFSET_CODES:
+                q = tl.reshape(_offset_bf16_codes(words, magic), [BLOCK_N, GROUP])
+                bias -= 128.0 * scale  # the dot sums (128 + q) x
+            else:
+                codes = tl.reshape(_codes_in_order(words, BITS), [BLOCK_N, GROUP])
+                q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # exact
             if DOT_FP32:
                 xs = xs.to(tl.float32)
-                dots = tl.dot(q, xs, input_precision="ieee")
+                dots = tl.dot(q.to(tl.float32), xs, input_precision="ieee")
                 x_sums = tl.dot(ones, xs, input_precision="ieee")
             else:
                 dots = tl.dot(q.to(xs.dtype), xs)
                 x_sums = tl.dot(ones.to(xs.dtype), xs)
-            total += dots * scale[:, None] + bias[:, None] * x_sums
+            total += dots * scale[:, None]  # two FMAs an output
+            total += bias[:, None] * x_sums
 
         out_at = m[None, :] * stride_om + n[:, None]
         out_ok = m_ok[None, :] & n_ok[:, None]
@@ -1735,6 +1764,7 @@ if HAS_TRITON:
             SPLIT_K=split,
             STAGES=config.stages,
             DOT_FP32=x.dtype == torch.float32 or not x.is_cuda,
+            OFFSET_CODES=bits == 4 and x.dtype == torch.bfloat16,
             num_warps=config.warps,
             **pdl,
         )
