@@ -30,11 +30,20 @@ and biases ``[..., N, K / group]``. Triton paths, each beside its torch referenc
 * **Gathered GEMV** (MoE decode): the unrolled GEMV with a third grid axis over the (token,
   slot) pairs, each reading only the rows of the expert that pair chose; the ids stay on the
   device (no sync, so CUDA graphs can capture it). A float kernel serves bf16 experts.
-* **Tile GEMV** (5..16 rows; gathered experts too large for the unrolled GEMV's int32
-  offsets): the rows are a tensor dimension of one ``[M, BLOCK_N, groups, words]`` tile,
-  with the same per-group scale and bias; autotuned. A K split's last program to arrive (an
-  acq_rel counter) adds the partials in split order and resets the counter.
-* **Prefill** (M > 16): dequantize once with a Triton kernel that rounds exactly as
+* **Tensor cores** (MMA_MIN_ROWS..MMA_MAX_ROWS = 5..64 rows: batched decode): the codes are
+  read once and each group's dot runs as ``tl.dot`` (mma) of the codes ``[BLOCK_N, group]``
+  by x transposed, M padded to a tile of 16, 32 or 64; a second dot by ones gives the
+  group's sums of x in the same layout, and ``scale * dot + bias * sum(x)`` applies in fp32
+  per group, as in the GEMVs. Codes are exact in x's dtype (< 256); 4-bit codes of a bf16 x
+  are made as bf16 ``128 + code`` pairs (one shift and one LOP3 per two codes), the 128
+  taken off with the bias. Launches from `mma_config` (fixed per shape class: CUDA graphs
+  capture it); a K split's partials are added in split order by the GEMV's sum launch.
+* **Tile GEMV** (gathered experts too large for the unrolled GEMV's int32 offsets; 5..16
+  rows where called directly): the rows are a tensor dimension of one
+  ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias; autotuned. A
+  K split's last program to arrive (an acq_rel counter) adds the partials in split order and
+  resets the counter.
+* **Prefill** (M > MMA_MAX_ROWS): dequantize once with a Triton kernel that rounds exactly as
   ``dequantize_affine`` does, then cuBLAS. Dequantizing costs ~N*K*2 bytes, small beside the
   2*M*N*K FLOPs of a long prompt.
 
