@@ -479,20 +479,24 @@ def mma_config(
     m: int, n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
 ) -> MmaConfig:
     """The tensor-core kernel's launch for M rows of x by an ``[N, K]`` weight: one tile of
-    16, 32 or 64 rows (mma's smallest M is 16); 128 output columns a program, with 8 warps
-    where the two fp32 ``[BLOCK_M, BLOCK_N]`` accumulators would pass 64 registers a thread at
-    4; K split while the row blocks leave SMs idle (12B's o_proj and down: 30 blocks, split
-    4), each split keeping at least 4 groups. Not yet fitted to a sweep
-    (`benchmarks/lab/gpu_affine_rows.py --sweep` measures the alternatives)."""
+    16, 32 or 64 rows (mma's smallest M is 16); 128 output rows a program, or 64 where 128
+    would leave SMs idle (12B's o_proj and down: 30 blocks of 128); 8 warps where the fp32
+    ``[BLOCK_N, BLOCK_M]`` accumulators would pass 64 registers a thread at 4. K is split
+    while the row blocks still leave SMs idle, each split keeping at least 4 groups, and
+    while the splits' fp32 partials (written and read: 8 bytes an output a split) stay under
+    a quarter of the weight's bytes: few at many rows or short K. Not yet fitted to a sweep
+    (`benchmarks/lab/gpu_affine_rows.py --sweep` times the launches around it)."""
     block_m = max(16, 1 << (m - 1).bit_length())
-    block_n = 128
-    warps = 4 if block_m * block_n <= 32 * 128 else 8
+    block_n = 128 if _cdiv(n, 128) >= multiprocessors else 64
+    warps = 4 if block_m * block_n <= 64 * 64 else 8
     blocks = _cdiv(n, block_n)
     groups = k // group
+    # 8 * split * M * N partial bytes <= N * K * bits / 8 / 4
+    most_splits = max(1, k * bits // (256 * m))
     split = 1
     while (
         blocks * split * 2 <= MMA_PROGRAMS_PER_SM * multiprocessors
-        and split < MAX_SPLIT_K
+        and split * 2 <= min(MAX_SPLIT_K, most_splits)
         and groups // (split * 2) >= 4
     ):
         split *= 2
