@@ -508,19 +508,16 @@ def test_prefill_rows_equal_the_reference(bits) -> None:
 # ---------------------------------------------------------------------------------------------
 # The tensor-core kernel (MMA_MIN_ROWS..MMA_MAX_ROWS rows)
 
-# N = 40: a partial last block of 32 columns. K = 384: 12 groups of 32 or 6 of 64; split 4
-# gives splits of 3 or 2 groups, the last of 6 groups' split 4 empty (its steps masked).
+# N = 40: a partial block of the heuristic's 64 rows, and two whole blocks and a partial one
+# of 16. K = 384: 12 groups of 32 or 6 of 64; split 4 gives splits of 3 or 2 groups, the
+# last of 6 groups' split 4 empty (its steps masked).
 MMA_N, MMA_K = 40, 384
 MMA_CASES = [(bits, group) for bits in (4, 8) for group in (32, 64)]
 
 
 def _mma_launches(rows: int) -> dict[str, am.MmaConfig | None]:
     tile = max(16, 1 << (rows - 1).bit_length())
-    return {
-        "heuristic": None,
-        "N32": am.MmaConfig(tile, 32),
-        "N16 split4": am.MmaConfig(tile, 16, split_k=4),
-    }
+    return {"heuristic": None, "N16 split4": am.MmaConfig(tile, 16, split_k=4)}
 
 
 def _mma_case(bits: int, group: int, rows: int, dtype: torch.dtype):
@@ -535,12 +532,13 @@ def _mma_case(bits: int, group: int, rows: int, dtype: torch.dtype):
 @pytest.mark.parametrize(("bits", "group"), MMA_CASES)
 @pytest.mark.parametrize("rows", [5, 16, 33, 64])
 def test_mma_matches_reference_and_oracle(bits, group, rows) -> None:
-    """Rows padded to tiles of 16, 32 and 64; each launch (the heuristic's, a partial column
-    block, a K split with an empty split). fp16 and fp32 x. Tolerances: the module
-    docstring's. Each group's dot is exact but for fp32 accumulation (codes and x exact in
-    the operand dtype, products exact in fp32), and scale and bias apply to it in fp32, as
-    in the GEMVs: against the oracle, fp32 accumulation plus the output's rounding; against
-    the reference, plus its weights' rounding to the scales' fp16 (eps16 |x w|)."""
+    """Rows padded to tiles of 16, 32 and 64; two launches (the heuristic's, 64 rows a
+    program over 40; 16 rows a program with a K split, one split empty). fp16 and fp32 x.
+    Tolerances: the module docstring's. Each group's dot is exact but for fp32 accumulation
+    (codes and x exact in the operand dtype, products exact in fp32), and scale and bias
+    apply to it in fp32, as in the GEMVs: against the oracle, fp32 accumulation plus the
+    output's rounding; against the reference, plus its weights' rounding to the scales'
+    fp16 (eps16 |x w|)."""
     torch.manual_seed(100 * bits + group + rows)
     eps16 = torch.finfo(torch.float16).eps
     for dtype in (torch.float16, torch.float32):
