@@ -551,19 +551,21 @@ def test_mma_matches_reference_and_oracle(bits, group, rows) -> None:
             _assert_close(got, reference, magnitude, MMA_K, weight_eps=eps16)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_mma_bf16_activations_and_leading_dims(bits) -> None:
-    """bf16 x ``[2, 3, K]`` (6 rows): the output keeps x's leading dims. The interpreter's
-    dot runs in fp32 on the exact bf16 values (DOT_FP32), and its cast of the output to bf16
-    truncates (the GPU rounds): one ulp, eps_bf16 |y|, the bound's output term. Against the
+@pytest.mark.parametrize(("bits", "group"), MMA_CASES)
+def test_mma_bf16_activations_and_leading_dims(bits, group) -> None:
+    """bf16 x ``[2, 3, K]`` (6 rows): the output keeps x's leading dims; 4-bit codes come
+    as bf16 ``128 + code`` (`_offset_bf16_codes`), the 128 taken off with the bias. The
+    interpreter's dot runs in fp32 on the exact bf16 values (DOT_FP32), and its cast of the
+    output to bf16 truncates (the GPU rounds): one ulp, eps_bf16 |y|, the bound's output
+    term. Against the
     reference, which also rounds its weights to the scales' fp16 and then to bf16, allow
     eps16 + 2 eps_bf16 per |x w| more, as for the GEMV."""
-    torch.manual_seed(110 + bits)
-    operands, oracle, magnitude = _mma_case(bits, 64, 6, torch.bfloat16)
+    torch.manual_seed(110 + bits + group)
+    operands, oracle, magnitude = _mma_case(bits, group, 6, torch.bfloat16)
     x = operands[0].view(2, 3, MMA_K)
-    reference = am.affine_matmul_reference(x, *operands[1:], bits, 64)
+    reference = am.affine_matmul_reference(x, *operands[1:], bits, group)
     slack = torch.finfo(torch.float16).eps + 2 * torch.finfo(torch.bfloat16).eps
-    got = am.affine_mma_triton(x, *operands[1:], bits, 64)
+    got = am.affine_mma_triton(x, *operands[1:], bits, group)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 3, MMA_N)
     _assert_close(got.view(6, MMA_N), oracle, magnitude, MMA_K)
     _assert_close(got, reference, magnitude.view(2, 3, MMA_N), MMA_K, weight_eps=slack)
