@@ -173,7 +173,7 @@ def _dispatch(x, packed, scales, biases, bits):
     return am.affine_linear(x, packed, scales, biases, bits, GROUP)
 
 
-def measure(bits_list: list[int], bandwidth: float) -> list[str]:
+def measure(bits_list: list[int], bandwidth: float, save: Callable[[list[str]], None]) -> list[str]:
     lines = [
         "| weight | bits | M | path | launch | check | µs | GB/s | % copy | vs dequant+cuBLAS |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -205,6 +205,7 @@ def measure(bits_list: list[int], bandwidth: float) -> list[str]:
                         f"{base / seconds:.2f}x |"
                     )
                 print("\n".join(lines[-len(times) :]), flush=True)
+                save(lines)  # what is measured so far survives a timeout
             del weights, denses
             torch.cuda.empty_cache()
     return lines
@@ -227,7 +228,9 @@ def sweep_configs(m: int, n: int, k: int, bits: int, sms: int) -> list[am.MmaCon
     return [chosen, *(c for c in neighbours if c != chosen)]
 
 
-def sweep(bits_list: list[int], bandwidth: float, budget: float) -> list[str]:
+def sweep(
+    bits_list: list[int], bandwidth: float, budget: float, save: Callable[[list[str]], None]
+) -> list[str]:
     lines = [
         "| weight | bits | M | launch | check | µs | % copy | vs heuristic |",
         "|---|---|---|---|---|---|---|---|",
@@ -263,6 +266,7 @@ def sweep(bits_list: list[int], bandwidth: float, budget: float) -> list[str]:
                         f"{results[0][0] / seconds:.2f}x |"
                     )
                     print(lines[-1], flush=True)
+                    save([*summary, "", *lines])
                 if results:
                     best = min(results, key=lambda r: r[0])
                     summary.append(
@@ -298,16 +302,20 @@ def main() -> None:
         "bf16 cuBLAS: N x K x 2) over the time.",
         "",
     ]
+    name = "gpu_affine_rows_sweep.md" if args.sweep else "gpu_affine_rows.md"
+
+    def save(lines: list[str]) -> None:
+        if os.environ.get("OUT"):
+            out = Path(os.environ["OUT"])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text("\n".join(head + lines) + "\n")
+
     if args.sweep:
-        lines, name = sweep(bits_list, bandwidth, args.budget), "gpu_affine_rows_sweep.md"
+        lines = sweep(bits_list, bandwidth, args.budget, save)
     else:
-        lines, name = measure(bits_list, bandwidth), "gpu_affine_rows.md"
-    report = "\n".join(head + lines) + "\n"
-    print(report)
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text(report)
+        lines = measure(bits_list, bandwidth, save)
+    save(lines)
+    print("\n".join(head + lines))
 
 
 if __name__ == "__main__":
