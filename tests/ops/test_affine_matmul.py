@@ -229,7 +229,7 @@ def test_gemma3_4bit_decode_hands_split_partials_to_its_norms(
     layers = model.config.num_hidden_layers
     assert sum(handed) == 2 * layers * 3  # o_proj's and down's, each decode step
     assert ordered.count((8, 4)) == layers * 3  # each pre-feed-forward norm
-    # The prefill's 6 rows take the tile GEMV (input order; the GeGLU kernel), then each
+    # The prefill's 6 rows take the tensor-core kernel (then the GeGLU kernel), then each
     # decode step's gate/up reads its norm's order and stores the GeGLU.
     assert stored_geglu == [False] * layers + [True] * (layers * 3)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
@@ -497,11 +497,134 @@ def test_dequantize_kernel_rounds_as_mlx(bits, scales_dtype) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_prefill_rows_equal_the_reference(bits) -> None:
+    """Past MMA_MAX_ROWS: the dequantize kernel's weight and the reference's F.linear."""
     torch.manual_seed(4)
     packed, scales, biases = _quantized(40, 128, bits, 64, torch.float16)
-    x = torch.randn(33, 128)
+    x = torch.randn(am.MMA_MAX_ROWS + 1, 128)
     got = am.affine_matmul_triton(x, packed, scales, biases, bits, 64)
     assert torch.equal(got, am.affine_matmul_reference(x, packed, scales, biases, bits, 64))
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor-core kernel (MMA_MIN_ROWS..MMA_MAX_ROWS rows)
+
+# N = 40: a partial block of the heuristic's 64 rows, and two whole blocks and a partial one
+# of 16. K = 384: 12 groups of 32 or 6 of 64; split 4 gives splits of 3 or 2 groups, the
+# last of 6 groups' split 4 empty (its steps masked).
+MMA_N, MMA_K = 40, 384
+MMA_CASES = [(bits, group) for bits in (4, 8) for group in (32, 64)]
+
+
+def _mma_launches(rows: int) -> dict[str, am.MmaConfig | None]:
+    tile = max(16, 1 << (rows - 1).bit_length())
+    return {"heuristic": None, "N16 split4": am.MmaConfig(tile, 16, split_k=4)}
+
+
+def _mma_case(bits: int, group: int, rows: int, dtype: torch.dtype):
+    packed, scales, biases = _quantized(MMA_N, MMA_K, bits, group, torch.float16)
+    x = torch.randn(rows, MMA_K).to(dtype)
+    weight = _oracle_weight(packed, scales, biases, bits)
+    oracle = x.double() @ weight.T
+    magnitude = x.double().abs() @ weight.abs().T
+    return (x, packed, scales, biases), oracle, magnitude
+
+
+@pytest.mark.parametrize(("bits", "group"), MMA_CASES)
+@pytest.mark.parametrize("rows", [5, 16, 33, 64])
+def test_mma_matches_reference_and_oracle(bits, group, rows) -> None:
+    """Rows padded to tiles of 16, 32 and 64; two launches (the heuristic's, 64 rows a
+    program over 40; 16 rows a program with a K split, one split empty). fp16 and fp32 x.
+    Tolerances: the module docstring's. Each group's dot is exact but for fp32 accumulation
+    (codes and x exact in the operand dtype, products exact in fp32), and scale and bias
+    apply to it in fp32, as in the GEMVs: against the oracle, fp32 accumulation plus the
+    output's rounding; against the reference, plus its weights' rounding to the scales'
+    fp16 (eps16 |x w|)."""
+    torch.manual_seed(100 * bits + group + rows)
+    eps16 = torch.finfo(torch.float16).eps
+    for dtype in (torch.float16, torch.float32):
+        operands, oracle, magnitude = _mma_case(bits, group, rows, dtype)
+        reference = am.affine_matmul_reference(*operands, bits, group)
+        for name, config in _mma_launches(rows).items():
+            got = am.affine_mma_triton(*operands, bits, group, config=config)
+            assert got.dtype == dtype and got.shape == (rows, MMA_N), (name, dtype)
+            _assert_close(got, oracle, magnitude, MMA_K)
+            _assert_close(got, reference, magnitude, MMA_K, weight_eps=eps16)
+
+
+@pytest.mark.parametrize(("bits", "group"), MMA_CASES)
+def test_mma_bf16_activations_and_leading_dims(bits, group) -> None:
+    """bf16 x ``[2, 3, K]`` (6 rows): the output keeps x's leading dims; 4-bit codes come
+    as bf16 ``128 + code`` (`_offset_bf16_codes`), the 128 taken off with the bias. The
+    interpreter's dot runs in fp32 on the exact bf16 values (DOT_FP32), and its cast of the
+    output to bf16 truncates (the GPU rounds): one ulp, eps_bf16 |y|, the bound's output
+    term. Against the
+    reference, which also rounds its weights to the scales' fp16 and then to bf16, allow
+    eps16 + 2 eps_bf16 per |x w| more, as for the GEMV."""
+    torch.manual_seed(110 + bits + group)
+    operands, oracle, magnitude = _mma_case(bits, group, 6, torch.bfloat16)
+    x = operands[0].view(2, 3, MMA_K)
+    reference = am.affine_matmul_reference(x, *operands[1:], bits, group)
+    slack = torch.finfo(torch.float16).eps + 2 * torch.finfo(torch.bfloat16).eps
+    got = am.affine_mma_triton(x, *operands[1:], bits, group)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, MMA_N)
+    _assert_close(got.view(6, MMA_N), oracle, magnitude, MMA_K)
+    _assert_close(got, reference, magnitude.view(2, 3, MMA_N), MMA_K, weight_eps=slack)
+
+
+def test_mma_split_repeats_its_bits_and_refuses_what_it_cannot_hold() -> None:
+    """A K split's partials are added in split order by a launch of their own: the same bits
+    every launch. More rows than the tile, or than MMA_MAX_ROWS, are refused."""
+    torch.manual_seed(120)
+    operands, _, _ = _mma_case(4, 32, 9, torch.float32)
+    split = am.MmaConfig(16, 16, split_k=4)
+    first = am.affine_mma_triton(*operands, 4, 32, config=split)
+    assert torch.equal(first, am.affine_mma_triton(*operands, 4, 32, config=split))
+    with pytest.raises(ValueError, match="cannot hold"):
+        am.affine_mma_triton(*operands, 4, 32, config=am.MmaConfig(8, 16))
+    many = torch.randn(am.MMA_MAX_ROWS + 1, MMA_K)
+    with pytest.raises(ValueError, match="at most"):
+        am.affine_mma_triton(many, *operands[1:], 4, 32)
+
+
+def test_rows_pick_the_unrolled_gemv_the_mma_kernel_or_cublas(monkeypatch) -> None:
+    """The GPU dispatch by rows: up to UNROLLED_ROWS the unrolled GEMV, MMA_MIN_ROWS to
+    MMA_MAX_ROWS the tensor-core kernel, more the dequantized weight and F.linear."""
+    chosen: list[str] = []
+    for name in ("affine_gemv_triton", "affine_mma_triton", "affine_dequantize_triton"):
+        launcher: Callable = getattr(am, name)
+
+        def spy(*args, _launcher=launcher, _name=name, **kwargs):
+            chosen.append(_name)
+            return _launcher(*args, **kwargs)
+
+        monkeypatch.setattr(am, name, spy)
+    packed, scales, biases = _quantized(MMA_N, 64, 4, 64, torch.float32)
+    for rows in (am.UNROLLED_ROWS, am.MMA_MIN_ROWS, am.MMA_MAX_ROWS, am.MMA_MAX_ROWS + 1):
+        am.affine_matmul_triton(torch.randn(rows, 64), packed, scales, biases, 4, 64)
+    assert chosen == [
+        "affine_gemv_triton",
+        "affine_mma_triton",
+        "affine_mma_triton",
+        "affine_dequantize_triton",
+    ]
+
+
+def test_mma_heuristic_tiles_rows_and_splits_few_row_blocks() -> None:
+    """Rows pad to the next tile of 16, 32 or 64 (8 warps for 64 x 128 tiles); weights of
+    fewer than 132 blocks of 128 rows take blocks of 64 (Gemma 3 12B's q/k/v, o_proj and
+    down), then split K while SMs stay idle and the partials stay under a quarter of the
+    weight's bytes (``split <= K * bits / (256 * M)``): o_proj splits 2 at 16 rows, not at
+    64; splits keep at least 4 groups each."""
+    for rows, tile in ((5, 16), (16, 16), (17, 32), (33, 64), (64, 64)):
+        warps = 8 if tile == 64 else 4
+        assert am.mma_config(rows, 30720, 3840, 4, 64) == am.MmaConfig(tile, 128, warps=warps)
+    assert am.mma_config(16, 8192, 3840, 4, 64) == am.MmaConfig(16, 64)
+    assert am.mma_config(16, 3840, 4096, 4, 64) == am.MmaConfig(16, 64, split_k=2)
+    assert am.mma_config(64, 3840, 4096, 4, 64) == am.MmaConfig(64, 64)
+    assert am.mma_config(64, 3840, 15360, 8, 64).split_k == 2
+    assert am.mma_config(64, 262144, 3840, 4, 64) == am.MmaConfig(64, 128, warps=8)
+    assert am.mma_config(16, 256, 4096, 4, 64).split_k == 4  # 4 blocks: capped by bytes
+    assert am.mma_config(5, 256, 2048, 8, 128).split_k == 4  # 16 groups: 4 a split
 
 
 EXPERT_IDS = {

@@ -96,6 +96,8 @@ def _spec(kernel: InterpretedFunction, arguments: dict) -> dict:
         else:
             signature[name] = mangle_type(value)
     options = {key: arguments[key] for key in LAUNCH_OPTIONS if key in arguments}
+    if "DOT_FP32" in constants:  # the interpreter's dot runs in fp32; the GPU's in x's dtype
+        constants["DOT_FP32"] = signature["x_ptr"] == "*fp32"
     if "PDL" in constants:  # compiled as Hopper launches it: with programmatic dependent launch
         constants["PDL"] = options["launch_pdl"] = True
         # and with the L2 prefetch of weight lines before the wait, whatever its defaults
@@ -327,10 +329,28 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
     packed, scales, biases = quantize_affine(torch.randn(4, 48, 256, dtype=bf16), 4, 64)
     yield (
         "affine gemv tile M=8",
-        lambda: affine_matmul.affine_matmul_triton(
+        lambda: affine_matmul.affine_gemv_triton(
             torch.randn(8, 256, dtype=bf16), packed[0], scales[0], biases[0], 4, 64
         ),
     )
+    # The tensor-core kernel at each launch its heuristic picks for 12B's shapes at 8, 32 and
+    # 64 rows (tiles of 16, 32 and 64; K splits), and at groups 32 / 128 (other unpackings).
+    for bits in affine_matmul.KERNEL_BITS:
+        for group in (64, 32, 128):
+            shapes = GEMV_SHAPES[:4] if group == 64 else GEMV_SHAPES[:1]
+            configs = {
+                affine_matmul.mma_config(m, n, k, bits, group)
+                for m in ((8, 32, 64) if group == 64 else (8,))
+                for n, k in shapes
+            }
+            operands = quantize_affine(torch.randn(48, 512, dtype=bf16), bits, group)
+            for config in sorted(configs, key=str):
+                yield (
+                    f"affine mma b{bits} g{group} {config}",
+                    lambda p=operands, b=bits, g=group, c=config: affine_matmul.affine_mma_triton(
+                        torch.randn(c.block_m, 512, dtype=bf16), *p, b, g, c
+                    ),
+                )
     ids = torch.tensor([[0, 3]])
     yield (
         "affine experts",

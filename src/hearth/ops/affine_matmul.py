@@ -30,11 +30,20 @@ and biases ``[..., N, K / group]``. Triton paths, each beside its torch referenc
 * **Gathered GEMV** (MoE decode): the unrolled GEMV with a third grid axis over the (token,
   slot) pairs, each reading only the rows of the expert that pair chose; the ids stay on the
   device (no sync, so CUDA graphs can capture it). A float kernel serves bf16 experts.
-* **Tile GEMV** (5..16 rows; gathered experts too large for the unrolled GEMV's int32
-  offsets): the rows are a tensor dimension of one ``[M, BLOCK_N, groups, words]`` tile,
-  with the same per-group scale and bias; autotuned. A K split's last program to arrive (an
-  acq_rel counter) adds the partials in split order and resets the counter.
-* **Prefill** (M > 16): dequantize once with a Triton kernel that rounds exactly as
+* **Tensor cores** (MMA_MIN_ROWS..MMA_MAX_ROWS = 5..64 rows: batched decode): the codes are
+  read once and each group's dot runs as ``tl.dot`` (mma) of the codes ``[BLOCK_N, group]``
+  by x transposed, M padded to a tile of 16, 32 or 64; a second dot by ones gives the
+  group's sums of x in the same layout, and ``scale * dot + bias * sum(x)`` applies in fp32
+  per group, as in the GEMVs. Codes are exact in x's dtype (< 256); 4-bit codes of a bf16 x
+  are made as bf16 ``128 + code`` pairs (one shift and one LOP3 per two codes), the 128
+  taken off with the bias. Launches from `mma_config` (fixed per shape class: CUDA graphs
+  capture it); a K split's partials are added in split order by the GEMV's sum launch.
+* **Tile GEMV** (gathered experts too large for the unrolled GEMV's int32 offsets; 5..16
+  rows where called directly): the rows are a tensor dimension of one
+  ``[M, BLOCK_N, groups, words]`` tile, with the same per-group scale and bias; autotuned. A
+  K split's last program to arrive (an acq_rel counter) adds the partials in split order and
+  resets the counter.
+* **Prefill** (M > MMA_MAX_ROWS): dequantize once with a Triton kernel that rounds exactly as
   ``dequantize_affine`` does, then cuBLAS. Dequantizing costs ~N*K*2 bytes, small beside the
   2*M*N*K FLOPs of a long prompt.
 
@@ -439,6 +448,59 @@ def gathered_gemv_config(k: int, bits: int, group: int) -> GemvConfig:
     rows_one_step, rows_more = (16, 32) if bits == 4 else (32, 16)  # rows a program
     block_n = rows_one_step if one_step else rows_more
     return GemvConfig(block_n, max(1, step_words // words_per_group))
+
+
+# Rows from which the tensor-core kernel takes a matmul (fewer: the unrolled GEMV) and up to
+# which it does (more: dequantize once, then cuBLAS). One place for both thresholds.
+MMA_MIN_ROWS = UNROLLED_ROWS + 1
+MMA_MAX_ROWS = 64
+# Programs per SM the K split of the tensor-core kernel aims for at most.
+MMA_PROGRAMS_PER_SM = 1
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """A launch of the tensor-core kernel (`_affine_mma_kernel`): x rows per tile (M padded to
+    it), output columns per program, K splits, warps, and software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    warps: int = 4
+    stages: int = 3
+
+    def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"M{self.block_m} N{self.block_n} w{self.warps} s{self.stages}{split}"
+
+
+@lru_cache(maxsize=256)
+def mma_config(
+    m: int, n: int, k: int, bits: int, group: int, multiprocessors: int = H200_MULTIPROCESSORS
+) -> MmaConfig:
+    """The tensor-core kernel's launch for M rows of x by an ``[N, K]`` weight: one tile of
+    16, 32 or 64 rows (mma's smallest M is 16); 128 output rows a program, or 64 where 128
+    would leave SMs idle (12B's o_proj and down: 30 blocks of 128); 8 warps where the fp32
+    ``[BLOCK_N, BLOCK_M]`` accumulators would pass 64 registers a thread at 4. K is split
+    while the row blocks still leave SMs idle, each split keeping at least 4 groups, and
+    while the splits' fp32 partials (written and read: 8 bytes an output a split) stay under
+    a quarter of the weight's bytes: few at many rows or short K. Not yet fitted to a sweep
+    (`benchmarks/lab/gpu_affine_rows.py --sweep` times the launches around it)."""
+    block_m = max(16, 1 << (m - 1).bit_length())
+    block_n = 128 if _cdiv(n, 128) >= multiprocessors else 64
+    warps = 4 if block_m * block_n <= 64 * 64 else 8
+    blocks = _cdiv(n, block_n)
+    groups = k // group
+    # 8 * split * M * N partial bytes <= N * K * bits / 8 / 4
+    most_splits = max(1, k * bits // (256 * m))
+    split = 1
+    while (
+        blocks * split * 2 <= MMA_PROGRAMS_PER_SM * multiprocessors
+        and split * 2 <= min(MAX_SPLIT_K, most_splits)
+        and groups // (split * 2) >= 4
+    ):
+        split *= 2
+    return MmaConfig(block_m, block_n, split, warps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -990,6 +1052,151 @@ if HAS_TRITON:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and CUDA-graph replays)
 
     @triton.jit
+    def _code(words, J: tl.constexpr, BITS: tl.constexpr):
+        """Code J of each int32 word."""
+        return (words >> (J * BITS)) & ((1 << BITS) - 1)
+
+    @triton.jit
+    def _codes_in_order(words, BITS: tl.constexpr):
+        """The codes of int32 words ``[R, W]`` as ``[R, W, 2, 2(, 2)]`` whose flattened last
+        dims count codes 0, 1, 2... of each word: `tl.join` stacks its operands along a new
+        last dim, so the outermost join takes even and odd codes, the next their halves."""
+        if BITS == 4:
+            even = tl.join(
+                tl.join(_code(words, 0, 4), _code(words, 4, 4)),
+                tl.join(_code(words, 2, 4), _code(words, 6, 4)),
+            )
+            odd = tl.join(
+                tl.join(_code(words, 1, 4), _code(words, 5, 4)),
+                tl.join(_code(words, 3, 4), _code(words, 7, 4)),
+            )
+        else:
+            even = tl.join(_code(words, 0, 8), _code(words, 2, 8))
+            odd = tl.join(_code(words, 1, 8), _code(words, 3, 8))
+        return tl.join(even, odd)
+
+    @triton.jit
+    def _bf16_pairs(words, J: tl.constexpr, magic):
+        """4-bit codes J and J + 4 of each int32 word as the bf16 pair ``(128 + q_J,
+        128 + q_J+4)``, ``[R, W, 2]``: one shift and one AND|OR put each code under the
+        exponent of 128 (`magic` is 0x43004300, a run-time operand so that ptxas makes one
+        LOP3 of it); bf16's 7 mantissa bits hold a 4-bit code exactly."""
+        pairs = ((words >> (4 * J)) & 0x000F000F) | magic
+        low = (pairs & 0xFFFF).to(tl.int16)
+        high = (pairs >> 16).to(tl.int16)
+        return tl.join(low, high).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _offset_bf16_codes(words, magic):
+        """The 4-bit codes of int32 words ``[R, W]`` as bf16 ``128 + code``,
+        ``[R, W, 2, 2, 2]``, in order when flattened: pair J holds codes J and J + 4 (last
+        dim h), and joining pairs (0, 2) and (1, 3), then those, puts code ``J + 4 h`` at
+        ``4 h + J``."""
+        return tl.join(
+            tl.join(_bf16_pairs(words, 0, magic), _bf16_pairs(words, 2, magic)),
+            tl.join(_bf16_pairs(words, 1, magic), _bf16_pairs(words, 3, magic)),
+        )
+
+    @triton.jit
+    def _affine_mma_kernel(
+        x_ptr,
+        packed_ptr,
+        scales_ptr,
+        biases_ptr,
+        out_ptr,
+        partial_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_om,
+        K: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        STAGES: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        OFFSET_CODES: tl.constexpr,
+        PDL: tl.constexpr,
+        magic=0x43004300,
+    ):
+        """out[m, n] = sum_g ( s[n, g] * D[n, m, g] + b[n, g] * X[m, g] ) for m < M <= BLOCK_M,
+        D the dot of group g's codes with x and X the group's sum of x; grid (blocks of N,
+        splits of K). Per group, two ``tl.dot`` into fp32 ``[BLOCK_N, BLOCK_M]``: its codes
+        ``[BLOCK_N, GROUP]`` (exact in x's dtype: codes < 256) by x transposed, giving D, and
+        ones by x, giving X already broadcast over the columns (no reduction across threads);
+        the scale and the bias then act in fp32, as in the GEMVs. The weight is the dot's
+        left operand: its rows fill the mma's M (64 a warpgroup), x's few rows its N.
+
+        DOT_FP32: the dots in fp32 (ieee), for fp32 x (never tf32) and in Triton's
+        interpreter, whose dot multiplies bf16 tiles' bit patterns as integers (bf16 to fp32
+        is exact, so the sums are the same). A K split stores fp32 partials
+        ``[SPLIT_K, M, N]`` (`_sum_splits_kernel` adds them). The trip count is a constexpr
+        (K is one): the interpreter cannot loop to a run-time bound, and a constant count
+        lets Triton pipeline the loads STAGES deep."""
+        CODES: tl.constexpr = _KERNEL_WORD_BITS // BITS
+        WPG: tl.constexpr = GROUP // CODES  # words per group
+        GROUPS: tl.constexpr = K // GROUP
+        ROW_WORDS: tl.constexpr = K // CODES
+        SPLIT_GROUPS: tl.constexpr = (GROUPS + SPLIT_K - 1) // SPLIT_K
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        # Rows past N read row N - 1 (no weight masks) and are not stored.
+        n_read = tl.minimum(n, N - 1).to(tl.int64)
+        word_rows = n_read * ROW_WORDS
+        group_rows = n_read * GROUPS
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        x_rows = m.to(tl.int64) * stride_xm
+        in_group = tl.arange(0, GROUP)
+        word_in_group = tl.arange(0, WPG)
+        g_begin = pid_k * SPLIT_GROUPS
+        wait_for_producer(PDL)
+        total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        ones = tl.full([BLOCK_N, GROUP], 1.0, tl.float32)
+        for step in tl.range(0, SPLIT_GROUPS, num_stages=STAGES):
+            g = g_begin + step
+            g_ok = g < GROUPS  # the last split's tail steps add zeros
+            xs = tl.load(  # [GROUP, BLOCK_M]
+                x_ptr + x_rows[None, :] + g * GROUP + in_group[:, None],
+                mask=m_ok[None, :] & g_ok,
+                other=0,
+            )
+            words = tl.load(
+                packed_ptr + word_rows[:, None] + g * WPG + word_in_group[None, :],
+                mask=g_ok,
+                other=0,
+            )
+            scale = tl.load(scales_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
+            bias = tl.load(biases_ptr + group_rows + g, mask=g_ok, other=0).to(tl.float32)
+            if OFFSET_CODES:
+                q = tl.reshape(_offset_bf16_codes(words, magic), [BLOCK_N, GROUP])
+                bias -= 128.0 * scale  # the dot sums (128 + q) x
+            else:
+                codes = tl.reshape(_codes_in_order(words, BITS), [BLOCK_N, GROUP])
+                q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # exact
+            if DOT_FP32:
+                xs = xs.to(tl.float32)
+                dots = tl.dot(q.to(tl.float32), xs, input_precision="ieee")
+                x_sums = tl.dot(ones, xs, input_precision="ieee")
+            else:
+                dots = tl.dot(q.to(xs.dtype), xs)
+                x_sums = tl.dot(ones.to(xs.dtype), xs)
+            total += dots * scale[:, None]  # two FMAs an output
+            total += bias[:, None] * x_sums
+
+        out_at = m[None, :] * stride_om + n[:, None]
+        out_ok = m_ok[None, :] & n_ok[:, None]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            own = pid_k * M * N + m[None, :] * N + n[:, None]
+            tl.store(partial_ptr + own, total, mask=out_ok)
+
+    @triton.jit
     def _affine_dequantize_kernel(
         packed_ptr,
         scales_ptr,
@@ -1518,13 +1725,80 @@ if HAS_TRITON:
         )
         return out if rows is None else out.view(*rows.shape, k)
 
+    def affine_mma_triton(
+        x: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: int,
+        group_size: int,
+        config: MmaConfig | None = None,
+    ) -> Tensor:
+        """``x [..., K] @ W.T`` for at most MMA_MAX_ROWS rows on tensor cores: the codes read
+        once, each group's dot by ``tl.dot`` (`_affine_mma_kernel`), launched as `mma_config`
+        says unless `config` pins it; a K split's partials added by a launch of their own in
+        split order (deterministic, no counters: CUDA graphs capture it as it is)."""
+        _check_operands(x, packed, scales, bits, group_size)
+        rows = _flat_rows(x)
+        (m, k), n = rows.shape, packed.shape[-2]
+        if m > MMA_MAX_ROWS:
+            raise ValueError(f"the tensor-core kernel takes at most {MMA_MAX_ROWS} rows")
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m == 0 or n == 0:
+            return out.view(*x.shape[:-1], n)
+        if config is None:
+            sms = _multiprocessors() if rows.is_cuda else H200_MULTIPROCESSORS
+            config = mma_config(m, n, k, bits, group_size, sms)
+        if config.block_m < m:
+            raise ValueError(f"a tile of {config.block_m} rows cannot hold {m}")
+        split = config.split_k
+        partial = (
+            torch.empty(split * m * n, dtype=torch.float32, device=x.device) if split > 1 else out
+        )  # unread without a split
+        pdl = pdl_options(x)
+        launch_kernel(
+            _affine_mma_kernel,
+            (triton.cdiv(n, config.block_n), split),
+            rows,
+            packed.view(torch.int32),  # same bits; Triton shifts int32 everywhere
+            scales,
+            biases,
+            out,
+            partial,
+            m,
+            n,
+            rows.stride(0),
+            out.stride(0),
+            K=k,
+            BITS=bits,
+            GROUP=group_size,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            SPLIT_K=split,
+            STAGES=config.stages,
+            DOT_FP32=x.dtype == torch.float32 or not x.is_cuda,
+            OFFSET_CODES=bits == 4 and x.dtype == torch.bfloat16,
+            num_warps=config.warps,
+            **pdl,
+        )
+        if split > 1:  # the partials [split, M * N] as one row of M * N outputs
+            launch_kernel(
+                _sum_splits_kernel, (triton.cdiv(m * n, SPLIT_SUM_BLOCK),), partial, out,
+                m * n, 0, M=1, SPLIT_K=split, BLOCK=SPLIT_SUM_BLOCK, **pdl,
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], n)
+
     def affine_matmul_triton(
         x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int
     ) -> Tensor:
-        """GEMV kernel for few rows (decode); dequantize-once plus cuBLAS for many (prefill)."""
+        """The unrolled GEMV for up to UNROLLED_ROWS rows (decode), the tensor-core kernel
+        for MMA_MIN_ROWS..MMA_MAX_ROWS (batched decode), dequantize-once plus cuBLAS for more
+        (prefill)."""
         rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= GEMV_MAX_ROWS:
+        if rows < MMA_MIN_ROWS:
             return affine_gemv_triton(x, packed, scales, biases, bits, group_size)
+        if rows <= MMA_MAX_ROWS:
+            return affine_mma_triton(x, packed, scales, biases, bits, group_size)
         _check_operands(x, packed, scales, bits, group_size)
         weight = affine_dequantize_triton(packed, scales, biases, bits, group_size, x.dtype)
         return F.linear(x, weight)
