@@ -4,9 +4,11 @@ K/V in the pool, then the same greedy tokens over 10 batched decode steps.
 
 Tiny Gemma 3 (sliding window 8, head_dim 64) and tiny Gemma 4 (window 8, sliding head_dim 32,
 full 64, two KV-sharing layers, per-layer inputs, MoE), dense and 8-bit affine K/V, blocks of
-4 tokens, chunks of 8. Four prompts of 21, 13 and 10 tokens and one of 25 whose first 16 are
-adopted from the prefix cache (a donor prompt prefilled before, its blocks freed and cached);
-three ragged steps: the first asks for no logits (no prompt ends in it), the others for some.
+4 tokens, chunks of 8; on the CPU and, where CUDA is, eagerly on the GPU (its attention and
+K/V kernels; fp32 without TF32, torch's default, so the same tolerance holds). Prompts of 21,
+13 and 10 tokens and a fourth of 25 whose first 16 are adopted from the prefix cache (a donor
+prompt prefilled before, its blocks freed and cached); three ragged steps: the first asks for
+no logits (no prompt ends in it), the others for some.
 
 Tolerance. The ragged forward runs every projection as one GEMM over all the step's rows
 (up to 31) where the alone run has at most 8, and a GEMM may block a longer M differently, so
@@ -22,6 +24,7 @@ by 1e-2 or more.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,16 +46,15 @@ CODE_FLIPS = 0.01
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     gemma3 = tiny_gemma3_model(seed=3, head_dim=64)
     with torch.no_grad():  # logits of std ~4, so errors show in them
         gemma3.model.embed_tokens.weight.normal_(0.0, 0.5)
     gemma4 = tiny_gemma4_model(3, **GEMMA4_SHARING, **MOE)
-    built = {}
-    for name, hf in (("gemma3", gemma3), ("gemma4", gemma4)):
-        directory = save_hf(hf, tmp_path_factory.mktemp(name))
-        built[name] = build_model(open_checkpoint(directory), torch.float32, progress=False)
-    return built
+    return {
+        name: save_hf(hf, tmp_path_factory.mktemp(name))
+        for name, hf in (("gemma3", gemma3), ("gemma4", gemma4))
+    }
 
 
 def _ids(length: int, seed: int) -> list[int]:
@@ -61,7 +63,8 @@ def _ids(length: int, seed: int) -> list[int]:
 
 
 def _runner(model: Any, policy: Any) -> ModelRunner:
-    plan = replace(ExecutionPlan.for_device("cpu"), native_layers=False, prefill_chunk=CHUNK)
+    plan = ExecutionPlan.for_device(model.device)
+    plan = replace(plan, native_layers=False, prefill_chunk=CHUNK)
     return ModelRunner(model, plan, policy)
 
 
@@ -69,7 +72,7 @@ def _with_donor(runner: ModelRunner, pool: KVPool, donor: list[int]) -> None:
     """The donor prompt prefilled and freed: its full blocks stay in the prefix cache."""
     sequence = pool.sequence()
     assert sequence.reserve(len(donor))
-    runner.prefill(torch.tensor([donor]), sequence.caches)
+    runner.prefill(torch.tensor([donor], device=runner.device), sequence.caches)
     sequence.after_forward(donor)
     sequence.free()
 
@@ -87,7 +90,8 @@ def _alone(runner: ModelRunner, pool: KVPool, prompts: list[list[int]]) -> list[
         sequence = _start(pool, prompt)
         start = sequence.tokens
         assert sequence.reserve(len(prompt) - start)
-        logits = runner.prefill(torch.tensor([prompt[start:]]), sequence.caches, start, CHUNK)
+        piece = torch.tensor([prompt[start:]], device=runner.device)
+        logits = runner.prefill(piece, sequence.caches, start, CHUNK)
         sequence.after_forward(prompt)
         done.append((sequence, logits[0]))
     return done
@@ -130,7 +134,8 @@ def _stored(pool: KVPool, sequence: PagedSequence) -> list[torch.Tensor]:
         held = [block for block in table if block is not None]
         for layer in blocks.planes:
             out += [plane[held] for plane in layer]
-        out.append(torch.tensor([block is None for block in table]))  # freed where, per group
+        freed = torch.tensor([block is None for block in table], device=blocks.planes[0][0].device)
+        out.append(freed)  # which logical blocks the group let go
         assert g < len(pool.groups)
     return out
 
@@ -153,20 +158,32 @@ def _decode(runner: ModelRunner, done: list[Any], prompts: list[list[int]]) -> l
     return tokens
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
 @pytest.mark.parametrize(
-    ("model_name", "kind"), [("gemma3", "off"), ("gemma3", "8"), ("gemma4", "off"), ("gemma4", "8")]
+    ("model_name", "kind", "device"),
+    [
+        ("gemma3", "off", "cpu"),
+        ("gemma3", "8", "cpu"),
+        ("gemma4", "off", "cpu"),
+        ("gemma4", "8", "cpu"),
+        pytest.param("gemma3", "off", "cuda", marks=GPU),
+        pytest.param("gemma4", "8", "cuda", marks=GPU),
+    ],
 )
 def test_ragged_prefill_equals_each_prompt_alone(
-    models: dict[str, Any], model_name: str, kind: str
+    checkpoints: dict[str, Path], model_name: str, kind: str, device: str
 ) -> None:
-    model = models[model_name]
+    checkpoint = open_checkpoint(checkpoints[model_name])
+    model = build_model(checkpoint, torch.float32, device, progress=False)
     policy = parse_kv_quant(kind, group_size=32)
     runner = _runner(model, policy)
     donor = _ids(20, 40)
     prompts = [_ids(n, 7 + i) for i, n in enumerate(PROMPTS)]
     prompts.append(donor[:SHARED] + _ids(OWN, 30))
     specs = model.cache_specs()
-    pools = [KVPool(specs, policy, torch.float32, [64] * 2, BLOCK) for _ in range(2)]
+    pools = [KVPool(specs, policy, torch.float32, [64] * 2, BLOCK, device=device) for _ in range(2)]
     with torch.inference_mode():
         for pool in pools:
             _with_donor(runner, pool, donor)
