@@ -1,6 +1,7 @@
 """CPU: B prompts of T tokens prefilled one forward each (`runner.prefill`, what the scheduler
-did before) against one ragged forward of all of them (`runner.prefill_ragged`), interleaved
-(each round one of each), on a paged pool; the median of each and the prefill tok/s.
+did before) against one ragged forward of all of them (`runner.prefill_ragged`), and, as the
+ceiling, one prompt of B·T tokens in one forward; interleaved (each round one of each), on a
+paged pool; the median of each and the prefill tok/s.
 
     python benchmarks/lab/cpu_ragged_prefill.py --batch 4 --tokens 128 --threads 1
 """
@@ -39,13 +40,19 @@ def main() -> None:
         torch.randint(4, 200_000, (args.tokens,), generator=torch.Generator().manual_seed(i))
         for i in range(args.batch)
     ]
-    alone, ragged = [], []
+    joined = [torch.cat(prompts)]
+    alone, ragged, long = [], [], []
     with torch.inference_mode():
         for _ in range(args.rounds + 1):  # the first round warms up, not counted
             alone.append(_timed(lambda s: _one_by_one(runner, s, prompts), pool, args.batch))
             ragged.append(_timed(lambda s: _together(runner, s, prompts), pool, args.batch))
+            long.append(_timed(lambda s: _one_by_one(runner, s, joined), pool, 1))
     tokens = args.batch * args.tokens
-    for name, times in (("one forward each", alone[1:]), ("one ragged forward", ragged[1:])):
+    for name, times in (
+        ("one forward each", alone[1:]),
+        ("one ragged forward", ragged[1:]),
+        ("one prompt of all their tokens", long[1:]),
+    ):
         median = statistics.median(times)
         print(f"{name}: {median * 1e3:,.0f} ms, {tokens / median:,.0f} tok/s")
     print(f"speed-up: {statistics.median(alone[1:]) / statistics.median(ragged[1:]):.2f}x")
