@@ -23,6 +23,7 @@ by 1e-2 or more.
 
 from __future__ import annotations
 
+import io
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,17 @@ from typing import Any
 import pytest
 import torch
 
+import test_gemma4_vision as vision
 from hearth.checkpoint import open_checkpoint
+from hearth.engine import Engine
 from hearth.kv import parse_kv_quant
 from hearth.kv.paged import KVPool, PagedSequence
+from hearth.media import decode_image
 from hearth.models.loading import build_model
 from hearth.ops.plan import ExecutionPlan
+from hearth.runtime.generate import GenerationRequest
 from hearth.runtime.runner import ModelRunner
+from test_scheduler import Collector
 from tiny import GEMMA4_SHARING, MOE, save_hf, tiny_gemma3_model, tiny_gemma4_model
 
 CHUNK, BLOCK, DECODE = 8, 4, 10
@@ -203,3 +209,70 @@ def test_ragged_prefill_equals_each_prompt_alone(
                     flips = (a.int() - b.int()).abs()
                     assert flips.max().item() <= 1 and flips.float().mean() <= CODE_FLIPS
         assert _decode(runner, ragged, prompts) == _decode(runner, alone, prompts)
+
+
+checkpoint = vision.checkpoint  # the tiny Gemma 4 with a vision tower, and its directory
+MARGIN = 1e-3  # a top-2 log-probability gap the ragged drift (~1e-5) cannot close
+
+
+def test_a_request_with_an_image_prefills_alone_and_text_ones_together(
+    checkpoint: tuple[Any, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two text requests and one with an image (70 soft tokens, bidirectional) submitted
+    together on the tiny Gemma 4 vision model: the text ones share one ragged forward, the
+    image one takes its prefill forward alone; each reply equals its run alone, token for
+    token while the alone run's top two log-probabilities are more than `MARGIN` apart."""
+    engine = Engine.load(checkpoint[1], dtype="float32", device="cpu", progress=False)
+    image = decode_image(_png(), 70)
+    question = {"type": "text", "text": "What is it?"}
+    messages: Any = [{"role": "user", "content": [{"type": "image", "image": image}, question]}]
+    ids, media = engine.expand_media(engine.encode(messages), [image])
+    fields: Any = {"max_tokens": 6, "stop_ids": (), "top_logprobs": 2}
+    requests = [
+        GenerationRequest(_ids(12, 3), **fields),
+        GenerationRequest(_ids(9, 4), **fields),
+        GenerationRequest(ids, media=media, **fields),
+    ]
+    alone = [_scheduled(engine, [request])[0] for request in requests]
+    counts = {"alone": 0, "ragged": 0}
+    prefill, ragged = engine.runner.prefill, engine.runner.prefill_ragged
+
+    def counted_alone(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counts["alone"] += 1
+        return prefill(*args, **kwargs)
+
+    def counted_ragged(*args: Any) -> torch.Tensor:
+        counts["ragged"] += 1
+        return ragged(*args)
+
+    monkeypatch.setattr(engine.runner, "prefill", counted_alone)
+    monkeypatch.setattr(engine.runner, "prefill_ragged", counted_ragged)
+    together = _scheduled(engine, requests)
+    assert counts == {"alone": 1, "ragged": 1}
+    compared = 0
+    for got, single in zip(together, alone, strict=True):
+        assert got.done and len(got.tokens) == len(single.tokens) == 6
+        records = [r for c in single.chunks for r in (c.logprobs or ())]
+        for position, record in enumerate(records):
+            if record.top_logprobs[0] - record.top_logprobs[1] < MARGIN:
+                break
+            assert got.tokens[position] == record.token
+            compared += 1
+    assert compared >= 12
+
+
+def _png() -> bytes:
+    out = io.BytesIO()
+    vision._pil(40, 28, seed=1).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _scheduled(engine: Engine, requests: list[GenerationRequest]) -> list[Collector]:
+    """What each request got, all submitted together to one scheduler."""
+    scheduler = engine.scheduler(8)
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        scheduler.submit(request, collector, lambda: False)
+    while not scheduler.idle:
+        scheduler.step()
+    return collectors
