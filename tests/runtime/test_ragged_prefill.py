@@ -8,7 +8,9 @@ full 64, two KV-sharing layers, per-layer inputs, MoE), dense and 8-bit affine K
 K/V kernels; fp32 without TF32, torch's default, so the same tolerance holds). Prompts of 21,
 13 and 10 tokens and a fourth of 25 whose first 16 are adopted from the prefix cache (a donor
 prompt prefilled before, its blocks freed and cached); three ragged steps: the first asks for
-no logits (no prompt ends in it), the others for some.
+no logits (no prompt ends in it), the others for some. Through the scheduler on the tiny
+Gemma 4 vision model: a request with an image takes its prefill forward alone while two text
+requests share one, each reply as alone.
 
 Tolerance. The ragged forward runs every projection as one GEMM over all the step's rows
 (up to 31) where the alone run has at most 8, and a GEMM may block a longer M differently, so
