@@ -282,3 +282,102 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks(engine: Any) -> 
     )
     assert compared > 0.8 * 4 * 16
     assert all(c.stats.cached_tokens == 0 for c in collectors)  # no prompt was cached
+
+
+def _count_prefills(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the runner's prefill forwards from now on: of one request alone (`prefill`)
+    and of several together (`prefill_ragged`), and the requests those took together."""
+    counts = {"alone": 0, "ragged": 0, "together": 0}
+    alone, ragged = runner.prefill, runner.prefill_ragged
+
+    def counted_alone(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counts["alone"] += 1
+        return alone(*args, **kwargs)
+
+    def counted_ragged(pieces: list[list[int]], *args: Any) -> torch.Tensor:
+        counts["ragged"] += 1
+        counts["together"] += len(pieces)
+        return ragged(pieces, *args)
+
+    monkeypatch.setattr(runner, "prefill", counted_alone)
+    monkeypatch.setattr(runner, "prefill_ragged", counted_ragged)
+    return counts
+
+
+def test_requests_submitted_together_share_prefill_forwards(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six requests of 3-7 prompt tokens (27 in all) under a prefill budget of 16 tokens: the
+    first step takes the first three (3 + 5 + 4; the 7 would pass 16), the next prefill step
+    the other three (7 + 6 + 2): two forwards, not six. Each request's tokens (a seeded
+    sampled one among them) equal its run alone."""
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    lengths = (3, 5, 4, 7, 6, 2)
+    requests = [_request(n, 20 + i, max_tokens=12) for i, n in enumerate(lengths)]
+    requests[4] = replace(requests[4], sampling=sampled)
+    alone = [_alone(engine, request) for request in requests]
+    monkeypatch.setattr(engine.runner, "plan", replace(engine.runner.plan, prefill_chunk=16))
+    counts = _count_prefills(engine.runner, monkeypatch)
+    scheduler = _scheduler(engine, 8, _pool(engine, 64, 64), prefix=False)
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        scheduler.submit(request, collector, lambda: False)
+    _run(scheduler)
+    assert counts == {"alone": 0, "ragged": 2, "together": 6}
+    compared = 0
+    for request, collector, single in zip(requests, collectors, alone, strict=True):
+        assert len(collector.tokens) == len(single.tokens) == 12
+        if request.sampling.temperature:
+            assert collector.tokens == single.tokens
+        else:
+            compared += _assert_same_clear_tokens(collector, single)
+    assert compared > 0.8 * 5 * 12
+
+
+def test_ragged_prefill_steps_preempt_and_resume_identically(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six requests of 6-14 prompt tokens and 16 new ones, a prefill budget of 24 tokens and
+    16 full blocks (64 tokens): prompts are prefilled one to three at a time, the pool runs
+    out both in decode steps and in a prefill step (a request admitted earlier finds the
+    blocks taken when its chunk comes: the most recently admitted ones still prefilling go
+    back), the newest are re-prefilled with others, and each request's tokens equal its run
+    alone."""
+    sampled = SamplingParams(temperature=1.0, seed=11)
+    requests = [
+        _request(10, 1),
+        _request(14, 2),
+        _request(12, 3, sampling=sampled),
+        _request(11, 4),
+        _request(9, 5),
+        _request(6, 6),
+    ]
+    alone = [_alone(engine, request) for request in requests]
+    monkeypatch.setattr(engine.runner, "plan", replace(engine.runner.plan, prefill_chunk=24))
+    counts = _count_prefills(engine.runner, monkeypatch)
+    pool = _pool(engine, 64, 16)
+    scheduler = _scheduler(engine, 6, pool, prefix=False)
+    reserving = {"preempted": 0}
+    reserve = scheduler._reserve
+
+    def counted_reserve(sequence: Any, tokens: int) -> bool:
+        before = scheduler.preemptions
+        done = reserve(sequence, tokens)
+        reserving["preempted"] += scheduler.preemptions - before
+        return done
+
+    monkeypatch.setattr(scheduler, "_reserve", counted_reserve)
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        scheduler.submit(request, collector, lambda: False)
+    _run(scheduler)
+    assert scheduler.preemptions > reserving["preempted"] > 0 and counts["ragged"] > 0
+    compared = 0
+    for request, collector, single in zip(requests, collectors, alone, strict=True):
+        assert len(collector.tokens) == len(single.tokens) == 16
+        if request.sampling.temperature:
+            assert collector.tokens == single.tokens
+        else:
+            compared += _assert_same_clear_tokens(collector, single)
+    assert compared > 0.8 * 5 * 16
+    assert pool.used_blocks == 0

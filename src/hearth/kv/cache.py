@@ -74,7 +74,9 @@ class KVView(NamedTuple):
     `mask`: when set (several sequences' keys side by side), which keys each query may see,
     boolean [queries, length]; it replaces the mask made from positions. `paged`: when set
     (a batched decode step over a paged pool, `stored` then holds the pool's planes), one
-    query per sequence, each reading its own blocks through its table row.
+    query per sequence, each reading its own blocks through its table row. `segments`: when
+    set (several sequences' prompt chunks in one forward, keys and values then None), each
+    sequence's own view and the run of the forward's queries that reads it, in order.
     """
 
     keys: torch.Tensor | None
@@ -84,10 +86,21 @@ class KVView(NamedTuple):
     stored: StoredKV | None = None
     mask: torch.Tensor | None = None
     paged: PagedTables | None = None
+    segments: tuple[Segment, ...] | None = None
 
     def real(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.keys is not None and self.values is not None, "an encoded view"
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+
+class Segment(NamedTuple):
+    """One sequence's part of a ragged forward's view (`KVView.segments`): what its `queries`
+    queries (a run of the forward's, in order) attend over, and whether its last query goes on
+    through the layers that only the last positions need (its logits are asked)."""
+
+    view: KVView
+    queries: int
+    last_needed: bool
 
 
 class DecodeSlot(NamedTuple):

@@ -454,14 +454,24 @@ class PagedSequence:
         self.tokens += new_tokens
         return True
 
-    def can_grow_to(self, tokens: int, chunk: int) -> bool:
-        """Whether the free blocks cover growing to `tokens` in chunks of at most `chunk`
-        (a sliding group: its window's worth)."""
-        for g, (table, pool) in enumerate(zip(self.tables, self.pool.pools, strict=True)):
-            held = sum(block is not None for block in table)
-            if self.pool.peak_blocks(g, tokens, chunk) - held > pool.free_blocks:
-                return False
-        return True
+    def growth(self, tokens: int, chunk: int) -> list[int]:
+        """Per group, the blocks beyond those held that growing to `tokens` in chunks of at
+        most `chunk` takes at its peak (a sliding group: its window's worth)."""
+        return [
+            max(0, self.pool.peak_blocks(g, tokens, chunk) - sum(b is not None for b in table))
+            for g, table in enumerate(self.tables)
+        ]
+
+    def can_grow_to(self, tokens: int, chunk: int, promised: Sequence[int] = ()) -> bool:
+        """Whether the free blocks cover growing to `tokens` in chunks of at most `chunk`,
+        besides the blocks per group `promised` to other sequences (their `growth`)."""
+        promised = list(promised) or [0] * len(self.tables)
+        return all(
+            need + other <= pool.free_blocks
+            for need, other, pool in zip(
+                self.growth(tokens, chunk), promised, self.pool.pools, strict=True
+            )
+        )
 
     def after_forward(self, ids: Sequence[int]) -> None:
         """The reserved tokens are stored: name the blocks now full (`ids`: the cache ids of

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.kv.cache import KVView, LayerCache
+from hearth.kv.cache import KVView, LayerCache, Segment
 from hearth.layers.linear import StackedLinear, project, project_for_norm
 from hearth.layers.norm import RMSNorm
 from hearth.ops import kernel_enabled, native
@@ -97,6 +97,8 @@ def attend(
     """
     if view.paged is not None:
         return _paged_attention(q, view, window, scale)
+    if view.segments is not None:
+        return _segmented_attention(q, view.segments, positions, window, scale)
     if blocks:
         key_positions = view.positions
         if key_positions is None:
@@ -137,6 +139,24 @@ def attend(
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=grouped
     )
+
+
+def _segmented_attention(
+    q: torch.Tensor,
+    segments: tuple[Segment, ...],
+    positions: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """A ragged forward's queries, each sequence's run over its own view, as that sequence's
+    chunk alone is attended (the same kernel on the same keys)."""
+    outputs = []
+    start = 0
+    for view, queries, _ in segments:
+        end = start + queries
+        outputs.append(attend(q[:, :, start:end], view, positions[start:end], window, scale))
+        start = end
+    return torch.cat(outputs, dim=2)
 
 
 def _plainly_causal(q: torch.Tensor, view: KVView, window: int | None) -> bool:
@@ -276,6 +296,47 @@ class SequenceBatch:
         merged_values = torch.cat([v for _, v in parts], dim=2)
         mask = torch.block_diag(*masks)
         return KVView(merged_keys, merged_values, merged_keys.shape[2], None, mask=mask)
+
+
+class RaggedBatch:
+    """One layer's caches of several sequences whose prompt chunks one forward computes, their
+    tokens side by side (`counts`, in order): each cache stores its own sequence's K/V and
+    each sequence's queries attend over its own view only (`KVView.segments`), as its chunk
+    would alone. `last_needed`: the sequences whose last position's logits are asked."""
+
+    def __init__(
+        self, caches: Sequence[LayerCache], counts: Sequence[int], last_needed: Sequence[bool]
+    ) -> None:
+        self.caches = list(caches)
+        self.counts = list(counts)
+        self.last_needed = list(last_needed)
+
+    def decode_write(self, positions: torch.Tensor) -> None:
+        """No kernel writes several caches at once: K/V come back to `update_and_fetch`."""
+        return None
+
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> KVView:
+        assert positions is not None, "a ragged batch's tokens carry their positions"
+        segments = []
+        start = 0
+        for cache, count, needed in zip(self.caches, self.counts, self.last_needed, strict=True):
+            end = start + count
+            own = positions[start:end]
+            view = cache.update_and_fetch(keys[:, :, start:end], values[:, :, start:end], own)
+            segments.append(Segment(view, count, needed))
+            start = end
+        return KVView(None, None, 0, None, segments=tuple(segments))
+
+
+def last_queries(view: KVView) -> KVView:
+    """A ragged view as the layers after the model drops all but the asked last positions
+    read it: the segments whose logits are asked, one query each (any other view as is)."""
+    if view.segments is None:
+        return view
+    kept = tuple(Segment(s.view, 1, True) for s in view.segments if s.last_needed)
+    return view._replace(segments=kept)
 
 
 def numbered(view: KVView) -> KVView:

@@ -103,5 +103,17 @@ class DecoderModel(nn.Module):
 
 
 def last_of(x: torch.Tensor, last_index: torch.Tensor | None) -> torch.Tensor:
-    """x[:, last_index] kept as a length-1 dim (the last token when `last_index` is None)."""
-    return x[:, -1:] if last_index is None else x.index_select(1, last_index.reshape(1))
+    """x[:, last_index] kept as a dim of length 1 (the last token when `last_index` is None),
+    or of one row per index where `last_index` holds several (a ragged forward's asked rows)."""
+    return x[:, -1:] if last_index is None else x.index_select(1, last_index.reshape(-1))
+
+
+def no_rows_asked(last_only: bool, last_index: torch.Tensor | None) -> bool:
+    """Whether a forward asks for no logits at all (a ragged forward none of whose sequences
+    ends its prompt): its K/V are all it makes."""
+    return last_only and last_index is not None and last_index.numel() == 0
+
+
+def no_logits(normed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The logits of no rows, [batch, 0, vocab]."""
+    return normed.new_empty((normed.shape[0], 0, vocab))

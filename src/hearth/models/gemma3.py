@@ -18,7 +18,7 @@ from hearth.layers.linear import ordered_input
 from hearth.layers.mlp import MLP
 from hearth.layers.norm import RMSNorm, add_rms_norm
 from hearth.layers.rope import RotaryEmbedding
-from hearth.models.decoder import DecoderModel, Rope, last_of
+from hearth.models.decoder import DecoderModel, Rope, last_of, no_logits, no_rows_asked
 
 
 class DecoderLayer(nn.Module):
@@ -126,9 +126,11 @@ class Gemma3Model(DecoderModel):
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
 
         `last_index` (with `last_only`; a device scalar): the chunk's last real token, when
-        the chunk is padded past it (a CUDA-graph prefill); the last token otherwise.
+        the chunk is padded past it (a CUDA-graph prefill); the last token otherwise; or
+        ([rows]) the rows whose logits a ragged forward asks (its caches `RaggedBatch`es).
         `positions` ([tokens]): each token's position, where the tokens are not one run from
-        `start` (several sequences' tokens side by side, their caches a `SequenceBatch`).
+        `start` (several sequences' tokens side by side, their caches a `SequenceBatch` or a
+        `RaggedBatch`).
         """
         x = self.embed(input_ids)
         if positions is None:
@@ -139,4 +141,6 @@ class Gemma3Model(DecoderModel):
             cache = caches[index] if caches is not None else None
             rope = ropes[layer.layer_type]
             x, normed = layer(x, normed, rope, positions, cache, self.next_norm(index))
+        if no_rows_asked(last_only, last_index):
+            return no_logits(normed, self.config.vocab_size)
         return self.logits(last_of(normed, last_index) if last_only else normed)

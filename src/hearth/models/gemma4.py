@@ -24,7 +24,7 @@ from hearth.config import (
 )
 from hearth.kv.cache import CacheSpec, KVView, LayerCache
 from hearth.layers import per_layer
-from hearth.layers.attention import Attention, Blocks, ValueMode, numbered
+from hearth.layers.attention import Attention, Blocks, ValueMode, last_queries, numbered
 from hearth.layers.embedding import Embedding
 from hearth.layers.experts import Experts, Router
 from hearth.layers.linear import CodesMajor, ordered_input, project
@@ -45,7 +45,14 @@ from hearth.media.image import (
     soft_token_count,
     unified_image_patches,
 )
-from hearth.models.decoder import DecoderModel, Rope, SoftTokens, last_of
+from hearth.models.decoder import (
+    DecoderModel,
+    Rope,
+    SoftTokens,
+    last_of,
+    no_logits,
+    no_rows_asked,
+)
 from hearth.models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioTower
 from hearth.models.gemma4_unified import UnifiedAudioEncoder, UnifiedVisionEmbedder
 from hearth.models.gemma4_vision import Gemma4VisionModel, MultimodalEmbedder
@@ -310,8 +317,8 @@ class Gemma4Model(DecoderModel):
     ) -> torch.Tensor:
         """Logits [batch, tokens, vocab] (or [batch, 1, vocab] with `last_only`).
 
-        `last_index` (with `last_only`): the chunk's last real token, and `positions`, as in
-        `Gemma3Model`.
+        `last_index` (with `last_only`): the chunk's last real token, or a ragged forward's
+        asked rows, and `positions`, as in `Gemma3Model`.
 
         `caches` holds one cache per layer that computes K/V (`cache_specs`); the KV-sharing
         layers that come last read their donor's view from this same call instead.
@@ -332,6 +339,8 @@ class Gemma4Model(DecoderModel):
         first_shared = self.config.first_kv_shared_layer
         normed = self.layers[0].input_layernorm(x)
         for index, layer in enumerate(self.layers):
+            if index == first_shared and no_rows_asked(last_only, last_index):
+                break  # the sharing layers write no cache: nothing is left to compute
             if index == first_shared and last_only:
                 # Sharing layers write no cache, so only the last position still matters.
                 x, normed = last_of(x, last_index), last_of(normed, last_index)
@@ -341,9 +350,10 @@ class Gemma4Model(DecoderModel):
                     kind: (last_of(cos[None], last_index)[0], last_of(sin[None], last_index)[0])
                     for kind, (cos, sin) in ropes.items()
                 }
+                donors = {kind: last_queries(view) for kind, view in donors.items()}
                 if last_index is not None:  # a padded chunk: mask its padding by position
                     donors = {kind: numbered(view) for kind, view in donors.items()}
-                last_index = None  # the one position left is the last
+                last_index, last_only = None, False  # the rows left are the ones asked
             owns_kv = index < first_shared
             x, normed, view = layer(
                 x,
@@ -358,6 +368,8 @@ class Gemma4Model(DecoderModel):
             )
             if owns_kv:  # the last owner of each type is the donor of the sharers of that type
                 donors[layer.layer_type] = view
+        if no_rows_asked(last_only, last_index):
+            return no_logits(normed, self.config.vocab_size)
         return self.logits(last_of(normed, last_index) if last_only else normed)
 
     def _blocks_on(self, layer_type: str) -> bool:

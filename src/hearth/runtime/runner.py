@@ -15,7 +15,7 @@ import torch
 
 from hearth.kv import KVPolicy, LayerCache
 from hearth.kv.paged import KVPool, PagedLayerCache, PagedSequence
-from hearth.layers.attention import SequenceBatch
+from hearth.layers.attention import RaggedBatch, SequenceBatch
 from hearth.layers.experts import Experts
 from hearth.models import Model
 from hearth.models.decoder import SoftTokens, chunk_end
@@ -98,6 +98,36 @@ class ModelRunner:
             if stop == end:
                 return logits[:, -1]
             start = stop
+
+    def prefill_ragged(
+        self,
+        pieces: list[list[int]],
+        caches: list[list[LayerCache]],
+        starts: list[int],
+        logits_of: list[bool],
+    ) -> torch.Tensor:
+        """One forward over several sequences' prompt chunks (`pieces[i]`, its first token at
+        `starts[i]`, into `caches[i]`), their tokens side by side: one GEMM per projection
+        over all their rows, RoPE positions, K/V writes and attention per sequence. The
+        logits [n, V] of the last token of each sequence where `logits_of` says, in order
+        (the head runs over those rows only). Chunks whose soft tokens attend to each other
+        (media) take `prefill`, alone."""
+        device = self.device
+        counts = [len(piece) for piece in pieces]
+        ids = torch.tensor([[token for piece in pieces for token in piece]], device=device)
+        positions = torch.cat(
+            [
+                torch.arange(start, start + count)
+                for start, count in zip(starts, counts, strict=True)
+            ]
+        ).to(device)
+        ends = torch.tensor(counts).cumsum(0) - 1
+        rows = ends[torch.tensor(logits_of, dtype=torch.bool)].to(device)
+        layers = [
+            RaggedBatch(list(layer), counts, logits_of) for layer in zip(*caches, strict=True)
+        ]
+        logits = self.model(ids, layers, last_only=True, last_index=rows, positions=positions)
+        return logits[0]
 
     def decode(self, token: int, caches: list[LayerCache], position: int) -> torch.Tensor:
         """Logits [1, V] after `token` at `position`: one native call per layer where the plan

@@ -1,24 +1,34 @@
 """Continuous batching: many requests on one runner, each step doing some of their work, their
 K/V in one paged pool (`kv.paged`).
 
-A step either prefills one chunk of a request being admitted, or decodes one token of every
-running request at once: one forward over their tokens side by side, each with its own block
-tables (`runner.decode_batch`; on a GPU replayed from a CUDA graph per batch size,
+A step either prefills the next chunks of the requests being admitted, or decodes one token of
+every running request at once: one forward over their tokens side by side, each with its own
+block tables (`runner.decode_batch`; on a GPU replayed from a CUDA graph per batch size,
 `runtime.batch_graphs`), so the weights are read once for all of them, and every row's token
 is sampled on the device and read back at once (one host sync per step; a row asking for
 log-probabilities is sampled alone). Where every row samples on the device, the steps are
 chained: the next is launched on those samples before the host reads them, so the host's work
-on a step's tokens (detokenizing, stop strings, delivery) overlaps the device's. The two kinds of step alternate while both have work, so a
-long prompt delays the running requests by a chunk at a time, not by its whole prefill.
+on a step's tokens (detokenizing, stop strings, delivery) overlaps the device's. The two kinds
+of step alternate while both have work, so a long prompt delays the running requests by a
+chunk at a time, not by its whole prefill.
 
-Requests are admitted in arrival order, at most `max_running` at once, while the pool's free
-blocks hold the prompt (blocks for decoding are taken a token at a time, as needed). When a
-decode step finds the pool exhausted, the most recently admitted request is preempted by
-recompute: its blocks are freed and it goes back to the head of the queue with its prompt and
-the tokens it made, its sampler (and random state) kept; re-admitted, it prefills them again
-(mostly from its own blocks, still in the prefix cache) and goes on where it stopped, nothing
-re-sent to its client. A request that could not fit even in the whole pool is refused when
-submitted. A cancelled request's blocks are freed at once.
+A prefill step takes the admitted requests' next chunks in arrival order while they fit the
+plan's `prefill_chunk` tokens together (the first always; each request's chunks cut as if it
+ran alone), and runs them as one ragged forward (`runner.prefill_ragged`): one GEMM per
+projection over all their rows, attention and K/V writes per request, the head only over the
+last row of each request whose prompt ends there. Short prompts arriving together thus share
+one forward, where the dequantized weight tiles of a CPU GEMM are reused over more rows. A
+request whose chunk holds media soft tokens takes a prefill step alone.
+
+Requests are admitted in arrival order, at most `max_running` at once, while the next prefill
+step has tokens to spare and the pool's free blocks hold the prompt besides what the requests
+still prefilling will take (blocks for decoding are taken a token at a time, as needed). When
+a step finds the pool exhausted, the most recently admitted request is preempted by recompute:
+its blocks are freed and it goes back to the head of the queue with its prompt and the tokens
+it made, its sampler (and random state) kept; re-admitted, it prefills them again (mostly from
+its own blocks, still in the prefix cache) and goes on where it stopped, nothing re-sent to its
+client. A request that could not fit even in the whole pool is refused when submitted. A
+cancelled request's blocks are freed at once.
 
 Prefix cache: a new request shares the longest run of whole cached blocks its prompt begins
 with (`PagedSequence.adopt_prefix`) and prefills only the rest.
@@ -154,7 +164,8 @@ class Scheduler:
         self.prefix_misses = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._prefilling: Sequence | None = None
+        self.prefilling: list[Sequence] = []  # admitted, still prefilling, in arrival order
+        self._in_step: list[Sequence] = []  # the requests the current prefill step runs
         self._prefill_next = True  # which kind of step goes first when both have work
         # The decode step launched last, its tokens not yet read (see `_decode_step`).
         self._in_flight: _InFlight | None = None
@@ -164,12 +175,12 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self._prefilling)
+        return not (self.waiting or self.running or self.prefilling)
 
     @property
     def active(self) -> int:
         """Requests admitted (prefilling or decoding)."""
-        return len(self.running) + (self._prefilling is not None)
+        return len(self.running) + len(self.prefilling)
 
     def submit(
         self, request: GenerationRequest, deliver: Deliver, cancelled: Callable[[], bool]
@@ -198,35 +209,63 @@ class Scheduler:
         self.waiting.append(sequence)
 
     def step(self) -> None:
-        """One step of work: a prefill chunk or a decode step of every running request."""
+        """One step of work: a prefill step (chunks of one or more admitted requests) or a
+        decode step of every running request."""
         self._drop_cancelled()
-        if self._prefilling is None:
-            self._prefilling = self._admit()
-        prefill = self._prefilling is not None and (self._prefill_next or not self.running)
+        self._admit_while_room()
+        prefill = bool(self.prefilling) and (self._prefill_next or not self.running)
         try:
             if self._in_flight is not None and (prefill or not self.running):
                 self._settle()
             if prefill:
-                assert self._prefilling is not None
-                self._prefill_chunk(self._prefilling)
+                self._prefill_step()
             elif self.running:
                 self._decode_step()
         except Exception as error:  # a failed step fails the requests it ran
             log.exception("generation failed")
             self._in_flight = None
-            failed = [self._prefilling] if prefill else list(self.running)
+            failed = list(self._in_step) if prefill else list(self.running)
             for sequence in failed:
-                if sequence is not None:
-                    self._remove(sequence)
-                    sequence.deliver(error)
+                self._remove(sequence)
+                sequence.deliver(error)
+        self._in_step = []
         self._prefill_next = not prefill
 
     # -- admission and prefill
 
+    def _admit_while_room(self) -> None:
+        """Admit waiting requests while the next prefill step has tokens to spare."""
+        while self.waiting and self._planned()[1] < self.runner.plan.prefill_chunk:
+            sequence = self._admit()
+            if sequence is None:
+                return
+            self.prefilling.append(sequence)
+
+    def _planned(self) -> tuple[list[Sequence], int]:
+        """The requests the next prefill step runs, in arrival order, and the tokens it takes
+        (the plan's whole `prefill_chunk` where no later request may join it): each one's next
+        chunk while they fit the budget together, the first always; one with media alone."""
+        budget = self.runner.plan.prefill_chunk
+        chosen: list[Sequence] = []
+        used = 0
+        for sequence in self.prefilling:
+            if _with_media(sequence):
+                if not chosen:
+                    chosen.append(sequence)
+                return chosen, budget
+            start, target = sequence.computed, sequence.prefill_target
+            tokens = chunk_end(start, target, budget, ()) - start if start < target else 0
+            if chosen and used + tokens > budget:
+                return chosen, budget
+            chosen.append(sequence)
+            used += tokens
+        return chosen, used
+
     def _admit(self) -> Sequence | None:
         """The next waiting request, with its block tables, if one more may run and the free
-        blocks hold its prompt (after what it shares from the prefix cache)."""
-        if not self.waiting or len(self.running) >= self.max_running:
+        blocks hold its prompt (after what it shares from the prefix cache) besides what the
+        requests still prefilling will take."""
+        if not self.waiting or self.active >= self.max_running:
             return None
         sequence = self.waiting[0]
         paged = self.pool.sequence()
@@ -247,7 +286,13 @@ class Scheduler:
             if cached < MIN_SHARED_TOKENS and not sequence.produced:
                 paged.free()  # the chat template's opening: not worth counting as a hit
                 cached = 0
-        if not paged.can_grow_to(target + 1, self.runner.plan.prefill_chunk):
+        chunk = self.runner.plan.prefill_chunk
+        promised = [0] * len(self.pool.pools)
+        for other in self.prefilling:
+            assert other.paged is not None
+            growth = other.paged.growth(other.prefill_target + 1, chunk)
+            promised = [a + b for a, b in zip(promised, growth, strict=True)]
+        if not paged.can_grow_to(target + 1, chunk, promised):
             paged.free()
             return None
         self.waiting.popleft()
@@ -268,37 +313,77 @@ class Scheduler:
         return sequence
 
     @torch.inference_mode()
-    def _prefill_chunk(self, sequence: Sequence) -> None:
-        """The next chunk of the prompt; after the last, its first token (a resumed request:
-        back to decoding, its next token already made)."""
+    def _prefill_step(self) -> None:
+        """The next chunks of the planned requests (`_planned`), in one forward; after a
+        request's last, its first token (a resumed request: back to decoding, its next token
+        already made)."""
         runner = self.runner
-        paged = sequence.paged
-        assert paged is not None
-        target = sequence.prefill_target
-        start = sequence.computed
-        logits = None
-        if start < target:
-            if sequence.soft is None:
+        chunks: list[tuple[Sequence, int, int]] = []
+        planned = self._planned()[0]
+        self._in_step = list(planned)  # what fails if encoding the media fails
+        for sequence in planned:
+            if sequence not in self.prefilling:
+                break  # preempted to make room for an earlier one's chunk
+            start, target = sequence.computed, sequence.prefill_target
+            if sequence.soft is None and start < target:
                 sequence.soft = soft_tokens(runner, sequence.request.media, start)
-            end = chunk_end(start, target, runner.plan.prefill_chunk, sequence.soft)
-            if not paged.reserve(end - start):
-                # Running requests took the blocks since it was admitted: it is the most
-                # recently admitted, so it goes back to wait.
-                self._preempt(sequence)
-                return
-            piece = sequence.history[start:end]
-            ids = torch.tensor([piece], dtype=torch.long, device=runner.device)
-            logits = runner.prefill(ids, paged.caches, start, end - start, sequence.soft)
-            paged.after_forward(sequence.ids_to_name())
-            sequence.computed = end
-            if end < target:
-                return
-        self._prefilling = None
-        sequence.soft = None  # freed
-        self.running.append(sequence)
-        if sequence.produced == 0:
-            assert logits is not None
-            self._take_token(sequence, logits)
+            end = chunk_end(start, target, runner.plan.prefill_chunk, sequence.soft or ())
+            if self._reserve(sequence, end - start):
+                chunks.append((sequence, start, end))
+        self._in_step = [sequence for sequence, _, _ in chunks]
+        logits = self._prefill_forward([c for c in chunks if c[1] < c[2]])
+        for sequence, start, end in chunks:
+            paged = sequence.paged
+            assert paged is not None
+            if start < end:
+                paged.after_forward(sequence.ids_to_name())
+                sequence.computed = end
+            if end < sequence.prefill_target:
+                continue
+            self.prefilling.remove(sequence)
+            sequence.soft = None  # freed
+            self.running.append(sequence)
+            if sequence.produced == 0:
+                self._take_token(sequence, logits.pop(sequence))
+
+    def _reserve(self, sequence: Sequence, tokens: int) -> bool:
+        """Blocks for `sequence`'s next `tokens`, preempting the most recently admitted
+        requests still prefilling (running ones took the blocks since they were admitted)
+        until it has them; False if it was preempted itself."""
+        assert sequence.paged is not None
+        while not sequence.paged.reserve(tokens):
+            victim = self.prefilling[-1]
+            self._preempt(victim)
+            if victim is sequence:
+                return False
+        return True
+
+    def _prefill_forward(
+        self, chunks: list[tuple[Sequence, int, int]]
+    ) -> dict[Sequence, torch.Tensor]:
+        """Run `chunks` (request, start, end) as one forward; the logits [1, V] of each request
+        whose prompt it ends (a lone request's chunk: the plain prefill, media included)."""
+        runner = self.runner
+        ends = [s.produced == 0 and end == s.prefill_target for s, _, end in chunks]
+        if len(chunks) == 1:
+            sequence, start, end = chunks[0]
+            assert sequence.paged is not None
+            ids = torch.tensor(
+                [sequence.history[start:end]], dtype=torch.long, device=runner.device
+            )
+            logits = runner.prefill(ids, sequence.paged.caches, start, end - start, sequence.soft)
+            return {sequence: logits} if ends[0] else {}
+        if not chunks:
+            return {}
+        caches = [s.paged.caches for s, _, _ in chunks if s.paged is not None]
+        rows = runner.prefill_ragged(
+            [s.history[start:end] for s, start, end in chunks],
+            caches,
+            [start for _, start, _ in chunks],
+            ends,
+        )
+        asked = [s for (s, _, _), end in zip(chunks, ends, strict=True) if end]
+        return {s: rows[i : i + 1] for i, s in enumerate(asked)}
 
     # -- decoding
 
@@ -435,7 +520,7 @@ class Scheduler:
             if sequence.paged.reserve(1):
                 pending.pop(0)
                 continue
-            victim = self._prefilling or self.running[-1]
+            victim = self.prefilling[-1] if self.prefilling else self.running[-1]
             if victim is sequence and len(self.running) == 1:
                 raise RuntimeError("the K/V pool cannot hold the one request it admitted")
             self._preempt(victim)
@@ -455,8 +540,8 @@ class Scheduler:
         self.preemptions += 1
         if sequence in self.running:
             self.running.remove(sequence)
-        if self._prefilling is sequence:
-            self._prefilling = None
+        if sequence in self.prefilling:
+            self.prefilling.remove(sequence)
         self.waiting.appendleft(sequence)
 
     def _take_token(self, sequence: Sequence, logits: torch.Tensor) -> None:
@@ -504,8 +589,8 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         """Requests whose client went away end at once, without a last chunk."""
-        for sequence in [*self.waiting, *self.running, self._prefilling]:
-            if sequence is not None and sequence.cancelled():
+        for sequence in [*self.waiting, *self.running, *self.prefilling]:
+            if sequence.cancelled():
                 self._remove(sequence)
                 if self.on_cancelled is not None:
                     self.on_cancelled()
@@ -515,8 +600,8 @@ class Scheduler:
             self.waiting.remove(sequence)
         if sequence in self.running:
             self.running.remove(sequence)
-        if self._prefilling is sequence:
-            self._prefilling = None
+        if sequence in self.prefilling:
+            self.prefilling.remove(sequence)
         if sequence.paged is not None:
             sequence.paged.free()
             sequence.paged = None
@@ -533,6 +618,14 @@ def _samples_on_device(sequence: Sequence) -> bool:
         and params.presence_penalty == 0
         and params.frequency_penalty == 0
     )
+
+
+def _with_media(sequence: Sequence) -> bool:
+    """Whether `sequence`'s prompt has media still to prefill (soft tokens, not yet encoded
+    or left after its cached prefix): its chunks take a prefill step alone."""
+    if not sequence.request.media:
+        return False
+    return sequence.soft is None or bool(sequence.soft)
 
 
 def _plain_greedy(sampler: Sampler) -> bool:
