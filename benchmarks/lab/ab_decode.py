@@ -278,7 +278,7 @@ VARIANTS: dict[str, Patch] = {
     "attn-few-n16-w2": _few_heads_tiles(16, 2, 3),
     "attn-few-n16-s2": _few_heads_tiles(16, 4, 2),
     "attn-pps1": _set(attention, "PROGRAMS_PER_SM", 1),
-    "cublas-gemv": _set(gemv, "GEMV_MAX_ROWS", 0),  # o_proj through cuBLAS too
+    "cublas-gemv": _set(gemv, "GEMV_ROUTED_ROWS", 0),  # o_proj through cuBLAS too
     "fused-geglu-down": _set(gemma, "FUSED_GEGLU", True),  # down through the Triton GEMV
     "wide-gemv": _set(gemma, "WIDE_GEMV", True),  # qkv, gate/up through the Triton GEMV
     "norm-w4": _set(norm, "_warps", lambda columns: 4),  # RMSNorm launch width

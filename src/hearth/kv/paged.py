@@ -221,7 +221,12 @@ class BlockPool:
         gathered = []
         for plane in self.planes[layer]:
             # [n, kv_heads, block_size, ...]
-            part = plane[first : first + len(blocks)] if index is None else plane[index]
+            if index is None:
+                part = plane[first : first + len(blocks)]
+            elif plane.dtype == torch.uint32:  # CUDA has no uint32 index kernel
+                part = plane.view(torch.int32)[index].view(torch.uint32)
+            else:
+                part = plane[index]
             gathered.append(part.transpose(0, 1).flatten(1, 2).unsqueeze(0))
         return gathered
 

@@ -36,6 +36,9 @@ from hearth.ops.norm import add_rms_norm, add_rms_norm_reference
 
 # Rows of activations one launch takes (decode is 1; a few speculative/batched rows fit).
 GEMV_MAX_ROWS = 4
+# Rows `gemv` sends to the kernel: from 3 rows cuBLAS is faster at every 12B and E4B shape
+# (results/gpu_gemv_bf16_rows_h100-2026-12-07.md).
+GEMV_ROUTED_ROWS = 2
 
 
 def _unsplit_launch(block_n: int, block_k: int, loop_stages: int) -> dict[str, int]:
@@ -125,7 +128,7 @@ def gemv_add_norm(
     sum themselves (each takes x's RMS over the whole row, cheap for a narrow weight) in place
     of an `add_rms_norm` launch before the GEMV."""
     rows = x.numel() // x.shape[-1]
-    if not (kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype):
+    if not (kernel_enabled(x) and rows <= GEMV_ROUTED_ROWS and weight.dtype == x.dtype):
         summed = add_rms_norm(residual, x, norm_weight, eps)[0]
         return F.linear(summed, weight), summed
     summed = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -136,7 +139,7 @@ def gemv_add_norm(
 def gemv(x: Tensor, weight: Tensor, geglu: bool = False, up: Tensor | None = None) -> Tensor:
     """`gemv_reference`, one Triton kernel for few rows on CUDA (cuBLAS for many)."""
     rows = x.numel() // x.shape[-1]
-    if kernel_enabled(x) and rows <= GEMV_MAX_ROWS and weight.dtype == x.dtype:
+    if kernel_enabled(x) and rows <= GEMV_ROUTED_ROWS and weight.dtype == x.dtype:
         return gemv_triton(x, weight, geglu, up=up)
     return cpu_linear(gelu_tanh_mul(x, up) if geglu else x, weight)  # F.linear off the CPU
 
