@@ -1544,6 +1544,335 @@ int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uin
 }
 
 /* ------------------------------------------------------------------------------------------
+ * The block GEMV on AVX512-BF16 (vdpbf16ps: 32 bf16 products summed into 16 fp32 lanes per
+ * instruction), the weights still exact. A block's weights are step * q - offset per group
+ * (step, offset exact fp32, q a small integer), so
+ *     sum_i w_i x_i = sum_groups step * (sum_i q_i x_i) - offset * (sum_i x_i):
+ * the codes q are exact in bf16 (|q| <= 128), the inner sums run on them, and the group scales
+ * apply in fp32 after. The one rounding added is x -> bf16 (round to nearest even, as torch
+ * rounds; the instructions flush bf16 subnormals, |x| < 1.2e-38, to zero). Products of two
+ * bf16 are exact in fp32; each 32-value chunk's dot product starts from zero, is scaled by its
+ * step and added to the row's fp32 sums (one FMA), and the offsets' sums (K-types with mins)
+ * are formed on the side from the fp32 sums of each 32 inputs. Compiled where the compiler
+ * targets AVX512-BF16 (-march=native on such a CPU); elsewhere none of it exists and
+ * hearth_blocks_gemv_bf16 refuses every type.
+ */
+#if defined(__AVX512BF16__) && VEC16_REGISTERS >= 32
+#define HAS_BF16_GEMV 1
+
+/* Input rows computed together, each block's codes converted once for them, and the sums each
+ * keeps: chunk c of a row goes to its sums c % BF16_SUMS (independent FMA chains; one chain
+ * would wait on each FMA's latency). 4 x 4 of the 32 registers. */
+#define BF16_INPUT_ROWS 4
+#define BF16_SUMS 4
+
+/* The constants the conversions of codes to bf16 read (built once per call of a row range). */
+typedef struct {
+    __m512i signed8;   /* bf16 of i - 8, i = 0..31 (Q4_0's codes) */
+    __m512i signed16;  /* bf16 of i - 16 (Q5_0's) */
+    __m512i unsigned0; /* bf16 of i (Q4_K's) */
+    __m512i low32, high32; /* bf16 of i - 32, i = 0..31 and 32..63 (Q6_K's) */
+} bf16_codes;
+
+/* bf16 of first + i for i = 0..31, exactly (all small integers). */
+static inline __m512i bf16_integers(int first) {
+    const __m512 ramp = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 low = _mm512_add_ps(ramp, _mm512_set1_ps((float)first));
+    const __m512 high = _mm512_add_ps(ramp, _mm512_set1_ps((float)(first + 16)));
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+}
+
+static inline bf16_codes bf16_code_tables(void) {
+    const __m512i naturals = bf16_integers(0);
+    return (bf16_codes){bf16_integers(-8), bf16_integers(-16), naturals, bf16_integers(-32),
+                        naturals};
+}
+
+/* 16 bytes -> 32 words: the low nibbles (values 0-15), then the high ones (16-31). */
+static inline __m512i nibble_words16(const uint8_t *qs) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i nibble = _mm256_set1_epi16(0x0f);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, nibble)),
+                              _mm256_srli_epi16(bytes, 4), 1);
+}
+
+/* The dot product of 32 bf16 codes with 32 bf16 inputs at x, into 16 fp32 lanes (lane i: values
+ * 2i and 2i + 1), from zero. */
+static inline __m512 dot32(__m512i codes, const uint16_t *x) {
+    return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes,
+                            (__m512bh)_mm512_loadu_si512((const void *)x));
+}
+
+/* Row i's sums `slot` += step * (codes . x_i) for `mr` input rows x_i = x + i * k. */
+static inline __attribute__((always_inline)) void add_chunk(__m512 *sums, const int mr,
+                                                            const int slot, __m512i codes,
+                                                            __m512 step, const uint16_t *x,
+                                                            int64_t k) {
+    for (int i = 0; i < mr; ++i) {
+        __m512 *into = &sums[i * BF16_SUMS + slot];
+        *into = _mm512_fmadd_ps(dot32(codes, x + i * k), step, *into);
+    }
+}
+
+/* k_steps in vector registers: Q4_K / Q5_K's eight steps d * scale into `step`, the eight
+ * offsets dmin * min returned (exact products: fp16 times 6 bits). The 12 bytes of 6-bit
+ * (scale, min) pairs are read as three little-endian words, a byte per pair in each lane. */
+static inline __m256 k_steps8(const uint8_t *block, float *step) {
+    uint32_t packed[3];
+    memcpy(packed, block + 4, sizeof packed);
+    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint32_t scales_low = packed[0] & six, mins_low = packed[1] & six;
+    const uint32_t scales_high = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);
+    const uint32_t mins_high = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4);
+    const __m128i bytes = _mm_setr_epi32((int)scales_low, (int)scales_high, (int)mins_low,
+                                         (int)mins_high);
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_store_ps(step, _mm256_mul_ps(scales, _mm256_set1_ps(half_at(block))));
+    return _mm256_mul_ps(mins, _mm256_set1_ps(half_at(block + 2)));
+}
+
+/* One block's contribution to `mr` input rows (x: the block's first input of row 0; chunk_sums:
+ * its first 32-input sum of row 0, rows k / 32 apart). Q8_0, Q4_0, Q5_0 (one chunk, into the
+ * sums `slot`): d * q; Q4_K: (d * scale) * q - dmin * min per 32 values; Q6_K: (d * scale) *
+ * (q - 32) per 16 (chunk c into the sums c % BF16_SUMS). */
+static inline __attribute__((always_inline)) void bf16_block(
+    const int type, const bf16_codes *t, const uint8_t *block, const int mr, const int slot,
+    const uint16_t *x, const float *chunk_sums, int64_t k, __m512 *sums, __m256 *offsets) {
+    switch (type) {
+    case GGML_Q8_0: {
+        const __m128i *q = (const __m128i *)(block + 2);
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+        add_chunk(sums, mr, slot, (__m512i)_mm512_cvtne2ps_pbh(high, low),
+                  _mm512_set1_ps(half_at(block)), x, k);
+        break;
+    }
+    case GGML_Q4_0:
+        add_chunk(sums, mr, slot,
+                  _mm512_permutexvar_epi16(nibble_words16(block + 2), t->signed8),
+                  _mm512_set1_ps(half_at(block)), x, k);
+        break;
+    case GGML_Q5_0: {
+        uint32_t high;
+        memcpy(&high, block + 2, sizeof high);
+        const __m512i low = nibble_words16(block + 6);
+        /* Value i's fifth bit is bit i of `high`: 16 more where it is set. */
+        const __m512i fifth = _mm512_mask_add_epi16(low, (__mmask32)high, low,
+                                                   _mm512_set1_epi16(16));
+        add_chunk(sums, mr, slot, _mm512_permutexvar_epi16(fifth, t->signed16),
+                  _mm512_set1_ps(half_at(block)), x, k);
+        break;
+    }
+    case GGML_Q4_K: {
+        _Alignas(32) float step[8];
+        const __m256 offset = k_steps8(block, step);
+        const uint8_t *qs = block + 16;
+        const __m512i nibble = _mm512_set1_epi16(0x0f);
+        for (int pair = 0; pair < 4; ++pair) {
+            const __m512i bytes =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * pair)));
+            const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibble),
+                                                         t->unsigned0);
+            const __m512i high = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4),
+                                                          t->unsigned0);
+            add_chunk(sums, mr, (2 * pair) % BF16_SUMS, low, _mm512_set1_ps(step[2 * pair]),
+                      x + 64 * pair, k);
+            add_chunk(sums, mr, (2 * pair + 1) % BF16_SUMS, high,
+                      _mm512_set1_ps(step[2 * pair + 1]), x + 64 * pair + 32, k);
+        }
+        for (int i = 0; i < mr; ++i) {
+            offsets[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(chunk_sums + i * (k / 32)),
+                                         offsets[i]);
+        }
+        break;
+    }
+    default: { /* GGML_Q6_K: chunk c = 4 half + group as in unpack_q6_k */
+        const uint8_t *ql = block, *qh = block + 128;
+        const __m512 steps = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))),
+            _mm512_set1_ps(half_at(block + 208)));
+        const __m256i nibble = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+        for (int half = 0; half < 2; ++half) {
+            const __m256i highs = _mm256_loadu_si256((const __m256i *)(qh + 32 * half));
+            for (int group = 0; group < 4; ++group) {
+                const __m256i lows =
+                    _mm256_loadu_si256((const __m256i *)(ql + 64 * half + 32 * (group % 2)));
+                const __m256i l = _mm256_and_si256(_mm256_srli_epi16(lows, 4 * (group / 2)), nibble);
+                const __m256i h = _mm256_and_si256(_mm256_srli_epi16(highs, 2 * group), two);
+                const __m512i index =
+                    _mm512_cvtepu8_epi16(_mm256_or_si256(l, _mm256_slli_epi16(h, 4)));
+                const __m512i codes = _mm512_permutex2var_epi16(t->low32, index, t->high32);
+                /* Lanes 0-7 hold values 0-15 (group 2c of 16), lanes 8-15 values 16-31. */
+                const int c = 4 * half + group;
+                const __m512i which = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                                        2 * c, 2 * c, 2 * c + 1, 2 * c + 1,
+                                                        2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                        2 * c + 1, 2 * c + 1);
+                add_chunk(sums, mr, c % BF16_SUMS, codes, _mm512_permutexvar_ps(which, steps),
+                          x + 128 * half + 32 * group, k);
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* y[i * ldy + r] for input rows i < m and weight rows first <= r < last of `type` (each row k /
+ * values whole blocks of `bytes`, rows contiguous); x: bf16 [m, k], chunk_sums: fp32 [m, k / 32]
+ * (the sums of each 32 inputs, read by the types with offsets). Inlined with `type` and the row
+ * count constant. Every input row's sums are formed alike whatever rows are beside it. */
+static inline __attribute__((always_inline)) void bf16_rows_block(
+    const int type, const int64_t values, const int64_t bytes, const bf16_codes *t,
+    const uint16_t *x, const float *chunk_sums, const int mr, int64_t k, const uint8_t *row,
+    float *y, int64_t ldy) {
+    __m512 sums[BF16_INPUT_ROWS * BF16_SUMS];
+    __m256 offsets[BF16_INPUT_ROWS];
+    for (int i = 0; i < mr; ++i) {
+        for (int s = 0; s < BF16_SUMS; ++s) {
+            sums[i * BF16_SUMS + s] = _mm512_setzero_ps();
+        }
+        offsets[i] = _mm256_setzero_ps();
+    }
+    /* A 32-value type's blocks BF16_SUMS at a time, block j into the sums j (a constant). */
+    const int64_t step = values == 32 ? BF16_SUMS : 1, blocks_per_row = k / values;
+    int64_t b = 0;
+    for (; b + step <= blocks_per_row; b += step) {
+        _mm_prefetch((const char *)row + b * bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int j = 0; j < step; ++j) {
+            bf16_block(type, t, row + (b + j) * bytes, mr, j, x + (b + j) * values,
+                       chunk_sums + (b + j) * values / 32, k, sums, offsets);
+        }
+    }
+    for (; b < blocks_per_row; ++b) {
+        bf16_block(type, t, row + b * bytes, mr, 0, x + b * values, chunk_sums + b * values / 32,
+                   k, sums, offsets);
+    }
+    for (int i = 0; i < mr; ++i) {
+        const __m512 *own = &sums[i * BF16_SUMS];
+        const __m512 total =
+            _mm512_add_ps(_mm512_add_ps(own[0], own[1]), _mm512_add_ps(own[2], own[3]));
+        const float offset =
+            type == GGML_Q4_K ? _mm512_reduce_add_ps(_mm512_zextps256_ps512(offsets[i])) : 0.0f;
+        y[i * ldy] = _mm512_reduce_add_ps(total) - offset;
+    }
+}
+
+static inline __attribute__((always_inline)) void bf16_rows(
+    const int type, const int64_t values, const int64_t bytes, const uint16_t *x,
+    const float *chunk_sums, int64_t m, int64_t k, const uint8_t *w, int64_t first, int64_t last,
+    float *y, int64_t ldy) {
+    const bf16_codes t = bf16_code_tables();
+    const int64_t row_bytes = k / values * bytes;
+    for (int64_t r = first; r < last; ++r) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t i0 = 0; i0 < m; i0 += BF16_INPUT_ROWS) {
+            const int64_t rows = m - i0 < BF16_INPUT_ROWS ? m - i0 : BF16_INPUT_ROWS;
+            const uint16_t *xi = x + i0 * k;
+            const float *si = chunk_sums + i0 * (k / 32);
+            float *yi = y + i0 * ldy + r;
+            switch (rows) { /* a constant count in each copy */
+            case 4: bf16_rows_block(type, values, bytes, &t, xi, si, 4, k, row, yi, ldy); break;
+            case 3: bf16_rows_block(type, values, bytes, &t, xi, si, 3, k, row, yi, ldy); break;
+            case 2: bf16_rows_block(type, values, bytes, &t, xi, si, 2, k, row, yi, ldy); break;
+            default: bf16_rows_block(type, values, bytes, &t, xi, si, 1, k, row, yi, ldy); break;
+            }
+        }
+    }
+}
+
+typedef void (*bf16_rows_fn)(const uint16_t *, const float *, int64_t, int64_t, const uint8_t *,
+                             int64_t, int64_t, float *, int64_t);
+#define BF16_GEMV(NAME, TYPE, VALUES, BYTES)                                                      \
+    static void bf16_gemv_##NAME(const uint16_t *x, const float *chunk_sums, int64_t m,          \
+                                 int64_t k, const uint8_t *w, int64_t first, int64_t last,       \
+                                 float *y, int64_t ldy) {                                        \
+        bf16_rows(TYPE, VALUES, BYTES, x, chunk_sums, m, k, w, first, last, y, ldy);             \
+    }
+BF16_GEMV(q4_0, GGML_Q4_0, 32, 18)
+BF16_GEMV(q5_0, GGML_Q5_0, 32, 22)
+BF16_GEMV(q8_0, GGML_Q8_0, 32, 34)
+BF16_GEMV(q4_k, GGML_Q4_K, 256, 144)
+BF16_GEMV(q6_k, GGML_Q6_K, 256, 210)
+
+/* The bf16 GEMV for `type`, NULL for a type without one or a row length `k` not whole blocks. */
+static bf16_rows_fn bf16_gemv_of(int type, int64_t k) {
+    block_format f;
+    if (block_format_of(type, &f) != 0 || k % f.values != 0) {
+        return NULL;
+    }
+    switch (type) {
+    case GGML_Q4_0: return bf16_gemv_q4_0;
+    case GGML_Q5_0: return bf16_gemv_q5_0;
+    case GGML_Q8_0: return bf16_gemv_q8_0;
+    case GGML_Q4_K: return bf16_gemv_q4_k;
+    case GGML_Q6_K: return bf16_gemv_q6_k;
+    default: return NULL;
+    }
+}
+
+/* x [m, k] fp32 -> bf16 [m, k] (round to nearest even) and the fp32 sums of each 32 of those
+ * bf16 values [m, k / 32]; k a multiple of 32. */
+static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, float *chunk_sums) {
+    for (int64_t j = 0; j < m * k; j += 32) {
+        const __m256bh low = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
+        const __m256bh high = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j + 16));
+        _mm256_storeu_si256((__m256i *)(out + j), (__m256i)low);
+        _mm256_storeu_si256((__m256i *)(out + j + 16), (__m256i)high);
+        const __m512 wide_low = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)low), 16));
+        const __m512 wide_high = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)high), 16));
+        chunk_sums[j / 32] = _mm512_reduce_add_ps(_mm512_add_ps(wide_low, wide_high));
+    }
+}
+#else
+#define HAS_BF16_GEMV 0
+typedef void (*bf16_rows_fn)(const uint16_t *, const float *, int64_t, int64_t, const uint8_t *,
+                             int64_t, int64_t, float *, int64_t);
+static bf16_rows_fn bf16_gemv_of(int type, int64_t k) {
+    (void)type;
+    (void)k;
+    return NULL;
+}
+static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, float *chunk_sums) {
+    (void)x, (void)m, (void)k, (void)out, (void)chunk_sums;
+}
+#endif
+
+/* Whether this build has the bf16 GEMV for GGML type `type`: 1 or 0. */
+int hearth_blocks_gemv_bf16_takes(int type) {
+    block_format f;
+    return block_format_of(type, &f) == 0 && bf16_gemv_of(type, f.values) != NULL;
+}
+
+/* hearth_blocks_gemv with x rounded to bf16 and the bf16 GEMV above. Returns -1 for a type
+ * without one here (or any type in a build without AVX512-BF16), m outside 1..MAX_INPUT_ROWS,
+ * or when memory runs out. */
+int hearth_blocks_gemv_bf16(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                            int64_t n, float *y, int64_t ldy, int threads) {
+    const bf16_rows_fn rows = bf16_gemv_of(type, k);
+    if (rows == NULL || m < 1 || m > MAX_INPUT_ROWS) {
+        return -1;
+    }
+    uint16_t *inputs = malloc(sizeof(uint16_t) * (size_t)(m * k) + sizeof(float) * (size_t)(m * k / 32));
+    if (inputs == NULL) {
+        return -1;
+    }
+    float *chunk_sums = (float *)(inputs + m * k);
+    bf16_inputs(x, m, k, inputs, chunk_sums);
+    const int64_t units = (n + GEMV_ROWS_PER_UNIT - 1) / GEMV_ROWS_PER_UNIT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t first = unit * GEMV_ROWS_PER_UNIT;
+        const int64_t last = first + GEMV_ROWS_PER_UNIT < n ? first + GEMV_ROWS_PER_UNIT : n;
+        rows(inputs, chunk_sums, m, k, w, first, last, y, ldy);
+    }
+    free(inputs);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
  * fp32 decode glue (a CPU fp32 step, e.g. on GGUF blocks kept as stored): the ops of
  * hearth/ops/norm.py and rope.py's references in fp32, one call instead of a dozen torch ops.
  * Products and sums are rounded one at a time as torch's eager ops round them (no contraction);
