@@ -150,13 +150,15 @@ MAX_BLOCK_SEGMENTS = 4
 
 class BlocksWeight(ctypes.Structure):
     """A projection over GGML blocks for ``gemma3_blocks_layer``: its output rows in
-    ``segments`` runs, each of one type (``type``), ``rows`` rows stored at ``blocks``."""
+    ``segments`` runs, each of one type (``type``), ``rows`` rows stored at ``blocks``; ``bf16``
+    1: the segment runs the bf16 GEMV (where its type is in ``NativeKernels.bf16_gemv_types``)."""
 
     _fields_ = [
         ("segments", _INT64),
         ("type", _INT64 * MAX_BLOCK_SEGMENTS),
         ("rows", _INT64 * MAX_BLOCK_SEGMENTS),
         ("blocks", _POINTER * MAX_BLOCK_SEGMENTS),
+        ("bf16", _INT64 * MAX_BLOCK_SEGMENTS),
     ]
 
 
@@ -514,8 +516,9 @@ class NativeKernels:
         )
         _require(not bf16 or type_id in self.bf16_gemv_types, "no bf16 block GEMV for this type")
         self._call(
-            "hearth_blocks_gemv_bf16" if bf16 else "hearth_blocks_gemv", type_id, x.data_ptr(), rows, in_features, blocks.data_ptr(),
-            out_features, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            "hearth_blocks_gemv_bf16" if bf16 else "hearth_blocks_gemv", type_id, x.data_ptr(),
+            rows, in_features, blocks.data_ptr(), out_features, out.data_ptr(), out.stride(0),
+            torch.get_num_threads(),
         )  # fmt: skip
 
     def quantize_int8_rows(self, weight: Tensor, scale_floor: float) -> tuple[Tensor, Tensor]:

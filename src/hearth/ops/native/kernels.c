@@ -1963,12 +1963,14 @@ int hearth_norm_rope_f32(const float *qkv, int64_t tokens, int64_t width, int64_
 #define BLOCKS_MAX_SEGMENTS 4
 
 /* A projection over GGML blocks: its output rows in `segments` runs, run s `rows[s]` rows of
- * type `type[s]` stored contiguously at `blocks[s]`. */
+ * type `type[s]` stored contiguously at `blocks[s]`; bf16[s] 1: run s takes the bf16 GEMV
+ * (inputs rounded to bf16) where this build has one for its type, else the fp32 one. */
 typedef struct {
     int64_t segments;
     int64_t type[BLOCKS_MAX_SEGMENTS];
     int64_t rows[BLOCKS_MAX_SEGMENTS];
     const uint8_t *blocks[BLOCKS_MAX_SEGMENTS];
+    int64_t bf16[BLOCKS_MAX_SEGMENTS];
 } hearth_blocks_weight;
 
 /* A Gemma 3 layer's fixed operands over blocks (read-only); norm weights fp32, already 1 + w. */
@@ -1985,20 +1987,35 @@ typedef struct {
 static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t m, int64_t k,
                           float *y, int64_t ldy, int threads) {
     gemv_rows_fn rows[BLOCKS_MAX_SEGMENTS];
+    bf16_rows_fn bf16_segment[BLOCKS_MAX_SEGMENTS];
     int64_t first_row[BLOCKS_MAX_SEGMENTS], first_unit[BLOCKS_MAX_SEGMENTS + 1];
     if (w->segments < 1 || w->segments > BLOCKS_MAX_SEGMENTS || m < 1 || m > MAX_INPUT_ROWS) {
         return -1;
     }
     first_unit[0] = 0;
+    int any_bf16 = 0;
     for (int64_t s = 0; s < w->segments; ++s) {
         block_format f;
         rows[s] = gemv_of((int)w->type[s], k, &f);
         if (rows[s] == NULL) {
             return -1;
         }
+        bf16_segment[s] = w->bf16[s] ? bf16_gemv_of((int)w->type[s], k) : NULL;
+        any_bf16 |= bf16_segment[s] != NULL;
         first_row[s] = s == 0 ? 0 : first_row[s - 1] + w->rows[s - 1];
         first_unit[s + 1] = first_unit[s] + (w->rows[s] + GEMV_ROWS_PER_UNIT - 1) /
                                                 GEMV_ROWS_PER_UNIT;
+    }
+    /* The bf16 GEMV's inputs, made once for all its segments. */
+    uint16_t *inputs = NULL;
+    float *chunk_sums = NULL;
+    if (any_bf16) {
+        inputs = malloc(sizeof(uint16_t) * (size_t)(m * k) + sizeof(float) * (size_t)(m * k / 32));
+        if (inputs == NULL) {
+            return -1;
+        }
+        chunk_sums = (float *)(inputs + m * k);
+        bf16_inputs(x, m, k, inputs, chunk_sums);
     }
     const int64_t units = first_unit[w->segments];
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -2010,8 +2027,14 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         const int64_t first = (unit - first_unit[s]) * GEMV_ROWS_PER_UNIT;
         const int64_t last = first + GEMV_ROWS_PER_UNIT < w->rows[s] ? first + GEMV_ROWS_PER_UNIT
                                                                      : w->rows[s];
-        rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
+        if (bf16_segment[s] != NULL) {
+            bf16_segment[s](inputs, chunk_sums, m, k, w->blocks[s], first, last, y + first_row[s],
+                         ldy);
+        } else {
+            rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
+        }
     }
+    free(inputs);
     return 0;
 }
 
