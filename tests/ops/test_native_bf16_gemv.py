@@ -3,13 +3,15 @@ activations rounded to bf16, the weights still `gguf.quants.dequantize`'s exact 
 
 The kernel computes sum_groups step * (sum q x) - offset * (sum x) per block (w = step * q -
 offset): products of bf16 codes and bf16 inputs are exact in fp32, and each term reaches the
-result through at most n = k/32 + 16 fp32 roundings (2 in a dot product's lane, one FMA per
-32-value chunk on its row's sums, 2 joining the row's four sums, 4 in the lane reduction, 1 for
-the offsets' subtraction; an offset term: 5 forming its 32-input sum, k/256 FMAs, 3 lanes, 1).
-So it lies within γ_n · Σ (|step·q| + |offset|)·|x̂| of the exact sum over x̂ = bf16(x), γ_n =
-n·u / (1 - n·u), u = 2⁻²⁴ (Higham, 3.1), and the fp64 reference on the dequantized weights is
-exact far below that. Where the type has no offset the magnitudes are |w|·|x̂|. A code or a
-scale taken wrongly, or x left unrounded, lands outside (the second test shows the latter).
+result through at most n = k/32 + 16 fp32 roundings (up to 3 in a dot product's lane, one FMA
+per chunk on its row's sums, at most k/32 on one of them, 2 joining the row's four sums, 4 in
+the lane reduction, 1 for the offsets' subtraction; an offset term: 5 forming its 32-input sum,
+k/256 FMAs, 1 more, 3 lanes, 1). So it lies within γ_n · Σ |term| of the exact sum over x̂ =
+bf16(x), γ_n = n·u / (1 - n·u), u = 2⁻²⁴ (Higham, 3.1), and the fp64 reference on the
+dequantized weights is exact far below that. The terms: |w·x̂| where the type has no offset;
+for Q4_K, whose codes enter as the bf16 of 128 + q (taken back as 128·step·Σx̂), |step·(128 +
+q)·x̂| + |128·step·x̂| + |offset·x̂|. A code or a scale taken wrongly, or x left unrounded, lands
+outside (the second test shows the latter).
 
 This machine (Xeon, AVX512-BF16 and AMX) has the kernels; a CPU without AVX512-BF16 builds none
 and the tests of them skip there.
@@ -56,33 +58,37 @@ def _dequantized(type_id: int, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).double()
 
 
-def _offsets(type_id: int, raw: np.ndarray, k: int) -> torch.Tensor:
-    """Each weight's group offset (dmin · min for Q4_K, from the block bytes as ggml lays them
-    out: fp16 d, dmin, then 12 bytes of 6-bit scales and mins); 0 for the other types."""
+def _magnitudes(type_id: int, raw: np.ndarray, weight: torch.Tensor) -> torch.Tensor:
+    """Per weight, what multiplies |x̂| in the sum of |term| (above). Q4_K's step d · scale and
+    offset dmin · min come from the block bytes as ggml lays them out (fp16 d, dmin, then 12
+    bytes of 6-bit scales and mins): |step·q| = |w + offset|."""
     if type_id != 12:
-        return torch.zeros(raw.shape[0], k, dtype=torch.float64)
+        return weight.abs()
     blocks = raw.reshape(-1, 144)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)  # [n, 1]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float64)  # [n, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
     packed = blocks[:, 4:16].astype(np.int64)
+    scales = np.empty((len(blocks), 8), dtype=np.int64)
     mins = np.empty((len(blocks), 8), dtype=np.int64)
     for j in range(4):
+        scales[:, j] = packed[:, j] & 63
         mins[:, j] = packed[:, j + 4] & 63
+        scales[:, j + 4] = (packed[:, j + 8] & 15) | ((packed[:, j] >> 6) << 4)
         mins[:, j + 4] = (packed[:, j + 8] >> 4) | ((packed[:, j + 4] >> 6) << 4)
-    offsets = np.repeat(dmin * mins, 32, axis=1)  # [n, 256]
-    return torch.from_numpy(offsets.reshape(raw.shape[0], -1))
+    step = torch.from_numpy(np.repeat(d * scales, 32, axis=1).reshape(weight.shape))
+    offset = torch.from_numpy(np.repeat(dmin * mins, 32, axis=1).reshape(weight.shape))
+    return (weight + offset).abs() + 256 * step.abs() + offset.abs()
 
 
 def _within_bound(type_id: int, raw: np.ndarray, y: torch.Tensor, x: torch.Tensor) -> bool:
     """y against the fp64 sum over bf16(x) and the exact weights, within the bound above."""
     k = x.shape[-1]
     weight = _dequantized(type_id, raw)
-    offset = _offsets(type_id, raw, k)
     rounded = x.bfloat16().double()
     n = k // 32 + 16
     unit = 2.0**-24
     gamma = n * unit / (1 - n * unit)
-    magnitude = (weight + offset).abs() + offset.abs()  # |step · q| + |offset|
-    bound = gamma * (rounded.abs() @ magnitude.T)
+    bound = gamma * (rounded.abs() @ _magnitudes(type_id, raw, weight).T)
     return bool(((y.double() - rounded @ weight.T).abs() <= bound).all())
 
 

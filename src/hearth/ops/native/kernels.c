@@ -1570,7 +1570,6 @@ int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uin
 typedef struct {
     __m512i signed8;   /* bf16 of i - 8, i = 0..31 (Q4_0's codes) */
     __m512i signed16;  /* bf16 of i - 16 (Q5_0's) */
-    __m512i unsigned0; /* bf16 of i (Q4_K's) */
     __m512i low32, high32; /* bf16 of i - 32, i = 0..31 and 32..63 (Q6_K's) */
 } bf16_codes;
 
@@ -1583,9 +1582,8 @@ static inline __m512i bf16_integers(int first) {
 }
 
 static inline bf16_codes bf16_code_tables(void) {
-    const __m512i naturals = bf16_integers(0);
-    return (bf16_codes){bf16_integers(-8), bf16_integers(-16), naturals, bf16_integers(-32),
-                        naturals};
+    return (bf16_codes){bf16_integers(-8), bf16_integers(-16), bf16_integers(-32),
+                        bf16_integers(0)};
 }
 
 /* 16 bytes -> 32 words: the low nibbles (values 0-15), then the high ones (16-31). */
@@ -1617,7 +1615,7 @@ static inline __attribute__((always_inline)) void add_chunk(__m512 *sums, const 
 /* k_steps in vector registers: Q4_K / Q5_K's eight steps d * scale into `step`, the eight
  * offsets dmin * min returned (exact products: fp16 times 6 bits). The 12 bytes of 6-bit
  * (scale, min) pairs are read as three little-endian words, a byte per pair in each lane. */
-static inline __m256 k_steps8(const uint8_t *block, float *step) {
+static inline __m256 k_steps8(const uint8_t *block, __m256 *step) {
     uint32_t packed[3];
     memcpy(packed, block + 4, sizeof packed);
     const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
@@ -1628,7 +1626,7 @@ static inline __m256 k_steps8(const uint8_t *block, float *step) {
                                          (int)mins_high);
     const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
     const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    _mm256_store_ps(step, _mm256_mul_ps(scales, _mm256_set1_ps(half_at(block))));
+    *step = _mm256_mul_ps(scales, _mm256_set1_ps(half_at(block)));
     return _mm256_mul_ps(mins, _mm256_set1_ps(half_at(block + 2)));
 }
 
@@ -1638,7 +1636,8 @@ static inline __m256 k_steps8(const uint8_t *block, float *step) {
  * (q - 32) per 16 (chunk c into the sums c % BF16_SUMS). */
 static inline __attribute__((always_inline)) void bf16_block(
     const int type, const bf16_codes *t, const uint8_t *block, const int mr, const int slot,
-    const uint16_t *x, const float *chunk_sums, int64_t k, __m512 *sums, __m256 *offsets) {
+    const uint16_t *x, const float *chunk_sums, int64_t k, __m512 *sums, __m256 *offsets,
+    __m256 *excess) {
     switch (type) {
     case GGML_Q8_0: {
         const __m128i *q = (const __m128i *)(block + 2);
@@ -1665,25 +1664,52 @@ static inline __attribute__((always_inline)) void bf16_block(
         break;
     }
     case GGML_Q4_K: {
-        _Alignas(32) float step[8];
-        const __m256 offset = k_steps8(block, step);
+        /* 64 bytes of nibbles at a time as 32 words: each word's four nibbles | 0x4300 are the
+         * bf16 of 128 + q, exactly, in four vectors with no lane crossing (x is in
+         * Q4K_INPUT_ORDER to match); words' low bytes (A: low nibbles, B: high) and high bytes
+         * (C, D) hold chunks 4L and 4L + 2 (A, C) or 4L + 1 and 4L + 3 (B, D) in lanes 0-7 and
+         * 8-15 of a dot product. The 128 x is taken back with the offsets (`excess`). */
+        __m256 step8;
+        const __m256 offset = k_steps8(block, &step8);
+        const __m512 steps = _mm512_castps256_ps512(step8);
         const uint8_t *qs = block + 16;
-        const __m512i nibble = _mm512_set1_epi16(0x0f);
-        for (int pair = 0; pair < 4; ++pair) {
-            const __m512i bytes =
-                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * pair)));
-            const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibble),
-                                                         t->unsigned0);
-            const __m512i high = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4),
-                                                          t->unsigned0);
-            add_chunk(sums, mr, (2 * pair) % BF16_SUMS, low, _mm512_set1_ps(step[2 * pair]),
-                      x + 64 * pair, k);
-            add_chunk(sums, mr, (2 * pair + 1) % BF16_SUMS, high,
-                      _mm512_set1_ps(step[2 * pair + 1]), x + 64 * pair + 32, k);
+        const __m512i nibble = _mm512_set1_epi16(0x000f), exponent = _mm512_set1_epi16(0x4300);
+        for (int L = 0; L < 2; ++L) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * L));
+            /* (raw & nibble) | exponent in one instruction (truth table 0xEA). */
+            const __m512i a = _mm512_ternarylogic_epi32(raw, nibble, exponent, 0xEA);
+            const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble,
+                                                        exponent, 0xEA);
+            const __m512i c = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 8), nibble,
+                                                        exponent, 0xEA);
+            const __m512i d = _mm512_or_si512(_mm512_srli_epi16(raw, 12), exponent);
+            const __m512 low_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(4 * L, 4 * L, 4 * L, 4 * L, 4 * L, 4 * L, 4 * L, 4 * L,
+                                  4 * L + 2, 4 * L + 2, 4 * L + 2, 4 * L + 2, 4 * L + 2,
+                                  4 * L + 2, 4 * L + 2, 4 * L + 2),
+                steps);
+            const __m512 high_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(4 * L + 1, 4 * L + 1, 4 * L + 1, 4 * L + 1, 4 * L + 1,
+                                  4 * L + 1, 4 * L + 1, 4 * L + 1, 4 * L + 3, 4 * L + 3,
+                                  4 * L + 3, 4 * L + 3, 4 * L + 3, 4 * L + 3, 4 * L + 3,
+                                  4 * L + 3),
+                steps);
+            const uint16_t *xl = x + 128 * L;
+            for (int i = 0; i < mr; ++i) {
+                const uint16_t *xi = xl + i * k;
+                const __m512 low = _mm512_dpbf16_ps(dot32(a, xi), (__m512bh)c,
+                                                    (__m512bh)_mm512_loadu_si512(xi + 32));
+                const __m512 high = _mm512_dpbf16_ps(dot32(b, xi + 64), (__m512bh)d,
+                                                     (__m512bh)_mm512_loadu_si512(xi + 96));
+                __m512 *own = &sums[i * BF16_SUMS + 2 * L];
+                own[0] = _mm512_fmadd_ps(low, low_step, own[0]);
+                own[1] = _mm512_fmadd_ps(high, high_step, own[1]);
+            }
         }
         for (int i = 0; i < mr; ++i) {
-            offsets[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(chunk_sums + i * (k / 32)),
-                                         offsets[i]);
+            const __m256 chunk = _mm256_loadu_ps(chunk_sums + i * (k / 32));
+            offsets[i] = _mm256_fmadd_ps(offset, chunk, offsets[i]);
+            excess[i] = _mm256_fmadd_ps(step8, chunk, excess[i]);
         }
         break;
     }
@@ -1727,12 +1753,13 @@ static inline __attribute__((always_inline)) void bf16_rows_block(
     const uint16_t *x, const float *chunk_sums, const int mr, int64_t k, const uint8_t *row,
     float *y, int64_t ldy) {
     __m512 sums[BF16_INPUT_ROWS * BF16_SUMS];
-    __m256 offsets[BF16_INPUT_ROWS];
+    __m256 offsets[BF16_INPUT_ROWS], excess[BF16_INPUT_ROWS];
     for (int i = 0; i < mr; ++i) {
         for (int s = 0; s < BF16_SUMS; ++s) {
             sums[i * BF16_SUMS + s] = _mm512_setzero_ps();
         }
         offsets[i] = _mm256_setzero_ps();
+        excess[i] = _mm256_setzero_ps();
     }
     /* A 32-value type's blocks BF16_SUMS at a time, block j into the sums j (a constant). */
     const int64_t step = values == 32 ? BF16_SUMS : 1, blocks_per_row = k / values;
@@ -1741,19 +1768,21 @@ static inline __attribute__((always_inline)) void bf16_rows_block(
         _mm_prefetch((const char *)row + b * bytes + PREFETCH_BYTES, _MM_HINT_T0);
         for (int j = 0; j < step; ++j) {
             bf16_block(type, t, row + (b + j) * bytes, mr, j, x + (b + j) * values,
-                       chunk_sums + (b + j) * values / 32, k, sums, offsets);
+                       chunk_sums + (b + j) * values / 32, k, sums, offsets, excess);
         }
     }
     for (; b < blocks_per_row; ++b) {
         bf16_block(type, t, row + b * bytes, mr, 0, x + b * values, chunk_sums + b * values / 32,
-                   k, sums, offsets);
+                   k, sums, offsets, excess);
     }
     for (int i = 0; i < mr; ++i) {
         const __m512 *own = &sums[i * BF16_SUMS];
         const __m512 total =
             _mm512_add_ps(_mm512_add_ps(own[0], own[1]), _mm512_add_ps(own[2], own[3]));
+        /* Q4_K: the offsets' sums and the 128 x its codes carry (128 * excess exact). */
+        const __m256 taken = _mm256_fmadd_ps(excess[i], _mm256_set1_ps(128.0f), offsets[i]);
         const float offset =
-            type == GGML_Q4_K ? _mm512_reduce_add_ps(_mm512_zextps256_ps512(offsets[i])) : 0.0f;
+            type == GGML_Q4_K ? _mm512_reduce_add_ps(_mm512_zextps256_ps512(taken)) : 0.0f;
         y[i * ldy] = _mm512_reduce_add_ps(total) - offset;
     }
 }
@@ -1811,6 +1840,23 @@ static bf16_rows_fn bf16_gemv_of(int type, int64_t k) {
     }
 }
 
+/* Q4K_INPUT_ORDER: where the Q4_K kernel reads each of a block's 256 inputs: position 128 L +
+ * 32 s + w holds value 64 pair + byte % 32 + 32 high, for vector s = A, C, B, D (high: B, D),
+ * byte 2w (+1 for C, D) of the block's 64 code bytes L, pair 2L + byte / 32. */
+static void q4k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    int16_t from[256];
+    for (int position = 0; position < 256; ++position) {
+        const int L = position / 128, s = position / 32 % 4, w = position % 32;
+        const int odd = s & 1, high = s >> 1, byte = 2 * w + odd;
+        from[position] = (int16_t)(64 * (2 * L + byte / 32) + byte % 32 + 32 * high);
+    }
+    for (int64_t block = 0; block < count; block += 256) {
+        for (int position = 0; position < 256; ++position) {
+            out[block + position] = in[block + from[position]];
+        }
+    }
+}
+
 /* x [m, k] fp32 -> bf16 [m, k] (round to nearest even) and the fp32 sums of each 32 of those
  * bf16 values [m, k / 32]; k a multiple of 32. */
 static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, float *chunk_sums) {
@@ -1838,7 +1884,34 @@ static bf16_rows_fn bf16_gemv_of(int type, int64_t k) {
 static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, float *chunk_sums) {
     (void)x, (void)m, (void)k, (void)out, (void)chunk_sums;
 }
+static void q4k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    (void)in, (void)count, (void)out;
+}
 #endif
+
+/* The bf16 GEMV's inputs for m rows of x [m, k]: bf16 values (`plain`), the same in
+ * Q4K_INPUT_ORDER where a Q4_K weight reads them (`q4k`, k a multiple of 256), and the sums of
+ * each 32 of them (`chunk_sums`), in one allocation (`free(plain)`); NULL when memory runs
+ * out. */
+typedef struct {
+    uint16_t *plain, *q4k;
+    float *chunk_sums;
+} bf16_input_set;
+
+static int make_bf16_inputs(const float *x, int64_t m, int64_t k, int q4k, bf16_input_set *in) {
+    const size_t words = (size_t)(m * k) * (q4k ? 2 : 1);
+    in->plain = malloc(sizeof(uint16_t) * words + sizeof(float) * (size_t)(m * k / 32));
+    if (in->plain == NULL) {
+        return -1;
+    }
+    in->q4k = q4k ? in->plain + m * k : NULL;
+    in->chunk_sums = (float *)(in->plain + words);
+    bf16_inputs(x, m, k, in->plain, in->chunk_sums);
+    if (q4k) {
+        q4k_input_order(in->plain, m * k, in->q4k);
+    }
+    return 0;
+}
 
 /* Whether this build has the bf16 GEMV for GGML type `type`: 1 or 0. */
 int hearth_blocks_gemv_bf16_takes(int type) {
@@ -1855,20 +1928,19 @@ int hearth_blocks_gemv_bf16(int type, const float *x, int64_t m, int64_t k, cons
     if (rows == NULL || m < 1 || m > MAX_INPUT_ROWS) {
         return -1;
     }
-    uint16_t *inputs = malloc(sizeof(uint16_t) * (size_t)(m * k) + sizeof(float) * (size_t)(m * k / 32));
-    if (inputs == NULL) {
+    bf16_input_set in;
+    if (make_bf16_inputs(x, m, k, type == GGML_Q4_K, &in) != 0) {
         return -1;
     }
-    float *chunk_sums = (float *)(inputs + m * k);
-    bf16_inputs(x, m, k, inputs, chunk_sums);
+    const uint16_t *inputs = type == GGML_Q4_K ? in.q4k : in.plain;
     const int64_t units = (n + GEMV_ROWS_PER_UNIT - 1) / GEMV_ROWS_PER_UNIT;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t unit = 0; unit < units; ++unit) {
         const int64_t first = unit * GEMV_ROWS_PER_UNIT;
         const int64_t last = first + GEMV_ROWS_PER_UNIT < n ? first + GEMV_ROWS_PER_UNIT : n;
-        rows(inputs, chunk_sums, m, k, w, first, last, y, ldy);
+        rows(inputs, in.chunk_sums, m, k, w, first, last, y, ldy);
     }
-    free(inputs);
+    free(in.plain);
     return 0;
 }
 
@@ -1993,7 +2065,7 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         return -1;
     }
     first_unit[0] = 0;
-    int any_bf16 = 0;
+    int any_bf16 = 0, any_q4k = 0;
     for (int64_t s = 0; s < w->segments; ++s) {
         block_format f;
         rows[s] = gemv_of((int)w->type[s], k, &f);
@@ -2002,20 +2074,15 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         }
         bf16_segment[s] = w->bf16[s] ? bf16_gemv_of((int)w->type[s], k) : NULL;
         any_bf16 |= bf16_segment[s] != NULL;
+        any_q4k |= bf16_segment[s] != NULL && w->type[s] == GGML_Q4_K;
         first_row[s] = s == 0 ? 0 : first_row[s - 1] + w->rows[s - 1];
         first_unit[s + 1] = first_unit[s] + (w->rows[s] + GEMV_ROWS_PER_UNIT - 1) /
                                                 GEMV_ROWS_PER_UNIT;
     }
     /* The bf16 GEMV's inputs, made once for all its segments. */
-    uint16_t *inputs = NULL;
-    float *chunk_sums = NULL;
-    if (any_bf16) {
-        inputs = malloc(sizeof(uint16_t) * (size_t)(m * k) + sizeof(float) * (size_t)(m * k / 32));
-        if (inputs == NULL) {
-            return -1;
-        }
-        chunk_sums = (float *)(inputs + m * k);
-        bf16_inputs(x, m, k, inputs, chunk_sums);
+    bf16_input_set in = {NULL, NULL, NULL};
+    if (any_bf16 && make_bf16_inputs(x, m, k, any_q4k, &in) != 0) {
+        return -1;
     }
     const int64_t units = first_unit[w->segments];
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -2028,13 +2095,13 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         const int64_t last = first + GEMV_ROWS_PER_UNIT < w->rows[s] ? first + GEMV_ROWS_PER_UNIT
                                                                      : w->rows[s];
         if (bf16_segment[s] != NULL) {
-            bf16_segment[s](inputs, chunk_sums, m, k, w->blocks[s], first, last, y + first_row[s],
-                         ldy);
+            bf16_segment[s](w->type[s] == GGML_Q4_K ? in.q4k : in.plain, in.chunk_sums, m, k,
+                            w->blocks[s], first, last, y + first_row[s], ldy);
         } else {
             rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
         }
     }
-    free(inputs);
+    free(in.plain);
     return 0;
 }
 
