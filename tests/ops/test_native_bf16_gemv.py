@@ -8,10 +8,12 @@ per chunk on its row's sums, at most k/32 on one of them, 2 joining the row's fo
 the lane reduction, 1 for the offsets' subtraction; an offset term: 5 forming its 32-input sum,
 k/256 FMAs, 1 more, 3 lanes, 1). So it lies within γ_n · Σ |term| of the exact sum over x̂ =
 bf16(x), γ_n = n·u / (1 - n·u), u = 2⁻²⁴ (Higham, 3.1), and the fp64 reference on the
-dequantized weights is exact far below that. The terms: |w·x̂| where the type has no offset;
-for Q4_K, whose codes enter as the bf16 of 128 + q (taken back as 128·step·Σx̂), |step·(128 +
-q)·x̂| + |128·step·x̂| + |offset·x̂|. A code or a scale taken wrongly, or x left unrounded, lands
-outside (the second test shows the latter).
+dequantized weights is exact far below that. The terms: |w·x̂| for Q4_0, Q5_0 and Q8_0; for
+Q4_K, whose codes enter as the bf16 of 128 + q (taken back as 128·step·Σx̂), |step·(128 +
+q)·x̂| + |128·step·x̂| + |offset·x̂|, at most (|w + offset| + 256·|step| + |offset|)·|x̂|; for
+Q6_K (w = step·(q6 - 32), codes the bf16 of 128 + q6, 160·step·Σx̂ taken back), at most
+(|w| + 320·|step|)·|x̂|. A code or a scale taken wrongly, or x left unrounded, lands outside
+(the second test shows the latter).
 
 This machine (Xeon, AVX512-BF16 and AMX) has the kernels; a CPU without AVX512-BF16 builds none
 and the tests of them skip there.
@@ -59,9 +61,16 @@ def _dequantized(type_id: int, raw: np.ndarray) -> torch.Tensor:
 
 
 def _magnitudes(type_id: int, raw: np.ndarray, weight: torch.Tensor) -> torch.Tensor:
-    """Per weight, what multiplies |x̂| in the sum of |term| (above). Q4_K's step d · scale and
-    offset dmin · min come from the block bytes as ggml lays them out (fp16 d, dmin, then 12
-    bytes of 6-bit scales and mins): |step·q| = |w + offset|."""
+    """Per weight, what multiplies |x̂| in the sum of |term| (above). The steps and offsets come
+    from the block bytes as ggml lays them out: Q4_K's d · scale and dmin · min (fp16 d, dmin,
+    then 12 bytes of 6-bit scales and mins; |step·q| = |w + offset|), Q6_K's d · scale (16
+    int8 scales at byte 192, fp16 d at 208)."""
+    if type_id == 14:
+        blocks = raw.reshape(-1, 210)
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float64)
+        scales = blocks[:, 192:208].copy().view(np.int8).astype(np.float64)
+        step = torch.from_numpy(np.repeat(d * scales, 16, axis=1).reshape(weight.shape))
+        return weight.abs() + 320 * step.abs()
     if type_id != 12:
         return weight.abs()
     blocks = raw.reshape(-1, 144)

@@ -1570,7 +1570,6 @@ int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uin
 typedef struct {
     __m512i signed8;   /* bf16 of i - 8, i = 0..31 (Q4_0's codes) */
     __m512i signed16;  /* bf16 of i - 16 (Q5_0's) */
-    __m512i low32, high32; /* bf16 of i - 32, i = 0..31 and 32..63 (Q6_K's) */
 } bf16_codes;
 
 /* bf16 of first + i for i = 0..31, exactly (all small integers). */
@@ -1582,8 +1581,7 @@ static inline __m512i bf16_integers(int first) {
 }
 
 static inline bf16_codes bf16_code_tables(void) {
-    return (bf16_codes){bf16_integers(-8), bf16_integers(-16), bf16_integers(-32),
-                        bf16_integers(0)};
+    return (bf16_codes){bf16_integers(-8), bf16_integers(-16)};
 }
 
 /* 16 bytes -> 32 words: the low nibbles (values 0-15), then the high ones (16-31). */
@@ -1636,8 +1634,8 @@ static inline __m256 k_steps8(const uint8_t *block, __m256 *step) {
  * (q - 32) per 16 (chunk c into the sums c % BF16_SUMS). */
 static inline __attribute__((always_inline)) void bf16_block(
     const int type, const bf16_codes *t, const uint8_t *block, const int mr, const int slot,
-    const uint16_t *x, const float *chunk_sums, int64_t k, __m512 *sums, __m256 *offsets,
-    __m256 *excess) {
+    const uint16_t *x, const float *chunk_sums, const float *group_sums, int64_t k,
+    __m512 *sums, __m256 *offsets, __m256 *excess, __m512 *excess16) {
     switch (type) {
     case GGML_Q8_0: {
         const __m128i *q = (const __m128i *)(block + 2);
@@ -1713,31 +1711,82 @@ static inline __attribute__((always_inline)) void bf16_block(
         }
         break;
     }
-    default: { /* GGML_Q6_K: chunk c = 4 half + group as in unpack_q6_k */
+    default: { /* GGML_Q6_K */
+        /* As Q4_K's: 64 bytes of low nibbles (a half's) as 32 words and the half's 32 bytes of
+         * high bits in both 256-bit lanes (word w's are the bytes of word w % 16); each word
+         * yields four 6-bit codes q6 = nibble | 2 bits << 4, made the bf16 of 128 + q6 exactly
+         * with no lane crossing (x in Q6K_INPUT_ORDER). The weight is step * (q6 - 32): the
+         * 160 x is taken back per group of 16 (`excess16`). Lanes 4j..4j+3 of a dot product
+         * hold group 8 half + j (A, C) or 8 half + 4 + j (B, D). */
         const uint8_t *ql = block, *qh = block + 128;
         const __m512 steps = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))),
             _mm512_set1_ps(half_at(block + 208)));
-        const __m256i nibble = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+        const __m512i nibble = _mm512_set1_epi16(0x000f), two = _mm512_set1_epi16(0x0030);
+        const __m512i exponent = _mm512_set1_epi16(0x4300);
+        /* Where each vector's 2 high bits lie in its word of high bits: words 0-15 then 16-31
+         * (groups g and g + 1 of 32 values), moved to bits 4-5. */
+        const __m512i up_a = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004,
+                                               0x0004000400040004, 0x0004000400040004,
+                                               0x0002000200020002, 0x0002000200020002,
+                                               0x0002000200020002, 0x0002000200020002);
+        const __m512i down_c = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004,
+                                                 0x0004000400040004, 0x0004000400040004,
+                                                 0x0006000600060006, 0x0006000600060006,
+                                                 0x0006000600060006, 0x0006000600060006);
+        const __m512i down_b = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002,
+                                                 0x0002000200020002, 0x0002000200020002,
+                                                 0x0002000200020002);
+        const __m512i down_d = _mm512_setr_epi64(0x0008000800080008, 0x0008000800080008,
+                                                 0x0008000800080008, 0x0008000800080008,
+                                                 0x000a000a000a000a, 0x000a000a000a000a,
+                                                 0x000a000a000a000a, 0x000a000a000a000a);
         for (int half = 0; half < 2; ++half) {
-            const __m256i highs = _mm256_loadu_si256((const __m256i *)(qh + 32 * half));
-            for (int group = 0; group < 4; ++group) {
-                const __m256i lows =
-                    _mm256_loadu_si256((const __m256i *)(ql + 64 * half + 32 * (group % 2)));
-                const __m256i l = _mm256_and_si256(_mm256_srli_epi16(lows, 4 * (group / 2)), nibble);
-                const __m256i h = _mm256_and_si256(_mm256_srli_epi16(highs, 2 * group), two);
-                const __m512i index =
-                    _mm512_cvtepu8_epi16(_mm256_or_si256(l, _mm256_slli_epi16(h, 4)));
-                const __m512i codes = _mm512_permutex2var_epi16(t->low32, index, t->high32);
-                /* Lanes 0-7 hold values 0-15 (group 2c of 16), lanes 8-15 values 16-31. */
-                const int c = 4 * half + group;
-                const __m512i which = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                                        2 * c, 2 * c, 2 * c + 1, 2 * c + 1,
-                                                        2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                                        2 * c + 1, 2 * c + 1);
-                add_chunk(sums, mr, c % BF16_SUMS, codes, _mm512_permutexvar_ps(which, steps),
-                          x + 128 * half + 32 * group, k);
+            const __m512i low = _mm512_loadu_si512((const void *)(ql + 64 * half));
+            const __m512i high = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(qh + 32 * half)));
+            /* code = (nibble source & 0xf) | (high bits & 0x30) | exponent: (b & 0x30) | c
+             * (0xEA), then (a & 0xf) | that (0xEA). */
+            const __m512i a = _mm512_ternarylogic_epi32(
+                low, nibble,
+                _mm512_ternarylogic_epi32(_mm512_sllv_epi16(high, up_a), two, exponent, 0xEA),
+                0xEA);
+            const __m512i c = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(low, 8), nibble,
+                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_c), two, exponent, 0xEA),
+                0xEA);
+            const __m512i b = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(low, 4), nibble,
+                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_b), two, exponent, 0xEA),
+                0xEA);
+            const __m512i d = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(low, 12), nibble,
+                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_d), two, exponent, 0xEA),
+                0xEA);
+            const int g = 8 * half;
+            const __m512 low_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
+                                  g + 2, g + 3, g + 3, g + 3, g + 3),
+                steps);
+            const __m512 high_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(g + 4, g + 4, g + 4, g + 4, g + 5, g + 5, g + 5, g + 5, g + 6,
+                                  g + 6, g + 6, g + 6, g + 7, g + 7, g + 7, g + 7),
+                steps);
+            const uint16_t *xh = x + 128 * half;
+            for (int i = 0; i < mr; ++i) {
+                const uint16_t *xi = xh + i * k;
+                const __m512 lows = _mm512_dpbf16_ps(dot32(a, xi), (__m512bh)c,
+                                                     (__m512bh)_mm512_loadu_si512(xi + 32));
+                const __m512 highs = _mm512_dpbf16_ps(dot32(b, xi + 64), (__m512bh)d,
+                                                      (__m512bh)_mm512_loadu_si512(xi + 96));
+                __m512 *own = &sums[i * BF16_SUMS + 2 * half];
+                own[0] = _mm512_fmadd_ps(lows, low_step, own[0]);
+                own[1] = _mm512_fmadd_ps(highs, high_step, own[1]);
             }
+        }
+        for (int i = 0; i < mr; ++i) {
+            excess16[i] = _mm512_fmadd_ps(steps, _mm512_loadu_ps(group_sums + i * (k / 16)),
+                                          excess16[i]);
         }
         break;
     }
@@ -1750,9 +1799,9 @@ static inline __attribute__((always_inline)) void bf16_block(
  * count constant. Every input row's sums are formed alike whatever rows are beside it. */
 static inline __attribute__((always_inline)) void bf16_rows_block(
     const int type, const int64_t values, const int64_t bytes, const bf16_codes *t,
-    const uint16_t *x, const float *chunk_sums, const int mr, int64_t k, const uint8_t *row,
-    float *y, int64_t ldy) {
-    __m512 sums[BF16_INPUT_ROWS * BF16_SUMS];
+    const uint16_t *x, const float *chunk_sums, const float *group_sums, const int mr, int64_t k,
+    const uint8_t *row, float *y, int64_t ldy) {
+    __m512 sums[BF16_INPUT_ROWS * BF16_SUMS], excess16[BF16_INPUT_ROWS];
     __m256 offsets[BF16_INPUT_ROWS], excess[BF16_INPUT_ROWS];
     for (int i = 0; i < mr; ++i) {
         for (int s = 0; s < BF16_SUMS; ++s) {
@@ -1760,6 +1809,7 @@ static inline __attribute__((always_inline)) void bf16_rows_block(
         }
         offsets[i] = _mm256_setzero_ps();
         excess[i] = _mm256_setzero_ps();
+        excess16[i] = _mm512_setzero_ps();
     }
     /* A 32-value type's blocks BF16_SUMS at a time, block j into the sums j (a constant). */
     const int64_t step = values == 32 ? BF16_SUMS : 1, blocks_per_row = k / values;
@@ -1768,21 +1818,27 @@ static inline __attribute__((always_inline)) void bf16_rows_block(
         _mm_prefetch((const char *)row + b * bytes + PREFETCH_BYTES, _MM_HINT_T0);
         for (int j = 0; j < step; ++j) {
             bf16_block(type, t, row + (b + j) * bytes, mr, j, x + (b + j) * values,
-                       chunk_sums + (b + j) * values / 32, k, sums, offsets, excess);
+                       chunk_sums + (b + j) * values / 32, group_sums + (b + j) * values / 16, k,
+                       sums, offsets, excess, excess16);
         }
     }
     for (; b < blocks_per_row; ++b) {
         bf16_block(type, t, row + b * bytes, mr, 0, x + b * values, chunk_sums + b * values / 32,
-                   k, sums, offsets, excess);
+                   group_sums + b * values / 16, k, sums, offsets, excess, excess16);
     }
     for (int i = 0; i < mr; ++i) {
         const __m512 *own = &sums[i * BF16_SUMS];
         const __m512 total =
             _mm512_add_ps(_mm512_add_ps(own[0], own[1]), _mm512_add_ps(own[2], own[3]));
-        /* Q4_K: the offsets' sums and the 128 x its codes carry (128 * excess exact). */
-        const __m256 taken = _mm256_fmadd_ps(excess[i], _mm256_set1_ps(128.0f), offsets[i]);
-        const float offset =
-            type == GGML_Q4_K ? _mm512_reduce_add_ps(_mm512_zextps256_ps512(taken)) : 0.0f;
+        /* Q4_K: the offsets' sums and the 128 x its codes carry; Q6_K: the 160 x (32 for its
+         * codes' bias, 128 for bf16(128 + q6)); the multiples of 2 are exact. */
+        float offset = 0.0f;
+        if (type == GGML_Q4_K) {
+            const __m256 taken = _mm256_fmadd_ps(excess[i], _mm256_set1_ps(128.0f), offsets[i]);
+            offset = _mm512_reduce_add_ps(_mm512_zextps256_ps512(taken));
+        } else if (type == GGML_Q6_K) {
+            offset = _mm512_reduce_add_ps(_mm512_mul_ps(excess16[i], _mm512_set1_ps(160.0f)));
+        }
         y[i * ldy] = _mm512_reduce_add_ps(total) - offset;
     }
 }
@@ -1799,12 +1855,16 @@ static inline __attribute__((always_inline)) void bf16_rows(
             const int64_t rows = m - i0 < BF16_INPUT_ROWS ? m - i0 : BF16_INPUT_ROWS;
             const uint16_t *xi = x + i0 * k;
             const float *si = chunk_sums + i0 * (k / 32);
+            /* The sums of each 16 inputs follow those of each 32 (make_bf16_inputs). */
+            const float *gi = chunk_sums + m * (k / 32) + i0 * (k / 16);
             float *yi = y + i0 * ldy + r;
             switch (rows) { /* a constant count in each copy */
-            case 4: bf16_rows_block(type, values, bytes, &t, xi, si, 4, k, row, yi, ldy); break;
-            case 3: bf16_rows_block(type, values, bytes, &t, xi, si, 3, k, row, yi, ldy); break;
-            case 2: bf16_rows_block(type, values, bytes, &t, xi, si, 2, k, row, yi, ldy); break;
-            default: bf16_rows_block(type, values, bytes, &t, xi, si, 1, k, row, yi, ldy); break;
+            case 4: bf16_rows_block(type, values, bytes, &t, xi, si, gi, 4, k, row, yi, ldy); break;
+            case 3: bf16_rows_block(type, values, bytes, &t, xi, si, gi, 3, k, row, yi, ldy); break;
+            case 2: bf16_rows_block(type, values, bytes, &t, xi, si, gi, 2, k, row, yi, ldy); break;
+            default:
+                bf16_rows_block(type, values, bytes, &t, xi, si, gi, 1, k, row, yi, ldy);
+                break;
             }
         }
     }
@@ -1857,9 +1917,28 @@ static void q4k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
     }
 }
 
-/* x [m, k] fp32 -> bf16 [m, k] (round to nearest even) and the fp32 sums of each 32 of those
- * bf16 values [m, k / 32]; k a multiple of 32. */
+/* Q6K_INPUT_ORDER: where the Q6_K kernel reads each of a block's inputs: position 128 half +
+ * 32 s + w holds value 128 half + 32 group + byte % 32, for vector s = A, C, B, D (B, D: the
+ * high nibbles), byte 2w (+1 for C, D) of the half's 64 bytes of low nibbles, group 2 (s >> 1)
+ * + byte / 32. */
+static void q6k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    int16_t from[256];
+    for (int position = 0; position < 256; ++position) {
+        const int half = position / 128, s = position / 32 % 4, w = position % 32;
+        const int byte = 2 * w + (s & 1), group = 2 * (s >> 1) + byte / 32;
+        from[position] = (int16_t)(128 * half + 32 * group + byte % 32);
+    }
+    for (int64_t block = 0; block < count; block += 256) {
+        for (int position = 0; position < 256; ++position) {
+            out[block + position] = in[block + from[position]];
+        }
+    }
+}
+
+/* x [m, k] fp32 -> bf16 [m, k] (round to nearest even), the fp32 sums of each 32 of those bf16
+ * values [m, k / 32] and of each 16 [m, k / 16] (after them); k a multiple of 32. */
 static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, float *chunk_sums) {
+    float *group_sums = chunk_sums + m * k / 32;
     for (int64_t j = 0; j < m * k; j += 32) {
         const __m256bh low = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
         const __m256bh high = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j + 16));
@@ -1870,6 +1949,8 @@ static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, flo
         const __m512 wide_high = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)high), 16));
         chunk_sums[j / 32] = _mm512_reduce_add_ps(_mm512_add_ps(wide_low, wide_high));
+        group_sums[j / 16] = _mm512_reduce_add_ps(wide_low);
+        group_sums[j / 16 + 1] = _mm512_reduce_add_ps(wide_high);
     }
 }
 #else
@@ -1887,30 +1968,44 @@ static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, flo
 static void q4k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
     (void)in, (void)count, (void)out;
 }
+static void q6k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    (void)in, (void)count, (void)out;
+}
 #endif
 
 /* The bf16 GEMV's inputs for m rows of x [m, k]: bf16 values (`plain`), the same in
- * Q4K_INPUT_ORDER where a Q4_K weight reads them (`q4k`, k a multiple of 256), and the sums of
- * each 32 of them (`chunk_sums`), in one allocation (`free(plain)`); NULL when memory runs
- * out. */
+ * Q4K_INPUT_ORDER and Q6K_INPUT_ORDER where a Q4_K or Q6_K weight reads them (`q4k`, `q6k`;
+ * k a multiple of 256), and the sums of each 32 of them then of each 16 (`chunk_sums`), in one
+ * allocation (`free(plain)`). Returns -1 when memory runs out. */
 typedef struct {
-    uint16_t *plain, *q4k;
+    uint16_t *plain, *q4k, *q6k;
     float *chunk_sums;
 } bf16_input_set;
 
-static int make_bf16_inputs(const float *x, int64_t m, int64_t k, int q4k, bf16_input_set *in) {
-    const size_t words = (size_t)(m * k) * (q4k ? 2 : 1);
-    in->plain = malloc(sizeof(uint16_t) * words + sizeof(float) * (size_t)(m * k / 32));
+static int make_bf16_inputs(const float *x, int64_t m, int64_t k, int q4k, int q6k,
+                            bf16_input_set *in) {
+    const size_t words = (size_t)(m * k) * (size_t)(1 + (q4k != 0) + (q6k != 0));
+    const size_t sums = (size_t)(m * k / 32 + m * k / 16);
+    in->plain = malloc(sizeof(uint16_t) * words + sizeof(float) * sums);
     if (in->plain == NULL) {
         return -1;
     }
     in->q4k = q4k ? in->plain + m * k : NULL;
+    in->q6k = q6k ? in->plain + m * k * (q4k ? 2 : 1) : NULL;
     in->chunk_sums = (float *)(in->plain + words);
     bf16_inputs(x, m, k, in->plain, in->chunk_sums);
     if (q4k) {
         q4k_input_order(in->plain, m * k, in->q4k);
     }
+    if (q6k) {
+        q6k_input_order(in->plain, m * k, in->q6k);
+    }
     return 0;
+}
+
+/* The inputs a weight of `type` reads. */
+static const uint16_t *inputs_for(const bf16_input_set *in, int64_t type) {
+    return type == GGML_Q4_K ? in->q4k : type == GGML_Q6_K ? in->q6k : in->plain;
 }
 
 /* Whether this build has the bf16 GEMV for GGML type `type`: 1 or 0. */
@@ -1929,10 +2024,10 @@ int hearth_blocks_gemv_bf16(int type, const float *x, int64_t m, int64_t k, cons
         return -1;
     }
     bf16_input_set in;
-    if (make_bf16_inputs(x, m, k, type == GGML_Q4_K, &in) != 0) {
+    if (make_bf16_inputs(x, m, k, type == GGML_Q4_K, type == GGML_Q6_K, &in) != 0) {
         return -1;
     }
-    const uint16_t *inputs = type == GGML_Q4_K ? in.q4k : in.plain;
+    const uint16_t *inputs = inputs_for(&in, type);
     const int64_t units = (n + GEMV_ROWS_PER_UNIT - 1) / GEMV_ROWS_PER_UNIT;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t unit = 0; unit < units; ++unit) {
@@ -2065,7 +2160,7 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         return -1;
     }
     first_unit[0] = 0;
-    int any_bf16 = 0, any_q4k = 0;
+    int any_bf16 = 0, any_q4k = 0, any_q6k = 0;
     for (int64_t s = 0; s < w->segments; ++s) {
         block_format f;
         rows[s] = gemv_of((int)w->type[s], k, &f);
@@ -2075,13 +2170,14 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         bf16_segment[s] = w->bf16[s] ? bf16_gemv_of((int)w->type[s], k) : NULL;
         any_bf16 |= bf16_segment[s] != NULL;
         any_q4k |= bf16_segment[s] != NULL && w->type[s] == GGML_Q4_K;
+        any_q6k |= bf16_segment[s] != NULL && w->type[s] == GGML_Q6_K;
         first_row[s] = s == 0 ? 0 : first_row[s - 1] + w->rows[s - 1];
         first_unit[s + 1] = first_unit[s] + (w->rows[s] + GEMV_ROWS_PER_UNIT - 1) /
                                                 GEMV_ROWS_PER_UNIT;
     }
     /* The bf16 GEMV's inputs, made once for all its segments. */
-    bf16_input_set in = {NULL, NULL, NULL};
-    if (any_bf16 && make_bf16_inputs(x, m, k, any_q4k, &in) != 0) {
+    bf16_input_set in = {NULL, NULL, NULL, NULL};
+    if (any_bf16 && make_bf16_inputs(x, m, k, any_q4k, any_q6k, &in) != 0) {
         return -1;
     }
     const int64_t units = first_unit[w->segments];
@@ -2095,8 +2191,8 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         const int64_t last = first + GEMV_ROWS_PER_UNIT < w->rows[s] ? first + GEMV_ROWS_PER_UNIT
                                                                      : w->rows[s];
         if (bf16_segment[s] != NULL) {
-            bf16_segment[s](w->type[s] == GGML_Q4_K ? in.q4k : in.plain, in.chunk_sums, m, k,
-                            w->blocks[s], first, last, y + first_row[s], ldy);
+            bf16_segment[s](inputs_for(&in, w->type[s]), in.chunk_sums, m, k, w->blocks[s], first,
+                            last, y + first_row[s], ldy);
         } else {
             rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
         }
