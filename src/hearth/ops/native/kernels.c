@@ -1551,11 +1551,14 @@ int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uin
  * the codes q are exact in bf16 (|q| <= 128), the inner sums run on them, and the group scales
  * apply in fp32 after. The one rounding added is x -> bf16 (round to nearest even, as torch
  * rounds; the instructions flush bf16 subnormals, |x| < 1.2e-38, to zero). Products of two
- * bf16 are exact in fp32; each 32-value chunk's dot product starts from zero, is scaled by its
- * step and added to the row's fp32 sums (one FMA), and the offsets' sums (K-types with mins)
- * are formed on the side from the fp32 sums of each 32 inputs. Compiled where the compiler
- * targets AVX512-BF16 (-march=native on such a CPU); elsewhere none of it exists and
- * hearth_blocks_gemv_bf16 refuses every type.
+ * bf16 are exact in fp32; each dot product of 32 starts from zero (or chains two chunks of
+ * the same steps), is scaled by its lanes' steps and added to one of the row's four fp32 sums
+ * (one FMA), and the offsets' sums (K-types with mins) are formed on the side from the fp32
+ * sums of each 32 (or 16) inputs. Q4_K and Q6_K take their codes as the bf16 of 128 + q (an
+ * OR into the exponent, no table), reading inputs stored in the order that makes that cheap;
+ * the 128 x is taken back with the offsets. Compiled where the compiler targets AVX512-BF16
+ * (-march=native on such a CPU); elsewhere none of it exists and hearth_blocks_gemv_bf16
+ * refuses every type (the plan then names none).
  */
 #if defined(__AVX512BF16__) && VEC16_REGISTERS >= 32
 #define HAS_BF16_GEMV 1
