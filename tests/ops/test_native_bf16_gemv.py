@@ -240,3 +240,57 @@ def test_native_layer_step_takes_the_bf16_gemv_as_the_modules_do(
     fp32_engine = Engine.load(gemma4_q5_0, device="cpu", progress=False, plan=fp32_plan)
     unrounded, _ = greedy_after(ModelRunner(fp32_engine.model, fp32_plan), prompt, 1)
     assert (unrounded[1] - got[1]).abs().max() > 10 * rtol * got[1].abs().max()
+
+
+@pytest.fixture(scope="module", params=["Q4_K", "Q6_K"])
+def gemma3_k_quant(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    from test_gguf_types_as_stored import GEMMA3, _typed_file
+    from tiny import tiny_gemma3_model
+
+    hf = tiny_gemma3_model(seed=11, **{**GEMMA3, "num_hidden_layers": 2})
+    return _typed_file(
+        hf, tmp_path_factory.mktemp("bf16_k") / f"{request.param}.gguf", request.param
+    )
+
+
+@needs_bf16
+def test_native_batched_step_reads_the_k_quant_input_orders(
+    gemma3_k_quant: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gemma 3 native step over Q4_K or Q6_K blocks (each with its own order of the bf16
+    inputs, `blocks_project`), three sequences at once and one alone: the module path's logits
+    under the same plan within the native step's tolerance (2e-5 of the largest logit,
+    tests/runtime/test_native_step_blocks.py), the fp32 plan's outside it."""
+    fp32_plan = ExecutionPlan.for_device("cpu")
+    plan = replace(fp32_plan, gguf_bf16_gemv_types=(12, 14))
+    engine = Engine.load(gemma3_k_quant, device="cpu", progress=False, plan=plan)
+    runners = [
+        ModelRunner(engine.model, plan),
+        ModelRunner(engine.model, replace(plan, native_layers=False)),
+    ]
+    prompts = [random_prompt(5 + i, i) for i in range(3)]
+    calls = count_kernel_calls(monkeypatch, "gemma3_blocks_layer")
+    results = []
+    with torch.inference_mode():
+        for runner in runners:
+            caches = [runner.new_caches() for _ in prompts]
+            last = [runner.prefill(p, c, chunk=64) for p, c in zip(prompts, caches, strict=True)]
+            tokens = [int(logits.argmax(dim=-1)) for logits in last]
+            positions = [p.shape[1] for p in prompts]
+            batch = runner.decode_batch(tokens, caches, positions)
+            alone = runner.decode(int(batch[0].argmax()), caches[0], positions[0] + 1)
+            results.append((batch.reshape(3, -1), alone.reshape(-1)))
+    assert len(calls) == 2 * len(engine.model.layers)  # the native runner's two steps
+    (native_batch, native_alone), (module_batch, module_alone) = results
+    rtol = 2e-5
+    for a, b in ((module_batch, native_batch), (module_alone, native_alone)):
+        assert (a - b).abs().max() <= rtol * a.abs().max()
+    fp32_engine = Engine.load(gemma3_k_quant, device="cpu", progress=False, plan=fp32_plan)
+    runner = ModelRunner(fp32_engine.model, fp32_plan)
+    with torch.inference_mode():
+        caches = runner.new_caches()
+        token = int(runner.prefill(prompts[0], caches, chunk=64).argmax(dim=-1))
+        unrounded = runner.decode(token, caches, prompts[0].shape[1]).reshape(-1)
+    assert (unrounded - native_batch[0]).abs().max() > 10 * rtol * unrounded.abs().max()
