@@ -52,6 +52,12 @@ ENGINES = {
         "hearth",
         {"dtype": None, "quantize": "auto", "native_layers": False},
     ),
+    # The same with the Q4_K/Q6_K decode GEMV on AVX512-BF16 (activations rounded to bf16, the
+    # weights exact; `ExecutionPlan.gguf_bf16_gemv_types`, opt-in).
+    "hearth fp32 + GGUF blocks as stored, bf16 GEMV (HEARTH_GGUF_BF16=1)": (
+        "hearth",
+        {"dtype": None, "quantize": "auto", "gguf_bf16": True},
+    ),
     "hearth fp32": ("hearth", {"dtype": "float32", "quantize": "none"}),
     "hearth bf16": ("hearth", {"dtype": "bfloat16", "quantize": "none"}),
     "hearth bf16 + int8 weights": ("hearth", {"dtype": "bfloat16", "quantize": "int8"}),
@@ -116,6 +122,8 @@ def run_hearth(
         os.environ["HEARTH_NATIVE"] = "0"  # read when the kernels are first asked for
     if options.get("huge_pages", False):
         os.environ["HEARTH_HUGE_PAGES"] = "1"  # read when the model loads
+    if options.get("gguf_bf16", False):
+        os.environ["HEARTH_GGUF_BF16"] = "1"  # read when the model loads
     import hearth
     from hearth.bench.measure import decode_bytes
     from hearth.runtime.generate import GenerationStats, generate_tokens

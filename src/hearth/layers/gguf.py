@@ -4,7 +4,9 @@ A GGUF file's quantized blocks are loaded once, byte for byte, and never rounded
 product sees the weight `gguf.quants.dequantize` gives, in fp32 (`hearth.quant.gguf_blocks`).
 A decode step (up to 16 input rows) runs the native block GEMV on the blocks themselves; a
 prefill dequantizes a tile of rows at a time into an fp32 buffer and runs a real GEMM on it.
-Activations are fp32 in the products whatever the model's compute dtype.
+Activations are fp32 in the products whatever the model's compute dtype, but for the block
+types the plan names in `gguf_bf16_gemv_types`: their decode GEMV rounds the activations to
+bf16 and sums exact products of them and the integer codes (the weights stay exact).
 """
 
 from __future__ import annotations
@@ -53,14 +55,22 @@ class GGUFLinear(nn.Module):
 
     W may be several parts stacked along the output dim (a q/k/v or gate/up stack), each of its
     own type: `parts` is (GGML type id, uint8 blocks [rows, bytes per row]) in output order.
-    Adjacent parts of one type are held as one segment (`type_ids`, `part_rows`).
+    Adjacent parts of one type are held as one segment (`type_ids`, `part_rows`). The types in
+    `bf16_gemv_types` run the decode GEMV with activations rounded to bf16 (where the native
+    kernels have it for the type; `ExecutionPlan.gguf_bf16_gemv_types`).
     """
 
-    def __init__(self, parts: Sequence[tuple[int, Tensor]], in_features: int) -> None:
+    def __init__(
+        self,
+        parts: Sequence[tuple[int, Tensor]],
+        in_features: int,
+        bf16_gemv_types: Sequence[int] = (),
+    ) -> None:
         super().__init__()
         if not parts:
             raise ValueError("GGUFLinear needs at least one part")
         self.in_features = in_features
+        self.bf16_gemv_types = frozenset(bf16_gemv_types)
         for index, (type_id, blocks) in enumerate(parts):
             block = BLOCK_FORMATS[type_id]
             if (
@@ -107,7 +117,8 @@ class GGUFLinear(nn.Module):
             out = y[:, first : first + rows]
             if decode:
                 assert kernels is not None
-                kernels.blocks_gemv(type_id, x2d, blocks, out)
+                bf16 = type_id in self.bf16_gemv_types and type_id in kernels.bf16_gemv_types
+                kernels.blocks_gemv(type_id, x2d, blocks, out, bf16=bf16)
             else:
                 self._tiled_matmul(type_id, x2d, blocks, out)
             first += rows

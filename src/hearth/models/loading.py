@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -408,7 +409,11 @@ class _StoredBlockWeights:
         self._checkpoint = checkpoint
         self._device = device
         kernels = plan.gguf_block_kernels
-        linear_kind = GGUFKernelLinear if kernels else GGUFLinear
+        linear_kind = (
+            GGUFKernelLinear
+            if kernels
+            else functools.partial(GGUFLinear, bf16_gemv_types=plan.gguf_bf16_gemv_types)
+        )
         table_kind = GGUFKernelTable if kernels else GGUFEmbeddingHead
         # On the meta device (a fit's sizing) the blocks are shapes only: nothing is read.
         self._sizing = device.type == "meta"

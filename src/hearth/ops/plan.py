@@ -12,6 +12,7 @@ An A/B measurement builds two plans (`dataclasses.replace`) and runs one runner 
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,6 +29,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # under a third of the prompt where it costs GPU time.
 PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
+# GGUF block types (GGML ids) whose decode GEMV runs on AVX512-BF16 under
+# ``HEARTH_GGUF_BF16=1``: Q4_K and Q6_K, the types where it measured faster than the fp32 one
+# (benchmarks/results/cpu_bf16dot-2026-12-07.md); Q4_0, Q5_0 and Q8_0 have the kernel too.
+BF16_GEMV_TYPES = (12, 14)
+BF16_GEMV_VARIABLE = "HEARTH_GGUF_BF16"
+
 
 @dataclass(frozen=True)
 class ExecutionPlan:
@@ -42,6 +49,10 @@ class ExecutionPlan:
     bf16_matmul_as_fp32: bool = False
     # CPU: the weights a decode step streams loaded into transparent huge pages.
     huge_pages: bool = False
+    # CPU: GGUF block types (GGML ids) whose decode GEMV rounds its activations to bf16 and sums
+    # with the bf16 dot-product instructions, the weights still the file's exact values (opt-in:
+    # ``HEARTH_GGUF_BF16=1``, where the CPU has AVX512-BF16; prefill GEMMs stay fp32).
+    gguf_bf16_gemv_types: tuple[int, ...] = ()
     # GGUF blocks kept as stored computed by the Triton block kernels (`ops.gguf_matmul`), not
     # the torch/native CPU path: on CUDA (CPU tests take it under Triton's interpreter).
     gguf_block_kernels: bool = False
@@ -84,11 +95,16 @@ class ExecutionPlan:
                 paged_batch_decode=True,
                 prefill_chunk=4096,
             )
-        native = native_kernels.kernels() is not None
+        kernels = native_kernels.kernels()
+        native = kernels is not None
+        bf16_gemv = ()
+        if kernels is not None and os.environ.get(BF16_GEMV_VARIABLE) == "1":
+            bf16_gemv = tuple(t for t in BF16_GEMV_TYPES if t in kernels.bf16_gemv_types)
         return cls(
             device.type,
             native_kernels=native,
             native_layers=native,
+            gguf_bf16_gemv_types=bf16_gemv,
             bf16_matmul_as_fp32=device.type == "cpu" and bf16_gemm.widen_bf16_products(),
             huge_pages=device.type == "cpu" and huge_pages.enabled(),
         )

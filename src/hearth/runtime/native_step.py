@@ -317,6 +317,7 @@ def _blocks_weight(module: nn.Module | None) -> native.BlocksWeight | None:
         weight.type[index] = type_id
         weight.rows[index] = rows
         weight.blocks[index] = blocks.data_ptr()
+        weight.bf16[index] = int(type_id in module.bf16_gemv_types)
     return weight
 
 

@@ -104,6 +104,10 @@ _SIGNATURES = {
     "hearth_blocks_gemv": [
         _INT, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT,
     ],
+    "hearth_blocks_gemv_bf16": [
+        _INT, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT,
+    ],
+    "hearth_blocks_gemv_bf16_takes": [_INT],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
     "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
     "hearth_argmax_rows": [_POINTER, _INT64, _INT64, _POINTER],
@@ -146,13 +150,15 @@ MAX_BLOCK_SEGMENTS = 4
 
 class BlocksWeight(ctypes.Structure):
     """A projection over GGML blocks for ``gemma3_blocks_layer``: its output rows in
-    ``segments`` runs, each of one type (``type``), ``rows`` rows stored at ``blocks``."""
+    ``segments`` runs, each of one type (``type``), ``rows`` rows stored at ``blocks``; ``bf16``
+    1: the segment runs the bf16 GEMV (where its type is in ``NativeKernels.bf16_gemv_types``)."""
 
     _fields_ = [
         ("segments", _INT64),
         ("type", _INT64 * MAX_BLOCK_SEGMENTS),
         ("rows", _INT64 * MAX_BLOCK_SEGMENTS),
         ("blocks", _POINTER * MAX_BLOCK_SEGMENTS),
+        ("bf16", _INT64 * MAX_BLOCK_SEGMENTS),
     ]
 
 
@@ -477,10 +483,22 @@ class NativeKernels:
             torch.get_num_threads(),
         )  # fmt: skip
 
-    def blocks_gemv(self, type_id: int, x: Tensor, blocks: Tensor, out: Tensor) -> None:
+    @functools.cached_property
+    def bf16_gemv_types(self) -> frozenset[int]:
+        """The GGML types ``blocks_gemv(..., bf16=True)`` takes in this build: Q4_0, Q5_0,
+        Q8_0, Q4_K and Q6_K where the CPU has AVX512-BF16 (the library is built for it), none
+        elsewhere."""
+        takes = self._functions["hearth_blocks_gemv_bf16_takes"]
+        return frozenset(t for t in STORED_BLOCK_TYPES if takes(t) == 1)
+
+    def blocks_gemv(
+        self, type_id: int, x: Tensor, blocks: Tensor, out: Tensor, bf16: bool = False
+    ) -> None:
         """``out [m, n] = x [m, k] @ Wᵀ`` for fp32 x (1 <= m <= 16) and W [n, k] the exact fp32
         values of GGML blocks ``blocks`` [n, k / values · bytes] (uint8, contiguous); fp32
-        sums. ``out`` may be a column slice of a wider fp32 matrix (rows at any stride)."""
+        sums. ``out`` may be a column slice of a wider fp32 matrix (rows at any stride).
+        ``bf16`` (a type in ``bf16_gemv_types``): x rounded to bf16 and the products summed by
+        the bf16 dot-product instructions, the weights still exact."""
         values, nbytes = STORED_BLOCK_TYPES[type_id]
         rows, in_features = x.shape
         out_features = blocks.shape[0]
@@ -496,9 +514,11 @@ class NativeKernels:
             and out.stride(1) == 1,
             "blocks_gemv takes fp32 x [1..16, k], uint8 blocks [n, row bytes], fp32 out [m, n]",
         )
+        _require(not bf16 or type_id in self.bf16_gemv_types, "no bf16 block GEMV for this type")
         self._call(
-            "hearth_blocks_gemv", type_id, x.data_ptr(), rows, in_features, blocks.data_ptr(),
-            out_features, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            "hearth_blocks_gemv_bf16" if bf16 else "hearth_blocks_gemv", type_id, x.data_ptr(),
+            rows, in_features, blocks.data_ptr(), out_features, out.data_ptr(), out.stride(0),
+            torch.get_num_threads(),
         )  # fmt: skip
 
     def quantize_int8_rows(self, weight: Tensor, scale_floor: float) -> tuple[Tensor, Tensor]:

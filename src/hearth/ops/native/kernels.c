@@ -1544,6 +1544,505 @@ int hearth_blocks_gemv(int type, const float *x, int64_t m, int64_t k, const uin
 }
 
 /* ------------------------------------------------------------------------------------------
+ * The block GEMV on AVX512-BF16 (vdpbf16ps: 32 bf16 products summed into 16 fp32 lanes per
+ * instruction), the weights still exact. A block's weights are step * q - offset per group
+ * (step, offset exact fp32, q a small integer), so
+ *     sum_i w_i x_i = sum_groups step * (sum_i q_i x_i) - offset * (sum_i x_i):
+ * the codes q are exact in bf16 (|q| <= 128), the inner sums run on them, and the group scales
+ * apply in fp32 after. The one rounding added is x -> bf16 (round to nearest even, as torch
+ * rounds; the instructions flush bf16 subnormals, |x| < 1.2e-38, to zero). Products of two
+ * bf16 are exact in fp32; each dot product of 32 starts from zero (or chains two chunks of
+ * the same steps), is scaled by its lanes' steps and added to one of the row's four fp32 sums
+ * (one FMA), and the offsets' sums (K-types with mins) are formed on the side from the fp32
+ * sums of each 32 (or 16) inputs. Q4_K and Q6_K take their codes as the bf16 of 128 + q (an
+ * OR into the exponent, no table), reading inputs stored in the order that makes that cheap;
+ * the 128 x is taken back with the offsets. Compiled where the compiler targets AVX512-BF16
+ * (-march=native on such a CPU); elsewhere none of it exists and hearth_blocks_gemv_bf16
+ * refuses every type (the plan then names none).
+ */
+#if defined(__AVX512BF16__) && VEC16_REGISTERS >= 32
+#define HAS_BF16_GEMV 1
+
+/* Input rows computed together, each block's codes converted once for them, and the sums each
+ * keeps: chunk c of a row goes to its sums c % BF16_SUMS (independent FMA chains; one chain
+ * would wait on each FMA's latency). 4 x 4 of the 32 registers. */
+#define BF16_INPUT_ROWS 4
+#define BF16_SUMS 4
+
+/* The constants the conversions of codes to bf16 read (built once per call of a row range). */
+typedef struct {
+    __m512i signed8;   /* bf16 of i - 8, i = 0..31 (Q4_0's codes) */
+    __m512i signed16;  /* bf16 of i - 16 (Q5_0's) */
+} bf16_codes;
+
+/* bf16 of first + i for i = 0..31, exactly (all small integers). */
+static inline __m512i bf16_integers(int first) {
+    const __m512 ramp = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 low = _mm512_add_ps(ramp, _mm512_set1_ps((float)first));
+    const __m512 high = _mm512_add_ps(ramp, _mm512_set1_ps((float)(first + 16)));
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+}
+
+static inline bf16_codes bf16_code_tables(void) {
+    return (bf16_codes){bf16_integers(-8), bf16_integers(-16)};
+}
+
+/* 16 bytes -> 32 words: the low nibbles (values 0-15), then the high ones (16-31). */
+static inline __m512i nibble_words16(const uint8_t *qs) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i nibble = _mm256_set1_epi16(0x0f);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, nibble)),
+                              _mm256_srli_epi16(bytes, 4), 1);
+}
+
+/* The dot product of 32 bf16 codes with 32 bf16 inputs at x, into 16 fp32 lanes (lane i: values
+ * 2i and 2i + 1), from zero. */
+static inline __m512 dot32(__m512i codes, const uint16_t *x) {
+    return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes,
+                            (__m512bh)_mm512_loadu_si512((const void *)x));
+}
+
+/* Row i's sums `slot` += step * (codes . x_i) for `mr` input rows x_i = x + i * k. */
+static inline __attribute__((always_inline)) void add_chunk(__m512 *sums, const int mr,
+                                                            const int slot, __m512i codes,
+                                                            __m512 step, const uint16_t *x,
+                                                            int64_t k) {
+    for (int i = 0; i < mr; ++i) {
+        __m512 *into = &sums[i * BF16_SUMS + slot];
+        *into = _mm512_fmadd_ps(dot32(codes, x + i * k), step, *into);
+    }
+}
+
+/* k_steps in vector registers: Q4_K / Q5_K's eight steps d * scale into `step`, the eight
+ * offsets dmin * min returned (exact products: fp16 times 6 bits). The 12 bytes of 6-bit
+ * (scale, min) pairs are read as three little-endian words, a byte per pair in each lane. */
+static inline __m256 k_steps8(const uint8_t *block, __m256 *step) {
+    uint32_t packed[3];
+    memcpy(packed, block + 4, sizeof packed);
+    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint32_t scales_low = packed[0] & six, mins_low = packed[1] & six;
+    const uint32_t scales_high = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);
+    const uint32_t mins_high = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4);
+    const __m128i bytes = _mm_setr_epi32((int)scales_low, (int)scales_high, (int)mins_low,
+                                         (int)mins_high);
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    *step = _mm256_mul_ps(scales, _mm256_set1_ps(half_at(block)));
+    return _mm256_mul_ps(mins, _mm256_set1_ps(half_at(block + 2)));
+}
+
+/* One block's contribution to `mr` input rows (x: the block's first input of row 0; chunk_sums:
+ * its first 32-input sum of row 0, rows k / 32 apart). Q8_0, Q4_0, Q5_0 (one chunk, into the
+ * sums `slot`): d * q; Q4_K: (d * scale) * q - dmin * min per 32 values; Q6_K: (d * scale) *
+ * (q - 32) per 16 (chunk c into the sums c % BF16_SUMS). */
+static inline __attribute__((always_inline)) void bf16_block(
+    const int type, const bf16_codes *t, const uint8_t *block, const int mr, const int slot,
+    const uint16_t *x, const float *chunk_sums, const float *group_sums, int64_t k,
+    __m512 *sums, __m256 *offsets, __m256 *excess, __m512 *excess16) {
+    switch (type) {
+    case GGML_Q8_0: {
+        const __m128i *q = (const __m128i *)(block + 2);
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+        add_chunk(sums, mr, slot, (__m512i)_mm512_cvtne2ps_pbh(high, low),
+                  _mm512_set1_ps(half_at(block)), x, k);
+        break;
+    }
+    case GGML_Q4_0:
+        add_chunk(sums, mr, slot,
+                  _mm512_permutexvar_epi16(nibble_words16(block + 2), t->signed8),
+                  _mm512_set1_ps(half_at(block)), x, k);
+        break;
+    case GGML_Q5_0: {
+        uint32_t high;
+        memcpy(&high, block + 2, sizeof high);
+        const __m512i low = nibble_words16(block + 6);
+        /* Value i's fifth bit is bit i of `high`: 16 more where it is set. */
+        const __m512i fifth = _mm512_mask_add_epi16(low, (__mmask32)high, low,
+                                                   _mm512_set1_epi16(16));
+        add_chunk(sums, mr, slot, _mm512_permutexvar_epi16(fifth, t->signed16),
+                  _mm512_set1_ps(half_at(block)), x, k);
+        break;
+    }
+    case GGML_Q4_K: {
+        /* 64 bytes of nibbles at a time as 32 words: each word's four nibbles | 0x4300 are the
+         * bf16 of 128 + q, exactly, in four vectors with no lane crossing (x is in
+         * Q4K_INPUT_ORDER to match); words' low bytes (A: low nibbles, B: high) and high bytes
+         * (C, D) hold chunks 4L and 4L + 2 (A, C) or 4L + 1 and 4L + 3 (B, D) in lanes 0-7 and
+         * 8-15 of a dot product. The 128 x is taken back with the offsets (`excess`). */
+        __m256 step8;
+        const __m256 offset = k_steps8(block, &step8);
+        const __m512 steps = _mm512_castps256_ps512(step8);
+        const uint8_t *qs = block + 16;
+        const __m512i nibble = _mm512_set1_epi16(0x000f), exponent = _mm512_set1_epi16(0x4300);
+        for (int L = 0; L < 2; ++L) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * L));
+            /* (raw & nibble) | exponent in one instruction (truth table 0xEA). */
+            const __m512i a = _mm512_ternarylogic_epi32(raw, nibble, exponent, 0xEA);
+            const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), nibble,
+                                                        exponent, 0xEA);
+            const __m512i c = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 8), nibble,
+                                                        exponent, 0xEA);
+            const __m512i d = _mm512_or_si512(_mm512_srli_epi16(raw, 12), exponent);
+            const __m512 low_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(4 * L, 4 * L, 4 * L, 4 * L, 4 * L, 4 * L, 4 * L, 4 * L,
+                                  4 * L + 2, 4 * L + 2, 4 * L + 2, 4 * L + 2, 4 * L + 2,
+                                  4 * L + 2, 4 * L + 2, 4 * L + 2),
+                steps);
+            const __m512 high_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(4 * L + 1, 4 * L + 1, 4 * L + 1, 4 * L + 1, 4 * L + 1,
+                                  4 * L + 1, 4 * L + 1, 4 * L + 1, 4 * L + 3, 4 * L + 3,
+                                  4 * L + 3, 4 * L + 3, 4 * L + 3, 4 * L + 3, 4 * L + 3,
+                                  4 * L + 3),
+                steps);
+            const uint16_t *xl = x + 128 * L;
+            for (int i = 0; i < mr; ++i) {
+                const uint16_t *xi = xl + i * k;
+                const __m512 low = _mm512_dpbf16_ps(dot32(a, xi), (__m512bh)c,
+                                                    (__m512bh)_mm512_loadu_si512(xi + 32));
+                const __m512 high = _mm512_dpbf16_ps(dot32(b, xi + 64), (__m512bh)d,
+                                                     (__m512bh)_mm512_loadu_si512(xi + 96));
+                __m512 *own = &sums[i * BF16_SUMS + 2 * L];
+                own[0] = _mm512_fmadd_ps(low, low_step, own[0]);
+                own[1] = _mm512_fmadd_ps(high, high_step, own[1]);
+            }
+        }
+        for (int i = 0; i < mr; ++i) {
+            const __m256 chunk = _mm256_loadu_ps(chunk_sums + i * (k / 32));
+            offsets[i] = _mm256_fmadd_ps(offset, chunk, offsets[i]);
+            excess[i] = _mm256_fmadd_ps(step8, chunk, excess[i]);
+        }
+        break;
+    }
+    default: { /* GGML_Q6_K */
+        /* As Q4_K's: 64 bytes of low nibbles (a half's) as 32 words and the half's 32 bytes of
+         * high bits in both 256-bit lanes (word w's are the bytes of word w % 16); each word
+         * yields four 6-bit codes q6 = nibble | 2 bits << 4, made the bf16 of 128 + q6 exactly
+         * with no lane crossing (x in Q6K_INPUT_ORDER). The weight is step * (q6 - 32): the
+         * 160 x is taken back per group of 16 (`excess16`). Lanes 4j..4j+3 of a dot product
+         * hold group 8 half + j (A, C) or 8 half + 4 + j (B, D). */
+        const uint8_t *ql = block, *qh = block + 128;
+        const __m512 steps = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))),
+            _mm512_set1_ps(half_at(block + 208)));
+        const __m512i nibble = _mm512_set1_epi16(0x000f), two = _mm512_set1_epi16(0x0030);
+        const __m512i exponent = _mm512_set1_epi16(0x4300);
+        /* Where each vector's 2 high bits lie in its word of high bits: words 0-15 then 16-31
+         * (groups g and g + 1 of 32 values), moved to bits 4-5. */
+        const __m512i up_a = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004,
+                                               0x0004000400040004, 0x0004000400040004,
+                                               0x0002000200020002, 0x0002000200020002,
+                                               0x0002000200020002, 0x0002000200020002);
+        const __m512i down_c = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004,
+                                                 0x0004000400040004, 0x0004000400040004,
+                                                 0x0006000600060006, 0x0006000600060006,
+                                                 0x0006000600060006, 0x0006000600060006);
+        const __m512i down_b = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002,
+                                                 0x0002000200020002, 0x0002000200020002,
+                                                 0x0002000200020002);
+        const __m512i down_d = _mm512_setr_epi64(0x0008000800080008, 0x0008000800080008,
+                                                 0x0008000800080008, 0x0008000800080008,
+                                                 0x000a000a000a000a, 0x000a000a000a000a,
+                                                 0x000a000a000a000a, 0x000a000a000a000a);
+        for (int half = 0; half < 2; ++half) {
+            const __m512i low = _mm512_loadu_si512((const void *)(ql + 64 * half));
+            const __m512i high = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(qh + 32 * half)));
+            /* code = (nibble source & 0xf) | (high bits & 0x30) | exponent: (b & 0x30) | c
+             * (0xEA), then (a & 0xf) | that (0xEA). */
+            const __m512i a = _mm512_ternarylogic_epi32(
+                low, nibble,
+                _mm512_ternarylogic_epi32(_mm512_sllv_epi16(high, up_a), two, exponent, 0xEA),
+                0xEA);
+            const __m512i c = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(low, 8), nibble,
+                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_c), two, exponent, 0xEA),
+                0xEA);
+            const __m512i b = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(low, 4), nibble,
+                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_b), two, exponent, 0xEA),
+                0xEA);
+            const __m512i d = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(low, 12), nibble,
+                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_d), two, exponent, 0xEA),
+                0xEA);
+            const int g = 8 * half;
+            const __m512 low_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
+                                  g + 2, g + 3, g + 3, g + 3, g + 3),
+                steps);
+            const __m512 high_step = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(g + 4, g + 4, g + 4, g + 4, g + 5, g + 5, g + 5, g + 5, g + 6,
+                                  g + 6, g + 6, g + 6, g + 7, g + 7, g + 7, g + 7),
+                steps);
+            const uint16_t *xh = x + 128 * half;
+            for (int i = 0; i < mr; ++i) {
+                const uint16_t *xi = xh + i * k;
+                const __m512 lows = _mm512_dpbf16_ps(dot32(a, xi), (__m512bh)c,
+                                                     (__m512bh)_mm512_loadu_si512(xi + 32));
+                const __m512 highs = _mm512_dpbf16_ps(dot32(b, xi + 64), (__m512bh)d,
+                                                      (__m512bh)_mm512_loadu_si512(xi + 96));
+                __m512 *own = &sums[i * BF16_SUMS + 2 * half];
+                own[0] = _mm512_fmadd_ps(lows, low_step, own[0]);
+                own[1] = _mm512_fmadd_ps(highs, high_step, own[1]);
+            }
+        }
+        for (int i = 0; i < mr; ++i) {
+            excess16[i] = _mm512_fmadd_ps(steps, _mm512_loadu_ps(group_sums + i * (k / 16)),
+                                          excess16[i]);
+        }
+        break;
+    }
+    }
+}
+
+/* y[i * ldy + r] for input rows i < m and weight rows first <= r < last of `type` (each row k /
+ * values whole blocks of `bytes`, rows contiguous); x: bf16 [m, k], chunk_sums: fp32 [m, k / 32]
+ * (the sums of each 32 inputs, read by the types with offsets). Inlined with `type` and the row
+ * count constant. Every input row's sums are formed alike whatever rows are beside it. */
+static inline __attribute__((always_inline)) void bf16_rows_block(
+    const int type, const int64_t values, const int64_t bytes, const bf16_codes *t,
+    const uint16_t *x, const float *chunk_sums, const float *group_sums, const int mr, int64_t k,
+    const uint8_t *row, float *y, int64_t ldy) {
+    __m512 sums[BF16_INPUT_ROWS * BF16_SUMS], excess16[BF16_INPUT_ROWS];
+    __m256 offsets[BF16_INPUT_ROWS], excess[BF16_INPUT_ROWS];
+    for (int i = 0; i < mr; ++i) {
+        for (int s = 0; s < BF16_SUMS; ++s) {
+            sums[i * BF16_SUMS + s] = _mm512_setzero_ps();
+        }
+        offsets[i] = _mm256_setzero_ps();
+        excess[i] = _mm256_setzero_ps();
+        excess16[i] = _mm512_setzero_ps();
+    }
+    /* A 32-value type's blocks BF16_SUMS at a time, block j into the sums j (a constant). */
+    const int64_t step = values == 32 ? BF16_SUMS : 1, blocks_per_row = k / values;
+    int64_t b = 0;
+    for (; b + step <= blocks_per_row; b += step) {
+        _mm_prefetch((const char *)row + b * bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int j = 0; j < step; ++j) {
+            bf16_block(type, t, row + (b + j) * bytes, mr, j, x + (b + j) * values,
+                       chunk_sums + (b + j) * values / 32, group_sums + (b + j) * values / 16, k,
+                       sums, offsets, excess, excess16);
+        }
+    }
+    for (; b < blocks_per_row; ++b) {
+        bf16_block(type, t, row + b * bytes, mr, 0, x + b * values, chunk_sums + b * values / 32,
+                   group_sums + b * values / 16, k, sums, offsets, excess, excess16);
+    }
+    for (int i = 0; i < mr; ++i) {
+        const __m512 *own = &sums[i * BF16_SUMS];
+        const __m512 total =
+            _mm512_add_ps(_mm512_add_ps(own[0], own[1]), _mm512_add_ps(own[2], own[3]));
+        /* Q4_K: the offsets' sums and the 128 x its codes carry; Q6_K: the 160 x (32 for its
+         * codes' bias, 128 for bf16(128 + q6)); the multiples of 2 are exact. */
+        float offset = 0.0f;
+        if (type == GGML_Q4_K) {
+            const __m256 taken = _mm256_fmadd_ps(excess[i], _mm256_set1_ps(128.0f), offsets[i]);
+            offset = _mm512_reduce_add_ps(_mm512_zextps256_ps512(taken));
+        } else if (type == GGML_Q6_K) {
+            offset = _mm512_reduce_add_ps(_mm512_mul_ps(excess16[i], _mm512_set1_ps(160.0f)));
+        }
+        y[i * ldy] = _mm512_reduce_add_ps(total) - offset;
+    }
+}
+
+static inline __attribute__((always_inline)) void bf16_rows(
+    const int type, const int64_t values, const int64_t bytes, const uint16_t *x,
+    const float *chunk_sums, int64_t m, int64_t k, const uint8_t *w, int64_t first, int64_t last,
+    float *y, int64_t ldy) {
+    const bf16_codes t = bf16_code_tables();
+    const int64_t row_bytes = k / values * bytes;
+    for (int64_t r = first; r < last; ++r) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t i0 = 0; i0 < m; i0 += BF16_INPUT_ROWS) {
+            const int64_t rows = m - i0 < BF16_INPUT_ROWS ? m - i0 : BF16_INPUT_ROWS;
+            const uint16_t *xi = x + i0 * k;
+            const float *si = chunk_sums + i0 * (k / 32);
+            /* The sums of each 16 inputs follow those of each 32 (make_bf16_inputs). */
+            const float *gi = chunk_sums + m * (k / 32) + i0 * (k / 16);
+            float *yi = y + i0 * ldy + r;
+            switch (rows) { /* a constant count in each copy */
+            case 4: bf16_rows_block(type, values, bytes, &t, xi, si, gi, 4, k, row, yi, ldy); break;
+            case 3: bf16_rows_block(type, values, bytes, &t, xi, si, gi, 3, k, row, yi, ldy); break;
+            case 2: bf16_rows_block(type, values, bytes, &t, xi, si, gi, 2, k, row, yi, ldy); break;
+            default:
+                bf16_rows_block(type, values, bytes, &t, xi, si, gi, 1, k, row, yi, ldy);
+                break;
+            }
+        }
+    }
+}
+
+typedef void (*bf16_rows_fn)(const uint16_t *, const float *, int64_t, int64_t, const uint8_t *,
+                             int64_t, int64_t, float *, int64_t);
+#define BF16_GEMV(NAME, TYPE, VALUES, BYTES)                                                      \
+    static void bf16_gemv_##NAME(const uint16_t *x, const float *chunk_sums, int64_t m,          \
+                                 int64_t k, const uint8_t *w, int64_t first, int64_t last,       \
+                                 float *y, int64_t ldy) {                                        \
+        bf16_rows(TYPE, VALUES, BYTES, x, chunk_sums, m, k, w, first, last, y, ldy);             \
+    }
+BF16_GEMV(q4_0, GGML_Q4_0, 32, 18)
+BF16_GEMV(q5_0, GGML_Q5_0, 32, 22)
+BF16_GEMV(q8_0, GGML_Q8_0, 32, 34)
+BF16_GEMV(q4_k, GGML_Q4_K, 256, 144)
+BF16_GEMV(q6_k, GGML_Q6_K, 256, 210)
+
+/* The bf16 GEMV for `type`, NULL for a type without one or a row length `k` not whole blocks. */
+static bf16_rows_fn bf16_gemv_of(int type, int64_t k) {
+    block_format f;
+    if (block_format_of(type, &f) != 0 || k % f.values != 0) {
+        return NULL;
+    }
+    switch (type) {
+    case GGML_Q4_0: return bf16_gemv_q4_0;
+    case GGML_Q5_0: return bf16_gemv_q5_0;
+    case GGML_Q8_0: return bf16_gemv_q8_0;
+    case GGML_Q4_K: return bf16_gemv_q4_k;
+    case GGML_Q6_K: return bf16_gemv_q6_k;
+    default: return NULL;
+    }
+}
+
+/* Q4K_INPUT_ORDER: where the Q4_K kernel reads each of a block's 256 inputs: position 128 L +
+ * 32 s + w holds value 64 pair + byte % 32 + 32 high, for vector s = A, C, B, D (high: B, D),
+ * byte 2w (+1 for C, D) of the block's 64 code bytes L, pair 2L + byte / 32. */
+static void q4k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    int16_t from[256];
+    for (int position = 0; position < 256; ++position) {
+        const int L = position / 128, s = position / 32 % 4, w = position % 32;
+        const int odd = s & 1, high = s >> 1, byte = 2 * w + odd;
+        from[position] = (int16_t)(64 * (2 * L + byte / 32) + byte % 32 + 32 * high);
+    }
+    for (int64_t block = 0; block < count; block += 256) {
+        for (int position = 0; position < 256; ++position) {
+            out[block + position] = in[block + from[position]];
+        }
+    }
+}
+
+/* Q6K_INPUT_ORDER: where the Q6_K kernel reads each of a block's inputs: position 128 half +
+ * 32 s + w holds value 128 half + 32 group + byte % 32, for vector s = A, C, B, D (B, D: the
+ * high nibbles), byte 2w (+1 for C, D) of the half's 64 bytes of low nibbles, group 2 (s >> 1)
+ * + byte / 32. */
+static void q6k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    int16_t from[256];
+    for (int position = 0; position < 256; ++position) {
+        const int half = position / 128, s = position / 32 % 4, w = position % 32;
+        const int byte = 2 * w + (s & 1), group = 2 * (s >> 1) + byte / 32;
+        from[position] = (int16_t)(128 * half + 32 * group + byte % 32);
+    }
+    for (int64_t block = 0; block < count; block += 256) {
+        for (int position = 0; position < 256; ++position) {
+            out[block + position] = in[block + from[position]];
+        }
+    }
+}
+
+/* x [m, k] fp32 -> bf16 [m, k] (round to nearest even), the fp32 sums of each 32 of those bf16
+ * values [m, k / 32] and of each 16 [m, k / 16] (after them); k a multiple of 32. */
+static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, float *chunk_sums) {
+    float *group_sums = chunk_sums + m * k / 32;
+    for (int64_t j = 0; j < m * k; j += 32) {
+        const __m256bh low = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
+        const __m256bh high = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j + 16));
+        _mm256_storeu_si256((__m256i *)(out + j), (__m256i)low);
+        _mm256_storeu_si256((__m256i *)(out + j + 16), (__m256i)high);
+        const __m512 wide_low = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)low), 16));
+        const __m512 wide_high = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)high), 16));
+        chunk_sums[j / 32] = _mm512_reduce_add_ps(_mm512_add_ps(wide_low, wide_high));
+        group_sums[j / 16] = _mm512_reduce_add_ps(wide_low);
+        group_sums[j / 16 + 1] = _mm512_reduce_add_ps(wide_high);
+    }
+}
+#else
+#define HAS_BF16_GEMV 0
+typedef void (*bf16_rows_fn)(const uint16_t *, const float *, int64_t, int64_t, const uint8_t *,
+                             int64_t, int64_t, float *, int64_t);
+static bf16_rows_fn bf16_gemv_of(int type, int64_t k) {
+    (void)type;
+    (void)k;
+    return NULL;
+}
+static void bf16_inputs(const float *x, int64_t m, int64_t k, uint16_t *out, float *chunk_sums) {
+    (void)x, (void)m, (void)k, (void)out, (void)chunk_sums;
+}
+static void q4k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    (void)in, (void)count, (void)out;
+}
+static void q6k_input_order(const uint16_t *in, int64_t count, uint16_t *out) {
+    (void)in, (void)count, (void)out;
+}
+#endif
+
+/* The bf16 GEMV's inputs for m rows of x [m, k]: bf16 values (`plain`), the same in
+ * Q4K_INPUT_ORDER and Q6K_INPUT_ORDER where a Q4_K or Q6_K weight reads them (`q4k`, `q6k`;
+ * k a multiple of 256), and the sums of each 32 of them then of each 16 (`chunk_sums`), in one
+ * allocation (`free(plain)`). Returns -1 when memory runs out. */
+typedef struct {
+    uint16_t *plain, *q4k, *q6k;
+    float *chunk_sums;
+} bf16_input_set;
+
+static int make_bf16_inputs(const float *x, int64_t m, int64_t k, int q4k, int q6k,
+                            bf16_input_set *in) {
+    const size_t words = (size_t)(m * k) * (size_t)(1 + (q4k != 0) + (q6k != 0));
+    const size_t sums = (size_t)(m * k / 32 + m * k / 16);
+    in->plain = malloc(sizeof(uint16_t) * words + sizeof(float) * sums);
+    if (in->plain == NULL) {
+        return -1;
+    }
+    in->q4k = q4k ? in->plain + m * k : NULL;
+    in->q6k = q6k ? in->plain + m * k * (q4k ? 2 : 1) : NULL;
+    in->chunk_sums = (float *)(in->plain + words);
+    bf16_inputs(x, m, k, in->plain, in->chunk_sums);
+    if (q4k) {
+        q4k_input_order(in->plain, m * k, in->q4k);
+    }
+    if (q6k) {
+        q6k_input_order(in->plain, m * k, in->q6k);
+    }
+    return 0;
+}
+
+/* The inputs a weight of `type` reads. */
+static const uint16_t *inputs_for(const bf16_input_set *in, int64_t type) {
+    return type == GGML_Q4_K ? in->q4k : type == GGML_Q6_K ? in->q6k : in->plain;
+}
+
+/* Whether this build has the bf16 GEMV for GGML type `type`: 1 or 0. */
+int hearth_blocks_gemv_bf16_takes(int type) {
+    block_format f;
+    return block_format_of(type, &f) == 0 && bf16_gemv_of(type, f.values) != NULL;
+}
+
+/* hearth_blocks_gemv with x rounded to bf16 and the bf16 GEMV above. Returns -1 for a type
+ * without one here (or any type in a build without AVX512-BF16), m outside 1..MAX_INPUT_ROWS,
+ * or when memory runs out. */
+int hearth_blocks_gemv_bf16(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                            int64_t n, float *y, int64_t ldy, int threads) {
+    const bf16_rows_fn rows = bf16_gemv_of(type, k);
+    if (rows == NULL || m < 1 || m > MAX_INPUT_ROWS) {
+        return -1;
+    }
+    bf16_input_set in;
+    if (make_bf16_inputs(x, m, k, type == GGML_Q4_K, type == GGML_Q6_K, &in) != 0) {
+        return -1;
+    }
+    const uint16_t *inputs = inputs_for(&in, type);
+    const int64_t units = (n + GEMV_ROWS_PER_UNIT - 1) / GEMV_ROWS_PER_UNIT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t first = unit * GEMV_ROWS_PER_UNIT;
+        const int64_t last = first + GEMV_ROWS_PER_UNIT < n ? first + GEMV_ROWS_PER_UNIT : n;
+        rows(inputs, in.chunk_sums, m, k, w, first, last, y, ldy);
+    }
+    free(in.plain);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
  * fp32 decode glue (a CPU fp32 step, e.g. on GGUF blocks kept as stored): the ops of
  * hearth/ops/norm.py and rope.py's references in fp32, one call instead of a dozen torch ops.
  * Products and sums are rounded one at a time as torch's eager ops round them (no contraction);
@@ -1634,12 +2133,14 @@ int hearth_norm_rope_f32(const float *qkv, int64_t tokens, int64_t width, int64_
 #define BLOCKS_MAX_SEGMENTS 4
 
 /* A projection over GGML blocks: its output rows in `segments` runs, run s `rows[s]` rows of
- * type `type[s]` stored contiguously at `blocks[s]`. */
+ * type `type[s]` stored contiguously at `blocks[s]`; bf16[s] 1: run s takes the bf16 GEMV
+ * (inputs rounded to bf16) where this build has one for its type, else the fp32 one. */
 typedef struct {
     int64_t segments;
     int64_t type[BLOCKS_MAX_SEGMENTS];
     int64_t rows[BLOCKS_MAX_SEGMENTS];
     const uint8_t *blocks[BLOCKS_MAX_SEGMENTS];
+    int64_t bf16[BLOCKS_MAX_SEGMENTS];
 } hearth_blocks_weight;
 
 /* A Gemma 3 layer's fixed operands over blocks (read-only); norm weights fp32, already 1 + w. */
@@ -1656,20 +2157,31 @@ typedef struct {
 static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t m, int64_t k,
                           float *y, int64_t ldy, int threads) {
     gemv_rows_fn rows[BLOCKS_MAX_SEGMENTS];
+    bf16_rows_fn bf16_segment[BLOCKS_MAX_SEGMENTS];
     int64_t first_row[BLOCKS_MAX_SEGMENTS], first_unit[BLOCKS_MAX_SEGMENTS + 1];
     if (w->segments < 1 || w->segments > BLOCKS_MAX_SEGMENTS || m < 1 || m > MAX_INPUT_ROWS) {
         return -1;
     }
     first_unit[0] = 0;
+    int any_bf16 = 0, any_q4k = 0, any_q6k = 0;
     for (int64_t s = 0; s < w->segments; ++s) {
         block_format f;
         rows[s] = gemv_of((int)w->type[s], k, &f);
         if (rows[s] == NULL) {
             return -1;
         }
+        bf16_segment[s] = w->bf16[s] ? bf16_gemv_of((int)w->type[s], k) : NULL;
+        any_bf16 |= bf16_segment[s] != NULL;
+        any_q4k |= bf16_segment[s] != NULL && w->type[s] == GGML_Q4_K;
+        any_q6k |= bf16_segment[s] != NULL && w->type[s] == GGML_Q6_K;
         first_row[s] = s == 0 ? 0 : first_row[s - 1] + w->rows[s - 1];
         first_unit[s + 1] = first_unit[s] + (w->rows[s] + GEMV_ROWS_PER_UNIT - 1) /
                                                 GEMV_ROWS_PER_UNIT;
+    }
+    /* The bf16 GEMV's inputs, made once for all its segments. */
+    bf16_input_set in = {NULL, NULL, NULL, NULL};
+    if (any_bf16 && make_bf16_inputs(x, m, k, any_q4k, any_q6k, &in) != 0) {
+        return -1;
     }
     const int64_t units = first_unit[w->segments];
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -1681,8 +2193,14 @@ static int blocks_project(const hearth_blocks_weight *w, const float *x, int64_t
         const int64_t first = (unit - first_unit[s]) * GEMV_ROWS_PER_UNIT;
         const int64_t last = first + GEMV_ROWS_PER_UNIT < w->rows[s] ? first + GEMV_ROWS_PER_UNIT
                                                                      : w->rows[s];
-        rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
+        if (bf16_segment[s] != NULL) {
+            bf16_segment[s](inputs_for(&in, w->type[s]), in.chunk_sums, m, k, w->blocks[s], first,
+                            last, y + first_row[s], ldy);
+        } else {
+            rows[s](x, m, k, w->blocks[s], first, last, y + first_row[s], ldy);
+        }
     }
+    free(in.plain);
     return 0;
 }
 
