@@ -98,6 +98,14 @@ def run_level(
     return seconds, list(first_token.values()), rates, together
 
 
+def _release_pools(runner: ModelRunner) -> None:
+    """Free the last run's pool (held in reference cycles) before the next one is sized from
+    the free memory: else it gets half of what that pool left."""
+    gc.collect()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure_concurrency(
     runner: ModelRunner,
     tokenizer: Tokenizer,
@@ -116,13 +124,11 @@ def measure_concurrency(
     run_level(runner, tokenizer, random_prompts(config.vocab_size, 2, prompt_tokens, seed=1), 4)
     rows = []
     for streams in levels:
-        # The last level's pool (held in reference cycles) goes before this one is sized.
-        gc.collect()
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release_pools(runner)
         # Warm-up at this level's rows: kernels compiled (and autotuned) for its batch shapes
         # stay out of the table.
         run_level(runner, tokenizer, random_prompts(config.vocab_size, streams, 16, seed=1), 4)
+        _release_pools(runner)
         prompts = random_prompts(config.vocab_size, streams, prompt_tokens)
         seconds, first_tokens, rates, together = run_level(runner, tokenizer, prompts, new_tokens)
         step_seconds = (weights + streams * kv_per_stream) / bandwidth
