@@ -1613,6 +1613,23 @@ static inline __attribute__((always_inline)) void add_chunk(__m512 *sums, const 
     }
 }
 
+/* Row i's sums `slot` and `slot` + 1 += low_step * (a.x_i[0:32] + c.x_i[32:64]) and
+ * high_step * (b.x_i[64:96] + d.x_i[96:128]) for `mr` input rows x_i = x + i * k: 128 values. */
+static inline __attribute__((always_inline)) void add_chunk_pair(
+    __m512 *sums, const int mr, const int slot, __m512i a, __m512i b, __m512i c, __m512i d,
+    __m512 low_step, __m512 high_step, const uint16_t *x, int64_t k) {
+    for (int i = 0; i < mr; ++i) {
+        const uint16_t *xi = x + i * k;
+        const __m512 low = _mm512_dpbf16_ps(dot32(a, xi), (__m512bh)c,
+                                            (__m512bh)_mm512_loadu_si512(xi + 32));
+        const __m512 high = _mm512_dpbf16_ps(dot32(b, xi + 64), (__m512bh)d,
+                                             (__m512bh)_mm512_loadu_si512(xi + 96));
+        __m512 *own = &sums[i * BF16_SUMS + slot];
+        own[0] = _mm512_fmadd_ps(low, low_step, own[0]);
+        own[1] = _mm512_fmadd_ps(high, high_step, own[1]);
+    }
+}
+
 /* k_steps in vector registers: Q4_K / Q5_K's eight steps d * scale into `step`, the eight
  * offsets dmin * min returned (exact products: fp16 times 6 bits). The 12 bytes of 6-bit
  * (scale, min) pairs are read as three little-endian words, a byte per pair in each lane. */
@@ -1695,17 +1712,7 @@ static inline __attribute__((always_inline)) void bf16_block(
                                   4 * L + 3, 4 * L + 3, 4 * L + 3, 4 * L + 3, 4 * L + 3,
                                   4 * L + 3),
                 steps);
-            const uint16_t *xl = x + 128 * L;
-            for (int i = 0; i < mr; ++i) {
-                const uint16_t *xi = xl + i * k;
-                const __m512 low = _mm512_dpbf16_ps(dot32(a, xi), (__m512bh)c,
-                                                    (__m512bh)_mm512_loadu_si512(xi + 32));
-                const __m512 high = _mm512_dpbf16_ps(dot32(b, xi + 64), (__m512bh)d,
-                                                     (__m512bh)_mm512_loadu_si512(xi + 96));
-                __m512 *own = &sums[i * BF16_SUMS + 2 * L];
-                own[0] = _mm512_fmadd_ps(low, low_step, own[0]);
-                own[1] = _mm512_fmadd_ps(high, high_step, own[1]);
-            }
+            add_chunk_pair(sums, mr, 2 * L, a, b, c, d, low_step, high_step, x + 128 * L, k);
         }
         for (int i = 0; i < mr; ++i) {
             const __m256 chunk = _mm256_loadu_ps(chunk_sums + i * (k / 32));
@@ -1775,17 +1782,8 @@ static inline __attribute__((always_inline)) void bf16_block(
                 _mm512_setr_epi32(g + 4, g + 4, g + 4, g + 4, g + 5, g + 5, g + 5, g + 5, g + 6,
                                   g + 6, g + 6, g + 6, g + 7, g + 7, g + 7, g + 7),
                 steps);
-            const uint16_t *xh = x + 128 * half;
-            for (int i = 0; i < mr; ++i) {
-                const uint16_t *xi = xh + i * k;
-                const __m512 lows = _mm512_dpbf16_ps(dot32(a, xi), (__m512bh)c,
-                                                     (__m512bh)_mm512_loadu_si512(xi + 32));
-                const __m512 highs = _mm512_dpbf16_ps(dot32(b, xi + 64), (__m512bh)d,
-                                                      (__m512bh)_mm512_loadu_si512(xi + 96));
-                __m512 *own = &sums[i * BF16_SUMS + 2 * half];
-                own[0] = _mm512_fmadd_ps(lows, low_step, own[0]);
-                own[1] = _mm512_fmadd_ps(highs, high_step, own[1]);
-            }
+            add_chunk_pair(sums, mr, 2 * half, a, b, c, d, low_step, high_step, x + 128 * half,
+                           k);
         }
         for (int i = 0; i < mr; ++i) {
             excess16[i] = _mm512_fmadd_ps(steps, _mm512_loadu_ps(group_sums + i * (k / 16)),
