@@ -272,6 +272,14 @@ def _launches() -> Iterator[tuple[str, Callable[[], object]]]:
         "append_token",
         lambda: kv_write.append_token_triton(torch.tensor([3]), k, k, *buffers, positions, counter),
     )
+    pool = [torch.zeros(6, 2, 16, 256, dtype=bf16) for _ in range(2)]
+    rows = torch.randn(1, 4, 2, 256, dtype=bf16).transpose(1, 2)
+    yield (
+        "paged_append",
+        lambda: kv_write.paged_append_triton(
+            rows, rows, *pool, torch.tensor([0, 3, 5, 1]), torch.tensor([2, 0, 15, 7])
+        ),
+    )
     for bits in affine_matmul.KERNEL_BITS:
         packed, scales, biases = quantize_affine(torch.randn(48, 256, dtype=bf16), bits, 64)
         yield (

@@ -12,7 +12,13 @@ import torch
 pytest.importorskip("triton")
 from hearth.kv.cache import EMPTY_POSITION
 from hearth.ops.activation import gelu_tanh_mul_reference, gelu_tanh_mul_triton
-from hearth.ops.kv_write import append_token_reference, append_token_triton
+from hearth.ops.kv_write import (
+    append_token_reference,
+    append_token_triton,
+    paged_append_fits,
+    paged_append_reference,
+    paged_append_triton,
+)
 from hearth.ops.norm import (
     Partials,
     add_rms_norm,
@@ -242,6 +248,34 @@ def test_append_token(capacity: int, position: int) -> None:
     assert torch.equal(key_buffer[:, :, slot], keys[:, :, 0])
     assert torch.equal(value_buffer[:, :, slot], values[:, :, 0])
     assert stored_positions[slot] == position and int(next_position) == position + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_append_writes_each_row_into_its_block_and_slot(dtype: torch.dtype) -> None:
+    """B tokens (K/V [1, Hk, B, D] as a projection's transpose lays them out, not contiguous)
+    land at their (block, slot) of the pool's planes, bit for bit the indexed writes', and
+    nothing else changes (a copy: no arithmetic, so no tolerance)."""
+    heads, dim, rows, num_blocks, block_size = 2, 32, 5, 6, 4
+    planes = [torch.randn(num_blocks, heads, block_size, dim).to(dtype) for _ in range(2)]
+    keys, values = (torch.randn(1, rows, heads, dim).to(dtype).transpose(1, 2) for _ in range(2))
+    assert not keys.is_contiguous() and paged_append_fits(keys, values, *planes)
+    blocks = torch.tensor([3, 0, 5, 3, 1])
+    slots = torch.tensor([1, 3, 0, 2, 0])
+    results = []
+    for append in (paged_append_triton, paged_append_reference):
+        state = [plane.clone() for plane in planes]
+        append(keys, values, *state, blocks, slots)
+        results.append(state)
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)
+    key_plane = results[0][0]
+    for row in range(rows):
+        assert torch.equal(key_plane[blocks[row], :, slots[row]], keys[0, :, row])
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    written[blocks, slots] = True
+    untouched = ~written  # [block, slot]: the planes' dims 0 and 2
+    assert torch.equal(key_plane.transpose(1, 2)[untouched], planes[0].transpose(1, 2)[untouched])
+    assert not paged_append_fits(keys.float(), values.float(), *[p.half() for p in planes])
 
 
 @pytest.mark.parametrize("mode", [ValueMode.RAW, ValueMode.UNIT_NORM_OF_K])

@@ -49,6 +49,8 @@ import torch
 from hearth.kv.cache import CacheSpec, DecodeSlot, KVView, PagedTables, StoredKV
 from hearth.kv.footprint import token_bytes
 from hearth.kv.policy import KVPolicy
+from hearth.ops import kernel_enabled
+from hearth.ops.kv_write import paged_append_fits, paged_append_triton
 from hearth.quant.kv_codecs import KVCodec
 
 DEFAULT_BLOCK_SIZE = 16
@@ -205,8 +207,13 @@ class BlockPool:
     def write(
         self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, parts: Sequence[torch.Tensor]
     ) -> None:
-        """Store encoded tokens (each plane [1, kv_heads, tokens, ...]) at (block, slot)."""
-        for plane, part in zip(self.planes[layer], parts, strict=True):
+        """Store encoded tokens (each plane [1, kv_heads, tokens, ...]) at (block, slot):
+        dense K/V on a GPU in one launch, else an indexed write per plane."""
+        planes = self.planes[layer]
+        if len(parts) == 2 and kernel_enabled(parts[0]) and paged_append_fits(*parts, *planes):
+            paged_append_triton(*parts, *planes, blocks, slots)
+            return
+        for plane, part in zip(planes, parts, strict=True):
             _indexable(plane)[blocks, :, slots] = _indexable(part[0]).transpose(0, 1)
 
     def gather(self, layer: int, blocks: list[int]) -> list[torch.Tensor]:
