@@ -324,14 +324,22 @@ def test_requests_submitted_together_share_prefill_forwards(
         scheduler.submit(request, collector, lambda: False)
     _run(scheduler)
     assert counts == {"alone": 0, "ragged": 2, "together": 6}
+    assert _same_as_alone(requests, collectors, alone, 12) > 0.8 * 5 * 12
+
+
+def _same_as_alone(
+    requests: list[Any], collectors: list[Any], alone: list[Any], new_tokens: int
+) -> int:
+    """Each request made `new_tokens` tokens, a seeded sampled one exactly its run alone's,
+    a greedy one its clear ones (`_assert_same_clear_tokens`); the greedy tokens compared."""
     compared = 0
     for request, collector, single in zip(requests, collectors, alone, strict=True):
-        assert len(collector.tokens) == len(single.tokens) == 12
+        assert len(collector.tokens) == len(single.tokens) == new_tokens
         if request.sampling.temperature:
             assert collector.tokens == single.tokens
         else:
             compared += _assert_same_clear_tokens(collector, single)
-    assert compared > 0.8 * 5 * 12
+    return compared
 
 
 def test_ragged_prefill_steps_preempt_and_resume_identically(
@@ -372,12 +380,5 @@ def test_ragged_prefill_steps_preempt_and_resume_identically(
         scheduler.submit(request, collector, lambda: False)
     _run(scheduler)
     assert scheduler.preemptions > reserving["preempted"] > 0 and counts["ragged"] > 0
-    compared = 0
-    for request, collector, single in zip(requests, collectors, alone, strict=True):
-        assert len(collector.tokens) == len(single.tokens) == 16
-        if request.sampling.temperature:
-            assert collector.tokens == single.tokens
-        else:
-            compared += _assert_same_clear_tokens(collector, single)
-    assert compared > 0.8 * 5 * 16
+    assert _same_as_alone(requests, collectors, alone, 16) > 0.8 * 5 * 16
     assert pool.used_blocks == 0
