@@ -196,6 +196,8 @@ def test_bench_concurrency_reports_each_level_against_its_roofline(
     )
     assert code == 0, stderr
     assert "bench: 3 streams" in stderr
+    # The pool holds the three at once: each level says so, and what sized it.
+    assert "at most 3 rows a step, 0 preemptions, pool of blocks of" in stderr
     rows = _table(stdout, CONCURRENCY_COLUMNS)
     assert [int(row["streams"]) for row in rows] == [1, 3]
     weights, kv = hand_decode_bytes(0), hand_decode_bytes(10) - hand_decode_bytes(0)

@@ -64,11 +64,25 @@ def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[l
     return ids.tolist()
 
 
+@dataclass
+class LevelRun:
+    """One level's run: the wall time, each stream's time to first token and decode rate,
+    the decode rate of the steps where all of them decode together, and what explains a
+    level where they never did (the most rows a step had, preemptions, the pool)."""
+
+    seconds: float
+    first_tokens: list[float]
+    rates: list[float]
+    together: float
+    most_rows: int
+    preemptions: int
+    pool: str
+
+
 def run_level(
     runner: ModelRunner, tokenizer: Tokenizer, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, list[float], list[float], float]:
-    """Run `prompts` together; the wall time, each stream's time to first token and decode
-    rate, and the decode rate of the steps where all of them decode together."""
+) -> LevelRun:
+    """Run `prompts` together (see `LevelRun`)."""
     scheduler = Scheduler(runner, tokenizer, max_running=len(prompts))
     scheduler.decode_log = []
     captured = runner.capture_seconds
@@ -95,7 +109,11 @@ def run_level(
     seconds = time.perf_counter() - started - (runner.capture_seconds - captured)
     full = [(rows, spent) for rows, spent in scheduler.decode_log if rows == len(prompts)]
     together = sum(r for r, _ in full) / sum(t for _, t in full) if full else 0.0
-    return seconds, list(first_token.values()), rates, together
+    most = max((rows for rows, _ in scheduler.decode_log), default=0)
+    return LevelRun(
+        seconds, list(first_token.values()), rates, together, most, scheduler.preemptions,
+        scheduler.pool.describe(),
+    )  # fmt: skip
 
 
 def _release_pools(runner: ModelRunner) -> None:
@@ -130,22 +148,24 @@ def measure_concurrency(
         run_level(runner, tokenizer, random_prompts(config.vocab_size, streams, 16, seed=1), 4)
         _release_pools(runner)
         prompts = random_prompts(config.vocab_size, streams, prompt_tokens)
-        seconds, first_tokens, rates, together = run_level(runner, tokenizer, prompts, new_tokens)
+        run = run_level(runner, tokenizer, prompts, new_tokens)
         step_seconds = (weights + streams * kv_per_stream) / bandwidth
         row = ConcurrencyRow(
             streams=streams,
-            aggregate=streams * new_tokens / seconds,
-            decode=together,
-            per_stream=statistics.mean(rates),
-            ttft_p50=percentile(first_tokens, 0.5),
-            ttft_p99=percentile(first_tokens, 0.99),
+            aggregate=streams * new_tokens / run.seconds,
+            decode=run.together,
+            per_stream=statistics.mean(run.rates),
+            ttft_p50=percentile(run.first_tokens, 0.5),
+            ttft_p99=percentile(run.first_tokens, 0.99),
             roofline=streams / step_seconds,
         )
         rows.append(row)
         progress(
             f"bench: {streams} streams: {row.aggregate:,.1f} tok/s together "
             f"({row.decode:,.1f} in decode steps of all {streams}), "
-            f"{row.per_stream:,.1f} per stream, first token p50 {row.ttft_p50 * 1e3:,.0f} ms"
+            f"{row.per_stream:,.1f} per stream, first token p50 {row.ttft_p50 * 1e3:,.0f} ms; "
+            f"at most {run.most_rows} rows a step, {run.preemptions} preemptions, pool of "
+            f"{run.pool}"
         )
     return rows
 
