@@ -424,8 +424,8 @@ class Scheduler:
         chain = self.runner.takes_device_tokens(caches) and all(map(_samples_on_device, running))
         if chain:
             self._in_flight = self._launch_samples(running, logits)
-            if flight is not None:
-                self._take_tokens(flight.rows, flight.read())
+        if flight is not None:
+            self._take_tokens(flight.rows, flight.read())
         for sequence in running:
             if sequence.paged is not None:  # not ended by the last step's token
                 sequence.paged.after_forward(sequence.ids_to_name())
@@ -437,6 +437,8 @@ class Scheduler:
         if not chain:
             for row, sequence in enumerate(running):
                 token = made[row]
+                if sequence.paged is None:  # ended on the last step's token
+                    continue
                 if token is None:  # log-probabilities asked: sampled with its distribution
                     self._take_token(sequence, logits[row : row + 1])
                 else:
