@@ -400,12 +400,12 @@ class Scheduler:
         Anything else first settles the step in flight."""
         started = time.perf_counter()
         captured = self.runner.capture_seconds
-        flight = self._in_flight
+        flight, self._in_flight = self._in_flight, None
         reserved: list[Sequence] = []
         if flight is not None and not (
             flight.rows == self.running and self._reserve_each(reserved)
         ):
-            self._settle()
+            self._take_tokens(flight.rows, flight.read())
             flight = None
             if not self.running:
                 return
