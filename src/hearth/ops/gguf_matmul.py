@@ -402,6 +402,22 @@ if HAS_TRITON:
                 tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch / replay
 
     @triton.jit
+    def _dot_step(
+        acc, values, x_rows, m_ok, step, K: tl.constexpr, BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """acc [BLOCK_M, BLOCK_N] + x's rows over one 256-value step . the step's weights
+        (`values`, BLOCK_N rows of 256 in any tile shape), on tensor cores in x's dtype."""
+        w = tl.reshape(values, [BLOCK_N, 256]).to(x_rows.dtype.element_ty)
+        k = step * 256 + tl.arange(0, 256)
+        xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xk, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk, tl.trans(w), acc)
+        return acc
+
+    @triton.jit
     def _gguf_dot_kernel(
         x_ptr,
         w_ptr,
@@ -430,13 +446,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for step in tl.range(STEPS):
             values = _step_values(rows, n_ok[:, None, None], step, TYPE, K)
-            w = tl.reshape(values, [BLOCK_N, 256]).to(x_ptr.dtype.element_ty)
-            k = step * 256 + tl.arange(0, 256)
-            xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(xk, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xk, tl.trans(w), acc)
+            acc = _dot_step(acc, values, x_rows, m_ok, step, K, BLOCK_N, IEEE)
         out_at = out_ptr + m[:, None] * stride_om + n[None, :]
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -1025,13 +1035,7 @@ if HAS_TRITON:
                 word_rows, byte_rows, half_rows, n_ok[:, None, None, None], step, TYPE, K,
                 PLANE_A, PLANE_B, PLANE_C, PLANE_D,
             )  # fmt: skip
-            w = tl.reshape(values, [BLOCK_N, 256]).to(x_ptr.dtype.element_ty)
-            k = step * 256 + tl.arange(0, 256)
-            xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(xk, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xk, tl.trans(w), acc)
+            acc = _dot_step(acc, values, x_rows, m_ok, step, K, BLOCK_N, IEEE)
         out_at = out_ptr + m[:, None] * stride_om + n[None, :]
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -156,8 +156,8 @@ class ModelRunner:
         output buffer, valid until the next step.
 
         `tokens` may be a tensor [B] on the device (see `takes_device_tokens`)."""
-        sequences = self._paged_sequences(caches)
-        if sequences is not None and (len(tokens) > 1 or self._one_row_from_graphs()):
+        sequences = self._batch_step_sequences(caches)
+        if sequences is not None:
             decoder = self._batch_decoder(sequences[0].pool, len(tokens))
             captured = decoder.capture_seconds
             logits = decoder.step(sequences, tokens, positions)
@@ -183,8 +183,15 @@ class ModelRunner:
         """Whether `decode_batch` over `caches` reads tokens left on the device without a
         host sync (the batched paged step), so a caller may launch a step on the last one's
         samples before reading them."""
+        return self._batch_step_sequences(caches) is not None
+
+    def _batch_step_sequences(self, caches: list[list[LayerCache]]) -> list[PagedSequence] | None:
+        """The paged sequences of `caches` where `decode_batch` takes the batched paged step
+        (several rows, or one where graphs run), else None."""
         sequences = self._paged_sequences(caches)
-        return sequences is not None and (len(caches) > 1 or self._one_row_from_graphs())
+        if sequences is None or (len(caches) == 1 and not self._one_row_from_graphs()):
+            return None
+        return sequences
 
     def _one_row_from_graphs(self) -> bool:
         """`decodes_with_graphs`, found once per plan: a lone sequence's step asks each time."""
