@@ -152,6 +152,32 @@ def test_a_budget_sizes_sliding_groups_by_window_and_full_groups_by_the_rest(
     assert [p.num_blocks for p in tight.pools] == [6, 6]  # half each, one window at least
 
 
+def test_a_short_budget_gives_sliding_and_full_groups_the_same_blocks(
+    models: dict[str, Any],
+) -> None:
+    """Tiny Gemma 4: its sliding and full layers store tokens at different byte sizes (head
+    sizes and KV heads differ, the full layers' K is V). A budget too small for every
+    sequence's window splits so each group gets the same number of blocks, and the two run
+    out at the same length (an equal split of bytes left the group of more bytes a block
+    with fewer blocks, and the first to run out). A budget that holds every window leaves
+    the full groups the rest, as before."""
+    model = models["gemma4"]
+    specs, policy = model.cache_specs(), KVPolicy()
+    groups = cache_groups(specs, policy)
+    sizes = [g.token_bytes(torch.float32) * BLOCK for g in groups]
+    sliding = sum(b for g, b in zip(groups, sizes, strict=True) if g.window is not None)
+    full = sum(b for g, b in zip(groups, sizes, strict=True) if g.window is None)
+    assert sliding != full  # else the split would not tell the rules apart
+    short = KVPool.for_budget(specs, policy, torch.float32, 30 * (sliding + full), 64, 8, BLOCK)
+    by_window = {g.window is None: p.num_blocks for g, p in zip(groups, short.pools, strict=True)}
+    assert by_window == {False: 30, True: 30}
+    roomy = KVPool.for_budget(specs, policy, torch.float32, 400 * (sliding + full), 4, 8, BLOCK)
+    one = -(-(max(g.window or 0 for g in groups) + 8) // BLOCK) + 1
+    counts = {g.window is None: p.num_blocks for g, p in zip(groups, roomy.pools, strict=True)}
+    assert counts[False] == 4 * one
+    assert counts[True] == (400 * (sliding + full) - 4 * one * sliding) // full
+
+
 def test_a_window_longer_than_the_context_takes_no_more_than_the_context(
     models: dict[str, Any],
 ) -> None:

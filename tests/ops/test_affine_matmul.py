@@ -612,18 +612,19 @@ def test_rows_pick_the_unrolled_gemv_the_mma_kernel_or_cublas(monkeypatch) -> No
 def test_mma_heuristic_tiles_rows_and_splits_few_row_blocks() -> None:
     """Rows pad to the next tile of 16, 32 or 64 (8 warps for 64 x 128 tiles); weights of
     fewer than 132 blocks of 128 rows take blocks of 64 (Gemma 3 12B's q/k/v, o_proj and
-    down), then split K while SMs stay idle and the partials stay under a quarter of the
-    weight's bytes (``split <= K * bits / (256 * M)``): o_proj splits 2 at 16 rows, not at
-    64; splits keep at least 4 groups each."""
+    down), then split K while that keeps at most two programs an SM (132 SMs) and the
+    partials stay under the weight's bytes (``split <= K * bits / (64 * M)``): q/k/v split 2,
+    o_proj and down 4; splits keep at least 4 groups each."""
     for rows, tile in ((5, 16), (16, 16), (17, 32), (33, 64), (64, 64)):
         warps = 8 if tile == 64 else 4
         assert am.mma_config(rows, 30720, 3840, 4, 64) == am.MmaConfig(tile, 128, warps=warps)
-    assert am.mma_config(16, 8192, 3840, 4, 64) == am.MmaConfig(16, 64)
-    assert am.mma_config(16, 3840, 4096, 4, 64) == am.MmaConfig(16, 64, split_k=2)
-    assert am.mma_config(64, 3840, 4096, 4, 64) == am.MmaConfig(64, 64)
-    assert am.mma_config(64, 3840, 15360, 8, 64).split_k == 2
+    assert am.mma_config(16, 8192, 3840, 4, 64) == am.MmaConfig(16, 64, split_k=2)
+    assert am.mma_config(64, 8192, 3840, 4, 64) == am.MmaConfig(64, 64, split_k=2)
+    assert am.mma_config(16, 3840, 4096, 4, 64) == am.MmaConfig(16, 64, split_k=4)
+    assert am.mma_config(64, 3840, 15360, 4, 64) == am.MmaConfig(64, 64, split_k=4)
+    assert am.mma_config(64, 3840, 2048, 4, 64).split_k == 2  # capped by bytes: 2048 * 4 / 4096
     assert am.mma_config(64, 262144, 3840, 4, 64) == am.MmaConfig(64, 128, warps=8)
-    assert am.mma_config(16, 256, 4096, 4, 64).split_k == 4  # 4 blocks: capped by bytes
+    assert am.mma_config(16, 256, 4096, 4, 64).split_k == 8  # 4 blocks: capped by MAX_SPLIT_K
     assert am.mma_config(5, 256, 2048, 8, 128).split_k == 4  # 16 groups: 4 a split
 
 

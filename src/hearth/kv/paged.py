@@ -289,8 +289,11 @@ class KVPool:
         max_context: int | None = None,
     ) -> KVPool:
         """A pool of at most `budget_bytes`: sliding groups get what `max_sequences`
-        sequences' windows (plus a prefill chunk) need, at most half the budget when there
-        are full groups; full groups, which hold every token, share the rest equally in
+        sequences' windows (plus a prefill chunk) need, where there are full groups at most
+        as many blocks as the full groups get, so that when the budget is short both run out
+        at the same length (a window's): Gemma 4's sliding layers are most of the layers and
+        hold most of a short sequence's bytes, so an equal split of bytes left them the
+        first to run out. Full groups, which hold every token, share the rest equally in
         blocks (each group's count is the same: they hold the same token ranges).
         `max_context`: the longest sequence (a model's positions), which bounds a window's
         blocks when the window and a chunk are longer."""
@@ -301,8 +304,9 @@ class KVPool:
         counts = [0] * len(groups)
         left = budget_bytes
         if sliding:
-            share = budget_bytes // 2 if full else budget_bytes
             per_sliding = sum(block_bytes[i] for i in sliding)
+            per_full = sum(block_bytes[i] for i in full)
+            share = budget_bytes * per_sliding // (per_sliding + per_full)
             widest = max(groups[i].window or 0 for i in sliding)
             one = window_blocks(widest, chunk, block_size)
             if max_context is not None:

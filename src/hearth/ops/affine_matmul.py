@@ -454,8 +454,9 @@ def gathered_gemv_config(k: int, bits: int, group: int) -> GemvConfig:
 # which it does (more: dequantize once, then cuBLAS). One place for both thresholds.
 MMA_MIN_ROWS = UNROLLED_ROWS + 1
 MMA_MAX_ROWS = 64
-# Programs per SM the K split of the tensor-core kernel aims for at most.
-MMA_PROGRAMS_PER_SM = 1
+# Programs per SM the K split of the tensor-core kernel aims for at most (fitted on an H100:
+# benchmarks/results/affine_mma_sweep_h100-2026-12-07.md).
+MMA_PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -482,17 +483,17 @@ def mma_config(
     16, 32 or 64 rows (mma's smallest M is 16); 128 output rows a program, or 64 where 128
     would leave SMs idle (12B's o_proj and down: 30 blocks of 128); 8 warps where the fp32
     ``[BLOCK_N, BLOCK_M]`` accumulators would pass 64 registers a thread at 4. K is split
-    while the row blocks still leave SMs idle, each split keeping at least 4 groups, and
+    while that keeps at most two programs an SM, each split keeping at least 4 groups, and
     while the splits' fp32 partials (written and read: 8 bytes an output a split) stay under
-    a quarter of the weight's bytes: few at many rows or short K. Not yet fitted to a sweep
-    (`benchmarks/lab/gpu_affine_rows.py --sweep` times the launches around it)."""
+    the weight's bytes. Fitted to `benchmarks/lab/gpu_affine_rows.py --sweep` on an H100
+    (12B q/k/v split 2 and down split 4, at 16 and 64 rows: 1.3-1.7x unsplit)."""
     block_m = max(16, 1 << (m - 1).bit_length())
     block_n = 128 if _cdiv(n, 128) >= multiprocessors else 64
     warps = 4 if block_m * block_n <= 64 * 64 else 8
     blocks = _cdiv(n, block_n)
     groups = k // group
-    # 8 * split * M * N partial bytes <= N * K * bits / 8 / 4
-    most_splits = max(1, k * bits // (256 * m))
+    # 8 * split * M * N partial bytes <= N * K * bits / 8
+    most_splits = max(1, k * bits // (64 * m))
     split = 1
     while (
         blocks * split * 2 <= MMA_PROGRAMS_PER_SM * multiprocessors

@@ -1109,8 +1109,12 @@ if HAS_TRITON:
         for Q4_K but 234-240 for the others, where 16 take 128-168), each thread then holding
         4, 2 or 1 rows of a group (the x values it loads serve them all); at one row 64 only
         where that still gives every SM a program, else 32 (the K split fills the GPU).
-        Unmeasured in time: `benchmarks/lab/gpu_gguf_gemv.py` sweeps it."""
+        Q4_K at one row takes 16: more programs keep more loads in flight, and on an H100 that
+        ran its 12B q/k/v, o, gate/up, down and head GEMVs 1.5-2.0x faster than 32 or 64
+        (`benchmarks/lab/gpu_gguf_gemv.py`); Q6_K measured best as it is."""
         if m == 1:
+            if type_id == 12:
+                return 16
             return 64 if -(-n // 64) >= multiprocessors else 32
         if m == 2 or type_id == 12:
             return 32
