@@ -143,9 +143,11 @@ def measure_concurrency(
     rows = []
     for streams in levels:
         _release_pools(runner)
-        # Warm-up at this level's rows: kernels compiled (and autotuned) for its batch shapes
+        # Warm-up at this level's rows and prompt length: kernels compiled (and autotuned) for
+        # its decode batch and its ragged prefill's shapes (the MoE experts' token counts)
         # stay out of the table.
-        run_level(runner, tokenizer, random_prompts(config.vocab_size, streams, 16, seed=1), 4)
+        warm_up = random_prompts(config.vocab_size, streams, prompt_tokens, seed=1)
+        run_level(runner, tokenizer, warm_up, 4)
         _release_pools(runner)
         prompts = random_prompts(config.vocab_size, streams, prompt_tokens)
         run = run_level(runner, tokenizer, prompts, new_tokens)
