@@ -359,6 +359,24 @@ def test_bench_on_gpu_decodes_through_cuda_graphs(
     assert all(_number(row["tok/s"]) > 0 for row in rows if row["tok/s"])
 
 
+def test_a_moe_step_of_more_rows_reads_the_experts_they_choose() -> None:
+    """Tiny Gemma 4 MoE (fp32, 4 layers of 4 experts, top 2, each expert 3 x 64 x 32 values): a
+    step's expert bytes are E x (1 - (1 - k / E)^rows) experts' worth under uniform routing,
+    a half at one row, 3/4 at two and 7/8 at three; the rest of the weights is read once
+    whatever the rows."""
+    from hearth.bench.random_model import build_random_model
+
+    config = tiny_gemma4_config(
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32
+    )
+    model = build_random_model(config.to_dict(), "cpu", dtype=torch.float32)
+    experts = 4 * 4 * 3 * 64 * 32 * 4  # layers x experts x values an expert x fp32 bytes
+    one, two, three = (measure.decode_bytes(model, rows) for rows in (1, 2, 3))
+    assert two - one == experts // 4
+    assert three - two == experts // 8
+    assert measure.decode_bytes(model, 64) - one == pytest.approx(experts / 2, abs=8)
+
+
 def test_bench_random_gemma4_moe_4bit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """MLX-packed random weights on every path Gemma 4 adds: MoE, PLE, KV sharing."""
     gemma4 = tiny_gemma4_config(

@@ -134,7 +134,6 @@ def measure_concurrency(
     bandwidth: float,
     progress: Callable[[str], None],
 ) -> list[ConcurrencyRow]:
-    weights = decode_bytes(runner.model)
     element = torch.empty((), dtype=runner.model.compute_dtype).element_size()
     # A stream's K/V read per step, at its mean context over the decode.
     kv_per_stream = kv_bytes(config, prompt_tokens + new_tokens // 2, element, runner.kv_policy)
@@ -151,7 +150,7 @@ def measure_concurrency(
         _release_pools(runner)
         prompts = random_prompts(config.vocab_size, streams, prompt_tokens)
         run = run_level(runner, tokenizer, prompts, new_tokens)
-        step_seconds = (weights + streams * kv_per_stream) / bandwidth
+        step_seconds = (decode_bytes(runner.model, streams) + streams * kv_per_stream) / bandwidth
         row = ConcurrencyRow(
             streams=streams,
             aggregate=streams * new_tokens / run.seconds,

@@ -283,7 +283,8 @@ def run_concurrency_bench(
         settings=(
             f"torch {torch.__version__}. Each stream: {options.prompt_tokens} prompt tokens "
             f"(random ids), {options.new_tokens} new tokens, greedy; streams start together. "
-            f"Roofline: weights read once per step plus each stream's K/V, at "
+            f"Roofline: weights read once per step (a MoE's experts: those its rows choose, "
+            f"routed uniformly) plus each stream's K/V, at "
             f"{_rate(bandwidth, 'B/s', 3)} ({source})."
         ),
     )
