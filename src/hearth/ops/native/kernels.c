@@ -2464,3 +2464,298 @@ done:
     free(work);
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * 5. Prefill GEMM on GGML blocks with AMX bf16 tiles: y[m, n] = sum_k x[m, k] * w[n, k] for
+ * many input rows, the weights the file's exact values. Per group of 16 or 32 values along k
+ * (a block's unit of one step and offset), one TDPBF16PS multiplies 16 input rows (bf16) by 16
+ * weight rows' integer codes (exact in bf16: |q| <= 128) into a 16 x 16 fp32 tile, which is
+ * then scaled in fp32: acc += step[n, g] * C (- offset[n, g] * xsum[m, g] for affine types).
+ * So the weights are never rounded; the activations are rounded to bf16 (`split` 0) or split
+ * into two bf16 halves x = hi + lo (`split` 1, ~16 significant bits; two TDPBF16PS a group).
+ * Codes are packed per 64 weight rows (4 tiles) into the tile layout (pairs of k) once, then
+ * reused for every 16 input rows. Linux grants a process AMX tile state on request (once).
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_CHUNK_ROWS 64 /* weight rows packed at a time: four 16-row tiles */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* 1 where the kernel asked Linux for the tile state and got it, -1 where refused. */
+static int amx_permission(void) {
+    static int state;
+    int seen = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, seen, __ATOMIC_RELEASE);
+    }
+    return seen;
+}
+
+/* Tiles 0-3: fp32 sums (16 x 16); 4, 5: input rows hi, lo (16 x group bf16); 6, 7: codes
+ * (group / 2 pairs x 16 weight rows). */
+static void amx_configure(int64_t group) {
+    amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = t >= 6 ? (uint8_t)(group / 2) : 16;
+        config.colsb[t] = t == 4 || t == 5 ? (uint16_t)(2 * group) : 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Types with an offset per group (w = step * q - offset). */
+static int amx_affine(int type) {
+    return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K ||
+           type == GGML_Q5_K;
+}
+
+/* 16 int8 codes -> 16 bf16 (exact: the fp32 value's upper half). */
+static inline void codes_to_bf16(const int8_t *codes, uint16_t *out) {
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    _mm256_storeu_si256((__m256i *)out,
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(values), 16)));
+}
+
+/* Weight rows [first, first + rows) (rows <= 64) -> `packed` [tiles][k / 2][16] pairs of bf16
+ * codes, `steps` and `offsets` [groups][64] (zero for the padding rows). */
+static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, int64_t first,
+                           int64_t rows, uint32_t *packed, float *steps, float *offsets,
+                           uint16_t *scratch) {
+    const int64_t row_bytes = k / f.values * f.bytes, groups = k / f.group;
+    const int64_t per_block = f.values / f.group;
+    const __m512i index = _mm512_mullo_epi32(_mm512_set1_epi32((int)(k / 2)),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                               11, 12, 13, 14, 15));
+    for (int64_t tile = 0; tile * 16 < rows; ++tile) {
+        for (int64_t r = 0; r < 16; ++r) {
+            const int64_t local = tile * 16 + r;
+            uint16_t *out = scratch + r * k;
+            if (local >= rows) {
+                memset(out, 0, sizeof(uint16_t) * (size_t)k);
+                for (int64_t g = 0; g < groups; ++g) {
+                    steps[g * AMX_CHUNK_ROWS + local] = 0.0f;
+                    offsets[g * AMX_CHUNK_ROWS + local] = 0.0f;
+                }
+                continue;
+            }
+            const uint8_t *row = w + (first + local) * row_bytes;
+            for (int64_t b = 0; b < k / f.values; ++b) {
+                unpacked_block u;
+                const int8_t *codes = f.unpack(row + b * f.bytes, &u);
+                for (int64_t j = 0; j < f.values; j += 16) {
+                    codes_to_bf16(codes + j, out + b * f.values + j);
+                }
+                for (int64_t g = 0; g < per_block; ++g) {
+                    steps[(b * per_block + g) * AMX_CHUNK_ROWS + local] = u.step[g];
+                    offsets[(b * per_block + g) * AMX_CHUNK_ROWS + local] = u.offset[g];
+                }
+            }
+        }
+        /* Transpose pairs: tile row p holds pair p of each of the 16 weight rows. */
+        const int32_t *pairs = (const int32_t *)scratch;
+        uint32_t *tile_out = packed + tile * (k / 2) * 16;
+        for (int64_t p = 0; p < k / 2; ++p) {
+            _mm512_storeu_si512(tile_out + p * 16, _mm512_i32gather_epi32(index, pairs + p, 4));
+        }
+    }
+}
+
+/* x [m, k] fp32 -> hi (and lo) bf16 [padded, k], padding rows zero; xsum [padded][groups] the
+ * fp32 sum of each group of hi + lo (affine types only: NULL otherwise). */
+static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int64_t group,
+                       int split, uint16_t *hi, uint16_t *lo, float *xsum, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < padded; ++r) {
+        for (int64_t j = 0; j < k; j += 16) {
+            const __m512 v = r < m ? _mm512_loadu_ps(x + r * k + j) : _mm512_setzero_ps();
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+            const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            _mm256_storeu_si256((__m256i *)(hi + r * k + j), h);
+            __m512 kept = hv;
+            if (split) {
+                const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hv));
+                _mm256_storeu_si256((__m256i *)(lo + r * k + j), l);
+                kept = _mm512_add_ps(
+                    hv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(l), 16)));
+            }
+            if (xsum != NULL) {
+                const int64_t g = j / group;
+                const float part = _mm512_reduce_add_ps(kept);
+                xsum[r * (k / group) + g] = (j % group == 0 ? 0.0f : xsum[r * (k / group) + g]) + part;
+            }
+        }
+    }
+}
+
+/* One C tile's group: acc[r][16 * tile ..] += step * C (- offset * xsum[r]). */
+#define AMX_SCALE_TILE(tile)                                                                    \
+    do {                                                                                        \
+        _tile_stored(tile, sums, 64);                                                           \
+        const __m512 step = _mm512_loadu_ps(steps + g * AMX_CHUNK_ROWS + 16 * (tile));          \
+        const __m512 offset = _mm512_loadu_ps(offsets + g * AMX_CHUNK_ROWS + 16 * (tile));      \
+        for (int r = 0; r < 16; ++r) {                                                          \
+            float *a = acc + r * AMX_CHUNK_ROWS + 16 * (tile);                                  \
+            __m512 value = _mm512_fmadd_ps(step, _mm512_loadu_ps(sums + 16 * r),                \
+                                           _mm512_loadu_ps(a));                                 \
+            if (affine) {                                                                       \
+                value = _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum_rows[r * groups + g]),     \
+                                         value);                                                \
+            }                                                                                   \
+            _mm512_storeu_ps(a, value);                                                         \
+        }                                                                                       \
+    } while (0)
+
+#define AMX_TILE_DOT(tile, codes_tile)                                                          \
+    do {                                                                                        \
+        _tile_loadd(codes_tile, packed + ((tile) * (k / 2) + g * (group / 2)) * 16, 64);        \
+        _tile_dpbf16ps(tile, 4, codes_tile);                                                    \
+        if (split) {                                                                            \
+            _tile_dpbf16ps(tile, 5, codes_tile);                                                \
+        }                                                                                       \
+    } while (0)
+
+/* Rows [first, first + rows) of y for all padded input rows, from one packed chunk. */
+static void amx_chunk_rows(const uint16_t *hi, const uint16_t *lo, const float *xsum, int64_t m,
+                           int64_t padded, int64_t k, int64_t group, int split, int affine,
+                           const uint32_t *packed, const float *steps, const float *offsets,
+                           int64_t first, int64_t rows, float *y, int64_t ldy) {
+    const int64_t groups = k / group, tiles = (rows + 15) / 16;
+    float acc[16 * AMX_CHUNK_ROWS] __attribute__((aligned(64)));
+    float sums[256] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < padded; m0 += 16) {
+        memset(acc, 0, sizeof acc);
+        const float *xsum_rows = affine ? xsum + m0 * groups : NULL;
+        for (int64_t g = 0; g < groups; ++g) {
+            _tile_loadd(4, hi + m0 * k + g * group, 2 * k);
+            if (split) {
+                _tile_loadd(5, lo + m0 * k + g * group, 2 * k);
+            }
+            _tile_zero(0);
+            AMX_TILE_DOT(0, 6);
+            if (tiles > 1) {
+                _tile_zero(1);
+                AMX_TILE_DOT(1, 7);
+            }
+            if (tiles > 2) {
+                _tile_zero(2);
+                AMX_TILE_DOT(2, 6);
+            }
+            if (tiles > 3) {
+                _tile_zero(3);
+                AMX_TILE_DOT(3, 7);
+            }
+            AMX_SCALE_TILE(0);
+            if (tiles > 1) {
+                AMX_SCALE_TILE(1);
+            }
+            if (tiles > 2) {
+                AMX_SCALE_TILE(2);
+            }
+            if (tiles > 3) {
+                AMX_SCALE_TILE(3);
+            }
+        }
+        const __mmask16 tail = (__mmask16)((1u << (rows % 16)) - 1u);
+        for (int64_t r = 0; r < 16 && m0 + r < m; ++r) {
+            float *out = y + (m0 + r) * ldy + first;
+            for (int64_t c = 0; c < rows; c += 16) {
+                const __m512 v = _mm512_loadu_ps(acc + r * AMX_CHUNK_ROWS + c);
+                if (c + 16 <= rows) {
+                    _mm512_storeu_ps(out + c, v);
+                } else {
+                    _mm512_mask_storeu_ps(out + c, tail, v);
+                }
+            }
+        }
+    }
+}
+
+/* Whether this build and process run hearth_blocks_gemm_amx for GGML type `type`: 1 or 0. */
+int hearth_blocks_gemm_amx_takes(int type) {
+    block_format f;
+    return block_format_of(type, &f) == 0 && (f.group == 16 || f.group == 32) &&
+           amx_permission() == 1;
+}
+
+/* y[m, n] (row stride ldy) = x [m, k] fp32 @ W^T, W [n, k] the exact values of GGML blocks
+ * `w`; x rounded to bf16 (split 0) or split into bf16 hi + lo (split 1). Returns -1 for a type
+ * or process without it, or when memory runs out. */
+int hearth_blocks_gemm_amx(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                           int64_t n, float *y, int64_t ldy, int split, int threads) {
+    block_format f;
+    if (m < 1 || n < 1 || !hearth_blocks_gemm_amx_takes(type) || block_format_of(type, &f) != 0 ||
+        k % f.values != 0) {
+        return -1;
+    }
+    const int64_t group = f.group, groups = k / group, padded = (m + 15) / 16 * 16;
+    const int affine = amx_affine(type);
+    const size_t input_bytes = sizeof(uint16_t) * (size_t)(padded * k * (split ? 2 : 1));
+    uint16_t *hi = aligned_alloc(64, (input_bytes + 63) / 64 * 64);
+    float *xsum = affine ? malloc(sizeof(float) * (size_t)(padded * groups)) : NULL;
+    if (hi == NULL || (affine && xsum == NULL)) {
+        free(hi);
+        free(xsum);
+        return -1;
+    }
+    uint16_t *lo = split ? hi + padded * k : NULL;
+    amx_inputs(x, m, padded, k, group, split, hi, lo, xsum, threads);
+    const int64_t chunks = (n + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
+    int failed = 0;
+    /* Each thread packs its own chunks: a static split by thread, its buffers its own. */
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = chunks * me / team, end = chunks * (me + 1) / team;
+        const size_t packed_bytes = sizeof(uint32_t) * (size_t)(4 * (k / 2) * 16);
+        const size_t step_bytes = sizeof(float) * (size_t)(groups * AMX_CHUNK_ROWS);
+        const size_t work_bytes = packed_bytes + 2 * step_bytes + sizeof(uint16_t) * (size_t)(16 * k);
+        uint8_t *work = begin < end ? aligned_alloc(64, (work_bytes + 63) / 64 * 64) : NULL;
+        if (begin < end && work == NULL) {
+            failed = 1;
+        } else if (begin < end) {
+            uint32_t *packed = (uint32_t *)work;
+            float *steps = (float *)(work + packed_bytes);
+            float *offsets = steps + groups * AMX_CHUNK_ROWS;
+            uint16_t *scratch = (uint16_t *)(offsets + groups * AMX_CHUNK_ROWS);
+            amx_configure(group);
+            for (int64_t chunk = begin; chunk < end; ++chunk) {
+                const int64_t first = chunk * AMX_CHUNK_ROWS;
+                const int64_t rows = n - first < AMX_CHUNK_ROWS ? n - first : AMX_CHUNK_ROWS;
+                amx_pack_chunk(f, w, k, first, rows, packed, steps, offsets, scratch);
+                amx_chunk_rows(hi, lo, xsum, m, padded, k, group, split, affine, packed, steps,
+                               offsets, first, rows, y, ldy);
+            }
+            _tile_release();
+            free(work);
+        }
+    }
+    free(hi);
+    free(xsum);
+    return failed ? -1 : 0;
+}
+#else
+int hearth_blocks_gemm_amx_takes(int type) {
+    (void)type;
+    return 0;
+}
+
+int hearth_blocks_gemm_amx(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                           int64_t n, float *y, int64_t ldy, int split, int threads) {
+    (void)type, (void)x, (void)m, (void)k, (void)w, (void)n, (void)y, (void)ldy, (void)split;
+    (void)threads;
+    return -1;
+}
+#endif
