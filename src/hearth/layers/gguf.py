@@ -134,8 +134,7 @@ class GGUFLinear(nn.Module):
                 and type_id in self.amx_prefill_types
                 and type_id in kernels.amx_gemm_types
             ):
-                split = not self.amx_bf16_inputs
-                kernels.blocks_gemm_amx(type_id, x2d, blocks, out, split=split)
+                kernels.blocks_gemm_amx(type_id, x2d, blocks, out, not self.amx_bf16_inputs)
             else:
                 self._tiled_matmul(type_id, x2d, blocks, out)
             first += rows

@@ -541,12 +541,12 @@ class NativeKernels:
         ``split`` to two bf16 halves hi + lo (~16 significant bits); codes times x summed in
         fp32 per group, scaled by the group's step in fp32. ``out`` may be a column slice of a
         wider fp32 matrix."""
+        _require(type_id in self.amx_gemm_types, "blocks_gemm_amx takes no such type here")
         values, nbytes = STORED_BLOCK_TYPES[type_id]
         rows, in_features = x.shape
         out_features = blocks.shape[0]
         _require(
-            type_id in self.amx_gemm_types
-            and _dense(x, torch.float32)
+            _dense(x, torch.float32)
             and rows >= 1
             and in_features % values == 0
             and _dense(blocks, torch.uint8)
@@ -555,7 +555,7 @@ class NativeKernels:
             and out.device.type == "cpu"
             and out.shape == (rows, out_features)
             and out.stride(1) == 1,
-            "blocks_gemm_amx takes an AMX type, fp32 x [m, k], uint8 blocks, fp32 out [m, n]",
+            "blocks_gemm_amx takes fp32 x [m, k], uint8 blocks, fp32 out [m, n]",
         )
         self._call(
             "hearth_blocks_gemm_amx", type_id, x.data_ptr(), rows, in_features,
