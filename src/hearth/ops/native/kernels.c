@@ -2529,6 +2529,31 @@ static inline void codes_to_bf16(const int8_t *codes, uint16_t *out) {
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(values), 16)));
 }
 
+/* r[i] <- column i of the 16 x 16 matrix of 32-bit words whose rows are r[0..15]. */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8) {
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 /* Weight rows [first, first + rows) (rows <= 64) -> `packed` [tiles][k / 2][16] pairs of bf16
  * codes, `steps` and `offsets` [groups][64] (zero for the padding rows). */
 static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, int64_t first,
@@ -2536,9 +2561,6 @@ static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, in
                            uint16_t *scratch) {
     const int64_t row_bytes = k / f.values * f.bytes, groups = k / f.group;
     const int64_t per_block = f.values / f.group;
-    const __m512i index = _mm512_mullo_epi32(_mm512_set1_epi32((int)(k / 2)),
-                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                               11, 12, 13, 14, 15));
     for (int64_t tile = 0; tile * 16 < rows; ++tile) {
         for (int64_t r = 0; r < 16; ++r) {
             const int64_t local = tile * 16 + r;
@@ -2567,8 +2589,15 @@ static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, in
         /* Transpose pairs: tile row p holds pair p of each of the 16 weight rows. */
         const int32_t *pairs = (const int32_t *)scratch;
         uint32_t *tile_out = packed + tile * (k / 2) * 16;
-        for (int64_t p = 0; p < k / 2; ++p) {
-            _mm512_storeu_si512(tile_out + p * 16, _mm512_i32gather_epi32(index, pairs + p, 4));
+        for (int64_t p = 0; p < k / 2; p += 16) {
+            __m512i rows16[16];
+            for (int r = 0; r < 16; ++r) {
+                rows16[r] = _mm512_loadu_si512(pairs + r * (k / 2) + p);
+            }
+            transpose16x16(rows16);
+            for (int i = 0; i < 16; ++i) {
+                _mm512_storeu_si512(tile_out + (p + i) * 16, rows16[i]);
+            }
         }
     }
 }
