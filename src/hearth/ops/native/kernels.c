@@ -2503,15 +2503,15 @@ static int amx_permission(void) {
     return seen;
 }
 
-/* Tiles 0-3: fp32 sums (16 x 16); 4, 5: input rows hi, lo (16 x group bf16); 6, 7: codes
- * (group / 2 pairs x 16 weight rows). */
+/* Tiles 0, 1: fp32 sums (16 x 16); 2-5: input rows hi, lo of two groups (16 x group bf16);
+ * 6, 7: codes of two groups (group / 2 pairs x 16 weight rows). */
 static void amx_configure(int64_t group) {
     amx_tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; ++t) {
         config.rows[t] = t >= 6 ? (uint8_t)(group / 2) : 16;
-        config.colsb[t] = t == 4 || t == 5 ? (uint16_t)(2 * group) : 64;
+        config.colsb[t] = t >= 2 && t <= 5 ? (uint16_t)(2 * group) : 64;
     }
     _tile_loadconfig(&config);
 }
@@ -2629,87 +2629,111 @@ static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int
     }
 }
 
-/* One C tile's group: acc[r][16 * tile ..] += step * C (- offset * xsum[r]). */
-#define AMX_SCALE_TILE(tile)                                                                    \
-    do {                                                                                        \
-        _tile_stored(tile, sums, 64);                                                           \
-        const __m512 step = _mm512_loadu_ps(steps + g * AMX_CHUNK_ROWS + 16 * (tile));          \
-        const __m512 offset = _mm512_loadu_ps(offsets + g * AMX_CHUNK_ROWS + 16 * (tile));      \
-        for (int r = 0; r < 16; ++r) {                                                          \
-            float *a = acc + r * AMX_CHUNK_ROWS + 16 * (tile);                                  \
-            __m512 value = _mm512_fmadd_ps(step, _mm512_loadu_ps(sums + 16 * r),                \
-                                           _mm512_loadu_ps(a));                                 \
-            if (affine) {                                                                       \
-                value = _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum_rows[r * groups + g]),     \
-                                         value);                                                \
-            }                                                                                   \
-            _mm512_storeu_ps(a, value);                                                         \
-        }                                                                                       \
-    } while (0)
+/* acc[r] += step * C[r] (- offset * xsum[r]) over a stored 16 x 16 sum tile. */
+static inline __attribute__((always_inline)) void amx_scale(__m512 *acc, const float *sums,
+                                                            __m512 step, __m512 offset,
+                                                            const float *xsum, int64_t stride,
+                                                            int affine) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+        acc[r] = _mm512_fmadd_ps(step, _mm512_load_ps(sums + 16 * r), acc[r]);
+        if (affine) {
+            acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum[r * stride]), acc[r]);
+        }
+    }
+}
 
-#define AMX_TILE_DOT(tile, codes_tile)                                                          \
-    do {                                                                                        \
-        _tile_loadd(codes_tile, packed + ((tile) * (k / 2) + g * (group / 2)) * 16, 64);        \
-        _tile_dpbf16ps(tile, 4, codes_tile);                                                    \
-        if (split) {                                                                            \
-            _tile_dpbf16ps(tile, 5, codes_tile);                                                \
-        }                                                                                       \
-    } while (0)
+/* Rows [first, first + rows) of y for all padded input rows, from one packed chunk: per 16
+ * input rows and 16 weight rows, the sums of 16 x 16 in registers over the groups, two groups'
+ * tiles (0, 1) in flight so that one's scaling overlaps the other's products. */
+static inline __attribute__((always_inline)) void amx_chunk_rows_of(
+    const uint16_t *hi, const uint16_t *lo, const float *xsum, int64_t m, int64_t padded,
+    int64_t k, const int64_t group, const int split, const int affine, const uint32_t *packed,
+    const float *steps, const float *offsets, int64_t first, int64_t rows, float *y,
+    int64_t ldy) {
+    const int64_t groups = k / group, tiles = (rows + 15) / 16, ld = 2 * k;
+    float sums[2][256] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < padded; m0 += 16) {
+        const uint16_t *hi_rows = hi + m0 * k, *lo_rows = split ? lo + m0 * k : NULL;
+        const float *xsum_rows = affine ? xsum + m0 * groups : NULL;
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            const uint32_t *codes = packed + tile * (k / 2) * 16;
+            const float *step = steps + 16 * tile, *offset = offsets + 16 * tile;
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) {
+                acc[r] = _mm512_setzero_ps();
+            }
+            int64_t g = 0;
+            for (; g + 1 < groups; g += 2) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(4, hi_rows + g * group, ld);
+                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (split) {
+                    _tile_loadd(5, lo_rows + g * group, ld);
+                    _tile_dpbf16ps(0, 5, 6);
+                }
+                _tile_loadd(2, hi_rows + (g + 1) * group, ld);
+                _tile_loadd(7, codes + (g + 1) * (group / 2) * 16, 64);
+                _tile_dpbf16ps(1, 2, 7);
+                if (split) {
+                    _tile_loadd(3, lo_rows + (g + 1) * group, ld);
+                    _tile_dpbf16ps(1, 3, 7);
+                }
+                _tile_stored(0, sums[0], 64);
+                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS),
+                          affine ? xsum_rows + g : NULL, groups, affine);
+                _tile_stored(1, sums[1], 64);
+                amx_scale(acc, sums[1], _mm512_loadu_ps(step + (g + 1) * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + (g + 1) * AMX_CHUNK_ROWS),
+                          affine ? xsum_rows + g + 1 : NULL, groups, affine);
+            }
+            if (g < groups) {
+                _tile_zero(0);
+                _tile_loadd(4, hi_rows + g * group, ld);
+                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (split) {
+                    _tile_loadd(5, lo_rows + g * group, ld);
+                    _tile_dpbf16ps(0, 5, 6);
+                }
+                _tile_stored(0, sums[0], 64);
+                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS),
+                          affine ? xsum_rows + g : NULL, groups, affine);
+            }
+            const int64_t columns = rows - 16 * tile < 16 ? rows - 16 * tile : 16;
+            const __mmask16 keep = (__mmask16)((1u << columns) - 1u);
+            for (int r = 0; r < 16 && m0 + r < m; ++r) {
+                _mm512_mask_storeu_ps(y + (m0 + r) * ldy + first + 16 * tile, keep, acc[r]);
+            }
+        }
+    }
+}
 
-/* Rows [first, first + rows) of y for all padded input rows, from one packed chunk. */
+/* amx_chunk_rows_of compiled for each group size, split and affinity. */
 static void amx_chunk_rows(const uint16_t *hi, const uint16_t *lo, const float *xsum, int64_t m,
                            int64_t padded, int64_t k, int64_t group, int split, int affine,
                            const uint32_t *packed, const float *steps, const float *offsets,
                            int64_t first, int64_t rows, float *y, int64_t ldy) {
-    const int64_t groups = k / group, tiles = (rows + 15) / 16;
-    float acc[16 * AMX_CHUNK_ROWS] __attribute__((aligned(64)));
-    float sums[256] __attribute__((aligned(64)));
-    for (int64_t m0 = 0; m0 < padded; m0 += 16) {
-        memset(acc, 0, sizeof acc);
-        const float *xsum_rows = affine ? xsum + m0 * groups : NULL;
-        for (int64_t g = 0; g < groups; ++g) {
-            _tile_loadd(4, hi + m0 * k + g * group, 2 * k);
-            if (split) {
-                _tile_loadd(5, lo + m0 * k + g * group, 2 * k);
-            }
-            _tile_zero(0);
-            AMX_TILE_DOT(0, 6);
-            if (tiles > 1) {
-                _tile_zero(1);
-                AMX_TILE_DOT(1, 7);
-            }
-            if (tiles > 2) {
-                _tile_zero(2);
-                AMX_TILE_DOT(2, 6);
-            }
-            if (tiles > 3) {
-                _tile_zero(3);
-                AMX_TILE_DOT(3, 7);
-            }
-            AMX_SCALE_TILE(0);
-            if (tiles > 1) {
-                AMX_SCALE_TILE(1);
-            }
-            if (tiles > 2) {
-                AMX_SCALE_TILE(2);
-            }
-            if (tiles > 3) {
-                AMX_SCALE_TILE(3);
-            }
-        }
-        const __mmask16 tail = (__mmask16)((1u << (rows % 16)) - 1u);
-        for (int64_t r = 0; r < 16 && m0 + r < m; ++r) {
-            float *out = y + (m0 + r) * ldy + first;
-            for (int64_t c = 0; c < rows; c += 16) {
-                const __m512 v = _mm512_loadu_ps(acc + r * AMX_CHUNK_ROWS + c);
-                if (c + 16 <= rows) {
-                    _mm512_storeu_ps(out + c, v);
-                } else {
-                    _mm512_mask_storeu_ps(out + c, tail, v);
-                }
-            }
-        }
+#define AMX_CASE(G, S, A)                                                                       \
+    if (group == (G) && split == (S) && affine == (A)) {                                        \
+        amx_chunk_rows_of(hi, lo, xsum, m, padded, k, G, S, A, packed, steps, offsets, first,   \
+                          rows, y, ldy);                                                        \
+        return;                                                                                 \
     }
+    AMX_CASE(32, 1, 0)
+    AMX_CASE(32, 1, 1)
+    AMX_CASE(32, 0, 0)
+    AMX_CASE(32, 0, 1)
+    AMX_CASE(16, 1, 0)
+    AMX_CASE(16, 1, 1)
+    AMX_CASE(16, 0, 0)
+    AMX_CASE(16, 0, 1)
+#undef AMX_CASE
 }
 
 /* Whether this build and process run hearth_blocks_gemm_amx for GGML type `type`: 1 or 0. */
