@@ -2602,7 +2602,7 @@ static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, in
     }
 }
 
-/* x [m, k] fp32 -> hi (and lo) bf16 [padded, k], padding rows zero; xsum [padded][groups] the
+/* x [m, k] fp32 -> hi (and lo) bf16 [padded / 16][k / group][16][group], padding rows zero; xsum [padded][groups] the
  * fp32 sum of each group of hi + lo (affine types only: NULL otherwise). */
 static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int64_t group,
                        int split, uint16_t *hi, uint16_t *lo, float *xsum, int threads) {
@@ -2612,11 +2612,13 @@ static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int
             const __m512 v = r < m ? _mm512_loadu_ps(x + r * k + j) : _mm512_setzero_ps();
             const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
             const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            _mm256_storeu_si256((__m256i *)(hi + r * k + j), h);
+            /* Tile order: [16-row block][group][row][value], one A tile contiguous. */
+            const int64_t at = ((r / 16 * (k / group) + j / group) * 16 + r % 16) * group + j % group;
+            _mm256_storeu_si256((__m256i *)(hi + at), h);
             __m512 kept = hv;
             if (split) {
                 const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hv));
-                _mm256_storeu_si256((__m256i *)(lo + r * k + j), l);
+                _mm256_storeu_si256((__m256i *)(lo + at), l);
                 kept = _mm512_add_ps(
                     hv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(l), 16)));
             }
@@ -2651,7 +2653,7 @@ static inline __attribute__((always_inline)) void amx_chunk_rows_of(
     int64_t k, const int64_t group, const int split, const int affine, const uint32_t *packed,
     const float *steps, const float *offsets, int64_t first, int64_t rows, float *y,
     int64_t ldy) {
-    const int64_t groups = k / group, tiles = (rows + 15) / 16, ld = 2 * k;
+    const int64_t groups = k / group, tiles = (rows + 15) / 16, ld = 2 * group;
     float sums[2][256] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < padded; m0 += 16) {
         const uint16_t *hi_rows = hi + m0 * k, *lo_rows = split ? lo + m0 * k : NULL;
@@ -2668,18 +2670,18 @@ static inline __attribute__((always_inline)) void amx_chunk_rows_of(
             for (; g + 1 < groups; g += 2) {
                 _tile_zero(0);
                 _tile_zero(1);
-                _tile_loadd(4, hi_rows + g * group, ld);
+                _tile_loadd(4, hi_rows + g * 16 * group, ld);
                 _tile_loadd(6, codes + g * (group / 2) * 16, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 if (split) {
-                    _tile_loadd(5, lo_rows + g * group, ld);
+                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
                     _tile_dpbf16ps(0, 5, 6);
                 }
-                _tile_loadd(2, hi_rows + (g + 1) * group, ld);
+                _tile_loadd(2, hi_rows + (g + 1) * 16 * group, ld);
                 _tile_loadd(7, codes + (g + 1) * (group / 2) * 16, 64);
                 _tile_dpbf16ps(1, 2, 7);
                 if (split) {
-                    _tile_loadd(3, lo_rows + (g + 1) * group, ld);
+                    _tile_loadd(3, lo_rows + (g + 1) * 16 * group, ld);
                     _tile_dpbf16ps(1, 3, 7);
                 }
                 _tile_stored(0, sums[0], 64);
@@ -2693,11 +2695,11 @@ static inline __attribute__((always_inline)) void amx_chunk_rows_of(
             }
             if (g < groups) {
                 _tile_zero(0);
-                _tile_loadd(4, hi_rows + g * group, ld);
+                _tile_loadd(4, hi_rows + g * 16 * group, ld);
                 _tile_loadd(6, codes + g * (group / 2) * 16, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 if (split) {
-                    _tile_loadd(5, lo_rows + g * group, ld);
+                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
                     _tile_dpbf16ps(0, 5, 6);
                 }
                 _tile_stored(0, sums[0], 64);
