@@ -2658,7 +2658,49 @@ static inline __attribute__((always_inline)) void amx_chunk_rows_of(
     for (int64_t m0 = 0; m0 < padded; m0 += 16) {
         const uint16_t *hi_rows = hi + m0 * k, *lo_rows = split ? lo + m0 * k : NULL;
         const float *xsum_rows = affine ? xsum + m0 * groups : NULL;
-        for (int64_t tile = 0; tile < tiles; ++tile) {
+        int64_t tile = 0;
+        /* Two weight tiles at a time: each input tile loaded once for both. */
+        for (; tile + 1 < tiles; tile += 2) {
+            const uint32_t *codes = packed + tile * (k / 2) * 16;
+            const uint32_t *codes_next = codes + (k / 2) * 16;
+            const float *step = steps + 16 * tile, *offset = offsets + 16 * tile;
+            __m512 acc[16], acc_next[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) {
+                acc[r] = _mm512_setzero_ps();
+                acc_next[r] = _mm512_setzero_ps();
+            }
+            for (int64_t g = 0; g < groups; ++g) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(4, hi_rows + g * 16 * group, ld);
+                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
+                _tile_loadd(7, codes_next + g * (group / 2) * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (split) {
+                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
+                    _tile_dpbf16ps(0, 5, 6);
+                    _tile_dpbf16ps(1, 5, 7);
+                }
+                const float *xsum_g = affine ? xsum_rows + g : NULL;
+                _tile_stored(0, sums[0], 64);
+                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS), xsum_g, groups, affine);
+                _tile_stored(1, sums[1], 64);
+                amx_scale(acc_next, sums[1], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS + 16),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS + 16), xsum_g, groups,
+                          affine);
+            }
+            const int64_t columns = rows - 16 * tile - 16 < 16 ? rows - 16 * tile - 16 : 16;
+            const __mmask16 keep = (__mmask16)((1u << columns) - 1u);
+            for (int r = 0; r < 16 && m0 + r < m; ++r) {
+                float *out = y + (m0 + r) * ldy + first + 16 * tile;
+                _mm512_storeu_ps(out, acc[r]);
+                _mm512_mask_storeu_ps(out + 16, keep, acc_next[r]);
+            }
+        }
+        for (; tile < tiles; ++tile) {
             const uint32_t *codes = packed + tile * (k / 2) * 16;
             const float *step = steps + 16 * tile, *offset = offsets + 16 * tile;
             __m512 acc[16];
