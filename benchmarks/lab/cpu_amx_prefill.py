@@ -10,6 +10,7 @@ drift hits all alike; medians over the rounds, in GFLOP/s (2·m·n·k).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -51,9 +52,9 @@ def main() -> None:
                 x = torch.randn(m, k)
                 out = torch.empty(m, n)
                 variants: dict[str, Callable[[], None]] = {
-                    "fp32": lambda: linear._tiled_matmul(type_id, x, blocks, out),
-                    "b": lambda: kernels.blocks_gemm_amx(type_id, x, blocks, out, True),
-                    "a": lambda: kernels.blocks_gemm_amx(type_id, x, blocks, out, False),
+                    "fp32": functools.partial(linear._tiled_matmul, type_id, x, blocks, out),
+                    "b": functools.partial(kernels.blocks_gemm_amx, type_id, x, blocks, out, True),
+                    "a": functools.partial(kernels.blocks_gemm_amx, type_id, x, blocks, out, False),
                 }
                 times: dict[str, list[float]] = {v: [] for v in variants}
                 for _ in range(args.rounds):

@@ -209,3 +209,20 @@ def test_embedded_model_prefill_on_amx_is_the_fp32_prefill(embedded_gguf: Path) 
     reference = logits((), False)
     assert (logits(plan.gguf_amx_prefill_types, False) - reference).abs().max() <= 1.5e-3
     assert (logits(plan.gguf_amx_prefill_types, True) - reference).abs().max() > 100 * 1.5e-3
+
+
+@needs_amx
+def test_the_result_does_not_depend_on_the_thread_count() -> None:
+    """Each weight row's chunk is computed whole by one thread in a fixed order: 1, 2 and 3
+    threads give the same bits (a prefill's logits do not change with the machine's cores)."""
+    raw = random_blocks(12, rows=200, cols=512, seed=3)
+    x = torch.randn(50, 512, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(_product(12, x, raw, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

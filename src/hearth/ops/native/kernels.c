@@ -2522,11 +2522,12 @@ static int amx_affine(int type) {
            type == GGML_Q5_K;
 }
 
-/* 16 int8 codes -> 16 bf16 (exact: the fp32 value's upper half). */
+/* 32 int8 codes -> 32 bf16 (exact: |q| <= 128 has at most 8 significant bits). */
 static inline void codes_to_bf16(const int8_t *codes, uint16_t *out) {
-    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-    _mm256_storeu_si256((__m256i *)out,
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(values), 16)));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    const __m512 high =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(high, low));
 }
 
 /* r[i] <- column i of the 16 x 16 matrix of 32-bit words whose rows are r[0..15]. */
@@ -2577,7 +2578,7 @@ static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, in
             for (int64_t b = 0; b < k / f.values; ++b) {
                 unpacked_block u;
                 const int8_t *codes = f.unpack(row + b * f.bytes, &u);
-                for (int64_t j = 0; j < f.values; j += 16) {
+                for (int64_t j = 0; j < f.values; j += 32) {
                     codes_to_bf16(codes + j, out + b * f.values + j);
                 }
                 for (int64_t g = 0; g < per_block; ++g) {
