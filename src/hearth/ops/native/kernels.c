@@ -2524,7 +2524,8 @@ static int amx_affine(int type) {
 
 /* 32 int8 codes -> 32 bf16 (exact: |q| <= 128 has at most 8 significant bits). */
 static inline void codes_to_bf16(const int8_t *codes, uint16_t *out) {
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    const __m512 low =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
     const __m512 high =
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(high, low));
@@ -2603,8 +2604,8 @@ static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, in
     }
 }
 
-/* x [m, k] fp32 -> hi (and lo) bf16 [padded / 16][k / group][16][group], padding rows zero; xsum [padded][groups] the
- * fp32 sum of each group of hi + lo (affine types only: NULL otherwise). */
+/* x [m, k] fp32 -> hi (and lo) bf16 [padded / 16][k / group][16][group], padding rows zero;
+ * xsum [padded][groups] the fp32 sum of each group of hi + lo (affine types; else NULL). */
 static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int64_t group,
                        int split, uint16_t *hi, uint16_t *lo, float *xsum, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -2614,7 +2615,8 @@ static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int
             const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
             const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
             /* Tile order: [16-row block][group][row][value], one A tile contiguous. */
-            const int64_t at = ((r / 16 * (k / group) + j / group) * 16 + r % 16) * group + j % group;
+            const int64_t at =
+                ((r / 16 * (k / group) + j / group) * 16 + r % 16) * group + j % group;
             _mm256_storeu_si256((__m256i *)(hi + at), h);
             __m512 kept = hv;
             if (split) {
@@ -2626,7 +2628,8 @@ static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int
             if (xsum != NULL) {
                 const int64_t g = j / group;
                 const float part = _mm512_reduce_add_ps(kept);
-                xsum[r * (k / group) + g] = (j % group == 0 ? 0.0f : xsum[r * (k / group) + g]) + part;
+                float *sum = xsum + r * (k / group) + g;
+                *sum = (j % group == 0 ? 0.0f : *sum) + part;
             }
         }
     }
@@ -2647,8 +2650,9 @@ static inline __attribute__((always_inline)) void amx_scale(__m512 *acc, const f
 }
 
 /* Rows [first, first + rows) of y for all padded input rows, from one packed chunk: per 16
- * input rows and 16 weight rows, the sums of 16 x 16 in registers over the groups, two groups'
- * tiles (0, 1) in flight so that one's scaling overlaps the other's products. */
+ * input rows, two 16-row weight tiles at a time (sum tiles 0 and 1, each input tile loaded once
+ * for both; an odd last tile alone), their 16 x 16 results held in registers over the groups.
+ * (Measured: per-tile sums kept in memory, or 4 weight tiles a pass, ran slower.) */
 static inline __attribute__((always_inline)) void amx_chunk_rows_of(
     const uint16_t *hi, const uint16_t *lo, const float *xsum, int64_t m, int64_t padded,
     int64_t k, const int64_t group, const int split, const int affine, const uint32_t *packed,
@@ -2819,7 +2823,8 @@ int hearth_blocks_gemm_amx(int type, const float *x, int64_t m, int64_t k, const
         const int64_t begin = chunks * me / team, end = chunks * (me + 1) / team;
         const size_t packed_bytes = sizeof(uint32_t) * (size_t)(4 * (k / 2) * 16);
         const size_t step_bytes = sizeof(float) * (size_t)(groups * AMX_CHUNK_ROWS);
-        const size_t work_bytes = packed_bytes + 2 * step_bytes + sizeof(uint16_t) * (size_t)(16 * k);
+        const size_t work_bytes =
+            packed_bytes + 2 * step_bytes + sizeof(uint16_t) * (size_t)(16 * k);
         uint8_t *work = begin < end ? aligned_alloc(64, (work_bytes + 63) / 64 * 64) : NULL;
         if (begin < end && work == NULL) {
             failed = 1;
