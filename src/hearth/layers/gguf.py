@@ -6,7 +6,10 @@ A decode step (up to 16 input rows) runs the native block GEMV on the blocks the
 prefill dequantizes a tile of rows at a time into an fp32 buffer and runs a real GEMM on it.
 Activations are fp32 in the products whatever the model's compute dtype, but for the block
 types the plan names in `gguf_bf16_gemv_types`: their decode GEMV rounds the activations to
-bf16 and sums exact products of them and the integer codes (the weights stay exact).
+bf16 and sums exact products of them and the integer codes (the weights stay exact). The
+types in the plan's `gguf_amx_prefill_types` run their prefill on AMX bf16 tiles instead of the
+tiled fp32 GEMM: exact integer codes times the activations split into two bf16 halves (or one,
+`gguf_amx_bf16_inputs`), each group's sums scaled by its step in fp32.
 """
 
 from __future__ import annotations
@@ -57,7 +60,10 @@ class GGUFLinear(nn.Module):
     own type: `parts` is (GGML type id, uint8 blocks [rows, bytes per row]) in output order.
     Adjacent parts of one type are held as one segment (`type_ids`, `part_rows`). The types in
     `bf16_gemv_types` run the decode GEMV with activations rounded to bf16 (where the native
-    kernels have it for the type; `ExecutionPlan.gguf_bf16_gemv_types`).
+    kernels have it for the type; `ExecutionPlan.gguf_bf16_gemv_types`). The types in
+    `amx_prefill_types` run a prefill on the AMX kernel where it runs here
+    (`ExecutionPlan.gguf_amx_prefill_types`), with the inputs as two bf16 halves, or one where
+    `amx_bf16_inputs`.
     """
 
     def __init__(
@@ -65,12 +71,16 @@ class GGUFLinear(nn.Module):
         parts: Sequence[tuple[int, Tensor]],
         in_features: int,
         bf16_gemv_types: Sequence[int] = (),
+        amx_prefill_types: Sequence[int] = (),
+        amx_bf16_inputs: bool = False,
     ) -> None:
         super().__init__()
         if not parts:
             raise ValueError("GGUFLinear needs at least one part")
         self.in_features = in_features
         self.bf16_gemv_types = frozenset(bf16_gemv_types)
+        self.amx_prefill_types = frozenset(amx_prefill_types)
+        self.amx_bf16_inputs = amx_bf16_inputs
         for index, (type_id, blocks) in enumerate(parts):
             block = BLOCK_FORMATS[type_id]
             if (
@@ -119,6 +129,12 @@ class GGUFLinear(nn.Module):
                 assert kernels is not None
                 bf16 = type_id in self.bf16_gemv_types and type_id in kernels.bf16_gemv_types
                 kernels.blocks_gemv(type_id, x2d, blocks, out, bf16=bf16)
+            elif (
+                kernels is not None
+                and type_id in self.amx_prefill_types
+                and type_id in kernels.amx_gemm_types
+            ):
+                kernels.blocks_gemm_amx(type_id, x2d, blocks, out, not self.amx_bf16_inputs)
             else:
                 self._tiled_matmul(type_id, x2d, blocks, out)
             first += rows

@@ -412,7 +412,12 @@ class _StoredBlockWeights:
         linear_kind = (
             GGUFKernelLinear
             if kernels
-            else functools.partial(GGUFLinear, bf16_gemv_types=plan.gguf_bf16_gemv_types)
+            else functools.partial(
+                GGUFLinear,
+                bf16_gemv_types=plan.gguf_bf16_gemv_types,
+                amx_prefill_types=plan.gguf_amx_prefill_types,
+                amx_bf16_inputs=plan.gguf_amx_bf16_inputs,
+            )
         )
         table_kind = GGUFKernelTable if kernels else GGUFEmbeddingHead
         # On the meta device (a fit's sizing) the blocks are shapes only: nothing is read.

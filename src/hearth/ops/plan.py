@@ -53,6 +53,14 @@ class ExecutionPlan:
     # with the bf16 dot-product instructions, the weights still the file's exact values (opt-in:
     # ``HEARTH_GGUF_BF16=1``, where the CPU has AVX512-BF16; prefill GEMMs stay fp32).
     gguf_bf16_gemv_types: tuple[int, ...] = ()
+    # CPU: GGUF block types (GGML ids) whose prefill GEMM (more rows than a decode GEMV takes)
+    # runs on AMX bf16 tiles (`NativeKernels.blocks_gemm_amx`): the weights the file's exact
+    # values, the activations split into two bf16 halves (~16 significant bits) unless
+    # `gguf_amx_bf16_inputs`, which rounds them to one bf16 (faster, less faithful). Set where
+    # the CPU has AMX-BF16 (benchmarks/results/cpu_amx_prefill-2026-12-07.md); else the tiled
+    # fp32 GEMM.
+    gguf_amx_prefill_types: tuple[int, ...] = ()
+    gguf_amx_bf16_inputs: bool = False
     # GGUF blocks kept as stored computed by the Triton block kernels (`ops.gguf_matmul`), not
     # the torch/native CPU path: on CUDA (CPU tests take it under Triton's interpreter).
     gguf_block_kernels: bool = False
@@ -100,11 +108,13 @@ class ExecutionPlan:
         bf16_gemv = ()
         if kernels is not None and os.environ.get(BF16_GEMV_VARIABLE) == "1":
             bf16_gemv = tuple(t for t in BF16_GEMV_TYPES if t in kernels.bf16_gemv_types)
+        amx_prefill = tuple(sorted(kernels.amx_gemm_types)) if kernels is not None else ()
         return cls(
             device.type,
             native_kernels=native,
             native_layers=native,
             gguf_bf16_gemv_types=bf16_gemv,
+            gguf_amx_prefill_types=amx_prefill if device.type == "cpu" else (),
             bf16_matmul_as_fp32=device.type == "cpu" and bf16_gemm.widen_bf16_products(),
             huge_pages=device.type == "cpu" and huge_pages.enabled(),
         )

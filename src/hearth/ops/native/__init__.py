@@ -108,6 +108,10 @@ _SIGNATURES = {
         _INT, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT,
     ],
     "hearth_blocks_gemv_bf16_takes": [_INT],
+    "hearth_blocks_gemm_amx": [
+        _INT, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT, _INT,
+    ],
+    "hearth_blocks_gemm_amx_takes": [_INT],
     "hearth_quantize_int8_rows": [_POINTER, _INT64, _INT64, _FLOAT, _POINTER, _POINTER, _INT],
     "hearth_int8_rows_to_bf16": [_POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT],
     "hearth_argmax_rows": [_POINTER, _INT64, _INT64, _POINTER],
@@ -518,6 +522,44 @@ class NativeKernels:
         self._call(
             "hearth_blocks_gemv_bf16" if bf16 else "hearth_blocks_gemv", type_id, x.data_ptr(),
             rows, in_features, blocks.data_ptr(), out_features, out.data_ptr(), out.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    @functools.cached_property
+    def amx_gemm_types(self) -> frozenset[int]:
+        """The GGML types ``blocks_gemm_amx`` takes here: every type of ``STORED_BLOCK_TYPES``
+        where the library is built for AMX-BF16 and Linux grants this process the tile state,
+        none elsewhere (AVX2 or AVX-512 without AMX)."""
+        takes = self._functions["hearth_blocks_gemm_amx_takes"]
+        return frozenset(t for t in STORED_BLOCK_TYPES if takes(t) == 1)
+
+    def blocks_gemm_amx(
+        self, type_id: int, x: Tensor, blocks: Tensor, out: Tensor, split: bool = True
+    ) -> None:
+        """``out [m, n] = x [m, k] @ Wᵀ`` for fp32 x (any m >= 1) and W the exact fp32 values of
+        GGML blocks ``blocks`` [n, row bytes], on AMX bf16 tiles: x rounded to bf16, or with
+        ``split`` to two bf16 halves hi + lo (~16 significant bits); codes times x summed in
+        fp32 per group, scaled by the group's step in fp32. ``out`` may be a column slice of a
+        wider fp32 matrix."""
+        _require(type_id in self.amx_gemm_types, "blocks_gemm_amx takes no such type here")
+        values, nbytes = STORED_BLOCK_TYPES[type_id]
+        rows, in_features = x.shape
+        out_features = blocks.shape[0]
+        _require(
+            _dense(x, torch.float32)
+            and rows >= 1
+            and in_features % values == 0
+            and _dense(blocks, torch.uint8)
+            and blocks.shape == (out_features, in_features // values * nbytes)
+            and out.dtype == torch.float32
+            and out.device.type == "cpu"
+            and out.shape == (rows, out_features)
+            and out.stride(1) == 1,
+            "blocks_gemm_amx takes fp32 x [m, k], uint8 blocks, fp32 out [m, n]",
+        )
+        self._call(
+            "hearth_blocks_gemm_amx", type_id, x.data_ptr(), rows, in_features,
+            blocks.data_ptr(), out_features, out.data_ptr(), out.stride(0), int(split),
             torch.get_num_threads(),
         )  # fmt: skip
 

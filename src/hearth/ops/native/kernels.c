@@ -2464,3 +2464,401 @@ done:
     free(work);
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * 5. Prefill GEMM on GGML blocks with AMX bf16 tiles: y[m, n] = sum_k x[m, k] * w[n, k] for
+ * many input rows, the weights the file's exact values. Per group of 16 or 32 values along k
+ * (a block's unit of one step and offset), one TDPBF16PS multiplies 16 input rows (bf16) by 16
+ * weight rows' integer codes (exact in bf16: |q| <= 128) into a 16 x 16 fp32 tile, which is
+ * then scaled in fp32: acc += step[n, g] * C (- offset[n, g] * xsum[m, g] for affine types).
+ * So the weights are never rounded; the activations are rounded to bf16 (`split` 0) or split
+ * into two bf16 halves x = hi + lo (`split` 1, ~16 significant bits; two TDPBF16PS a group).
+ * Codes are packed per 64 weight rows (4 tiles) into the tile layout (pairs of k) once, then
+ * reused for every 16 input rows. Linux grants a process AMX tile state on request (once).
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_CHUNK_ROWS 64 /* weight rows packed at a time: four 16-row tiles */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* 1 where the kernel asked Linux for the tile state and got it, -1 where refused. */
+static int amx_permission(void) {
+    static int state;
+    int seen = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, seen, __ATOMIC_RELEASE);
+    }
+    return seen;
+}
+
+/* Tiles 0, 1: fp32 sums (16 x 16); 2-5: input rows hi, lo of two groups (16 x group bf16);
+ * 6, 7: codes of two groups (group / 2 pairs x 16 weight rows). */
+static void amx_configure(int64_t group) {
+    amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = t >= 6 ? (uint8_t)(group / 2) : 16;
+        config.colsb[t] = t >= 2 && t <= 5 ? (uint16_t)(2 * group) : 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Types with an offset per group (w = step * q - offset). */
+static int amx_affine(int type) {
+    return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K ||
+           type == GGML_Q5_K;
+}
+
+/* 32 int8 codes -> 32 bf16 (exact: |q| <= 128 has at most 8 significant bits). */
+static inline void codes_to_bf16(const int8_t *codes, uint16_t *out) {
+    const __m512 low =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    const __m512 high =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+}
+
+/* r[i] <- column i of the 16 x 16 matrix of 32-bit words whose rows are r[0..15]. */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8) {
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* Weight rows [first, first + rows) (rows <= 64) -> `packed` [tiles][k / 2][16] pairs of bf16
+ * codes, `steps` and `offsets` [groups][64] (zero for the padding rows). */
+static void amx_pack_chunk(const block_format f, const uint8_t *w, int64_t k, int64_t first,
+                           int64_t rows, uint32_t *packed, float *steps, float *offsets,
+                           uint16_t *scratch) {
+    const int64_t row_bytes = k / f.values * f.bytes, groups = k / f.group;
+    const int64_t per_block = f.values / f.group;
+    for (int64_t tile = 0; tile * 16 < rows; ++tile) {
+        for (int64_t r = 0; r < 16; ++r) {
+            const int64_t local = tile * 16 + r;
+            uint16_t *out = scratch + r * k;
+            if (local >= rows) {
+                memset(out, 0, sizeof(uint16_t) * (size_t)k);
+                for (int64_t g = 0; g < groups; ++g) {
+                    steps[g * AMX_CHUNK_ROWS + local] = 0.0f;
+                    offsets[g * AMX_CHUNK_ROWS + local] = 0.0f;
+                }
+                continue;
+            }
+            const uint8_t *row = w + (first + local) * row_bytes;
+            for (int64_t b = 0; b < k / f.values; ++b) {
+                unpacked_block u;
+                const int8_t *codes = f.unpack(row + b * f.bytes, &u);
+                for (int64_t j = 0; j < f.values; j += 32) {
+                    codes_to_bf16(codes + j, out + b * f.values + j);
+                }
+                for (int64_t g = 0; g < per_block; ++g) {
+                    steps[(b * per_block + g) * AMX_CHUNK_ROWS + local] = u.step[g];
+                    offsets[(b * per_block + g) * AMX_CHUNK_ROWS + local] = u.offset[g];
+                }
+            }
+        }
+        /* Transpose pairs: tile row p holds pair p of each of the 16 weight rows. */
+        const int32_t *pairs = (const int32_t *)scratch;
+        uint32_t *tile_out = packed + tile * (k / 2) * 16;
+        for (int64_t p = 0; p < k / 2; p += 16) {
+            __m512i rows16[16];
+            for (int r = 0; r < 16; ++r) {
+                rows16[r] = _mm512_loadu_si512(pairs + r * (k / 2) + p);
+            }
+            transpose16x16(rows16);
+            for (int i = 0; i < 16; ++i) {
+                _mm512_storeu_si512(tile_out + (p + i) * 16, rows16[i]);
+            }
+        }
+    }
+}
+
+/* x [m, k] fp32 -> hi (and lo) bf16 [padded / 16][k / group][16][group], padding rows zero;
+ * xsum [padded][groups] the fp32 sum of each group of hi + lo (affine types; else NULL). */
+static void amx_inputs(const float *x, int64_t m, int64_t padded, int64_t k, int64_t group,
+                       int split, uint16_t *hi, uint16_t *lo, float *xsum, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < padded; ++r) {
+        for (int64_t j = 0; j < k; j += 16) {
+            const __m512 v = r < m ? _mm512_loadu_ps(x + r * k + j) : _mm512_setzero_ps();
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+            const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            /* Tile order: [16-row block][group][row][value], one A tile contiguous. */
+            const int64_t at =
+                ((r / 16 * (k / group) + j / group) * 16 + r % 16) * group + j % group;
+            _mm256_storeu_si256((__m256i *)(hi + at), h);
+            __m512 kept = hv;
+            if (split) {
+                const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hv));
+                _mm256_storeu_si256((__m256i *)(lo + at), l);
+                kept = _mm512_add_ps(
+                    hv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(l), 16)));
+            }
+            if (xsum != NULL) {
+                const int64_t g = j / group;
+                const float part = _mm512_reduce_add_ps(kept);
+                float *sum = xsum + r * (k / group) + g;
+                *sum = (j % group == 0 ? 0.0f : *sum) + part;
+            }
+        }
+    }
+}
+
+/* acc[r] += step * C[r] (- offset * xsum[r]) over a stored 16 x 16 sum tile. */
+static inline __attribute__((always_inline)) void amx_scale(__m512 *acc, const float *sums,
+                                                            __m512 step, __m512 offset,
+                                                            const float *xsum, int64_t stride,
+                                                            int affine) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+        acc[r] = _mm512_fmadd_ps(step, _mm512_load_ps(sums + 16 * r), acc[r]);
+        if (affine) {
+            acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum[r * stride]), acc[r]);
+        }
+    }
+}
+
+/* Rows [first, first + rows) of y for all padded input rows, from one packed chunk: per 16
+ * input rows, two 16-row weight tiles at a time (sum tiles 0 and 1, each input tile loaded once
+ * for both; an odd last tile alone), their 16 x 16 results held in registers over the groups.
+ * (Measured: per-tile sums kept in memory, or 4 weight tiles a pass, ran slower.) */
+static inline __attribute__((always_inline)) void amx_chunk_rows_of(
+    const uint16_t *hi, const uint16_t *lo, const float *xsum, int64_t m, int64_t padded,
+    int64_t k, const int64_t group, const int split, const int affine, const uint32_t *packed,
+    const float *steps, const float *offsets, int64_t first, int64_t rows, float *y,
+    int64_t ldy) {
+    const int64_t groups = k / group, tiles = (rows + 15) / 16, ld = 2 * group;
+    float sums[2][256] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < padded; m0 += 16) {
+        const uint16_t *hi_rows = hi + m0 * k, *lo_rows = split ? lo + m0 * k : NULL;
+        const float *xsum_rows = affine ? xsum + m0 * groups : NULL;
+        int64_t tile = 0;
+        /* Two weight tiles at a time: each input tile loaded once for both. */
+        for (; tile + 1 < tiles; tile += 2) {
+            const uint32_t *codes = packed + tile * (k / 2) * 16;
+            const uint32_t *codes_next = codes + (k / 2) * 16;
+            const float *step = steps + 16 * tile, *offset = offsets + 16 * tile;
+            __m512 acc[16], acc_next[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) {
+                acc[r] = _mm512_setzero_ps();
+                acc_next[r] = _mm512_setzero_ps();
+            }
+            for (int64_t g = 0; g < groups; ++g) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(4, hi_rows + g * 16 * group, ld);
+                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
+                _tile_loadd(7, codes_next + g * (group / 2) * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (split) {
+                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
+                    _tile_dpbf16ps(0, 5, 6);
+                    _tile_dpbf16ps(1, 5, 7);
+                }
+                const float *xsum_g = affine ? xsum_rows + g : NULL;
+                _tile_stored(0, sums[0], 64);
+                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS), xsum_g, groups, affine);
+                _tile_stored(1, sums[1], 64);
+                amx_scale(acc_next, sums[1], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS + 16),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS + 16), xsum_g, groups,
+                          affine);
+            }
+            const int64_t columns = rows - 16 * tile - 16 < 16 ? rows - 16 * tile - 16 : 16;
+            const __mmask16 keep = (__mmask16)((1u << columns) - 1u);
+            for (int r = 0; r < 16 && m0 + r < m; ++r) {
+                float *out = y + (m0 + r) * ldy + first + 16 * tile;
+                _mm512_storeu_ps(out, acc[r]);
+                _mm512_mask_storeu_ps(out + 16, keep, acc_next[r]);
+            }
+        }
+        for (; tile < tiles; ++tile) {
+            const uint32_t *codes = packed + tile * (k / 2) * 16;
+            const float *step = steps + 16 * tile, *offset = offsets + 16 * tile;
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) {
+                acc[r] = _mm512_setzero_ps();
+            }
+            int64_t g = 0;
+            for (; g + 1 < groups; g += 2) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(4, hi_rows + g * 16 * group, ld);
+                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (split) {
+                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
+                    _tile_dpbf16ps(0, 5, 6);
+                }
+                _tile_loadd(2, hi_rows + (g + 1) * 16 * group, ld);
+                _tile_loadd(7, codes + (g + 1) * (group / 2) * 16, 64);
+                _tile_dpbf16ps(1, 2, 7);
+                if (split) {
+                    _tile_loadd(3, lo_rows + (g + 1) * 16 * group, ld);
+                    _tile_dpbf16ps(1, 3, 7);
+                }
+                _tile_stored(0, sums[0], 64);
+                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS),
+                          affine ? xsum_rows + g : NULL, groups, affine);
+                _tile_stored(1, sums[1], 64);
+                amx_scale(acc, sums[1], _mm512_loadu_ps(step + (g + 1) * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + (g + 1) * AMX_CHUNK_ROWS),
+                          affine ? xsum_rows + g + 1 : NULL, groups, affine);
+            }
+            if (g < groups) {
+                _tile_zero(0);
+                _tile_loadd(4, hi_rows + g * 16 * group, ld);
+                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (split) {
+                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
+                    _tile_dpbf16ps(0, 5, 6);
+                }
+                _tile_stored(0, sums[0], 64);
+                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
+                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS),
+                          affine ? xsum_rows + g : NULL, groups, affine);
+            }
+            const int64_t columns = rows - 16 * tile < 16 ? rows - 16 * tile : 16;
+            const __mmask16 keep = (__mmask16)((1u << columns) - 1u);
+            for (int r = 0; r < 16 && m0 + r < m; ++r) {
+                _mm512_mask_storeu_ps(y + (m0 + r) * ldy + first + 16 * tile, keep, acc[r]);
+            }
+        }
+    }
+}
+
+/* amx_chunk_rows_of compiled for each group size, split and affinity. */
+static void amx_chunk_rows(const uint16_t *hi, const uint16_t *lo, const float *xsum, int64_t m,
+                           int64_t padded, int64_t k, int64_t group, int split, int affine,
+                           const uint32_t *packed, const float *steps, const float *offsets,
+                           int64_t first, int64_t rows, float *y, int64_t ldy) {
+#define AMX_CASE(G, S, A)                                                                       \
+    if (group == (G) && split == (S) && affine == (A)) {                                        \
+        amx_chunk_rows_of(hi, lo, xsum, m, padded, k, G, S, A, packed, steps, offsets, first,   \
+                          rows, y, ldy);                                                        \
+        return;                                                                                 \
+    }
+    AMX_CASE(32, 1, 0)
+    AMX_CASE(32, 1, 1)
+    AMX_CASE(32, 0, 0)
+    AMX_CASE(32, 0, 1)
+    AMX_CASE(16, 1, 0)
+    AMX_CASE(16, 1, 1)
+    AMX_CASE(16, 0, 0)
+    AMX_CASE(16, 0, 1)
+#undef AMX_CASE
+}
+
+/* Whether this build and process run hearth_blocks_gemm_amx for GGML type `type`: 1 or 0. */
+int hearth_blocks_gemm_amx_takes(int type) {
+    block_format f;
+    return block_format_of(type, &f) == 0 && (f.group == 16 || f.group == 32) &&
+           amx_permission() == 1;
+}
+
+/* y[m, n] (row stride ldy) = x [m, k] fp32 @ W^T, W [n, k] the exact values of GGML blocks
+ * `w`; x rounded to bf16 (split 0) or split into bf16 hi + lo (split 1). Returns -1 for a type
+ * or process without it, or when memory runs out. */
+int hearth_blocks_gemm_amx(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                           int64_t n, float *y, int64_t ldy, int split, int threads) {
+    block_format f;
+    if (m < 1 || n < 1 || !hearth_blocks_gemm_amx_takes(type) || block_format_of(type, &f) != 0 ||
+        k % f.values != 0) {
+        return -1;
+    }
+    const int64_t group = f.group, groups = k / group, padded = (m + 15) / 16 * 16;
+    const int affine = amx_affine(type);
+    const size_t input_bytes = sizeof(uint16_t) * (size_t)(padded * k * (split ? 2 : 1));
+    uint16_t *hi = aligned_alloc(64, (input_bytes + 63) / 64 * 64);
+    float *xsum = affine ? malloc(sizeof(float) * (size_t)(padded * groups)) : NULL;
+    if (hi == NULL || (affine && xsum == NULL)) {
+        free(hi);
+        free(xsum);
+        return -1;
+    }
+    uint16_t *lo = split ? hi + padded * k : NULL;
+    amx_inputs(x, m, padded, k, group, split, hi, lo, xsum, threads);
+    const int64_t chunks = (n + AMX_CHUNK_ROWS - 1) / AMX_CHUNK_ROWS;
+    int failed = 0;
+    /* Each thread packs its own chunks: a static split by thread, its buffers its own. */
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = chunks * me / team, end = chunks * (me + 1) / team;
+        const size_t packed_bytes = sizeof(uint32_t) * (size_t)(4 * (k / 2) * 16);
+        const size_t step_bytes = sizeof(float) * (size_t)(groups * AMX_CHUNK_ROWS);
+        const size_t work_bytes =
+            packed_bytes + 2 * step_bytes + sizeof(uint16_t) * (size_t)(16 * k);
+        uint8_t *work = begin < end ? aligned_alloc(64, (work_bytes + 63) / 64 * 64) : NULL;
+        if (begin < end && work == NULL) {
+            failed = 1;
+        } else if (begin < end) {
+            uint32_t *packed = (uint32_t *)work;
+            float *steps = (float *)(work + packed_bytes);
+            float *offsets = steps + groups * AMX_CHUNK_ROWS;
+            uint16_t *scratch = (uint16_t *)(offsets + groups * AMX_CHUNK_ROWS);
+            amx_configure(group);
+            for (int64_t chunk = begin; chunk < end; ++chunk) {
+                const int64_t first = chunk * AMX_CHUNK_ROWS;
+                const int64_t rows = n - first < AMX_CHUNK_ROWS ? n - first : AMX_CHUNK_ROWS;
+                amx_pack_chunk(f, w, k, first, rows, packed, steps, offsets, scratch);
+                amx_chunk_rows(hi, lo, xsum, m, padded, k, group, split, affine, packed, steps,
+                               offsets, first, rows, y, ldy);
+            }
+            _tile_release();
+            free(work);
+        }
+    }
+    free(hi);
+    free(xsum);
+    return failed ? -1 : 0;
+}
+#else
+int hearth_blocks_gemm_amx_takes(int type) {
+    (void)type;
+    return 0;
+}
+
+int hearth_blocks_gemm_amx(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                           int64_t n, float *y, int64_t ldy, int split, int threads) {
+    (void)type, (void)x, (void)m, (void)k, (void)w, (void)n, (void)y, (void)ldy, (void)split;
+    (void)threads;
+    return -1;
+}
+#endif
