@@ -503,19 +503,10 @@ class NativeKernels:
         sums. ``out`` may be a column slice of a wider fp32 matrix (rows at any stride).
         ``bf16`` (a type in ``bf16_gemv_types``): x rounded to bf16 and the products summed by
         the bf16 dot-product instructions, the weights still exact."""
-        values, nbytes = STORED_BLOCK_TYPES[type_id]
         rows, in_features = x.shape
         out_features = blocks.shape[0]
         _require(
-            _dense(x, torch.float32)
-            and 1 <= rows <= MAX_INPUT_ROWS
-            and in_features % values == 0
-            and _dense(blocks, torch.uint8)
-            and blocks.shape == (out_features, in_features // values * nbytes)
-            and out.dtype == torch.float32
-            and out.device.type == "cpu"
-            and out.shape == (rows, out_features)
-            and out.stride(1) == 1,
+            rows <= MAX_INPUT_ROWS and _block_operands_fit(type_id, x, blocks, out),
             "blocks_gemv takes fp32 x [1..16, k], uint8 blocks [n, row bytes], fp32 out [m, n]",
         )
         _require(not bf16 or type_id in self.bf16_gemv_types, "no bf16 block GEMV for this type")
@@ -542,19 +533,10 @@ class NativeKernels:
         fp32 per group, scaled by the group's step in fp32. ``out`` may be a column slice of a
         wider fp32 matrix."""
         _require(type_id in self.amx_gemm_types, "blocks_gemm_amx takes no such type here")
-        values, nbytes = STORED_BLOCK_TYPES[type_id]
         rows, in_features = x.shape
         out_features = blocks.shape[0]
         _require(
-            _dense(x, torch.float32)
-            and rows >= 1
-            and in_features % values == 0
-            and _dense(blocks, torch.uint8)
-            and blocks.shape == (out_features, in_features // values * nbytes)
-            and out.dtype == torch.float32
-            and out.device.type == "cpu"
-            and out.shape == (rows, out_features)
-            and out.stride(1) == 1,
+            _block_operands_fit(type_id, x, blocks, out),
             "blocks_gemm_amx takes fp32 x [m, k], uint8 blocks, fp32 out [m, n]",
         )
         self._call(
@@ -1006,6 +988,25 @@ def row_matmul(x: Tensor, weight: Tensor) -> Tensor | None:
         return None
     y = kernels.bf16_rows_matmul(x.reshape(1, -1).contiguous(), weight)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _block_operands_fit(type_id: int, x: Tensor, blocks: Tensor, out: Tensor) -> bool:
+    """Whether x [m >= 1, k] (fp32, dense), blocks [n, k / values · bytes] (uint8, dense) and
+    out [m, n] (fp32 CPU rows of unit column stride) fit a product over `type_id` blocks."""
+    values, nbytes = STORED_BLOCK_TYPES[type_id]
+    rows, in_features = x.shape
+    out_features = blocks.shape[0]
+    return (
+        _dense(x, torch.float32)
+        and rows >= 1
+        and in_features % values == 0
+        and _dense(blocks, torch.uint8)
+        and blocks.shape == (out_features, in_features // values * nbytes)
+        and out.dtype == torch.float32
+        and out.device.type == "cpu"
+        and out.shape == (rows, out_features)
+        and out.stride(1) == 1
+    )
 
 
 def for_cpu_fp32_row(*tensors: Tensor) -> NativeKernels | None:

@@ -2649,6 +2649,29 @@ static inline __attribute__((always_inline)) void amx_scale(__m512 *acc, const f
     }
 }
 
+/* In amx_chunk_rows_of: tile C = the 16 input rows' group g (hi in tile A_HI, and lo in A_LO
+ * when split) times the codes of tile B, loaded from `codes_at`. */
+#define AMX_GROUP_DOT(C, A_HI, A_LO, B, codes_at, g)                                            \
+    do {                                                                                        \
+        _tile_zero(C);                                                                          \
+        _tile_loadd(A_HI, hi_rows + (g) * 16 * group, ld);                                      \
+        _tile_loadd(B, (codes_at) + (g) * (group / 2) * 16, 64);                                \
+        _tile_dpbf16ps(C, A_HI, B);                                                             \
+        if (split) {                                                                            \
+            _tile_loadd(A_LO, lo_rows + (g) * 16 * group, ld);                                  \
+            _tile_dpbf16ps(C, A_LO, B);                                                         \
+        }                                                                                       \
+    } while (0)
+
+/* acc += tile C's sums scaled by group g's steps (less offsets times the rows' sums). */
+#define AMX_GROUP_SCALE(C, acc, g)                                                              \
+    do {                                                                                        \
+        _tile_stored(C, sums[C], 64);                                                           \
+        amx_scale(acc, sums[C], _mm512_loadu_ps(step + (g) * AMX_CHUNK_ROWS),                   \
+                  _mm512_loadu_ps(offset + (g) * AMX_CHUNK_ROWS),                               \
+                  affine ? xsum_rows + (g) : NULL, groups, affine);                             \
+    } while (0)
+
 /* Rows [first, first + rows) of y for all padded input rows, from one packed chunk: per 16
  * input rows, two 16-row weight tiles at a time (sum tiles 0 and 1, each input tile loaded once
  * for both; an odd last tile alone), their 16 x 16 results held in registers over the groups.
@@ -2715,44 +2738,14 @@ static inline __attribute__((always_inline)) void amx_chunk_rows_of(
             }
             int64_t g = 0;
             for (; g + 1 < groups; g += 2) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_loadd(4, hi_rows + g * 16 * group, ld);
-                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (split) {
-                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
-                    _tile_dpbf16ps(0, 5, 6);
-                }
-                _tile_loadd(2, hi_rows + (g + 1) * 16 * group, ld);
-                _tile_loadd(7, codes + (g + 1) * (group / 2) * 16, 64);
-                _tile_dpbf16ps(1, 2, 7);
-                if (split) {
-                    _tile_loadd(3, lo_rows + (g + 1) * 16 * group, ld);
-                    _tile_dpbf16ps(1, 3, 7);
-                }
-                _tile_stored(0, sums[0], 64);
-                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
-                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS),
-                          affine ? xsum_rows + g : NULL, groups, affine);
-                _tile_stored(1, sums[1], 64);
-                amx_scale(acc, sums[1], _mm512_loadu_ps(step + (g + 1) * AMX_CHUNK_ROWS),
-                          _mm512_loadu_ps(offset + (g + 1) * AMX_CHUNK_ROWS),
-                          affine ? xsum_rows + g + 1 : NULL, groups, affine);
+                AMX_GROUP_DOT(0, 4, 5, 6, codes, g);
+                AMX_GROUP_DOT(1, 2, 3, 7, codes, g + 1);
+                AMX_GROUP_SCALE(0, acc, g);
+                AMX_GROUP_SCALE(1, acc, g + 1);
             }
             if (g < groups) {
-                _tile_zero(0);
-                _tile_loadd(4, hi_rows + g * 16 * group, ld);
-                _tile_loadd(6, codes + g * (group / 2) * 16, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (split) {
-                    _tile_loadd(5, lo_rows + g * 16 * group, ld);
-                    _tile_dpbf16ps(0, 5, 6);
-                }
-                _tile_stored(0, sums[0], 64);
-                amx_scale(acc, sums[0], _mm512_loadu_ps(step + g * AMX_CHUNK_ROWS),
-                          _mm512_loadu_ps(offset + g * AMX_CHUNK_ROWS),
-                          affine ? xsum_rows + g : NULL, groups, affine);
+                AMX_GROUP_DOT(0, 4, 5, 6, codes, g);
+                AMX_GROUP_SCALE(0, acc, g);
             }
             const int64_t columns = rows - 16 * tile < 16 ? rows - 16 * tile : 16;
             const __mmask16 keep = (__mmask16)((1u << columns) - 1u);
