@@ -1652,6 +1652,16 @@ static inline __m256 k_steps8(const uint8_t *block, __m256 *step) {
  * its first 32-input sum of row 0, rows k / 32 apart). Q8_0, Q4_0, Q5_0 (one chunk, into the
  * sums `slot`): d * q; Q4_K: (d * scale) * q - dmin * min per 32 values; Q6_K: (d * scale) *
  * (q - 32) per 16 (chunk c into the sums c % BF16_SUMS). */
+
+/* Q6_K's bf16 code words from 16-bit lanes whose bits 0-3 hold the low nibble (`nibbles`) and
+ * bits 4-5 the two high bits (`high`): (nibbles & 0xf) | (high & 0x30) | 0x4300, in two
+ * ternary-logic ops (0xEA: (a & b) | c). */
+static inline __m512i q6_code_words(__m512i nibbles, __m512i high) {
+    const __m512i with_high = _mm512_ternarylogic_epi32(high, _mm512_set1_epi16(0x0030),
+                                                        _mm512_set1_epi16(0x4300), 0xEA);
+    return _mm512_ternarylogic_epi32(nibbles, _mm512_set1_epi16(0x000f), with_high, 0xEA);
+}
+
 static inline __attribute__((always_inline)) void bf16_block(
     const int type, const bf16_codes *t, const uint8_t *block, const int mr, const int slot,
     const uint16_t *x, const float *chunk_sums, const float *group_sums, int64_t k,
@@ -1732,8 +1742,6 @@ static inline __attribute__((always_inline)) void bf16_block(
         const __m512 steps = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))),
             _mm512_set1_ps(half_at(block + 208)));
-        const __m512i nibble = _mm512_set1_epi16(0x000f), two = _mm512_set1_epi16(0x0030);
-        const __m512i exponent = _mm512_set1_epi16(0x4300);
         /* Where each vector's 2 high bits lie in its word of high bits: words 0-15 then 16-31
          * (groups g and g + 1 of 32 values), moved to bits 4-5. */
         const __m512i up_a = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004,
@@ -1755,24 +1763,13 @@ static inline __attribute__((always_inline)) void bf16_block(
             const __m512i low = _mm512_loadu_si512((const void *)(ql + 64 * half));
             const __m512i high = _mm512_broadcast_i64x4(
                 _mm256_loadu_si256((const __m256i *)(qh + 32 * half)));
-            /* code = (nibble source & 0xf) | (high bits & 0x30) | exponent: (b & 0x30) | c
-             * (0xEA), then (a & 0xf) | that (0xEA). */
-            const __m512i a = _mm512_ternarylogic_epi32(
-                low, nibble,
-                _mm512_ternarylogic_epi32(_mm512_sllv_epi16(high, up_a), two, exponent, 0xEA),
-                0xEA);
-            const __m512i c = _mm512_ternarylogic_epi32(
-                _mm512_srli_epi16(low, 8), nibble,
-                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_c), two, exponent, 0xEA),
-                0xEA);
-            const __m512i b = _mm512_ternarylogic_epi32(
-                _mm512_srli_epi16(low, 4), nibble,
-                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_b), two, exponent, 0xEA),
-                0xEA);
-            const __m512i d = _mm512_ternarylogic_epi32(
-                _mm512_srli_epi16(low, 12), nibble,
-                _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, down_d), two, exponent, 0xEA),
-                0xEA);
+            const __m512i a = q6_code_words(low, _mm512_sllv_epi16(high, up_a));
+            const __m512i c = q6_code_words(_mm512_srli_epi16(low, 8),
+                                            _mm512_srlv_epi16(high, down_c));
+            const __m512i b = q6_code_words(_mm512_srli_epi16(low, 4),
+                                            _mm512_srlv_epi16(high, down_b));
+            const __m512i d = q6_code_words(_mm512_srli_epi16(low, 12),
+                                            _mm512_srlv_epi16(high, down_d));
             const int g = 8 * half;
             const __m512 low_step = _mm512_permutexvar_ps(
                 _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
