@@ -1380,13 +1380,56 @@ static void dot_q4_k(const uint8_t *block, const float *x, vec16 *even, vec16 *o
         }
     }
 }
+/* Q6_K: w = fl(step * (q6 - 32)) per group of 16 (step = d * scale), formed as one FMA
+ * q6 * step + (-32 * step): the exact value rounded once, as the unpacked path's product, with
+ * -32 * step exact. The steps are made in one vector op and read back as broadcasts from
+ * memory (loads, not ALU ops); the top two bits of each code are shifted into place with
+ * nothing above them, so one ternary-logic op merges them with the nibble. The sums are in the
+ * unpacked path's order (chunk c of 16 values into the even sums for even c). */
+static void dot_q6_k(const uint8_t *block, const float *x, vec16 *even, vec16 *odd) {
+    const uint8_t *ql = block, *qh = block + 128;
+    float steps[16], offsets[16];
+    const __m512 step_vector = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))),
+        _mm512_set1_ps(half_at(block + 208)));
+    _mm512_storeu_ps(steps, step_vector);
+    _mm512_storeu_ps(offsets, _mm512_mul_ps(step_vector, _mm512_set1_ps(-32.0f)));
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
+    for (int half = 0; half < 2; ++half) {
+        for (int part = 0; part < 2; ++part) { /* 16 values of each 32 */
+            vec16 *sums = part == 0 ? even : odd;
+            const __m512i high = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(qh + 32 * half + 16 * part)));
+            const __m512i low_bytes[2] = {
+                _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(ql + 64 * half + 16 * part))),
+                _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(ql + 64 * half + 32 + 16 * part))),
+            };
+            for (int group = 0; group < 4; ++group) { /* 32 values each, as unpack_q6_k's */
+                const __m512i low = _mm512_srli_epi32(low_bytes[group % 2], 4 * (group / 2));
+                /* bits 2 group, 2 group + 1 of the byte to bits 4, 5; bits 0-3 hold lower
+                 * pairs, nothing lies above */
+                const __m512i top = _mm512_srli_epi32(_mm512_slli_epi32(high, 30 - 2 * group), 26);
+                /* (low & 0x0f) | (top & ~0x0f) */
+                const __m512i q = _mm512_ternarylogic_epi32(low, top, nibble, 0xe4);
+                const int chunk = 8 * half + 2 * group + part;
+                const __m512 weights = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(q), _mm512_set1_ps(steps[chunk]), _mm512_set1_ps(offsets[chunk]));
+                *sums = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * chunk), weights, *sums);
+            }
+        }
+    }
+}
 #define DIRECT_DOT_Q4_0 dot_q4_0
 #define DIRECT_DOT_Q5_0 dot_q5_0
 #define DIRECT_DOT_Q4_K dot_q4_k
+#define DIRECT_DOT_Q6_K dot_q6_k
 #else
 #define DIRECT_DOT_Q4_0 NULL
 #define DIRECT_DOT_Q5_0 NULL
 #define DIRECT_DOT_Q4_K NULL
+#define DIRECT_DOT_Q6_K NULL
 #endif
 
 /* Input rows computed together, each weight block unpacked once for them: their even and odd
@@ -1498,7 +1541,7 @@ BLOCK_GEMV(q2_k, 256, 84, 16, 0, NULL)
 BLOCK_GEMV(q3_k, 256, 110, 16, 1, NULL)
 BLOCK_GEMV(q4_k, 256, 144, 32, 0, DIRECT_DOT_Q4_K)
 BLOCK_GEMV(q5_k, 256, 176, 32, 0, NULL)
-BLOCK_GEMV(q6_k, 256, 210, 16, 0, NULL)
+BLOCK_GEMV(q6_k, 256, 210, 16, 0, DIRECT_DOT_Q6_K)
 
 /* Weight rows per unit of a thread's work: whole cache lines of output, enough rows to
  * amortise the call. */
