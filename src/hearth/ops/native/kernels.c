@@ -1184,22 +1184,29 @@ static inline const int8_t *unpack_q3_k(const uint8_t *block, unpacked_block *u)
     return u->codes;
 }
 
+/* k_steps in vector registers: Q4_K / Q5_K's eight steps d * scale into `step`, the eight
+ * offsets dmin * min returned (exact products: fp16 times 6 bits). The 12 bytes of 6-bit
+ * (scale, min) pairs are read as three little-endian words, a byte per pair in each lane. */
+static inline __m256 k_steps8(const uint8_t *block, __m256 *step) {
+    uint32_t packed[3];
+    memcpy(packed, block + 4, sizeof packed);
+    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint32_t scales_low = packed[0] & six, mins_low = packed[1] & six;
+    const uint32_t scales_high = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);
+    const uint32_t mins_high = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4);
+    const __m128i bytes = _mm_setr_epi32((int)scales_low, (int)scales_high, (int)mins_low,
+                                         (int)mins_high);
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    *step = _mm256_mul_ps(scales, _mm256_set1_ps(half_at(block)));
+    return _mm256_mul_ps(mins, _mm256_set1_ps(half_at(block + 2)));
+}
+
 /* Q4_K / Q5_K's eight 6-bit (scale, min) pairs -> steps and offsets of groups of 32. */
 static void k_steps(const uint8_t *block, unpacked_block *u) {
-    const float d = half_at(block), dmin = half_at(block + 2);
-    const uint8_t *packed = block + 4;
-    for (int j = 0; j < 8; ++j) {
-        int scale, min;
-        if (j < 4) {
-            scale = packed[j] & 0x3f;
-            min = packed[j + 4] & 0x3f;
-        } else {
-            scale = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 2) & 0x30);
-            min = (packed[j + 4] >> 4) | ((packed[j] >> 2) & 0x30);
-        }
-        u->step[j] = d * (float)scale;
-        u->offset[j] = dmin * (float)min;
-    }
+    __m256 step;
+    _mm256_storeu_ps(u->offset, k_steps8(block, &step));
+    _mm256_storeu_ps(u->step, step);
 }
 
 static inline const int8_t *unpack_q4_k(const uint8_t *block, unpacked_block *u) {
@@ -1671,24 +1678,6 @@ static inline __attribute__((always_inline)) void add_chunk_pair(
         own[0] = _mm512_fmadd_ps(low, low_step, own[0]);
         own[1] = _mm512_fmadd_ps(high, high_step, own[1]);
     }
-}
-
-/* k_steps in vector registers: Q4_K / Q5_K's eight steps d * scale into `step`, the eight
- * offsets dmin * min returned (exact products: fp16 times 6 bits). The 12 bytes of 6-bit
- * (scale, min) pairs are read as three little-endian words, a byte per pair in each lane. */
-static inline __m256 k_steps8(const uint8_t *block, __m256 *step) {
-    uint32_t packed[3];
-    memcpy(packed, block + 4, sizeof packed);
-    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    const uint32_t scales_low = packed[0] & six, mins_low = packed[1] & six;
-    const uint32_t scales_high = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);
-    const uint32_t mins_high = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4);
-    const __m128i bytes = _mm_setr_epi32((int)scales_low, (int)scales_high, (int)mins_low,
-                                         (int)mins_high);
-    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    *step = _mm256_mul_ps(scales, _mm256_set1_ps(half_at(block)));
-    return _mm256_mul_ps(mins, _mm256_set1_ps(half_at(block + 2)));
 }
 
 /* One block's contribution to `mr` input rows (x: the block's first input of row 0; chunk_sums:
