@@ -57,7 +57,7 @@ def main() -> None:
         reference = hf(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
         hf_prompts = {}
     layers = [m for m in engine.model.modules() if isinstance(m, GGUFLinear)]
-    fp32_plan = engine.runner.plan
+    fp32_plan = replace(engine.runner.plan, gguf_bf16_gemv_types=())
     variants = {
         "fp32 GEMV (the default)": (),
         f"bf16 GEMV {BF16_GEMV_TYPES}": BF16_GEMV_TYPES,

@@ -46,7 +46,7 @@ def main() -> None:
     types = tuple(args.types or BF16_GEMV_TYPES)
     model_path = args.model or embedded_model_path()
     engine = Engine.load(model_path, device="cpu", progress=False)
-    fp32_plan = engine.runner.plan
+    fp32_plan = replace(engine.runner.plan, gguf_bf16_gemv_types=())
     plans = {
         "fp32 GEMV": fp32_plan,
         f"bf16 GEMV {types}": replace(fp32_plan, gguf_bf16_gemv_types=types),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,8 @@ class Engine:
         """Load a GGUF file or HF-format directory; None means the embedded Gemma 3 270M.
 
         `quantize`: "auto" keeps a GGUF file's blocks as stored on the CPU (exact weights, fp32
-        unless `dtype` says otherwise; see `resolve_precision`), "int8"/"int4" re-quantize linear
+        unless `dtype` says otherwise; see `resolve_precision`; the Q4_K/Q6_K decode GEMV rounds
+        its inputs to bf16 where the CPU has AVX512-BF16, unless `dtype` is float32), "int8"/"int4" re-quantize linear
         weights to Hearth's grids (bf16 compute), "none" keeps every tensor in `dtype`.
         `kv_quant`: the KV cache kind, `off|4|8|config|turbo[:SCHEME]` (docs/kv-cache.md),
         checked against the model before any weight is read. `plan`: how to run it (None: the
@@ -141,12 +142,16 @@ class Engine:
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
             dtype = DTYPES[dtype]
+        asked_fp32 = dtype == torch.float32
         dtype, weights = resolve_precision(
             checkpoint.format, device, dtype, quantize, checkpoint.stored_dtype
         )
         if device.type == "cpu":
             native.kernels()  # built now if ever: its first build is no part of a timed run
-        plan = plan or ExecutionPlan.for_device(device)
+        if plan is None:
+            plan = ExecutionPlan.for_device(device)
+            if asked_fp32:  # fp32 compute asked for: no GEMV rounds its inputs to bf16 either
+                plan = replace(plan, gguf_bf16_gemv_types=())
         tokenizer = checkpoint.tokenizer()
         model_ = build_model(checkpoint, dtype, device, progress, weights, plan)
         if path.is_dir() and (budget := checkpoint_image_tokens(path)) is not None:

@@ -7,7 +7,8 @@ is HF reading the file itself (`gguf_file=`); Gemma 4's is the HF model given th
 tensors as `gguf.quants.dequantize` reads them (names by llama.cpp's table, checked against
 llama.cpp in test_gemma4_gguf.py). Both sides compute in fp32 on the same weight values, so
 they differ only in the order of sums: at most ~1e-6 of the largest logit measured; the
-tolerance is 2e-5 of it.
+tolerance is 2e-5 of it. fp32 activations throughout (``HEARTH_GGUF_BF16=0``): the default's
+bf16 GEMV inputs are held to HF in test_gguf_as_stored.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hearth.checkpoint.gguf_writer import GGUFTensor, minimal_tokenizer, stream_
 from hearth.engine import Engine
 from hearth.errors import UnsupportedModelError
 from hearth.layers.gguf import GGUFLinear
+from hearth.ops import plan as plan_module
 from hearth.quant.gguf_blocks import BLOCK_FORMATS
 from hearth.runtime.generate import GenerationStats, generate_tokens
 from hearth.runtime.sampling import Sampler, SamplingParams
@@ -46,6 +48,11 @@ GEMMA3 = {
 }
 GEMMA4 = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "global_head_dim": 128}
 TYPES = [block.name for _, block in sorted(BLOCK_FORMATS.items())]
+
+
+@pytest.fixture(autouse=True)
+def _fp32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plan_module.BF16_GEMV_VARIABLE, "0")
 
 
 def _typed_file(hf: Any, path: Path, type_name: str) -> Path:

@@ -152,16 +152,19 @@ def test_the_avx2_build_has_no_bf16_gemv_and_refuses_it() -> None:
         built.blocks_gemv(12, torch.randn(1, 256), raw, torch.empty(1, 4), bf16=True)
 
 
-def test_the_plan_takes_bf16_gemv_only_when_asked_and_built(
+def test_the_plan_takes_bf16_gemv_where_built_unless_turned_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv(plan_module.BF16_GEMV_VARIABLE, raising=False)
-    assert ExecutionPlan.for_device("cpu").gguf_bf16_gemv_types == ()
-    monkeypatch.setenv(plan_module.BF16_GEMV_VARIABLE, "1")
     kernels = native.kernels()
     built = set() if kernels is None else kernels.bf16_gemv_types
     expected = tuple(t for t in plan_module.BF16_GEMV_TYPES if t in built)
+    monkeypatch.delenv(plan_module.BF16_GEMV_VARIABLE, raising=False)
     assert ExecutionPlan.for_device("cpu").gguf_bf16_gemv_types == expected
+    monkeypatch.setenv(plan_module.BF16_GEMV_VARIABLE, "1")
+    assert ExecutionPlan.for_device("cpu").gguf_bf16_gemv_types == expected
+    monkeypatch.setenv(plan_module.BF16_GEMV_VARIABLE, "0")
+    assert ExecutionPlan.for_device("cpu").gguf_bf16_gemv_types == ()
+    monkeypatch.delenv(plan_module.BF16_GEMV_VARIABLE)
     built_without = avx2_kernels()
     monkeypatch.setattr(native, "kernels", lambda: built_without)
     assert ExecutionPlan.for_device("cpu").gguf_bf16_gemv_types == ()
@@ -222,7 +225,7 @@ def test_native_layer_step_takes_the_bf16_gemv_as_the_modules_do(
     largest logit: fp32 reassociation in attention and GELU, tests/runtime/
     test_native_step_gemma4_blocks.py), and the fp32 plan's lie outside it (the rounding of
     the activations is seen, so both paths did take the bf16 GEMV)."""
-    fp32_plan = ExecutionPlan.for_device("cpu")
+    fp32_plan = replace(ExecutionPlan.for_device("cpu"), gguf_bf16_gemv_types=())
     plan = replace(fp32_plan, gguf_bf16_gemv_types=(6, 8))
     engine = Engine.load(gemma4_q5_0, device="cpu", progress=False, plan=plan)
     model = engine.model
@@ -263,7 +266,7 @@ def test_native_batched_step_reads_the_k_quant_input_orders(
     inputs, `blocks_project`), three sequences at once and one alone: the module path's logits
     under the same plan within the native step's tolerance (2e-5 of the largest logit,
     tests/runtime/test_native_step_blocks.py), the fp32 plan's outside it."""
-    fp32_plan = ExecutionPlan.for_device("cpu")
+    fp32_plan = replace(ExecutionPlan.for_device("cpu"), gguf_bf16_gemv_types=())
     plan = replace(fp32_plan, gguf_bf16_gemv_types=(12, 14))
     engine = Engine.load(gemma3_k_quant, device="cpu", progress=False, plan=plan)
     runners = [
