@@ -126,8 +126,9 @@ class Engine:
 
         `quantize`: "auto" keeps a GGUF file's blocks as stored on the CPU (exact weights, fp32
         unless `dtype` says otherwise; see `resolve_precision`; the Q4_K/Q6_K decode GEMV rounds
-        its inputs to bf16 where the CPU has AVX512-BF16, unless `dtype` is float32), "int8"/"int4" re-quantize linear
-        weights to Hearth's grids (bf16 compute), "none" keeps every tensor in `dtype`.
+        its inputs to bf16 where the CPU has AVX512-BF16, unless `dtype` is float32),
+        "int8"/"int4" re-quantize linear weights to Hearth's grids (bf16 compute), "none" keeps
+        every tensor in `dtype`.
         `kv_quant`: the KV cache kind, `off|4|8|config|turbo[:SCHEME]` (docs/kv-cache.md),
         checked against the model before any weight is read. `plan`: how to run it (None: the
         device's default, `ExecutionPlan.for_device`). `mmproj`: llama.cpp's mmproj GGUF of a
