@@ -13,6 +13,7 @@ file's blocks, whose values are the same numbers bit for bit (tests/layers/test_
   at most 0.091 on logits up to ~32 over these prompts (the re-grid: 1.68). Tolerance
   BF16_ATOL 0.25, under 3x that; the re-grid still lies outside it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
