@@ -71,6 +71,10 @@ class Session:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            # Ctrl-C as a terminal gives it: an ignored SIGINT (the disposition a test before
+            # may leave in this process) would pass to the child and keep its Ctrl-C from
+            # ever stopping a reply.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.out = bytearray()
         self.err = bytearray()
