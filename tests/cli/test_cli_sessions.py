@@ -58,6 +58,14 @@ def test_generate_refuses_max_tokens_past_the_context_and_shrinks_the_default(
     assert 1 <= generated <= 3
 
 
+def _default_sigint() -> None:
+    """Ctrl-C as a terminal gives it: an ignored or blocked SIGINT (the state a test before may
+    leave in this process) would pass to the child and keep its Ctrl-C from ever stopping a
+    reply."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class Session:
     """A `hearth chat` process read as it writes: stdout (prompts and replies) and stderr
     (notices), each gathered from a thread so that neither pipe fills."""
@@ -71,10 +79,7 @@ class Session:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            # Ctrl-C as a terminal gives it: an ignored SIGINT (the disposition a test before
-            # may leave in this process) would pass to the child and keep its Ctrl-C from
-            # ever stopping a reply.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            preexec_fn=_default_sigint,
         )
         self.out = bytearray()
         self.err = bytearray()
