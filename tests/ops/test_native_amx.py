@@ -32,7 +32,7 @@ from gguf_blocks_data import random_blocks
 from hearth.engine import Engine
 from hearth.layers.gguf import GGUFLinear
 from hearth.ops import native
-from hearth.ops.plan import ExecutionPlan
+from hearth.ops.plan import AMX_HEAD_ROWS, ExecutionPlan
 from native_builds import avx2_kernels
 
 STORED_TYPES = tuple(native.STORED_BLOCK_TYPES)
@@ -93,14 +93,16 @@ def _product(type_id: int, x: torch.Tensor, raw: np.ndarray, split: bool) -> tor
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [37, 5], ids=["prefill", "decode"])
 @pytest.mark.parametrize("split", [True, False], ids=["hi+lo", "bf16"])
 @pytest.mark.parametrize("type_id", STORED_TYPES)
-def test_amx_gemm_equals_fp64_on_the_gguf_weights(type_id: int, split: bool) -> None:
-    """37 input rows (two full tiles of 16 and 5 padded), 80 weight rows (a chunk of 64 and a
-    partial one of 16), k = 512 (16 to 32 groups, two K-type blocks a row)."""
+def test_amx_gemm_equals_fp64_on_the_gguf_weights(type_id: int, split: bool, m: int) -> None:
+    """37 input rows (two full tiles of 16 and 5 padded) or 5 (a decode step's: the weights in
+    the A tile, the inputs in B), 80 weight rows (a chunk of 64 and a partial one of 16),
+    k = 512 (16 to 32 groups, two K-type blocks a row)."""
     raw = random_blocks(type_id, rows=80, cols=512, seed=type_id)
     weight = _dequantized(type_id, raw)
-    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(type_id))
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(type_id))
     x_hat = _rounded_inputs(x, split)
     got = _product(type_id, x, raw, split).double()
     error = (got - x_hat @ weight.T).abs()
@@ -108,13 +110,14 @@ def test_amx_gemm_equals_fp64_on_the_gguf_weights(type_id: int, split: bool) -> 
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [20, 6], ids=["prefill", "decode"])
 @pytest.mark.parametrize("type_id", [8, 12, 14])  # Q8_0, Q4_K (affine), Q6_K (groups of 16)
-def test_the_bound_tells_how_the_inputs_were_rounded(type_id: int) -> None:
+def test_the_bound_tells_how_the_inputs_were_rounded(type_id: int, m: int) -> None:
     """The one-bf16 product lies outside the hi+lo reference's bound, and the hi+lo product
     outside the one-bf16 reference's: the bound is tight enough to see which rounding ran."""
     raw = random_blocks(type_id, rows=32, cols=256, seed=1)
     weight = _dequantized(type_id, raw)
-    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(2))
     for split in (True, False):
         other = _rounded_inputs(x, not split)
         error = (_product(type_id, x, raw, split).double() - other @ weight.T).abs()
@@ -174,18 +177,37 @@ def test_a_stacked_linear_prefills_on_amx_only_for_its_amx_types(
     assert torch.equal(got[:, 48:80], _product(8, x, raws[1].numpy(), True))
 
 
+@needs_amx
+def test_a_head_decode_step_of_enough_rows_runs_on_amx_with_bf16_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Q8_0 table with `amx_decode_rows` 6: 6 rows take the AMX kernel with one-bf16 inputs
+    (its direct call's bits), 5 rows the fp32 block GEMV (a table without it, bit for bit)."""
+    raw = torch.from_numpy(random_blocks(8, rows=48, cols=256, seed=5))
+    head = GGUFLinear([(8, raw)], 256, amx_prefill_types=[8], amx_decode_rows=6)
+    plain = GGUFLinear([(8, raw)], 256)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(6))
+    calls = count_kernel_calls(monkeypatch, "blocks_gemm_amx")
+    assert torch.equal(head(x), _product(8, x, raw.numpy(), False))
+    assert len(calls) == 2  # the layer's and the reference's
+    assert torch.equal(head(x[:5]), plain(x[:5]))
+    assert len(calls) == 2
+
+
 def test_the_plan_takes_amx_where_the_kernels_have_it(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = native.kernels()
     built = () if kernels is None else tuple(sorted(kernels.amx_gemm_types))
     plan = ExecutionPlan.for_device("cpu")
     assert plan.gguf_amx_prefill_types == built and not plan.gguf_amx_bf16_inputs
+    assert plan.gguf_amx_head_rows == (AMX_HEAD_ROWS if built else 0)
     assert "gguf_amx_prefill_types" in plan.describe()
     if kernels is None:
         return
     built_without = avx2_kernels()
     assert built_without is not None and built_without.amx_gemm_types == frozenset()
     monkeypatch.setattr(native, "kernels", lambda: built_without)
-    assert ExecutionPlan.for_device("cpu").gguf_amx_prefill_types == ()
+    without = ExecutionPlan.for_device("cpu")
+    assert without.gguf_amx_prefill_types == () and without.gguf_amx_head_rows == 0
 
 
 @needs_amx
@@ -212,11 +234,12 @@ def test_embedded_model_prefill_on_amx_is_the_fp32_prefill(embedded_gguf: Path) 
 
 
 @needs_amx
-def test_the_result_does_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("m", [50, 7], ids=["prefill", "decode"])
+def test_the_result_does_not_depend_on_the_thread_count(m: int) -> None:
     """Each weight row's chunk is computed whole by one thread in a fixed order: 1, 2 and 3
     threads give the same bits (a prefill's logits do not change with the machine's cores)."""
     raw = random_blocks(12, rows=200, cols=512, seed=3)
-    x = torch.randn(50, 512, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
     results = []
     try:

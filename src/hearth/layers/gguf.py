@@ -63,7 +63,8 @@ class GGUFLinear(nn.Module):
     kernels have it for the type; `ExecutionPlan.gguf_bf16_gemv_types`). The types in
     `amx_prefill_types` run a prefill on the AMX kernel where it runs here
     (`ExecutionPlan.gguf_amx_prefill_types`), with the inputs as two bf16 halves, or one where
-    `amx_bf16_inputs`.
+    `amx_bf16_inputs`. A decode step of at least `amx_decode_rows` rows (0: none) runs on the
+    AMX kernel too, its inputs rounded to one bf16 (`ExecutionPlan.gguf_amx_head_rows`).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class GGUFLinear(nn.Module):
         bf16_gemv_types: Sequence[int] = (),
         amx_prefill_types: Sequence[int] = (),
         amx_bf16_inputs: bool = False,
+        amx_decode_rows: int = 0,
     ) -> None:
         super().__init__()
         if not parts:
@@ -81,6 +83,7 @@ class GGUFLinear(nn.Module):
         self.bf16_gemv_types = frozenset(bf16_gemv_types)
         self.amx_prefill_types = frozenset(amx_prefill_types)
         self.amx_bf16_inputs = amx_bf16_inputs
+        self.amx_decode_rows = amx_decode_rows
         for index, (type_id, blocks) in enumerate(parts):
             block = BLOCK_FORMATS[type_id]
             if (
@@ -122,18 +125,24 @@ class GGUFLinear(nn.Module):
         y = torch.empty(x2d.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         kernels = native.kernels() if x.device.type == "cpu" else None
         decode = kernels is not None and x2d.shape[0] <= native.MAX_INPUT_ROWS
+        amx_decode = decode and 0 < self.amx_decode_rows <= x2d.shape[0]
         first = 0
         for (type_id, blocks), rows in zip(self.parts(), self.part_rows, strict=True):
             out = y[:, first : first + rows]
-            if decode:
-                assert kernels is not None
-                bf16 = type_id in self.bf16_gemv_types and type_id in kernels.bf16_gemv_types
-                kernels.blocks_gemv(type_id, x2d, blocks, out, bf16=bf16)
-            elif (
+            amx = (
                 kernels is not None
                 and type_id in self.amx_prefill_types
                 and type_id in kernels.amx_gemm_types
-            ):
+            )
+            if amx and amx_decode:
+                assert kernels is not None
+                kernels.blocks_gemm_amx(type_id, x2d, blocks, out, False)  # one bf16
+            elif decode:
+                assert kernels is not None
+                bf16 = type_id in self.bf16_gemv_types and type_id in kernels.bf16_gemv_types
+                kernels.blocks_gemv(type_id, x2d, blocks, out, bf16=bf16)
+            elif amx:
+                assert kernels is not None
                 kernels.blocks_gemm_amx(type_id, x2d, blocks, out, not self.amx_bf16_inputs)
             else:
                 self._tiled_matmul(type_id, x2d, blocks, out)

@@ -442,7 +442,12 @@ class _StoredBlockWeights:
         if model.config.tie_word_embeddings:
             table = self._blocks("embed_tokens.weight")
             if table is not None:
-                head = linear_kind([table], model.config.hidden_size)
+                head = (
+                    linear_kind([table], model.config.hidden_size)
+                    if kernels
+                    else linear_kind([table], model.config.hidden_size,
+                                     amx_decode_rows=plan.gguf_amx_head_rows)
+                )  # fmt: skip
                 self.modules["embed_tokens"] = table_kind(head)  # type: ignore[arg-type]
                 self.consumed.add("embed_tokens.weight")
         per_layer = "embed_tokens_per_layer.weight"

@@ -36,6 +36,8 @@ PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # ``HEARTH_GGUF_BF16=0`` keeps fp32 activations.
 BF16_GEMV_TYPES = (12, 14)
 BF16_GEMV_VARIABLE = "HEARTH_GGUF_BF16"
+# Decode rows from which the GGUF head runs on AMX tiles (where the CPU has them).
+AMX_HEAD_ROWS = 6
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class ExecutionPlan:
     # fp32 GEMM.
     gguf_amx_prefill_types: tuple[int, ...] = ()
     gguf_amx_bf16_inputs: bool = False
+    # CPU: a decode step of at least this many rows (0: none) runs the tied GGUF output head on
+    # AMX bf16 tiles, its input rounded to bf16 as the oracle's bf16 rounds it (the weights
+    # exact): from ~6 rows the fp32 GEMV over the 262144-row head is compute-bound
+    # (benchmarks/results/cpu_amx_head-2026-12-07.md). Set with `gguf_amx_prefill_types`.
+    gguf_amx_head_rows: int = 0
     # GGUF blocks kept as stored computed by the Triton block kernels (`ops.gguf_matmul`), not
     # the torch/native CPU path: on CUDA (CPU tests take it under Triton's interpreter).
     gguf_block_kernels: bool = False
@@ -117,6 +124,7 @@ class ExecutionPlan:
             native_layers=native,
             gguf_bf16_gemv_types=bf16_gemv,
             gguf_amx_prefill_types=amx_prefill if device.type == "cpu" else (),
+            gguf_amx_head_rows=AMX_HEAD_ROWS if amx_prefill and device.type == "cpu" else 0,
             bf16_matmul_as_fp32=device.type == "cpu" and bf16_gemm.widen_bf16_products(),
             huge_pages=device.type == "cpu" and huge_pages.enabled(),
         )

@@ -2807,6 +2807,255 @@ static void amx_chunk_rows(const uint16_t *hi, const uint16_t *lo, const float *
 #undef AMX_CASE
 }
 
+/* ------------------------------------------------------------------------------------------
+ * The same product for a decode step's few input rows (m <= 16), where packing the weights into
+ * B tiles (a transpose per 16 rows) would cost more than the products: the roles swap. The
+ * weights go in the A tile as stored, 16 weight rows x one group of codes (no transpose); the
+ * inputs, made once a call, go in B tiles (pairs of k x 16 input rows, padding rows zero). The
+ * 16 x 16 sum tile's row r is weight row r against every input row, scaled per row by its
+ * step: acc[r] += step[r, g] * C[r] (- offset[r, g] * xsum[g], a vector over input rows). */
+
+/* x [m, k] -> hi (and lo) [k / 2][16] pairs of bf16 (input row i in column i, zero past m);
+ * xsum [groups][16]: each group's sum of hi + lo per input row (affine types; else NULL). */
+static void amx_decode_inputs(const float *x, int64_t m, int64_t k, int64_t group, int split,
+                              uint32_t *hi, uint32_t *lo, float *xsum) {
+    memset(hi, 0, sizeof(uint32_t) * (size_t)(k / 2 * 16));
+    if (split) {
+        memset(lo, 0, sizeof(uint32_t) * (size_t)(k / 2 * 16));
+    }
+    if (xsum != NULL) {
+        memset(xsum, 0, sizeof(float) * (size_t)(k / group * 16));
+    }
+    uint16_t *hi16 = (uint16_t *)hi, *lo16 = (uint16_t *)lo;
+    for (int64_t i = 0; i < m; ++i) {
+        double group_sum = 0.0; /* exact for a group of hi + lo: rounded once, to fp32 */
+        for (int64_t j = 0; j < k; ++j) {
+            const float v = x[i * k + j];
+            const uint16_t h = float_to_bf16(v);
+            const uint16_t l = split ? float_to_bf16(v - bf16_to_float(h)) : 0;
+            /* Pair j / 2, column i, half j % 2. */
+            const int64_t at = (j / 2 * 16 + i) * 2 + j % 2;
+            hi16[at] = h;
+            if (split) {
+                lo16[at] = l;
+            }
+            if (xsum != NULL) {
+                group_sum += (double)bf16_to_float(h) + (double)bf16_to_float(l);
+                if ((j + 1) % group == 0) {
+                    xsum[j / group * 16 + i] = (float)group_sum;
+                    group_sum = 0.0;
+                }
+            }
+        }
+    }
+}
+
+/* Two groups at a time, each its own tiles: 0, 1 the 16 x 16 fp32 sums; 2, 3 16 weight rows'
+ * codes of the group (bf16); 4, 5 the input rows' pairs of it (hi); 6, 7 (lo). */
+static void amx_decode_configure(int64_t group) {
+    amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = t < 2 || (t >= 2 && t < 4) ? 16 : (uint8_t)(group / 2);
+        config.colsb[t] = t >= 2 && t < 4 ? (uint16_t)(2 * group) : 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* acc[r] += step[r] * C[r] (- offset[r] * xsum) for the 16 rows of a stored sum tile. */
+static inline __attribute__((always_inline)) void amx_decode_scale(__m512 *acc, const float *sums,
+                                                                   const float *step,
+                                                                   const float *offset,
+                                                                   __m512 xsum, int affine) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(step[r]), _mm512_load_ps(sums + 16 * r), acc[r]);
+        if (affine) {
+            acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(offset[r]), xsum, acc[r]);
+        }
+    }
+}
+
+/* Blocks unpacked at a time for 16 weight rows: two of a 32-value type (two groups), one of a
+ * 256-value type (8 or 16 groups). */
+#define AMX_DECODE_VALUES 256
+
+/* y[i * ldy + r] for input rows i < m and the (at most 16) weight rows first <= r < last, from
+ * the inputs amx_decode_inputs made. `codes` scratch: [groups][16][group] bf16 for
+ * AMX_DECODE_VALUES values. */
+static inline __attribute__((always_inline)) void amx_decode_rows_of(
+    const block_format f, const int split, const int affine, const uint32_t *hi,
+    const uint32_t *lo, const float *xsum, int64_t m, int64_t k, const uint8_t *w,
+    int64_t first, int64_t last, float *y, int64_t ldy, uint16_t *codes) {
+    const int64_t group = f.group, per_block = f.values / group, row_bytes = k / f.values * f.bytes;
+    const int64_t span = f.values == 32 ? 2 : 1; /* blocks unpacked at a time */
+    const int64_t rows = last - first;
+    float sums[2][256] __attribute__((aligned(64)));
+    float steps[BLOCK_MAX_GROUPS][16], offsets[BLOCK_MAX_GROUPS][16];
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    if (rows < 16) { /* the padding rows' codes and steps stay zero */
+        memset(codes, 0, sizeof(uint16_t) * (size_t)(16 * AMX_DECODE_VALUES));
+        memset(steps, 0, sizeof steps);
+        memset(offsets, 0, sizeof offsets);
+    }
+    const int64_t blocks = k / f.values;
+    for (int64_t b0 = 0; b0 < blocks; b0 += span) {
+        const int64_t count = b0 + span <= blocks ? span : blocks - b0;
+        const int64_t groups = count * per_block;
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < count; ++c) {
+                const uint8_t *block = w + (first + r) * row_bytes + (b0 + c) * f.bytes;
+                _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
+                unpacked_block u;
+                const int8_t *q = f.unpack(block, &u);
+                for (int64_t j = 0; j < f.values; j += 32) {
+                    const int64_t g = c * per_block + j / group;
+                    uint16_t pair[32] __attribute__((aligned(64)));
+                    codes_to_bf16(q + j, group == 32 ? codes + (g * 16 + r) * 32 : pair);
+                    if (group == 16) {
+                        memcpy(codes + (g * 16 + r) * 16, pair, 32);
+                        memcpy(codes + ((g + 1) * 16 + r) * 16, pair + 16, 32);
+                    }
+                }
+                for (int64_t g = 0; g < per_block; ++g) {
+                    steps[c * per_block + g][r] = u.step[g];
+                    offsets[c * per_block + g][r] = u.offset[g];
+                }
+            }
+        }
+        const int64_t group0 = b0 * per_block; /* the first group's index along k */
+        int64_t g = 0;
+        for (; g + 1 < groups; g += 2) {
+            const int64_t at = (group0 + g) * (group / 2) * 16, next = at + (group / 2) * 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(2, codes + g * 16 * group, 2 * group);
+            _tile_loadd(3, codes + (g + 1) * 16 * group, 2 * group);
+            _tile_loadd(4, hi + at, 64);
+            _tile_loadd(5, hi + next, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 3, 5);
+            if (split) {
+                _tile_loadd(6, lo + at, 64);
+                _tile_loadd(7, lo + next, 64);
+                _tile_dpbf16ps(0, 2, 6);
+                _tile_dpbf16ps(1, 3, 7);
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            amx_decode_scale(acc, sums[0], steps[g], offsets[g],
+                             affine ? _mm512_loadu_ps(xsum + (group0 + g) * 16)
+                                    : _mm512_setzero_ps(),
+                             affine);
+            amx_decode_scale(acc, sums[1], steps[g + 1], offsets[g + 1],
+                             affine ? _mm512_loadu_ps(xsum + (group0 + g + 1) * 16)
+                                    : _mm512_setzero_ps(),
+                             affine);
+        }
+        if (g < groups) { /* a last block alone of a 32-value type */
+            const int64_t at = (group0 + g) * (group / 2) * 16;
+            _tile_zero(0);
+            _tile_loadd(2, codes + g * 16 * group, 2 * group);
+            _tile_loadd(4, hi + at, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            if (split) {
+                _tile_loadd(6, lo + at, 64);
+                _tile_dpbf16ps(0, 2, 6);
+            }
+            _tile_stored(0, sums[0], 64);
+            amx_decode_scale(acc, sums[0], steps[g], offsets[g],
+                             affine ? _mm512_loadu_ps(xsum + (group0 + g) * 16)
+                                    : _mm512_setzero_ps(),
+                             affine);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        _mm512_store_ps(sums[0] + 16 * r, acc[r]);
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        for (int64_t r = 0; r < rows; ++r) {
+            y[i * ldy + first + r] = sums[0][16 * r + i];
+        }
+    }
+}
+
+typedef void (*amx_decode_fn)(int, int, const uint32_t *, const uint32_t *, const float *,
+                              int64_t, int64_t, const uint8_t *, int64_t, int64_t, float *,
+                              int64_t, uint16_t *);
+#define AMX_DECODE(NAME, VALUES, BYTES, GROUP)                                                  \
+    static void amx_decode_##NAME(int split, int affine, const uint32_t *hi, const uint32_t *lo, \
+                                  const float *xsum, int64_t m, int64_t k, const uint8_t *w,    \
+                                  int64_t first, int64_t last, float *y, int64_t ldy,           \
+                                  uint16_t *codes) {                                            \
+        const block_format f = {VALUES, BYTES, GROUP, unpack_##NAME, 0};                        \
+        if (split) {                                                                            \
+            amx_decode_rows_of(f, 1, affine, hi, lo, xsum, m, k, w, first, last, y, ldy, codes); \
+        } else {                                                                                \
+            amx_decode_rows_of(f, 0, affine, hi, lo, xsum, m, k, w, first, last, y, ldy, codes); \
+        }                                                                                       \
+    }
+AMX_DECODE(q4_0, 32, 18, 32)
+AMX_DECODE(q4_1, 32, 20, 32)
+AMX_DECODE(q5_0, 32, 22, 32)
+AMX_DECODE(q5_1, 32, 24, 32)
+AMX_DECODE(q8_0, 32, 34, 32)
+AMX_DECODE(q2_k, 256, 84, 16)
+AMX_DECODE(q3_k, 256, 110, 16)
+AMX_DECODE(q4_k, 256, 144, 32)
+AMX_DECODE(q5_k, 256, 176, 32)
+AMX_DECODE(q6_k, 256, 210, 16)
+
+static amx_decode_fn amx_decode_of(int type) {
+    switch (type) {
+    case GGML_Q4_0: return amx_decode_q4_0;
+    case GGML_Q4_1: return amx_decode_q4_1;
+    case GGML_Q5_0: return amx_decode_q5_0;
+    case GGML_Q5_1: return amx_decode_q5_1;
+    case GGML_Q8_0: return amx_decode_q8_0;
+    case GGML_Q2_K: return amx_decode_q2_k;
+    case GGML_Q3_K: return amx_decode_q3_k;
+    case GGML_Q4_K: return amx_decode_q4_k;
+    case GGML_Q5_K: return amx_decode_q5_k;
+    default: return amx_decode_q6_k;
+    }
+}
+
+/* hearth_blocks_gemm_amx for m <= MAX_INPUT_ROWS: 16 weight rows a unit of work. */
+static int amx_decode(int type, const block_format f, const float *x, int64_t m, int64_t k,
+                      const uint8_t *w, int64_t n, float *y, int64_t ldy, int split,
+                      int threads) {
+    const int64_t group = f.group, groups = k / group;
+    const int affine = amx_affine(type);
+    const size_t pair_bytes = sizeof(uint32_t) * (size_t)(k / 2 * 16);
+    uint8_t *inputs = aligned_alloc(64, 2 * pair_bytes + sizeof(float) * (size_t)(groups * 16));
+    if (inputs == NULL) {
+        return -1;
+    }
+    uint32_t *hi = (uint32_t *)inputs, *lo = (uint32_t *)(inputs + pair_bytes);
+    float *xsum = affine ? (float *)(inputs + 2 * pair_bytes) : NULL;
+    amx_decode_inputs(x, m, k, group, split, hi, lo, xsum);
+    const amx_decode_fn rows_fn = amx_decode_of(type);
+    const int64_t units = (n + 15) / 16;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t codes[16 * AMX_DECODE_VALUES] __attribute__((aligned(64)));
+        amx_decode_configure(group);
+#pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < units; ++unit) {
+            const int64_t first = unit * 16, last = first + 16 < n ? first + 16 : n;
+            rows_fn(split, affine, hi, lo, xsum, m, k, w, first, last, y, ldy, codes);
+        }
+        _tile_release();
+    }
+    free(inputs);
+    return 0;
+}
+
 /* Whether this build and process run hearth_blocks_gemm_amx for GGML type `type`: 1 or 0. */
 int hearth_blocks_gemm_amx_takes(int type) {
     block_format f;
@@ -2823,6 +3072,9 @@ int hearth_blocks_gemm_amx(int type, const float *x, int64_t m, int64_t k, const
     if (m < 1 || n < 1 || !hearth_blocks_gemm_amx_takes(type) || block_format_of(type, &f) != 0 ||
         k % f.values != 0) {
         return -1;
+    }
+    if (m <= MAX_INPUT_ROWS) {
+        return amx_decode(type, f, x, m, k, w, n, y, ldy, split, threads);
     }
     const int64_t group = f.group, groups = k / group, padded = (m + 15) / 16 * 16;
     const int affine = amx_affine(type);
