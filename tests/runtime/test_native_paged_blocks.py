@@ -204,3 +204,32 @@ def test_a_table_missing_a_block_read_is_refused(tiny_gqa_gguf: Path) -> None:
         rows = [native.PagedKV(planes, planes.clone(), blocks, 5, ((0, 6),))]
         with pytest.raises(ValueError, match="no block of the pool"):
             kernels.gemma3_blocks_layer(operands, x, x.clone(), rope, rope, rows)
+
+
+def test_eight_sequences_take_the_amx_head_within_its_input_rounding(
+    embedded_gguf: Path,
+) -> None:
+    """Eight sequences together on a CPU with AMX: the head (6+ rows) runs on AMX tiles with its
+    input rounded to one bf16, so each sequence's logits are its alone ones up to that rounding.
+    Measured: at most 0.10 apart on logits up to ~58 (8 prompts, 4 steps); tolerance 0.3, 3x
+    that (bf16's 2^-9 relative step on inputs summed over 640 products); the greedy tokens
+    agree (the smallest top-two margin there 0.009 — a near-tie may flip, none does here).
+    Three sequences (the test above) stay on the fp32 GEMV, bit for bit: so a difference here
+    is the head's."""
+    runner = Engine.load(embedded_gguf, device="cpu", progress=False).runner
+    if not runner.plan.gguf_amx_head_rows:
+        pytest.skip("no AMX-BF16 on this CPU: the head stays the fp32 GEMV (see the test above)")
+    vocab = runner.model.config.vocab_size
+    prompts = [_prompt(length, length, vocab) for length in (5, 37, 18, 9, 26, 3, 14, 30)]
+    steps = 2
+    together, _, _ = _paged_decode(runner, prompts, steps, 16)
+    worst = 0.0
+    with torch.inference_mode():
+        for row, prompt in enumerate(prompts):
+            caches = runner.new_caches()
+            logits = runner.prefill(torch.tensor([prompt]), caches)[0]
+            for step in range(steps):
+                logits = runner.decode(int(logits.argmax()), caches, len(prompt) + step)[0]
+                worst = max(worst, float((logits - together[step][row]).abs().max()))
+                assert int(logits.argmax()) == int(together[step][row].argmax())
+    assert 0.0 < worst <= 0.3
