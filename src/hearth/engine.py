@@ -152,7 +152,7 @@ class Engine:
         if plan is None:
             plan = ExecutionPlan.for_device(device)
             if asked_fp32:  # fp32 compute asked for: no GEMV rounds its inputs to bf16 either
-                plan = replace(plan, gguf_bf16_gemv_types=())
+                plan = replace(plan, gguf_bf16_gemv_types=(), gguf_amx_head_rows=0)
         tokenizer = checkpoint.tokenizer()
         model_ = build_model(checkpoint, dtype, device, progress, weights, plan)
         if path.is_dir() and (budget := checkpoint_image_tokens(path)) is not None:

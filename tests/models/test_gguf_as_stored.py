@@ -53,6 +53,7 @@ def fp32_engine(embedded_gguf: Path) -> Engine:
     does, tests/ops/test_native_bf16_gemv.py), the blocks still as stored."""
     engine = Engine.load(embedded_gguf, dtype="float32", device="cpu", progress=False)
     assert engine.runner.plan.gguf_bf16_gemv_types == ()
+    assert engine.runner.plan.gguf_amx_head_rows == 0
     assert isinstance(engine.model.layers[0].mlp.down_proj, GGUFLinear)
     return engine
 

@@ -32,6 +32,7 @@ from gguf_blocks_data import random_blocks
 from hearth.engine import Engine
 from hearth.layers.gguf import GGUFLinear
 from hearth.ops import native
+from hearth.ops import plan as plan_module
 from hearth.ops.plan import AMX_HEAD_ROWS, ExecutionPlan
 from native_builds import avx2_kernels
 
@@ -197,10 +198,15 @@ def test_a_head_decode_step_of_enough_rows_runs_on_amx_with_bf16_inputs(
 def test_the_plan_takes_amx_where_the_kernels_have_it(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = native.kernels()
     built = () if kernels is None else tuple(sorted(kernels.amx_gemm_types))
+    monkeypatch.delenv(plan_module.BF16_GEMV_VARIABLE, raising=False)
     plan = ExecutionPlan.for_device("cpu")
     assert plan.gguf_amx_prefill_types == built and not plan.gguf_amx_bf16_inputs
     assert plan.gguf_amx_head_rows == (AMX_HEAD_ROWS if built else 0)
     assert "gguf_amx_prefill_types" in plan.describe()
+    # fp32 activations asked for: the prefill's hi + lo stays (~16 bits), the head's bf16 goes.
+    monkeypatch.setenv(plan_module.BF16_GEMV_VARIABLE, "0")
+    assert ExecutionPlan.for_device("cpu").gguf_amx_head_rows == 0
+    monkeypatch.delenv(plan_module.BF16_GEMV_VARIABLE)
     if kernels is None:
         return
     built_without = avx2_kernels()

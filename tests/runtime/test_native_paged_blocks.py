@@ -210,26 +210,44 @@ def test_eight_sequences_take_the_amx_head_within_its_input_rounding(
     embedded_gguf: Path,
 ) -> None:
     """Eight sequences together on a CPU with AMX: the head (6+ rows) runs on AMX tiles with its
-    input rounded to one bf16, so each sequence's logits are its alone ones up to that rounding.
-    Measured: at most 0.10 apart on logits up to ~58 (8 prompts, 4 steps); tolerance 0.3, 3x
-    that (bf16's 2^-9 relative step on inputs summed over 640 products); the greedy tokens
-    agree (the smallest top-two margin there 0.009 — a near-tie may flip, none does here).
-    Three sequences (the test above) stay on the fp32 GEMV, bit for bit: so a difference here
-    is the head's."""
-    runner = Engine.load(embedded_gguf, device="cpu", progress=False).runner
+    input rounded to one bf16, so each sequence's logits are its alone ones (fed the same
+    tokens) up to that rounding. Measured: at most 0.057 apart here (8 text prompts, 4 steps;
+    0.10 on random-token prompts, logits up to ~58); tolerance 0.3, 3x the larger (bf16's 2^-9
+    relative step on inputs summed over 640 products). So the greedy tokens agree wherever the
+    alone run's top two logits are more than twice that apart (23 of the 32 picks here). Three
+    sequences (the test above) stay on the fp32 GEMV, bit for bit: a difference here is the
+    head's."""
+    engine = Engine.load(embedded_gguf, device="cpu", progress=False)
+    runner = engine.runner
     if not runner.plan.gguf_amx_head_rows:
         pytest.skip("no AMX-BF16 on this CPU: the head stays the fp32 GEMV (see the test above)")
-    vocab = runner.model.config.vocab_size
-    prompts = [_prompt(length, length, vocab) for length in (5, 37, 18, 9, 26, 3, 14, 30)]
-    steps = 2
+    tolerance = 0.3
+    texts = [
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea,",
+        "def fibonacci(n):\n    ",
+        "The three primary colors are",
+        "Water boils at",
+        "In July 1969, Neil Armstrong",
+        "A haiku about autumn:\n",
+        "The quick brown fox",
+    ]
+    prompts = [engine.encode(text, chat=False) for text in texts]
+    steps = 4
     together, _, _ = _paged_decode(runner, prompts, steps, 16)
-    worst = 0.0
+    worst, compared = 0.0, 0
     with torch.inference_mode():
         for row, prompt in enumerate(prompts):
             caches = runner.new_caches()
-            logits = runner.prefill(torch.tensor([prompt]), caches)[0]
+            token = int(runner.prefill(torch.tensor([prompt]), caches)[0].argmax())
             for step in range(steps):
-                logits = runner.decode(int(logits.argmax()), caches, len(prompt) + step)[0]
-                worst = max(worst, float((logits - together[step][row]).abs().max()))
-                assert int(logits.argmax()) == int(together[step][row].argmax())
-    assert 0.0 < worst <= 0.3
+                logits = runner.decode(token, caches, len(prompt) + step)[0]
+                batched = together[step][row]
+                worst = max(worst, float((logits - batched).abs().max()))
+                top = logits.topk(2).values
+                if top[0] - top[1] > 2 * tolerance:
+                    assert int(logits.argmax()) == int(batched.argmax()), (row, step)
+                    compared += 1
+                token = int(batched.argmax())  # the token the batched run fed next
+    assert 0.0 < worst <= tolerance
+    assert compared >= steps * len(prompts) // 2  # most picks are clear on these prompts

@@ -54,12 +54,14 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 @functools.cache
 def _runners(path: Path) -> tuple[ModelRunner, ModelRunner]:
-    """A native and a module runner of one load of `path` (loaded once per file)."""
-    engine = Engine.load(path, device="cpu", progress=False)
+    """A native and a module runner of one load of `path` (loaded once per file). The head
+    stays the block GEMV at every row count (a CPU with AMX takes 6+ rows on AMX tiles with
+    bf16 inputs, tests/runtime/test_native_paged_blocks.py): the layers are what is compared."""
+    plan = replace(ExecutionPlan.for_device("cpu"), gguf_amx_head_rows=0)
+    engine = Engine.load(path, device="cpu", progress=False, plan=plan)
     model = engine.model
     assert model.compute_dtype == torch.float32
     assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear)
-    plan = ExecutionPlan.for_device("cpu")
     return ModelRunner(model, plan), ModelRunner(model, replace(plan, native_layers=False))
 
 

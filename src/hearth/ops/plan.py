@@ -68,7 +68,8 @@ class ExecutionPlan:
     # CPU: a decode step of at least this many rows (0: none) runs the tied GGUF output head on
     # AMX bf16 tiles, its input rounded to bf16 as the oracle's bf16 rounds it (the weights
     # exact): from ~6 rows the fp32 GEMV over the 262144-row head is compute-bound
-    # (benchmarks/results/cpu_amx_head-2026-12-07.md). Set with `gguf_amx_prefill_types`.
+    # (benchmarks/results/cpu_amx_head-2026-12-07.md). Set with `gguf_amx_prefill_types`,
+    # unless ``HEARTH_GGUF_BF16=0`` (or ``--dtype float32``) keeps fp32 activations.
     gguf_amx_head_rows: int = 0
     # GGUF blocks kept as stored computed by the Triton block kernels (`ops.gguf_matmul`), not
     # the torch/native CPU path: on CUDA (CPU tests take it under Triton's interpreter).
@@ -114,17 +115,19 @@ class ExecutionPlan:
             )
         kernels = native_kernels.kernels()
         native = kernels is not None
+        bf16_inputs = os.environ.get(BF16_GEMV_VARIABLE, "1") != "0"
         bf16_gemv = ()
-        if kernels is not None and os.environ.get(BF16_GEMV_VARIABLE, "1") != "0":
+        if kernels is not None and bf16_inputs:
             bf16_gemv = tuple(t for t in BF16_GEMV_TYPES if t in kernels.bf16_gemv_types)
         amx_prefill = tuple(sorted(kernels.amx_gemm_types)) if kernels is not None else ()
+        amx_head = bf16_inputs and bool(amx_prefill) and device.type == "cpu"
         return cls(
             device.type,
             native_kernels=native,
             native_layers=native,
             gguf_bf16_gemv_types=bf16_gemv,
             gguf_amx_prefill_types=amx_prefill if device.type == "cpu" else (),
-            gguf_amx_head_rows=AMX_HEAD_ROWS if amx_prefill and device.type == "cpu" else 0,
+            gguf_amx_head_rows=AMX_HEAD_ROWS if amx_head else 0,
             bf16_matmul_as_fp32=device.type == "cpu" and bf16_gemm.widen_bf16_products(),
             huge_pages=device.type == "cpu" and huge_pages.enabled(),
         )
