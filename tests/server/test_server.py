@@ -263,18 +263,20 @@ SIXTEEN_PROMPTS = [
     "7, 8, 9, 10,",
     "item1 item2 item3",
 ]
-# The server computes the embedded GGUF in fp32 on the CPU: a batched step and a request alone
-# may sum in another order, ~1e-6 of logits of 10-30. A token is compared only where the alone
-# run's top two log-probs are further apart than that can move them.
-NEAR_TIE = 1e-3
+# A batched step and a request alone may sum in another order (~1e-6 of logits of 10-30), and
+# on a CPU with AMX a step of 6+ rows runs the head with its input rounded to bf16: logits then
+# move by up to ~0.1 (bound 0.3, tests/runtime/test_native_paged_blocks.py). A token is compared
+# only where the alone run's top two log-probs are further apart than twice that bound.
+NEAR_TIE = 0.6
 
 
-def test_sixteen_concurrent_streams_each_equal_its_own_sequential_answer(
-    oai: openai.OpenAI,
-) -> None:
+def test_sixteen_concurrent_streams_each_equal_its_own_sequential_answer(base_url: str) -> None:
     """16 streaming requests at once through the openai SDK (more than the CPU default of 8
     running: the rest wait their turn) all complete, and each streams the tokens its request
-    gives when sent alone, up to the first near tie of the alone run."""
+    gives when sent alone, up to the first near tie of the alone run. A client of its own: the
+    module's holds connections idle since earlier tests, which the server closes after 5 s
+    (uvicorn's keep-alive) — one reused just as it closed failed a full run, retries off."""
+    oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     fields: dict[str, Any] = {"model": "gemma", "max_tokens": 10, "temperature": 0, "logprobs": 2}
     alone = [
         oai.completions.create(prompt=p, **fields).choices[0].logprobs for p in SIXTEEN_PROMPTS
@@ -284,7 +286,7 @@ def test_sixteen_concurrent_streams_each_equal_its_own_sequential_answer(
         chunks = oai.completions.create(prompt=prompt, stream=True, **fields)
         return [token for chunk in chunks for token in (chunk.choices[0].logprobs.tokens or [])]
 
-    with ThreadPoolExecutor(16) as pool:
+    with oai, ThreadPoolExecutor(16) as pool:
         together = list(pool.map(stream, SIXTEEN_PROMPTS))
     compared = 0
     for prompt, own, streamed in zip(SIXTEEN_PROMPTS, alone, together, strict=True):
