@@ -2857,8 +2857,8 @@ static void amx_decode_configure(int64_t group) {
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; ++t) {
-        config.rows[t] = t < 2 || (t >= 2 && t < 4) ? 16 : (uint8_t)(group / 2);
-        config.colsb[t] = t >= 2 && t < 4 ? (uint16_t)(2 * group) : 64;
+        config.rows[t] = t < 4 ? 16 : (uint8_t)(group / 2);
+        config.colsb[t] = t == 2 || t == 3 ? (uint16_t)(2 * group) : 64;
     }
     _tile_loadconfig(&config);
 }
