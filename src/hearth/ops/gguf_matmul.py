@@ -526,18 +526,13 @@ if HAS_TRITON:
     def _multiprocessors(index: int) -> int:
         return torch.cuda.get_device_properties(index).multi_processor_count
 
-    def gemv_split(
-        n: int, k: int, block_n: int, multiprocessors: int, programs_per_sm: int = 4
-    ) -> int:
+    def gemv_split(n: int, k: int, block_n: int, multiprocessors: int) -> int:
         """K slices for a GEMV: a program keeps one step of its rows' blocks in flight, so a
         weight with few rows (o, down: 3840 of 12B) has too few bytes in flight over the GPU
-        unless K is split; split until there are `programs_per_sm` programs an SM, each slice
-        two steps or more, at most 8 slices."""
+        unless K is split; split until there are four programs an SM, each slice two steps
+        or more, at most 8 slices."""
         programs, steps, split = triton.cdiv(n, block_n), triton.cdiv(k, STEP_VALUES), 1
-        while (
-            split < 8 and programs * split < programs_per_sm * multiprocessors
-            and steps >= 4 * split
-        ):  # fmt: skip
+        while split < 8 and programs * split < 4 * multiprocessors and steps >= 4 * split:
             split *= 2
         return split
 
@@ -1144,10 +1139,7 @@ if HAS_TRITON:
             block_n = cuda_rows if x2d.is_cuda else INTERPRETER_BLOCK_N
         block_g = block_g or PLANAR_BLOCK_G
         if split_k is None:
-            # One-row Q4_K (16 rows a program) is fastest at two programs an SM: its 12B q/k/v
-            # unsplit, o and down in two slices (four: 1.1-1.3x slower on an H100).
-            per_sm = 2 if m == 1 and type_id == 12 else 4
-            split_k = gemv_split(n, k, block_n, units, per_sm) if x2d.is_cuda else 1
+            split_k = gemv_split(n, k, block_n, units) if x2d.is_cuda else 1
         if split_k > 1:
             partial = torch.empty(split_k * m * n, dtype=torch.float32, device=x2d.device)
             counters = _counters(x2d.device, triton.cdiv(n, block_n))
