@@ -420,6 +420,11 @@ class _StoredBlockWeights:
             )
         )
         table_kind = GGUFKernelTable if kernels else GGUFEmbeddingHead
+        head_kind = (
+            linear_kind
+            if kernels
+            else functools.partial(linear_kind, amx_decode_rows=plan.gguf_amx_head_rows)
+        )
         # On the meta device (a fit's sizing) the blocks are shapes only: nothing is read.
         self._sizing = device.type == "meta"
         self.modules: dict[str, nn.Module] = {}
@@ -442,12 +447,7 @@ class _StoredBlockWeights:
         if model.config.tie_word_embeddings:
             table = self._blocks("embed_tokens.weight")
             if table is not None:
-                head = (
-                    linear_kind([table], model.config.hidden_size)
-                    if kernels
-                    else linear_kind([table], model.config.hidden_size,
-                                     amx_decode_rows=plan.gguf_amx_head_rows)
-                )  # fmt: skip
+                head = head_kind([table], model.config.hidden_size)
                 self.modules["embed_tokens"] = table_kind(head)  # type: ignore[arg-type]
                 self.consumed.add("embed_tokens.weight")
         per_layer = "embed_tokens_per_layer.weight"
