@@ -2863,19 +2863,44 @@ static void amx_decode_configure(int64_t group) {
     _tile_loadconfig(&config);
 }
 
-/* acc[r] += step[r] * C[r] (- offset[r] * xsum) for the 16 rows of a stored sum tile. */
+/* acc[r] += step[r] * C[r] (- offset[r] * xsum, the group's input sums: affine types) for the 16
+ * rows of a stored sum tile. */
 static inline __attribute__((always_inline)) void amx_decode_scale(__m512 *acc, const float *sums,
                                                                    const float *step,
                                                                    const float *offset,
-                                                                   __m512 xsum, int affine) {
+                                                                   const float *xsum, int affine) {
+    const __m512 group_sums = affine ? _mm512_loadu_ps(xsum) : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
         acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(step[r]), _mm512_load_ps(sums + 16 * r), acc[r]);
         if (affine) {
-            acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(offset[r]), xsum, acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(offset[r]), group_sums, acc[r]);
         }
     }
 }
+
+/* In amx_decode_rows_of: sum tile C = the 16 weight rows' codes of unpacked group g (loaded
+ * into tile A) times the input rows' pairs of that group (tile B_HI, and B_LO when split). */
+#define AMX_DECODE_DOT(C, A, B_HI, B_LO, g)                                                     \
+    do {                                                                                        \
+        const int64_t at_ = (group0 + (g)) * (group / 2) * 16;                                  \
+        _tile_zero(C);                                                                          \
+        _tile_loadd(A, codes + (g) * 16 * group, 2 * group);                                    \
+        _tile_loadd(B_HI, hi + at_, 64);                                                        \
+        _tile_dpbf16ps(C, A, B_HI);                                                             \
+        if (split) {                                                                            \
+            _tile_loadd(B_LO, lo + at_, 64);                                                    \
+            _tile_dpbf16ps(C, A, B_LO);                                                         \
+        }                                                                                       \
+    } while (0)
+
+/* acc += sum tile C, stored, scaled by unpacked group g's steps (less offsets). */
+#define AMX_DECODE_SCALE(C, g)                                                                  \
+    do {                                                                                        \
+        _tile_stored(C, sums[C], 64);                                                           \
+        amx_decode_scale(acc, sums[C], steps[g], offsets[g],                                    \
+                         affine ? xsum + (group0 + (g)) * 16 : NULL, affine);                   \
+    } while (0)
 
 /* Blocks unpacked at a time for 16 weight rows: two of a 32-value type (two groups), one of a
  * 256-value type (8 or 16 groups). */
@@ -2930,48 +2955,15 @@ static inline __attribute__((always_inline)) void amx_decode_rows_of(
         }
         const int64_t group0 = b0 * per_block; /* the first group's index along k */
         int64_t g = 0;
-        for (; g + 1 < groups; g += 2) {
-            const int64_t at = (group0 + g) * (group / 2) * 16, next = at + (group / 2) * 16;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(2, codes + g * 16 * group, 2 * group);
-            _tile_loadd(3, codes + (g + 1) * 16 * group, 2 * group);
-            _tile_loadd(4, hi + at, 64);
-            _tile_loadd(5, hi + next, 64);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_dpbf16ps(1, 3, 5);
-            if (split) {
-                _tile_loadd(6, lo + at, 64);
-                _tile_loadd(7, lo + next, 64);
-                _tile_dpbf16ps(0, 2, 6);
-                _tile_dpbf16ps(1, 3, 7);
-            }
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(1, sums[1], 64);
-            amx_decode_scale(acc, sums[0], steps[g], offsets[g],
-                             affine ? _mm512_loadu_ps(xsum + (group0 + g) * 16)
-                                    : _mm512_setzero_ps(),
-                             affine);
-            amx_decode_scale(acc, sums[1], steps[g + 1], offsets[g + 1],
-                             affine ? _mm512_loadu_ps(xsum + (group0 + g + 1) * 16)
-                                    : _mm512_setzero_ps(),
-                             affine);
+        for (; g + 1 < groups; g += 2) { /* two groups' tiles in flight */
+            AMX_DECODE_DOT(0, 2, 4, 6, g);
+            AMX_DECODE_DOT(1, 3, 5, 7, g + 1);
+            AMX_DECODE_SCALE(0, g);
+            AMX_DECODE_SCALE(1, g + 1);
         }
         if (g < groups) { /* a last block alone of a 32-value type */
-            const int64_t at = (group0 + g) * (group / 2) * 16;
-            _tile_zero(0);
-            _tile_loadd(2, codes + g * 16 * group, 2 * group);
-            _tile_loadd(4, hi + at, 64);
-            _tile_dpbf16ps(0, 2, 4);
-            if (split) {
-                _tile_loadd(6, lo + at, 64);
-                _tile_dpbf16ps(0, 2, 6);
-            }
-            _tile_stored(0, sums[0], 64);
-            amx_decode_scale(acc, sums[0], steps[g], offsets[g],
-                             affine ? _mm512_loadu_ps(xsum + (group0 + g) * 16)
-                                    : _mm512_setzero_ps(),
-                             affine);
+            AMX_DECODE_DOT(0, 2, 4, 6, g);
+            AMX_DECODE_SCALE(0, g);
         }
     }
     for (int r = 0; r < rows; ++r) {
@@ -2983,6 +2975,9 @@ static inline __attribute__((always_inline)) void amx_decode_rows_of(
         }
     }
 }
+
+#undef AMX_DECODE_DOT
+#undef AMX_DECODE_SCALE
 
 typedef void (*amx_decode_fn)(int, int, const uint32_t *, const uint32_t *, const float *,
                               int64_t, int64_t, const uint8_t *, int64_t, int64_t, float *,
