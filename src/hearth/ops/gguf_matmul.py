@@ -753,16 +753,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_planar_rows(
-        out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
-        M: tl.constexpr, SPLIT_K: tl.constexpr,
+        out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, less0, less1, less2, less3,
+        n, n_ok, N, stride_om, M: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Each row's sums over K (acc summed over its group and word axes), rounded once to
-        out's dtype; a K split's last program to arrive adds the slices' fp32 partials in
-        slice order (deterministic, no float atomics) and resets its counter."""
-        r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)
-        r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
-        r2 = tl.sum(tl.sum(acc2, axis=2), axis=0)
-        r3 = tl.sum(tl.sum(acc3, axis=2), axis=0)
+        """Each row's sums over K (acc summed over its group and word axes) less `less_m`
+        [BLOCK_N], rounded once to out's dtype; a K split's last program to arrive adds the
+        slices' fp32 partials in slice order (deterministic, no float atomics) and resets its
+        counter."""
+        r0 = tl.sum(tl.sum(acc0, axis=2), axis=0) - less0
+        r1 = tl.sum(tl.sum(acc1, axis=2), axis=0) - less1
+        r2 = tl.sum(tl.sum(acc2, axis=2), axis=0) - less2
+        r3 = tl.sum(tl.sum(acc3, axis=2), axis=0) - less3
         if SPLIT_K == 1:
             tl.store(out_ptr + n, r0.to(out_ptr.dtype.element_ty), mask=n_ok)
             if M > 1:
@@ -803,18 +804,16 @@ if HAS_TRITON:
         MASKED: tl.constexpr,
     ):  # fmt: skip
         """What one step of the planar GEMV reads of its rows, as loaded: the words and four
-        scale operands (Q4_K: scales, mins, d, dmin; Q6_K: high words, first and second
-        scales, d; Q4_0 and Q8_0: d, then d again, unused)."""
+        scale operands (Q4_K: scales, then d thrice, the last two unused; Q6_K: high words,
+        first and second scales, d; Q4_0 and Q8_0: d, then d again, unused)."""
         u = step * (BLOCK_G * UPG) + u_in
         g = u // UPG
         g_ok = g < GROUPS
         words = _load_if(word_rows + 4 * u + w, g_ok, MASKED)
-        if TYPE == 12:
+        if TYPE == 12:  # the mins and dmin are the epilogue's (`_q4_k_min_terms`)
             a = _load_if(byte_rows + PLANE_A + g, g_ok, MASKED)
-            b = _load_if(byte_rows + PLANE_B + g, g_ok, MASKED)
             c = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED)
-            d = _load_if(half_rows + PLANE_D + g // 8, g_ok, MASKED)
-            return words, a, b, c, d
+            return words, a, c, c, c
         elif TYPE == 14:
             high = _load_if(word_rows + PLANE_A + 2 * g + w // 2, g_ok, MASKED)
             first = _load_if(byte_rows + PLANE_B + 2 * g, g_ok, MASKED)
@@ -843,55 +842,48 @@ if HAS_TRITON:
             x_at = x_first.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2)[None, None, :]
         else:
             x_at = x_first + w
-        if TYPE == 12:
-            scale = c.to(tl.float32) * a.to(tl.float32)
-            offset = d.to(tl.float32) * b.to(tl.float32)
+        dots0 = tl.zeros(acc0.shape, tl.float32)
+        dots1 = tl.zeros(acc0.shape, tl.float32)
+        dots2 = tl.zeros(acc0.shape, tl.float32)
+        dots3 = tl.zeros(acc0.shape, tl.float32)
+        if TYPE == 14:
+            e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
+            high_low = a << (4 - 2 * e)
+            high_up = a >> (12 + 2 * e)
+            half = d.to(tl.float32)
+            scale_first = half * b.to(tl.int8, bitcast=True).to(tl.float32)
+            scale = half * c.to(tl.int8, bitcast=True).to(tl.float32)
             for j in tl.static_range(8):
-                weight = scale * _planar_code(words, upper, two23, j, 4, 0.0) - offset
-                acc0, acc1, acc2, acc3 = _rows_fma(
-                    acc0, acc1, acc2, acc3, weight, x_at, 4 * j, stride_xm, g_ok, M, MASKED,
-                    PAIRS,
+                code = _q6_k_code(words, upper, high_low, high_up, two23, j)
+                dots0, dots1, dots2, dots3 = _rows_fma(
+                    dots0, dots1, dots2, dots3, code, x_at, 4 * j, stride_xm, g_ok, M,
+                    MASKED, PAIRS,
                 )  # fmt: skip
+                if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
+                    acc0, acc1, acc2, acc3 = _scaled_add(
+                        acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale_first, M
+                    )
+                    dots0 = tl.zeros(acc0.shape, tl.float32)
+                    dots1 = tl.zeros(acc0.shape, tl.float32)
+                    dots2 = tl.zeros(acc0.shape, tl.float32)
+                    dots3 = tl.zeros(acc0.shape, tl.float32)
         else:
-            dots0 = tl.zeros(acc0.shape, tl.float32)
-            dots1 = tl.zeros(acc0.shape, tl.float32)
-            dots2 = tl.zeros(acc0.shape, tl.float32)
-            dots3 = tl.zeros(acc0.shape, tl.float32)
-            if TYPE == 14:
-                e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
-                high_low = a << (4 - 2 * e)
-                high_up = a >> (12 + 2 * e)
-                half = d.to(tl.float32)
-                scale_first = half * b.to(tl.int8, bitcast=True).to(tl.float32)
-                scale = half * c.to(tl.int8, bitcast=True).to(tl.float32)
-                for j in tl.static_range(8):
-                    code = _q6_k_code(words, upper, high_low, high_up, two23, j)
-                    dots0, dots1, dots2, dots3 = _rows_fma(
-                        dots0, dots1, dots2, dots3, code, x_at, 4 * j, stride_xm, g_ok, M,
-                        MASKED, PAIRS,
-                    )  # fmt: skip
-                    if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
-                        acc0, acc1, acc2, acc3 = _scaled_add(
-                            acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale_first, M
-                        )
-                        dots0 = tl.zeros(acc0.shape, tl.float32)
-                        dots1 = tl.zeros(acc0.shape, tl.float32)
-                        dots2 = tl.zeros(acc0.shape, tl.float32)
-                        dots3 = tl.zeros(acc0.shape, tl.float32)
+            WPG: tl.constexpr = 4 * UPG
+            BITS: tl.constexpr = 8 if TYPE == 8 else 4
+            BIAS: tl.constexpr = 128.0 if TYPE == 8 else (0.0 if TYPE == 12 else 8.0)
+            if TYPE == 12:  # d·sc: exact, an fp16 times a 6-bit integer
+                scale = c.to(tl.float32) * a.to(tl.float32)
             else:
-                WPG: tl.constexpr = 4 * UPG
-                BITS: tl.constexpr = 8 if TYPE == 8 else 4
-                BIAS: tl.constexpr = 128.0 if TYPE == 8 else 8.0
                 scale = a.to(tl.float32)
-                for j in tl.static_range(32 // WPG):
-                    code = _planar_code(words, upper, two23, j, BITS, BIAS)
-                    dots0, dots1, dots2, dots3 = _rows_fma(
-                        dots0, dots1, dots2, dots3, code, x_at, WPG * j, stride_xm, g_ok, M,
-                        MASKED, PAIRS,
-                    )  # fmt: skip
-            acc0, acc1, acc2, acc3 = _scaled_add(
-                acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
-            )
+            for j in tl.static_range(32 // WPG):
+                code = _planar_code(words, upper, two23, j, BITS, BIAS)
+                dots0, dots1, dots2, dots3 = _rows_fma(
+                    dots0, dots1, dots2, dots3, code, x_at, WPG * j, stride_xm, g_ok, M,
+                    MASKED, PAIRS,
+                )  # fmt: skip
+        acc0, acc1, acc2, acc3 = _scaled_add(
+            acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
+        )
         return acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -969,10 +961,59 @@ if HAS_TRITON:
                 M, BLOCK_G, UPG, GROUPS, MASKED,
             )  # fmt: skip
             step += 1
+        if TYPE == 12:
+            first = pid_k * SLICE * BLOCK_G
+            less0, less1, less2, less3 = _q4_k_min_terms(
+                x_ptr, (bytes_ptr + n_read * stride_bytes)[:, None],
+                (halves_ptr + n_read * stride_halves)[:, None], first,
+                tl.minimum(end * BLOCK_G, GROUPS), stride_xm, M, PLANE_B, PLANE_D,
+            )  # fmt: skip
+        else:
+            less0, less1, less2, less3 = 0.0, 0.0, 0.0, 0.0
         _store_planar_rows(
-            out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
-            M, SPLIT_K,
+            out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, less0, less1, less2,
+            less3, n, n_ok, N, stride_om, M, SPLIT_K,
         )  # fmt: skip
+
+    @triton.jit
+    def _q4_k_min_terms(
+        x_ptr, bytes_at, halves_at, first, end, stride_xm, M: tl.constexpr,
+        PLANE_B: tl.constexpr, PLANE_D: tl.constexpr,
+    ):  # fmt: skip
+        """Q4_K's offsets, Σ_g dmin·m_g · Σ_(k in g) x_m[k] over groups [first, end) of each
+        row [BLOCK_N] (`bytes_at`, `halves_at`: the rows' [BLOCK_N, 1] pointers) for the M
+        rows: once a program after its loop, in tiles [rows, groups] of their own, so the
+        loop's work a weight is the symmetric types'. dmin·m is exact (an fp16 times a 6-bit
+        integer)."""
+        CHUNK: tl.constexpr = 32
+        less0 = tl.zeros([bytes_at.shape[0]], tl.float32)
+        less1 = tl.zeros([bytes_at.shape[0]], tl.float32)
+        less2 = tl.zeros([bytes_at.shape[0]], tl.float32)
+        less3 = tl.zeros([bytes_at.shape[0]], tl.float32)
+        g0 = first
+        while g0 < end:
+            g = g0 + tl.arange(0, CHUNK)
+            g_ok = g < end
+            least = tl.load(bytes_at + PLANE_B + g[None, :], mask=g_ok[None, :], other=0)
+            dmin = tl.load(halves_at + PLANE_D + g[None, :] // 8, mask=g_ok[None, :], other=0)
+            offset = dmin.to(tl.float32) * least.to(tl.float32)  # [rows, CHUNK]
+            x_at = x_ptr + g[:, None] * 32 + tl.arange(0, 32)[None, :]
+            x_ok = g_ok[:, None]
+            sums = tl.sum(tl.load(x_at, mask=x_ok, other=0).to(tl.float32), axis=1)
+            less0 += tl.sum(offset * sums[None, :], axis=1)
+            if M > 1:
+                sums = tl.sum(tl.load(x_at + stride_xm, mask=x_ok, other=0).to(tl.float32), 1)
+                less1 += tl.sum(offset * sums[None, :], axis=1)
+            if M > 2:
+                at = x_at + 2 * stride_xm
+                sums = tl.sum(tl.load(at, mask=x_ok, other=0).to(tl.float32), axis=1)
+                less2 += tl.sum(offset * sums[None, :], axis=1)
+            if M > 3:
+                at = x_at + 3 * stride_xm
+                sums = tl.sum(tl.load(at, mask=x_ok, other=0).to(tl.float32), axis=1)
+                less3 += tl.sum(offset * sums[None, :], axis=1)
+            g0 += CHUNK
+        return less0, less1, less2, less3
 
     @triton.jit
     def _planar_step_values(
