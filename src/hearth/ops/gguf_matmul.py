@@ -32,14 +32,15 @@ conversion per weight (I2F issues at a quarter of the FMA rate).
     4 words], so a thread holds 16 bytes of codes of each of several rows, and for each code
     position j one vector load of 4 adjacent x values serves all of them. The budget a
     weight: one LOP3 and one FADD make the exact code (Q6_K: two LOP3s join the nibble and
-    the two high bits into one field), then Q4_K forms the weight with one FMA,
-    fl(d·sc · q - dmin·m) (d·sc and dmin·m formed once a group: exact, an fp16 times a 6-bit
-    integer), and adds x times it with a second; the symmetric types (w = s·q, exact) add
-    x·q and scale each group's sums (Q6_K: each 16 values') once. Floors of 4 (Q4_K, Q6_K)
-    and 3 (Q4_0, Q8_0) instructions; the sm_90 SASS of the loop at one activation row and
-    64 weight rows counts Q4_K 5.2, Q6_K 5.9, Q4_0 4.0, Q8_0 4.5 (x's bf16 to fp32, one
-    shift a word moving codes past bit 23 down, pointers, scale loads make the rest;
-    benchmarks/results/gguf_planar_sass-2026-12-07.md).
+    the two high bits into one field) and one FMA adds x times it; each group's sum (Q6_K:
+    each 16 values') is scaled once (d; Q4_K d·sc; Q6_K d·sc: exact, an fp16 times a small
+    integer). Q4_K's offsets, Σ_g dmin·m_g·Σ x over the group, are taken off once a program
+    after the loop (`_q4_k_min_terms`), so no weight is formed. Floors of 4 (Q6_K) and 3
+    instructions; the sm_90 SASS of the loop at one activation row and 64 weight rows
+    counts Q4_K 4.2, Q6_K 5.9, Q4_0 4.0, Q8_0 4.5 (x's bf16 to fp32, one shift a word moving
+    codes past bit 23 down, pointers, scale loads make the rest;
+    benchmarks/results/gguf_planar_sass-2026-12-07.md, Q4_K's before its offsets left the
+    loop: 5.2).
 * **Dot** (5..32 rows: batched decode, short prompts): each program decodes a step of
   ``BLOCK_N`` rows, rounds it to the activations' dtype (bf16, as the prefill below) and feeds
   it to a tensor-core `tl.dot` against 16 or 32 activation rows; fp32 sums. fp32 activations
@@ -871,10 +872,8 @@ if HAS_TRITON:
             WPG: tl.constexpr = 4 * UPG
             BITS: tl.constexpr = 8 if TYPE == 8 else 4
             BIAS: tl.constexpr = 128.0 if TYPE == 8 else (0.0 if TYPE == 12 else 8.0)
-            if TYPE == 12:  # d·sc: exact, an fp16 times a 6-bit integer
-                scale = c.to(tl.float32) * a.to(tl.float32)
-            else:
-                scale = a.to(tl.float32)
+            # Q4_K: d·sc, exact (an fp16 times a 6-bit integer); the others d.
+            scale = c.to(tl.float32) * a.to(tl.float32) if TYPE == 12 else a.to(tl.float32)
             for j in tl.static_range(32 // WPG):
                 code = _planar_code(words, upper, two23, j, BITS, BIAS)
                 dots0, dots1, dots2, dots3 = _rows_fma(
@@ -899,13 +898,11 @@ if HAS_TRITON:
         BLOCK_N rows, SPLIT_K slices of K's steps of BLOCK_G 32-value groups). A program's
         tiles are [BLOCK_G groups, BLOCK_N, words a group] (in units of 4 words); code j of
         every word pairs with x at 32g + WPG·j + w (adjacent in x: one vector load serves a
-        thread's words of all its rows). Q4_K forms each weight, fl(d·sc · q - dmin·m), with
-        one FMA (d·sc and dmin·m are exact fp32 products of an fp16 and a 6-bit integer, and
-        so is d·sc · q: the FMA rounds exactly where `gguf.quants.dequantize` rounds), then
-        adds x times it. The
-        symmetric types (w = s · q, s · q exact) add x · q and scale each group's (or Q6_K's
-        16 values') sum once. Planes (PLANE_*): Q4_K scales, mins (bytes), d, dmin (halves);
-        Q6_K high words (words), scales (bytes), d (halves); Q4_0, Q8_0 d (halves)."""
+        thread's words of all its rows). Every type adds x · q and scales each group's (or
+        Q6_K's 16 values') sum once (Q4_K by d·sc, exact); Q4_K's offsets (dmin·m times the
+        group's x sum) come off after the loop. Planes (PLANE_*): Q4_K scales, mins (bytes),
+        d, dmin (halves); Q6_K high words (words), scales (bytes), d (halves); Q4_0, Q8_0 d
+        (halves)."""
         WPG: tl.constexpr = 8 if TYPE == 8 else 4
         GROUPS: tl.constexpr = K // 32
         pid_n = tl.program_id(0)
