@@ -170,45 +170,25 @@ def test_bad_operands_are_refused_by_name() -> None:
 PLANAR_IDS = [BLOCK_FORMATS[t].name for t in gb.PLANAR_TYPES]
 
 
-def _magnitude(type_id: int, raw: np.ndarray, weight: torch.Tensor) -> torch.Tensor:
-    """What `_planar_bound` sums |x| against: |w| for the symmetric types; for Q4_K, whose
-    GEMV adds d·sc·Σ x·q and takes Σ_g dmin·m·Σ x off after its loop (never forming w =
-    fl(d·sc·q - dmin·m)), |w| + 2·|dmin·m|, which holds |d·sc·q| + |dmin·m| (dmin·m read
-    by the oracle itself: the blocks with their codes zeroed decode to -dmin·m)."""
-    if type_id != 12:
-        return weight.abs()
-    codeless = raw.reshape(raw.shape[0], -1, 144).copy()
-    codeless[:, :, 16:] = 0
-    offsets = gguf.quants.dequantize(codeless.reshape(raw.shape), gguf.GGMLQuantizationType(12))
-    return weight.abs() + 2 * torch.from_numpy(np.ascontiguousarray(offsets)).abs()
+def _planar(type_id: int, rows: int = ROWS, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(planar rows on the test device, the oracle's fp32 values of the file's blocks)."""
+    blocks, values = _weights(type_id, rows, seed)
+    return gb.to_planar(type_id, blocks.cpu()).to(DEVICE), values
 
 
-def _planar(type_id: int, rows: int = ROWS, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """(planar rows on the test device, the oracle's fp32 values of the file's blocks, their
-    `_magnitude`)."""
-    raw = random_blocks(type_id, rows, _width(type_id), seed=seed + type_id)
-    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id))
-    weight = torch.from_numpy(np.ascontiguousarray(values))
-    planar = gb.to_planar(type_id, torch.from_numpy(raw)).to(DEVICE)
-    return planar, weight, _magnitude(type_id, raw, weight)
-
-
-def _planar_bound(x: torch.Tensor, magnitude: torch.Tensor, type_id: int) -> torch.Tensor:
-    """γ_k'·Σ|x_i|·magnitude_i. The symmetric types (w = s·q, exact) add x·q and multiply each
-    group's sum by s: k' = k + 1 roundings on a term's path (a product, the scale, at most
-    k - 1 additions). Q4_K: the same on the d·sc·q terms, at most k + 1 on the dmin·m ones
-    (a group's x sum, the product, the groups' sum), one subtraction of the two, and the
-    oracle's own rounding of each weight: k' = k + 3 over |d·sc·q| + |dmin·m|. The dot and
-    tiled paths form each weight (γ_k·Σ|x·w|, within this)."""
-    k = x.shape[-1] + (3 if type_id == 12 else 1)
+def _planar_bound(x: torch.Tensor, weight: torch.Tensor, type_id: int) -> torch.Tensor:
+    """γ_k·Σ|x_i·w_i| as above for Q4_K, whose kernels form each weight and add x times it. The
+    symmetric types (w = s·q, exact) add x·q and multiply each group's sum by s: one rounding
+    more on each term's path (k + 1 in all: a product, the scale, at most k - 1 additions)."""
+    k = x.shape[-1] + (0 if type_id == 12 else 1)
     unit = 2.0**-24
-    return k * unit / (1 - k * unit) * (x.double().abs() @ magnitude.double().T)
+    return k * unit / (1 - k * unit) * (x.double().abs() @ weight.double().abs().T)
 
 
-def _assert_within_planar_bound(y, x, weight, magnitude, type_id: int) -> None:
+def _assert_within_planar_bound(y, x, weight, type_id: int) -> None:
     exact = x.double() @ weight.double().T
     error = (y.double().cpu() - exact).abs()
-    assert bool((error <= _planar_bound(x, magnitude, type_id)).all()), float(error.max())
+    assert bool((error <= _planar_bound(x, weight, type_id)).all()), float(error.max())
 
 
 @pytest.mark.parametrize("type_id", gb.PLANAR_TYPES, ids=PLANAR_IDS)
@@ -233,7 +213,7 @@ def test_planar_kernels_see_the_gguf_weights(type_id: int) -> None:
     """The dequantize kernel (and a lookup by ids) on planar rows is the oracle bit for bit;
     1..4 rows take the planar GEMV, 6 and 20 the dot kernel, 40 the dequantized tile and a
     GEMM, each within the bound of `_planar_bound`."""
-    planar, weight, magnitude = _planar(type_id)
+    planar, weight = _planar(type_id)
     layout = gb.planar_layout(type_id)
     values = gm.gguf_dequantize_triton(layout, planar, _width(type_id), torch.float32)
     assert torch.equal(values.cpu().view(torch.int32), weight.view(torch.int32))
@@ -243,7 +223,7 @@ def test_planar_kernels_see_the_gguf_weights(type_id: int) -> None:
     for rows in (1, 2, 3, 4, 6, 20, 40):
         y = gm.gguf_linear(x[:rows].to(DEVICE), [(layout, planar)], ROWS)
         assert y.shape == (rows, ROWS) and y.dtype == torch.float32
-        _assert_within_planar_bound(y, x[:rows], weight, magnitude, type_id)
+        _assert_within_planar_bound(y, x[:rows], weight, type_id)
     # bf16 activations (the GPU's; the GEMV reads them as pairs) into an fp32 output: the
     # same bound on their values, which fp32 holds exactly.
     # With `prefetch` the loop loads each step a step ahead. Last, x a view one value off
@@ -252,12 +232,12 @@ def test_planar_kernels_see_the_gguf_weights(type_id: int) -> None:
     for rows, prefetch in ((1, False), (3, False), (1, True), (4, True)):
         y = torch.empty(rows, ROWS, device=DEVICE)
         gm.gguf_gemv_triton(x[:rows].to(DEVICE), layout, planar, y, prefetch=prefetch)
-        _assert_within_planar_bound(y, x[:rows].float(), weight, magnitude, type_id)
+        _assert_within_planar_bound(y, x[:rows].float(), weight, type_id)
     wide = torch.zeros(2, _width(type_id) + 1, dtype=torch.bfloat16)
     wide[:, 1:] = x[:2]
     y = torch.empty(2, ROWS, device=DEVICE)
     gm.gguf_gemv_triton(wide.to(DEVICE)[:, 1:], layout, planar, y)
-    _assert_within_planar_bound(y, x[:2].float(), weight, magnitude, type_id)
+    _assert_within_planar_bound(y, x[:2].float(), weight, type_id)
 
 
 @pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
@@ -270,7 +250,6 @@ def test_a_planar_gemv_split_over_k_adds_its_slices(type_id: int) -> None:
         np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id)))
     )
     planar = gb.to_planar(type_id, torch.from_numpy(raw)).to(DEVICE)
-    magnitude = _magnitude(type_id, raw, weight)
     x = torch.randn(3, 1280, generator=torch.Generator().manual_seed(3))
     for split, prefetch in ((2, False), (3, False), (3, True)):
         y = torch.empty(3, ROWS, device=DEVICE)
@@ -278,19 +257,18 @@ def test_a_planar_gemv_split_over_k_adds_its_slices(type_id: int) -> None:
         gm.gguf_gemv_triton(
             x.to(DEVICE), layout, planar, y, block_n=8, split_k=split, prefetch=prefetch
         )
-        _assert_within_planar_bound(y, x, weight, magnitude, type_id)
+        _assert_within_planar_bound(y, x, weight, type_id)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 7, 40])
 def test_a_planar_stack_of_q4_k_and_q6_k_is_one_product(rows: int) -> None:
     """A Q4_K_M-like q/k/v stack (Q4_K, Q4_K, Q6_K) in planar rows, into one output."""
     parts = [_planar(12, 16, seed=1), _planar(12, 8, seed=2), _planar(14, 8, seed=3)]
-    weight = torch.cat([values for _, values, _ in parts])
-    magnitude = torch.cat([magnitude for _, _, magnitude in parts])
+    weight = torch.cat([values for _, values in parts])
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    stack = [(gb.planar_layout(t), p) for t, (p, _, _) in zip((12, 12, 14), parts, strict=True)]
+    stack = [(gb.planar_layout(t), p) for t, (p, _) in zip((12, 12, 14), parts, strict=True)]
     y = gm.gguf_linear(x.to(DEVICE), stack, 32)
-    _assert_within_planar_bound(y, x, weight, magnitude, 12)  # the looser of the two bounds
+    _assert_within_planar_bound(y, x, weight, 14)  # the looser of the two bounds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 rounding: the GPU's (see top)")
@@ -303,18 +281,17 @@ def test_cuda_planar_bf16_activations(type_id: int) -> None:
         np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id)))
     )
     planar = gb.to_planar(type_id, torch.from_numpy(raw)).cuda()
-    magnitude = _magnitude(type_id, raw, weight)
     x = torch.randn(4, 3840, generator=torch.Generator().manual_seed(1)).bfloat16()
     for rows in (1, 2, 4):
         y = gm.gguf_linear(x[:rows].cuda(), [(gb.planar_layout(type_id), planar)], 64)
         exact = x[:rows].double() @ weight.double().T
-        summed = _planar_bound(x[:rows].float(), magnitude, type_id)
+        summed = _planar_bound(x[:rows].float(), weight, type_id)
         allowed = summed + 2.0**-8 * (exact.abs() + summed)
         assert bool(((y.float().cpu().double() - exact).abs() <= allowed).all()), rows
 
 
 def test_bad_planar_operands_are_refused_by_name() -> None:
-    planar, _, _ = _planar(12)
+    planar, _ = _planar(12)
     layout = gb.planar_layout(12)
     with pytest.raises(ValueError, match=r"planar Q4_K rows of 256 values are uint8 \[rows, 160\]"):
         gm.gguf_dequantize_triton(layout, planar, 256, torch.float32)

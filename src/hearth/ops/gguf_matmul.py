@@ -32,15 +32,14 @@ conversion per weight (I2F issues at a quarter of the FMA rate).
     4 words], so a thread holds 16 bytes of codes of each of several rows, and for each code
     position j one vector load of 4 adjacent x values serves all of them. The budget a
     weight: one LOP3 and one FADD make the exact code (Q6_K: two LOP3s join the nibble and
-    the two high bits into one field) and one FMA adds x times it; each group's sum (Q6_K:
-    each 16 values') is scaled once (d; Q4_K d·sc; Q6_K d·sc: exact, an fp16 times a small
-    integer). Q4_K's offsets, Σ_g dmin·m_g·Σ x over the group, are taken off once a program
-    after the loop (`_q4_k_min_terms`), so no weight is formed. Floors of 4 (Q6_K) and 3
-    instructions; the sm_90 SASS of the loop at one activation row and 64 weight rows
-    counts Q4_K 4.2, Q6_K 5.9, Q4_0 4.0, Q8_0 4.5 (x's bf16 to fp32, one shift a word moving
-    codes past bit 23 down, pointers, scale loads make the rest;
-    benchmarks/results/gguf_planar_sass-2026-12-07.md, Q4_K's before its offsets left the
-    loop: 5.2).
+    the two high bits into one field), then Q4_K forms the weight with one FMA,
+    fl(d·sc · q - dmin·m) (d·sc and dmin·m formed once a group: exact, an fp16 times a 6-bit
+    integer), and adds x times it with a second; the symmetric types (w = s·q, exact) add
+    x·q and scale each group's sums (Q6_K: each 16 values') once. Floors of 4 (Q4_K, Q6_K)
+    and 3 (Q4_0, Q8_0) instructions; the sm_90 SASS of the loop at one activation row and
+    64 weight rows counts Q4_K 5.2, Q6_K 5.9, Q4_0 4.0, Q8_0 4.5 (x's bf16 to fp32, one
+    shift a word moving codes past bit 23 down, pointers, scale loads make the rest;
+    benchmarks/results/gguf_planar_sass-2026-12-07.md).
 * **Dot** (5..32 rows: batched decode, short prompts): each program decodes a step of
   ``BLOCK_N`` rows, rounds it to the activations' dtype (bf16, as the prefill below) and feeds
   it to a tensor-core `tl.dot` against 16 or 32 activation rows; fp32 sums. fp32 activations
@@ -754,17 +753,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_planar_rows(
-        out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, less0, less1, less2, less3,
-        n, n_ok, N, stride_om, M: tl.constexpr, SPLIT_K: tl.constexpr,
+        out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
+        M: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Each row's sums over K (acc summed over its group and word axes) less `less_m`
-        [BLOCK_N], rounded once to out's dtype; a K split's last program to arrive adds the
-        slices' fp32 partials in slice order (deterministic, no float atomics) and resets its
-        counter."""
-        r0 = tl.sum(tl.sum(acc0, axis=2), axis=0) - less0
-        r1 = tl.sum(tl.sum(acc1, axis=2), axis=0) - less1
-        r2 = tl.sum(tl.sum(acc2, axis=2), axis=0) - less2
-        r3 = tl.sum(tl.sum(acc3, axis=2), axis=0) - less3
+        """Each row's sums over K (acc summed over its group and word axes), rounded once to
+        out's dtype; a K split's last program to arrive adds the slices' fp32 partials in
+        slice order (deterministic, no float atomics) and resets its counter."""
+        r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)
+        r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
+        r2 = tl.sum(tl.sum(acc2, axis=2), axis=0)
+        r3 = tl.sum(tl.sum(acc3, axis=2), axis=0)
         if SPLIT_K == 1:
             tl.store(out_ptr + n, r0.to(out_ptr.dtype.element_ty), mask=n_ok)
             if M > 1:
@@ -805,16 +803,18 @@ if HAS_TRITON:
         MASKED: tl.constexpr,
     ):  # fmt: skip
         """What one step of the planar GEMV reads of its rows, as loaded: the words and four
-        scale operands (Q4_K: scales, then d thrice, the last two unused; Q6_K: high words,
-        first and second scales, d; Q4_0 and Q8_0: d, then d again, unused)."""
+        scale operands (Q4_K: scales, mins, d, dmin; Q6_K: high words, first and second
+        scales, d; Q4_0 and Q8_0: d, then d again, unused)."""
         u = step * (BLOCK_G * UPG) + u_in
         g = u // UPG
         g_ok = g < GROUPS
         words = _load_if(word_rows + 4 * u + w, g_ok, MASKED)
-        if TYPE == 12:  # the mins and dmin are the epilogue's (`_q4_k_min_terms`)
+        if TYPE == 12:
             a = _load_if(byte_rows + PLANE_A + g, g_ok, MASKED)
+            b = _load_if(byte_rows + PLANE_B + g, g_ok, MASKED)
             c = _load_if(half_rows + PLANE_C + g // 8, g_ok, MASKED)
-            return words, a, c, c, c
+            d = _load_if(half_rows + PLANE_D + g // 8, g_ok, MASKED)
+            return words, a, b, c, d
         elif TYPE == 14:
             high = _load_if(word_rows + PLANE_A + 2 * g + w // 2, g_ok, MASKED)
             first = _load_if(byte_rows + PLANE_B + 2 * g, g_ok, MASKED)
@@ -843,46 +843,55 @@ if HAS_TRITON:
             x_at = x_first.to(tl.pointer_type(tl.int32)) + tl.arange(0, 2)[None, None, :]
         else:
             x_at = x_first + w
-        dots0 = tl.zeros(acc0.shape, tl.float32)
-        dots1 = tl.zeros(acc0.shape, tl.float32)
-        dots2 = tl.zeros(acc0.shape, tl.float32)
-        dots3 = tl.zeros(acc0.shape, tl.float32)
-        if TYPE == 14:
-            e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
-            high_low = a << (4 - 2 * e)
-            high_up = a >> (12 + 2 * e)
-            half = d.to(tl.float32)
-            scale_first = half * b.to(tl.int8, bitcast=True).to(tl.float32)
-            scale = half * c.to(tl.int8, bitcast=True).to(tl.float32)
+        if TYPE == 12:
+            scale = c.to(tl.float32) * a.to(tl.float32)
+            offset = d.to(tl.float32) * b.to(tl.float32)
             for j in tl.static_range(8):
-                code = _q6_k_code(words, upper, high_low, high_up, two23, j)
-                dots0, dots1, dots2, dots3 = _rows_fma(
-                    dots0, dots1, dots2, dots3, code, x_at, 4 * j, stride_xm, g_ok, M,
-                    MASKED, PAIRS,
+                weight = scale * _planar_code(words, upper, two23, j, 4, 0.0) - offset
+                acc0, acc1, acc2, acc3 = _rows_fma(
+                    acc0, acc1, acc2, acc3, weight, x_at, 4 * j, stride_xm, g_ok, M, MASKED,
+                    PAIRS,
                 )  # fmt: skip
-                if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
-                    acc0, acc1, acc2, acc3 = _scaled_add(
-                        acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale_first, M
-                    )
-                    dots0 = tl.zeros(acc0.shape, tl.float32)
-                    dots1 = tl.zeros(acc0.shape, tl.float32)
-                    dots2 = tl.zeros(acc0.shape, tl.float32)
-                    dots3 = tl.zeros(acc0.shape, tl.float32)
         else:
-            WPG: tl.constexpr = 4 * UPG
-            BITS: tl.constexpr = 8 if TYPE == 8 else 4
-            BIAS: tl.constexpr = 128.0 if TYPE == 8 else (0.0 if TYPE == 12 else 8.0)
-            # Q4_K: d·sc, exact (an fp16 times a 6-bit integer); the others d.
-            scale = c.to(tl.float32) * a.to(tl.float32) if TYPE == 12 else a.to(tl.float32)
-            for j in tl.static_range(32 // WPG):
-                code = _planar_code(words, upper, two23, j, BITS, BIAS)
-                dots0, dots1, dots2, dots3 = _rows_fma(
-                    dots0, dots1, dots2, dots3, code, x_at, WPG * j, stride_xm, g_ok, M,
-                    MASKED, PAIRS,
-                )  # fmt: skip
-        acc0, acc1, acc2, acc3 = _scaled_add(
-            acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
-        )
+            dots0 = tl.zeros(acc0.shape, tl.float32)
+            dots1 = tl.zeros(acc0.shape, tl.float32)
+            dots2 = tl.zeros(acc0.shape, tl.float32)
+            dots3 = tl.zeros(acc0.shape, tl.float32)
+            if TYPE == 14:
+                e = w % 2  # code j's high bits are at 4j + 2e of the shared high word
+                high_low = a << (4 - 2 * e)
+                high_up = a >> (12 + 2 * e)
+                half = d.to(tl.float32)
+                scale_first = half * b.to(tl.int8, bitcast=True).to(tl.float32)
+                scale = half * c.to(tl.int8, bitcast=True).to(tl.float32)
+                for j in tl.static_range(8):
+                    code = _q6_k_code(words, upper, high_low, high_up, two23, j)
+                    dots0, dots1, dots2, dots3 = _rows_fma(
+                        dots0, dots1, dots2, dots3, code, x_at, 4 * j, stride_xm, g_ok, M,
+                        MASKED, PAIRS,
+                    )  # fmt: skip
+                    if j == 3:  # values 32g + 0..15 end: scale them, start the next 16
+                        acc0, acc1, acc2, acc3 = _scaled_add(
+                            acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale_first, M
+                        )
+                        dots0 = tl.zeros(acc0.shape, tl.float32)
+                        dots1 = tl.zeros(acc0.shape, tl.float32)
+                        dots2 = tl.zeros(acc0.shape, tl.float32)
+                        dots3 = tl.zeros(acc0.shape, tl.float32)
+            else:
+                WPG: tl.constexpr = 4 * UPG
+                BITS: tl.constexpr = 8 if TYPE == 8 else 4
+                BIAS: tl.constexpr = 128.0 if TYPE == 8 else 8.0
+                scale = a.to(tl.float32)
+                for j in tl.static_range(32 // WPG):
+                    code = _planar_code(words, upper, two23, j, BITS, BIAS)
+                    dots0, dots1, dots2, dots3 = _rows_fma(
+                        dots0, dots1, dots2, dots3, code, x_at, WPG * j, stride_xm, g_ok, M,
+                        MASKED, PAIRS,
+                    )  # fmt: skip
+            acc0, acc1, acc2, acc3 = _scaled_add(
+                acc0, acc1, acc2, acc3, dots0, dots1, dots2, dots3, scale, M
+            )
         return acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -898,11 +907,13 @@ if HAS_TRITON:
         BLOCK_N rows, SPLIT_K slices of K's steps of BLOCK_G 32-value groups). A program's
         tiles are [BLOCK_G groups, BLOCK_N, words a group] (in units of 4 words); code j of
         every word pairs with x at 32g + WPG·j + w (adjacent in x: one vector load serves a
-        thread's words of all its rows). Every type adds x · q and scales each group's (or
-        Q6_K's 16 values') sum once (Q4_K by d·sc, exact); Q4_K's offsets (dmin·m times the
-        group's x sum) come off after the loop. Planes (PLANE_*): Q4_K scales, mins (bytes),
-        d, dmin (halves); Q6_K high words (words), scales (bytes), d (halves); Q4_0, Q8_0 d
-        (halves)."""
+        thread's words of all its rows). Q4_K forms each weight, fl(d·sc · q - dmin·m), with
+        one FMA (d·sc and dmin·m are exact fp32 products of an fp16 and a 6-bit integer, and
+        so is d·sc · q: the FMA rounds exactly where `gguf.quants.dequantize` rounds), then
+        adds x times it. The
+        symmetric types (w = s · q, s · q exact) add x · q and scale each group's (or Q6_K's
+        16 values') sum once. Planes (PLANE_*): Q4_K scales, mins (bytes), d, dmin (halves);
+        Q6_K high words (words), scales (bytes), d (halves); Q4_0, Q8_0 d (halves)."""
         WPG: tl.constexpr = 8 if TYPE == 8 else 4
         GROUPS: tl.constexpr = K // 32
         pid_n = tl.program_id(0)
@@ -958,59 +969,10 @@ if HAS_TRITON:
                 M, BLOCK_G, UPG, GROUPS, MASKED,
             )  # fmt: skip
             step += 1
-        if TYPE == 12:
-            first = pid_k * SLICE * BLOCK_G
-            less0, less1, less2, less3 = _q4_k_min_terms(
-                x_ptr, (bytes_ptr + n_read * stride_bytes)[:, None],
-                (halves_ptr + n_read * stride_halves)[:, None], first,
-                tl.minimum(end * BLOCK_G, GROUPS), stride_xm, M, PLANE_B, PLANE_D,
-            )  # fmt: skip
-        else:
-            less0, less1, less2, less3 = 0.0, 0.0, 0.0, 0.0
         _store_planar_rows(
-            out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, less0, less1, less2,
-            less3, n, n_ok, N, stride_om, M, SPLIT_K,
+            out_ptr, partial_ptr, counter_ptr, acc0, acc1, acc2, acc3, n, n_ok, N, stride_om,
+            M, SPLIT_K,
         )  # fmt: skip
-
-    @triton.jit
-    def _q4_k_min_terms(
-        x_ptr, bytes_at, halves_at, first, end, stride_xm, M: tl.constexpr,
-        PLANE_B: tl.constexpr, PLANE_D: tl.constexpr,
-    ):  # fmt: skip
-        """Q4_K's offsets, Σ_g dmin·m_g · Σ_(k in g) x_m[k] over groups [first, end) of each
-        row [BLOCK_N] (`bytes_at`, `halves_at`: the rows' [BLOCK_N, 1] pointers) for the M
-        rows: once a program after its loop, in tiles [rows, groups] of their own, so the
-        loop's work a weight is the symmetric types'. dmin·m is exact (an fp16 times a 6-bit
-        integer)."""
-        CHUNK: tl.constexpr = 32
-        less0 = tl.zeros([bytes_at.shape[0]], tl.float32)
-        less1 = tl.zeros([bytes_at.shape[0]], tl.float32)
-        less2 = tl.zeros([bytes_at.shape[0]], tl.float32)
-        less3 = tl.zeros([bytes_at.shape[0]], tl.float32)
-        g0 = first
-        while g0 < end:
-            g = g0 + tl.arange(0, CHUNK)
-            g_ok = g < end
-            least = tl.load(bytes_at + PLANE_B + g[None, :], mask=g_ok[None, :], other=0)
-            dmin = tl.load(halves_at + PLANE_D + g[None, :] // 8, mask=g_ok[None, :], other=0)
-            offset = dmin.to(tl.float32) * least.to(tl.float32)  # [rows, CHUNK]
-            x_at = x_ptr + g[:, None] * 32 + tl.arange(0, 32)[None, :]
-            x_ok = g_ok[:, None]
-            sums = tl.sum(tl.load(x_at, mask=x_ok, other=0).to(tl.float32), axis=1)
-            less0 += tl.sum(offset * sums[None, :], axis=1)
-            if M > 1:
-                sums = tl.sum(tl.load(x_at + stride_xm, mask=x_ok, other=0).to(tl.float32), 1)
-                less1 += tl.sum(offset * sums[None, :], axis=1)
-            if M > 2:
-                at = x_at + 2 * stride_xm
-                sums = tl.sum(tl.load(at, mask=x_ok, other=0).to(tl.float32), axis=1)
-                less2 += tl.sum(offset * sums[None, :], axis=1)
-            if M > 3:
-                at = x_at + 3 * stride_xm
-                sums = tl.sum(tl.load(at, mask=x_ok, other=0).to(tl.float32), axis=1)
-                less3 += tl.sum(offset * sums[None, :], axis=1)
-            g0 += CHUNK
-        return less0, less1, less2, less3
 
     @triton.jit
     def _planar_step_values(
