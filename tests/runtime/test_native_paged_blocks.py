@@ -57,6 +57,13 @@ def tiny_gqa_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(path, hf.config.to_dict(), tensors, TINY_VOCAB, "Q8_0")
 
 
+@pytest.fixture(scope="module")
+def embedded_engine(embedded_gguf: Path) -> Engine:
+    """The real 270M as the CPU loads it by default (GGUF blocks, fp32), for the two tests
+    below: each decodes on caches and pools of its own."""
+    return Engine.load(embedded_gguf, device="cpu", progress=False)
+
+
 def _prompt(length: int, seed: int, vocab: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(4, vocab, (length,), generator=generator).tolist()
@@ -163,12 +170,12 @@ def test_block_tables_match_the_module_path(tiny_gqa_gguf: Path) -> None:
 
 
 def test_the_embedded_model_on_block_tables_equals_each_sequence_alone(
-    embedded_gguf: Path,
+    embedded_engine: Engine,
 ) -> None:
     """The real 270M (GGUF blocks, fp32, the CPU default): three sequences of different
     lengths on one pool, decoded together through block tables, give each one's logits bit
     for bit as decoding it alone on contiguous `LayerCache`s (the copy path's layout)."""
-    runner = Engine.load(embedded_gguf, device="cpu", progress=False).runner
+    runner = embedded_engine.runner
     assert runner.native is not None and runner.native.blocks
     vocab = runner.model.config.vocab_size
     prompts = [_prompt(length, length, vocab) for length in (5, 37, 18)]
@@ -207,7 +214,7 @@ def test_a_table_missing_a_block_read_is_refused(tiny_gqa_gguf: Path) -> None:
 
 
 def test_eight_sequences_take_the_amx_head_within_its_input_rounding(
-    embedded_gguf: Path,
+    embedded_engine: Engine,
 ) -> None:
     """Eight sequences together on a CPU with AMX: the head (6+ rows) runs on AMX tiles with its
     input rounded to one bf16, so each sequence's logits are its alone ones (fed the same
@@ -217,7 +224,7 @@ def test_eight_sequences_take_the_amx_head_within_its_input_rounding(
     alone run's top two logits are more than twice that apart (23 of the 32 picks here). Three
     sequences (the test above) stay on the fp32 GEMV, bit for bit: a difference here is the
     head's."""
-    engine = Engine.load(embedded_gguf, device="cpu", progress=False)
+    engine = embedded_engine
     runner = engine.runner
     if not runner.plan.gguf_amx_head_rows:
         pytest.skip("no AMX-BF16 on this CPU: the head stays the fp32 GEMV (see the test above)")

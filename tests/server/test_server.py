@@ -49,7 +49,7 @@ def _wait_until_healthy(base: str, process: subprocess.Popen[bytes]) -> None:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
-            time.sleep(0.5)
+            time.sleep(0.1)
     raise RuntimeError("hearth serve did not become healthy in time")
 
 
@@ -63,7 +63,7 @@ def base_url() -> Iterator[str]:
         _wait_until_healthy(base, process)
         yield base
     finally:
-        process.terminate()
+        process.kill()  # as `serving.LiveServer.stop`; signals are test_server_lifecycle's
         process.wait(timeout=30)
 
 

@@ -97,7 +97,7 @@ def servers() -> Iterator[tuple[str, str]]:
         yield launched[0][0], launched[1][0]
     finally:
         for _, process in launched:
-            process.terminate()
+            process.kill()  # as `serving.LiveServer.stop`; signals are test_server_lifecycle's
             process.wait(timeout=30)
 
 

@@ -65,7 +65,7 @@ def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     try:
         yield f"http://127.0.0.1:{port}", process
     finally:
-        process.terminate()
+        process.kill()  # as `serving.LiveServer.stop`; signals are test_server_lifecycle's
         process.wait(timeout=30)
 
 
