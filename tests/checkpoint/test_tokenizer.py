@@ -42,21 +42,11 @@ BYTE_FALLBACK_TEXT = "ꙮ!"  # "ꙮ" is not in Gemma's vocabulary: three byte to
 
 
 @pytest.fixture(scope="module")
-def gguf_path(embedded_gguf: Path) -> Path:
-    return embedded_gguf
-
-
-@pytest.fixture(scope="module")
-def metadata(gguf_path: Path) -> dict[str, Any]:
+def metadata(embedded_gguf: Path) -> dict[str, Any]:
     # transformers' reader returns the same plain values as gguf.GGUFReader's contents(), faster.
     arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
-    values, _ = read_gguf_metadata(str(gguf_path), arrays)
+    values, _ = read_gguf_metadata(str(embedded_gguf), arrays)
     return values
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(hf_270m_tokenizer: Any) -> Any:
-    return hf_270m_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +57,19 @@ def tokenizer(metadata: dict[str, Any]) -> Tokenizer:
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 @pytest.mark.parametrize("text", CORPUS)
 def test_encode_matches_transformers(
-    tokenizer: Tokenizer, hf_tokenizer: Any, text: str, add_special_tokens: bool
+    tokenizer: Tokenizer, hf_270m_tokenizer: Any, text: str, add_special_tokens: bool
 ) -> None:
-    expected = hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    expected = hf_270m_tokenizer.encode(text, add_special_tokens=add_special_tokens)
     assert tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("text", CORPUS)
 def test_decode_matches_transformers(
-    tokenizer: Tokenizer, hf_tokenizer: Any, text: str, skip_special_tokens: bool
+    tokenizer: Tokenizer, hf_270m_tokenizer: Any, text: str, skip_special_tokens: bool
 ) -> None:
     ids = tokenizer.encode(text)
-    expected = hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    expected = hf_270m_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     assert tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == expected
 
 
@@ -146,12 +136,12 @@ RENDERED = (
 )
 
 
-def test_builtin_gemma3_chat_template(tokenizer: Tokenizer, hf_tokenizer: Any) -> None:
+def test_builtin_gemma3_chat_template(tokenizer: Tokenizer, hf_270m_tokenizer: Any) -> None:
     assert tokenizer.apply_chat_template(CONVERSATION) == RENDERED
     without_prompt = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False)
     assert without_prompt == RENDERED.removesuffix("<start_of_turn>model\n")
     # transformers renders our template the same way.
-    rendered_by_hf = hf_tokenizer.apply_chat_template(
+    rendered_by_hf = hf_270m_tokenizer.apply_chat_template(
         CONVERSATION,
         chat_template=tokenizer.chat_template,
         add_generation_prompt=True,
@@ -160,10 +150,10 @@ def test_builtin_gemma3_chat_template(tokenizer: Tokenizer, hf_tokenizer: Any) -
     assert rendered_by_hf == RENDERED
 
 
-def test_encode_chat_has_exactly_one_bos(tokenizer: Tokenizer, hf_tokenizer: Any) -> None:
+def test_encode_chat_has_exactly_one_bos(tokenizer: Tokenizer, hf_270m_tokenizer: Any) -> None:
     ids = tokenizer.encode_chat(CONVERSATION)
     assert ids.count(tokenizer.bos_id) == 1 and ids[0] == tokenizer.bos_id
-    assert ids == hf_tokenizer.encode(RENDERED, add_special_tokens=False)
+    assert ids == hf_270m_tokenizer.encode(RENDERED, add_special_tokens=False)
 
 
 @pytest.mark.parametrize(
@@ -184,9 +174,9 @@ def test_bad_conversations_are_refused(
 
 
 def test_from_directory_matches_transformers(
-    tokenizer: Tokenizer, hf_tokenizer: Any, tmp_path: Path
+    tokenizer: Tokenizer, hf_270m_tokenizer: Any, tmp_path: Path
 ) -> None:
-    hf_tokenizer.save_pretrained(tmp_path)
+    hf_270m_tokenizer.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["chat_template"] = "from the config"
@@ -195,7 +185,7 @@ def test_from_directory_matches_transformers(
 
     loaded = Tokenizer.from_directory(tmp_path)
     for text in CORPUS:
-        assert loaded.encode(text) == hf_tokenizer.encode(text)
+        assert loaded.encode(text) == hf_270m_tokenizer.encode(text)
         assert loaded.decode(loaded.encode(text)) == tokenizer.decode(tokenizer.encode(text))
     assert (loaded.bos_id, loaded.eos_id, loaded.eos_ids) == (2, 1, {1, 106})
     assert loaded.add_bos and loaded.vocab_size == tokenizer.vocab_size
